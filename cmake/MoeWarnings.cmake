@@ -1,0 +1,18 @@
+# SPDX-License-Identifier: Apache-2.0
+# Warning flags for moe's own targets (tests, benches, examples). Never put on the exported target.
+add_library(moe_warnings INTERFACE)
+target_compile_options(moe_warnings INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Werror)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  # GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
+  # GEMM packing is inlined with -march=native (GCC PR 105593, a false positive in system
+  # headers, fixed in GCC 13). Nothing of ours is silenced by this.
+  target_compile_options(moe_warnings INTERFACE -Wno-maybe-uninitialized)
+endif()
+
+# Our own binaries are built for the machine they run on unless MOE_NATIVE is OFF; the library
+# itself adds no -m flags (xsimd::default_arch follows the consumer's flags).
+option(MOE_NATIVE "Build moe's tests, benches and examples with -march=native" ON)
+add_library(moe_arch INTERFACE)
+if(MOE_NATIVE)
+  target_compile_options(moe_arch INTERFACE -march=native)
+endif()

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// ThreadPool: a small fork-join pool that runs independent work items.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+
+namespace moe {
+
+/// A fork-join pool of `num_threads - 1` workers plus the calling thread.
+///
+/// `parallel_for(n, f)` calls f(item, thread) once for every item in [0, n), hands items out
+/// dynamically, and returns when all are done. moe's determinism rule: an item's result may
+/// depend only on the item, never on which thread ran it or in which order, so every layer's
+/// output is bitwise identical for 1 and N threads. The first exception thrown by an item is
+/// rethrown in the caller after all items have finished.
+///
+/// One parallel_for at a time per pool (calls from several threads are serialised); nested calls
+/// from inside an item run serially on the calling thread.
+class ThreadPool {
+ public:
+  /// num_threads >= 1 (1 runs everything on the caller).
+  explicit ThreadPool(int num_threads) {
+    detail::check(num_threads >= 1, "ThreadPool: num_threads = ", num_threads,
+                  "; pass at least 1 (1 runs everything on the calling thread)");
+    workers_.reserve(static_cast<std::size_t>(num_threads - 1));
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  }
+  ThreadPool(ThreadPool const&) = delete;
+  ThreadPool& operator=(ThreadPool const&) = delete;
+  ~ThreadPool() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  /// Threads taking part in a parallel_for, the caller included.
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  /// Runs f(item, thread_index) for item in [0, n); thread_index is in [0, size()).
+  template <class F>
+  void parallel_for(Index n, F&& f) {
+    if (n <= 0) return;
+    if (workers_.empty() || n == 1 || in_item_) {
+      for (Index i = 0; i < n; ++i) f(i, 0);
+      return;
+    }
+    std::lock_guard serial(call_mutex_);
+    using Fn = std::remove_reference_t<F>;
+    job_ = Job{&invoke<Fn>, static_cast<void*>(&f), n};
+    next_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      busy_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    run_items(0);
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  struct Job {
+    void (*call)(void*, Index, int) = nullptr;
+    void* context = nullptr;
+    Index count = 0;
+  };
+  template <class Fn>
+  static void invoke(void* context, Index item, int thread) {
+    (*static_cast<Fn*>(context))(item, thread);
+  }
+
+  void run_items(int thread) {
+    in_item_ = true;
+    for (;;) {
+      Index const i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job_.count) break;
+      try {
+        job_.call(job_.context, i, thread);
+      } catch (...) {
+        std::lock_guard lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+    in_item_ = false;
+  }
+
+  void worker_loop(int thread) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      run_items(thread);
+      {
+        std::lock_guard lock(mutex_);
+        if (--busy_ == 0) done_.notify_one();
+      }
+    }
+  }
+
+  static inline thread_local bool in_item_ = false;
+  std::vector<std::thread> workers_;
+  std::mutex call_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  Job job_;
+  std::atomic<Index> next_{0};
+  std::exception_ptr error_;
+  std::uint64_t generation_ = 0;
+  int busy_ = 0;
+  bool stop_ = false;
+};
+
+/// Runs f(item, thread) over [0, n) on `pool`, or serially on the caller when pool is null.
+template <class F>
+void parallel_for(ThreadPool* pool, Index n, F&& f) {
+  if (pool) {
+    pool->parallel_for(n, f);
+  } else {
+    for (Index i = 0; i < n; ++i) f(i, 0);
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The umbrella header: everything public in moe. For users; moe's own headers never include it.
+#pragma once
+
+#include "moe/balance/none.hpp"
+#include "moe/core/concepts.hpp"
+#include "moe/core/config.hpp"
+#include "moe/core/eigen_interop.hpp"
+#include "moe/core/error.hpp"
+#include "moe/core/random.hpp"
+#include "moe/core/routing_plan.hpp"
+#include "moe/core/selection.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/types.hpp"
+#include "moe/core/views.hpp"
+#include "moe/experts/expert_bank.hpp"
+#include "moe/experts/expert_types.hpp"
+#include "moe/experts/shared_experts.hpp"
+#include "moe/kernels/activations.hpp"
+#include "moe/kernels/combine.hpp"
+#include "moe/kernels/gather.hpp"
+#include "moe/kernels/plan.hpp"
+#include "moe/kernels/softmax.hpp"
+#include "moe/kernels/top_k.hpp"
+#include "moe/layers/moe_ffn.hpp"
+#include "moe/layers/presets.hpp"
+#include "moe/routing/capacity.hpp"
+#include "moe/routing/controls.hpp"
+#include "moe/routing/expert_choice.hpp"
+#include "moe/routing/group_limited_top_k.hpp"
+#include "moe/routing/one_per_group_top_k.hpp"
+#include "moe/routing/softmax_top_k.hpp"
+#include "moe/routing/stats.hpp"
+#include "moe/routing/top_k_softmax.hpp"
+#include "moe/routing/top_p.hpp"

@@ -1,0 +1,280 @@
+// SPDX-License-Identifier: Apache-2.0
+// Every kernel against a scalar double reference, over the tail sizes of STYLE.md 6.9.
+// This TU is built twice: with -march=native (moe_tests) and without -m flags (moe_tests_sse2).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "moe/kernels/activations.hpp"
+#include "moe/kernels/combine.hpp"
+#include "moe/kernels/gather.hpp"
+#include "moe/kernels/plan.hpp"
+#include "moe/kernels/softmax.hpp"
+#include "moe/kernels/top_k.hpp"
+#include "support/helpers.hpp"
+
+using moe::Index;
+using moe::kernels::Activation;
+namespace kernels = moe::kernels;
+
+namespace {
+constexpr Index kLanes = static_cast<Index>(moe::kernels::simd::Batch<float>::size);
+}
+
+TEST_CASE("softmax_rows matches a double softmax for every tail size", "[kernels][softmax]") {
+  INFO("arch " << xsimd::default_arch::name() << ", lanes " << kLanes);
+  for (Index n : test::tail_sizes(kLanes)) {
+    if (n == 0) continue;
+    INFO("cols " << n);
+    Index const rows = 3, ld = n + 5;
+    auto in = test::random_vector(rows * ld, 11 + static_cast<std::uint64_t>(n), -8.0f, 8.0f);
+    std::vector<float> out(static_cast<std::size_t>(rows * n));
+    kernels::softmax_rows(in.data(), ld, out.data(), n, rows, n);
+    for (Index i = 0; i < rows; ++i) {
+      auto p = ref::softmax(std::vector<double>(in.begin() + i * ld, in.begin() + i * ld + n));
+      double sum = 0.0;
+      for (Index j = 0; j < n; ++j) {
+        REQUIRE(out[i * n + j] == Approx(p[j]).epsilon(2e-6).margin(1e-12));
+        sum += out[i * n + j];
+      }
+      REQUIRE(sum == Approx(1.0).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("softmax_rows gives -inf entries probability 0 and survives huge logits",
+          "[kernels][softmax]") {
+  float const inf = std::numeric_limits<float>::infinity();
+  std::vector<float> z = {-inf, 1000.0f, 999.0f, -inf, -1000.0f, 0.0f, -inf, 1000.0f,
+                          -inf, -inf,    -inf,   -inf, -inf,     -inf, -inf, 3.0f, 2.0f};
+  Index const n = static_cast<Index>(z.size());
+  std::vector<float> p(z.size());
+  kernels::softmax_rows(z.data(), n, p.data(), n, 1, n);
+  auto want = ref::softmax(std::vector<double>(z.begin(), z.end()));
+  for (Index j = 0; j < n; ++j) {
+    REQUIRE(std::isfinite(p[j]));
+    REQUIRE(p[j] == Approx(want[j]).margin(1e-7));
+    if (z[j] == -inf) REQUIRE(p[j] == 0.0f);
+  }
+}
+
+TEST_CASE("sigmoid_rows matches 1/(1+exp(-x)) and saturates cleanly", "[kernels][sigmoid]") {
+  for (Index n : test::tail_sizes(kLanes)) {
+    INFO("cols " << n);
+    auto in = test::random_vector(2 * n, 7, -30.0f, 30.0f);
+    std::vector<float> out(in.size());
+    kernels::sigmoid_rows(in.data(), n, out.data(), n, 2, n);
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      REQUIRE(out[i] == Approx(ref::sigmoid(in[i])).epsilon(2e-6).margin(1e-30));
+    }
+  }
+  float const inf = std::numeric_limits<float>::infinity();
+  float z[4] = {-inf, inf, -200.0f, 200.0f};
+  float s[4];
+  kernels::sigmoid_rows(z, 4, s, 4, 1, 4);
+  REQUIRE(s[0] == 0.0f);
+  REQUIRE(s[1] == 1.0f);
+  REQUIRE(s[2] == 0.0f);
+  REQUIRE(s[3] == 1.0f);
+}
+
+TEST_CASE("top_k_rows picks the k largest, ties to the lower index, skips -inf and NaN",
+          "[kernels][top_k]") {
+  for (Index n : test::tail_sizes(kLanes)) {
+    if (n == 0) continue;
+    for (Index k : {Index{1}, Index{2}, std::min<Index>(8, n), n}) {
+      if (k > n) continue;
+      INFO("cols " << n << " k " << k);
+      Index const rows = 4;
+      // Coarse values force many ties.
+      auto in = test::random_vector(rows * n, 5 + static_cast<std::uint64_t>(n * 31 + k), 0.0f, 6.0f);
+      for (float& v : in) v = std::floor(v);
+      std::vector<moe::ExpertId> idx(static_cast<std::size_t>(rows * k));
+      std::vector<float> val(idx.size());
+      kernels::top_k_rows(in.data(), n, rows, n, k, idx.data(), val.data());
+      for (Index i = 0; i < rows; ++i) {
+        auto want = ref::order_desc(std::vector<double>(in.begin() + i * n, in.begin() + (i + 1) * n));
+        for (Index s = 0; s < k; ++s) {
+          REQUIRE(idx[i * k + s] == want[s]);
+          REQUIRE(val[i * k + s] == in[i * n + want[s]]);
+        }
+      }
+    }
+  }
+  float const inf = std::numeric_limits<float>::infinity();
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  float z[5] = {-inf, nan, 2.0f, -inf, 2.0f};
+  moe::ExpertId idx[4];
+  float val[4];
+  kernels::top_k_rows(z, 5, 1, 5, 4, idx, val);
+  REQUIRE(idx[0] == 2);
+  REQUIRE(idx[1] == 4);
+  REQUIRE(idx[2] == -1);  // fewer than k selectable entries: empty slots
+  REQUIRE(idx[3] == -1);
+  REQUIRE(val[2] == -inf);
+}
+
+TEST_CASE("gather_rows copies the routed rows exactly", "[kernels][gather]") {
+  for (Index n : test::tail_sizes(kLanes)) {
+    INFO("cols " << n);
+    Index const T = 9, ld = n + 3;
+    auto x = test::random_vector(T * ld, 3);
+    std::vector<Index> rows = {4, 0, 8, 4, 2};
+    std::vector<float> out(rows.size() * static_cast<std::size_t>(n + 1), -7.0f);
+    kernels::gather_rows(x.data(), ld, rows.data(), static_cast<Index>(rows.size()), n, out.data(), n + 1);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      for (Index j = 0; j < n; ++j) REQUIRE(out[i * (n + 1) + j] == x[rows[i] * ld + j]);
+      REQUIRE(out[i * (n + 1) + n] == -7.0f);  // the padding column is untouched
+    }
+  }
+}
+
+TEST_CASE("combine_rows sums each token's rows in order and adds gated shared outputs",
+          "[kernels][combine]") {
+  for (Index n : test::tail_sizes(kLanes)) {
+    for (int gated = 0; gated < 2; ++gated) {
+      INFO("cols " << n << " gated " << gated);
+      Index const T = 5, R = 7, S = 2;
+      // token rows: t0 -> {3, 0}, t1 -> {}, t2 -> {6}, t3 -> {1, 2, 4}, t4 -> {5}
+      std::vector<Index> offsets = {0, 2, 2, 3, 6, 7};
+      std::vector<Index> token_rows = {3, 0, 6, 1, 2, 4, 5};
+      auto Y = test::random_vector(R * n, 21);
+      auto w = test::random_vector(R, 22, 0.0f, 1.0f);
+      auto sh = test::random_vector(S * T * n, 23);
+      auto g = test::random_vector(T * S, 24, 0.0f, 1.0f);
+      std::vector<float> y(static_cast<std::size_t>(T * n), 99.0f);
+      kernels::CombineParams p;
+      p.expert_out = Y.data();
+      p.ld_expert_out = n;
+      p.row_weight = w.data();
+      p.token_offsets = offsets.data();
+      p.token_rows = token_rows.data();
+      p.shared_out = sh.data();
+      p.ld_shared = n;
+      p.shared_plane = T * n;
+      p.num_shared = S;
+      p.shared_gate = gated ? g.data() : nullptr;
+      p.cols = n;
+      p.out = y.data();
+      p.ld_out = n;
+      // Two disjoint token ranges, as two threads would do.
+      p.token_begin = 0;
+      p.token_end = 2;
+      kernels::combine_rows(p);
+      p.token_begin = 2;
+      p.token_end = T;
+      kernels::combine_rows(p);
+      for (Index t = 0; t < T; ++t) {
+        for (Index c = 0; c < n; ++c) {
+          double want = 0.0;
+          for (Index j = offsets[t]; j < offsets[t + 1]; ++j) {
+            want += static_cast<double>(w[token_rows[j]]) * Y[token_rows[j] * n + c];
+          }
+          for (Index s = 0; s < S; ++s) {
+            want += (gated ? g[t * S + s] : 1.0) * sh[s * T * n + t * n + c];
+          }
+          REQUIRE(y[t * n + c] == Approx(want).margin(1e-5));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("activations match the double definitions on a grid including |x| > 20",
+          "[kernels][activations]") {
+  for (Activation a : {Activation::kSilu, Activation::kGeluErf, Activation::kGeluTanh,
+                       Activation::kRelu}) {
+    INFO("activation " << moe::kernels::to_string(a));
+    for (Index n : test::tail_sizes(kLanes)) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (Index i = 0; i < n; ++i) x[i] = -40.0f + 80.0f * static_cast<float>(i) / static_cast<float>(std::max<Index>(1, n - 1));
+      auto up = test::random_vector(n, 9);
+      std::vector<float> out(x.size()), glu(x.size());
+      switch (a) {
+        case Activation::kSilu:
+          kernels::activate<Activation::kSilu>(x.data(), out.data(), n);
+          kernels::glu<Activation::kSilu>(x.data(), up.data(), glu.data(), n);
+          break;
+        case Activation::kGeluErf:
+          kernels::activate<Activation::kGeluErf>(x.data(), out.data(), n);
+          kernels::glu<Activation::kGeluErf>(x.data(), up.data(), glu.data(), n);
+          break;
+        case Activation::kGeluTanh:
+          kernels::activate<Activation::kGeluTanh>(x.data(), out.data(), n);
+          kernels::glu<Activation::kGeluTanh>(x.data(), up.data(), glu.data(), n);
+          break;
+        case Activation::kRelu:
+          kernels::activate<Activation::kRelu>(x.data(), out.data(), n);
+          kernels::glu<Activation::kRelu>(x.data(), up.data(), glu.data(), n);
+          break;
+      }
+      for (Index i = 0; i < n; ++i) {
+        INFO("x = " << x[i]);
+        double const want = ref::activate(a, x[i]);
+        REQUIRE(std::isfinite(out[i]));
+        REQUIRE(out[i] == Approx(want).epsilon(1e-5).margin(1e-6));
+        REQUIRE(glu[i] == Approx(want * up[i]).epsilon(1e-5).margin(1e-6));
+      }
+    }
+    // Dense grid in the curved region.
+    std::vector<float> x(401), out(401);
+    for (int i = 0; i < 401; ++i) x[i] = -10.0f + 0.05f * static_cast<float>(i);
+    switch (a) {
+      case Activation::kSilu: kernels::activate<Activation::kSilu>(x.data(), out.data(), 401); break;
+      case Activation::kGeluErf: kernels::activate<Activation::kGeluErf>(x.data(), out.data(), 401); break;
+      case Activation::kGeluTanh: kernels::activate<Activation::kGeluTanh>(x.data(), out.data(), 401); break;
+      case Activation::kRelu: kernels::activate<Activation::kRelu>(x.data(), out.data(), 401); break;
+    }
+    for (int i = 0; i < 401; ++i) REQUIRE(out[i] == Approx(ref::activate(a, x[i])).epsilon(1e-5).margin(1e-6));
+  }
+}
+
+TEST_CASE("build_plan is a stable counting sort of the selection", "[kernels][plan]") {
+  for (Index E : {1, 2, 8, 64}) {
+    for (Index K : {Index{1}, std::min<Index>(2, E), E}) {
+      INFO("E " << E << " K " << K);
+      Index const T = 37;
+      moe::Selection sel;
+      sel.reset(T, K, E);
+      auto r = test::random_vector(T * K, static_cast<std::uint64_t>(E * 100 + K), 0.0f, 1.0f);
+      for (Index i = 0; i < T * K; ++i) {
+        // Random experts, some slots empty (-1), duplicates across tokens.
+        int const e = static_cast<int>(r[i] * static_cast<float>(E + 1)) - 1;
+        sel.expert[i] = static_cast<moe::ExpertId>(std::min<int>(e, static_cast<int>(E) - 1));
+        sel.weight[i] = static_cast<float>(i);
+      }
+      moe::RoutingPlan plan;
+      kernels::build_plan(sel, plan);
+      REQUIRE_NOTHROW(plan.validate(T, E));
+      // Naive: for each expert, scan tokens then slots.
+      Index r_expected = 0;
+      for (Index e = 0; e < E; ++e) {
+        REQUIRE(plan.expert_offsets[e] == r_expected);
+        for (Index t = 0; t < T; ++t) {
+          for (Index s = 0; s < K; ++s) {
+            if (sel.expert[t * K + s] != e) continue;
+            REQUIRE(plan.row_token[r_expected] == t);
+            REQUIRE(plan.row_weight[r_expected] == sel.weight[t * K + s]);
+            ++r_expected;
+          }
+        }
+      }
+      REQUIRE(plan.num_rows() == r_expected);
+      for (Index t = 0; t < T; ++t) {
+        Index j = plan.token_offsets[t];
+        for (Index s = 0; s < K; ++s) {
+          if (sel.expert[t * K + s] < 0) continue;
+          Index const row = plan.token_rows[j++];
+          REQUIRE(plan.row_weight[row] == sel.weight[t * K + s]);  // slot order kept
+        }
+        REQUIRE(j == plan.token_offsets[t + 1]);
+      }
+    }
+  }
+  moe::Selection bad;
+  bad.reset(1, 1, 2);
+  bad.expert[0] = 5;
+  moe::RoutingPlan plan;
+  REQUIRE_THROWS_WITH(kernels::build_plan(bad, plan), Catch::Contains("names expert 5"));
+}

@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// MoeFfn allocates nothing in the steady state: global operator new is counted while a layer
+// runs with a workspace that has already seen the batch size (or was reserved).
+#include <catch2/catch.hpp>
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+#include "moe/layers/moe_ffn.hpp"
+#include "moe/layers/presets.hpp"
+#include "support/helpers.hpp"
+
+namespace {
+std::atomic<long> g_allocations{0};
+std::atomic<bool> g_counting{false};
+}  // namespace
+
+// Replacing operator new is a whole-program decision: this TU lives in its own test binary.
+// GCC cannot see that these replacements pair malloc with free consistently.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t size) {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
+  if (void* p = std::malloc(size ? size : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batch",
+          "[layers][allocation]") {
+  using moe::Index;
+  auto layer = moe::presets::make_qwen2_moe({32, 16, 24, 8, 2, false});
+  moe::fill_uniform(layer.experts().parameters(), -0.2f, 0.2f, 1);
+  Index const T = 200, D = 32;
+  auto x = test::random_vector(T * D, 2);
+  std::vector<float> y(x.size());
+  moe::ThreadPool pool(2);
+  SECTION("after a first call at the largest size") {
+    moe::MoeFfnWorkspace ws;
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+    g_allocations = 0;
+    g_counting = true;
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+    layer.forward({x.data(), T / 2, D}, {y.data(), T / 2, D}, ws, {nullptr, &pool});
+    g_counting = false;
+    REQUIRE(g_allocations == 0);
+  }
+  SECTION("after reserve") {
+    moe::MoeFfnWorkspace ws;
+    layer.reserve(ws, T, pool.size());
+    g_allocations = 0;
+    g_counting = true;
+    layer.forward({x.data(), 1, D}, {y.data(), 1, D}, ws, {nullptr, &pool});
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+    g_counting = false;
+    REQUIRE(g_allocations == 0);
+  }
+}

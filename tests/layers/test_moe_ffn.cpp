@@ -1,0 +1,404 @@
+// SPDX-License-Identifier: Apache-2.0
+// MoeFfn against the double reference for every routing policy, expert kind and shared-expert
+// variant; MoE properties; determinism across threads; external plans; bad input.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "moe/core/eigen_interop.hpp"
+#include "moe/layers/moe_ffn.hpp"
+#include "moe/routing/capacity.hpp"
+#include "moe/routing/expert_choice.hpp"
+#include "moe/routing/group_limited_top_k.hpp"
+#include "moe/routing/one_per_group_top_k.hpp"
+#include "moe/routing/softmax_top_k.hpp"
+#include "moe/routing/top_k_softmax.hpp"
+#include "moe/routing/top_p.hpp"
+#include "support/helpers.hpp"
+#include "support/layer_reference.hpp"
+
+using moe::ConstMatrixView;
+using moe::Index;
+using moe::MatrixView;
+namespace routing = moe::routing;
+namespace experts = moe::experts;
+
+namespace {
+
+template <class Layer>
+void randomize(Layer& layer, std::uint64_t seed) {
+  moe::fill_uniform(layer.experts().parameters(), -0.2f, 0.2f, seed);
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
+                    0.5f, seed + 1);
+  if constexpr (Layer::Shared::has_experts) {
+    moe::fill_uniform(layer.shared_experts().bank().parameters(), -0.2f, 0.2f, seed + 2);
+    auto g = layer.shared_experts().gate_weight();
+    moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -0.5f,
+                      0.5f, seed + 3);
+  }
+}
+
+/// Runs the layer, checks its logits against a double GEMM, rebuilds the routing with the
+/// reference policy `route_ref` from the layer's own logits, and compares y with the reference.
+template <class Layer, class RouteRef>
+void check_against_reference(Layer const& layer, Index T, RouteRef route_ref,
+                             moe::ThreadPool* pool = nullptr) {
+  Index const D = layer.d_model();
+  auto x = test::random_vector(T * D, 1234, -1.0f, 1.0f);
+  std::vector<float> y(x.size(), 0.0f);
+  moe::MoeFfnWorkspace ws;
+  ConstMatrixView<float> xv(x.data(), T, D);
+  layer.forward(xv, MatrixView<float>(y.data(), T, D), ws, {nullptr, pool});
+  auto z = ref::logits(xv, layer.router_weight());
+  for (std::size_t i = 0; i < z.size(); ++i) REQUIRE(ws.logits[i] == Approx(z[i]).margin(1e-4));
+  ref::Routing r = route_ref(ws.logits_view());
+  test::require_same_routing(test::routing_of(ws.selection), r);
+  auto want = ref::layer_forward(layer, xv, r);
+  REQUIRE(test::max_rel_diff(y.data(), want) < 2e-5);
+}
+
+}  // namespace
+
+TEST_CASE("MoeFfn matches the reference for every routing policy", "[layers][moe_ffn]") {
+  Index const D = 32, F = 24, E = 8, T = 45;
+  SECTION("softmax top-k, no renormalisation (Qwen, OLMoE)") {
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 3, false, 1.0f});
+    randomize(layer, 1);
+    check_against_reference(layer, T, [](auto z) { return ref::softmax_top_k(z, 3, false, 1.0); });
+  }
+  SECTION("softmax top-k, renormalised and scaled") {
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, true, 1.5f});
+    randomize(layer, 2);
+    check_against_reference(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.5); });
+  }
+  SECTION("top-k then softmax (Mixtral)") {
+    moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu> layer(D, F, {E, 2});
+    randomize(layer, 3);
+    check_against_reference(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
+  }
+  SECTION("sigmoid, bias, group-limited, scaled (DeepSeek-V3)") {
+    routing::GroupLimitedTopK r;
+    r.num_experts = E;
+    r.top_k = 3;
+    r.n_group = 4;
+    r.topk_group = 2;
+    r.scale = 2.5f;
+    r.bias = test::random_vector(E, 9, -0.2f, 0.2f);
+    auto bias = r.bias;
+    moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
+    randomize(layer, 4);
+    check_against_reference(layer, T, [&](auto z) {
+      return ref::group_limited(z, 3, 4, 2, true, 2.5, true, bias, true);
+    });
+  }
+  SECTION("at most one expert per group") {
+    moe::MoeFfn<routing::OnePerGroupTopK, experts::SwiGlu> layer(
+        D, F, {E, 2, 4, true, 1.0f, routing::ScoreFunction::kSoftmax});
+    randomize(layer, 5);
+    check_against_reference(layer, T, [](auto z) { return ref::one_per_group(z, 2, 4, true); });
+  }
+  SECTION("expert choice") {
+    moe::MoeFfn<routing::ExpertChoice, experts::SwiGlu> layer(D, F, {E, 1.0f, 4});
+    randomize(layer, 6);
+    Index const C = layer.router().capacity(T);
+    check_against_reference(layer, T, [&](auto z) { return ref::expert_choice(z, C); });
+  }
+  SECTION("top-p") {
+    moe::MoeFfn<routing::TopP, experts::SwiGlu> layer(D, F, {E, 0.5f, 0, false});
+    randomize(layer, 7);
+    check_against_reference(layer, T, [](auto z) { return ref::top_p(z, 0.5); });
+  }
+  SECTION("token choice with capacity and dropping") {
+    using R = routing::WithCapacity<routing::SoftmaxTopK>;
+    moe::MoeFfn<R, experts::SwiGlu> layer(D, F, R{{E, 2, true, 1.0f}, 0.8f, 2, false});
+    randomize(layer, 8);
+    Index const C = layer.router().capacity(T);
+    check_against_reference(layer, T, [&](auto z) {
+      Index dropped = 0;
+      return ref::with_capacity(ref::softmax_top_k(z, 2, true, 1.0), E, C, false, &dropped);
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("MoeFfn matches the reference for every expert kind", "[layers][moe_ffn]",
+                   experts::SwiGlu, experts::GeGlu, experts::GeGluErf, experts::ReluMlp,
+                   experts::GeluMlp, experts::SiluMlp) {
+  moe::MoeFfn<routing::SoftmaxTopK, TestType> layer(20, 36, {6, 2, false, 1.0f});
+  randomize(layer, 11);
+  check_against_reference(layer, 17, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+}
+
+TEST_CASE("MoeFfn with shared experts, ungated and sigmoid-gated", "[layers][shared]") {
+  Index const D = 16, F = 12, E = 4;
+  SECTION("two ungated shared experts (DeepSeek style)") {
+    using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu,
+                              experts::UngatedSharedExperts<experts::SwiGlu>>;
+    Layer layer(D, F, {E, 2, true, 1.0f}, experts::UngatedSharedExperts<experts::SwiGlu>(2, D, 20));
+    randomize(layer, 21);
+    check_against_reference(layer, 70, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
+  }
+  SECTION("two sigmoid-gated shared experts (Qwen2-MoE style)") {
+    using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu,
+                              experts::GatedSharedExperts<experts::GeluMlp>>;
+    Layer layer(D, F, {E, 2, false, 1.0f}, experts::GatedSharedExperts<experts::GeluMlp>(2, D, 8));
+    randomize(layer, 22);
+    moe::ThreadPool pool(2);
+    check_against_reference(layer, 70, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); },
+                            &pool);
+  }
+  SECTION("zero shared experts of a shared-expert type") {
+    using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu,
+                              experts::GatedSharedExperts<experts::SwiGlu>>;
+    Layer layer(D, F, {E, 2, false, 1.0f}, experts::GatedSharedExperts<experts::SwiGlu>(0, D, 8));
+    randomize(layer, 23);
+    check_against_reference(layer, 5, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+  }
+}
+
+TEST_CASE("Identity experts with renormalised weights return the input", "[layers][properties]") {
+  Index const D = 10, E = 4;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::ReluMlp> layer(D, D, {E, 3, true, 1.0f});
+  for (Index e = 0; e < E; ++e) {
+    for (Index i = 0; i < D; ++i) {
+      layer.experts().up_proj(e)(i, i) = 1.0f;
+      layer.experts().down_proj(e)(i, i) = 1.0f;
+    }
+  }
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(E * D)), -1.0f, 1.0f, 3);
+  Index const T = 77;
+  auto x = test::random_vector(T * D, 4, 0.0f, 3.0f);  // relu(x) = x
+  std::vector<float> y(x.size());
+  moe::MoeFfnWorkspace ws;
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+  for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(x[i]).epsilon(1e-6));
+}
+
+TEST_CASE("Permuting tokens permutes the output when nothing is dropped", "[layers][properties]") {
+  Index const D = 24, F = 16, E = 8, T = 90;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, false, 1.0f});
+  randomize(layer, 31);
+  auto x = test::random_vector(T * D, 32);
+  std::vector<Index> perm(T);
+  std::iota(perm.begin(), perm.end(), 0);
+  auto r = test::random_vector(T, 33, 0.0f, 1.0f);
+  std::sort(perm.begin(), perm.end(), [&](Index a, Index b) { return r[a] < r[b]; });
+  std::vector<float> xp(x.size()), y(x.size()), yp(x.size());
+  for (Index t = 0; t < T; ++t) std::copy_n(x.data() + perm[t] * D, D, xp.data() + t * D);
+  moe::MoeFfnWorkspace ws;
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+  layer.forward({xp.data(), T, D}, {yp.data(), T, D}, ws);
+  for (Index t = 0; t < T; ++t) {
+    for (Index d = 0; d < D; ++d) REQUIRE(yp[t * D + d] == Approx(y[perm[t] * D + d]).margin(1e-6));
+  }
+}
+
+TEST_CASE("Edge sizes: T = 0, T = 1, E = 1, k = E, experts with no or all tokens",
+          "[layers][properties]") {
+  SECTION("T = 0") {
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(8, 8, {4, 2, false, 1.0f});
+    moe::MoeFfnWorkspace ws;
+    REQUIRE_NOTHROW(layer.forward({nullptr, 0, 8}, {nullptr, 0, 8}, ws));
+    REQUIRE(ws.plan.num_rows() == 0);
+  }
+  SECTION("T = 1") {
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(8, 8, {4, 2, false, 1.0f});
+    randomize(layer, 41);
+    check_against_reference(layer, 1, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+  }
+  SECTION("E = 1 and k = E") {
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> one(8, 8, {1, 1, false, 1.0f});
+    randomize(one, 42);
+    check_against_reference(one, 9, [](auto z) { return ref::softmax_top_k(z, 1, false, 1.0); });
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> all(8, 8, {5, 5, false, 1.0f});
+    randomize(all, 43);
+    check_against_reference(all, 9, [](auto z) { return ref::softmax_top_k(z, 5, false, 1.0); });
+  }
+  SECTION("one expert gets every token, the others none") {
+    Index const D = 8, E = 4, T = 150;  // > 2 tiles of rows for expert 2
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, 8, {E, 1, false, 1.0f});
+    randomize(layer, 44);
+    auto wr = layer.router_weight();
+    std::fill_n(wr.data, E * D, 0.0f);
+    wr(2, 0) = 1.0f;  // x[:, 0] > 0 for every token below, so expert 2 wins everywhere
+    auto x = test::random_vector(T * D, 45, 0.1f, 1.0f);
+    std::vector<float> y(x.size());
+    moe::MoeFfnWorkspace ws;
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+    REQUIRE(ws.plan.expert_rows(2) == T);
+    REQUIRE(ws.plan.expert_rows(0) == 0);
+    auto want = ref::layer_forward(layer, {x.data(), T, D}, test::routing_of(ws.selection));
+    REQUIRE(test::max_rel_diff(y.data(), want) < 2e-5);
+  }
+}
+
+TEST_CASE("Results are bitwise identical for 1 and 2 threads and from run to run",
+          "[layers][determinism]") {
+  Index const D = 64, F = 48, E = 16, T = 300;
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu,
+                            experts::GatedSharedExperts<experts::SwiGlu>>;
+  Layer layer(D, F, {E, 4, true, 1.0f}, experts::GatedSharedExperts<experts::SwiGlu>(1, D, 32));
+  randomize(layer, 51);
+  auto x = test::random_vector(T * D, 52);
+  std::vector<float> y1(x.size()), y2(x.size()), y3(x.size());
+  moe::MoeFfnWorkspace ws1, ws2;
+  moe::ThreadPool pool(2);
+  layer.forward({x.data(), T, D}, {y1.data(), T, D}, ws1);
+  layer.forward({x.data(), T, D}, {y2.data(), T, D}, ws2, {nullptr, &pool});
+  layer.forward({x.data(), T, D}, {y3.data(), T, D}, ws2, {nullptr, &pool});
+  REQUIRE(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0);
+  REQUIRE(std::memcmp(y2.data(), y3.data(), y1.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("A plan computed elsewhere drives another expert bank", "[layers][plan]") {
+  Index const D = 16, F = 12, E = 6, T = 40;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> a(D, F, {E, 2, false, 1.0f});
+  moe::MoeFfn<routing::SoftmaxTopK, experts::GeluMlp> b(D, 20, {E, 2, false, 1.0f});
+  randomize(a, 61);
+  randomize(b, 62);
+  auto x = test::random_vector(T * D, 63);
+  std::vector<float> ya(x.size()), yb(x.size()), ya2(x.size());
+  moe::MoeFfnWorkspace wa, wb;
+  a.forward({x.data(), T, D}, {ya.data(), T, D}, wa);
+  // Same plan on the same layer: bitwise the same output.
+  a.forward_with_plan({x.data(), T, D}, wa.plan, {ya2.data(), T, D}, wb);
+  REQUIRE(ya == ya2);
+  // a's routing decision drives b's experts (shared router across projections).
+  b.forward_with_plan({x.data(), T, D}, wa.plan, {yb.data(), T, D}, wb);
+  auto want = ref::layer_forward(b, {x.data(), T, D}, test::routing_of(wa.selection));
+  REQUIRE(test::max_rel_diff(yb.data(), want) < 2e-5);
+}
+
+TEST_CASE("A hand-built plan is validated and used", "[layers][plan]") {
+  Index const D = 4, E = 2, T = 2;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::ReluMlp> layer(D, D, {E, 1, false, 1.0f});
+  for (Index e = 0; e < E; ++e) {
+    for (Index i = 0; i < D; ++i) {
+      layer.experts().up_proj(e)(i, i) = 1.0f;
+      layer.experts().down_proj(e)(i, i) = static_cast<float>(e + 1);
+    }
+  }
+  moe::RoutingPlan plan;
+  plan.num_tokens = T;
+  plan.num_experts = E;
+  plan.expert_offsets = {0, 1, 3};
+  plan.row_token = {1, 0, 1};
+  plan.row_weight = {0.5f, 1.0f, 0.25f};
+  plan.token_offsets = {0, 1, 3};
+  plan.token_rows = {1, 0, 2};
+  std::vector<float> x = {1, 2, 3, 4, 1, 1, 1, 1}, y(8);
+  moe::MoeFfnWorkspace ws;
+  layer.forward_with_plan({x.data(), T, D}, plan, {y.data(), T, D}, ws);
+  // token 0: 1.0 * 2 * x0; token 1: 0.5 * 1 * x1 + 0.25 * 2 * x1 = x1
+  std::vector<float> want = {2, 4, 6, 8, 1, 1, 1, 1};
+  REQUIRE(y == want);
+  auto bad = plan;
+  bad.row_token[0] = 0;
+  REQUIRE_THROWS_WITH(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
+                      Catch::Contains("listed under token 1 but row_token says 0"));
+  bad = plan;
+  bad.token_rows = {1, 1, 2};
+  REQUIRE_THROWS_WITH(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
+                      Catch::Contains("listed twice"));
+  bad = plan;
+  bad.expert_offsets = {0, 2, 1};
+  REQUIRE_THROWS_AS(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws), moe::Error);
+  bad = plan;
+  bad.num_tokens = 3;
+  REQUIRE_THROWS_WITH(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
+                      Catch::Contains("num_tokens = 3"));
+  bad = plan;
+  bad.row_weight[1] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
+                      Catch::Contains("non-finite weight"));
+}
+
+TEST_CASE("Bad input gets a clear moe::Error", "[layers][errors]") {
+  Index const D = 8, E = 4;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, 8, {E, 2, false, 1.0f});
+  randomize(layer, 71);
+  std::vector<float> x(3 * D, 0.5f), y(3 * D);
+  moe::MoeFfnWorkspace ws;
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 3, D - 1}, {y.data(), 3, D - 1}, ws),
+                      Catch::Contains("x has 7 columns but d_model = 8"));
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 3, D}, {y.data(), 2, D}, ws),
+                      Catch::Contains("y is [2, 8] but must be [3, 8]"));
+  x[1 * D + 3] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 3, D}, {y.data(), 3, D}, ws),
+                      Catch::Contains("router logit [token 1, expert 0] is"));
+  x[1 * D + 3] = std::numeric_limits<float>::infinity();
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 3, D}, {y.data(), 3, D}, ws),
+                      Catch::Contains("NaN or Inf"));
+  REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(D, 8, {E, 5, false, 1.0f})),
+                      Catch::Contains("top_k = 5"));
+  REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(0, 8, {E, 1, false, 1.0f})),
+                      Catch::Contains("d_model = 0"));
+  using G = routing::GroupLimitedTopK;
+  G g;
+  g.num_experts = 6;
+  g.top_k = 2;
+  g.n_group = 4;
+  REQUIRE_THROWS_WITH((moe::MoeFfn<G, experts::SwiGlu>(D, 8, g)), Catch::Contains("does not divide"));
+  using Shared = experts::UngatedSharedExperts<experts::SwiGlu>;
+  REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Shared>(
+                          D, 8, {E, 2, false, 1.0f}, Shared(1, D + 1, 8))),
+                      Catch::Contains("shared experts have d_model = 9"));
+}
+
+TEST_CASE("In-place forward (y is x) gives the out-of-place result", "[layers][properties]") {
+  Index const D = 16, T = 70;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, experts::GatedSharedExperts<experts::SwiGlu>>
+      layer(D, 8, {4, 2, false, 1.0f}, experts::GatedSharedExperts<experts::SwiGlu>(1, D, 8));
+  randomize(layer, 81);
+  auto x = test::random_vector(T * D, 82);
+  std::vector<float> y(x.size());
+  moe::MoeFfnWorkspace ws;
+  moe::ThreadPool pool(2);
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+  layer.forward({x.data(), T, D}, {x.data(), T, D}, ws, {nullptr, &pool});
+  REQUIRE(x == y);
+}
+
+TEST_CASE("Routing controls pass through the layer", "[layers][controls]") {
+  Index const D = 16, E = 8, T = 30;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, 8, {E, 2, true, 1.0f});
+  randomize(layer, 91);
+  auto x = test::random_vector(T * D, 92);
+  std::vector<float> y(x.size());
+  std::vector<std::uint8_t> mask(E, 1);
+  mask[0] = mask[3] = 0;
+  routing::RoutingControls c;
+  c.expert_mask = mask;
+  moe::MoeFfnWorkspace ws;
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {&c, nullptr});
+  REQUIRE(ws.plan.expert_rows(0) == 0);
+  REQUIRE(ws.plan.expert_rows(3) == 0);
+  // Reference: the same routing with experts 0 and 3 removed from the softmax.
+  auto want = ref::layer_forward(layer, {x.data(), T, D}, ref::softmax_top_k(ws.logits_view(), 2, true, 1.0));
+  REQUIRE(test::max_rel_diff(y.data(), want) < 2e-5);
+}
+
+TEST_CASE("MoeFfn composes with an archetype router that only has what the concept names",
+          "[layers][concepts]") {
+  // Proves the layer uses nothing beyond RouterPolicy: always routes token t to expert t % E.
+  struct ArchetypeRouter {
+    Index expert_count() const { return 3; }
+    Index slots_per_token() const { return 1; }
+    void validate() const {}
+    void select(ConstMatrixView<float> logits, moe::Selection& sel) const {
+      sel.reset(logits.rows, 1, 3);
+      for (Index t = 0; t < logits.rows; ++t) {
+        sel.expert[t] = static_cast<moe::ExpertId>(t % 3);
+        sel.weight[t] = 1.0f;
+      }
+    }
+  };
+  static_assert(moe::RouterPolicy<ArchetypeRouter>);
+  moe::MoeFfn<ArchetypeRouter, experts::SwiGlu> layer(8, 8, ArchetypeRouter{});
+  randomize(layer, 95);
+  ref::Routing r;
+  for (int t = 0; t < 7; ++t) r.push_back({{t % 3, 1.0}});
+  check_against_reference(layer, 7, [&](auto) { return r; });
+}
