@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Core vocabulary: views, Eigen interop without copies, errors, the thread pool.
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <set>
 #include <stdexcept>
 
@@ -81,6 +81,7 @@ TEST_CASE("ThreadPool rethrows the first exception after all items finish", "[co
   REQUIRE(done == 100);
   // The pool is still usable, and nested calls run serially instead of deadlocking.
   std::atomic<int> inner{0};
-  pool.parallel_for(4, [&](Index, int) { pool.parallel_for(3, [&](Index, int) { inner.fetch_add(1); }); });
+  pool.parallel_for(
+      4, [&](Index, int) { pool.parallel_for(3, [&](Index, int) { inner.fetch_add(1); }); });
   REQUIRE(inner == 12);
 }

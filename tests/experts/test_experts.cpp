@@ -29,8 +29,8 @@ TEMPLATE_TEST_CASE("ExpertBank::run matches the reference expert", "[experts]", 
     std::vector<float> y(static_cast<std::size_t>(n * D));
     std::vector<float> scratch(static_cast<std::size_t>(bank.scratch_size(n)));
     for (Index e = 0; e < E; ++e) {
-      bank.run(e, moe::ConstMatrixView<float>(x.data(), n, D), moe::MatrixView<float>(y.data(), n, D),
-               scratch.data());
+      bank.run(e, moe::ConstMatrixView<float>(x.data(), n, D),
+               moe::MatrixView<float>(y.data(), n, D), scratch.data());
       for (Index i = 0; i < n; ++i) {
         auto want = ref::bank_expert(bank, e, x.data() + i * D);
         REQUIRE(test::max_rel_diff(y.data() + i * D, want) < 1e-5);

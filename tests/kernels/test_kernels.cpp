@@ -46,8 +46,8 @@ TEST_CASE("softmax_rows matches a double softmax for every tail size", "[kernels
 TEST_CASE("softmax_rows gives -inf entries probability 0 and survives huge logits",
           "[kernels][softmax]") {
   float const inf = std::numeric_limits<float>::infinity();
-  std::vector<float> z = {-inf, 1000.0f, 999.0f, -inf, -1000.0f, 0.0f, -inf, 1000.0f,
-                          -inf, -inf,    -inf,   -inf, -inf,     -inf, -inf, 3.0f, 2.0f};
+  std::vector<float> z = {-inf, 1000.0f, 999.0f, -inf, -1000.0f, 0.0f, -inf, 1000.0f, -inf,
+                          -inf, -inf,    -inf,   -inf, -inf,     -inf, 3.0f, 2.0f};
   Index const n = static_cast<Index>(z.size());
   std::vector<float> p(z.size());
   kernels::softmax_rows(z.data(), n, p.data(), n, 1, n);
@@ -88,13 +88,15 @@ TEST_CASE("top_k_rows picks the k largest, ties to the lower index, skips -inf a
       INFO("cols " << n << " k " << k);
       Index const rows = 4;
       // Coarse values force many ties.
-      auto in = test::random_vector(rows * n, 5 + static_cast<std::uint64_t>(n * 31 + k), 0.0f, 6.0f);
+      auto in =
+          test::random_vector(rows * n, 5 + static_cast<std::uint64_t>(n * 31 + k), 0.0f, 6.0f);
       for (float& v : in) v = std::floor(v);
       std::vector<moe::ExpertId> idx(static_cast<std::size_t>(rows * k));
       std::vector<float> val(idx.size());
       kernels::top_k_rows(in.data(), n, rows, n, k, idx.data(), val.data());
       for (Index i = 0; i < rows; ++i) {
-        auto want = ref::order_desc(std::vector<double>(in.begin() + i * n, in.begin() + (i + 1) * n));
+        auto want =
+            ref::order_desc(std::vector<double>(in.begin() + i * n, in.begin() + (i + 1) * n));
         for (Index s = 0; s < k; ++s) {
           REQUIRE(idx[i * k + s] == want[s]);
           REQUIRE(val[i * k + s] == in[i * n + want[s]]);
@@ -122,7 +124,8 @@ TEST_CASE("gather_rows copies the routed rows exactly", "[kernels][gather]") {
     auto x = test::random_vector(T * ld, 3);
     std::vector<Index> rows = {4, 0, 8, 4, 2};
     std::vector<float> out(rows.size() * static_cast<std::size_t>(n + 1), -7.0f);
-    kernels::gather_rows(x.data(), ld, rows.data(), static_cast<Index>(rows.size()), n, out.data(), n + 1);
+    kernels::gather_rows(x.data(), ld, rows.data(), static_cast<Index>(rows.size()), n, out.data(),
+                         n + 1);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       for (Index j = 0; j < n; ++j) REQUIRE(out[i * (n + 1) + j] == x[rows[i] * ld + j]);
       REQUIRE(out[i * (n + 1) + n] == -7.0f);  // the padding column is untouched
@@ -183,12 +186,14 @@ TEST_CASE("combine_rows sums each token's rows in order and adds gated shared ou
 
 TEST_CASE("activations match the double definitions on a grid including |x| > 20",
           "[kernels][activations]") {
-  for (Activation a : {Activation::kSilu, Activation::kGeluErf, Activation::kGeluTanh,
-                       Activation::kRelu}) {
+  for (Activation a :
+       {Activation::kSilu, Activation::kGeluErf, Activation::kGeluTanh, Activation::kRelu}) {
     INFO("activation " << moe::kernels::to_string(a));
     for (Index n : test::tail_sizes(kLanes)) {
       std::vector<float> x(static_cast<std::size_t>(n));
-      for (Index i = 0; i < n; ++i) x[i] = -40.0f + 80.0f * static_cast<float>(i) / static_cast<float>(std::max<Index>(1, n - 1));
+      for (Index i = 0; i < n; ++i)
+        x[i] =
+            -40.0f + 80.0f * static_cast<float>(i) / static_cast<float>(std::max<Index>(1, n - 1));
       auto up = test::random_vector(n, 9);
       std::vector<float> out(x.size()), glu(x.size());
       switch (a) {
@@ -221,12 +226,21 @@ TEST_CASE("activations match the double definitions on a grid including |x| > 20
     std::vector<float> x(401), out(401);
     for (int i = 0; i < 401; ++i) x[i] = -10.0f + 0.05f * static_cast<float>(i);
     switch (a) {
-      case Activation::kSilu: kernels::activate<Activation::kSilu>(x.data(), out.data(), 401); break;
-      case Activation::kGeluErf: kernels::activate<Activation::kGeluErf>(x.data(), out.data(), 401); break;
-      case Activation::kGeluTanh: kernels::activate<Activation::kGeluTanh>(x.data(), out.data(), 401); break;
-      case Activation::kRelu: kernels::activate<Activation::kRelu>(x.data(), out.data(), 401); break;
+      case Activation::kSilu:
+        kernels::activate<Activation::kSilu>(x.data(), out.data(), 401);
+        break;
+      case Activation::kGeluErf:
+        kernels::activate<Activation::kGeluErf>(x.data(), out.data(), 401);
+        break;
+      case Activation::kGeluTanh:
+        kernels::activate<Activation::kGeluTanh>(x.data(), out.data(), 401);
+        break;
+      case Activation::kRelu:
+        kernels::activate<Activation::kRelu>(x.data(), out.data(), 401);
+        break;
     }
-    for (int i = 0; i < 401; ++i) REQUIRE(out[i] == Approx(ref::activate(a, x[i])).epsilon(1e-5).margin(1e-6));
+    for (int i = 0; i < 401; ++i)
+      REQUIRE(out[i] == Approx(ref::activate(a, x[i])).epsilon(1e-5).margin(1e-6));
   }
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // MoeFfn allocates nothing in the steady state: global operator new is counted while a layer
 // runs with a workspace that has already seen the batch size (or was reserved).
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <new>
 
@@ -19,8 +19,9 @@ std::atomic<bool> g_counting{false};
 // Under AddressSanitizer, operator new belongs to the sanitizer runtime: count through its
 // allocation hook instead of replacing operator new (which ASan would report as a mismatch).
 // Declared by hand: GCC ships the runtime but not <sanitizer/allocator_interface.h>.
-extern "C" int __sanitizer_install_malloc_and_free_hooks(
-    void (*malloc_hook)(void const volatile*, std::size_t), void (*free_hook)(void const volatile*));
+extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*malloc_hook)(void const volatile*,
+                                                                             std::size_t),
+                                                         void (*free_hook)(void const volatile*));
 namespace {
 void count_malloc(void const volatile*, std::size_t) {
   if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);

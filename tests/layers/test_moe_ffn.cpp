@@ -145,8 +145,8 @@ TEST_CASE("MoeFfn with shared experts, ungated and sigmoid-gated", "[layers][sha
     Layer layer(D, F, {E, 2, false, 1.0f}, experts::GatedSharedExperts<experts::GeluMlp>(2, D, 8));
     randomize(layer, 22);
     moe::ThreadPool pool(2);
-    check_against_reference(layer, 70, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); },
-                            &pool);
+    check_against_reference(
+        layer, 70, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); }, &pool);
   }
   SECTION("zero shared experts of a shared-expert type") {
     using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu,
@@ -304,7 +304,8 @@ TEST_CASE("A hand-built plan is validated and used", "[layers][plan]") {
                       Catch::Contains("listed twice"));
   bad = plan;
   bad.expert_offsets = {0, 2, 1};
-  REQUIRE_THROWS_AS(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws), moe::Error);
+  REQUIRE_THROWS_AS(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
+                    moe::Error);
   bad = plan;
   bad.num_tokens = 3;
   REQUIRE_THROWS_WITH(layer.forward_with_plan({x.data(), T, D}, bad, {y.data(), T, D}, ws),
@@ -331,16 +332,19 @@ TEST_CASE("Bad input gets a clear moe::Error", "[layers][errors]") {
   x[1 * D + 3] = std::numeric_limits<float>::infinity();
   REQUIRE_THROWS_WITH(layer.forward({x.data(), 3, D}, {y.data(), 3, D}, ws),
                       Catch::Contains("NaN or Inf"));
-  REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(D, 8, {E, 5, false, 1.0f})),
-                      Catch::Contains("top_k = 5"));
-  REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(0, 8, {E, 1, false, 1.0f})),
-                      Catch::Contains("d_model = 0"));
+  REQUIRE_THROWS_WITH(
+      (moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(D, 8, {E, 5, false, 1.0f})),
+      Catch::Contains("top_k = 5"));
+  REQUIRE_THROWS_WITH(
+      (moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>(0, 8, {E, 1, false, 1.0f})),
+      Catch::Contains("d_model = 0"));
   using G = routing::GroupLimitedTopK;
   G g;
   g.num_experts = 6;
   g.top_k = 2;
   g.n_group = 4;
-  REQUIRE_THROWS_WITH((moe::MoeFfn<G, experts::SwiGlu>(D, 8, g)), Catch::Contains("does not divide"));
+  REQUIRE_THROWS_WITH((moe::MoeFfn<G, experts::SwiGlu>(D, 8, g)),
+                      Catch::Contains("does not divide"));
   using Shared = experts::UngatedSharedExperts<experts::SwiGlu>;
   REQUIRE_THROWS_WITH((moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Shared>(
                           D, 8, {E, 2, false, 1.0f}, Shared(1, D + 1, 8))),
@@ -376,7 +380,8 @@ TEST_CASE("Routing controls pass through the layer", "[layers][controls]") {
   REQUIRE(ws.plan.expert_rows(0) == 0);
   REQUIRE(ws.plan.expert_rows(3) == 0);
   // Reference: the same routing with experts 0 and 3 removed from the softmax.
-  auto want = ref::layer_forward(layer, {x.data(), T, D}, ref::softmax_top_k(ws.logits_view(), 2, true, 1.0));
+  auto want = ref::layer_forward(layer, {x.data(), T, D},
+                                 ref::softmax_top_k(ws.logits_view(), 2, true, 1.0));
   REQUIRE(test::max_rel_diff(y.data(), want) < 2e-5);
 }
 

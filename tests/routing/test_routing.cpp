@@ -53,10 +53,13 @@ TEST_CASE("SoftmaxTopK matches the reference with and without renormalisation", 
           routing::SoftmaxTopK r{E, k, normalize, scale};
           REQUIRE_NOTHROW(r.validate());
           r.select(logits, sel);
-          test::require_same_routing(test::routing_of(sel), ref::softmax_top_k(logits, static_cast<int>(k), normalize, scale));
+          test::require_same_routing(
+              test::routing_of(sel),
+              ref::softmax_top_k(logits, static_cast<int>(k), normalize, scale));
           for (Index t = 0; t < T; ++t) {
             auto p = ref::softmax(ref::row(logits, t));
-            for (Index e = 0; e < E; ++e) REQUIRE(sel.scores[t * E + e] == Approx(p[e]).epsilon(1e-5).margin(1e-9));
+            for (Index e = 0; e < E; ++e)
+              REQUIRE(sel.scores[t * E + e] == Approx(p[e]).epsilon(1e-5).margin(1e-9));
           }
         }
       }
@@ -112,7 +115,7 @@ TEST_CASE("GroupLimitedTopK matches the official DeepSeek-V3 gate", "[routing][d
             groups.insert(sel.expert_row(t)[s] / 4);
             sum += sel.weight_row(t)[s];
           }
-          REQUIRE(groups.size() <= 3);        // chosen experts lie in topk_group groups
+          REQUIRE(groups.size() <= 3);                 // chosen experts lie in topk_group groups
           REQUIRE(sum == Approx(2.5f).epsilon(1e-5));  // renormalised, then scaled
         }
       }
@@ -120,7 +123,8 @@ TEST_CASE("GroupLimitedTopK matches the official DeepSeek-V3 gate", "[routing][d
   }
 }
 
-TEST_CASE("GroupLimitedTopK: the bias changes selection, never the weights", "[routing][deepseek]") {
+TEST_CASE("GroupLimitedTopK: the bias changes selection, never the weights",
+          "[routing][deepseek]") {
   Index const E = 8;
   // Sigmoid scores ordered 0 > 1 > ... ; a large bias on expert 7 makes it selected.
   std::vector<float> z = {3, 2, 1, 0, -1, -2, -3, -4};
@@ -227,8 +231,9 @@ TEST_CASE("WithCapacity drops top-1 choices before top-2, in token order", "[rou
   REQUIRE(got[4][0].first == 1);
   REQUIRE(sel.dropped == 12 - 6);
   Index dropped = 0;
-  auto want = ref::with_capacity(ref::softmax_top_k(ConstMatrixView<float>(z.data(), T, E), 2, false, 1.0),
-                                 E, 3, false, &dropped);
+  auto want =
+      ref::with_capacity(ref::softmax_top_k(ConstMatrixView<float>(z.data(), T, E), 2, false, 1.0),
+                         E, 3, false, &dropped);
   test::require_same_routing(got, want);
   REQUIRE(dropped == sel.dropped);
 }
@@ -288,7 +293,8 @@ TEST_CASE("Ties break to the lower expert index in every policy", "[routing][tie
   g.topk_group = 2;
   g.select(logits, sel);
   first_experts(3);
-  routing::OnePerGroupTopK{E, 3, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.select(logits, sel);
+  routing::OnePerGroupTopK{E, 3, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.select(logits,
+                                                                                          sel);
   REQUIRE(sel.expert_row(0)[0] == 0);
   REQUIRE(sel.expert_row(0)[1] == 2);
   REQUIRE(sel.expert_row(0)[2] == 4);
@@ -340,7 +346,8 @@ TEST_CASE("Unavailable experts (-inf logits) are never selected", "[routing][mas
   check_none();
   routing::TopP{E, 0.9f, 0, false}.select(logits, sel);
   check_none();
-  routing::OnePerGroupTopK{E, 4, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.select(logits, sel);
+  routing::OnePerGroupTopK{E, 4, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.select(logits,
+                                                                                          sel);
   check_none();
 }
 
@@ -390,7 +397,8 @@ TEST_CASE("Invalid routing configurations get a clear moe::Error", "[routing][er
   g.top_k = 2;
   g.n_group = 4;
   g.topk_group = 2;
-  REQUIRE_THROWS_WITH(g.validate(), Catch::Contains("n_group = 4 does not divide num_experts = 10"));
+  REQUIRE_THROWS_WITH(g.validate(),
+                      Catch::Contains("n_group = 4 does not divide num_experts = 10"));
   g.num_experts = 8;
   g.topk_group = 5;
   REQUIRE_THROWS_WITH(g.validate(), Catch::Contains("topk_group = 5"));
@@ -400,12 +408,15 @@ TEST_CASE("Invalid routing configurations get a clear moe::Error", "[routing][er
   g.top_k = 2;
   g.bias = {1.0f};
   REQUIRE_THROWS_WITH(g.validate(), Catch::Contains("bias has 1 entries"));
-  REQUIRE_THROWS_AS((routing::OnePerGroupTopK{8, 5, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.validate()),
-                    moe::Error);
+  REQUIRE_THROWS_AS(
+      (routing::OnePerGroupTopK{8, 5, 4, false, 1.0f, routing::ScoreFunction::kSoftmax}.validate()),
+      moe::Error);
   REQUIRE_THROWS_AS((routing::ExpertChoice{8, 0.0f, 4}.validate()), moe::Error);
   REQUIRE_THROWS_AS((routing::TopP{8, 1.5f, 0, false}.validate()), moe::Error);
-  REQUIRE_THROWS_AS((routing::WithCapacity<routing::SoftmaxTopK>{{8, 2, false, 1.0f}, -1.0f, 4, false}.validate()),
-                    moe::Error);
+  REQUIRE_THROWS_AS(
+      (routing::WithCapacity<routing::SoftmaxTopK>{{8, 2, false, 1.0f}, -1.0f, 4, false}
+           .validate()),
+      moe::Error);
 }
 
 TEST_CASE("routing_stats counts loads, imbalance, entropies and drops", "[routing][stats]") {
@@ -422,6 +433,7 @@ TEST_CASE("routing_stats counts loads, imbalance, entropies and drops", "[routin
   REQUIRE(st.imbalance == Approx(1.5));
   REQUIRE(st.load_entropy == Approx(-(0.75 * std::log(0.75) + 0.25 * std::log(0.25))));
   double const p = 1.0 / (1.0 + std::exp(-1.0));
-  REQUIRE(st.router_entropy == Approx(-(p * std::log(p) + (1 - p) * std::log(1 - p))).epsilon(1e-5));
+  REQUIRE(st.router_entropy ==
+          Approx(-(p * std::log(p) + (1 - p) * std::log(1 - p))).epsilon(1e-5));
   REQUIRE(st.dropped == 0);
 }

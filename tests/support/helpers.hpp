@@ -17,7 +17,8 @@ using moe::Index;
 
 /// The tail sizes of STYLE.md section 6.9 for lane count L, deduplicated and sorted.
 inline std::vector<Index> tail_sizes(Index L) {
-  std::vector<Index> n = {0, 1, 2, L - 1, L, L + 1, 2 * L + 3, 15, 16, 17, 63, 64, 65, 127, 128, 129};
+  std::vector<Index> n = {0,  1,  2,  L - 1, L,  L + 1, 2 * L + 3, 15,
+                          16, 17, 63, 64,    65, 127,   128,       129};
   std::sort(n.begin(), n.end());
   n.erase(std::unique(n.begin(), n.end()), n.end());
   n.erase(std::remove_if(n.begin(), n.end(), [](Index v) { return v < 0; }), n.end());

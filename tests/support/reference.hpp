@@ -74,8 +74,8 @@ inline Routing softmax_top_k(moe::ConstMatrixView<float> logits, int k, bool nor
 
 /// DeepSeek-V3 official Gate: sigmoid (or softmax), bias for selection, top-2-sum (or max) group
 /// scores, -inf masking of the groups not kept, weights from unbiased scores.
-inline Routing group_limited(moe::ConstMatrixView<float> logits, int k, int n_group,
-                             int topk_group, bool normalize, double scale, bool sigmoid_scores,
+inline Routing group_limited(moe::ConstMatrixView<float> logits, int k, int n_group, int topk_group,
+                             bool normalize, double scale, bool sigmoid_scores,
                              std::vector<float> const& bias, bool top_two_sum) {
   Routing out;
   Index const E = logits.cols;
@@ -225,13 +225,16 @@ inline Routing one_per_group(moe::ConstMatrixView<float> logits, int k, int n_gr
 inline double activate(moe::kernels::Activation a, double x) {
   using moe::kernels::Activation;
   switch (a) {
-    case Activation::kSilu: return x * sigmoid(x);
-    case Activation::kGeluErf: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::kSilu:
+      return x * sigmoid(x);
+    case Activation::kGeluErf:
+      return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
     case Activation::kGeluTanh: {
       double const c = std::sqrt(2.0 / M_PI);
       return 0.5 * x * (1.0 + std::tanh(c * (x + 0.044715 * x * x * x)));
     }
-    case Activation::kRelu: return x > 0.0 ? x : 0.0;
+    case Activation::kRelu:
+      return x > 0.0 ? x : 0.0;
   }
   return 0.0;
 }

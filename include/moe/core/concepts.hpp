@@ -38,7 +38,8 @@ concept ExpertPolicy = requires {
   typename X::Element;
   { X::gated } -> std::convertible_to<bool>;
   X::activation;
-} && std::same_as<typename X::Element, float>;
+}
+&&std::same_as<typename X::Element, float>;
 
 /// A shared-expert policy: experts every token goes through.
 /// Requirements: `S::has_experts`, `S::gated` (bools), `s.count()`; when has_experts, also
@@ -48,7 +49,8 @@ concept SharedExpertPolicy = requires(S const& s) {
   { S::has_experts } -> std::convertible_to<bool>;
   { S::gated } -> std::convertible_to<bool>;
   { s.count() } -> std::convertible_to<Index>;
-} && (!S::has_experts || requires(S const& s) {
+}
+&&(!S::has_experts || requires(S const& s) {
   s.bank();
   { s.gate_weight() } -> std::convertible_to<ConstMatrixView<float>>;
 });

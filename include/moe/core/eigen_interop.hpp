@@ -29,9 +29,10 @@ ConstMatrixView<T> view(RowMatrixX<T> const& m) {
 template <class T>
 auto as_eigen(MatrixView<T> v) {
   using Plain = RowMatrixX<std::remove_const_t<T>>;
-  using MapType = std::conditional_t<std::is_const_v<T>,
-                                     Eigen::Map<Plain const, Eigen::Unaligned, Eigen::OuterStride<>>,
-                                     Eigen::Map<Plain, Eigen::Unaligned, Eigen::OuterStride<>>>;
+  using MapType =
+      std::conditional_t<std::is_const_v<T>,
+                         Eigen::Map<Plain const, Eigen::Unaligned, Eigen::OuterStride<>>,
+                         Eigen::Map<Plain, Eigen::Unaligned, Eigen::OuterStride<>>>;
   return MapType(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.row_stride));
 }
 

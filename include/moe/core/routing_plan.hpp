@@ -50,15 +50,17 @@ inline void RoutingPlan::validate(Index expected_tokens, Index expected_experts)
   using detail::check;
   constexpr char const* kWhere = "RoutingPlan::validate: ";
   check(num_tokens == expected_tokens, kWhere, "plan has num_tokens = ", num_tokens,
-        " but the input has ", expected_tokens, " tokens; route the same input the plan was made for");
+        " but the input has ", expected_tokens,
+        " tokens; route the same input the plan was made for");
   check(num_experts == expected_experts, kWhere, "plan has num_experts = ", num_experts,
-        " but the layer has ", expected_experts, " experts; build the plan for this layer's experts");
+        " but the layer has ", expected_experts,
+        " experts; build the plan for this layer's experts");
   check(expert_offsets.size() == static_cast<std::size_t>(num_experts + 1), kWhere,
-        "expert_offsets has ", expert_offsets.size(), " entries, expected num_experts + 1 = ",
-        num_experts + 1);
+        "expert_offsets has ", expert_offsets.size(),
+        " entries, expected num_experts + 1 = ", num_experts + 1);
   check(token_offsets.size() == static_cast<std::size_t>(num_tokens + 1), kWhere,
-        "token_offsets has ", token_offsets.size(), " entries, expected num_tokens + 1 = ",
-        num_tokens + 1);
+        "token_offsets has ", token_offsets.size(),
+        " entries, expected num_tokens + 1 = ", num_tokens + 1);
   check(expert_offsets.front() == 0 && token_offsets.front() == 0, kWhere,
         "expert_offsets and token_offsets must start at 0");
   for (Index e = 0; e < num_experts; ++e) {

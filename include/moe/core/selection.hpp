@@ -28,12 +28,12 @@ struct Selection {
   Index num_tokens = 0;
   Index slots = 0;
   Index num_experts = 0;
-  std::vector<ExpertId> expert;  // [T, S]
-  std::vector<float> weight;     // [T, S]
-  std::vector<float> scores;     // [T, E]
-  Index dropped = 0;             // token-slots removed by a capacity limit
-  std::vector<float> scratch;        // router-private work space (no meaning between calls)
-  std::vector<ExpertId> scratch_ids; // router-private work space
+  std::vector<ExpertId> expert;       // [T, S]
+  std::vector<float> weight;          // [T, S]
+  std::vector<float> scores;          // [T, E]
+  Index dropped = 0;                  // token-slots removed by a capacity limit
+  std::vector<float> scratch;         // router-private work space (no meaning between calls)
+  std::vector<ExpertId> scratch_ids;  // router-private work space
 
   /// Sets the shape, marks every slot empty and clears `dropped`. Reuses capacity: no
   /// allocation once the largest shape has been seen.

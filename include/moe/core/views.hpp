@@ -34,8 +34,9 @@ struct MatrixView {
       : data(data_), rows(rows_), cols(cols_), row_stride(row_stride_) {}
   /// MatrixView<float> -> MatrixView<float const>.
   template <class U>
-    requires(std::is_const_v<T> && std::same_as<U const, T> && !std::is_const_v<U>)
-  constexpr MatrixView(MatrixView<U> other)  // NOLINT(google-explicit-constructor)
+  requires(std::is_const_v<T>&& std::same_as<U const, T> &&
+           !std::is_const_v<
+               U>) constexpr MatrixView(MatrixView<U> other)  // NOLINT(google-explicit-constructor)
       : data(other.data), rows(other.rows), cols(other.cols), row_stride(other.row_stride) {}
 
   constexpr T* row(Index i) const { return data + i * row_stride; }

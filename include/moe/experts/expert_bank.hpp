@@ -38,9 +38,9 @@ class ExpertBank {
   /// Zero-initialised weights. Preconditions: num_experts >= 0, d_model >= 1, d_ffn >= 1.
   ExpertBank(Index num_experts, Index d_model, Index d_ffn)
       : num_experts_(num_experts), d_model_(d_model), d_ffn_(d_ffn) {
-    detail::check(num_experts >= 0 && d_model >= 1 && d_ffn >= 1, "ExpertBank: num_experts = ",
-                  num_experts, ", d_model = ", d_model, ", d_ffn = ", d_ffn,
-                  "; sizes must be positive (num_experts may be 0)");
+    detail::check(num_experts >= 0 && d_model >= 1 && d_ffn >= 1,
+                  "ExpertBank: num_experts = ", num_experts, ", d_model = ", d_model,
+                  ", d_ffn = ", d_ffn, "; sizes must be positive (num_experts may be 0)");
     params_.assign(static_cast<std::size_t>(num_experts * (kInFactor + 1) * d_ffn * d_model), 0.0f);
   }
 
@@ -49,15 +49,13 @@ class ExpertBank {
   Index d_ffn() const { return d_ffn_; }
 
   MatrixView<float> in_proj(Index e) { return {in_ptr(e), kInFactor * d_ffn_, d_model_}; }
-  ConstMatrixView<float> in_proj(Index e) const { return {in_ptr(e), kInFactor * d_ffn_, d_model_}; }
-  MatrixView<float> gate_proj(Index e)
-    requires(Expert::gated)
-  {
+  ConstMatrixView<float> in_proj(Index e) const {
+    return {in_ptr(e), kInFactor * d_ffn_, d_model_};
+  }
+  MatrixView<float> gate_proj(Index e) requires(Expert::gated) {
     return {in_ptr(e), d_ffn_, d_model_};
   }
-  ConstMatrixView<float> gate_proj(Index e) const
-    requires(Expert::gated)
-  {
+  ConstMatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
     return {in_ptr(e), d_ffn_, d_model_};
   }
   MatrixView<float> up_proj(Index e) {

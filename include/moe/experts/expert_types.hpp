@@ -30,12 +30,12 @@ struct Mlp {
   static constexpr Activation activation = Act;
 };
 
-using SwiGlu = Glu<Activation::kSilu>;        ///< silu(W_gate x) * W_up x
-using GeGlu = Glu<Activation::kGeluTanh>;     ///< gelu_pytorch_tanh(W_gate x) * W_up x
-using GeGluErf = Glu<Activation::kGeluErf>;   ///< gelu(W_gate x) * W_up x (exact erf GELU)
-using ReluMlp = Mlp<Activation::kRelu>;       ///< W_down relu(W_up x)
-using GeluMlp = Mlp<Activation::kGeluErf>;    ///< W_down gelu(W_up x)
+using SwiGlu = Glu<Activation::kSilu>;           ///< silu(W_gate x) * W_up x
+using GeGlu = Glu<Activation::kGeluTanh>;        ///< gelu_pytorch_tanh(W_gate x) * W_up x
+using GeGluErf = Glu<Activation::kGeluErf>;      ///< gelu(W_gate x) * W_up x (exact erf GELU)
+using ReluMlp = Mlp<Activation::kRelu>;          ///< W_down relu(W_up x)
+using GeluMlp = Mlp<Activation::kGeluErf>;       ///< W_down gelu(W_up x)
 using GeluTanhMlp = Mlp<Activation::kGeluTanh>;  ///< W_down gelu_tanh(W_up x)
-using SiluMlp = Mlp<Activation::kSilu>;       ///< W_down silu(W_up x)
+using SiluMlp = Mlp<Activation::kSilu>;          ///< W_down silu(W_up x)
 
 }  // namespace moe::experts

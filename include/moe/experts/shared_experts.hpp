@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// Shared experts: experts every token goes through, ungated (DeepSeek) or sigmoid-gated (Qwen2-MoE).
+/// Shared experts: experts every token goes through, ungated (DeepSeek) or sigmoid-gated
+/// (Qwen2-MoE).
 #pragma once
 
 #include <span>

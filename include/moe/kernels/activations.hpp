@@ -17,17 +17,21 @@ namespace moe::kernels {
 /// |------------|---------------------------------|----------------------------------------------|
 /// | kSilu      | silu, swish                     | x * sigmoid(x)                               |
 /// | kGeluErf   | gelu                            | 0.5 x (1 + erf(x / sqrt 2))                  |
-/// | kGeluTanh  | gelu_pytorch_tanh, gelu_new     | 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) |
-/// | kRelu      | relu                            | max(0, x)                                    |
+/// | kGeluTanh  | gelu_pytorch_tanh, gelu_new     | 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+/// | | kRelu      | relu                            | max(0, x) |
 enum class Activation { kSilu, kGeluErf, kGeluTanh, kRelu };
 
 /// The Hugging Face name of an activation (the config.json `hidden_act` value).
 constexpr char const* to_string(Activation a) {
   switch (a) {
-    case Activation::kSilu: return "silu";
-    case Activation::kGeluErf: return "gelu";
-    case Activation::kGeluTanh: return "gelu_pytorch_tanh";
-    case Activation::kRelu: return "relu";
+    case Activation::kSilu:
+      return "silu";
+    case Activation::kGeluErf:
+      return "gelu";
+    case Activation::kGeluTanh:
+      return "gelu_pytorch_tanh";
+    case Activation::kRelu:
+      return "relu";
   }
   return "?";
 }
@@ -76,7 +80,8 @@ void activate(float const* in, float* out, Index n) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   Index i = 0;
-  for (; i + L <= n; i += L) detail::activate<A>(B::load_unaligned(in + i)).store_unaligned(out + i);
+  for (; i + L <= n; i += L)
+    detail::activate<A>(B::load_unaligned(in + i)).store_unaligned(out + i);
   for (; i < n; ++i) out[i] = detail::activate_scalar<A>(in[i]);
 }
 

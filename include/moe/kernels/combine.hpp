@@ -13,20 +13,20 @@ namespace moe::kernels {
 
 /// Arguments of combine_rows (plain pointers and sizes; see combine_rows for the formula).
 struct CombineParams {
-  float const* expert_out = nullptr;   // Y [R, cols], stride ld_expert_out
+  float const* expert_out = nullptr;  // Y [R, cols], stride ld_expert_out
   Index ld_expert_out = 0;
-  float const* row_weight = nullptr;   // [R]
+  float const* row_weight = nullptr;     // [R]
   Index const* token_offsets = nullptr;  // [T+1] (indexes token_rows)
   Index const* token_rows = nullptr;     // [R]
-  float const* shared_out = nullptr;   // S [num_shared, T, cols] (stride ld_shared, plane stride
-  Index ld_shared = 0;                 //   shared_plane), or null when there are no shared experts
+  float const* shared_out = nullptr;     // S [num_shared, T, cols] (stride ld_shared, plane stride
+  Index ld_shared = 0;  //   shared_plane), or null when there are no shared experts
   Index shared_plane = 0;
   Index num_shared = 0;
   float const* shared_gate = nullptr;  // [T, num_shared], or null for ungated shared experts
   Index token_begin = 0;               // tokens [token_begin, token_end) are written
   Index token_end = 0;
   Index cols = 0;
-  float* out = nullptr;                // y [T, cols], stride ld_out
+  float* out = nullptr;  // y [T, cols], stride ld_out
   Index ld_out = 0;
 };
 
@@ -49,8 +49,8 @@ void combine_rows(CombineParams const& p) {
       B acc(0.0f);
       for (Index j = j0; j < j1; ++j) {
         Index const r = p.token_rows[j];
-        acc = xsimd::fma(B(p.row_weight[r]), B::load_unaligned(p.expert_out + r * p.ld_expert_out + c),
-                         acc);
+        acc = xsimd::fma(B(p.row_weight[r]),
+                         B::load_unaligned(p.expert_out + r * p.ld_expert_out + c), acc);
       }
       for (Index s = 0; s < p.num_shared; ++s) {
         B const v = B::load_unaligned(p.shared_out + s * p.shared_plane + t * p.ld_shared + c);

@@ -31,7 +31,7 @@ inline void build_plan(Selection const& sel, RoutingPlan& plan) {
       ExpertId const e = ids[s];
       if (e < 0) continue;
       ::moe::detail::check(e < E, "build_plan: token ", t, " slot ", s, " names expert ", e,
-                    " but there are only ", E, " experts; the router produced a bad id");
+                           " but there are only ", E, " experts; the router produced a bad id");
       ++counts[e];
       ++used;
     }

@@ -39,14 +39,14 @@ struct ForwardOptions {
 /// largest batch (or after `MoeFfn::reserve`), a call allocates nothing. One workspace per
 /// concurrent caller; the layer itself is read-only during forward.
 struct MoeFfnWorkspace {
-  std::vector<float> logits;        ///< [T, E] router logits (after routing controls)
-  Selection selection;              ///< the router's choices and scores
-  RoutingPlan plan;                 ///< rows sorted by expert
-  std::vector<float> expert_out;    ///< [R, D] expert outputs, row r = E_{e(r)}(x[token(r)])
-  std::vector<float> shared_out;    ///< [S, T, D] shared-expert outputs
-  std::vector<float> shared_gate;   ///< [T, S] sigmoid gates of the shared experts
-  std::vector<float> scratch;       ///< per-thread gather + hidden buffers
-  double aux_loss = 0.0;            ///< the balance policy's loss for the last routed call
+  std::vector<float> logits;       ///< [T, E] router logits (after routing controls)
+  Selection selection;             ///< the router's choices and scores
+  RoutingPlan plan;                ///< rows sorted by expert
+  std::vector<float> expert_out;   ///< [R, D] expert outputs, row r = E_{e(r)}(x[token(r)])
+  std::vector<float> shared_out;   ///< [S, T, D] shared-expert outputs
+  std::vector<float> shared_gate;  ///< [T, S] sigmoid gates of the shared experts
+  std::vector<float> scratch;      ///< per-thread gather + hidden buffers
+  double aux_loss = 0.0;           ///< the balance policy's loss for the last routed call
 
   struct Item {
     Index expert;  // < E: routed expert; >= E: shared expert (expert - E)
@@ -156,8 +156,8 @@ class MoeFfn {
     ws.shared_out.reserve(static_cast<std::size_t>(ns * max_tokens * D));
     ws.shared_gate.reserve(static_cast<std::size_t>(ns * max_tokens));
     ws.scratch.reserve(static_cast<std::size_t>(threads * scratch_per_thread()));
-    ws.items.reserve(static_cast<std::size_t>(E + R / kTileRows + 1 +
-                                              ns * (max_tokens / kTileRows + 1)));
+    ws.items.reserve(
+        static_cast<std::size_t>(E + R / kTileRows + 1 + ns * (max_tokens / kTileRows + 1)));
   }
 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
@@ -261,7 +261,8 @@ class MoeFfn {
       }
     }
     for (Index s = 0; s < ns; ++s) {
-      for (Index t = 0; t < T; t += kTileRows) ws.items.push_back({E + s, t, std::min(t + kTileRows, T)});
+      for (Index t = 0; t < T; t += kTileRows)
+        ws.items.push_back({E + s, t, std::min(t + kTileRows, T)});
     }
     parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
       auto const item = ws.items[i];

@@ -41,10 +41,11 @@ struct Qwen2MoeConfig {
 using Qwen2Moe =
     MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, experts::GatedSharedExperts<experts::SwiGlu>>;
 inline Qwen2Moe make_qwen2_moe(Qwen2MoeConfig const& c = {}) {
-  return Qwen2Moe(c.hidden_size, c.moe_intermediate_size,
-                  routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f},
-                  experts::GatedSharedExperts<experts::SwiGlu>(1, c.hidden_size,
-                                                               c.shared_expert_intermediate_size));
+  return Qwen2Moe(
+      c.hidden_size, c.moe_intermediate_size,
+      routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f},
+      experts::GatedSharedExperts<experts::SwiGlu>(1, c.hidden_size,
+                                                   c.shared_expert_intermediate_size));
 }
 
 /// Qwen3-MoE (HF Qwen3MoeSparseMoeBlock): the Qwen2-MoE router without a shared expert.
@@ -59,8 +60,9 @@ struct Qwen3MoeConfig {
 };
 using Qwen3Moe = MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
 inline Qwen3Moe make_qwen3_moe(Qwen3MoeConfig const& c = {}) {
-  return Qwen3Moe(c.hidden_size, c.moe_intermediate_size,
-                  routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f});
+  return Qwen3Moe(
+      c.hidden_size, c.moe_intermediate_size,
+      routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f});
 }
 
 /// DeepSeek-V3 (official Gate + MoE; HF DeepseekV3MoE): sigmoid scores, selection-only bias,
@@ -106,8 +108,9 @@ struct OlmoeConfig {
 };
 using OlmoeMoe = MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
 inline OlmoeMoe make_olmoe(OlmoeConfig const& c = {}) {
-  return OlmoeMoe(c.hidden_size, c.intermediate_size,
-                  routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f});
+  return OlmoeMoe(
+      c.hidden_size, c.intermediate_size,
+      routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f});
 }
 
 }  // namespace moe::presets

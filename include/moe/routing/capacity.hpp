@@ -44,8 +44,7 @@ struct WithCapacity {
     detail::check(capacity_factor > 0.0f && std::isfinite(capacity_factor),
                   "WithCapacity: capacity_factor = ", capacity_factor,
                   "; it must be a positive number");
-    detail::check(min_capacity >= 0, "WithCapacity: min_capacity = ", min_capacity,
-                  " is negative");
+    detail::check(min_capacity >= 0, "WithCapacity: min_capacity = ", min_capacity, " is negative");
   }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     inner.select(logits, sel);

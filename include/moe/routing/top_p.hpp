@@ -25,7 +25,7 @@ namespace moe::routing {
 struct TopP {
   Index num_experts = 8;
   float threshold = 0.4f;
-  Index max_experts = 0;   ///< 0: no cap
+  Index max_experts = 0;  ///< 0: no cap
   bool normalize = false;
 
   Index expert_count() const { return num_experts; }

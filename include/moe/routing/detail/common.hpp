@@ -58,9 +58,10 @@ inline void weights_from_scores(Selection& sel, Index k, bool normalize, float e
 }
 
 inline void check_top_k(char const* who, Index num_experts, Index top_k) {
-  check(num_experts >= 1, who, ": num_experts = ", num_experts, "; a layer needs at least 1 expert");
-  check(top_k >= 1 && top_k <= num_experts, who, ": top_k = ", top_k, " with num_experts = ",
-        num_experts, "; top_k must be in [1, num_experts]");
+  check(num_experts >= 1, who, ": num_experts = ", num_experts,
+        "; a layer needs at least 1 expert");
+  check(top_k >= 1 && top_k <= num_experts, who, ": top_k = ", top_k,
+        " with num_experts = ", num_experts, "; top_k must be in [1, num_experts]");
 }
 
 }  // namespace detail
