@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// 00_quickstart: build a Qwen3-30B-A3B-shaped MoE feed-forward layer, run it, look at the routing.
+//
+// What it shows:
+//   - moe::presets::make_qwen3_moe(): D 2048, F 768, E 128 SwiGLU experts, top-8 with
+//     renormalised softmax weights (Qwen3 config.json), here with random weights;
+//   - MoeFfn::forward with a moe::ThreadPool and a reused MoeFfnWorkspace (once it has seen the
+//     batch size, moe's own buffers are reused; Eigen's GEMM still mallocs packing buffers);
+//   - moe::routing::routing_stats on ws.plan / ws.selection: per-expert load and its balance;
+//   - the cost of a call: 2*T*E*D FLOP for the router + 2*R*D*F*3 for the experts (R = T*K rows).
+// Why: it is the smallest complete use of the library, and its numbers are a first sanity check.
+// It is not a benchmark (one timed call; see bench/ for that).
+//
+// Command line:
+//   cmake --preset release && cmake --build build/release --target moe_quickstart
+//   ./build/release/examples/moe_quickstart            # Qwen3 shape, 512 tokens (2.4 GB weights)
+//   ./build/release/examples/moe_quickstart --small    # D 64, F 32, E 8, K 2, 16 tokens (ctest)
+// Exit status: 0 on success, 1 if the output has a non-finite value or moe reports an error,
+// 2 on a bad argument.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "moe/core/random.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/layers/presets.hpp"
+#include "moe/routing/stats.hpp"
+
+namespace {
+
+int run(bool small) {
+  moe::presets::Qwen3MoeConfig config;  // Qwen3-30B-A3B: D 2048, F 768, E 128, K 8
+  moe::Index T = 512;
+  if (small) {
+    config.hidden_size = 64;
+    config.moe_intermediate_size = 32;
+    config.num_experts = 8;
+    config.num_experts_per_tok = 2;
+    T = 16;
+  }
+  moe::Index const D = config.hidden_size, F = config.moe_intermediate_size;
+  moe::Index const E = config.num_experts, K = config.num_experts_per_tok;
+
+  // Random weights, uniform in [-1/sqrt(D), 1/sqrt(D)), from fixed seeds.
+  moe::presets::Qwen3Moe layer = moe::presets::make_qwen3_moe(config);
+  float const bound = 1.0f / std::sqrt(static_cast<float>(D));
+  moe::MatrixView<float> const w_r = layer.router_weight();  // [E, D]
+  moe::fill_uniform(std::span<float>(w_r.data, static_cast<std::size_t>(E * D)), -bound, bound, 1);
+  moe::fill_uniform(layer.experts().parameters(), -bound, bound, 2);
+
+  std::vector<float> x(static_cast<std::size_t>(T * D));  // [T, D] activations
+  std::vector<float> y(x.size());                         // [T, D] layer output
+  moe::fill_uniform(x, -1.0f, 1.0f, 3);
+
+  int const threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  moe::ThreadPool pool(threads);
+  moe::MoeFfnWorkspace ws;
+  layer.reserve(ws, T, threads);
+  moe::ForwardOptions opt;
+  opt.pool = &pool;
+
+  moe::ConstMatrixView<float> const xv(x.data(), T, D);
+  moe::MatrixView<float> const yv(y.data(), T, D);
+  layer.forward(xv, yv, ws, opt);  // warm-up (first touch of the workspace and the weights)
+  auto const t0 = std::chrono::steady_clock::now();
+  layer.forward(xv, yv, ws, opt);
+  auto const t1 = std::chrono::steady_clock::now();
+  double const seconds = std::chrono::duration<double>(t1 - t0).count();
+
+  std::printf(
+      "moe quickstart: Qwen3-MoE layer D %td, F %td, E %td, top-%td, %td tokens, %d "
+      "thread(s)\n",
+      D, F, E, K, T, threads);
+
+  moe::routing::RoutingStats const st = moe::routing::routing_stats(ws.plan, ws.selection);
+  std::printf("expert load:  min %td  max %td  mean %.2f rows  imbalance (max/mean) %.3f\n",
+              st.min_load, st.max_load, st.mean_load, st.imbalance);
+  std::printf("load entropy: %.4f nats of log E = %.4f (%.1f%%)\n", st.load_entropy,
+              std::log(static_cast<double>(E)),
+              100.0 * st.load_entropy / std::log(static_cast<double>(E)));
+
+  double const rows = static_cast<double>(ws.plan.num_rows());
+  double const flops =
+      2.0 * static_cast<double>(T * E * D) + rows * 2.0 * static_cast<double>(D * F) * 3.0;
+  std::printf(
+      "forward:      %.3f ms  %.0f tokens/s  %.2f GFLOP/s (router 2*T*E*D + experts "
+      "2*R*D*F*3, R = %.0f)\n",
+      seconds * 1e3, static_cast<double>(T) / seconds, flops / seconds * 1e-9, rows);
+
+  auto const bad = std::find_if(y.begin(), y.end(), [](float v) { return !std::isfinite(v); });
+  if (bad != y.end()) {
+    std::fprintf(stderr, "error: output element %td is %g (non-finite)\n", bad - y.begin(),
+                 static_cast<double>(*bad));
+    return 1;
+  }
+  double sum_sq = 0.0;
+  for (float v : y) sum_sq += static_cast<double>(v) * static_cast<double>(v);
+  std::printf("output:       all %zu values finite, rms %.4g\n", y.size(),
+              std::sqrt(sum_sq / static_cast<double>(y.size())));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool small = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--small") == 0) {
+      small = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--small]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    return run(small);
+  } catch (std::exception const& e) {  // moe::Error: a precondition failed (message says which)
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
