@@ -31,6 +31,13 @@ void ignore_free(void const volatile*) {}
     __sanitizer_install_malloc_and_free_hooks(count_malloc, ignore_free);
 }  // namespace
 #else
+// malloc itself (Eigen's aligned_malloc, C code) is counted through the linker's --wrap=malloc,
+// set for this binary in tests/CMakeLists.txt.
+extern "C" void* __real_malloc(std::size_t size);
+extern "C" void* __wrap_malloc(std::size_t size) {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
+  return __real_malloc(size);
+}
 // Replacing operator new is a whole-program decision: this TU lives in its own test binary.
 // GCC cannot see that these replacements pair malloc with free consistently.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -38,7 +45,7 @@ void ignore_free(void const volatile*) {}
 #endif
 void* operator new(std::size_t size) {
   if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
-  if (void* p = std::malloc(size ? size : 1)) return p;
+  if (void* p = __real_malloc(size ? size : 1)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t size) { return ::operator new(size); }

@@ -22,7 +22,8 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 using TokenChoice = std::vector<std::pair<int, double>>;
 using Routing = std::vector<TokenChoice>;
 
-inline std::vector<double> row(moe::ConstMatrixView<float> m, Index t) {
+template <class V>
+std::vector<double> row(moe::ConstMatrixView<V> m, Index t) {
   return std::vector<double>(m.row(t), m.row(t) + m.cols);
 }
 
@@ -55,8 +56,8 @@ inline void truncate(std::vector<int>& v, Index n) {
 }
 
 /// Softmax over all, top-k, optional renormalisation, scale (Qwen / OLMoE; Mixtral with renorm).
-inline Routing softmax_top_k(moe::ConstMatrixView<float> logits, int k, bool normalize,
-                             double scale) {
+template <class V>
+Routing softmax_top_k(moe::ConstMatrixView<V> logits, int k, bool normalize, double scale) {
   Routing out;
   for (Index t = 0; t < logits.rows; ++t) {
     auto z = row(logits, t);
@@ -74,9 +75,10 @@ inline Routing softmax_top_k(moe::ConstMatrixView<float> logits, int k, bool nor
 
 /// DeepSeek-V3 official Gate: sigmoid (or softmax), bias for selection, top-2-sum (or max) group
 /// scores, -inf masking of the groups not kept, weights from unbiased scores.
-inline Routing group_limited(moe::ConstMatrixView<float> logits, int k, int n_group, int topk_group,
-                             bool normalize, double scale, bool sigmoid_scores,
-                             std::vector<float> const& bias, bool top_two_sum) {
+template <class V>
+Routing group_limited(moe::ConstMatrixView<V> logits, int k, int n_group, int topk_group,
+                      bool normalize, double scale, bool sigmoid_scores,
+                      std::vector<float> const& bias, bool top_two_sum) {
   Routing out;
   Index const E = logits.cols;
   Index const gs = E / n_group;
@@ -118,7 +120,8 @@ inline Routing group_limited(moe::ConstMatrixView<float> logits, int k, int n_gr
 }
 
 /// Expert choice: each expert takes its C best tokens by softmax probability.
-inline Routing expert_choice(moe::ConstMatrixView<float> logits, Index capacity) {
+template <class V>
+Routing expert_choice(moe::ConstMatrixView<V> logits, Index capacity) {
   Index const T = logits.rows, E = logits.cols;
   std::vector<std::vector<double>> p;
   for (Index t = 0; t < T; ++t) p.push_back(softmax(row(logits, t)));
@@ -135,7 +138,8 @@ inline Routing expert_choice(moe::ConstMatrixView<float> logits, Index capacity)
 }
 
 /// Top-p: sorted probabilities until the cumulative sum passes the threshold.
-inline Routing top_p(moe::ConstMatrixView<float> logits, double threshold) {
+template <class V>
+Routing top_p(moe::ConstMatrixView<V> logits, double threshold) {
   Routing out;
   for (Index t = 0; t < logits.rows; ++t) {
     auto z = row(logits, t);
@@ -195,8 +199,8 @@ inline Routing with_capacity(Routing r, Index num_experts, Index capacity, bool 
 }
 
 /// At most one expert per group: each group's best expert, then the k best winners.
-inline Routing one_per_group(moe::ConstMatrixView<float> logits, int k, int n_group,
-                             bool normalize) {
+template <class V>
+Routing one_per_group(moe::ConstMatrixView<V> logits, int k, int n_group, bool normalize) {
   Routing out;
   Index const gs = logits.cols / n_group;
   for (Index t = 0; t < logits.rows; ++t) {

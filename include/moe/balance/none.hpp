@@ -8,9 +8,10 @@
 
 namespace moe::balance {
 
-/// No auxiliary loss: aux_loss = 0.
+/// No auxiliary loss: aux_loss = 0, no gradient.
 struct None {
   double aux_loss(BalanceInputs const&) const { return 0.0; }
+  void backward(BalanceInputs const&, BalanceGradients&) const {}
 };
 
 static_assert(BalancePolicy<None>);

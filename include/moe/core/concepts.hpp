@@ -7,6 +7,8 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
+#include <span>
 
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -28,6 +30,18 @@ concept RouterPolicy = requires(R const& r, ConstMatrixView<float> logits, Selec
   { r.slots_per_token() } -> std::convertible_to<Index>;
   { r.validate() } -> std::same_as<void>;
   { r.select(logits, sel) } -> std::same_as<void>;
+};
+
+/// A routing policy that can be trained: it also provides the vector-Jacobian product
+///   r.backward(logits, sel, dweight, dscores, dlogits)
+/// with dweight [T, S] = dL/d(weight of each slot), dscores [T, E] = extra dL/dscores on entry
+/// (Default MoE, balance losses; the policy adds its own terms), dlogits [T, E] = dL/dlogits out.
+/// Selection itself (which experts) is not differentiable; only the weights are.
+template <class R>
+concept TrainableRouterPolicy = RouterPolicy<R> &&
+    requires(R const& r, ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+             MatrixView<float> m) {
+  { r.backward(logits, sel, dweight, m, m) } -> std::same_as<void>;
 };
 
 /// An expert policy says what one expert computes.
@@ -56,18 +70,37 @@ concept SharedExpertPolicy = requires(S const& s) {
 });
 
 /// What a balance policy sees after routing (read-only): logits [T, E] (after routing controls),
-/// the Selection (scores [T, E] and choices) and the RoutingPlan.
+/// the Selection (scores [T, E] and choices), the RoutingPlan, and, in training, the expert
+/// outputs [R, D] (row r = E_{e(r)}(x_token(r)), unweighted) and an optional token mask [T]
+/// (1 = real token, 0 = padding; empty = all real).
 struct BalanceInputs {
   ConstMatrixView<float> logits;
   Selection const& selection;
   RoutingPlan const& plan;
+  ConstMatrixView<float> expert_out = {};
+  std::span<std::uint8_t const> token_mask = {};
 };
 
-/// A load-balancing policy: `b.aux_loss(inputs)` returns the auxiliary loss of this forward
-/// (0 for balance::None). Gradients and bias updates arrive with the training API.
+/// Where a balance policy adds the gradient of its loss: dL/dscores [T, E] (through the router's
+/// score function), dL/dlogits [T, E] (directly on the logits, e.g. the z-loss) and
+/// dL/d(expert outputs) [R, D] (e.g. the orthogonality loss). All are accumulated into.
+struct BalanceGradients {
+  MatrixView<float> dscores;
+  MatrixView<float> dlogits;
+  MatrixView<float> dexpert_out;
+};
+
+/// A load-balancing policy:
+/// - `b.aux_loss(inputs)`: the value of its loss for this forward (0 for balance::None), with its
+///   coefficient applied;
+/// - `b.backward(inputs, grads)`: adds the gradient of that value (see BalanceGradients).
+/// Optional, detected by the layer: `b.observe(inputs)` after every training forward (stateful
+/// policies: counts over a step), `b.end_step(router)` when the trainer calls
+/// MoeFfn::end_step (bias updates, window resets).
 template <class B>
-concept BalancePolicy = requires(B const& b, BalanceInputs const& in) {
+concept BalancePolicy = requires(B const& b, BalanceInputs const& in, BalanceGradients& g) {
   { b.aux_loss(in) } -> std::convertible_to<double>;
+  { b.backward(in, g) } -> std::same_as<void>;
 };
 
 }  // namespace moe

@@ -28,12 +28,13 @@ struct Selection {
   Index num_tokens = 0;
   Index slots = 0;
   Index num_experts = 0;
-  std::vector<ExpertId> expert;       // [T, S]
-  std::vector<float> weight;          // [T, S]
-  std::vector<float> scores;          // [T, E]
-  Index dropped = 0;                  // token-slots removed by a capacity limit
-  std::vector<float> scratch;         // router-private work space (no meaning between calls)
-  std::vector<ExpertId> scratch_ids;  // router-private work space
+  std::vector<ExpertId> expert;          // [T, S]
+  std::vector<float> weight;             // [T, S]
+  std::vector<float> scores;             // [T, E]
+  Index dropped = 0;                     // token-slots removed by a capacity limit
+  std::vector<ExpertId> dropped_expert;  // [T, S] expert a dropped slot had, else -1 (or empty)
+  std::vector<float> scratch;            // router-private work space (no meaning between calls)
+  std::vector<ExpertId> scratch_ids;     // router-private work space
 
   /// Sets the shape, marks every slot empty and clears `dropped`. Reuses capacity: no
   /// allocation once the largest shape has been seen.
@@ -45,6 +46,12 @@ struct Selection {
     weight.assign(static_cast<std::size_t>(num_tokens * slots), 0.0f);
     scores.resize(static_cast<std::size_t>(num_tokens * num_experts));
     dropped = 0;
+    dropped_expert.clear();
+  }
+  /// The expert slot i was routed to before any capacity drop (-1 for an empty slot): what the
+  /// routing weights were computed from, and so what a backward pass differentiates.
+  ExpertId chosen_expert(Index i) const {
+    return expert[i] >= 0 || dropped_expert.empty() ? expert[i] : dropped_expert[i];
   }
   ExpertId* expert_row(Index t) { return expert.data() + t * slots; }
   float* weight_row(Index t) { return weight.data() + t * slots; }

@@ -4,6 +4,7 @@
 /// ExpertBank: the weights of E experts of one policy, and the routine that runs one of them.
 #pragma once
 
+#include <algorithm>
 #include <span>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/gemm_packed.hpp"
 
 namespace moe::experts {
 
@@ -27,7 +29,8 @@ namespace moe::experts {
 ///
 /// `parameters()` is every weight as one flat array (all in_proj blocks, then all down_proj
 /// blocks), for optimizers and loaders. A bank is a value type: copying it copies the weights.
-/// run() is const and thread-safe for distinct output buffers.
+/// run() is const and thread-safe for distinct output buffers. The backward pass (backward_rows,
+/// accumulate_*_grad) uses Eigen's GEMM, which allocates its own packing buffers.
 template <ExpertPolicy Expert_>
 class ExpertBank {
  public:
@@ -70,28 +73,89 @@ class ExpertBank {
   std::span<float> parameters() { return params_; }
   std::span<float const> parameters() const { return params_; }
 
-  /// Floats of scratch that run() needs for n rows: n * P.
-  Index scratch_size(Index rows) const { return rows * kInFactor * d_ffn_; }
+  /// Floats of scratch that run() needs for n rows: n * P plus one packed weight panel.
+  Index scratch_size(Index rows) const { return rows * hidden_cols() + panel_scratch_size(); }
+  /// Floats of packed-panel scratch the projections need (kernels::project_cols).
+  Index panel_scratch_size() const {
+    return kernels::panel_scratch_size(std::max(d_model_, d_ffn_));
+  }
+  /// P: columns of the pre-activation h (2F for GLU experts, F for MLPs).
+  Index hidden_cols() const { return kInFactor * d_ffn_; }
 
-  /// out[i] = E_e(x[i]) for the n = x.rows rows of x [n, D] into out [n, D].
-  /// `scratch` holds scratch_size(n) floats. Computed with Eigen's GEMM (single-threaded; the
-  /// result depends only on the inputs and n, never on the calling thread).
+  /// out[i] = E_e(x[i]) for the n = x.rows rows of x [n, D] into out [n, D], single-threaded.
+  /// `scratch` holds scratch_size(n) floats. Projections go through kernels::project_cols, so the
+  /// result depends only on the inputs and n (bitwise), and nothing is allocated.
   void run(Index e, ConstMatrixView<float> x, MatrixView<float> out, float* scratch) const {
     Index const n = x.rows;
     if (n == 0) return;
-    Index const P = kInFactor * d_ffn_;
-    MatrixView<float> h(scratch, n, P);
-    as_eigen(h).noalias() = as_eigen(x) * as_eigen(in_proj(e)).transpose();
+    float* panel = scratch + n * hidden_cols();
+    MatrixView<float> h(scratch, n, hidden_cols());
+    project_in(e, x, 0, hidden_cols(), h, panel);
+    for (Index i = 0; i < n; ++i) activate_row(h.row(i), h.row(i));  // in place: m in h[:, :F]
+    project_down(e, ConstMatrixView<float>(scratch, n, d_ffn_, hidden_cols()), 0, d_model_, out,
+                 panel);
+  }
+
+  /// h[:, c0:c1] = x W_in[c0:c1]^T (pre-activations; `panel` holds panel_scratch_size() floats).
+  void project_in(Index e, ConstMatrixView<float> x, Index c0, Index c1, MatrixView<float> h,
+                  float* panel) const {
+    kernels::project_cols(x.data, x.row_stride, x.rows, in_ptr(e), d_model_, d_model_, c0, c1,
+                          h.data, h.row_stride, panel);
+  }
+  /// out[:, c0:c1] = m W_down[c0:c1]^T for m [n, F].
+  void project_down(Index e, ConstMatrixView<float> m, Index c0, Index c1, MatrixView<float> out,
+                    float* panel) const {
+    kernels::project_cols(m.data, m.row_stride, m.rows, down_ptr(e), d_ffn_, d_ffn_, c0, c1,
+                          out.data, out.row_stride, panel);
+  }
+  /// m[0:F] = act(h[0:F]) * h[F:2F] (GLU) or act(h[0:F]); m may be h.
+  void activate_row(float const* h, float* m) const {
+    if constexpr (Expert::gated) {
+      kernels::glu<Expert::activation>(h, h + d_ffn_, m, d_ffn_);
+    } else {
+      kernels::activate<Expert::activation>(h, m, d_ffn_);
+    }
+  }
+
+  /// Row phase of the backward of expert e over n rows, given the forward's h [n, P] and the
+  /// upstream gradient dy [n, D] of the expert outputs:
+  ///   dm = dy W_down [n, F];  (m, dh) from h and dm;  dx = dh W_in [n, D]
+  /// Writes m [n, F] (recomputed), dh [n, P] and dx [n, D]; `scratch` holds n * F floats.
+  void backward_rows(Index e, ConstMatrixView<float> h, ConstMatrixView<float> dy,
+                     MatrixView<float> m, MatrixView<float> dh, MatrixView<float> dx,
+                     float* scratch) const {
+    Index const n = h.rows, F = d_ffn_;
+    if (n == 0) return;
+    MatrixView<float> dm(scratch, n, F);
+    as_eigen(dm).noalias() = as_eigen(dy) * as_eigen(down_proj(e));
     for (Index i = 0; i < n; ++i) {
-      float* row = h.row(i);
+      float const* hi = h.row(i);
       if constexpr (Expert::gated) {
-        kernels::glu<Expert::activation>(row, row + d_ffn_, row, d_ffn_);
+        kernels::glu_backward<Expert::activation>(hi, hi + F, dm.row(i), m.row(i), dh.row(i),
+                                                  dh.row(i) + F, F);
       } else {
-        kernels::activate<Expert::activation>(row, row, d_ffn_);
+        kernels::activate_backward<Expert::activation>(hi, dm.row(i), m.row(i), dh.row(i), F);
       }
     }
-    ConstMatrixView<float> a(scratch, n, d_ffn_, P);  // act(gate) * up, in the gate half of h
-    as_eigen(out).noalias() = as_eigen(a) * as_eigen(down_proj(e)).transpose();
+    as_eigen(dx).noalias() = as_eigen(ConstMatrixView<float>(dh)) * as_eigen(in_proj(e));
+  }
+
+  /// Weight phase of the backward for rows [r0, r1) of grad.in_proj(e) (r in [0, P)):
+  ///   grad.in_proj(e)[r0:r1] += dh[:, r0:r1]^T x
+  static void accumulate_in_grad(ConstMatrixView<float> x, ConstMatrixView<float> dh, Index r0,
+                                 Index r1, MatrixView<float> grad_in) {
+    if (x.rows == 0 || r1 <= r0) return;
+    ConstMatrixView<float> dh_cols(dh.data + r0, dh.rows, r1 - r0, dh.row_stride);
+    as_eigen(grad_in.middle_rows(r0, r1 - r0)).noalias() +=
+        as_eigen(dh_cols).transpose() * as_eigen(x);
+  }
+  /// grad.down_proj(e)[r0:r1] += dy[:, r0:r1]^T m   (r in [0, D)).
+  static void accumulate_down_grad(ConstMatrixView<float> m, ConstMatrixView<float> dy, Index r0,
+                                   Index r1, MatrixView<float> grad_down) {
+    if (m.rows == 0 || r1 <= r0) return;
+    ConstMatrixView<float> dy_cols(dy.data + r0, dy.rows, r1 - r0, dy.row_stride);
+    as_eigen(grad_down.middle_rows(r0, r1 - r0)).noalias() +=
+        as_eigen(dy_cols).transpose() * as_eigen(m);
   }
 
  private:

@@ -41,6 +41,7 @@ namespace detail {
 inline constexpr float kSqrtHalf = 0.70710678118654752440f;
 inline constexpr float kSqrtTwoOverPi = 0.79788456080286535588f;
 inline constexpr float kGeluCubic = 0.044715f;
+inline constexpr float kInvSqrtTwoPi = 0.39894228040143267794f;
 
 /// act(x) on one batch. SiLU is x / (1 + exp(-x)): overflow-safe (exp(-x) = inf gives -0).
 template <Activation A, class B>
@@ -72,6 +73,43 @@ MOE_ALWAYS_INLINE float activate_scalar(float x) {
   }
 }
 
+/// act'(x) on one batch (ALGORITHMS.md section 6).
+template <Activation A, class B>
+MOE_ALWAYS_INLINE B activate_grad(B const& x) {
+  if constexpr (A == Activation::kSilu) {
+    B const s = B(1.0f) / (B(1.0f) + xsimd::exp(-x));
+    return s * (B(1.0f) + x * (B(1.0f) - s));
+  } else if constexpr (A == Activation::kGeluErf) {
+    B const cdf = B(0.5f) * (B(1.0f) + xsimd::erf(x * B(kSqrtHalf)));
+    B const pdf = B(kInvSqrtTwoPi) * xsimd::exp(B(-0.5f) * x * x);
+    return cdf + x * pdf;
+  } else if constexpr (A == Activation::kGeluTanh) {
+    B const t = xsimd::tanh(B(kSqrtTwoOverPi) * xsimd::fma(B(kGeluCubic) * x * x, x, x));
+    B const dinner = B(kSqrtTwoOverPi) * xsimd::fma(B(3.0f * kGeluCubic) * x, x, B(1.0f));
+    return B(0.5f) * (B(1.0f) + t) + B(0.5f) * x * (B(1.0f) - t * t) * dinner;
+  } else {
+    return xsimd::select(x > B(0.0f), B(1.0f), B(0.0f));
+  }
+}
+
+template <Activation A>
+MOE_ALWAYS_INLINE float activate_grad_scalar(float x) {
+  if constexpr (A == Activation::kSilu) {
+    float const s = 1.0f / (1.0f + std::exp(-x));
+    return s * (1.0f + x * (1.0f - s));
+  } else if constexpr (A == Activation::kGeluErf) {
+    float const cdf = 0.5f * (1.0f + std::erf(x * kSqrtHalf));
+    float const pdf = kInvSqrtTwoPi * std::exp(-0.5f * x * x);
+    return cdf + x * pdf;
+  } else if constexpr (A == Activation::kGeluTanh) {
+    float const t = std::tanh(kSqrtTwoOverPi * std::fma(kGeluCubic * x * x, x, x));
+    float const dinner = kSqrtTwoOverPi * std::fma(3.0f * kGeluCubic * x, x, 1.0f);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+  } else {
+    return x > 0.0f ? 1.0f : 0.0f;
+  }
+}
+
 }  // namespace detail
 
 /// out[i] = act(in[i]) for i in [0, n). out may alias in.
@@ -97,6 +135,51 @@ void glu(float const* gate, float const* up, float* out, Index n) {
         .store_unaligned(out + i);
   }
   for (; i < n; ++i) out[i] = detail::activate_scalar<A>(gate[i]) * up[i];
+}
+
+/// Backward of activate: a[i] = act(h[i]) and dh[i] = da[i] * act'(h[i]) for i in [0, n).
+/// a may be null (not stored). dh may alias da.
+template <Activation A, class Arch = simd::DefaultArch>
+void activate_backward(float const* h, float const* da, float* a, float* dh, Index n) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  Index i = 0;
+  for (; i + L <= n; i += L) {
+    B const x = B::load_unaligned(h + i);
+    if (a) detail::activate<A>(x).store_unaligned(a + i);
+    (B::load_unaligned(da + i) * detail::activate_grad<A>(x)).store_unaligned(dh + i);
+  }
+  for (; i < n; ++i) {
+    if (a) a[i] = detail::activate_scalar<A>(h[i]);
+    dh[i] = da[i] * detail::activate_grad_scalar<A>(h[i]);
+  }
+}
+
+/// Backward of glu (m = act(g) * u): for i in [0, n)
+///   m[i] = act(g[i]) * u[i]   (stored when m is not null)
+///   dg[i] = dm[i] * u[i] * act'(g[i]),   du[i] = dm[i] * act(g[i]).
+/// dg, du and m must not alias each other or the inputs.
+template <Activation A, class Arch = simd::DefaultArch>
+void glu_backward(float const* g, float const* u, float const* dm, float* m, float* dg, float* du,
+                  Index n) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  Index i = 0;
+  for (; i + L <= n; i += L) {
+    B const x = B::load_unaligned(g + i);
+    B const up = B::load_unaligned(u + i);
+    B const d = B::load_unaligned(dm + i);
+    B const act = detail::activate<A>(x);
+    if (m) (act * up).store_unaligned(m + i);
+    (d * up * detail::activate_grad<A>(x)).store_unaligned(dg + i);
+    (d * act).store_unaligned(du + i);
+  }
+  for (; i < n; ++i) {
+    float const act = detail::activate_scalar<A>(g[i]);
+    if (m) m[i] = act * u[i];
+    dg[i] = dm[i] * u[i] * detail::activate_grad_scalar<A>(g[i]);
+    du[i] = dm[i] * act;
+  }
 }
 
 }  // namespace moe::kernels

@@ -15,7 +15,7 @@ namespace moe::kernels {
 struct CombineParams {
   float const* expert_out = nullptr;  // Y [R, cols], stride ld_expert_out
   Index ld_expert_out = 0;
-  float const* row_weight = nullptr;     // [R]
+  float const* row_weight = nullptr;     // [R], or null for weight 1 (the dispatch VJP)
   Index const* token_offsets = nullptr;  // [T+1] (indexes token_rows)
   Index const* token_rows = nullptr;     // [R]
   float const* shared_out = nullptr;     // S [num_shared, T, cols] (stride ld_shared, plane stride
@@ -31,7 +31,7 @@ struct CombineParams {
 };
 
 /// For t in [token_begin, token_end):
-///   y[t] = sum_{j in token's rows, in order} row_weight[r_j] * Y[r_j]
+///   y[t] = sum_{j in token's rows, in order} row_weight[r_j] * Y[r_j]     (weight 1 if null)
 ///        + sum_{s < num_shared} g[t, s] * S[s, t]          (g = 1 when shared_gate is null)
 /// The terms are accumulated left to right in exactly this order, so the result is independent
 /// of how tokens are split across threads. A token with no rows and no shared experts gets 0.
@@ -49,8 +49,8 @@ void combine_rows(CombineParams const& p) {
       B acc(0.0f);
       for (Index j = j0; j < j1; ++j) {
         Index const r = p.token_rows[j];
-        acc = xsimd::fma(B(p.row_weight[r]),
-                         B::load_unaligned(p.expert_out + r * p.ld_expert_out + c), acc);
+        B const v = B::load_unaligned(p.expert_out + r * p.ld_expert_out + c);
+        acc = p.row_weight ? xsimd::fma(B(p.row_weight[r]), v, acc) : acc + v;
       }
       for (Index s = 0; s < p.num_shared; ++s) {
         B const v = B::load_unaligned(p.shared_out + s * p.shared_plane + t * p.ld_shared + c);
@@ -62,7 +62,8 @@ void combine_rows(CombineParams const& p) {
       float acc = 0.0f;
       for (Index j = j0; j < j1; ++j) {
         Index const r = p.token_rows[j];
-        acc = std::fma(p.row_weight[r], p.expert_out[r * p.ld_expert_out + c], acc);
+        float const v = p.expert_out[r * p.ld_expert_out + c];
+        acc = p.row_weight ? std::fma(p.row_weight[r], v, acc) : acc + v;
       }
       for (Index s = 0; s < p.num_shared; ++s) {
         float const v = p.shared_out[s * p.shared_plane + t * p.ld_shared + c];

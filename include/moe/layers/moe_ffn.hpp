@@ -14,6 +14,7 @@
 #include "moe/core/concepts.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -22,6 +23,7 @@
 #include "moe/experts/shared_experts.hpp"
 #include "moe/kernels/combine.hpp"
 #include "moe/kernels/gather.hpp"
+#include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
 #include "moe/routing/controls.hpp"
@@ -32,28 +34,78 @@ namespace moe {
 struct ForwardOptions {
   routing::RoutingControls const* controls = nullptr;  ///< inference-time steering / masking
   ThreadPool* pool = nullptr;                          ///< null: run on the calling thread
+  std::span<std::uint8_t const> token_mask = {};       ///< [T] 1 = real, 0 = padding (balance)
+};
+
+/// Default MoE (Panda et al., "Dense Backpropagation Improves Training for Sparse MoE"): a
+/// per-expert EMA d_i of expert outputs stands in for the experts a token did not select, so the
+/// router gets a gradient from every expert:
+///   D_t = sum_{i not in A_t} p_{t,i} d_i          (p: the router's scores)
+///   kForward:  y_t = S_t + D_t;     kGradOnly: y_t = S_t (value), gradient as if + D_t
+///   dL/dp_{t,i} += <dy_t, d_i> for unselected i;  d gets no gradient, experts none through D.
+/// After each training forward: d_i <- decay d_i + (1 - decay) mean_{rows of i} E_i(x) for every
+/// expert with at least one row; an expert with no rows keeps its d_i. No effect at inference.
+/// (ALGORITHMS.md section 1; the defaults follow the precursor code: kGradOnly; decay 0.95 as in
+/// the LibMoE reimplementation, since the paper's value was not available.)
+struct DefaultMoe {
+  enum class Mode { kGradOnly, kForward };
+  bool enabled = false;
+  float decay = 0.95f;
+  Mode mode = Mode::kGradOnly;
 };
 
 /// Everything one MoeFfn call writes besides its output: router logits, the Selection, the
-/// RoutingPlan, expert outputs and per-thread scratch. Reused across calls: once it has seen the
-/// largest batch (or after `MoeFfn::reserve`), a call allocates nothing. One workspace per
-/// concurrent caller; the layer itself is read-only during forward.
+/// RoutingPlan, expert inputs, hidden activations and outputs, and per-thread panel scratch.
+/// Reused across calls: once it has seen the largest batch (or after `MoeFfn::reserve`), a
+/// forward allocates nothing. One workspace per concurrent caller; the layer itself is read-only
+/// during forward. A training forward (`forward_train`) also keeps here what `backward` needs.
 struct MoeFfnWorkspace {
-  std::vector<float> logits;       ///< [T, E] router logits (after routing controls)
-  Selection selection;             ///< the router's choices and scores
-  RoutingPlan plan;                ///< rows sorted by expert
-  std::vector<float> expert_out;   ///< [R, D] expert outputs, row r = E_{e(r)}(x[token(r)])
-  std::vector<float> shared_out;   ///< [S, T, D] shared-expert outputs
-  std::vector<float> shared_gate;  ///< [T, S] sigmoid gates of the shared experts
-  std::vector<float> scratch;      ///< per-thread gather + hidden buffers
-  double aux_loss = 0.0;           ///< the balance policy's loss for the last routed call
+  std::vector<float> logits;         ///< [T, E] router logits (after routing controls)
+  Selection selection;               ///< the router's choices and scores
+  RoutingPlan plan;                  ///< rows sorted by expert
+  std::vector<float> x_rows;         ///< [R, D] gathered inputs of the routed rows
+  std::vector<float> hidden;         ///< [R, P] pre-activations (m in place, inference)
+  std::vector<float> act;            ///< [R, F] activations m (training)
+  std::vector<float> expert_out;     ///< [R, D] expert outputs, row r = E_{e(r)}(x[token(r)])
+  std::vector<float> shared_hidden;  ///< [S*T, P_shared]
+  std::vector<float> shared_act;     ///< [S*T, F_shared] (training)
+  std::vector<float> shared_out;     ///< [S*T, D] shared-expert outputs
+  std::vector<float> shared_gate;    ///< [T, S] sigmoid gates of the shared experts
+  std::vector<float> panels;         ///< per-thread packed weight panels
+  double aux_loss = 0.0;             ///< the balance policy's loss for the last routed call
 
-  struct Item {
-    Index expert;  // < E: routed expert; >= E: shared expert (expert - E)
-    Index begin;   // routed: plan rows; shared: tokens
-    Index end;
+  /// One projection C = A W^T over some output columns, a unit of parallel work.
+  struct Job {
+    float const* a;
+    Index lda, rows;
+    float const* w;
+    Index depth;
+    float* c;
+    Index ldc;
   };
+  struct Item {
+    Index job, col_begin, col_end;
+  };
+  std::vector<Job> jobs;
   std::vector<Item> items;
+
+  // Training only (filled by forward_train, read by backward).
+  std::vector<float> x;                  ///< [T, D] copy of the input
+  std::vector<float> defaults;           ///< [E, D] Default-MoE outputs used by this forward
+  std::vector<std::uint8_t> token_mask;  ///< [T] or empty
+  std::vector<float> d_rows;             ///< [R, D] dL/d(expert outputs)
+  std::vector<float> dx_rows;            ///< [R, D]
+  std::vector<float> dhidden;            ///< [R, P]
+  std::vector<float> shared_dy;          ///< [S*T, D]
+  std::vector<float> shared_dx;          ///< [S*T, D]
+  std::vector<float> shared_dhidden;     ///< [S*T, P_shared]
+  std::vector<float> dweight;            ///< [T, slots] dL/d(slot weights)
+  std::vector<float> dscores;            ///< [T, E]
+  std::vector<float> dlogits;            ///< [T, E]
+  std::vector<float> dlogits_extra;      ///< [T, E] balance terms on the logits
+  std::vector<float> dgate;              ///< [T, S] dL/d(shared gate logits)
+  std::vector<float> bwd_scratch;        ///< per-thread [tile, F] buffers
+  bool trained = false;                  ///< set by forward_train, cleared by backward
 
   ConstMatrixView<float> logits_view() const {
     return {logits.data(), selection.num_tokens, selection.num_experts};
@@ -69,7 +121,7 @@ struct MoeFfnWorkspace {
 /// \tparam Router_  a RouterPolicy (SoftmaxTopK, TopKSoftmax, GroupLimitedTopK, ExpertChoice, ...)
 /// \tparam Expert_  an ExpertPolicy (SwiGlu, GeGlu, ReluMlp, ...), used by every routed expert
 /// \tparam Shared_  a SharedExpertPolicy (NoSharedExperts, SharedExperts<X, gated>)
-/// \tparam Balance_ a BalancePolicy (balance::None)
+/// \tparam Balance_ a BalancePolicy (balance::None, balance::SwitchAux, ...)
 ///
 /// | tensor            | shape   |                                                    |
 /// |-------------------|---------|----------------------------------------------------|
@@ -81,8 +133,11 @@ struct MoeFfnWorkspace {
 /// the router's configuration valid, router logits finite (NaN or Inf in x or W_r is reported
 /// with the offending token). Sizes are run-time values; only the policies are types.
 /// Threads: forward is const; results are bitwise identical for any pool size and from run to run
-/// (work items are fixed tiles, each reduced in a fixed order). Cost: 2*T*E*D for the router plus
-/// 2*R*D*F*(gated ? 3 : 2) for the experts, R = routed rows.
+/// (each output element is computed by one work item in a fixed order). Cost: 2*T*E*D for the
+/// router plus 2*R*D*F*(gated ? 3 : 2) for the experts, R = routed rows.
+///
+/// Training: `forward_train` keeps what `backward(ws, dy, dx, grads)` needs in the workspace;
+/// backward returns dx and accumulates into Gradients, laid out like `parameters()`.
 template <RouterPolicy Router_, ExpertPolicy Expert_,
           SharedExpertPolicy Shared_ = experts::NoSharedExperts,
           BalancePolicy Balance_ = balance::None>
@@ -94,8 +149,27 @@ class MoeFfn {
   using Balance = Balance_;
   using Bank = experts::ExpertBank<Expert>;
 
-  /// Rows per expert work item; fixed so that results never depend on the thread count.
+  /// Rows per gather / activation / combine work item (row-independent work: any value works).
   static constexpr Index kTileRows = 64;
+
+  /// Gradients of every parameter, each buffer shaped like its parameter. `groups()` lists them
+  /// in the order of MoeFfn::parameters().
+  struct Gradients {
+    std::vector<float> router_weight;  ///< [E, D]
+    Bank experts;                      ///< same shapes as the layer's experts
+    Shared shared;                     ///< same shapes as the layer's shared experts
+    void zero() {
+      std::fill(router_weight.begin(), router_weight.end(), 0.0f);
+      std::fill(experts.parameters().begin(), experts.parameters().end(), 0.0f);
+      if constexpr (Shared::has_experts) {
+        auto p = shared.bank().parameters();
+        std::fill(p.begin(), p.end(), 0.0f);
+        auto g = shared.gate_weight();
+        std::fill(g.data, g.data + g.rows * g.cols, 0.0f);
+      }
+    }
+    ParameterList groups() { return list_parameters(router_weight, experts, shared); }
+  };
 
   MoeFfn() = default;
   /// A layer with zero weights. Throws moe::Error if the router is invalid or the sizes disagree.
@@ -110,6 +184,7 @@ class MoeFfn {
                   "; both must be >= 1");
     bank_ = Bank(E, d_model, d_ffn);
     router_weight_.assign(static_cast<std::size_t>(E * d_model), 0.0f);
+    defaults_.assign(static_cast<std::size_t>(E * d_model), 0.0f);
     if constexpr (Shared::has_experts) {
       detail::check(shared_.count() == 0 || shared_.bank().d_model() == d_model,
                     "MoeFfn: shared experts have d_model = ", shared_.bank().d_model(),
@@ -134,30 +209,60 @@ class MoeFfn {
   ConstMatrixView<float> router_weight() const {
     return {router_weight_.data(), num_experts(), d_model_};
   }
+  /// Default-MoE configuration (off by default) and its EMA state d [E, D].
+  DefaultMoe& default_moe() { return default_moe_; }
+  DefaultMoe const& default_moe() const { return default_moe_; }
+  MatrixView<float> default_outputs() { return {defaults_.data(), num_experts(), d_model_}; }
 
-  /// Grows `ws` for batches of up to max_tokens tokens and `threads` threads, so that later calls
-  /// allocate nothing.
+  /// Every trainable parameter as named flat buffers: "router.weight", "experts" (all in_proj
+  /// blocks then all down_proj blocks, see ExpertBank), and with shared experts
+  /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
+  /// buffers, not parameters.
+  ParameterList parameters() { return list_parameters(router_weight_, bank_, shared_); }
+
+  /// Zero gradients shaped like this layer's parameters.
+  Gradients make_gradients() const {
+    Gradients g;
+    g.router_weight.assign(router_weight_.size(), 0.0f);
+    g.experts = Bank(num_experts(), d_model_, d_ffn());
+    if constexpr (Shared::has_experts) {
+      g.shared = Shared(shared_.count(), d_model_, shared_.bank().d_ffn());
+    }
+    return g;
+  }
+
+  /// Grows `ws` for batches of up to max_tokens tokens and `threads` threads, so that later
+  /// forwards allocate nothing.
   void reserve(MoeFfnWorkspace& ws, Index max_tokens, int threads = 1) const {
     Index const E = num_experts(), S = router_.slots_per_token(), D = d_model_;
-    Index const R = max_tokens * S;
-    ws.logits.reserve(static_cast<std::size_t>(max_tokens * E));
-    ws.selection.expert.reserve(static_cast<std::size_t>(R));
-    ws.selection.weight.reserve(static_cast<std::size_t>(R));
-    ws.selection.scores.reserve(static_cast<std::size_t>(max_tokens * E));
-    ws.selection.scratch.reserve(static_cast<std::size_t>(max_tokens * E + R + 2 * E + max_tokens));
-    ws.selection.scratch_ids.reserve(static_cast<std::size_t>(max_tokens + 2 * E));
-    ws.plan.expert_offsets.reserve(static_cast<std::size_t>(E + 1));
-    ws.plan.token_offsets.reserve(static_cast<std::size_t>(max_tokens + 1));
-    ws.plan.row_token.reserve(static_cast<std::size_t>(R));
-    ws.plan.row_weight.reserve(static_cast<std::size_t>(R));
-    ws.plan.token_rows.reserve(static_cast<std::size_t>(R));
-    ws.expert_out.reserve(static_cast<std::size_t>(R * D));
-    Index const ns = shared_.count();
-    ws.shared_out.reserve(static_cast<std::size_t>(ns * max_tokens * D));
-    ws.shared_gate.reserve(static_cast<std::size_t>(ns * max_tokens));
-    ws.scratch.reserve(static_cast<std::size_t>(threads * scratch_per_thread()));
-    ws.items.reserve(
-        static_cast<std::size_t>(E + R / kTileRows + 1 + ns * (max_tokens / kTileRows + 1)));
+    Index const R = max_tokens * S, ns = shared_.count();
+    auto grow = [](auto& v, Index n) { v.reserve(static_cast<std::size_t>(n)); };
+    grow(ws.logits, max_tokens * E);
+    grow(ws.selection.expert, R);
+    grow(ws.selection.weight, R);
+    grow(ws.selection.scores, max_tokens * E);
+    grow(ws.selection.scratch, max_tokens * E + R + 2 * E + max_tokens);
+    grow(ws.selection.scratch_ids, max_tokens + 2 * E);
+    grow(ws.selection.dropped_expert, R);
+    grow(ws.plan.expert_offsets, E + 1);
+    grow(ws.plan.token_offsets, max_tokens + 1);
+    grow(ws.plan.row_token, R);
+    grow(ws.plan.row_weight, R);
+    grow(ws.plan.token_rows, R);
+    grow(ws.x_rows, R * D);
+    grow(ws.hidden, R * bank_.hidden_cols());
+    grow(ws.expert_out, R * D);
+    if constexpr (Shared::has_experts) {
+      grow(ws.shared_hidden, ns * max_tokens * shared_.bank().hidden_cols());
+    }
+    grow(ws.shared_out, ns * max_tokens * D);
+    grow(ws.shared_gate, ns * max_tokens);
+    grow(ws.panels, threads * panel_floats());
+    Index const jobs = 2 * (E + ns) + 1;
+    grow(ws.jobs, jobs);
+    Index const np = kernels::panel_width();
+    grow(ws.items, (E + ns + 1) * ((std::max(bank_.hidden_cols(), D) + np - 1) / np + 2) +
+                       (ns + 1) * (max_tokens / kTileRows + 2) + R / kTileRows + E + 2);
   }
 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
@@ -166,12 +271,11 @@ class MoeFfn {
     Index const T = x.rows, E = num_experts();
     ws.logits.resize(static_cast<std::size_t>(T * E));
     MatrixView<float> logits(ws.logits.data(), T, E);
-    Index const tiles = (T + kTileRows - 1) / kTileRows;
-    parallel_for(opt.pool, tiles, [&](Index i, int) {
-      Index const t0 = i * kTileRows, n = std::min(kTileRows, T - t0);
-      as_eigen(logits.middle_rows(t0, n)).noalias() =
-          as_eigen(x.middle_rows(t0, n)) * as_eigen(router_weight()).transpose();
-    });
+    ws.panels.resize(static_cast<std::size_t>(threads_of(opt.pool) * panel_floats()));
+    ws.jobs.clear();
+    ws.items.clear();
+    add_job(ws, {x.data, x.row_stride, T, router_weight_.data(), d_model_, logits.data, E}, E);
+    run_jobs(ws, opt.pool);
     for (Index t = 0; t < T; ++t) {
       float const* z = logits.row(t);
       for (Index e = 0; e < E; ++e) {
@@ -189,7 +293,11 @@ class MoeFfn {
     router_.select(logits, ws.selection);
     if (opt.controls) opt.controls->apply_to_weights(ws.selection);
     kernels::build_plan(ws.selection, ws.plan);
-    ws.aux_loss = balance_.aux_loss(BalanceInputs{logits, ws.selection, ws.plan});
+    detail::check(opt.token_mask.empty() || static_cast<Index>(opt.token_mask.size()) == T,
+                  "MoeFfn: token_mask has ", opt.token_mask.size(), " entries for ", T,
+                  " tokens; pass one per token or none");
+    ws.aux_loss =
+        balance_.aux_loss(BalanceInputs{logits, ws.selection, ws.plan, {}, opt.token_mask});
   }
 
   /// y = MoE(x): route, run the routed and shared experts, combine. See the class comment.
@@ -198,7 +306,8 @@ class MoeFfn {
     check_input(x);
     check_output(x, y);
     route(x, ws, opt);
-    run_experts(x, ws.plan, y, ws, opt.pool);
+    run_experts(x, ws.plan, y, ws, opt.pool, false);
+    ws.trained = false;
   }
 
   /// y = MoE(x) with a routing decision made elsewhere (another layer's ws.plan, a plan shared by
@@ -209,7 +318,9 @@ class MoeFfn {
     check_input(x);
     check_output(x, y);
     plan.validate(x.rows, num_experts());
-    run_experts(x, plan, y, ws, pool);
+    ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * panel_floats()));
+    run_experts(x, plan, y, ws, pool, false);
+    ws.trained = false;
   }
 
   /// Convenience: forward with a workspace owned by the layer (not for concurrent callers).
@@ -218,13 +329,105 @@ class MoeFfn {
   }
   MoeFfnWorkspace const& last_workspace() const { return own_ws_; }
 
- private:
-  Index scratch_per_thread() const {
-    Index s = kTileRows * d_model_ + bank_.scratch_size(kTileRows);
-    if constexpr (Shared::has_experts) {
-      s = std::max(s, shared_.bank().scratch_size(kTileRows));
+  /// Training forward: forward() that also keeps in `ws` what backward needs, applies Default MoE
+  /// (if enabled) and lets stateful balance policies observe the routing. Weight multipliers in
+  /// the routing controls are not supported here (they are an inference-time control).
+  void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
+                     ForwardOptions const& opt = {}) {
+    check_input(x);
+    check_output(x, y);
+    detail::check(!opt.controls || opt.controls->weight_multiplier.empty(),
+                  "MoeFfn::forward_train: routing weight multipliers are an inference-time "
+                  "control; train without them");
+    Index const T = x.rows, D = d_model_, E = num_experts();
+    ws.x.resize(static_cast<std::size_t>(T * D));
+    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
+    ConstMatrixView<float> xc(ws.x.data(), T, D);
+    route(xc, ws, opt);
+    ws.token_mask.assign(opt.token_mask.begin(), opt.token_mask.end());
+    run_experts(xc, ws.plan, y, ws, opt.pool, true);
+    if (default_moe_.enabled) {
+      ws.defaults = defaults_;
+      if (default_moe_.mode == DefaultMoe::Mode::kForward) add_default_term(ws, y, opt.pool);
+      update_defaults(ws, opt.pool);
     }
-    return s;
+    if constexpr (requires(Balance & b, BalanceInputs const& in) { b.observe(in); }) {
+      balance_.observe(balance_inputs(ws));
+    }
+    (void)E;
+    ws.trained = true;
+  }
+
+  /// Calls the balance policy's end_step(router) if it has one (auxiliary-loss-free bias
+  /// updates, global-batch windows). Call once per optimizer step.
+  void end_step() {
+    if constexpr (requires(Balance & b, Router & r) { b.end_step(r); }) balance_.end_step(router_);
+  }
+
+  /// Backward of the last forward_train on `ws`: dx [T, D] = dL/dx (overwritten), and every
+  /// parameter gradient accumulated (+=) into `grads`. dL/dy = dy [T, D]. The loss includes the
+  /// balance policy's aux_loss (with its coefficient). Bitwise identical for any pool size.
+  void backward(MoeFfnWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                Gradients& grads,
+                ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
+    detail::check(ws.trained,
+                  "MoeFfn::backward: the workspace holds no training forward; call "
+                  "forward_train first (and backward only once per forward)");
+    Index const T = ws.selection.num_tokens, D = d_model_, E = num_experts();
+    detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
+                  "MoeFfn::backward: dy and dx must be [", T, ", ", D, "] like the forward's x");
+    detail::check(grads.router_weight.size() == router_weight_.size() &&
+                      grads.experts.parameters().size() == bank_.parameters().size(),
+                  "MoeFfn::backward: gradients do not match this layer; use make_gradients()");
+    ws.trained = false;
+    backward_impl(ws, dy, dx, grads, pool);
+    (void)E;
+  }
+
+ private:
+  template <class V, class SharedT>
+  static ParameterList list_parameters(V& router_weight, Bank& bank, SharedT& shared) {
+    ParameterList list;
+    list.push_back({"router.weight", std::span<float>(router_weight)});
+    list.push_back({"experts", bank.parameters()});
+    if constexpr (SharedT::has_experts) {
+      list.push_back({"shared_experts", shared.bank().parameters()});
+      auto g = shared.gate_weight();
+      list.push_back({"shared_experts.gate",
+                      std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols))});
+    }
+    return list;
+  }
+
+  static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
+
+  Index panel_floats() const {
+    Index k = std::max(d_model_, d_ffn());
+    if constexpr (Shared::has_experts) k = std::max(k, shared_.bank().d_ffn());
+    Index const n = kernels::panel_scratch_size(k);
+    return (n + 15) / 16 * 16;
+  }
+
+  /// Queues C = A W^T over `cols` output columns as work items (a panel each, or 64 columns on
+  /// the small-row path).
+  static void add_job(MoeFfnWorkspace& ws, MoeFfnWorkspace::Job job, Index cols) {
+    if (job.rows == 0 || cols == 0) return;
+    Index const j = static_cast<Index>(ws.jobs.size());
+    ws.jobs.push_back(job);
+    Index const step = job.rows < kernels::kPanelMinRows ? 64 : kernels::panel_width();
+    for (Index c = 0; c < cols; c += step) ws.items.push_back({j, c, std::min(cols, c + step)});
+  }
+
+  void run_jobs(MoeFfnWorkspace& ws, ThreadPool* pool) const {
+    Index const per = panel_floats();
+    parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
+      auto const item = ws.items[i];
+      auto const& job = ws.jobs[item.job];
+      kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, item.col_begin,
+                            item.col_end, job.c, job.ldc, ws.panels.data() + thread * per);
+    });
+    ws.jobs.clear();
+    ws.items.clear();
   }
 
   void check_input(ConstMatrixView<float> x) const {
@@ -243,59 +446,112 @@ class MoeFfn {
                   "MoeFfn: y is not a valid view");
   }
 
+  BalanceInputs balance_inputs(MoeFfnWorkspace const& ws) const {
+    return BalanceInputs{ws.logits_view(), ws.selection, ws.plan,
+                         ConstMatrixView<float>(ws.expert_out.data(), ws.plan.num_rows(), d_model_),
+                         ws.token_mask};
+  }
+
+  /// Gather, up projection, activation, down projection, combine. With `train`, pre-activations
+  /// stay in ws.hidden and activations go to ws.act (and the shared twins).
   void run_experts(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
-                   MoeFfnWorkspace& ws, ThreadPool* pool) const {
-    Index const T = x.rows, D = d_model_, E = num_experts();
+                   MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
+    Index const T = x.rows, D = d_model_, E = num_experts(), F = d_ffn();
+    Index const P = bank_.hidden_cols();
     Index const R = plan.num_rows();
     Index const ns = shared_.count();
+    ws.x_rows.resize(static_cast<std::size_t>(R * D));
+    ws.hidden.resize(static_cast<std::size_t>(R * P));
+    ws.act.resize(static_cast<std::size_t>(train ? R * F : 0));
     ws.expert_out.resize(static_cast<std::size_t>(R * D));
     ws.shared_out.resize(static_cast<std::size_t>(ns * T * D));
     ws.shared_gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
-    int const threads = pool ? pool->size() : 1;
-    Index const per_thread = scratch_per_thread();
-    ws.scratch.resize(static_cast<std::size_t>(threads * per_thread));
-    ws.items.clear();
-    for (Index e = 0; e < E; ++e) {
-      for (Index r = plan.expert_offsets[e]; r < plan.expert_offsets[e + 1]; r += kTileRows) {
-        ws.items.push_back({e, r, std::min(r + kTileRows, plan.expert_offsets[e + 1])});
-      }
+    ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * panel_floats()));
+    Index Ps = 0, Fs = 0;
+    if constexpr (Shared::has_experts) {
+      Ps = shared_.bank().hidden_cols();
+      Fs = shared_.bank().d_ffn();
     }
-    for (Index s = 0; s < ns; ++s) {
-      for (Index t = 0; t < T; t += kTileRows)
-        ws.items.push_back({E + s, t, std::min(t + kTileRows, T)});
-    }
-    parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
-      auto const item = ws.items[i];
-      float* scratch = ws.scratch.data() + thread * per_thread;
-      Index const n = item.end - item.begin;
-      if (item.expert < E) {
-        MatrixView<float> xe(scratch, n, D);
-        kernels::gather_rows(x.data, x.row_stride, plan.row_token.data() + item.begin, n, D,
-                             xe.data, D);
-        MatrixView<float> out(ws.expert_out.data() + item.begin * D, n, D);
-        bank_.run(item.expert, xe, out, scratch + n * D);
-      } else if constexpr (Shared::has_experts) {
-        Index const s = item.expert - E;
-        ConstMatrixView<float> xs = x.middle_rows(item.begin, n);
-        MatrixView<float> out(ws.shared_out.data() + (s * T + item.begin) * D, n, D);
-        shared_.bank().run(s, xs, out, scratch);
-        if constexpr (Shared::gated) {
-          float const* g = shared_.gate_weight().row(s);
-          for (Index t = item.begin; t < item.end; ++t) {
+    ws.shared_hidden.resize(static_cast<std::size_t>(ns * T * Ps));
+    ws.shared_act.resize(static_cast<std::size_t>(train ? ns * T * Fs : 0));
+
+    // 1. Gather (dispatch) the routed rows; shared-expert gates.
+    Index const row_tiles = (R + kTileRows - 1) / kTileRows;
+    Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+    parallel_for(pool, row_tiles + (Shared::gated ? token_tiles : 0), [&](Index i, int) {
+      if (i < row_tiles) {
+        Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
+        kernels::gather_rows(x.data, x.row_stride, plan.row_token.data() + r0, n, D,
+                             ws.x_rows.data() + r0 * D, D);
+      } else if constexpr (Shared::gated) {
+        Index const t0 = (i - row_tiles) * kTileRows, t1 = std::min(T, t0 + kTileRows);
+        for (Index t = t0; t < t1; ++t) {
+          for (Index s = 0; s < ns; ++s) {
+            float const* g = shared_.gate_weight().row(s);
             float const* xt = x.row(t);
             float z = 0.0f;
             for (Index d = 0; d < D; ++d) z = std::fma(g[d], xt[d], z);
-            ws.shared_gate[t * ns + s] = z;
-          }
-          // Gates of this tile's tokens for expert s: sigmoid in place (strided by ns).
-          for (Index t = item.begin; t < item.end; ++t) {
-            float& v = ws.shared_gate[t * ns + s];
-            v = 1.0f / (1.0f + std::exp(-v));
+            ws.shared_gate[t * ns + s] = 1.0f / (1.0f + std::exp(-z));
           }
         }
       }
     });
-    Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+    // 2. Up projections h = x W_in^T, per expert.
+    for (Index e = 0; e < E; ++e) {
+      Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+      add_job(
+          ws,
+          {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(e).data, D, ws.hidden.data() + r0 * P, P},
+          P);
+    }
+    if constexpr (Shared::has_experts) {
+      for (Index s = 0; s < ns; ++s) {
+        add_job(ws,
+                {x.data, x.row_stride, T, shared_.bank().in_proj(s).data, D,
+                 ws.shared_hidden.data() + s * T * Ps, Ps},
+                Ps);
+      }
+    }
+    run_jobs(ws, pool);
+    // 3. Activations m = act(g) * u (in place for inference, into act for training).
+    Index const shared_tiles = ns * token_tiles;
+    parallel_for(pool, row_tiles + shared_tiles, [&](Index i, int) {
+      if (i < row_tiles) {
+        Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+        for (Index r = r0; r < r1; ++r) {
+          float* h = ws.hidden.data() + r * P;
+          bank_.activate_row(h, train ? ws.act.data() + r * F : h);
+        }
+      } else if constexpr (Shared::has_experts) {
+        Index const s = (i - row_tiles) / token_tiles;
+        Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+                    t1 = std::min(T, t0 + kTileRows);
+        for (Index t = t0; t < t1; ++t) {
+          float* h = ws.shared_hidden.data() + (s * T + t) * Ps;
+          shared_.bank().activate_row(h, train ? ws.shared_act.data() + (s * T + t) * Fs : h);
+        }
+      }
+    });
+    // 4. Down projections y_rows = m W_down^T.
+    for (Index e = 0; e < E; ++e) {
+      Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+      float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
+      add_job(ws,
+              {m, train ? F : P, n, bank_.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D},
+              D);
+    }
+    if constexpr (Shared::has_experts) {
+      for (Index s = 0; s < ns; ++s) {
+        float const* m =
+            train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
+        add_job(ws,
+                {m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
+                 ws.shared_out.data() + s * T * D, D},
+                D);
+      }
+    }
+    run_jobs(ws, pool);
+    // 5. Combine: each token's rows in slot order, then the shared experts.
     parallel_for(pool, token_tiles, [&](Index i, int) {
       kernels::CombineParams p;
       p.expert_out = ws.expert_out.data();
@@ -317,12 +573,263 @@ class MoeFfn {
     });
   }
 
+  /// Is expert e among token t's routed rows?
+  static bool token_has_expert(RoutingPlan const& plan, Index t, Index e) {
+    for (Index j = plan.token_offsets[t]; j < plan.token_offsets[t + 1]; ++j) {
+      Index const r = plan.token_rows[j];
+      if (r >= plan.expert_offsets[e] && r < plan.expert_offsets[e + 1]) return true;
+    }
+    return false;
+  }
+
+  /// Default MoE, kForward: y_t += sum_{i not in A_t} p_{t,i} d_i, experts in ascending order.
+  void add_default_term(MoeFfnWorkspace& ws, MatrixView<float> y, ThreadPool* pool) const {
+    Index const T = y.rows, D = d_model_, E = num_experts();
+    parallel_for(pool, (T + kTileRows - 1) / kTileRows, [&](Index i, int) {
+      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        float const* p = ws.selection.scores.data() + t * E;
+        float* yt = y.row(t);
+        for (Index e = 0; e < E; ++e) {
+          if (p[e] == 0.0f || token_has_expert(ws.plan, t, e)) continue;
+          float const* d = ws.defaults.data() + e * D;
+          for (Index c = 0; c < D; ++c) yt[c] = std::fma(p[e], d[c], yt[c]);
+        }
+      }
+    });
+  }
+
+  /// d_e <- decay d_e + (1 - decay) mean of expert e's output rows (experts with rows only).
+  void update_defaults(MoeFfnWorkspace& ws, ThreadPool* pool) {
+    Index const D = d_model_, E = num_experts();
+    float const beta = default_moe_.decay;
+    parallel_for(pool, E, [&](Index e, int) {
+      Index const r0 = ws.plan.expert_offsets[e], n = ws.plan.expert_rows(e);
+      if (n == 0) return;
+      float* d = defaults_.data() + e * D;
+      for (Index c = 0; c < D; ++c) {
+        double sum = 0.0;
+        for (Index r = r0; r < r0 + n; ++r) sum += ws.expert_out[r * D + c];
+        d[c] = beta * d[c] + (1.0f - beta) * static_cast<float>(sum / static_cast<double>(n));
+      }
+    });
+  }
+
+  void backward_impl(MoeFfnWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                     Gradients& grads, ThreadPool* pool) const {
+    Index const T = ws.selection.num_tokens, D = d_model_, E = num_experts(), F = d_ffn();
+    Index const P = bank_.hidden_cols(), S = ws.selection.slots;
+    RoutingPlan const& plan = ws.plan;
+    Index const R = plan.num_rows(), ns = shared_.count();
+    Index Ps = 0, Fs = 0;
+    if constexpr (Shared::has_experts) {
+      Ps = shared_.bank().hidden_cols();
+      Fs = shared_.bank().d_ffn();
+    }
+    ConstMatrixView<float> x(ws.x.data(), T, D);
+    Index const row_tiles = (R + kTileRows - 1) / kTileRows;
+    Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+    ws.d_rows.resize(static_cast<std::size_t>(R * D));
+    ws.dx_rows.resize(static_cast<std::size_t>(R * D));
+    ws.dhidden.resize(static_cast<std::size_t>(R * P));
+    ws.shared_dy.resize(static_cast<std::size_t>(ns * T * D));
+    ws.shared_dx.resize(static_cast<std::size_t>(ns * T * D));
+    ws.shared_dhidden.resize(static_cast<std::size_t>(ns * T * Ps));
+    ws.dweight.assign(static_cast<std::size_t>(T * S), 0.0f);
+    ws.dscores.assign(static_cast<std::size_t>(T * E), 0.0f);
+    ws.dlogits.assign(static_cast<std::size_t>(T * E), 0.0f);
+    ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
+    ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
+    Index const scratch_per = kTileRows * std::max(F, Fs);
+    ws.bwd_scratch.resize(static_cast<std::size_t>(threads_of(pool) * scratch_per));
+
+    // 1. Combine VJP: dY_r = w_r dy[t]; dL/dw of each slot = <dy[t], Y_r>; shared experts.
+    parallel_for(pool, token_tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        float const* g = dy.row(t);
+        Index j = plan.token_offsets[t];
+        for (Index s = 0; s < S; ++s) {
+          if (ws.selection.expert[t * S + s] < 0) continue;
+          Index const r = plan.token_rows[j++];
+          float const* yr = ws.expert_out.data() + r * D;
+          float* dr = ws.d_rows.data() + r * D;
+          float const w = plan.row_weight[r];
+          float dot = 0.0f;
+          for (Index c = 0; c < D; ++c) {
+            dot = std::fma(g[c], yr[c], dot);
+            dr[c] = w * g[c];
+          }
+          ws.dweight[t * S + s] = dot;
+        }
+        for (Index s = 0; s < ns; ++s) {
+          float const gate = Shared::gated ? ws.shared_gate[t * ns + s] : 1.0f;
+          float const* so = ws.shared_out.data() + (s * T + t) * D;
+          float* sd = ws.shared_dy.data() + (s * T + t) * D;
+          float dot = 0.0f;
+          for (Index c = 0; c < D; ++c) {
+            dot = std::fma(g[c], so[c], dot);
+            sd[c] = gate * g[c];
+          }
+          if (Shared::gated) ws.dgate[t * ns + s] = dot * gate * (1.0f - gate);
+        }
+      }
+    });
+    // 2. Default MoE: dL/dp_{t,i} += <dy_t, d_i> for unselected experts; balance gradients.
+    if (!ws.defaults.empty()) {
+      parallel_for(pool, token_tiles, [&](Index i, int) {
+        Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+        for (Index t = t0; t < t1; ++t) {
+          for (Index e = 0; e < E; ++e) {
+            if (token_has_expert(plan, t, e)) continue;
+            float const* d = ws.defaults.data() + e * D;
+            float dot = 0.0f;
+            for (Index c = 0; c < D; ++c) dot = std::fma(dy(t, c), d[c], dot);
+            ws.dscores[t * E + e] += dot;
+          }
+        }
+      });
+    }
+    BalanceGradients bg{MatrixView<float>(ws.dscores.data(), T, E),
+                        MatrixView<float>(ws.dlogits_extra.data(), T, E),
+                        MatrixView<float>(ws.d_rows.data(), R, D)};
+    balance_.backward(balance_inputs(ws), bg);
+    // 3. Expert VJPs, row phase: m, dh and dx per row tile (routed) and token tile (shared).
+    Index const shared_tiles = ns * token_tiles;
+    parallel_for(pool, row_tiles + shared_tiles, [&](Index i, int thread) {
+      float* scratch = ws.bwd_scratch.data() + thread * scratch_per;
+      if (i < row_tiles) {
+        Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+        // A tile may span experts: split it at expert boundaries.
+        Index r = r0;
+        while (r < r1) {
+          Index e = 0;
+          while (plan.expert_offsets[e + 1] <= r) ++e;
+          Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
+          bank_.backward_rows(e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
+                              ConstMatrixView<float>(ws.d_rows.data() + r * D, n, D),
+                              MatrixView<float>(ws.act.data() + r * F, n, F),
+                              MatrixView<float>(ws.dhidden.data() + r * P, n, P),
+                              MatrixView<float>(ws.dx_rows.data() + r * D, n, D), scratch);
+          r = end;
+        }
+      } else if constexpr (Shared::has_experts) {
+        Index const s = (i - row_tiles) / token_tiles;
+        Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+                    n = std::min(kTileRows, T - t0);
+        Index const off = s * T + t0;
+        shared_.bank().backward_rows(
+            s, ConstMatrixView<float>(ws.shared_hidden.data() + off * Ps, n, Ps),
+            ConstMatrixView<float>(ws.shared_dy.data() + off * D, n, D),
+            MatrixView<float>(ws.shared_act.data() + off * Fs, n, Fs),
+            MatrixView<float>(ws.shared_dhidden.data() + off * Ps, n, Ps),
+            MatrixView<float>(ws.shared_dx.data() + off * D, n, D), scratch);
+      }
+    });
+    // 4. Router VJP: dweight (+ Default-MoE / balance score terms) -> dlogits.
+    MatrixView<float> dlogits(ws.dlogits.data(), T, E);
+    router_.backward(ws.logits_view(), ws.selection, ws.dweight.data(),
+                     MatrixView<float>(ws.dscores.data(), T, E), dlogits);
+    for (Index i = 0; i < T * E; ++i) ws.dlogits[i] += ws.dlogits_extra[i];
+    // 5. Weight gradients: one item per (bank, expert, 64-row block of the gradient).
+    struct GradItem {
+      int kind;  // 0 expert in, 1 expert down, 2 shared in, 3 shared down, 4 router, 5 gate
+      Index e, r0, r1;
+    };
+    std::vector<GradItem> gitems;
+    for (Index e = 0; e < E; ++e) {
+      if (plan.expert_rows(e) == 0) continue;
+      for (Index r = 0; r < P; r += kTileRows)
+        gitems.push_back({0, e, r, std::min(P, r + kTileRows)});
+      for (Index r = 0; r < D; r += kTileRows)
+        gitems.push_back({1, e, r, std::min(D, r + kTileRows)});
+    }
+    for (Index s = 0; s < ns && T > 0; ++s) {
+      for (Index r = 0; r < Ps; r += kTileRows)
+        gitems.push_back({2, s, r, std::min(Ps, r + kTileRows)});
+      for (Index r = 0; r < D; r += kTileRows)
+        gitems.push_back({3, s, r, std::min(D, r + kTileRows)});
+    }
+    for (Index r = 0; r < E; r += kTileRows)
+      gitems.push_back({4, 0, r, std::min(E, r + kTileRows)});
+    if (Shared::gated && ns > 0) gitems.push_back({5, 0, 0, ns});
+    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int) {
+      GradItem const& it = gitems[i];
+      if (it.kind == 0 || it.kind == 1) {
+        Index const r0 = plan.expert_offsets[it.e], n = plan.expert_rows(it.e);
+        if (it.kind == 0) {
+          Bank::accumulate_in_grad(ConstMatrixView<float>(ws.x_rows.data() + r0 * D, n, D),
+                                   ConstMatrixView<float>(ws.dhidden.data() + r0 * P, n, P), it.r0,
+                                   it.r1, grads.experts.in_proj(it.e));
+        } else {
+          Bank::accumulate_down_grad(ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
+                                     ConstMatrixView<float>(ws.d_rows.data() + r0 * D, n, D), it.r0,
+                                     it.r1, grads.experts.down_proj(it.e));
+        }
+      } else if (it.kind == 4) {
+        ConstMatrixView<float> dz(ws.dlogits.data() + it.r0, T, it.r1 - it.r0, E);
+        as_eigen(MatrixView<float>(grads.router_weight.data() + it.r0 * D, it.r1 - it.r0, D))
+            .noalias() += as_eigen(dz).transpose() * as_eigen(x);
+      } else if constexpr (Shared::has_experts) {
+        using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
+        Index const off = it.e * T;
+        if (it.kind == 2) {
+          SBank::accumulate_in_grad(
+              x, ConstMatrixView<float>(ws.shared_dhidden.data() + off * Ps, T, Ps), it.r0, it.r1,
+              grads.shared.bank().in_proj(it.e));
+        } else if (it.kind == 3) {
+          SBank::accumulate_down_grad(
+              ConstMatrixView<float>(ws.shared_act.data() + off * Fs, T, Fs),
+              ConstMatrixView<float>(ws.shared_dy.data() + off * D, T, D), it.r0, it.r1,
+              grads.shared.bank().down_proj(it.e));
+        } else if constexpr (Shared::gated) {
+          ConstMatrixView<float> dz(ws.dgate.data(), T, ns);
+          as_eigen(grads.shared.gate_weight()).noalias() += as_eigen(dz).transpose() * as_eigen(x);
+        }
+      }
+    });
+    // 6. dx = sum of the token's expert-input gradients (fixed order) + shared + router + gates.
+    parallel_for(pool, token_tiles, [&](Index i, int) {
+      kernels::CombineParams p;
+      p.expert_out = ws.dx_rows.data();
+      p.ld_expert_out = D;
+      p.row_weight = nullptr;
+      p.token_offsets = plan.token_offsets.data();
+      p.token_rows = plan.token_rows.data();
+      p.shared_out = ns > 0 ? ws.shared_dx.data() : nullptr;
+      p.ld_shared = D;
+      p.shared_plane = T * D;
+      p.num_shared = ns;
+      p.shared_gate = nullptr;
+      p.token_begin = i * kTileRows;
+      p.token_end = std::min(T, p.token_begin + kTileRows);
+      p.cols = D;
+      p.out = dx.data;
+      p.ld_out = dx.row_stride;
+      kernels::combine_rows(p);
+      Index const n = p.token_end - p.token_begin;
+      auto dxt = as_eigen(dx.middle_rows(p.token_begin, n));
+      dxt.noalias() +=
+          as_eigen(ConstMatrixView<float>(ws.dlogits.data() + p.token_begin * E, n, E)) *
+          as_eigen(router_weight());
+      if constexpr (Shared::gated) {
+        if (ns > 0) {
+          dxt.noalias() +=
+              as_eigen(ConstMatrixView<float>(ws.dgate.data() + p.token_begin * ns, n, ns)) *
+              as_eigen(shared_.gate_weight());
+        }
+      }
+    });
+  }
+
   Router router_{};
   Bank bank_;
   Shared shared_{};
   Balance balance_{};
   Index d_model_ = 0;
   std::vector<float> router_weight_;
+  DefaultMoe default_moe_{};
+  std::vector<float> defaults_;
   MoeFfnWorkspace own_ws_;
 };
 

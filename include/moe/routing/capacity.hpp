@@ -46,6 +46,12 @@ struct WithCapacity {
                   "; it must be a positive number");
     detail::check(min_capacity >= 0, "WithCapacity: min_capacity = ", min_capacity, " is negative");
   }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    inner.backward(logits, sel, dweight, dscores, dlogits);  // dropped slots: u = 0, still in S
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     inner.select(logits, sel);
     Index const T = sel.num_tokens;
@@ -63,6 +69,7 @@ struct WithCapacity {
         return wa > wb || (wa == wb && a < b);
       });
     }
+    sel.dropped_expert.assign(sel.expert.size(), ExpertId{-1});
     for (Index s = 0; s < S; ++s) {
       for (Index i = 0; i < T; ++i) {
         Index const slot = order[i] * S + s;
@@ -71,6 +78,7 @@ struct WithCapacity {
         if (fill[e] < C) {
           ++fill[e];
         } else {
+          sel.dropped_expert[slot] = e;
           sel.expert[slot] = -1;
           sel.weight[slot] = 0.0f;
           ++sel.dropped;

@@ -44,6 +44,14 @@ struct ExpertChoice {
           "ExpertChoice: capacity_factor = ", capacity_factor, "; it must be a positive number");
     check(min_capacity >= 0, "ExpertChoice: min_capacity = ", min_capacity, " is negative");
   }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    (void)logits;
+    detail::weights_from_scores_backward(sel, num_experts, false, 0.0f, 1.0f, dweight, dscores);
+    detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     Index const T = logits.rows;
     Index const E = num_experts;

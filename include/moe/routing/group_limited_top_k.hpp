@@ -66,6 +66,15 @@ struct GroupLimitedTopK {
     check(std::isfinite(scale), "GroupLimitedTopK: scale is not finite");
   }
 
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    (void)logits;
+    detail::weights_from_scores_backward(sel, top_k, normalize, normalize ? 1e-20f : 0.0f, scale,
+                                         dweight, dscores);
+    detail::score_backward(scoring, sel, dscores, dlogits);  // the bias gets no gradient
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     Index const T = logits.rows;
     Index const E = num_experts;

@@ -41,6 +41,20 @@ struct OnePerGroupTopK {
           "; at most one expert per group can be chosen");
     check(std::isfinite(scale), "OnePerGroupTopK: scale is not finite");
   }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    (void)logits;
+    if (normalize && scoring == ScoreFunction::kSoftmax) {
+      // Extra score terms through the softmax, then the exact renormalised form.
+      detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+      detail::renormalized_softmax_backward(sel, top_k, scale, dweight, dlogits);
+      return;
+    }
+    detail::weights_from_scores_backward(sel, top_k, normalize, 0.0f, scale, dweight, dscores);
+    detail::score_backward(scoring, sel, dscores, dlogits);
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     Index const T = logits.rows;
     Index const E = num_experts;

@@ -33,6 +33,20 @@ struct SoftmaxTopK {
     detail::check_top_k("SoftmaxTopK", num_experts, top_k);
     detail::check(std::isfinite(scale), "SoftmaxTopK: scale is not finite");
   }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    (void)logits;
+    if (normalize) {
+      // Extra score terms through the softmax, then the exact renormalised form.
+      detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+      detail::renormalized_softmax_backward(sel, top_k, scale, dweight, dlogits);
+      return;
+    }
+    detail::weights_from_scores_backward(sel, top_k, normalize, 0.0f, scale, dweight, dscores);
+    detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     sel.reset(logits.rows, top_k, num_experts);
     detail::compute_scores(ScoreFunction::kSoftmax, logits, sel);

@@ -26,6 +26,40 @@ struct TopKSoftmax {
   Index expert_count() const { return num_experts; }
   Index slots_per_token() const { return top_k; }
   void validate() const { detail::check_top_k("TopKSoftmax", num_experts, top_k); }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    // Extra score terms go through the full softmax; the weights are softmax over the selected
+    // logits: dz_i += w_i (u_i - sum_j w_j u_j) for selected i (w recomputed: capacity drops zero
+    // the stored weights but not the forward's normalisation).
+    detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+    Index const S = sel.slots;
+    for (Index t = 0; t < sel.num_tokens; ++t) {
+      float const* z = logits.row(t);
+      float const* u = dweight + t * S;
+      float* dz = dlogits.row(t);
+      float zmax = -INFINITY;
+      for (Index s = 0; s < top_k; ++s) {
+        ExpertId const e = sel.chosen_expert(t * S + s);
+        if (e >= 0 && z[e] > zmax) zmax = z[e];
+      }
+      float sum = 0.0f;
+      for (Index s = 0; s < top_k; ++s) {
+        ExpertId const e = sel.chosen_expert(t * S + s);
+        if (e >= 0) sum += std::exp(z[e] - zmax);
+      }
+      float dot = 0.0f;
+      for (Index s = 0; s < top_k; ++s) {
+        ExpertId const e = sel.chosen_expert(t * S + s);
+        if (e >= 0) dot += std::exp(z[e] - zmax) / sum * u[s];
+      }
+      for (Index s = 0; s < top_k; ++s) {
+        ExpertId const e = sel.chosen_expert(t * S + s);
+        if (e >= 0) dz[e] += std::exp(z[e] - zmax) / sum * (u[s] - dot);
+      }
+    }
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     sel.reset(logits.rows, top_k, num_experts);
     detail::compute_scores(ScoreFunction::kSoftmax, logits, sel);

@@ -38,6 +38,14 @@ struct TopP {
     check(max_experts >= 0 && max_experts <= num_experts, "TopP: max_experts = ", max_experts,
           "; it must be in [0, num_experts] (0 means no cap)");
   }
+  /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
+  /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.
+  void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
+                MatrixView<float> dscores, MatrixView<float> dlogits) const {
+    (void)logits;
+    detail::weights_from_scores_backward(sel, num_experts, normalize, 0.0f, 1.0f, dweight, dscores);
+    detail::score_backward(ScoreFunction::kSoftmax, sel, dscores, dlogits);
+  }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
     Index const T = logits.rows;
     Index const E = num_experts;

@@ -57,6 +57,86 @@ inline void weights_from_scores(Selection& sel, Index k, bool normalize, float e
   }
 }
 
+/// Backward of weights_from_scores: with u = dweight [T, S] (dL/dw per slot) and
+/// w_j = c s_j / (S + eps) (normalize) or c s_j, adds dL/ds to dscores [T, E]:
+///   normalize: ds_j += c (u_j - sum_i u_i s_i / (S + eps)) / (S + eps);  else ds_j += c u_j.
+/// Slots dropped by a capacity limit still count in S (with u = 0), as they did in the forward.
+inline void weights_from_scores_backward(Selection const& sel, Index k, bool normalize, float eps,
+                                         float scale, float const* dweight,
+                                         MatrixView<float> dscores) {
+  Index const S = sel.slots, E = sel.num_experts;
+  for (Index t = 0; t < sel.num_tokens; ++t) {
+    float const* p = sel.scores.data() + t * E;
+    float const* u = dweight + t * S;
+    float* ds = dscores.row(t);
+    if (!normalize) {
+      for (Index s = 0; s < k; ++s) {
+        ExpertId const e = sel.chosen_expert(t * S + s);
+        if (e >= 0) ds[e] += scale * u[s];
+      }
+      continue;
+    }
+    float sum = 0.0f, dot = 0.0f;
+    for (Index s = 0; s < k; ++s) {
+      ExpertId const e = sel.chosen_expert(t * S + s);
+      if (e < 0) continue;
+      sum += p[e];
+      dot += u[s] * p[e];
+    }
+    float const denom = sum + eps;
+    float const mean = dot / denom;
+    for (Index s = 0; s < k; ++s) {
+      ExpertId const e = sel.chosen_expert(t * S + s);
+      if (e >= 0) ds[e] += scale * (u[s] - mean) / denom;
+    }
+  }
+}
+
+/// dlogits = VJP of the score function at the forward's scores:
+///   softmax: dz = p * (ds - <p, ds>);  sigmoid: dz = ds * s (1 - s).
+inline void score_backward(ScoreFunction f, Selection const& sel, ConstMatrixView<float> dscores,
+                           MatrixView<float> dlogits) {
+  Index const E = sel.num_experts;
+  for (Index t = 0; t < sel.num_tokens; ++t) {
+    float const* p = sel.scores.data() + t * E;
+    float const* ds = dscores.row(t);
+    float* dz = dlogits.row(t);
+    if (f == ScoreFunction::kSoftmax) {
+      float dot = 0.0f;
+      for (Index e = 0; e < E; ++e) dot += p[e] * ds[e];
+      for (Index e = 0; e < E; ++e) dz[e] = p[e] * (ds[e] - dot);
+    } else {
+      for (Index e = 0; e < E; ++e) dz[e] = ds[e] * p[e] * (1.0f - p[e]);
+    }
+  }
+}
+
+/// Closed form for softmax scores with renormalised top-k weights, w_i = c q_i, q_i = p_i / S:
+///   dz_k += c q_k (u_k - sum_i q_i u_i) for selected k, and exactly 0 for every other expert
+/// (the softmax normaliser cancels in q). Exact where the chained form leaves rounding residue.
+inline void renormalized_softmax_backward(Selection const& sel, Index k, float scale,
+                                          float const* dweight, MatrixView<float> dlogits) {
+  Index const S = sel.slots, E = sel.num_experts;
+  for (Index t = 0; t < sel.num_tokens; ++t) {
+    float const* p = sel.scores.data() + t * E;
+    float const* u = dweight + t * S;
+    float* dz = dlogits.row(t);
+    float sum = 0.0f, dot = 0.0f;
+    for (Index s = 0; s < k; ++s) {
+      ExpertId const e = sel.chosen_expert(t * S + s);
+      if (e >= 0) sum += p[e];
+    }
+    for (Index s = 0; s < k; ++s) {
+      ExpertId const e = sel.chosen_expert(t * S + s);
+      if (e >= 0) dot += p[e] / sum * u[s];
+    }
+    for (Index s = 0; s < k; ++s) {
+      ExpertId const e = sel.chosen_expert(t * S + s);
+      if (e >= 0) dz[e] += scale * (p[e] / sum) * (u[s] - dot);
+    }
+  }
+}
+
 inline void check_top_k(char const* who, Index num_experts, Index top_k) {
   check(num_experts >= 1, who, ": num_experts = ", num_experts,
         "; a layer needs at least 1 expert");

@@ -1,0 +1,262 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// ShardedCheckpoint: tensors found by name across the shards of a model.safetensors.index.json.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/io/detail/json.hpp"
+#include "moe/io/detail/mapped_file.hpp"
+#include "moe/io/safetensors/file.hpp"
+#include "moe/io/safetensors/tensor_view.hpp"
+
+namespace moe::io {
+
+/// A checkpoint split into several .safetensors shards, as Hugging Face writes models above
+/// 5 GB: `model.safetensors.index.json` = {"metadata": {...}, "weight_map": {"<tensor>":
+/// "<shard file>", ...}}, next to `model-00001-of-0000N.safetensors` and so on. A checkpoint
+/// of a single file (no index) can be opened the same way (open_single()).
+///
+/// Construction reads the index, opens (maps and validates) each shard once, and checks:
+///   - the index is JSON with a "weight_map" object of string values ("metadata" and other
+///     keys are not validated: tools put different things there);
+///   - no tensor is listed twice in "weight_map";
+///   - every shard name is a relative path inside the index's directory (no "..", no
+///     absolute path, no NUL), and the file exists;
+///   - every listed tensor is in the shard the index names;
+///   - no tensor name is stored in two shards.
+/// Tensors that a shard holds but the index does not list are ignored, as transformers does.
+/// Every violation throws moe::Error naming the index, the shard and the tensor.
+///
+/// Thread-safety: const member functions may be called concurrently. Move-only; views stay
+/// valid until the object is destroyed.
+class ShardedCheckpoint {
+ public:
+  /// Reads `index_path` (a model.safetensors.index.json) and the shards it lists.
+  static ShardedCheckpoint open_index(std::filesystem::path const& index_path) {
+    ShardedCheckpoint checkpoint;
+    checkpoint.load_index(index_path);
+    return checkpoint;
+  }
+
+  /// A one-file checkpoint (model.safetensors): every tensor of the file.
+  static ShardedCheckpoint open_single(std::filesystem::path const& path) {
+    ShardedCheckpoint checkpoint;
+    checkpoint.source_ = path.string();
+    checkpoint.shards_.push_back(std::make_unique<SafetensorsFile>(path));
+    for (TensorView const& t : checkpoint.shards_.back()->tensors()) {
+      checkpoint.by_name_.emplace(t.name, &t);
+    }
+    return checkpoint;
+  }
+
+  ShardedCheckpoint(ShardedCheckpoint&&) noexcept = default;
+  ShardedCheckpoint& operator=(ShardedCheckpoint&&) noexcept = default;
+  ShardedCheckpoint(ShardedCheckpoint const&) = delete;
+  ShardedCheckpoint& operator=(ShardedCheckpoint const&) = delete;
+  ~ShardedCheckpoint() = default;
+
+  /// The tensor named `name`, or nullptr.
+  TensorView const* find(std::string_view name) const {
+    auto const it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : it->second;
+  }
+  bool contains(std::string_view name) const { return find(name) != nullptr; }
+
+  /// The tensor named `name`; throws moe::Error when the checkpoint has none.
+  TensorView const& tensor(std::string_view name) const {
+    if (TensorView const* t = find(name)) return *t;
+    moe::detail::fail("safetensors: ", source_, ": no tensor named ", detail::printable_name(name),
+                      " in the checkpoint (", by_name_.size(),
+                      " tensors); check the name against names()");
+  }
+
+  /// Every tensor name, sorted.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    out.reserve(by_name_.size());
+    for (auto const& [name, view] : by_name_) out.push_back(name);
+    return out;
+  }
+  std::size_t size() const noexcept { return by_name_.size(); }
+
+  /// The opened shards, in the order of their first appearance in the index.
+  std::size_t num_shards() const noexcept { return shards_.size(); }
+  SafetensorsFile const& shard(std::size_t i) const { return *shards_.at(i); }
+
+  /// The index (or single file) this checkpoint was opened from.
+  std::string const& source() const noexcept { return source_; }
+
+ private:
+  ShardedCheckpoint() = default;
+
+  // A shard file name from the index must stay inside the index's directory.
+  void check_shard_name(std::string const& shard, std::string const& tensor) const {
+    auto const bad = [&](char const* why) {
+      moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
+                        " is mapped to shard ", detail::printable_name(shard), ", which ", why,
+                        "; shard names must be file names relative to the index's directory");
+    };
+    if (shard.empty()) bad("is empty");
+    if (shard.find('\0') != std::string::npos) bad("contains a NUL character");
+    std::filesystem::path const p(shard);
+    if (p.is_absolute() || p.has_root_path()) bad("is an absolute path");
+    for (auto const& part : p) {
+      if (part == "..") bad("tries to leave the directory with \"..\"");
+    }
+    if (!p.has_filename() || p.filename() == ".") bad("does not name a file");
+  }
+
+  void load_index(std::filesystem::path const& index_path) {
+    source_ = index_path.string();
+    detail::MappedFile const file(index_path, "safetensors");
+    std::span<std::byte const> const bytes = file.bytes();
+    if (bytes.size() > kMaxHeaderSize) {
+      moe::detail::fail("safetensors: ", source_, ": the index is ", bytes.size(),
+                        " bytes, more than the ", kMaxHeaderSize,
+                        "-byte limit; it is not a model.safetensors.index.json");
+    }
+    std::string_view const text(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+    if (std::size_t const bad = detail::find_invalid_utf8(text); bad != std::string_view::npos) {
+      moe::detail::fail("safetensors: ", source_, ": the index is not valid UTF-8 (at byte ", bad,
+                        "); it is corrupt or not a model.safetensors.index.json");
+    }
+    std::string const hint = "it is corrupt or not a model.safetensors.index.json";
+    detail::JsonCursor cur(text, "safetensors: " + source_, "the index", hint);
+    if (detail::JsonKind const kind = cur.peek(); kind != detail::JsonKind::kObject) {
+      moe::detail::fail("safetensors: ", source_, ": the index must be a JSON object, but it is ",
+                        detail::json_kind_name(kind), "; ", hint);
+    }
+    // weight_map in index order: (tensor, shard).
+    std::vector<std::pair<std::string, std::string>> weight_map;
+    std::map<std::string, std::string, std::less<>> shard_of;
+    bool seen_weight_map = false;
+    std::string key;
+    bool first = true;
+    cur.begin_object();
+    while (cur.next_member(key, first)) {
+      if (key != "weight_map") {
+        cur.skip_value();  // "metadata" (total_size, ...) and anything else: not validated
+        continue;
+      }
+      if (seen_weight_map) {
+        moe::detail::fail("safetensors: ", source_, ": the index has two \"weight_map\" keys; ",
+                          hint);
+      }
+      seen_weight_map = true;
+      if (detail::JsonKind const kind = cur.peek(); kind != detail::JsonKind::kObject) {
+        moe::detail::fail("safetensors: ", source_,
+                          ": \"weight_map\" must be an object of tensor name -> shard file, but "
+                          "it is ",
+                          detail::json_kind_name(kind), "; ", hint);
+      }
+      std::string tensor;
+      bool first_entry = true;
+      cur.begin_object();
+      while (cur.next_member(tensor, first_entry)) {
+        if (detail::JsonKind const kind = cur.peek(); kind != detail::JsonKind::kString) {
+          moe::detail::fail("safetensors: ", source_, ": \"weight_map\" entry of tensor ",
+                            detail::printable_name(tensor), " is ", detail::json_kind_name(kind),
+                            ", but must be a shard file name; ", hint);
+        }
+        std::string shard = cur.read_string();
+        auto const [it, inserted] = shard_of.emplace(tensor, shard);
+        if (!inserted) {
+          moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
+                            " is listed twice in \"weight_map\" (shards ",
+                            detail::printable_name(it->second), " and ",
+                            detail::printable_name(shard),
+                            "); a tensor lives in exactly one shard, fix the index");
+        }
+        check_shard_name(shard, tensor);
+        weight_map.emplace_back(tensor, std::move(shard));
+      }
+    }
+    cur.finish();
+    if (!seen_weight_map) {
+      moe::detail::fail("safetensors: ", source_, ": the index has no \"weight_map\"; ", hint);
+    }
+
+    // Open each shard once, in order of first appearance.
+    std::filesystem::path const dir = index_path.parent_path();
+    std::map<std::string, std::size_t, std::less<>> shard_index;
+    for (auto const& [tensor, shard] : weight_map) {
+      if (shard_index.count(shard) != 0) continue;
+      std::filesystem::path const shard_path = dir / shard;
+      std::error_code ec;
+      if (!std::filesystem::exists(shard_path, ec)) {
+        moe::detail::fail("safetensors: ", source_, ": shard ", detail::printable_name(shard),
+                          " (holding tensor ", detail::printable_name(tensor),
+                          ") does not exist at '", shard_path.string(),
+                          "'; download every shard the index lists");
+      }
+      shard_index.emplace(shard, shards_.size());
+      shards_.push_back(std::make_unique<SafetensorsFile>(shard_path));
+    }
+
+    // No tensor stored in two shards (whether or not the index lists it there).
+    std::map<std::string_view, std::size_t, std::less<>> stored_in;
+    for (std::size_t s = 0; s < shards_.size(); ++s) {
+      for (TensorView const& t : shards_[s]->tensors()) {
+        auto const [it, inserted] = stored_in.emplace(t.name, s);
+        if (!inserted) {
+          moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(t.name),
+                            " is stored in two shards, ",
+                            detail::printable_name(shards_[it->second]->display_name()), " and ",
+                            detail::printable_name(shards_[s]->display_name()),
+                            "; the shards come from different saves, re-download the checkpoint");
+        }
+      }
+    }
+
+    // Every listed tensor is in its shard.
+    for (auto const& [tensor, shard] : weight_map) {
+      SafetensorsFile const& file_of = *shards_[shard_index.find(shard)->second];
+      TensorView const* t = file_of.find(tensor);
+      if (t == nullptr) {
+        moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
+                          " is listed in shard ", detail::printable_name(shard),
+                          " but that file does not contain it; the index and the shards come "
+                          "from different saves, re-download the checkpoint");
+      }
+      by_name_.emplace(tensor, t);
+    }
+  }
+
+  std::string source_;
+  std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+  std::map<std::string, TensorView const*, std::less<>> by_name_;
+};
+
+/// Opens a Hugging Face model directory: `model.safetensors` when it exists, otherwise
+/// `model.safetensors.index.json` and its shards. A path to a .safetensors file or to an
+/// index .json file is opened directly.
+inline ShardedCheckpoint open_checkpoint(std::filesystem::path const& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    std::filesystem::path const single = path / "model.safetensors";
+    if (std::filesystem::exists(single, ec)) return ShardedCheckpoint::open_single(single);
+    std::filesystem::path const index = path / "model.safetensors.index.json";
+    if (std::filesystem::exists(index, ec)) return ShardedCheckpoint::open_index(index);
+    moe::detail::fail("safetensors: '", path.string(),
+                      "' has neither model.safetensors nor model.safetensors.index.json; pass "
+                      "the directory of a Hugging Face checkpoint that has safetensors weights");
+  }
+  if (path.extension() == ".json") return ShardedCheckpoint::open_index(path);
+  return ShardedCheckpoint::open_single(path);
+}
+
+}  // namespace moe::io

@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// gemm_nt: C = A B^T for row-major A and B (activations times [out, in] weights), allocation-free.
+#pragma once
+
+#include <algorithm>
+
+#include "moe/core/config.hpp"
+#include "moe/core/types.hpp"
+#include "moe/kernels/simd.hpp"
+
+namespace moe::kernels {
+
+namespace detail {
+
+inline constexpr Index kGemmMr = 4;     // rows of A per micro-tile
+inline constexpr Index kGemmNr = 4;     // rows of B (output columns) per micro-tile
+inline constexpr Index kGemmKc = 2048;  // depth block: a 4 x 2048 B panel is 32 KiB
+
+/// One MR x NR tile of dot products over k in [0, kc):
+///   c[r][j] (+)= sum_k a[r][k] * b[j][k]
+/// Lanes accumulate k in steps of L; each accumulator is reduced with simd::reduce_add (not
+/// xsimd::haddp: in xsimd 8.1 its AVX-512 version returns the sums in permuted lane order); the
+/// k tail is added in scalar, in order. The summation order depends only on kc and L, never on M or
+/// N.
+template <Index MR, Index NR, class Arch>
+MOE_ALWAYS_INLINE void gemm_nt_tile(float const* a, Index lda, float const* b, Index ldb, float* c,
+                                    Index ldc, Index kc, bool accumulate) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr Index kAcc = MR * NR;
+  B acc[kAcc];
+  for (Index i = 0; i < kAcc; ++i) acc[i] = B(0.0f);
+  Index const kv = kc - kc % L;
+  for (Index k = 0; k < kv; k += L) {
+    B bv[NR];
+    for (Index j = 0; j < NR; ++j) bv[j] = B::load_unaligned(b + j * ldb + k);
+    for (Index r = 0; r < MR; ++r) {
+      B const av = B::load_unaligned(a + r * lda + k);
+      for (Index j = 0; j < NR; ++j) acc[r * NR + j] = xsimd::fma(av, bv[j], acc[r * NR + j]);
+    }
+  }
+  float sums[kAcc];
+  for (Index i = 0; i < kAcc; ++i) sums[i] = simd::reduce_add(acc[i]);
+  for (Index k = kv; k < kc; ++k) {
+    for (Index r = 0; r < MR; ++r) {
+      for (Index j = 0; j < NR; ++j) sums[r * NR + j] += a[r * lda + k] * b[j * ldb + k];
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    for (Index j = 0; j < NR; ++j) {
+      float& dst = c[r * ldc + j];
+      dst = accumulate ? dst + sums[r * NR + j] : sums[r * NR + j];
+    }
+  }
+}
+
+template <Index MR, class Arch>
+MOE_ALWAYS_INLINE void gemm_nt_row_block(float const* a, Index lda, float const* b, Index ldb,
+                                         float* c, Index ldc, Index nr, Index kc, bool acc) {
+  switch (nr) {
+    case 4:
+      gemm_nt_tile<MR, 4, Arch>(a, lda, b, ldb, c, ldc, kc, acc);
+      break;
+    case 3:
+      gemm_nt_tile<MR, 3, Arch>(a, lda, b, ldb, c, ldc, kc, acc);
+      break;
+    case 2:
+      gemm_nt_tile<MR, 2, Arch>(a, lda, b, ldb, c, ldc, kc, acc);
+      break;
+    default:
+      gemm_nt_tile<MR, 1, Arch>(a, lda, b, ldb, c, ldc, kc, acc);
+      break;
+  }
+}
+
+}  // namespace detail
+
+/// C = A B^T (or C += A B^T when accumulate), all row-major:
+///   C[i, j] = sum_k A[i, k] B[j, k],   A [M, K] (lda), B [N, K] (ldb), C [M, N] (ldc).
+/// This is the layout of every MoE projection: activations [rows, in] times HF weights [out, in].
+/// Each output is a dot product accumulated in SIMD lanes over blocks of 2048 k, so the value of
+/// C[i, j] depends only on row i of A, row j of B and K: never on M, N, the tiling of rows across
+/// calls, or threads (bitwise reproducible). Each B row is read once per call for all M rows
+/// (weights are streamed once: the small-T path). Allocates nothing.
+/// Preconditions: M, N, K >= 0; C does not alias A or B.
+template <class Arch = simd::DefaultArch>
+void gemm_nt(float const* A, Index lda, float const* B, Index ldb, float* C, Index ldc, Index M,
+             Index N, Index K, bool accumulate = false) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate) {
+      for (Index i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    }
+    return;
+  }
+  constexpr Index MR = detail::kGemmMr, NR = detail::kGemmNr;
+  for (Index k0 = 0; k0 < K; k0 += detail::kGemmKc) {
+    Index const kc = std::min(detail::kGemmKc, K - k0);
+    bool const acc = accumulate || k0 > 0;
+    for (Index j0 = 0; j0 < N; j0 += NR) {
+      Index const nr = std::min(NR, N - j0);
+      float const* b = B + j0 * ldb + k0;
+      Index i0 = 0;
+      for (; i0 + MR <= M; i0 += MR) {
+        detail::gemm_nt_row_block<MR, Arch>(A + i0 * lda + k0, lda, b, ldb, C + i0 * ldc + j0, ldc,
+                                            nr, kc, acc);
+      }
+      for (; i0 < M; ++i0) {
+        detail::gemm_nt_row_block<1, Arch>(A + i0 * lda + k0, lda, b, ldb, C + i0 * ldc + j0, ldc,
+                                           nr, kc, acc);
+      }
+    }
+  }
+}
+
+}  // namespace moe::kernels

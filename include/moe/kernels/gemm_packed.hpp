@@ -1,0 +1,148 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// Panel GEMM for expert projections: pack a block of weight rows once, then stream every row of
+/// activations through an outer-product micro-kernel. Allocation-free and bitwise reproducible.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "moe/core/config.hpp"
+#include "moe/core/types.hpp"
+#include "moe/kernels/gemm.hpp"
+#include "moe/kernels/simd.hpp"
+
+namespace moe::kernels {
+
+/// Columns of one packed weight panel: two SIMD batches (32 floats with AVX-512, 16 with AVX2).
+template <class Arch = simd::DefaultArch>
+constexpr Index panel_width() {
+  return 2 * static_cast<Index>(simd::Batch<float, Arch>::size);
+}
+
+/// Packs weight rows [n0, n0 + nc) of W [N, K] (row-major, ldw) into a K x NP panel,
+/// panel[k * NP + c] = W[n0 + c, k], NP = panel_width(); columns c >= nc are zero.
+/// `panel` holds K * panel_width() floats.
+template <class Arch = simd::DefaultArch>
+void pack_panel(float const* W, Index ldw, Index n0, Index nc, Index K, float* panel) {
+  constexpr Index NP = panel_width<Arch>();
+  // k outer, c inner: contiguous writes; the NP source rows stay in L1 across consecutive k.
+  Index const kb = 64;
+  for (Index k0 = 0; k0 < K; k0 += kb) {
+    Index const k1 = std::min(K, k0 + kb);
+    for (Index c = 0; c < nc; ++c) {
+      float const* w = W + (n0 + c) * ldw;
+      for (Index k = k0; k < k1; ++k) panel[k * NP + c] = w[k];
+    }
+    for (Index c = nc; c < NP; ++c) {
+      for (Index k = k0; k < k1; ++k) panel[k * NP + c] = 0.0f;
+    }
+  }
+}
+
+namespace detail {
+
+/// C[r, c] = sum_k A[r, k] * panel[k, c] for r < MR, c < nc: MR x 2 batch accumulators, one
+/// broadcast of A per (row, k), k in ascending order (a single FMA chain per output).
+template <Index MR, class Arch>
+MOE_ALWAYS_INLINE void panel_tile(float const* a, Index lda, float const* panel, Index K, float* c,
+                                  Index ldc, Index nc) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  B acc0[MR], acc1[MR];
+  for (Index r = 0; r < MR; ++r) acc0[r] = acc1[r] = B(0.0f);
+  for (Index k = 0; k < K; ++k) {
+    B const b0 = B::load_aligned(panel + k * 2 * L);
+    B const b1 = B::load_aligned(panel + k * 2 * L + L);
+    for (Index r = 0; r < MR; ++r) {
+      B const av(a[r * lda + k]);
+      acc0[r] = xsimd::fma(av, b0, acc0[r]);
+      acc1[r] = xsimd::fma(av, b1, acc1[r]);
+    }
+  }
+  if (nc == 2 * L) {
+    for (Index r = 0; r < MR; ++r) {
+      acc0[r].store_unaligned(c + r * ldc);
+      acc1[r].store_unaligned(c + r * ldc + L);
+    }
+  } else {
+    alignas(64) float tmp[2 * L];
+    for (Index r = 0; r < MR; ++r) {
+      acc0[r].store_aligned(tmp);
+      acc1[r].store_aligned(tmp + L);
+      std::copy(tmp, tmp + nc, c + r * ldc);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// C[i, c] = sum_k A[i, k] * panel[k, c] for i < M, c < nc: the rows of A [M, K] (lda) times one
+/// packed panel (see pack_panel), into columns [0, nc) of C [M, *] (ldc). Every output is one FMA
+/// chain over k in ascending order, so a row's result never depends on M or on other rows.
+/// Preconditions: panel is 64-byte aligned; nc <= panel_width().
+template <class Arch = simd::DefaultArch>
+void gemm_panel(float const* A, Index lda, float const* panel, Index M, Index K, float* C,
+                Index ldc, Index nc) {
+  constexpr Index MR = 6;
+  Index i = 0;
+  for (; i + MR <= M; i += MR) {
+    detail::panel_tile<MR, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+  }
+  switch (M - i) {
+    case 5:
+      detail::panel_tile<5, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+      break;
+    case 4:
+      detail::panel_tile<4, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+      break;
+    case 3:
+      detail::panel_tile<3, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+      break;
+    case 2:
+      detail::panel_tile<2, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+      break;
+    case 1:
+      detail::panel_tile<1, Arch>(A + i * lda, lda, panel, K, C + i * ldc, ldc, nc);
+      break;
+    default:
+      break;
+  }
+}
+
+/// Below this many rows a projection uses gemm_nt (weights streamed once, no packing); from it on,
+/// packed panels (packing is amortised over the rows).
+inline constexpr Index kPanelMinRows = 8;
+
+/// Floats of panel scratch project_cols needs for depth K (plus room to align it to 64 bytes).
+template <class Arch = simd::DefaultArch>
+constexpr Index panel_scratch_size(Index K) {
+  return K * panel_width<Arch>() + 16;
+}
+
+/// The projection every expert, shared expert and router uses, on output columns [c0, c1):
+///   C[i, c] = sum_k A[i, k] W[c, k]     A [M, K] (lda), W [N, K] (ldw), C [M, N] (ldc)
+/// with M < kPanelMinRows through gemm_nt and otherwise through pack_panel + gemm_panel (c0 must
+/// then be a multiple of panel_width()). The path depends only on M, so results are bitwise
+/// reproducible for a given M however columns are split across threads. `scratch` holds
+/// panel_scratch_size(K) floats. Allocates nothing.
+template <class Arch = simd::DefaultArch>
+void project_cols(float const* A, Index lda, Index M, float const* W, Index ldw, Index K, Index c0,
+                  Index c1, float* C, Index ldc, float* scratch) {
+  if (M <= 0 || c1 <= c0) return;
+  if (M < kPanelMinRows) {
+    gemm_nt<Arch>(A, lda, W + c0 * ldw, ldw, C + c0, ldc, M, c1 - c0, K);
+    return;
+  }
+  constexpr Index NP = panel_width<Arch>();
+  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
+  float* panel = scratch + ((64 - addr % 64) % 64) / sizeof(float);
+  for (Index n0 = c0; n0 < c1; n0 += NP) {
+    Index const nc = std::min(NP, c1 - n0);
+    pack_panel<Arch>(W, ldw, n0, nc, K, panel);
+    gemm_panel<Arch>(A, lda, panel, M, K, C + n0, ldc, nc);
+  }
+}
+
+}  // namespace moe::kernels

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+// Replays the fuzz corpus through the fuzz target with the normal compiler (g++; under the asan
+// preset with ASan + UBSan), plus seeded random mutations of every file: a cheap,
+// deterministic stand-in for libFuzzer where clang is not available.
+//
+// Usage: moe_fuzz_replay [--mutations N] [--seed S] <file or directory>...
+// Files named valid-* must be accepted and invalid-* rejected; exit status 1 otherwise.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <vector>
+
+extern "C" int moe_fuzz_safetensors_one(std::uint8_t const* data, std::size_t size);
+
+namespace {
+
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  std::size_t below(std::size_t n) { return n == 0 ? 0 : static_cast<std::size_t>(next() % n); }
+};
+
+std::vector<std::uint8_t> read_all(std::filesystem::path const& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// One to four random edits, biased towards what matters in this format: the length field,
+// JSON punctuation and digits.
+void mutate(std::vector<std::uint8_t>& v, SplitMix64& rng) {
+  static constexpr char kInteresting[] = "{}[]\",:0123456789-.e \\u";
+  std::size_t const edits = 1 + rng.below(4);
+  for (std::size_t e = 0; e < edits; ++e) {
+    switch (rng.below(8)) {
+      case 0:
+        if (!v.empty()) v[rng.below(v.size())] ^= static_cast<std::uint8_t>(1u << rng.below(8));
+        break;
+      case 1:
+        if (!v.empty()) v[rng.below(v.size())] = static_cast<std::uint8_t>(rng.next());
+        break;
+      case 2:
+        if (!v.empty()) {
+          v[rng.below(v.size())] =
+              static_cast<std::uint8_t>(kInteresting[rng.below(sizeof(kInteresting) - 1)]);
+        }
+        break;
+      case 3:
+        v.resize(rng.below(v.size() + 1));
+        break;
+      case 4:
+        v.insert(v.begin() + static_cast<std::ptrdiff_t>(rng.below(v.size() + 1)),
+                 static_cast<std::uint8_t>(kInteresting[rng.below(sizeof(kInteresting) - 1)]));
+        break;
+      case 5:
+        if (!v.empty()) {
+          std::size_t const at = rng.below(v.size());
+          std::size_t const n = std::min<std::size_t>(1 + rng.below(16), v.size() - at);
+          v.erase(v.begin() + static_cast<std::ptrdiff_t>(at),
+                  v.begin() + static_cast<std::ptrdiff_t>(at + n));
+        }
+        break;
+      case 6:
+        if (!v.empty()) {
+          std::size_t const at = rng.below(v.size());
+          std::size_t const n = std::min<std::size_t>(1 + rng.below(32), v.size() - at);
+          std::vector<std::uint8_t> const chunk(v.begin() + static_cast<std::ptrdiff_t>(at),
+                                                v.begin() + static_cast<std::ptrdiff_t>(at + n));
+          v.insert(v.begin() + static_cast<std::ptrdiff_t>(rng.below(v.size() + 1)), chunk.begin(),
+                   chunk.end());
+        }
+        break;
+      default:
+        // Rewrite the header length field to a nearby or arbitrary value.
+        if (v.size() >= 8) {
+          std::uint64_t n = 0;
+          for (int i = 0; i < 8; ++i)
+            n |= static_cast<std::uint64_t>(v[static_cast<std::size_t>(i)]) << (8 * i);
+          n = rng.below(2) == 0 ? n + rng.below(17) - 8 : rng.next() >> rng.below(64);
+          for (int i = 0; i < 8; ++i)
+            v[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
+        }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::size_t mutations = 0;
+  std::uint64_t seed = 1;
+  std::vector<std::filesystem::path> files;
+  for (int i = 1; i < argc; ++i) {
+    std::string const arg = argv[i];
+    if (arg == "--mutations" && i + 1 < argc) {
+      mutations = std::strtoull(argv[++i], nullptr, 10);
+    } else if (arg == "--seed" && i + 1 < argc) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (std::filesystem::is_directory(arg)) {
+      for (auto const& entry : std::filesystem::recursive_directory_iterator(arg)) {
+        if (entry.is_regular_file()) files.push_back(entry.path());
+      }
+    } else {
+      files.emplace_back(arg);
+    }
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) {
+    std::fprintf(stderr, "moe_fuzz_replay: no input files\n");
+    return 1;
+  }
+  std::size_t accepted = 0, mutated_accepted = 0, wrong = 0;
+  for (std::filesystem::path const& path : files) {
+    std::vector<std::uint8_t> const bytes = read_all(path);
+    bool const ok = moe_fuzz_safetensors_one(bytes.data(), bytes.size()) != 0;
+    accepted += ok ? 1 : 0;
+    std::string const name = path.filename().string();
+    if ((name.rfind("valid-", 0) == 0 && !ok) || (name.rfind("invalid-", 0) == 0 && ok)) {
+      std::fprintf(stderr, "moe_fuzz_replay: %s was %s\n", path.string().c_str(),
+                   ok ? "accepted" : "rejected");
+      ++wrong;
+    }
+    SplitMix64 rng{seed ^ std::hash<std::string>{}(name)};
+    for (std::size_t m = 0; m < mutations; ++m) {
+      std::vector<std::uint8_t> copy = bytes;
+      mutate(copy, rng);
+      mutated_accepted += moe_fuzz_safetensors_one(copy.data(), copy.size()) != 0 ? 1 : 0;
+    }
+  }
+  std::printf(
+      "moe_fuzz_replay: %zu corpus files (%zu accepted), %zu mutated inputs (%zu accepted)\n",
+      files.size(), accepted, files.size() * mutations, mutated_accepted);
+  return wrong == 0 ? 0 : 1;
+}
