@@ -9,6 +9,7 @@
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/combine.hpp"
 #include "moe/kernels/gather.hpp"
+#include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
 #include "moe/kernels/top_k.hpp"
@@ -291,4 +292,88 @@ TEST_CASE("build_plan is a stable counting sort of the selection", "[kernels][pl
   bad.expert[0] = 5;
   moe::RoutingPlan plan;
   REQUIRE_THROWS_WITH(kernels::build_plan(bad, plan), Catch::Contains("names expert 5"));
+}
+
+TEST_CASE("gemm_nt and project_cols match a double GEMM for every tail size", "[kernels][gemm]") {
+  constexpr Index NP = kernels::panel_width();
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::panel_scratch_size(300)));
+  for (Index K : test::tail_sizes(kLanes)) {
+    for (Index M : {Index{1}, Index{3}, Index{7}, Index{8}, Index{13}}) {
+      for (Index N : {Index{1}, NP - 1, NP, NP + 1, 2 * NP + 3}) {
+        INFO("M " << M << " N " << N << " K " << K);
+        Index const lda = K + 1, ldc = N + 2;
+        auto A = test::random_vector(M * lda, 91 + static_cast<std::uint64_t>(K));
+        auto W = test::random_vector(N * K, 92 + static_cast<std::uint64_t>(N));
+        std::vector<float> C(static_cast<std::size_t>(M * ldc), 5.0f), C2(C), C3(C);
+        kernels::gemm_nt(A.data(), lda, W.data(), K, C.data(), ldc, M, N, K);
+        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, N, C2.data(), ldc,
+                              scratch.data());
+        // Split at a panel boundary, as two work items would.
+        Index const split = std::min(N, NP);
+        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, split, C3.data(), ldc,
+                              scratch.data());
+        kernels::project_cols(A.data(), lda, M, W.data(), K, K, split, N, C3.data(), ldc,
+                              scratch.data());
+        for (Index i = 0; i < M; ++i) {
+          for (Index j = 0; j < N; ++j) {
+            double want = 0.0;
+            for (Index k = 0; k < K; ++k)
+              want += static_cast<double>(A[i * lda + k]) * W[j * K + k];
+            REQUIRE(C[i * ldc + j] == Approx(want).margin(1e-4));
+            REQUIRE(C2[i * ldc + j] == Approx(want).margin(1e-4));
+            REQUIRE(C3[i * ldc + j] == C2[i * ldc + j]);
+          }
+          REQUIRE(C[i * ldc + N] == 5.0f);  // the padding columns are untouched
+          REQUIRE(C2[i * ldc + N + 1] == 5.0f);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("A row's projection does not depend on the other rows of the batch", "[kernels][gemm]") {
+  Index const K = 77, N = 40;
+  auto W = test::random_vector(N * K, 93);
+  auto A = test::random_vector(20 * K, 94);
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::panel_scratch_size(K)));
+  std::vector<float> all(20 * N), part(12 * N);
+  kernels::project_cols(A.data(), K, 20, W.data(), K, K, 0, N, all.data(), N, scratch.data());
+  kernels::project_cols(A.data() + 8 * K, K, 12, W.data(), K, K, 0, N, part.data(), N,
+                        scratch.data());
+  for (Index i = 0; i < 12 * N; ++i) REQUIRE(part[i] == all[8 * N + i]);
+}
+
+TEST_CASE("Activation backward kernels match the analytic derivatives", "[kernels][activations]") {
+  auto check = [](Activation a, auto act_bwd, auto glu_bwd) {
+    for (Index n : test::tail_sizes(kLanes)) {
+      std::vector<float> h(static_cast<std::size_t>(n));
+      for (Index i = 0; i < n; ++i)
+        h[i] = -25.0f +
+               50.0f * static_cast<float>(i) / static_cast<float>(std::max<Index>(1, n - 1)) +
+               0.013f;
+      auto u = test::random_vector(n, 95);
+      auto da = test::random_vector(n, 96);
+      std::vector<float> act(h.size()), dh(h.size()), m(h.size()), dg(h.size()), du(h.size());
+      act_bwd(h.data(), da.data(), act.data(), dh.data(), n);
+      glu_bwd(h.data(), u.data(), da.data(), m.data(), dg.data(), du.data(), n);
+      for (Index i = 0; i < n; ++i) {
+        double const x = h[i], eps = 1e-6;
+        double const grad = (ref::activate(a, x + eps) - ref::activate(a, x - eps)) / (2 * eps);
+        INFO(moe::kernels::to_string(a) << " at x = " << x);
+        REQUIRE(act[i] == Approx(ref::activate(a, x)).epsilon(1e-5).margin(1e-6));
+        REQUIRE(dh[i] == Approx(da[i] * grad).epsilon(1e-4).margin(1e-5));
+        REQUIRE(m[i] == Approx(ref::activate(a, x) * u[i]).epsilon(1e-5).margin(1e-6));
+        REQUIRE(dg[i] == Approx(da[i] * u[i] * grad).epsilon(1e-4).margin(1e-5));
+        REQUIRE(du[i] == Approx(da[i] * ref::activate(a, x)).epsilon(1e-5).margin(1e-6));
+      }
+    }
+  };
+  check(Activation::kSilu, kernels::activate_backward<Activation::kSilu>,
+        kernels::glu_backward<Activation::kSilu>);
+  check(Activation::kGeluErf, kernels::activate_backward<Activation::kGeluErf>,
+        kernels::glu_backward<Activation::kGeluErf>);
+  check(Activation::kGeluTanh, kernels::activate_backward<Activation::kGeluTanh>,
+        kernels::glu_backward<Activation::kGeluTanh>);
+  check(Activation::kRelu, kernels::activate_backward<Activation::kRelu>,
+        kernels::glu_backward<Activation::kRelu>);
 }

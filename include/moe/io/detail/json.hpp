@@ -255,7 +255,8 @@ class JsonCursor {
         return out;
       }
       if (c < 0x20) {
-        syntax_error(concat("unescaped control character ", describe_char(text_[pos_]), " in a string"));
+        syntax_error(
+            concat("unescaped control character ", describe_char(text_[pos_]), " in a string"));
       }
       if (c != '\\') {
         // Copy the run of ordinary characters in one go.
@@ -405,7 +406,8 @@ class JsonCursor {
   void finish() {
     skip_ws();
     if (pos_ != text_.size()) {
-      syntax_error(concat("unexpected ", describe_char(text_[pos_]), " after the end of the JSON value"));
+      syntax_error(
+          concat("unexpected ", describe_char(text_[pos_]), " after the end of the JSON value"));
     }
   }
 

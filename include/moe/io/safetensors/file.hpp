@@ -216,9 +216,8 @@ class SafetensorsFile {
       }
       if (size.status == detail::ByteSize::Status::kMisaligned) {
         fail_tensor(e.name, "sub-byte tensors must fill whole bytes; the shape is corrupt",
-                    dtype_name(e.dtype), " ", detail::shape_string(e.shape), " is ",
-                    size.elements, " x ", dtype_bits(e.dtype),
-                    " bits, not a whole number of bytes");
+                    dtype_name(e.dtype), " ", detail::shape_string(e.shape), " is ", size.elements,
+                    " x ", dtype_bits(e.dtype), " bits, not a whole number of bytes");
       }
       if (e.end - e.begin != size.bytes) {
         fail_tensor(e.name, "the file is truncated or corrupt", offsets_string(e), " hold ",
@@ -255,8 +254,7 @@ class SafetensorsFile {
   }
 
   std::vector<Entry> parse_header(std::string_view header) {
-    detail::JsonCursor cur(header, detail::concat("safetensors: ", name_), "the header",
-                           kCorrupt);
+    detail::JsonCursor cur(header, detail::concat("safetensors: ", name_), "the header", kCorrupt);
     if (detail::JsonKind const kind = cur.peek(); kind != detail::JsonKind::kObject) {
       fail_header("the header must be a JSON object, but it is ", detail::json_kind_name(kind));
     }
@@ -332,7 +330,8 @@ class SafetensorsFile {
         std::optional<Dtype> const parsed = parse_dtype(dtype);
         if (!parsed) {
           std::string known;
-          for (Dtype const d : kAllDtypes) known.append(known.empty() ? "" : " ").append(dtype_name(d));
+          for (Dtype const d : kAllDtypes)
+            known.append(known.empty() ? "" : " ").append(dtype_name(d));
           fail_tensor(name, "the file needs a newer reader, or is corrupt", "unknown dtype ",
                       detail::printable_name(dtype), " (known: ", known, ")");
         }
@@ -399,8 +398,8 @@ class SafetensorsFile {
       }
       detail::JsonNumber const number = cur.read_number();
       if (!number.is_u64) {
-        fail_tensor(name, kCorrupt, "\"", field, "\" holds ",
-                    detail::printable_name(number.text), ", which is not an integer in [0, 2^64)");
+        fail_tensor(name, kCorrupt, "\"", field, "\" holds ", detail::printable_name(number.text),
+                    ", which is not an integer in [0, 2^64)");
       }
       out.push_back(number.value);
     }

@@ -135,7 +135,7 @@ class ShardedCheckpoint {
                         "); it is corrupt or not a model.safetensors.index.json");
     }
     std::string const hint = "it is corrupt or not a model.safetensors.index.json";
-    detail::JsonCursor cur(text, "safetensors: " + source_, "the index", hint);
+    detail::JsonCursor cur(text, detail::concat("safetensors: ", source_), "the index", hint);
     if (detail::JsonKind const kind = cur.peek(); kind != detail::JsonKind::kObject) {
       moe::detail::fail("safetensors: ", source_, ": the index must be a JSON object, but it is ",
                         detail::json_kind_name(kind), "; ", hint);

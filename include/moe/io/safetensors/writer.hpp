@@ -107,7 +107,8 @@ inline PreparedHeader prepare_header(std::span<TensorView const> tensors, Metada
     }
     std::uint64_t const end = offset + t.bytes.size();
     moe::detail::check(end >= offset, where, ": the tensors hold more than 2^64 bytes");
-    h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(end) + "]}";
+    h.append("],\"data_offsets\":[").append(std::to_string(offset)).append(",");
+    h.append(std::to_string(end)).append("]}");
     offset = end;
   }
   h += '}';
@@ -147,7 +148,7 @@ inline std::vector<std::byte> serialize_safetensors(std::span<TensorView const> 
 /// failed write never leaves a truncated checkpoint behind.
 inline void save_safetensors(std::filesystem::path const& path, std::span<TensorView const> tensors,
                              Metadata const& metadata = {}) {
-  std::string const where = "safetensors: " + path.string();
+  std::string const where = detail::concat("safetensors: ", path.string());
   detail::PreparedHeader const prepared = detail::prepare_header(tensors, metadata, where);
   std::filesystem::path tmp = path;
   tmp += ".tmp";
