@@ -313,4 +313,11 @@ TEST_CASE("a moved SafetensorsFile keeps its views valid", "[io][safetensors]") 
   SafetensorsFile b = std::move(a);
   CHECK(b.find("w") == view);
   CHECK(moe::io::to_float(*view) == std::vector<float>{1.0f, 2.0f});
+
+  // A moved-in buffer is owned, and moves with the object.
+  SafetensorsFile c(w.serialize());
+  TensorView const* owned_view = c.find("w");
+  SafetensorsFile const d = std::move(c);
+  CHECK(d.find("w") == owned_view);
+  CHECK(moe::io::to_float(*owned_view) == std::vector<float>{1.0f, 2.0f});
 }

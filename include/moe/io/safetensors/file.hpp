@@ -67,9 +67,16 @@ class SafetensorsFile {
   }
 
   /// Validates a file image held by the caller, who keeps `buffer` alive (and unchanged) for
-  /// as long as this object and its views are used. `display_name` appears in error messages.
+  /// as long as this object and its views are used (zero-copy; the fuzzer uses this).
+  /// `display_name` appears in error messages.
   explicit SafetensorsFile(std::span<std::byte const> buffer, std::string display_name = "<memory>")
       : bytes_(buffer), name_(std::move(display_name)) {
+    parse();
+  }
+
+  /// Validates a file image and keeps it (moved in; so a temporary buffer is safe).
+  explicit SafetensorsFile(std::vector<std::byte>&& buffer, std::string display_name = "<memory>")
+      : owned_(std::move(buffer)), bytes_(owned_), name_(std::move(display_name)) {
     parse();
   }
 
@@ -406,6 +413,7 @@ class SafetensorsFile {
   }
 
   detail::MappedFile file_;
+  std::vector<std::byte> owned_;  // the image when constructed from a moved-in vector
   std::span<std::byte const> bytes_;
   std::string name_;
   std::vector<TensorView> tensors_;
