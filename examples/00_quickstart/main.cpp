@@ -6,8 +6,9 @@
 // What it shows:
 //   - moe::presets::make_qwen3_moe(): D 2048, F 768, E 128 SwiGLU experts, top-8 with
 //     renormalised softmax weights (Qwen3 config.json), here with random weights;
-//   - MoeFfn::forward with a moe::ThreadPool and a reused MoeFfnWorkspace (once it has seen the
-//     batch size, moe's own buffers are reused; Eigen's GEMM still mallocs packing buffers);
+//   - MoeFfn::pack_weights() once after the weights are set, then MoeFfn::forward with a
+//     moe::ThreadPool and a reused MoeFfnWorkspace (once it has seen the batch size, a forward
+//     allocates nothing);
 //   - moe::routing::routing_stats on ws.plan / ws.selection: per-expert load and its balance;
 //   - the cost of a call: 2*T*E*D FLOP for the router + 2*R*D*F*3 for the experts (R = T*K rows).
 // Why: it is the smallest complete use of the library, and its numbers are a first sanity check.
@@ -56,6 +57,7 @@ int run(bool small) {
   moe::MatrixView<float> const w_r = layer.router_weight();  // [E, D]
   moe::fill_uniform(std::span<float>(w_r.data, static_cast<std::size_t>(E * D)), -bound, bound, 1);
   moe::fill_uniform(layer.experts().parameters(), -bound, bound, 2);
+  layer.pack_weights();  // once, after the weights are set: the micro-kernel's panel layout
 
   std::vector<float> x(static_cast<std::size_t>(T * D));  // [T, D] activations
   std::vector<float> y(x.size());                         // [T, D] layer output

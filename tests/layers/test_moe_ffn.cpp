@@ -407,3 +407,47 @@ TEST_CASE("MoeFfn composes with an archetype router that only has what the conce
   for (int t = 0; t < 7; ++t) r.push_back({{t % 3, 1.0}});
   check_against_reference(layer, 7, [&](auto) { return r; });
 }
+
+TEST_CASE("Packed weights give the unpacked result, and stale packs are never used",
+          "[layers][packing]") {
+  Index const D = 40, F = 24, E = 6, T = 90;
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(D, F, {E, 2, false, 1.0f},
+                                                               Sh(1, D, 20));
+  randomize(layer, 101);
+  auto x = test::random_vector(T * D, 102);
+  std::vector<float> plain(x.size()), packed(x.size()), after(x.size());
+  moe::MoeFfnWorkspace ws;
+  moe::ThreadPool pool(2);
+  layer.forward({x.data(), T, D}, {plain.data(), T, D}, ws, {nullptr, &pool});
+  layer.pack_weights();
+  REQUIRE(layer.experts().packed());
+  layer.forward({x.data(), T, D}, {packed.data(), T, D}, ws, {nullptr, &pool});
+  auto want = ref::layer_forward(layer, {x.data(), T, D}, test::routing_of(ws.selection));
+  REQUIRE(test::max_rel_diff(packed.data(), want) < 2e-5);
+  for (std::size_t i = 0; i < plain.size(); ++i)
+    REQUIRE(packed[i] == Approx(plain[i]).margin(1e-6));
+  // Changing a weight after packing: the pack is stale and the layer packs per call again.
+  layer.experts().down_proj(0)(0, 0) += 1.0f;
+  REQUIRE_FALSE(layer.experts().packed());
+  layer.forward({x.data(), T, D}, {after.data(), T, D}, ws, {nullptr, &pool});
+  auto want2 = ref::layer_forward(layer, {x.data(), T, D}, test::routing_of(ws.selection));
+  REQUIRE(test::max_rel_diff(after.data(), want2) < 2e-5);
+  // Training through packed weights gives the same gradients as through unpacked ones.
+  layer.pack_weights();
+  auto copy = layer;
+  copy.experts().parameters();  // marks the copy's pack stale
+  copy.shared_experts().bank().parameters();
+  REQUIRE(layer.experts().packed());
+  REQUIRE_FALSE(copy.experts().packed());
+  std::vector<float> dy = test::random_vector(T * D, 103), dx1(x.size()), dx2(x.size()),
+                     y(x.size());
+  moe::MoeFfnWorkspace w1, w2;
+  layer.forward_train({x.data(), T, D}, {y.data(), T, D}, w1);
+  copy.forward_train({x.data(), T, D}, {y.data(), T, D}, w2);
+  auto g1 = layer.make_gradients();
+  auto g2 = copy.make_gradients();
+  layer.backward(w1, {dy.data(), T, D}, {dx1.data(), T, D}, g1);
+  copy.backward(w2, {dy.data(), T, D}, {dx2.data(), T, D}, g2);
+  for (std::size_t i = 0; i < dx1.size(); ++i) REQUIRE(dx1[i] == Approx(dx2[i]).margin(1e-5));
+}

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -51,26 +52,37 @@ class ExpertBank {
   Index d_model() const { return d_model_; }
   Index d_ffn() const { return d_ffn_; }
 
-  MatrixView<float> in_proj(Index e) { return {in_ptr(e), kInFactor * d_ffn_, d_model_}; }
+  MatrixView<float> in_proj(Index e) {
+    ++version_;
+    return {in_ptr(e), kInFactor * d_ffn_, d_model_};
+  }
   ConstMatrixView<float> in_proj(Index e) const {
     return {in_ptr(e), kInFactor * d_ffn_, d_model_};
   }
   MatrixView<float> gate_proj(Index e) requires(Expert::gated) {
+    ++version_;
     return {in_ptr(e), d_ffn_, d_model_};
   }
   ConstMatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
     return {in_ptr(e), d_ffn_, d_model_};
   }
   MatrixView<float> up_proj(Index e) {
+    ++version_;
     return {in_ptr(e) + (kInFactor - 1) * d_ffn_ * d_model_, d_ffn_, d_model_};
   }
   ConstMatrixView<float> up_proj(Index e) const {
     return {in_ptr(e) + (kInFactor - 1) * d_ffn_ * d_model_, d_ffn_, d_model_};
   }
-  MatrixView<float> down_proj(Index e) { return {down_ptr(e), d_model_, d_ffn_}; }
+  MatrixView<float> down_proj(Index e) {
+    ++version_;
+    return {down_ptr(e), d_model_, d_ffn_};
+  }
   ConstMatrixView<float> down_proj(Index e) const { return {down_ptr(e), d_model_, d_ffn_}; }
 
-  std::span<float> parameters() { return params_; }
+  std::span<float> parameters() {
+    ++version_;
+    return params_;
+  }
   std::span<float const> parameters() const { return params_; }
 
   /// Floats of scratch that run() needs for n rows: n * P plus one packed weight panel.
@@ -158,7 +170,55 @@ class ExpertBank {
         as_eigen(dy_cols).transpose() * as_eigen(m);
   }
 
+  /// Packs every expert's projections into the panel layout the micro-kernel reads
+  /// (kernels::pack_panel: for each expert, ceil(P / NP) panels of [D, NP], then ceil(D / NP)
+  /// panels of [F, NP]; NP = kernels::panel_width()), so that forwards stop repacking weights on
+  /// every call. The packed copy doubles the weight memory. It is used only while current: any
+  /// mutable access to the weights afterwards (in_proj(), down_proj(), parameters(), ...) marks it
+  /// stale and the layers fall back to packing per call, so results never use stale weights, as
+  /// long as views obtained *before* pack() are not written to after it. Call pack() again after
+  /// changing the weights.
+  void pack() {
+    Index const np = kernels::panel_width();
+    Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
+    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
+    packed_.assign(static_cast<std::size_t>(num_experts_ * (in_panels * D + down_panels * F) * np),
+                   0.0f);
+    for (Index e = 0; e < num_experts_; ++e) {
+      for (Index p = 0; p < in_panels; ++p) {
+        kernels::pack_panel(in_ptr(e), D, p * np, std::min(np, P - p * np), D,
+                            packed_.data() + packed_in_offset(e) + p * D * np);
+      }
+      for (Index p = 0; p < down_panels; ++p) {
+        kernels::pack_panel(down_ptr(e), F, p * np, std::min(np, D - p * np), F,
+                            packed_.data() + packed_down_offset(e) + p * F * np);
+      }
+    }
+    packed_version_ = version_;
+  }
+  /// Is the packed copy present and made from the current weights?
+  bool packed() const { return packed_version_ == version_ && !packed_.empty(); }
+  /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed.
+  float const* packed_in(Index e) const {
+    return packed() ? packed_.data() + packed_in_offset(e) : nullptr;
+  }
+  /// First panel of expert e's down projection ([F, NP] panels, contiguous), or null.
+  float const* packed_down(Index e) const {
+    return packed() ? packed_.data() + packed_down_offset(e) : nullptr;
+  }
+
  private:
+  Index packed_in_offset(Index e) const {
+    Index const np = kernels::panel_width();
+    Index const in_panels = (hidden_cols() + np - 1) / np, down_panels = (d_model_ + np - 1) / np;
+    return e * (in_panels * d_model_ + down_panels * d_ffn_) * np;
+  }
+  Index packed_down_offset(Index e) const {
+    Index const np = kernels::panel_width();
+    Index const in_panels = (hidden_cols() + np - 1) / np;
+    return packed_in_offset(e) + in_panels * d_model_ * np;
+  }
+
   float* in_ptr(Index e) { return params_.data() + e * kInFactor * d_ffn_ * d_model_; }
   float const* in_ptr(Index e) const { return params_.data() + e * kInFactor * d_ffn_ * d_model_; }
   float* down_ptr(Index e) {
@@ -172,6 +232,9 @@ class ExpertBank {
   Index d_model_ = 0;
   Index d_ffn_ = 0;
   std::vector<float> params_;
+  std::uint64_t version_ = 0;  // bumped by every mutable access to the weights
+  std::uint64_t packed_version_ = ~std::uint64_t{0};
+  std::vector<float, xsimd::aligned_allocator<float, 64>> packed_;
 };
 
 }  // namespace moe::experts

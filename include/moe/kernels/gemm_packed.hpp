@@ -145,4 +145,17 @@ void project_cols(float const* A, Index lda, Index M, float const* W, Index ldw,
   }
 }
 
+/// project_cols with weights packed ahead of time: `panels` holds ceil(N / NP) contiguous
+/// [K, NP] panels of W (see pack_panel); columns [c0, c1) with c0 a multiple of NP. Same
+/// per-element arithmetic as the packed path of project_cols (bitwise equal for M >=
+/// kPanelMinRows).
+template <class Arch = simd::DefaultArch>
+void project_cols_packed(float const* A, Index lda, Index M, float const* panels, Index K, Index c0,
+                         Index c1, float* C, Index ldc) {
+  constexpr Index NP = panel_width<Arch>();
+  for (Index n0 = c0; n0 < c1; n0 += NP) {
+    gemm_panel<Arch>(A, lda, panels + (n0 / NP) * K * NP, M, K, C + n0, ldc, std::min(NP, c1 - n0));
+  }
+}
+
 }  // namespace moe::kernels

@@ -82,6 +82,7 @@ struct MoeFfnWorkspace {
     Index depth;
     float* c;
     Index ldc;
+    float const* packed = nullptr;  ///< W as [K, NP] panels (ExpertBank::pack), or null
   };
   struct Item {
     Index job, col_begin, col_end;
@@ -219,6 +220,14 @@ class MoeFfn {
   /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
   /// buffers, not parameters.
   ParameterList parameters() { return list_parameters(router_weight_, bank_, shared_); }
+
+  /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
+  /// (ExpertBank::pack), so forwards stop repacking them per call. Call again after changing
+  /// weights; until then the layer notices the change and packs per call. Doubles expert memory.
+  void pack_weights() {
+    bank_.pack();
+    if constexpr (Shared::has_experts) shared_.bank().pack();
+  }
 
   /// Zero gradients shaped like this layer's parameters.
   Gradients make_gradients() const {
@@ -414,7 +423,8 @@ class MoeFfn {
     if (job.rows == 0 || cols == 0) return;
     Index const j = static_cast<Index>(ws.jobs.size());
     ws.jobs.push_back(job);
-    Index const step = job.rows < kernels::kPanelMinRows ? 64 : kernels::panel_width();
+    Index const step =
+        job.rows < kernels::kPanelMinRows && !job.packed ? 64 : kernels::panel_width();
     for (Index c = 0; c < cols; c += step) ws.items.push_back({j, c, std::min(cols, c + step)});
   }
 
@@ -423,8 +433,13 @@ class MoeFfn {
     parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
       auto const item = ws.items[i];
       auto const& job = ws.jobs[item.job];
-      kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, item.col_begin,
-                            item.col_end, job.c, job.ldc, ws.panels.data() + thread * per);
+      if (job.packed) {
+        kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth,
+                                     item.col_begin, item.col_end, job.c, job.ldc);
+      } else {
+        kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, item.col_begin,
+                              item.col_end, job.c, job.ldc, ws.panels.data() + thread * per);
+      }
     });
     ws.jobs.clear();
     ws.items.clear();
@@ -499,16 +514,16 @@ class MoeFfn {
     // 2. Up projections h = x W_in^T, per expert.
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-      add_job(
-          ws,
-          {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(e).data, D, ws.hidden.data() + r0 * P, P},
-          P);
+      add_job(ws,
+              {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(e).data, D, ws.hidden.data() + r0 * P,
+               P, bank_.packed_in(e)},
+              P);
     }
     if constexpr (Shared::has_experts) {
       for (Index s = 0; s < ns; ++s) {
         add_job(ws,
                 {x.data, x.row_stride, T, shared_.bank().in_proj(s).data, D,
-                 ws.shared_hidden.data() + s * T * Ps, Ps},
+                 ws.shared_hidden.data() + s * T * Ps, Ps, shared_.bank().packed_in(s)},
                 Ps);
       }
     }
@@ -537,7 +552,8 @@ class MoeFfn {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
       float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
       add_job(ws,
-              {m, train ? F : P, n, bank_.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D},
+              {m, train ? F : P, n, bank_.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D,
+               bank_.packed_down(e)},
               D);
     }
     if constexpr (Shared::has_experts) {
@@ -546,7 +562,7 @@ class MoeFfn {
             train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
         add_job(ws,
                 {m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
-                 ws.shared_out.data() + s * T * D, D},
+                 ws.shared_out.data() + s * T * D, D, shared_.bank().packed_down(s)},
                 D);
       }
     }

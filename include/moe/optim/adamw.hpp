@@ -129,8 +129,7 @@ class AdamW {
   }
 
  private:
-  static std::vector<float> const& state(std::vector<std::vector<float>> const& s,
-                                         std::size_t i) {
+  static std::vector<float> const& state(std::vector<std::vector<float>> const& s, std::size_t i) {
     detail::check(i < s.size(), "optim::AdamW: no state for parameter ", i, " (", s.size(),
                   " allocated); the state exists after the first step");
     return s[i];

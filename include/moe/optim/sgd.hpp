@@ -43,10 +43,10 @@ namespace moe::optim {
 /// per parameter list, stepped from one thread.
 class Sgd {
  public:
-  double lr = 1e-3;            ///< learning rate
-  double momentum = 0.0;       ///< momentum factor (0: plain SGD)
-  double weight_decay = 0.0;   ///< L2 penalty, added to the gradient
-  bool nesterov = false;       ///< Nesterov momentum (Sutskever et al., 2013, as in PyTorch)
+  double lr = 1e-3;           ///< learning rate
+  double momentum = 0.0;      ///< momentum factor (0: plain SGD)
+  double weight_decay = 0.0;  ///< L2 penalty, added to the gradient
+  bool nesterov = false;      ///< Nesterov momentum (Sutskever et al., 2013, as in PyTorch)
 
   Sgd() = default;
   /// Checks the hyper-parameters (moe::Error if one is invalid).

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -35,8 +36,8 @@ inline constexpr std::uint64_t kMaxHeaderSize = 100'000'000;
 /// Layout: [u64 little-endian N][N bytes of UTF-8 JSON header][data]; each tensor's
 /// "data_offsets" [begin, end) are relative to the start of the data. The constructor enforces
 /// every rule of the reference Rust reader (SafeTensors::read_metadata + Metadata::validate),
-/// and is stricter where the reference is silent (duplicate keys are rejected instead of
-/// keeping the last one):
+/// and is stricter in three corner cases (duplicate keys are rejected instead of keeping the
+/// last one; shape dimensions must fit int64_t; "-0" is not an integer):
 ///   1. the file holds at least the 8-byte length N;
 ///   2. N <= kMaxHeaderSize (100,000,000);
 ///   3. 8 + N <= file size;
@@ -56,6 +57,7 @@ inline constexpr std::uint64_t kMaxHeaderSize = 100'000'000;
 /// one, what is wrong and what to do. No input makes the reader read outside the file or
 /// invoke undefined behaviour; this is fuzzed (tests/fuzz/fuzz_safetensors.cpp).
 ///
+/// Complexity: O(N + T log T) for a header of N bytes and T tensors; the data is not read.
 /// Thread-safety: const member functions may be called concurrently. The object is move-only;
 /// views stay valid until it is destroyed (moves keep them valid).
 class SafetensorsFile {

@@ -95,7 +95,11 @@ class ShardedCheckpoint {
 
   /// The opened shards, in the order of their first appearance in the index.
   std::size_t num_shards() const noexcept { return shards_.size(); }
-  SafetensorsFile const& shard(std::size_t i) const { return *shards_.at(i); }
+  SafetensorsFile const& shard(std::size_t i) const {
+    moe::detail::check(i < shards_.size(), "safetensors: ", source_, ": shard index ", i,
+                       " is out of range; the checkpoint has ", shards_.size(), " shards");
+    return *shards_[i];
+  }
 
   /// The index (or single file) this checkpoint was opened from.
   std::string const& source() const noexcept { return source_; }

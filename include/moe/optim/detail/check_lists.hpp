@@ -44,8 +44,8 @@ inline void check_lists(char const* who, ParameterList const& params, ParameterL
         " parameters but its state was made for ", names.size(),
         "; use one optimizer per parameter list (or reset() it)");
   for (std::size_t i = 0; i < params.size(); ++i) {
-    check(params[i].name == names[i] && params[i].values.size() == sizes[i], who, ": parameter ",
-          i, " is \"", params[i].name, "\" of ", params[i].values.size(),
+    check(params[i].name == names[i] && params[i].values.size() == sizes[i], who, ": parameter ", i,
+          " is \"", params[i].name, "\" of ", params[i].values.size(),
           " values but the optimizer state was made for \"", names[i], "\" of ", sizes[i],
           "; use one optimizer per parameter list (or reset() it)");
   }

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// AttentionOptions: the per-call options of the attention layers (threads, batch, masks,
+/// positions).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/types.hpp"
+
+namespace moe {
+
+/// Per-call options of GatedAttention and MoeAttention forward passes.
+///
+/// x [T, D] holds `batch` sequences of S = T / batch tokens each, one after the other (HF's
+/// [batch, seq, hidden] flattened); attention never crosses sequences.
+///   - key_mask [T]: 1 = real token, 0 = padding. Padding tokens are never attended to (their
+///     keys and values are skipped by every query); their own output rows are still computed.
+///     A query that sees no real key at all (e.g. a left-padded position under the causal
+///     mask) gets a zero attention output. Empty: no padding.
+///   - positions [T]: RoPE position of each token. Empty: its index within its sequence. The
+///     causal mask always uses the index within the sequence.
+struct AttentionOptions {
+  ThreadPool* pool = nullptr;                  ///< null: run on the calling thread
+  Index batch = 1;                             ///< sequences in x; must divide T
+  std::span<std::uint8_t const> key_mask = {};  ///< [T] or empty
+  std::span<Index const> positions = {};        ///< [T] or empty
+};
+
+}  // namespace moe
