@@ -3,7 +3,8 @@
 # Installs the Debian 12 packages moe needs to build its tests, benches and examples.
 # Idempotent: does nothing when everything is already installed. Run as root (or via sudo).
 set -euo pipefail
-packages=(g++ cmake make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format)
+packages=(g++ cmake make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format clang-14
+          libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -22,6 +22,9 @@ std::string text_of(std::vector<std::byte> const& bytes, std::size_t begin, std:
   return out;
 }
 
+// Bytes as a std::string, so that Catch prints a mismatch readably.
+std::string text(std::vector<std::byte> const& bytes) { return text_of(bytes, 0, bytes.size()); }
+
 std::vector<std::byte> f32_bytes(std::vector<float> const& values) {
   return moe::io::from_float(values, Dtype::kF32);
 }
@@ -91,7 +94,8 @@ TEST_CASE("the writer's bytes match the reference writer's for its own test tens
     TensorView const t{"attn.0", Dtype::kF32, {1, 2, 3}, data};
     std::string const header =
         R"({"attn.0":{"dtype":"F32","shape":[1,2,3],"data_offsets":[0,24]}})";  // 64 bytes
-    CHECK(moe::io::serialize_safetensors(std::span(&t, 1)) == iotest::image(header, data));
+    CHECK(text(moe::io::serialize_safetensors(std::span(&t, 1))) ==
+          text(iotest::image(header, data)));
   }
   // test_serialization_forced_alignement: "attn0", [1, 1, 2, 3]: 65 bytes, padded to 72.
   {
@@ -99,13 +103,14 @@ TEST_CASE("the writer's bytes match the reference writer's for its own test tens
     std::string const header =
         R"({"attn0":{"dtype":"F32","shape":[1,1,2,3],"data_offsets":[0,24]}})"
         "       ";
-    CHECK(moe::io::serialize_safetensors(std::span(&t, 1)) == iotest::image(header, data));
+    CHECK(text(moe::io::serialize_safetensors(std::span(&t, 1))) ==
+          text(iotest::image(header, data)));
   }
   // test_empty: no tensors, with and without metadata.
-  CHECK(moe::io::serialize_safetensors({}) == iotest::image("{}      "));
-  CHECK(moe::io::serialize_safetensors({}, {{"framework", "pt"}}) ==
-        iotest::image(R"({"__metadata__":{"framework":"pt"}})"
-                      "     "));
+  CHECK(text(moe::io::serialize_safetensors({})) == text(iotest::image("{}      ")));
+  CHECK(text(moe::io::serialize_safetensors({}, {{"framework", "pt"}})) ==
+        text(iotest::image(R"({"__metadata__":{"framework":"pt"}})"
+                           "     ")));
 }
 
 TEST_CASE("the writer orders tensors by dtype (descending) then name, metadata first",
@@ -135,7 +140,7 @@ TEST_CASE("the writer orders tensors by dtype (descending) then name, metadata f
   for (auto const* d : {&i64, &f32a, &f32b, &bf16, &u8})
     data.insert(data.end(), d->begin(), d->end());
   CHECK(text_of(out, 8, padded.size()) == padded);
-  CHECK(out == iotest::image(padded, data));
+  CHECK(text(out) == text(iotest::image(padded, data)));
 
   // And it reads back, names unescaped.
   SafetensorsFile const file(out);
@@ -154,7 +159,7 @@ TEST_CASE("save_safetensors writes the serialized bytes; SafetensorsFile maps th
       .add_f16("experts.0.w2", {6}, router)
       .set_metadata("format", "pt");
   writer.save(dir / "model.safetensors");
-  CHECK(iotest::read_file(dir / "model.safetensors") == writer.serialize());
+  CHECK(text(iotest::read_file(dir / "model.safetensors")) == text(writer.serialize()));
   CHECK_FALSE(std::filesystem::exists(dir / "model.safetensors.tmp"));
 
   SafetensorsFile const file(dir / "model.safetensors");
