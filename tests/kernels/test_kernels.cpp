@@ -9,6 +9,7 @@
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/combine.hpp"
 #include "moe/kernels/gather.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
@@ -376,4 +377,59 @@ TEST_CASE("Activation backward kernels match the analytic derivatives", "[kernel
         kernels::glu_backward<Activation::kGeluTanh>);
   check(Activation::kRelu, kernels::activate_backward<Activation::kRelu>,
         kernels::glu_backward<Activation::kRelu>);
+}
+
+TEST_CASE("bf16 conversion rounds to nearest even and keeps NaN and Inf", "[kernels][bf16]") {
+  REQUIRE(kernels::float_to_bf16(1.0f) == 0x3F80);
+  REQUIRE(kernels::bf16_to_float(0x3F80) == 1.0f);
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0); just above rounds up.
+  REQUIRE(kernels::float_to_bf16(1.00390625f) == 0x3F80);
+  REQUIRE(kernels::float_to_bf16(std::nextafter(1.00390625f, 2.0f)) == 0x3F81);
+  REQUIRE(kernels::float_to_bf16(1.01171875f) == 0x3F82);  // 1 + 3 * 2^-8: tie, up to even
+  REQUIRE(kernels::float_to_bf16(std::numeric_limits<float>::infinity()) == 0x7F80);
+  REQUIRE(std::isnan(
+      kernels::bf16_to_float(kernels::float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  REQUIRE(kernels::float_to_bf16(-2.0f) == 0xC000);
+}
+
+TEST_CASE("bf16 panels match a double GEMM on bf16-rounded operands, both paths",
+          "[kernels][bf16][gemm]") {
+  constexpr Index NP = kernels::panel_width();
+  auto round = [](float v) {
+    return static_cast<double>(kernels::bf16_to_float(kernels::float_to_bf16(v)));
+  };
+  for (auto path : {kernels::Bf16Path::kAuto, kernels::Bf16Path::kWiden}) {
+    bool const rounds_a =
+        path == kernels::Bf16Path::kAuto && kernels::has_avx512_bf16() && NP == 32;
+    for (Index K : {Index{1}, Index{2}, Index{17}, Index{64}, Index{301}}) {
+      for (Index M : {Index{1}, Index{6}, Index{13}}) {
+        for (Index N : {Index{1}, NP - 1, NP + 3}) {
+          INFO("path " << static_cast<int>(path) << " M " << M << " N " << N << " K " << K);
+          auto A = test::random_vector(M * K, 121);
+          auto W = test::random_vector(N * K, 122);
+          Index const words = (K + 1) / 2 * NP, panels = (N + NP - 1) / NP;
+          std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed(
+              static_cast<std::size_t>(panels * words));
+          for (Index p = 0; p < panels; ++p) {
+            kernels::pack_panel_bf16(W.data(), K, p * NP, std::min(NP, N - p * NP), K,
+                                     packed.data() + p * words);
+          }
+          std::vector<std::uint32_t> scratch(
+              static_cast<std::size_t>(kernels::bf16_scratch_words(K)));
+          std::vector<float> C(static_cast<std::size_t>(M * N));
+          kernels::project_cols_bf16(A.data(), K, M, packed.data(), K, 0, N, C.data(), N,
+                                     scratch.data(), path);
+          for (Index i = 0; i < M; ++i) {
+            for (Index j = 0; j < N; ++j) {
+              double want = 0.0;
+              for (Index k = 0; k < K; ++k) {
+                want += (rounds_a ? round(A[i * K + k]) : A[i * K + k]) * round(W[j * K + k]);
+              }
+              REQUIRE(C[i * N + j] == Approx(want).margin(1e-4));
+            }
+          }
+        }
+      }
+    }
+  }
 }

@@ -451,3 +451,31 @@ TEST_CASE("Packed weights give the unpacked result, and stale packs are never us
   copy.backward(w2, {dy.data(), T, D}, {dx2.data(), T, D}, g2);
   for (std::size_t i = 0; i < dx1.size(); ++i) REQUIRE(dx1[i] == Approx(dx2[i]).margin(1e-5));
 }
+
+TEST_CASE("bf16-packed weights: inference within bf16 rounding, training stays exact",
+          "[layers][packing][bf16]") {
+  Index const D = 48, F = 40, E = 6, T = 60;
+  using Sh = experts::UngatedSharedExperts<experts::GeluMlp>;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(D, F, {E, 2, true, 1.0f},
+                                                               Sh(1, D, 24));
+  randomize(layer, 111);
+  auto x = test::random_vector(T * D, 112);
+  std::vector<float> exact(x.size()), bf16(x.size()), train(x.size());
+  moe::MoeFfnWorkspace ws;
+  moe::ThreadPool pool(2);
+  layer.forward({x.data(), T, D}, {exact.data(), T, D}, ws, {nullptr, &pool});
+  layer.pack_weights(experts::WeightFormat::kBf16);
+  REQUIRE(layer.experts().packed());
+  REQUIRE(layer.experts().packed_format() == experts::WeightFormat::kBf16);
+  layer.forward({x.data(), T, D}, {bf16.data(), T, D}, ws, {nullptr, &pool});
+  // bf16 keeps 8 significant bits: relative error of a dot product about 2^-8 of its terms.
+  double err = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < exact.size(); ++i) {
+    err = std::max(err, static_cast<double>(std::fabs(bf16[i] - exact[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(exact[i])));
+  }
+  REQUIRE(err > 0.0);  // the bf16 path really ran
+  REQUIRE(err < 2e-2 * scale);
+  layer.forward_train({x.data(), T, D}, {train.data(), T, D}, ws, {nullptr, &pool});
+  for (std::size_t i = 0; i < exact.size(); ++i) REQUIRE(train[i] == Approx(exact[i]).margin(1e-6));
+}

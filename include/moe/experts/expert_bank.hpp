@@ -13,9 +13,16 @@
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 
 namespace moe::experts {
+
+/// Storage of packed expert weights (ExpertBank::pack).
+enum class WeightFormat {
+  kF32,   ///< fp32 panels: exact
+  kBf16,  ///< bf16 panels: half the bytes; inference only (forward_train uses fp32)
+};
 
 /// Owns the weights of `num_experts` experts that all compute `Expert` (a GLU or an MLP), in
 /// the Hugging Face [out, in] row-major convention, one contiguous block per expert:
@@ -173,41 +180,91 @@ class ExpertBank {
   /// Packs every expert's projections into the panel layout the micro-kernel reads
   /// (kernels::pack_panel: for each expert, ceil(P / NP) panels of [D, NP], then ceil(D / NP)
   /// panels of [F, NP]; NP = kernels::panel_width()), so that forwards stop repacking weights on
-  /// every call. The packed copy doubles the weight memory. It is used only while current: any
+  /// every call. The fp32 copy doubles the weight memory; WeightFormat::kBf16 stores bf16 panels
+  /// (kernels::pack_panel_bf16, round-to-nearest-even) that inference forwards multiply with
+  /// AVX512-BF16 dot products where available (fp32 widening otherwise); training forwards
+  /// ignore a bf16 pack and use the exact fp32 weights. It is used only while current: any
   /// mutable access to the weights afterwards (in_proj(), down_proj(), parameters(), ...) marks it
   /// stale and the layers fall back to packing per call, so results never use stale weights, as
   /// long as views obtained *before* pack() are not written to after it. Call pack() again after
   /// changing the weights.
-  void pack() {
+  void pack(WeightFormat format = WeightFormat::kF32) {
     Index const np = kernels::panel_width();
     Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
     Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
-    packed_.assign(static_cast<std::size_t>(num_experts_ * (in_panels * D + down_panels * F) * np),
-                   0.0f);
+    packed_.clear();
+    packed_bf16_.clear();
+    if (format == WeightFormat::kF32) {
+      packed_.assign(
+          static_cast<std::size_t>(num_experts_ * (in_panels * D + down_panels * F) * np), 0.0f);
+    } else {
+      packed_bf16_.assign(
+          static_cast<std::size_t>(num_experts_ *
+                                   (in_panels * ((D + 1) / 2) + down_panels * ((F + 1) / 2)) * np),
+          0u);
+    }
     for (Index e = 0; e < num_experts_; ++e) {
       for (Index p = 0; p < in_panels; ++p) {
-        kernels::pack_panel(in_ptr(e), D, p * np, std::min(np, P - p * np), D,
-                            packed_.data() + packed_in_offset(e) + p * D * np);
+        Index const nc = std::min(np, P - p * np);
+        if (format == WeightFormat::kF32) {
+          kernels::pack_panel(in_ptr(e), D, p * np, nc, D,
+                              packed_.data() + packed_in_offset(e) + p * D * np);
+        } else {
+          kernels::pack_panel_bf16(
+              in_ptr(e), D, p * np, nc, D,
+              packed_bf16_.data() + bf16_in_offset(e) + p * ((D + 1) / 2) * np);
+        }
       }
       for (Index p = 0; p < down_panels; ++p) {
-        kernels::pack_panel(down_ptr(e), F, p * np, std::min(np, D - p * np), F,
-                            packed_.data() + packed_down_offset(e) + p * F * np);
+        Index const nc = std::min(np, D - p * np);
+        if (format == WeightFormat::kF32) {
+          kernels::pack_panel(down_ptr(e), F, p * np, nc, F,
+                              packed_.data() + packed_down_offset(e) + p * F * np);
+        } else {
+          kernels::pack_panel_bf16(
+              down_ptr(e), F, p * np, nc, F,
+              packed_bf16_.data() + bf16_down_offset(e) + p * ((F + 1) / 2) * np);
+        }
       }
     }
     packed_version_ = version_;
   }
+  /// The format of the current packed copy (meaningful when packed()).
+  WeightFormat packed_format() const {
+    return packed_bf16_.empty() ? WeightFormat::kF32 : WeightFormat::kBf16;
+  }
+  /// Expert e's bf16 panels ([D or F pairs, NP] words, in then down), or null when not current.
+  std::uint32_t const* packed_in_bf16(Index e) const {
+    return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_in_offset(e) : nullptr;
+  }
+  std::uint32_t const* packed_down_bf16(Index e) const {
+    return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_down_offset(e) : nullptr;
+  }
+
   /// Is the packed copy present and made from the current weights?
-  bool packed() const { return packed_version_ == version_ && !packed_.empty(); }
+  bool packed() const {
+    return packed_version_ == version_ && (!packed_.empty() || !packed_bf16_.empty());
+  }
   /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed.
   float const* packed_in(Index e) const {
-    return packed() ? packed_.data() + packed_in_offset(e) : nullptr;
+    return packed() && !packed_.empty() ? packed_.data() + packed_in_offset(e) : nullptr;
   }
   /// First panel of expert e's down projection ([F, NP] panels, contiguous), or null.
   float const* packed_down(Index e) const {
-    return packed() ? packed_.data() + packed_down_offset(e) : nullptr;
+    return packed() && !packed_.empty() ? packed_.data() + packed_down_offset(e) : nullptr;
   }
 
  private:
+  Index bf16_in_offset(Index e) const {
+    Index const np = kernels::panel_width();
+    Index const in_panels = (hidden_cols() + np - 1) / np, down_panels = (d_model_ + np - 1) / np;
+    return e * (in_panels * ((d_model_ + 1) / 2) + down_panels * ((d_ffn_ + 1) / 2)) * np;
+  }
+  Index bf16_down_offset(Index e) const {
+    Index const np = kernels::panel_width();
+    Index const in_panels = (hidden_cols() + np - 1) / np;
+    return bf16_in_offset(e) + in_panels * ((d_model_ + 1) / 2) * np;
+  }
   Index packed_in_offset(Index e) const {
     Index const np = kernels::panel_width();
     Index const in_panels = (hidden_cols() + np - 1) / np, down_panels = (d_model_ + np - 1) / np;
@@ -235,6 +292,7 @@ class ExpertBank {
   std::uint64_t version_ = 0;  // bumped by every mutable access to the weights
   std::uint64_t packed_version_ = ~std::uint64_t{0};
   std::vector<float, xsimd::aligned_allocator<float, 64>> packed_;
+  std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed_bf16_;
 };
 
 }  // namespace moe::experts

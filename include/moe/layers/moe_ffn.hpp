@@ -72,7 +72,8 @@ struct MoeFfnWorkspace {
   std::vector<float> shared_out;     ///< [S*T, D] shared-expert outputs
   std::vector<float> shared_gate;    ///< [T, S] sigmoid gates of the shared experts
   std::vector<float> panels;         ///< per-thread packed weight panels
-  double aux_loss = 0.0;             ///< the balance policy's loss for the last routed call
+  std::vector<std::uint32_t> bf16_scratch;  ///< per-thread bf16 activation pairs
+  double aux_loss = 0.0;                    ///< the balance policy's loss for the last routed call
 
   /// One projection C = A W^T over some output columns, a unit of parallel work.
   struct Job {
@@ -83,6 +84,7 @@ struct MoeFfnWorkspace {
     float* c;
     Index ldc;
     float const* packed = nullptr;  ///< W as [K, NP] panels (ExpertBank::pack), or null
+    std::uint32_t const* packed_bf16 = nullptr;  ///< W as bf16 panels, or null
   };
   struct Item {
     Index job, col_begin, col_end;
@@ -224,9 +226,9 @@ class MoeFfn {
   /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
   /// (ExpertBank::pack), so forwards stop repacking them per call. Call again after changing
   /// weights; until then the layer notices the change and packs per call. Doubles expert memory.
-  void pack_weights() {
-    bank_.pack();
-    if constexpr (Shared::has_experts) shared_.bank().pack();
+  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
+    bank_.pack(format);
+    if constexpr (Shared::has_experts) shared_.bank().pack(format);
   }
 
   /// Zero gradients shaped like this layer's parameters.
@@ -267,6 +269,7 @@ class MoeFfn {
     grow(ws.shared_out, ns * max_tokens * D);
     grow(ws.shared_gate, ns * max_tokens);
     grow(ws.panels, threads * panel_floats());
+    grow(ws.bf16_scratch, threads * kernels::bf16_scratch_words(panel_depth()));
     Index const jobs = 2 * (E + ns) + 1;
     grow(ws.jobs, jobs);
     Index const np = kernels::panel_width();
@@ -410,10 +413,14 @@ class MoeFfn {
 
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
-  Index panel_floats() const {
+  /// The largest projection depth (K) of any job.
+  Index panel_depth() const {
     Index k = std::max(d_model_, d_ffn());
     if constexpr (Shared::has_experts) k = std::max(k, shared_.bank().d_ffn());
-    Index const n = kernels::panel_scratch_size(k);
+    return k;
+  }
+  Index panel_floats() const {
+    Index const n = kernels::panel_scratch_size(panel_depth());
     return (n + 15) / 16 * 16;
   }
 
@@ -423,17 +430,23 @@ class MoeFfn {
     if (job.rows == 0 || cols == 0) return;
     Index const j = static_cast<Index>(ws.jobs.size());
     ws.jobs.push_back(job);
-    Index const step =
-        job.rows < kernels::kPanelMinRows && !job.packed ? 64 : kernels::panel_width();
+    Index const step = job.rows < kernels::kPanelMinRows && !job.packed && !job.packed_bf16
+                           ? 64
+                           : kernels::panel_width();
     for (Index c = 0; c < cols; c += step) ws.items.push_back({j, c, std::min(cols, c + step)});
   }
 
   void run_jobs(MoeFfnWorkspace& ws, ThreadPool* pool) const {
     Index const per = panel_floats();
+    Index const bf16_per = kernels::bf16_scratch_words(panel_depth());
     parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
       auto const item = ws.items[i];
       auto const& job = ws.jobs[item.job];
-      if (job.packed) {
+      if (job.packed_bf16) {
+        kernels::project_cols_bf16(job.a, job.lda, job.rows, job.packed_bf16, job.depth,
+                                   item.col_begin, item.col_end, job.c, job.ldc,
+                                   ws.bf16_scratch.data() + thread * bf16_per);
+      } else if (job.packed) {
         kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth,
                                      item.col_begin, item.col_end, job.c, job.ldc);
       } else {
@@ -482,6 +495,8 @@ class MoeFfn {
     ws.shared_out.resize(static_cast<std::size_t>(ns * T * D));
     ws.shared_gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
     ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * panel_floats()));
+    ws.bf16_scratch.resize(
+        static_cast<std::size_t>(threads_of(pool) * kernels::bf16_scratch_words(panel_depth())));
     Index Ps = 0, Fs = 0;
     if constexpr (Shared::has_experts) {
       Ps = shared_.bank().hidden_cols();
@@ -516,14 +531,15 @@ class MoeFfn {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
       add_job(ws,
               {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(e).data, D, ws.hidden.data() + r0 * P,
-               P, bank_.packed_in(e)},
+               P, bank_.packed_in(e), train ? nullptr : bank_.packed_in_bf16(e)},
               P);
     }
     if constexpr (Shared::has_experts) {
       for (Index s = 0; s < ns; ++s) {
         add_job(ws,
                 {x.data, x.row_stride, T, shared_.bank().in_proj(s).data, D,
-                 ws.shared_hidden.data() + s * T * Ps, Ps, shared_.bank().packed_in(s)},
+                 ws.shared_hidden.data() + s * T * Ps, Ps, shared_.bank().packed_in(s),
+                 train ? nullptr : shared_.bank().packed_in_bf16(s)},
                 Ps);
       }
     }
@@ -553,7 +569,7 @@ class MoeFfn {
       float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
       add_job(ws,
               {m, train ? F : P, n, bank_.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D,
-               bank_.packed_down(e)},
+               bank_.packed_down(e), train ? nullptr : bank_.packed_down_bf16(e)},
               D);
     }
     if constexpr (Shared::has_experts) {
@@ -562,7 +578,8 @@ class MoeFfn {
             train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
         add_job(ws,
                 {m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
-                 ws.shared_out.data() + s * T * D, D, shared_.bank().packed_down(s)},
+                 ws.shared_out.data() + s * T * D, D, shared_.bank().packed_down(s),
+                 train ? nullptr : shared_.bank().packed_down_bf16(s)},
                 D);
       }
     }
