@@ -239,6 +239,7 @@ void set_fractions(benchmark::State& state, double seconds_per_iter, Cost c, dou
   state.counters["S-MFU"] = achieved / lim.fma;
   state.counters["S-MBU"] = c.weight_bytes / seconds_per_iter / lim.bandwidth;
   state.counters["roofline"] = achieved / std::min(lim.fma, ai * lim.bandwidth);
+  state.counters["FLOP/B"] = ai;
 }
 
 template <class F>
