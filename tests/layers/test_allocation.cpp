@@ -82,6 +82,19 @@ TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batc
     g_counting = false;
     REQUIRE(g_allocations == 0);
   }
+  SECTION("with packed weights (fp32 and bf16), after a first call") {
+    for (auto format : {moe::experts::WeightFormat::kF32, moe::experts::WeightFormat::kBf16}) {
+      layer.pack_weights(format);
+      moe::MoeFfnWorkspace ws;
+      layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+      g_allocations = 0;
+      g_counting = true;
+      layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
+      layer.forward({x.data(), 3, D}, {y.data(), 3, D}, ws, {nullptr, &pool});
+      g_counting = false;
+      REQUIRE(g_allocations == 0);
+    }
+  }
   SECTION("after reserve") {
     moe::MoeFfnWorkspace ws;
     layer.reserve(ws, T, pool.size());
