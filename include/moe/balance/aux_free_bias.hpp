@@ -46,8 +46,9 @@ struct AuxFreeBias {
     if (counts.empty()) return;
     Index const E = static_cast<Index>(counts.size());
     if (router.bias.empty()) router.bias.assign(static_cast<std::size_t>(E), 0.0f);
-    ::moe::detail::check(static_cast<Index>(router.bias.size()) == E, "AuxFreeBias: router bias has ",
-                  router.bias.size(), " entries for ", E, " experts");
+    ::moe::detail::check(static_cast<Index>(router.bias.size()) == E,
+                         "AuxFreeBias: router bias has ", router.bias.size(), " entries for ", E,
+                         " experts");
     double mean = 0.0;
     for (double c : counts) mean += c;
     mean /= static_cast<double>(E);

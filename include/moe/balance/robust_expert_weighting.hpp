@@ -35,10 +35,10 @@ struct RobustExpertWeighting {
   void update(RoutingPlan const& plan, std::span<float const> token_loss) {
     Index const E = plan.num_experts;
     ::moe::detail::check(static_cast<Index>(token_loss.size()) == plan.num_tokens,
-                  "RobustExpertWeighting: ", token_loss.size(), " token losses for ",
-                  plan.num_tokens, " tokens");
+                         "RobustExpertWeighting: ", token_loss.size(), " token losses for ",
+                         plan.num_tokens, " tokens");
     ::moe::detail::check(tau > 0.0 && beta >= 0.0 && beta < 1.0,
-                  "RobustExpertWeighting: need tau > 0 and 0 <= beta < 1");
+                         "RobustExpertWeighting: need tau > 0 and 0 <= beta < 1");
     if (static_cast<Index>(ema.size()) != E) ema.assign(static_cast<std::size_t>(E), 0.0);
     for (Index e = 0; e < E; ++e) {
       double num = 0.0, den = 0.0;
@@ -57,10 +57,11 @@ struct RobustExpertWeighting {
 
   /// dLoss/dl_t = sum_i q_i a_{t,i} / (sum_t a_{t,i} + eps) into out [T].
   void token_weights(RoutingPlan const& plan, std::span<float> out) const {
-    ::moe::detail::check(static_cast<Index>(out.size()) == plan.num_tokens &&
-                      static_cast<Index>(q.size()) == plan.num_experts,
-                  "RobustExpertWeighting::token_weights: call update first; out needs one entry "
-                  "per token");
+    ::moe::detail::check(
+        static_cast<Index>(out.size()) == plan.num_tokens &&
+            static_cast<Index>(q.size()) == plan.num_experts,
+        "RobustExpertWeighting::token_weights: call update first; out needs one entry "
+        "per token");
     std::fill(out.begin(), out.end(), 0.0f);
     for (Index e = 0; e < plan.num_experts; ++e) {
       double den = 0.0;

@@ -61,8 +61,8 @@ struct SeqAux {
     Index const T = in.selection.num_tokens, E = in.selection.num_experts;
     Index const L = seq_len > 0 ? seq_len : T;
     ::moe::detail::check(seq_len == 0 || T % seq_len == 0, "SeqAux: ", T,
-                  " tokens are not a whole number ", "of sequences of seq_len = ", seq_len,
-                  "; pass [batch * seq_len] tokens");
+                         " tokens are not a whole number ", "of sequences of seq_len = ", seq_len,
+                         "; pass [batch * seq_len] tokens");
     if (T == 0) return;
     Index const B = T / L;
     Index const K = in.selection.slots;

@@ -66,8 +66,8 @@ struct HeadwiseGate {
       for (Index d = 0; d < head_dim; ++d) out[h * head_dim + d] = a[h * head_dim + d] * s[h];
     }
   }
-  static void backward(float const* a, float const* s, float const* dout, float* da,
-                       float* dgamma, Index heads, Index head_dim) {
+  static void backward(float const* a, float const* s, float const* dout, float* da, float* dgamma,
+                       Index heads, Index head_dim) {
     for (Index h = 0; h < heads; ++h) {
       float dot = 0.0f;
       for (Index d = 0; d < head_dim; ++d) {
@@ -93,8 +93,8 @@ struct ElementwiseGate {
     kernels::sigmoid_rows(gamma, n, s, n, 1, n);
     for (Index i = 0; i < n; ++i) out[i] = a[i] * s[i];
   }
-  static void backward(float const* a, float const* s, float const* dout, float* da,
-                       float* dgamma, Index heads, Index head_dim) {
+  static void backward(float const* a, float const* s, float const* dout, float* da, float* dgamma,
+                       Index heads, Index head_dim) {
     Index const n = heads * head_dim;
     for (Index i = 0; i < n; ++i) {
       float const g = dout[i];

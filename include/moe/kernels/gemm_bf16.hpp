@@ -167,8 +167,8 @@ void gemm_panel_bf16(float const* A, Index lda, std::uint32_t const* panel, Inde
         Index kp = 0;
         // 32 floats -> 16 bf16 pairs per instruction (round to nearest even, like float_to_bf16).
         for (; 2 * kp + 32 <= K; kp += 16) {
-          __m512bh const v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 2 * kp + 16),
-                                                 _mm512_loadu_ps(a + 2 * kp));
+          __m512bh const v =
+              _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 2 * kp + 16), _mm512_loadu_ps(a + 2 * kp));
           _mm512_storeu_si512(dst + kp, reinterpret_cast<__m512i>(v));
         }
         for (; kp < kp_count; ++kp) {

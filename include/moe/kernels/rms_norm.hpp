@@ -12,8 +12,7 @@ namespace moe::kernels {
 
 /// y = x * r * w',  r = 1 / sqrt(mean(x^2) + eps),  w' = w (Qwen3RMSNorm) or 1 + w
 /// (Qwen3NextRMSNorm, `one_plus`), over n entries. Returns r (training keeps it). y may be x.
-inline float rms_norm(float const* x, float const* w, bool one_plus, float eps, Index n,
-                      float* y) {
+inline float rms_norm(float const* x, float const* w, bool one_plus, float eps, Index n, float* y) {
   float ss = 0.0f;
   for (Index i = 0; i < n; ++i) ss = std::fma(x[i], x[i], ss);
   float const r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);

@@ -18,7 +18,7 @@
 namespace moe::kernels {
 
 /// Query rows per block of the SDPA kernels (any value gives the same results).
-inline constexpr Index kSdpaQueryBlock = 32;
+inline constexpr Index kSdpaQueryBlock = 64;
 /// Keys per block: the online softmax folds in one block of keys at a time. Block boundaries are
 /// multiples of kSdpaKeyBlock counted from key 0, whatever rows a call covers, so a query row's
 /// result does not depend on how rows are split across calls or threads.
@@ -86,7 +86,8 @@ struct SdpaGrads {
 template <class Arch = simd::DefaultArch>
 constexpr Index sdpa_scratch_size(Index head_dim, Index value_dim) {
   Index const depth = std::max<Index>(1, std::max(head_dim, value_dim));
-  return (depth * kSdpaKeyBlock + 15) / 16 * 16 + 2 * kSdpaQueryBlock * kSdpaKeyBlock + kSdpaKeyBlock + 3 * kSdpaQueryBlock + 16;
+  return (depth * kSdpaKeyBlock + 15) / 16 * 16 + 2 * kSdpaQueryBlock * kSdpaKeyBlock +
+         kSdpaKeyBlock + 3 * kSdpaQueryBlock + 16;
 }
 
 namespace detail {
@@ -148,15 +149,37 @@ MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, 
 template <class Arch>
 void rank_update(float const* a, Index a_rs, Index a_cs, float const* b, Index ldb, float* c,
                  Index ldc, Index M, Index N, Index K, float const* beta) {
-  constexpr Index MR = 4;
+  constexpr Index MR = simd::Batch<float, Arch>::size >= 16 ? 8 : 6;  // 32 or 16 registers
   Index r = 0;
   for (; r + MR <= M; r += MR) {
     rank_update_rows<MR, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K,
                                beta ? beta + r : nullptr);
   }
-  for (; r < M; ++r) {
-    rank_update_rows<1, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K,
-                              beta ? beta + r : nullptr);
+  float const* bt = beta ? beta + r : nullptr;
+  switch (M - r) {
+    case 7:
+      rank_update_rows<7, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 6:
+      rank_update_rows<6, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 5:
+      rank_update_rows<5, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 4:
+      rank_update_rows<4, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 3:
+      rank_update_rows<3, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 2:
+      rank_update_rows<2, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    case 1:
+      rank_update_rows<1, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      break;
+    default:
+      break;
   }
 }
 

@@ -24,8 +24,8 @@ namespace moe {
 ///   - positions [T]: RoPE position of each token. Empty: its index within its sequence. The
 ///     causal mask always uses the index within the sequence.
 struct AttentionOptions {
-  ThreadPool* pool = nullptr;                  ///< null: run on the calling thread
-  Index batch = 1;                             ///< sequences in x; must divide T
+  ThreadPool* pool = nullptr;                   ///< null: run on the calling thread
+  Index batch = 1;                              ///< sequences in x; must divide T
   std::span<std::uint8_t const> key_mask = {};  ///< [T] or empty
   std::span<Index const> positions = {};        ///< [T] or empty
 };

@@ -15,9 +15,10 @@
 
 namespace moe::detail {
 
-/// A queue of projections C[:, 0:cols] = A W^T (kernels::project_cols), each split into column
-/// items (one panel each, or 64 columns on the few-rows path). Items are fixed by the shapes
-/// alone, so results are bitwise identical for any number of threads.
+/// A queue of projections C[:, 0:cols] = A W^T (kernels::project_cols, or project_cols_packed
+/// when the weights come pre-packed), each split into column items (one panel each, or 64
+/// columns on the few-rows path). Items are fixed by the shapes alone, so results are bitwise
+/// identical for any number of threads.
 class ProjectionQueue {
  public:
   struct Job {
@@ -27,13 +28,15 @@ class ProjectionQueue {
     Index depth;
     float* c;
     Index ldc;
+    float const* packed = nullptr;  // W as [depth, NP] panels (ExpertBank::pack), or null
   };
 
   void add(Job const& job, Index cols) {
     if (job.rows == 0 || cols == 0) return;
     Index const j = static_cast<Index>(jobs_.size());
     jobs_.push_back(job);
-    Index const step = job.rows < kernels::kPanelMinRows ? 64 : kernels::panel_width();
+    Index const step =
+        job.rows < kernels::kPanelMinRows && !job.packed ? 64 : kernels::panel_width();
     for (Index c = 0; c < cols; c += step) items_.push_back({j, c, std::min(cols, c + step)});
   }
 
@@ -43,8 +46,13 @@ class ProjectionQueue {
     parallel_for(pool, static_cast<Index>(items_.size()), [&](Index i, int thread) {
       Item const& it = items_[i];
       Job const& job = jobs_[it.job];
-      kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, it.c0, it.c1,
-                            job.c, job.ldc, scratch + thread * per_thread);
+      if (job.packed) {
+        kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth, it.c0, it.c1,
+                                     job.c, job.ldc);
+      } else {
+        kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, it.c0, it.c1,
+                              job.c, job.ldc, scratch + thread * per_thread);
+      }
     });
     jobs_.clear();
     items_.clear();

@@ -1,0 +1,318 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// Benchmarks of the attention layers and of the SDPA kernel (docs/attention.md, "Numbers").
+//
+// Shapes (T tokens in one sequence, causal):
+//   BM_Kernel_Sdpa_Forward / _Backward   one head, d = dv = 128, one thread (CPU time)
+//   BM_Layer_GatedAttention_Forward / _Train
+//       D 1024, 8 query heads over 2 KV heads, head_dim 128, elementwise gate packed per query
+//       head (Qwen3-Next layout), q/k RMSNorm (1 + w), RoPE on 64 of 128 dims; pool of 2 threads
+//   BM_Layer_MoeAttention_Forward / _Train
+//       UMoE: D 1024, 16 SiLU-MLP experts of F 512 (bank packed once), top-2, d_qk 128, query
+//       rank 32 + residual query, RoPE, headwise gate, no shared expert; pool of 2 threads
+//   all at T in {128, 512, 2048}.
+//
+// FLOP count (multiply-add = 2 FLOP; softmax, exp, norms, RoPE, gates and activations are not
+// counted). A causal sequence of S tokens has V = S (S + 1) / 2 visible (query, key) pairs:
+//   SDPA forward     4 d V per head (q.k and p v: 2 d each)
+//   SDPA backward   10 d V per head (recomputed q.k, dO v^T, dq, dk, dv)
+//   GatedAttention forward  2 T D (H d_h + H w + 2 KV d_h) projections + 2 T H d_h D o_proj
+//                           + 4 d_h V H
+//   GatedAttention train    3 x the projection FLOPs + 14 d_h V H (forward + backward SDPA)
+//   MoeAttention forward    2 T D E (router) + per routed row R = T k: 2 D r + 2 r d_qk (query),
+//                           2 D (gate), 4 D F (expert) + 2 T D d_qk (key) + 2 T D d_qk (residual)
+//                           + 2 (d_qk + D) V_routed, V_routed = sum over rows of visible keys
+//   MoeAttention train      3 x the projection FLOPs + (8 d_qk + 6 D) V_routed (forward
+//                           2 d_qk + 2 D; backward recomputed q.k 2 d_qk, dO v^T 2 D, dq, dk
+//                           4 d_qk, dv 2 D; the dq / dk-dv split recomputes q.k and dO v^T once
+//                           more, which is not counted)
+// The counter FLOP/s is that count over the wall time (kIsIterationInvariantRate).
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#include <xsimd/xsimd.hpp>
+
+#include "moe/core/random.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/experts/expert_bank.hpp"
+#include "moe/experts/expert_types.hpp"
+#include "moe/kernels/sdpa.hpp"
+#include "moe/layers/gated_attention.hpp"
+#include "moe/layers/moe_attention.hpp"
+#include "moe/routing/softmax_top_k.hpp"
+
+namespace {
+
+using benchmark::Counter;
+using moe::Index;
+constexpr int kThreads = 2;
+
+double visible_pairs(Index S) { return 0.5 * static_cast<double>(S) * static_cast<double>(S + 1); }
+
+std::vector<float> random_vector(Index n, std::uint64_t seed, float bound) {
+  std::vector<float> v(static_cast<std::size_t>(n));
+  moe::fill_uniform(v, -bound, bound, seed);
+  return v;
+}
+
+void set_counters(benchmark::State& state, Index T, double flops) {
+  state.counters["tokens/s"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] = Counter(flops, Counter::kIsIterationInvariantRate);
+}
+
+// --- SDPA kernel, one head ---------------------------------------------------------------
+
+struct Head {
+  Index T, d = 128;
+  std::vector<float> q, k, v, o, lse, delta, dout, dq, dk, dv, scratch;
+  moe::kernels::SdpaParams p;
+  moe::kernels::SdpaGrads g;
+  explicit Head(Index T_) : T(T_) {
+    q = random_vector(T * d, 1, 1.0f);
+    k = random_vector(T * d, 2, 1.0f);
+    v = random_vector(T * d, 3, 1.0f);
+    dout = random_vector(T * d, 4, 1.0f);
+    o.resize(q.size());
+    dq.resize(q.size());
+    dk.resize(q.size());
+    dv.resize(q.size());
+    lse.resize(static_cast<std::size_t>(T));
+    delta.resize(lse.size());
+    scratch.resize(static_cast<std::size_t>(moe::kernels::sdpa_scratch_size(d, d)));
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.ldq = p.ldk = p.ldv = d;
+    p.q_rows = p.kv_rows = T;
+    p.head_dim = p.value_dim = d;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    p.causal = true;
+    g.o = o.data();
+    g.dout = dout.data();
+    g.ldo = g.lddo = g.lddq = g.lddk = g.lddv = d;
+    g.lse = lse.data();
+    g.delta = delta.data();
+    g.dq = dq.data();
+    g.dk = dk.data();
+    g.dv = dv.data();
+  }
+};
+
+void BM_Kernel_Sdpa_Forward(benchmark::State& state) {
+  Head h(state.range(0));
+  for (auto _ : state) {
+    moe::kernels::sdpa_forward(h.p, h.o.data(), h.d, nullptr, 0, h.T, h.scratch.data());
+    benchmark::DoNotOptimize(h.o.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, h.T, 4.0 * static_cast<double>(h.d) * visible_pairs(h.T));
+}
+
+void BM_Kernel_Sdpa_Backward(benchmark::State& state) {
+  Head h(state.range(0));
+  moe::kernels::sdpa_forward(h.p, h.o.data(), h.d, h.lse.data(), 0, h.T, h.scratch.data());
+  moe::kernels::sdpa_backward_delta(h.g, h.d, 0, h.T, h.delta.data());
+  for (auto _ : state) {  // accumulates into dq, dk, dv; their values do not affect the time
+    moe::kernels::sdpa_backward(h.p, h.g, h.scratch.data());
+    benchmark::DoNotOptimize(h.dq.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, h.T, 10.0 * static_cast<double>(h.d) * visible_pairs(h.T));
+}
+
+// --- GatedAttention ------------------------------------------------------------------------
+
+using Gated = moe::GatedAttention<moe::gating::ElementwiseGate>;
+
+Gated& gated_layer() {
+  static Gated layer = [] {
+    moe::GatedAttentionConfig c;
+    c.d_model = 1024;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.head_dim = 128;
+    c.gate_layout = moe::GateLayout::kPackedPerHead;
+    c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+    c.rope = true;
+    c.rotary_dim = 64;
+    Gated l(c);
+    std::uint64_t seed = 10;
+    for (auto& p : l.parameters()) moe::fill_uniform(p.values, -0.03f, 0.03f, seed++);
+    return l;
+  }();
+  return layer;
+}
+
+/// Projection FLOPs of one GatedAttention forward over T tokens, and the SDPA pairs term.
+double gated_projection_flops(Gated const& l, Index T) {
+  double const D = static_cast<double>(l.d_model()), H = static_cast<double>(l.num_heads());
+  double const dh = static_cast<double>(l.head_dim()), KV = static_cast<double>(l.num_kv_heads());
+  double const w = static_cast<double>(l.gate_width());
+  return 2.0 * static_cast<double>(T) * D * (H * dh + H * w + 2.0 * KV * dh) +
+         2.0 * static_cast<double>(T) * H * dh * D;
+}
+
+void BM_Layer_GatedAttention_Forward(benchmark::State& state) {
+  Gated& layer = gated_layer();
+  Index const T = state.range(0), D = layer.d_model();
+  auto x = random_vector(T * D, 20, 1.0f);
+  std::vector<float> y(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::GatedAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  for (auto _ : state) {
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  double const attn =
+      4.0 * static_cast<double>(layer.head_dim() * layer.num_heads()) * visible_pairs(T);
+  set_counters(state, T, gated_projection_flops(layer, T) + attn);
+}
+
+void BM_Layer_GatedAttention_Train(benchmark::State& state) {
+  Gated& layer = gated_layer();
+  Index const T = state.range(0), D = layer.d_model();
+  auto x = random_vector(T * D, 21, 1.0f);
+  auto dy = random_vector(T * D, 22, 1.0f / static_cast<float>(T * D));
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::GatedAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  auto grads = layer.make_gradients();
+  for (auto _ : state) {
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+    benchmark::DoNotOptimize(dx.data());
+    benchmark::ClobberMemory();
+  }
+  double const attn =
+      14.0 * static_cast<double>(layer.head_dim() * layer.num_heads()) * visible_pairs(T);
+  set_counters(state, T, 3.0 * gated_projection_flops(layer, T) + attn);
+}
+
+// --- MoeAttention (UMoE) --------------------------------------------------------------------
+
+using Bank = moe::experts::ExpertBank<moe::experts::SiluMlp>;
+using Umoe = moe::MoeAttention<moe::routing::SoftmaxTopK, moe::experts::SiluMlp,
+                               moe::experts::NoSharedExperts, moe::gating::HeadwiseGate>;
+
+struct UmoeModel {
+  Bank bank{16, 1024, 512};
+  Umoe layer;
+  UmoeModel() {
+    moe::fill_uniform(bank.parameters(), -0.03f, 0.03f, 30);
+    moe::MoeAttentionConfig c;
+    c.d_model = 1024;
+    c.qk_dim = 128;
+    c.q_rank = 32;
+    c.residual_query = true;
+    c.rope = true;
+    layer = Umoe(c, {16, 2, false, 1.0f}, bank);
+    std::uint64_t seed = 31;
+    for (auto& p : layer.parameters()) moe::fill_uniform(p.values, -0.03f, 0.03f, seed++);
+    bank.pack();  // fp32 panels once, as MoeFfn::pack_weights does for the FFN use
+  }
+};
+
+UmoeModel& umoe_model() {
+  static UmoeModel m;
+  return m;
+}
+
+/// FLOPs of one MoeAttention forward (projections, experts) and its routed SDPA pairs.
+double umoe_flops(moe::MoeAttentionWorkspace const& ws, Index T, bool train) {
+  double const D = 1024, E = 16, F = 512, dk = 128, r = 32;  // the UmoeModel shape
+  double const R = static_cast<double>(ws.plan.num_rows());
+  double pairs = 0.0;  // each routed row sees tok_pos + 1 keys
+  for (Index j = 0; j < ws.plan.num_rows(); ++j) pairs += static_cast<double>(ws.tok_pos[j] + 1);
+  double const t = static_cast<double>(T);
+  double const proj =
+      2.0 * t * D * E + R * (2.0 * D * r + 2.0 * r * dk + 2.0 * D + 4.0 * D * F) + 4.0 * t * D * dk;
+  double const per_pair = train ? 8.0 * dk + 6.0 * D : 2.0 * dk + 2.0 * D;
+  return (train ? 3.0 : 1.0) * proj + per_pair * pairs;
+}
+
+void BM_Layer_MoeAttention_Forward(benchmark::State& state) {
+  UmoeModel& m = umoe_model();
+  Index const T = state.range(0), D = 1024;
+  auto x = random_vector(T * D, 40, 1.0f);
+  std::vector<float> y(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::MoeAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  m.layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  for (auto _ : state) {
+    m.layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, T, umoe_flops(ws, T, false));
+}
+
+void BM_Layer_MoeAttention_Train(benchmark::State& state) {
+  UmoeModel& m = umoe_model();
+  Index const T = state.range(0), D = 1024;
+  auto x = random_vector(T * D, 41, 1.0f);
+  auto dy = random_vector(T * D, 42, 1.0f / static_cast<float>(T * D));
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::MoeAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  auto grads = m.layer.make_gradients();
+  Bank bank_grads(16, 1024, 512);
+  for (auto _ : state) {
+    m.layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    m.layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, bank_grads, &pool);
+    benchmark::DoNotOptimize(dx.data());
+    benchmark::ClobberMemory();
+  }
+  m.layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  set_counters(state, T, umoe_flops(ws, T, true));
+}
+
+// Layers: wall-clock time (UseRealTime; the CPU clock misses the pool's worker). The smoke
+// test's filter "/T:128(/|$)" runs every benchmark at T 128 only.
+BENCHMARK(BM_Kernel_Sdpa_Forward)->ArgsProduct({{128, 512, 2048}})->ArgNames({"T"});
+BENCHMARK(BM_Kernel_Sdpa_Backward)->ArgsProduct({{128, 512, 2048}})->ArgNames({"T"});
+BENCHMARK(BM_Layer_GatedAttention_Forward)
+    ->ArgsProduct({{128, 512, 2048}})
+    ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Layer_GatedAttention_Train)
+    ->ArgsProduct({{128, 512, 2048}})
+    ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Layer_MoeAttention_Forward)
+    ->ArgsProduct({{128, 512, 2048}})
+    ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Layer_MoeAttention_Train)
+    ->ArgsProduct({{128, 512, 2048}})
+    ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+bool add_context() {
+  benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());
+  benchmark::AddCustomContext("pool", "layers: moe::ThreadPool of 2 threads; kernels: 1 thread");
+  benchmark::AddCustomContext("flops", "see the comment at the top of bench_attention.cpp");
+  return true;
+}
+[[maybe_unused]] bool const kContextAdded = add_context();
+
+}  // namespace
+
+BENCHMARK_MAIN();

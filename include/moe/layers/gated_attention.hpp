@@ -1,0 +1,649 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// GatedAttention: multi-head / grouped-query attention with the head-specific sigmoid output
+/// gate of "Gated Attention for LLMs" (Qiu et al. 2025) and Qwen3-Next, forward and backward.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "moe/core/eigen_interop.hpp"
+#include "moe/core/error.hpp"
+#include "moe/core/parameters.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/views.hpp"
+#include "moe/gating/sdpa_gate.hpp"
+#include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/rms_norm.hpp"
+#include "moe/kernels/rope.hpp"
+#include "moe/kernels/sdpa.hpp"
+#include "moe/layers/attention_options.hpp"
+#include "moe/layers/detail/projections.hpp"
+
+namespace moe {
+
+/// Where the gate projection W_g lives (ALGORITHMS.md section 2). With a gate of width w per
+/// head (1 headwise, head_dim elementwise), G = num_heads / num_kv_heads, the rows of q_proj are:
+///
+/// | layout             | q_proj rows                                                     |
+/// |--------------------|-----------------------------------------------------------------|
+/// | kSeparate          | [H * d_h] queries, head-major; W_g is its own [H * w, D] matrix  |
+/// | kPackedPerKvGroup  | per KV group g: [queries of heads gG..gG+G-1 (G d_h) | their gates (G w)]
+/// | |                    | (qiuzh20/gated_attention Qwen3Attention: view(n_kv, -1), split)   | |
+/// kPackedPerHead     | per query head h: [query_h (d_h) | gate_h (w)]                     | | |
+/// (HF Qwen3NextAttention: view(-1, 2 d_h), chunk; elementwise there) |
+///
+/// Without a gate (gating::NoGate) the three layouts coincide.
+enum class GateLayout { kSeparate, kPackedPerKvGroup, kPackedPerHead };
+
+/// Optional per-head RMSNorm on q and k (after the projections, before RoPE), over head_dim:
+/// kRmsNorm x r w (Qwen3 q_norm/k_norm, w initialised to 1); kRmsNormOnePlus x r (1 + w)
+/// (Qwen3NextRMSNorm, w initialised to 0); r = 1 / sqrt(mean x^2 + eps).
+enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus };
+
+/// Sizes and options of a GatedAttention layer (run-time values).
+struct GatedAttentionConfig {
+  Index d_model = 0;       ///< D
+  Index num_heads = 1;     ///< H query heads
+  Index num_kv_heads = 1;  ///< KV heads; must divide H (H == KV: multi-head, 1: multi-query)
+  Index head_dim = 0;      ///< d_h
+  GateLayout gate_layout = GateLayout::kSeparate;
+  QkNorm qk_norm = QkNorm::kNone;
+  float norm_eps = 1e-6f;
+  bool rope = false;            ///< rotate-half RoPE on q and k
+  float rope_theta = 10000.0f;  ///< RoPE base
+  Index rotary_dim = 0;         ///< rotated dims per head (even); 0 = head_dim (Qwen3-Next: 64)
+  float scale = 0.0f;           ///< softmax scale; 0 = 1 / sqrt(head_dim)
+  bool causal = true;
+};
+
+/// What a GatedAttention call writes besides its output, and what forward_train keeps for
+/// backward (see GatedAttention). Reused across calls: it grows to the largest call and then
+/// allocates nothing (the backward's Eigen products still allocate their packing buffers).
+struct GatedAttentionWorkspace {
+  std::vector<float> qg;        ///< [T, P] q_proj (+ gate_proj) output: queries, gate logits
+  std::vector<float> k_raw;     ///< [T, KV d_h] k_proj output (before norm / RoPE)
+  std::vector<float> v;         ///< [T, KV d_h] values
+  std::vector<float> q;         ///< [T, H d_h] queries after norm and RoPE
+  std::vector<float> k;         ///< [T, KV d_h] keys after norm and RoPE
+  std::vector<float> attn;      ///< [T, H d_h] SDPA output A
+  std::vector<float> gate;      ///< [T, H w] sigmoid gates s
+  std::vector<float> gated;     ///< [T, H d_h] A * s, the input of o_proj (gated layers only)
+  std::vector<float> lse;       ///< [batch, H, S] row logsumexp of the SDPA (training)
+  std::vector<float> rstd_q;    ///< [T, H] RMSNorm 1/rms of each query head
+  std::vector<float> rstd_k;    ///< [T, KV]
+  std::vector<float> rope_cos;  ///< [T, rotary_dim / 2]
+  std::vector<float> rope_sin;  ///< [T, rotary_dim / 2]
+  std::vector<float> scratch;   ///< per-thread SDPA and panel scratch
+  detail::ProjectionQueue queue;
+
+  // Training only (forward_train fills, backward reads).
+  std::vector<float> x;                ///< [T, D] copy of the input
+  std::vector<std::uint8_t> key_mask;  ///< [T] or empty
+  Index batch = 1;
+  std::vector<float> dgated;        ///< [T, H d_h] dL/d(o_proj input), then dL/dA
+  std::vector<float> dgate;         ///< [T, H w] dL/d(gate logits)
+  std::vector<float> dqg;           ///< [T, P]
+  std::vector<float> dq;            ///< [T, H d_h]
+  std::vector<float> dk;            ///< [T, KV d_h]
+  std::vector<float> dv;            ///< [T, KV d_h]
+  std::vector<float> dk_heads;      ///< [batch, H, S, d_h] per-query-head dK (GQA only)
+  std::vector<float> dv_heads;      ///< [batch, H, S, d_h]
+  std::vector<float> dk_raw;        ///< [T, KV d_h]
+  std::vector<float> delta;         ///< [batch, H, S]
+  std::vector<float> norm_partial;  ///< [token tiles, 2 d_h] q/k norm weight gradients
+  bool trained = false;
+};
+
+/// Multi-head / grouped-query attention with a head-specific sigmoid output gate:
+///
+///   [Q | gamma] = x W_q^T (packed) or Q = x W_q^T, gamma = x W_g^T (separate)
+///   K = x W_k^T, V = x W_v^T;   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) per head (optional)
+///   A_h = softmax(Q_h K_{g(h)}^T * scale + mask) V_{g(h)},   g(h) = h / (H / KV)
+///   O = A * sigmoid(gamma)   (per head: broadcast headwise, elementwise; O = A without a gate)
+///   y = O W_o^T
+///
+/// \tparam Gate_ an SdpaGatePolicy: gating::NoGate, gating::HeadwiseGate, gating::ElementwiseGate
+///
+/// | parameter         | shape                          | HF name                   |
+/// |-------------------|--------------------------------|---------------------------|
+/// | q_proj()          | [H d_h (+ H w if packed), D]   | q_proj.weight             |
+/// | gate_proj()       | [H w, D] (kSeparate only)      | (separate W_g)            |
+/// | k_proj(), v_proj()| [KV d_h, D]                    | k_proj.weight, v_proj.weight |
+/// | o_proj()          | [D, H d_h]                     | o_proj.weight             |
+/// | q_norm(), k_norm()| [d_h] (with qk_norm)           | q_norm.weight, k_norm.weight |
+///
+/// No biases (Qwen3 / Qwen3-Next attention_bias = false). Inputs x, y [T, D] row-major holding
+/// `opt.batch` sequences (see AttentionOptions for masks and positions); y may be x.
+/// Preconditions (moe::Error otherwise): KV divides H, sizes >= 1, rotary_dim even and <= d_h,
+/// x.cols == D, y [T, D], batch divides T, key_mask and positions empty or [T].
+///
+/// The SDPA never materialises a T x T matrix (kernels::sdpa_forward, blocked online softmax).
+/// Threads: projections split by output columns, SDPA by (sequence, head, 64-query chunk),
+/// elementwise work by 64-token tiles; results are bitwise identical for any pool size.
+/// Cost (FLOP): 2 T D (P + 2 KV d_h) + 2 T H d_h D for the projections, plus 4 d_h per visible
+/// (query, key) pair and head for the SDPA (2 S (S + 1) d_h per head and sequence when causal).
+///
+/// Training: forward_train keeps in the workspace x, the projections (q, gate logits, k, v
+/// before and after norm / RoPE), the RMSNorm factors, the SDPA output A and its row
+/// logsumexp [batch, H, S], the gates s and A * s; backward recomputes the attention
+/// probabilities block by block from the logsumexp (FlashAttention-2) and returns dx and the
+/// parameter gradients (accumulated, laid out like parameters()).
+template <gating::SdpaGatePolicy Gate_ = gating::NoGate>
+class GatedAttention {
+ public:
+  using Gate = Gate_;
+  static constexpr bool gated = Gate::kind != gating::GateKind::kNone;
+  /// Token rows per elementwise work item.
+  static constexpr Index kTileRows = 64;
+
+  /// Every trainable buffer of the layer (and, as Gradients, of its gradient).
+  struct Parameters {
+    std::vector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+    /// The named buffers in parameters() order; empty ones (no separate gate, no norm) omitted.
+    ParameterList groups() {
+      ParameterList list;
+      auto add = [&](char const* name, std::vector<float>& v) {
+        if (!v.empty()) list.push_back({name, std::span<float>(v)});
+      };
+      add("q_proj.weight", q_proj);
+      add("gate_proj.weight", gate_proj);
+      add("k_proj.weight", k_proj);
+      add("v_proj.weight", v_proj);
+      add("o_proj.weight", o_proj);
+      add("q_norm.weight", q_norm);
+      add("k_norm.weight", k_norm);
+      return list;
+    }
+    void zero() {
+      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
+    }
+  };
+  using Gradients = Parameters;
+
+  GatedAttention() = default;
+  /// A layer with zero projection weights and identity norms. Throws moe::Error on a bad config.
+  explicit GatedAttention(GatedAttentionConfig const& config) : c_(config) {
+    auto const& c = c_;
+    detail::check(c.d_model >= 1 && c.head_dim >= 1 && c.num_heads >= 1 && c.num_kv_heads >= 1,
+                  "GatedAttention: d_model = ", c.d_model, ", head_dim = ", c.head_dim,
+                  ", num_heads = ", c.num_heads, ", num_kv_heads = ", c.num_kv_heads,
+                  "; all must be >= 1");
+    detail::check(c.num_heads % c.num_kv_heads == 0,
+                  "GatedAttention: num_kv_heads = ", c.num_kv_heads,
+                  " does not divide num_heads = ", c.num_heads,
+                  "; grouped-query attention needs num_heads = G * num_kv_heads (e.g. 16 query "
+                  "heads over 2 KV heads)");
+    if (c_.rotary_dim == 0) c_.rotary_dim = c.head_dim;
+    detail::check(!c.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim <= c.head_dim &&
+                              c_.rotary_dim > 0 && c.rope_theta > 0.0f),
+                  "GatedAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c.rope_theta,
+                  "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
+                  "] and theta > 0");
+    detail::check(c.qk_norm == QkNorm::kNone || c.norm_eps > 0.0f,
+                  "GatedAttention: norm_eps = ", c.norm_eps, "; it must be > 0");
+    if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "GatedAttention: scale = ", c_.scale,
+                  "; pass a finite positive scale or 0 for 1/sqrt(head_dim)");
+    Index const D = c.d_model;
+    auto sized = [](Index n) { return std::vector<float>(static_cast<std::size_t>(n), 0.0f); };
+    p_.q_proj = sized(q_proj_rows() * D);
+    if (separate_gate()) p_.gate_proj = sized(gate_cols() * D);
+    p_.k_proj = sized(kv_dim() * D);
+    p_.v_proj = sized(kv_dim() * D);
+    p_.o_proj = sized(D * q_dim());
+    if (c.qk_norm != QkNorm::kNone) {
+      float const init = c.qk_norm == QkNorm::kRmsNorm ? 1.0f : 0.0f;
+      p_.q_norm.assign(static_cast<std::size_t>(c.head_dim), init);
+      p_.k_norm.assign(static_cast<std::size_t>(c.head_dim), init);
+    }
+  }
+
+  GatedAttentionConfig const& config() const { return c_; }
+  Index d_model() const { return c_.d_model; }
+  Index num_heads() const { return c_.num_heads; }
+  Index num_kv_heads() const { return c_.num_kv_heads; }
+  Index head_dim() const { return c_.head_dim; }
+  /// Gate logits per head: 0, 1 or head_dim.
+  Index gate_width() const { return Gate::width(c_.head_dim); }
+
+  MatrixView<float> q_proj() { return {p_.q_proj.data(), q_proj_rows(), c_.d_model}; }
+  ConstMatrixView<float> q_proj() const { return {p_.q_proj.data(), q_proj_rows(), c_.d_model}; }
+  /// [H w, D] with GateLayout::kSeparate and a gate; an empty view otherwise.
+  MatrixView<float> gate_proj() {
+    return {p_.gate_proj.data(), separate_gate() ? gate_cols() : 0, c_.d_model};
+  }
+  ConstMatrixView<float> gate_proj() const {
+    return {p_.gate_proj.data(), separate_gate() ? gate_cols() : 0, c_.d_model};
+  }
+  MatrixView<float> k_proj() { return {p_.k_proj.data(), kv_dim(), c_.d_model}; }
+  ConstMatrixView<float> k_proj() const { return {p_.k_proj.data(), kv_dim(), c_.d_model}; }
+  MatrixView<float> v_proj() { return {p_.v_proj.data(), kv_dim(), c_.d_model}; }
+  ConstMatrixView<float> v_proj() const { return {p_.v_proj.data(), kv_dim(), c_.d_model}; }
+  MatrixView<float> o_proj() { return {p_.o_proj.data(), c_.d_model, q_dim()}; }
+  ConstMatrixView<float> o_proj() const { return {p_.o_proj.data(), c_.d_model, q_dim()}; }
+  std::span<float> q_norm() { return p_.q_norm; }
+  std::span<float> k_norm() { return p_.k_norm; }
+
+  /// Column of head h's query in the [T, P] output of q_proj (+ gate_proj), and of its gate
+  /// logits (see GateLayout).
+  Index query_col(Index h) const {
+    Index const dh = c_.head_dim, w = gate_width(), G = group();
+    switch (c_.gate_layout) {
+      case GateLayout::kPackedPerKvGroup:
+        return (h / G) * G * (dh + w) + (h % G) * dh;
+      case GateLayout::kPackedPerHead:
+        return h * (dh + w);
+      default:
+        return h * dh;
+    }
+  }
+  Index gate_col(Index h) const {
+    Index const dh = c_.head_dim, w = gate_width(), G = group();
+    switch (c_.gate_layout) {
+      case GateLayout::kPackedPerKvGroup:
+        return (h / G) * G * (dh + w) + G * dh + (h % G) * w;
+      case GateLayout::kPackedPerHead:
+        return h * (dh + w) + dh;
+      default:
+        return q_dim() + h * w;
+    }
+  }
+
+  /// Every trainable parameter as named flat buffers: "q_proj.weight", "gate_proj.weight"
+  /// (separate layout with a gate), "k_proj.weight", "v_proj.weight", "o_proj.weight",
+  /// "q_norm.weight", "k_norm.weight" (with qk_norm).
+  ParameterList parameters() { return p_.groups(); }
+  /// Zero gradients shaped like parameters().
+  Gradients make_gradients() const {
+    Gradients g = p_;
+    g.zero();
+    return g;
+  }
+
+  /// y = GatedAttention(x). See the class comment.
+  void forward(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
+               AttentionOptions const& opt = {}) const {
+    check_call(x, y, opt);
+    run_forward(x, y, ws, opt, false);
+    ws.trained = false;
+  }
+
+  /// forward() that also keeps in `ws` what backward needs (see the class comment).
+  void forward_train(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
+                     AttentionOptions const& opt = {}) const {
+    check_call(x, y, opt);
+    Index const T = x.rows, D = c_.d_model;
+    ws.x.resize(static_cast<std::size_t>(T * D));
+    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
+    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+    ws.batch = opt.batch;
+    AttentionOptions o = opt;
+    o.key_mask = ws.key_mask;
+    run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
+    ws.trained = true;
+  }
+
+  /// Backward of the last forward_train on `ws`: dx [T, D] = dL/dx (overwritten) and every
+  /// parameter gradient accumulated (+=) into `grads`, given dy [T, D] = dL/dy. Bitwise identical
+  /// for any pool size. Call once per forward_train.
+  void backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                Gradients& grads, ThreadPool* pool = nullptr) const {
+    detail::check(ws.trained,
+                  "GatedAttention::backward: the workspace holds no training forward; call "
+                  "forward_train first (and backward only once per forward)");
+    Index const T = static_cast<Index>(ws.x.size()) / c_.d_model, D = c_.d_model;
+    detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
+                  "GatedAttention::backward: dy and dx must be [", T, ", ", D,
+                  "] like the forward's x; got dy [", dy.rows, ", ", dy.cols, "], dx [", dx.rows,
+                  ", ", dx.cols, "]");
+    bool const same =
+        grads.q_proj.size() == p_.q_proj.size() && grads.gate_proj.size() == p_.gate_proj.size() &&
+        grads.k_proj.size() == p_.k_proj.size() && grads.v_proj.size() == p_.v_proj.size() &&
+        grads.o_proj.size() == p_.o_proj.size() && grads.q_norm.size() == p_.q_norm.size() &&
+        grads.k_norm.size() == p_.k_norm.size();
+    detail::check(same,
+                  "GatedAttention::backward: gradients do not match this layer; use "
+                  "make_gradients()");
+    ws.trained = false;
+    run_backward(ws, dy, dx, grads, pool);
+  }
+
+ private:
+  Index group() const { return c_.num_heads / c_.num_kv_heads; }
+  Index q_dim() const { return c_.num_heads * c_.head_dim; }
+  Index kv_dim() const { return c_.num_kv_heads * c_.head_dim; }
+  Index gate_cols() const { return c_.num_heads * gate_width(); }
+  bool separate_gate() const { return gated && c_.gate_layout == GateLayout::kSeparate; }
+  Index q_proj_rows() const { return q_dim() + (separate_gate() ? 0 : gate_cols()); }
+  /// Columns of the qg buffer: queries and gate logits in the layer's layout.
+  Index qg_cols() const { return q_dim() + gate_cols(); }
+  bool has_norm() const { return c_.qk_norm != QkNorm::kNone; }
+  bool one_plus() const { return c_.qk_norm == QkNorm::kRmsNormOnePlus; }
+  Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
+  static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
+
+  Index scratch_floats() const {
+    Index n = kernels::sdpa_scratch_size(c_.head_dim, c_.head_dim);
+    n = std::max(n, kernels::panel_scratch_size(std::max(c_.d_model, q_dim())));
+    return (n + 15) / 16 * 16;
+  }
+
+  void check_call(ConstMatrixView<float> x, MatrixView<float> y,
+                  AttentionOptions const& opt) const {
+    detail::check(!p_.q_proj.empty(),
+                  "GatedAttention: the layer was default-constructed; "
+                  "construct it from a GatedAttentionConfig first");
+    detail::check(x.cols == c_.d_model, "GatedAttention: x has ", x.cols,
+                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
+    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
+                  "GatedAttention: x is not a valid view (rows = ", x.rows,
+                  ", row_stride = ", x.row_stride, ")");
+    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
+                      (y.data || y.rows == 0),
+                  "GatedAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
+                  c_.d_model, "] like x");
+    detail::check(opt.batch >= 1 && x.rows % opt.batch == 0, "GatedAttention: batch = ", opt.batch,
+                  " does not divide the ", x.rows,
+                  " tokens; x must hold batch sequences of equal length");
+    detail::check(opt.key_mask.empty() || static_cast<Index>(opt.key_mask.size()) == x.rows,
+                  "GatedAttention: key_mask has ", opt.key_mask.size(), " entries for ", x.rows,
+                  " tokens; pass one per token (1 = real, 0 = padding) or none");
+    detail::check(opt.positions.empty() || static_cast<Index>(opt.positions.size()) == x.rows,
+                  "GatedAttention: positions has ", opt.positions.size(), " entries for ", x.rows,
+                  " tokens; pass one per token or none");
+  }
+
+  kernels::SdpaParams sdpa_params(GatedAttentionWorkspace const& ws, Index S, Index b, Index h,
+                                  std::uint8_t const* mask) const {
+    Index const dh = c_.head_dim, g = h / group();
+    kernels::SdpaParams p;
+    p.q = ws.q.data() + b * S * q_dim() + h * dh;
+    p.ldq = q_dim();
+    p.k = ws.k.data() + b * S * kv_dim() + g * dh;
+    p.ldk = kv_dim();
+    p.v = ws.v.data() + b * S * kv_dim() + g * dh;
+    p.ldv = kv_dim();
+    p.q_rows = S;
+    p.kv_rows = S;
+    p.head_dim = dh;
+    p.value_dim = dh;
+    p.scale = c_.scale;
+    p.causal = c_.causal;
+    p.key_mask = mask ? mask + b * S : nullptr;
+    return p;
+  }
+
+  void run_forward(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
+                   AttentionOptions const& opt, bool train) const {
+    Index const T = x.rows, D = c_.d_model, H = c_.num_heads, KV = c_.num_kv_heads;
+    Index const dh = c_.head_dim, w = gate_width(), P = qg_cols(), HD = q_dim(), KD = kv_dim();
+    Index const B = opt.batch, S = B > 0 ? T / B : 0, hr = half_rot();
+    ThreadPool* pool = opt.pool;
+    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+    grow(ws.qg, T * P);
+    grow(ws.k_raw, T * KD);
+    grow(ws.v, T * KD);
+    grow(ws.q, T * HD);
+    grow(ws.k, T * KD);
+    grow(ws.attn, T * HD);
+    grow(ws.gate, T * H * w);
+    grow(ws.gated, gated ? T * HD : 0);
+    grow(ws.lse, train ? T * H : 0);
+    grow(ws.rstd_q, has_norm() ? T * H : 0);
+    grow(ws.rstd_k, has_norm() ? T * KV : 0);
+    grow(ws.rope_cos, T * hr);
+    grow(ws.rope_sin, T * hr);
+    Index const per = scratch_floats();
+    grow(ws.scratch, threads_of(pool) * per);
+    if (T == 0) return;
+
+    // 1. Projections: [Q | gamma] (or Q and gamma), K, V.
+    ws.queue.add({x.data, x.row_stride, T, p_.q_proj.data(), D, ws.qg.data(), P}, q_proj_rows());
+    if (separate_gate()) {
+      ws.queue.add({x.data, x.row_stride, T, p_.gate_proj.data(), D, ws.qg.data() + HD, P},
+                   gate_cols());
+    }
+    ws.queue.add({x.data, x.row_stride, T, p_.k_proj.data(), D, ws.k_raw.data(), KD}, KD);
+    ws.queue.add({x.data, x.row_stride, T, p_.v_proj.data(), D, ws.v.data(), KD}, KD);
+    ws.queue.run(pool, ws.scratch.data(), per);
+
+    // 2. Per token: RoPE angles, q/k norm and RoPE, gate logits gathered and squashed.
+    Index const tiles = (T + kTileRows - 1) / kTileRows;
+    parallel_for(pool, tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        float const* cs = ws.rope_cos.data() + t * hr;
+        float const* sn = ws.rope_sin.data() + t * hr;
+        if (c_.rope) {
+          Index const pos = opt.positions.empty() ? t % S : opt.positions[t];
+          kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, ws.rope_cos.data() + t * hr,
+                               ws.rope_sin.data() + t * hr);
+        }
+        float const* qg = ws.qg.data() + t * P;
+        for (Index h = 0; h < H; ++h) {
+          float* q = ws.q.data() + t * HD + h * dh;
+          if (has_norm()) {
+            ws.rstd_q[t * H + h] = kernels::rms_norm(qg + query_col(h), p_.q_norm.data(),
+                                                     one_plus(), c_.norm_eps, dh, q);
+          } else {
+            std::copy(qg + query_col(h), qg + query_col(h) + dh, q);
+          }
+          if (c_.rope) kernels::rope_apply(q, cs, sn, c_.rotary_dim);
+          if constexpr (gated) {
+            std::copy(qg + gate_col(h), qg + gate_col(h) + w, ws.gate.data() + (t * H + h) * w);
+          }
+        }
+        for (Index g = 0; g < KV; ++g) {
+          float const* kr = ws.k_raw.data() + t * KD + g * dh;
+          float* k = ws.k.data() + t * KD + g * dh;
+          if (has_norm()) {
+            ws.rstd_k[t * KV + g] =
+                kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
+          } else {
+            std::copy(kr, kr + dh, k);
+          }
+          if (c_.rope) kernels::rope_apply(k, cs, sn, c_.rotary_dim);
+        }
+      }
+    });
+
+    // 3. SDPA per (sequence, head, chunk of query rows).
+    std::uint8_t const* mask = opt.key_mask.empty() ? nullptr : opt.key_mask.data();
+    Index const chunks = (S + kTileRows - 1) / kTileRows;
+    parallel_for(pool, B * H * chunks, [&](Index i, int thread) {
+      Index const b = i / (H * chunks), h = (i / chunks) % H, ch = i % chunks;
+      Index const r0 = ch * kTileRows, r1 = std::min(S, r0 + kTileRows);
+      kernels::sdpa_forward(sdpa_params(ws, S, b, h, mask), ws.attn.data() + b * S * HD + h * dh,
+                            HD, train ? ws.lse.data() + (b * H + h) * S : nullptr, r0, r1,
+                            ws.scratch.data() + thread * per);
+    });
+
+    // 4. Gate: O = A * sigmoid(gamma).
+    if constexpr (gated) {
+      parallel_for(pool, tiles, [&](Index i, int) {
+        Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+        for (Index t = t0; t < t1; ++t) {
+          float* s = ws.gate.data() + t * H * w;
+          Gate::forward(ws.attn.data() + t * HD, s, s, ws.gated.data() + t * HD, H, dh);
+        }
+      });
+    }
+
+    // 5. y = O W_o^T.
+    float const* o = gated ? ws.gated.data() : ws.attn.data();
+    ws.queue.add({o, HD, T, p_.o_proj.data(), HD, y.data, y.row_stride}, D);
+    ws.queue.run(pool, ws.scratch.data(), per);
+  }
+
+  void run_backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                    Gradients& grads, ThreadPool* pool) const {
+    Index const D = c_.d_model, H = c_.num_heads, KV = c_.num_kv_heads, G = group();
+    Index const T = static_cast<Index>(ws.x.size()) / D;
+    Index const dh = c_.head_dim, w = gate_width(), P = qg_cols(), HD = q_dim(), KD = kv_dim();
+    Index const B = ws.batch, S = T / B, hr = half_rot();
+    auto zeroed = [](std::vector<float>& v, Index n) {
+      v.assign(static_cast<std::size_t>(n), 0.0f);
+    };
+    auto sized = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+    sized(ws.dgated, T * HD);
+    sized(ws.dgate, T * H * w);
+    sized(ws.dqg, T * P);
+    zeroed(ws.dq, T * HD);
+    zeroed(ws.dk, T * KD);
+    zeroed(ws.dv, T * KD);
+    zeroed(ws.dk_heads, G > 1 ? T * HD : 0);
+    zeroed(ws.dv_heads, G > 1 ? T * HD : 0);
+    sized(ws.dk_raw, T * KD);
+    sized(ws.delta, T * H);
+    Index const tiles = (T + kTileRows - 1) / kTileRows;
+    zeroed(ws.norm_partial, has_norm() ? tiles * 2 * dh : 0);
+    Index const per = scratch_floats();
+    sized(ws.scratch, threads_of(pool) * per);
+    if (T == 0) return;
+    ConstMatrixView<float> x(ws.x.data(), T, D);
+    float const* o_in = gated ? ws.gated.data() : ws.attn.data();
+
+    // 1. dO = dy W_o; gate VJP: dA = dO * s, dgamma (into dgate).
+    parallel_for(pool, tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, n = std::min(kTileRows, T - t0);
+      as_eigen(MatrixView<float>(ws.dgated.data() + t0 * HD, n, HD)).noalias() =
+          as_eigen(dy.middle_rows(t0, n)) * as_eigen(o_proj());
+      for (Index t = t0; t < t0 + n; ++t) {
+        float* d = ws.dgated.data() + t * HD;
+        Gate::backward(ws.attn.data() + t * HD, ws.gate.data() + t * H * w, d, d,
+                       ws.dgate.data() + t * H * w, H, dh);
+      }
+    });
+
+    // 2. SDPA backward per (sequence, head); per-head dK, dV when heads share a KV head.
+    parallel_for(pool, B * H, [&](Index i, int thread) {
+      Index const b = i / H, h = i % H, g = h / G;
+      std::uint8_t const* mask = ws.key_mask.empty() ? nullptr : ws.key_mask.data();
+      kernels::SdpaParams const p = sdpa_params(ws, S, b, h, mask);
+      kernels::SdpaGrads gr;
+      gr.o = ws.attn.data() + b * S * HD + h * dh;
+      gr.ldo = HD;
+      gr.dout = ws.dgated.data() + b * S * HD + h * dh;
+      gr.lddo = HD;
+      gr.lse = ws.lse.data() + (b * H + h) * S;
+      gr.delta = ws.delta.data() + (b * H + h) * S;
+      gr.dq = ws.dq.data() + b * S * HD + h * dh;
+      gr.lddq = HD;
+      if (G == 1) {
+        gr.dk = ws.dk.data() + b * S * KD + g * dh;
+        gr.dv = ws.dv.data() + b * S * KD + g * dh;
+        gr.lddk = gr.lddv = KD;
+      } else {
+        gr.dk = ws.dk_heads.data() + (b * H + h) * S * dh;
+        gr.dv = ws.dv_heads.data() + (b * H + h) * S * dh;
+        gr.lddk = gr.lddv = dh;
+      }
+      kernels::sdpa_backward_delta(gr, dh, 0, S, ws.delta.data() + (b * H + h) * S);
+      kernels::sdpa_backward(p, gr, ws.scratch.data() + thread * per);
+    });
+
+    // 3. Per token: sum dK, dV over the heads of each group (ascending), RoPE and norm VJPs,
+    //    gate logits scattered back into dqg.
+    parallel_for(pool, tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+      float* pq = has_norm() ? ws.norm_partial.data() + i * 2 * dh : nullptr;
+      float* pk = has_norm() ? pq + dh : nullptr;
+      for (Index t = t0; t < t1; ++t) {
+        Index const b = t / S, s = t % S;
+        float const* cs = ws.rope_cos.data() + t * hr;
+        float const* sn = ws.rope_sin.data() + t * hr;
+        float const* qg = ws.qg.data() + t * P;
+        float* dqg = ws.dqg.data() + t * P;
+        for (Index h = 0; h < H; ++h) {
+          float* dq = ws.dq.data() + t * HD + h * dh;
+          if (c_.rope) kernels::rope_backward(dq, cs, sn, c_.rotary_dim);
+          if (has_norm()) {
+            kernels::rms_norm_backward(qg + query_col(h), p_.q_norm.data(), one_plus(),
+                                       ws.rstd_q[t * H + h], dh, dq, dqg + query_col(h), pq);
+          } else {
+            std::copy(dq, dq + dh, dqg + query_col(h));
+          }
+          if constexpr (gated) {
+            float const* dgm = ws.dgate.data() + (t * H + h) * w;
+            std::copy(dgm, dgm + w, dqg + gate_col(h));
+          }
+        }
+        for (Index g = 0; g < KV; ++g) {
+          float* dk = ws.dk.data() + t * KD + g * dh;
+          float* dv = ws.dv.data() + t * KD + g * dh;
+          if (G > 1) {
+            for (Index j = 0; j < G; ++j) {
+              Index const hh = g * G + j;
+              float const* sk = ws.dk_heads.data() + ((b * H + hh) * S + s) * dh;
+              float const* sv = ws.dv_heads.data() + ((b * H + hh) * S + s) * dh;
+              for (Index c = 0; c < dh; ++c) {
+                dk[c] += sk[c];
+                dv[c] += sv[c];
+              }
+            }
+          }
+          if (c_.rope) kernels::rope_backward(dk, cs, sn, c_.rotary_dim);
+          float* dkr = ws.dk_raw.data() + t * KD + g * dh;
+          if (has_norm()) {
+            kernels::rms_norm_backward(ws.k_raw.data() + t * KD + g * dh, p_.k_norm.data(),
+                                       one_plus(), ws.rstd_k[t * KV + g], dh, dk, dkr, pk);
+          } else {
+            std::copy(dk, dk + dh, dkr);
+          }
+        }
+      }
+    });
+
+    // 4. Weight gradients, in items of 64 gradient rows.
+    std::vector<detail::GradItem> items;
+    ConstMatrixView<float> dqg(ws.dqg.data(), T, P);
+    detail::add_grad_items(items, x, dqg, MatrixView<float>(grads.q_proj.data(), q_proj_rows(), D));
+    if (separate_gate()) {
+      detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dqg.data() + HD, T, w * H, P),
+                             MatrixView<float>(grads.gate_proj.data(), gate_cols(), D));
+    }
+    detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dk_raw.data(), T, KD),
+                           MatrixView<float>(grads.k_proj.data(), KD, D));
+    detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dv.data(), T, KD),
+                           MatrixView<float>(grads.v_proj.data(), KD, D));
+    detail::add_grad_items(items, ConstMatrixView<float>(o_in, T, HD), dy,
+                           MatrixView<float>(grads.o_proj.data(), D, HD));
+    detail::run_grad_items(pool, items);
+    if (has_norm()) {  // tile partials summed in tile order
+      for (Index i = 0; i < tiles; ++i) {
+        for (Index c = 0; c < dh; ++c) {
+          grads.q_norm[c] += ws.norm_partial[i * 2 * dh + c];
+          grads.k_norm[c] += ws.norm_partial[i * 2 * dh + dh + c];
+        }
+      }
+    }
+
+    // 5. dx = d[Q|gamma] W_q (+ dgamma W_g) + dK_raw W_k + dV W_v.
+    parallel_for(pool, tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, n = std::min(kTileRows, T - t0);
+      auto dxt = as_eigen(dx.middle_rows(t0, n));
+      dxt.noalias() =
+          as_eigen(ConstMatrixView<float>(ws.dqg.data() + t0 * P, n, q_proj_rows(), P)) *
+          as_eigen(q_proj());
+      if (separate_gate()) {
+        dxt.noalias() +=
+            as_eigen(ConstMatrixView<float>(ws.dqg.data() + t0 * P + HD, n, gate_cols(), P)) *
+            as_eigen(gate_proj());
+      }
+      dxt.noalias() +=
+          as_eigen(ConstMatrixView<float>(ws.dk_raw.data() + t0 * KD, n, KD)) * as_eigen(k_proj());
+      dxt.noalias() +=
+          as_eigen(ConstMatrixView<float>(ws.dv.data() + t0 * KD, n, KD)) * as_eigen(v_proj());
+    });
+  }
+
+  GatedAttentionConfig c_{};
+  Parameters p_;
+};
+
+}  // namespace moe

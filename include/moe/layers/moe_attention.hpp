@@ -1,0 +1,1080 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// MoeAttention: UMoE pre-mixing attention experts ("UMoE: Unifying Attention and FFN with Shared
+/// Experts", NeurIPS 2025), whose experts are drawn from an ExpertBank that an MoE FFN layer uses
+/// too. Forward and backward.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "moe/core/concepts.hpp"
+#include "moe/core/eigen_interop.hpp"
+#include "moe/core/error.hpp"
+#include "moe/core/parameters.hpp"
+#include "moe/core/routing_plan.hpp"
+#include "moe/core/selection.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/experts/expert_bank.hpp"
+#include "moe/experts/shared_experts.hpp"
+#include "moe/gating/sdpa_gate.hpp"
+#include "moe/kernels/combine.hpp"
+#include "moe/kernels/gather.hpp"
+#include "moe/kernels/plan.hpp"
+#include "moe/kernels/rope.hpp"
+#include "moe/kernels/sdpa.hpp"
+#include "moe/layers/attention_options.hpp"
+#include "moe/layers/detail/projections.hpp"
+
+namespace moe {
+
+/// Sizes and options of a MoeAttention layer (run-time values). The number of experts and k
+/// come from the router.
+struct MoeAttentionConfig {
+  Index d_model = 0;            ///< D (also the value dimension: values are the hidden states)
+  Index qk_dim = 0;             ///< d_qk of the queries and the shared key (UMoE 1B: 512)
+  Index q_rank = 0;             ///< per-expert query rank r (UMoE q_lora_rank 36); 0 = full rank
+  bool residual_query = false;  ///< UMoE res_query_lora: a shared q_res(x) added to every query
+  bool rope = false;            ///< rotate-half RoPE on queries and the key
+  float rope_theta = 10000.0f;
+  Index rotary_dim = 0;  ///< even, <= qk_dim; 0 = qk_dim
+  float scale = 0.0f;    ///< 0 = 1 / sqrt(qk_dim)
+  bool causal = true;
+};
+
+/// What a MoeAttention call writes besides its output, and what forward_train keeps (see
+/// MoeAttention). "Expert-major" rows follow the RoutingPlan (sorted by expert); "token-major"
+/// rows follow plan.token_rows (sorted by token), so each sequence's queries are contiguous.
+struct MoeAttentionWorkspace {
+  std::vector<float> logits;  ///< [T, E] router logits
+  Selection selection;
+  RoutingPlan plan;
+  std::vector<Index> tok_index;      ///< [R] token-major index of each expert-major row
+  std::vector<Index> tok_pos;        ///< [R] causal position of each token-major row
+  std::vector<float> x_rows;         ///< [R, D] expert-major gathered inputs
+  std::vector<float> q_low;          ///< [R, r] low-rank query codes (q_rank > 0)
+  std::vector<float> q_rows;         ///< [R, d_qk] expert-major routed queries (before RoPE)
+  std::vector<float> q_res;          ///< [T, d_qk] residual query (residual_query)
+  std::vector<float> q_tok;          ///< [R, d_qk] token-major queries after residual and RoPE
+  std::vector<float> q_sh;           ///< [n_shared, T, d_qk] shared-expert queries after RoPE
+  std::vector<float> k;              ///< [T, d_qk] shared key after RoPE
+  std::vector<float> mixed_tok;      ///< [R, D] SDPA outputs (token-major, before the gate)
+  std::vector<float> mixed_sh;       ///< [n_shared, T, D]
+  std::vector<float> lse_tok;        ///< [R] SDPA row logsumexp (training)
+  std::vector<float> lse_sh;         ///< [n_shared, T]
+  std::vector<float> gate;           ///< [R + n_shared T, w] gate logits, then sigmoid gates
+  std::vector<float> xin;            ///< [R, D] expert inputs (gated mixed vectors), expert-major
+  std::vector<float> xin_sh;         ///< [n_shared, T, D]
+  std::vector<float> hidden;         ///< [R, P] expert pre-activations
+  std::vector<float> act;            ///< [R, F] expert activations (training)
+  std::vector<float> expert_out;     ///< [R, D]
+  std::vector<float> shared_hidden;  ///< [n_shared, T, P_shared]
+  std::vector<float> shared_act;     ///< [n_shared, T, F_shared] (training)
+  std::vector<float> shared_out;     ///< [n_shared, T, D]
+  std::vector<float> shared_gate;    ///< [T, n_shared] shared-expert sigmoid gates
+  std::vector<float> rope_cos, rope_sin;  ///< [T, rotary_dim / 2]
+  std::vector<float> scratch;             ///< per-thread SDPA / panel / backward scratch
+  detail::ProjectionQueue queue;
+
+  // Training only.
+  std::vector<float> x;
+  std::vector<std::uint8_t> key_mask;
+  Index batch = 1;
+  std::vector<float> d_out, dweight, dscores, dlogits, dxin, dhidden, dgate;
+  std::vector<float> dmixed_tok, dmixed_sh, delta_tok, delta_sh;
+  std::vector<float> dq_tok, dq_sh, dq_rows, dq_low, dq_res, dk, dv, dx_rows;
+  std::vector<float> shared_dy, shared_dx, shared_dhidden, dshared_gate;
+  bool trained = false;
+};
+
+/// UMoE pre-mixing attention experts (ALGORITHMS.md section 3): attention is token mixing
+/// followed by an FFN-like expert, so every routed expert is one attention "head" whose value and
+/// output projections are an FFN expert shared with the MoE FFN layer:
+///
+///   (A_t, w_t) = Router(W_r x_t)                              router on the token's own state
+///   q_{t,i} = W_qb^i W_qa^i x_t  (+ W_qres x_t)    for i in A_t   (W_q^i x_t when q_rank = 0)
+///   k_s = W_k x_s;   q, k <- RoPE(q), RoPE(k) (optional)          one shared key
+///   m_{t,i} = sum_s softmax_s(scale q_{t,i} . k_s + mask) x_s      values = hidden states
+///   m_{t,i} <- m_{t,i} * sigmoid(W_g^i x_t)                       optional output gate (Gate_)
+///   y_t = sum_{i in A_t} w_{t,i} E_i(m_{t,i})  +  sum_s g_s(x_t) E^sh_s(m^sh_{t,s})
+///
+/// Shared expert s has its own query W_qs^s x_t (and gate row W_g^{E+s} with an output gate);
+/// g_s = sigmoid(<w_sg^s, x_t>) for gated shared experts, 1 otherwise.
+///
+/// \tparam Router_ a TrainableRouterPolicy for backward (UMoE: SoftmaxTopK, no renormalisation)
+/// \tparam Expert_ the ExpertPolicy of the shared bank (UMoE 1B: SiluMlp, down(silu(gate x)))
+/// \tparam Shared_ the attention layer's own shared experts (UMoE: separate from the FFN's)
+/// \tparam Gate_   an SdpaGatePolicy on the mixed vectors (headwise: one scalar per expert)
+///
+/// The routed experts are *not* owned: the layer points at an ExpertBank owned elsewhere (the
+/// MoE FFN layer's `experts()`), which must outlive it and keep its address (re-point with
+/// bind_experts after moving the owner). Its gradients go to a bank passed to backward, so the
+/// attention and FFN uses accumulate into one gradient (e.g. the FFN's `Gradients::experts`).
+/// When the bank holds a current fp32 pack (ExpertBank::pack, MoeFfn::pack_weights), the expert
+/// projections read its panels instead of packing per call.
+///
+/// | parameter               | shape             |                                        |
+/// |-------------------------|-------------------|----------------------------------------|
+/// | router_weight()         | [E, D]            | separate from the FFN layer's router    |
+/// | q_a_proj(), q_b_proj()  | [E, r, D], [E, d_qk, r] | q_rank > 0                        |
+/// | q_proj()                | [E, d_qk, D]      | q_rank = 0                              |
+/// | q_res_proj()            | [d_qk, D]         | residual_query                          |
+/// | k_proj()                | [d_qk, D]         |                                        |
+/// | shared_q_proj()         | [S, d_qk, D]      | S shared experts                        |
+/// | gate_proj()             | [(E + S) w, D]    | output gate, w = Gate::width(D)         |
+/// | shared_experts()        | bank + gate       | the attention layer's own               |
+///
+/// x, y [T, D] hold `opt.batch` sequences (AttentionOptions: padding mask, positions); y must
+/// not alias x. The SDPA runs once per sequence over all routed rows of its tokens (queries in
+/// token order, per-row causal positions) and once per shared expert, never materialising a
+/// T x T matrix. Threads: all work is split into items fixed by the shapes, so results are bitwise
+/// identical for any pool size. Training keeps the routing, the gathered inputs, the queries,
+/// the key, the SDPA outputs and row logsumexp, the gates, the expert inputs, pre-activations,
+/// activations and outputs; backward recomputes the attention probabilities blockwise.
+template <RouterPolicy Router_, ExpertPolicy Expert_,
+          SharedExpertPolicy Shared_ = experts::NoSharedExperts,
+          gating::SdpaGatePolicy Gate_ = gating::NoGate>
+class MoeAttention {
+ public:
+  using Router = Router_;
+  using Expert = Expert_;
+  using Shared = Shared_;
+  using Gate = Gate_;
+  using Bank = experts::ExpertBank<Expert>;
+  static constexpr bool gated = Gate::kind != gating::GateKind::kNone;
+  static constexpr Index kTileRows = 64;
+
+  /// Gradients of the parameters the layer owns (the routed experts' go to a separate bank).
+  struct Gradients {
+    std::vector<float> router_weight, q_a, q_b, q_res, k_proj, shared_q, gate_proj;
+    Shared shared;
+    ParameterList groups() { return list(*this); }
+    void zero() {
+      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
+    }
+  };
+
+  MoeAttention() = default;
+  /// A layer with zero weights over `experts` (owned elsewhere). Throws moe::Error on bad sizes.
+  MoeAttention(MoeAttentionConfig const& config, Router router, Bank const& experts,
+               Shared shared = {})
+      : c_(config), router_(std::move(router)), shared_(std::move(shared)), bank_(&experts) {
+    router_.validate();
+    Index const D = c_.d_model, E = router_.expert_count();
+    detail::check(D >= 1 && c_.qk_dim >= 1 && c_.q_rank >= 0, "MoeAttention: d_model = ", D,
+                  ", qk_dim = ", c_.qk_dim, ", q_rank = ", c_.q_rank,
+                  "; d_model and qk_dim must be >= 1, q_rank >= 0 (0 = full-rank queries)");
+    if (c_.rotary_dim == 0) c_.rotary_dim = c_.qk_dim;
+    detail::check(!c_.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim > 0 &&
+                               c_.rotary_dim <= c_.qk_dim && c_.rope_theta > 0.0f),
+                  "MoeAttention: rotary_dim = ", c_.rotary_dim,
+                  "; RoPE needs an even rotary_dim in [2, qk_dim = ", c_.qk_dim,
+                  "] and rope_theta > 0");
+    if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c_.qk_dim));
+    detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "MoeAttention: scale = ", c_.scale,
+                  "; pass a finite positive scale or 0 for 1/sqrt(qk_dim)");
+    check_bank(experts);
+    if constexpr (Shared::has_experts) {
+      detail::check(shared_.count() == 0 || shared_.bank().d_model() == D,
+                    "MoeAttention: shared experts have d_model = ", shared_.bank().d_model(),
+                    " but the layer has ", D, "; build them with the layer's d_model");
+    }
+    Index const dk = c_.qk_dim, r = c_.q_rank, ns = shared_.count();
+    auto sized = [](Index n) { return std::vector<float>(static_cast<std::size_t>(n), 0.0f); };
+    router_weight_ = sized(E * D);
+    q_a_ = sized(r > 0 ? E * r * D : E * dk * D);
+    q_b_ = sized(r > 0 ? E * dk * r : 0);
+    q_res_ = sized(c_.residual_query ? dk * D : 0);
+    k_proj_ = sized(dk * D);
+    shared_q_ = sized(ns * dk * D);
+    gate_proj_ = sized((E + ns) * Gate::width(D) * D);
+  }
+
+  /// Points the layer at another bank (same sizes), e.g. after the owning FFN layer moved.
+  void bind_experts(Bank const& experts) {
+    check_bank(experts);
+    bank_ = &experts;
+  }
+  Bank const& experts() const { return *bank_; }
+
+  MoeAttentionConfig const& config() const { return c_; }
+  Index d_model() const { return c_.d_model; }
+  Index num_experts() const { return router_.expert_count(); }
+  Router& router() { return router_; }
+  Router const& router() const { return router_; }
+  Shared& shared_experts() { return shared_; }
+  Shared const& shared_experts() const { return shared_; }
+
+  MatrixView<float> router_weight() { return {router_weight_.data(), num_experts(), c_.d_model}; }
+  ConstMatrixView<float> router_weight() const {
+    return {router_weight_.data(), num_experts(), c_.d_model};
+  }
+  /// Expert e's first query factor [r, D] (q_rank > 0).
+  MatrixView<float> q_a_proj(Index e) {
+    return {q_a_.data() + e * c_.q_rank * c_.d_model, c_.q_rank, c_.d_model};
+  }
+  /// Expert e's second query factor [d_qk, r] (q_rank > 0).
+  MatrixView<float> q_b_proj(Index e) {
+    return {q_b_.data() + e * c_.qk_dim * c_.q_rank, c_.qk_dim, c_.q_rank};
+  }
+  /// Expert e's full-rank query [d_qk, D] (q_rank = 0).
+  MatrixView<float> q_proj(Index e) {
+    return {q_a_.data() + e * c_.qk_dim * c_.d_model, c_.qk_dim, c_.d_model};
+  }
+  MatrixView<float> q_res_proj() {
+    return {q_res_.data(), c_.residual_query ? c_.qk_dim : 0, c_.d_model};
+  }
+  MatrixView<float> k_proj() { return {k_proj_.data(), c_.qk_dim, c_.d_model}; }
+  MatrixView<float> shared_q_proj(Index s) {
+    return {shared_q_.data() + s * c_.qk_dim * c_.d_model, c_.qk_dim, c_.d_model};
+  }
+  /// Output-gate rows: routed expert e at rows [e w, (e + 1) w), shared s at (E + s) w.
+  MatrixView<float> gate_proj() {
+    return {gate_proj_.data(), (num_experts() + shared_.count()) * Gate::width(c_.d_model),
+            c_.d_model};
+  }
+
+  /// The layer's own parameters, named: "router.weight", "q_a_proj.weight" and
+  /// "q_b_proj.weight" (or "q_proj.weight"), "q_res_proj.weight", "k_proj.weight",
+  /// "shared_q_proj.weight", "gate_proj.weight", "shared_experts", "shared_experts.gate" (each
+  /// only when present). The routed experts belong to the bank's owner.
+  ParameterList parameters() { return list_own(); }
+  Gradients make_gradients() const {
+    Gradients g;
+    g.router_weight.assign(router_weight_.size(), 0.0f);
+    g.q_a.assign(q_a_.size(), 0.0f);
+    g.q_b.assign(q_b_.size(), 0.0f);
+    g.q_res.assign(q_res_.size(), 0.0f);
+    g.k_proj.assign(k_proj_.size(), 0.0f);
+    g.shared_q.assign(shared_q_.size(), 0.0f);
+    g.gate_proj.assign(gate_proj_.size(), 0.0f);
+    if constexpr (Shared::has_experts) {
+      g.shared = Shared(shared_.count(), c_.d_model, shared_.bank().d_ffn());
+    }
+    return g;
+  }
+
+  /// y = MoeAttention(x). See the class comment.
+  void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
+               AttentionOptions const& opt = {}) const {
+    check_call(x, y, opt);
+    run_forward(x, y, ws, opt, false);
+    ws.trained = false;
+  }
+
+  /// forward() keeping in `ws` what backward needs.
+  void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
+                     AttentionOptions const& opt = {}) const {
+    check_call(x, y, opt);
+    Index const T = x.rows, D = c_.d_model;
+    ws.x.resize(static_cast<std::size_t>(T * D));
+    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
+    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+    ws.batch = opt.batch;
+    AttentionOptions o = opt;
+    o.key_mask = ws.key_mask;
+    run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
+    ws.trained = true;
+  }
+
+  /// Backward of the last forward_train on `ws`: dx [T, D] (overwritten), the layer's parameter
+  /// gradients accumulated into `grads`, and the routed experts' gradients accumulated into
+  /// `expert_grads` (a bank shaped like experts(), typically the FFN layer's gradient bank).
+  void backward(MoeAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                Gradients& grads, Bank& expert_grads,
+                ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
+    detail::check(ws.trained,
+                  "MoeAttention::backward: the workspace holds no training forward; call "
+                  "forward_train first (and backward only once per forward)");
+    Index const D = c_.d_model, T = static_cast<Index>(ws.x.size()) / D;
+    detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
+                  "MoeAttention::backward: dy and dx must be [", T, ", ", D,
+                  "] like the forward's x");
+    detail::check(
+        grads.router_weight.size() == router_weight_.size() && grads.q_a.size() == q_a_.size() &&
+            grads.q_b.size() == q_b_.size() && grads.q_res.size() == q_res_.size() &&
+            grads.k_proj.size() == k_proj_.size() && grads.shared_q.size() == shared_q_.size() &&
+            grads.gate_proj.size() == gate_proj_.size(),
+        "MoeAttention::backward: gradients do not match this layer; use "
+        "make_gradients()");
+    detail::check(expert_grads.parameters().size() == bank_->parameters().size() &&
+                      expert_grads.num_experts() == bank_->num_experts(),
+                  "MoeAttention::backward: expert_grads is not shaped like the expert bank; pass "
+                  "the FFN layer's Gradients::experts (or a bank built with the same sizes)");
+    ws.trained = false;
+    run_backward(ws, dy, dx, grads, expert_grads, pool);
+  }
+
+ private:
+  template <class G>
+  static ParameterList list(G& g) {
+    ParameterList l;
+    auto add = [&](char const* name, std::vector<float>& v) {
+      if (!v.empty()) l.push_back({name, std::span<float>(v)});
+    };
+    add("router.weight", g.router_weight);
+    add(g.q_b.empty() ? "q_proj.weight" : "q_a_proj.weight", g.q_a);
+    add("q_b_proj.weight", g.q_b);
+    add("q_res_proj.weight", g.q_res);
+    add("k_proj.weight", g.k_proj);
+    add("shared_q_proj.weight", g.shared_q);
+    add("gate_proj.weight", g.gate_proj);
+    if constexpr (Shared::has_experts) {
+      if (g.shared.count() > 0) {
+        l.push_back({"shared_experts", g.shared.bank().parameters()});
+        auto gw = g.shared.gate_weight();
+        if (gw.rows > 0) {
+          l.push_back({"shared_experts.gate",
+                       std::span<float>(gw.data, static_cast<std::size_t>(gw.rows * gw.cols))});
+        }
+      }
+    }
+    return l;
+  }
+  ParameterList list_own() {
+    struct Ref {
+      std::vector<float>&router_weight, &q_a, &q_b, &q_res, &k_proj, &shared_q, &gate_proj;
+      Shared& shared;
+    } r{router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_, shared_};
+    return list(r);
+  }
+
+  void check_bank(Bank const& b) const {
+    detail::check(b.num_experts() == router_.expert_count() && b.d_model() == c_.d_model,
+                  "MoeAttention: the expert bank has ", b.num_experts(), " experts of d_model ",
+                  b.d_model(), " but the router has ", router_.expert_count(),
+                  " experts and the layer d_model = ", c_.d_model,
+                  "; share the bank of an MoE FFN layer of the same width and expert count");
+  }
+
+  static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
+  Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
+  Index gate_width() const { return Gate::width(c_.d_model); }
+  Index shared_hidden_cols() const {
+    if constexpr (Shared::has_experts) return shared_.bank().hidden_cols();
+    return 0;
+  }
+  Index shared_ffn() const {
+    if constexpr (Shared::has_experts) return shared_.bank().d_ffn();
+    return 0;
+  }
+  Index scratch_floats() const {
+    Index const D = c_.d_model;
+    Index n = kernels::sdpa_scratch_size(c_.qk_dim, D);
+    Index depth = std::max({D, c_.qk_dim, std::max<Index>(1, c_.q_rank), bank_->d_ffn()});
+    depth = std::max(depth, shared_ffn());
+    n = std::max(n, kernels::panel_scratch_size(depth));
+    n = std::max(n, kTileRows * std::max(bank_->d_ffn(), shared_ffn()));  // backward_rows
+    return (n + 15) / 16 * 16;
+  }
+
+  void check_call(ConstMatrixView<float> x, MatrixView<float> y,
+                  AttentionOptions const& opt) const {
+    detail::check(bank_ != nullptr,
+                  "MoeAttention: the layer was default-constructed; construct "
+                  "it with a config, a router and an expert bank first");
+    check_bank(*bank_);
+    detail::check(x.cols == c_.d_model, "MoeAttention: x has ", x.cols,
+                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
+    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
+                  "MoeAttention: x is not a valid view");
+    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
+                      (y.data || y.rows == 0),
+                  "MoeAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
+                  c_.d_model, "] like x");
+    detail::check(y.rows == 0 || y.data != x.data,
+                  "MoeAttention: y aliases x; the values of every token are read after outputs "
+                  "are written, so pass a separate output buffer");
+    detail::check(opt.batch >= 1 && x.rows % opt.batch == 0, "MoeAttention: batch = ", opt.batch,
+                  " does not divide the ", x.rows,
+                  " tokens; x must hold batch sequences of equal length");
+    detail::check(opt.key_mask.empty() || static_cast<Index>(opt.key_mask.size()) == x.rows,
+                  "MoeAttention: key_mask has ", opt.key_mask.size(), " entries for ", x.rows,
+                  " tokens; pass one per token (1 = real, 0 = padding) or none");
+    detail::check(opt.positions.empty() || static_cast<Index>(opt.positions.size()) == x.rows,
+                  "MoeAttention: positions has ", opt.positions.size(), " entries for ", x.rows,
+                  " tokens; pass one per token or none");
+  }
+
+  /// One SDPA call's rows: routed rows of sequence b (token-major [j0, j1)), or shared expert
+  /// s's rows of sequence b.
+  struct SdpaItem {
+    Index b, s, r0, r1;  // s < 0: routed
+  };
+
+  kernels::SdpaParams sdpa_params(MoeAttentionWorkspace const& ws, ConstMatrixView<float> x,
+                                  Index S, Index b, Index s, std::uint8_t const* mask) const {
+    Index const dk = c_.qk_dim, T = x.rows;
+    kernels::SdpaParams p;
+    if (s < 0) {
+      Index const j0 = ws.plan.token_offsets[b * S], j1 = ws.plan.token_offsets[(b + 1) * S];
+      p.q = ws.q_tok.data() + j0 * dk;
+      p.q_rows = j1 - j0;
+      p.q_pos = ws.tok_pos.data() + j0;
+    } else {
+      p.q = ws.q_sh.data() + (s * T + b * S) * dk;
+      p.q_rows = S;
+    }
+    p.ldq = dk;
+    p.k = ws.k.data() + b * S * dk;
+    p.ldk = dk;
+    p.v = x.data + b * S * x.row_stride;
+    p.ldv = x.row_stride;
+    p.kv_rows = S;
+    p.head_dim = dk;
+    p.value_dim = c_.d_model;
+    p.scale = c_.scale;
+    p.causal = c_.causal;
+    p.key_mask = mask ? mask + b * S : nullptr;
+    return p;
+  }
+
+  /// Query-row chunks of every SDPA call (routed rows per sequence, then shared experts).
+  void sdpa_items(MoeAttentionWorkspace const& ws, Index B, Index S,
+                  std::vector<SdpaItem>& it) const {
+    it.clear();
+    for (Index b = 0; b < B; ++b) {
+      Index const n = ws.plan.token_offsets[(b + 1) * S] - ws.plan.token_offsets[b * S];
+      for (Index r = 0; r < n; r += kTileRows) it.push_back({b, -1, r, std::min(n, r + kTileRows)});
+      for (Index s = 0; s < shared_.count(); ++s) {
+        for (Index r = 0; r < S; r += kTileRows)
+          it.push_back({b, s, r, std::min(S, r + kTileRows)});
+      }
+    }
+  }
+
+  /// The row offset of SDPA item rows in the token-major (routed) or shared row space.
+  Index item_row0(MoeAttentionWorkspace const& ws, Index T, Index S, SdpaItem const& it) const {
+    return it.s < 0 ? ws.plan.token_offsets[it.b * S] : it.s * T + it.b * S;
+  }
+
+  void run_forward(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
+                   AttentionOptions const& opt, bool train) const;
+  void run_backward(MoeAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
+                    Gradients& grads, Bank& expert_grads, ThreadPool* pool) const;
+
+  MoeAttentionConfig c_{};
+  Router router_{};
+  Shared shared_{};
+  Bank const* bank_ = nullptr;
+  std::vector<float> router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_;
+};
+
+template <RouterPolicy Rt, ExpertPolicy Xp, SharedExpertPolicy Sh, gating::SdpaGatePolicy Gt>
+void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixView<float> y,
+                                               MoeAttentionWorkspace& ws,
+                                               AttentionOptions const& opt, bool train) const {
+  Index const T = x.rows, D = c_.d_model, E = num_experts(), dk = c_.qk_dim, rk = c_.q_rank;
+  Index const ns = shared_.count(), w = gate_width(), B = opt.batch, hr = half_rot();
+  Index const P = bank_->hidden_cols(), F = bank_->d_ffn(), Ps = shared_hidden_cols();
+  Index const Fs = shared_ffn();
+  ThreadPool* pool = opt.pool;
+  Index const per = scratch_floats();
+  auto grow = [](auto& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+  grow(ws.scratch, threads_of(pool) * per);
+  if (T == 0) {
+    ws.plan = RoutingPlan{};
+    return;
+  }
+  Index const S = T / B;
+  Bank const& bank = *bank_;
+
+  // 1. Route on each token's own hidden state.
+  grow(ws.logits, T * E);
+  ws.queue.add({x.data, x.row_stride, T, router_weight_.data(), D, ws.logits.data(), E}, E);
+  ws.queue.run(pool, ws.scratch.data(), per);
+  for (Index t = 0; t < T; ++t) {
+    for (Index e = 0; e < E; ++e) {
+      float const z = ws.logits[t * E + e];
+      if (!std::isfinite(z)) {
+        detail::fail("MoeAttention: router logit [token ", t, ", expert ", e, "] is ", z,
+                     "; NaN or Inf in the input x or the router weight. Check the previous "
+                     "layer's output");
+      }
+    }
+  }
+  router_.select(ConstMatrixView<float>(ws.logits.data(), T, E), ws.selection);
+  kernels::build_plan(ws.selection, ws.plan);
+  RoutingPlan const& plan = ws.plan;
+  Index const R = plan.num_rows();
+  grow(ws.tok_index, R);
+  grow(ws.tok_pos, R);
+  for (Index j = 0; j < R; ++j) {
+    Index const r = plan.token_rows[j];
+    ws.tok_index[r] = j;
+    ws.tok_pos[j] = plan.row_token[r] % S;
+  }
+  Index const row_tiles = (R + kTileRows - 1) / kTileRows;
+  Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+  grow(ws.x_rows, R * D);
+  parallel_for(pool, row_tiles, [&](Index i, int) {
+    Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
+    kernels::gather_rows(x.data, x.row_stride, plan.row_token.data() + r0, n, D,
+                         ws.x_rows.data() + r0 * D, D);
+  });
+
+  // 2. Queries (per expert, low-rank or full), residual query, shared key, shared-expert
+  //    queries, output-gate logits.
+  grow(ws.q_low, rk > 0 ? R * rk : 0);
+  grow(ws.q_rows, R * dk);
+  grow(ws.q_res, c_.residual_query ? T * dk : 0);
+  grow(ws.k, T * dk);
+  grow(ws.q_sh, ns * T * dk);
+  grow(ws.gate, (R + ns * T) * w);
+  for (Index e = 0; e < E; ++e) {
+    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+    float const* xr = ws.x_rows.data() + r0 * D;
+    if (rk > 0) {
+      ws.queue.add({xr, D, n, q_a_.data() + e * rk * D, D, ws.q_low.data() + r0 * rk, rk}, rk);
+    } else {
+      ws.queue.add({xr, D, n, q_a_.data() + e * dk * D, D, ws.q_rows.data() + r0 * dk, dk}, dk);
+    }
+    if (gated) {
+      ws.queue.add({xr, D, n, gate_proj_.data() + e * w * D, D, ws.gate.data() + r0 * w, w}, w);
+    }
+  }
+  if (c_.residual_query) {
+    ws.queue.add({x.data, x.row_stride, T, q_res_.data(), D, ws.q_res.data(), dk}, dk);
+  }
+  ws.queue.add({x.data, x.row_stride, T, k_proj_.data(), D, ws.k.data(), dk}, dk);
+  for (Index s = 0; s < ns; ++s) {
+    ws.queue.add({x.data, x.row_stride, T, shared_q_.data() + s * dk * D, D,
+                  ws.q_sh.data() + s * T * dk, dk},
+                 dk);
+    if (gated) {
+      ws.queue.add({x.data, x.row_stride, T, gate_proj_.data() + (E + s) * w * D, D,
+                    ws.gate.data() + (R + s * T) * w, w},
+                   w);
+    }
+  }
+  ws.queue.run(pool, ws.scratch.data(), per);
+  if (rk > 0) {
+    for (Index e = 0; e < E; ++e) {
+      Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+      ws.queue.add({ws.q_low.data() + r0 * rk, rk, n, q_b_.data() + e * dk * rk, rk,
+                    ws.q_rows.data() + r0 * dk, dk},
+                   dk);
+    }
+    ws.queue.run(pool, ws.scratch.data(), per);
+  }
+
+  // 3. RoPE; routed queries to token-major order (+ residual query).
+  grow(ws.rope_cos, T * hr);
+  grow(ws.rope_sin, T * hr);
+  parallel_for(pool, token_tiles, [&](Index i, int) {
+    Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+    for (Index t = t0; t < t1; ++t) {
+      if (!c_.rope) continue;
+      float* cs = ws.rope_cos.data() + t * hr;
+      float* sn = ws.rope_sin.data() + t * hr;
+      Index const pos = opt.positions.empty() ? t % S : opt.positions[t];
+      kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, cs, sn);
+      kernels::rope_apply(ws.k.data() + t * dk, cs, sn, c_.rotary_dim);
+      for (Index s = 0; s < ns; ++s) {
+        kernels::rope_apply(ws.q_sh.data() + (s * T + t) * dk, cs, sn, c_.rotary_dim);
+      }
+    }
+  });
+  grow(ws.q_tok, R * dk);
+  parallel_for(pool, row_tiles, [&](Index i, int) {
+    Index const j0 = i * kTileRows, j1 = std::min(R, j0 + kTileRows);
+    for (Index j = j0; j < j1; ++j) {
+      Index const r = plan.token_rows[j], t = plan.row_token[r];
+      float* q = ws.q_tok.data() + j * dk;
+      float const* src = ws.q_rows.data() + r * dk;
+      if (c_.residual_query) {
+        float const* res = ws.q_res.data() + t * dk;
+        for (Index c = 0; c < dk; ++c) q[c] = src[c] + res[c];
+      } else {
+        std::copy(src, src + dk, q);
+      }
+      if (c_.rope) {
+        kernels::rope_apply(q, ws.rope_cos.data() + t * hr, ws.rope_sin.data() + t * hr,
+                            c_.rotary_dim);
+      }
+    }
+  });
+
+  // 4. Token mixing: SDPA per sequence, values = the hidden states themselves.
+  grow(ws.mixed_tok, R * D);
+  grow(ws.mixed_sh, ns * T * D);
+  grow(ws.lse_tok, train ? R : 0);
+  grow(ws.lse_sh, train ? ns * T : 0);
+  std::uint8_t const* mask = opt.key_mask.empty() ? nullptr : opt.key_mask.data();
+  std::vector<SdpaItem> items;
+  sdpa_items(ws, B, S, items);
+  parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
+    SdpaItem const& it = items[i];
+    Index const row0 = item_row0(ws, T, S, it);
+    float* o = (it.s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
+    float* lse = train ? (it.s < 0 ? ws.lse_tok.data() : ws.lse_sh.data()) + row0 : nullptr;
+    kernels::sdpa_forward(sdpa_params(ws, x, S, it.b, it.s, mask), o, D, lse, it.r0, it.r1,
+                          ws.scratch.data() + thread * per);
+  });
+
+  // 5. Output gate; expert inputs back in expert-major order.
+  grow(ws.xin, R * D);
+  grow(ws.xin_sh, ns * T * D);
+  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
+    if (i < row_tiles) {
+      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+      for (Index r = r0; r < r1; ++r) {
+        float* g = ws.gate.data() + r * w;
+        Gate::forward(ws.mixed_tok.data() + ws.tok_index[r] * D, g, g, ws.xin.data() + r * D, 1, D);
+      }
+    } else {
+      Index const s = (i - row_tiles) / token_tiles;
+      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+                  t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        Index const k = s * T + t;
+        float* g = ws.gate.data() + (R + k) * w;
+        Gate::forward(ws.mixed_sh.data() + k * D, g, g, ws.xin_sh.data() + k * D, 1, D);
+      }
+    }
+  });
+
+  // 6. Experts: the shared bank on the routed rows, the layer's shared experts on theirs.
+  grow(ws.hidden, R * P);
+  grow(ws.act, train ? R * F : 0);
+  grow(ws.expert_out, R * D);
+  grow(ws.shared_hidden, ns * T * Ps);
+  grow(ws.shared_act, train ? ns * T * Fs : 0);
+  grow(ws.shared_out, ns * T * D);
+  grow(ws.shared_gate, Shared::gated ? T * ns : 0);
+  for (Index e = 0; e < E; ++e) {
+    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+    ws.queue.add({ws.xin.data() + r0 * D, D, n, bank.in_proj(e).data, D, ws.hidden.data() + r0 * P,
+                  P, bank.packed_in(e)},
+                 P);
+  }
+  if constexpr (Shared::has_experts) {
+    for (Index s = 0; s < ns; ++s) {
+      ws.queue.add({ws.xin_sh.data() + s * T * D, D, T, shared_.bank().in_proj(s).data, D,
+                    ws.shared_hidden.data() + s * T * Ps, Ps},
+                   Ps);
+    }
+  }
+  ws.queue.run(pool, ws.scratch.data(), per);
+  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
+    if (i < row_tiles) {
+      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+      for (Index r = r0; r < r1; ++r) {
+        float* h = ws.hidden.data() + r * P;
+        bank.activate_row(h, train ? ws.act.data() + r * F : h);
+      }
+    } else if constexpr (Shared::has_experts) {
+      Index const s = (i - row_tiles) / token_tiles;
+      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+                  t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        float* h = ws.shared_hidden.data() + (s * T + t) * Ps;
+        shared_.bank().activate_row(h, train ? ws.shared_act.data() + (s * T + t) * Fs : h);
+      }
+    }
+  });
+  for (Index e = 0; e < E; ++e) {
+    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+    float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
+    ws.queue.add({m, train ? F : P, n, bank.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D,
+                  bank.packed_down(e)},
+                 D);
+  }
+  if constexpr (Shared::has_experts) {
+    for (Index s = 0; s < ns; ++s) {
+      float const* m =
+          train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
+      ws.queue.add({m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
+                    ws.shared_out.data() + s * T * D, D},
+                   D);
+    }
+  }
+  ws.queue.run(pool, ws.scratch.data(), per);
+
+  // 7. Shared-expert gates and the combine: y_t = sum_j w_j E(m_j) + sum_s g_s E_s(m_s).
+  parallel_for(pool, token_tiles, [&](Index i, int) {
+    kernels::CombineParams p;
+    p.token_begin = i * kTileRows;
+    p.token_end = std::min(T, p.token_begin + kTileRows);
+    if constexpr (Shared::gated) {
+      for (Index t = p.token_begin; t < p.token_end; ++t) {
+        for (Index s = 0; s < ns; ++s) {
+          float const* g = shared_.gate_weight().row(s);
+          float z = 0.0f;
+          for (Index d = 0; d < D; ++d) z = std::fma(g[d], x(t, d), z);
+          ws.shared_gate[t * ns + s] = 1.0f / (1.0f + std::exp(-z));
+        }
+      }
+    }
+    p.expert_out = ws.expert_out.data();
+    p.ld_expert_out = D;
+    p.row_weight = plan.row_weight.data();
+    p.token_offsets = plan.token_offsets.data();
+    p.token_rows = plan.token_rows.data();
+    p.shared_out = ns > 0 ? ws.shared_out.data() : nullptr;
+    p.ld_shared = D;
+    p.shared_plane = T * D;
+    p.num_shared = ns;
+    p.shared_gate = Shared::gated && ns > 0 ? ws.shared_gate.data() : nullptr;
+    p.cols = D;
+    p.out = y.data;
+    p.ld_out = y.row_stride;
+    kernels::combine_rows(p);
+  });
+}
+
+template <RouterPolicy Rt, ExpertPolicy Xp, SharedExpertPolicy Sh, gating::SdpaGatePolicy Gt>
+void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
+                                                ConstMatrixView<float> dy, MatrixView<float> dx,
+                                                Gradients& grads, Bank& expert_grads,
+                                                ThreadPool* pool) const {
+  Index const D = c_.d_model, T = static_cast<Index>(ws.x.size()) / D, E = num_experts();
+  Index const dk = c_.qk_dim, rk = c_.q_rank, ns = shared_.count(), w = gate_width();
+  Index const B = ws.batch, hr = half_rot();
+  Index const P = bank_->hidden_cols(), F = bank_->d_ffn(), Ps = shared_hidden_cols();
+  Index const Fs = shared_ffn();
+  Index const per = scratch_floats();
+  auto sized = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+  auto zeroed = [](std::vector<float>& v, Index n) { v.assign(static_cast<std::size_t>(n), 0.0f); };
+  sized(ws.scratch, threads_of(pool) * per);
+  if (T == 0) return;
+  Index const S = T / B;
+  Bank const& bank = *bank_;
+  RoutingPlan const& plan = ws.plan;
+  Selection const& sel = ws.selection;
+  Index const R = plan.num_rows(), Sl = sel.slots;
+  ConstMatrixView<float> x(ws.x.data(), T, D);
+  Index const row_tiles = (R + kTileRows - 1) / kTileRows;
+  Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+  sized(ws.d_out, R * D);
+  zeroed(ws.dweight, T * Sl);
+  zeroed(ws.dscores, T * E);
+  zeroed(ws.dlogits, T * E);
+  sized(ws.dxin, R * D);
+  sized(ws.dhidden, R * P);
+  sized(ws.dgate, (R + ns * T) * w);
+  sized(ws.dmixed_tok, R * D);
+  sized(ws.dmixed_sh, ns * T * D);
+  sized(ws.delta_tok, R);
+  sized(ws.delta_sh, ns * T);
+  zeroed(ws.dq_tok, R * dk);
+  zeroed(ws.dq_sh, ns * T * dk);
+  zeroed(ws.dk, T * dk);
+  zeroed(ws.dv, T * D);
+  sized(ws.dq_rows, R * dk);
+  sized(ws.dq_low, R * rk);
+  sized(ws.dq_res, c_.residual_query ? T * dk : 0);
+  sized(ws.dx_rows, R * D);
+  sized(ws.shared_dy, ns * T * D);
+  sized(ws.shared_dx, ns * T * D);
+  sized(ws.shared_dhidden, ns * T * Ps);
+  zeroed(ws.dshared_gate, T * ns);
+
+  // 1. Combine VJP: dE_r = w_r dy_t, dL/dw = <dy_t, E_r>; shared experts and their gates.
+  parallel_for(pool, token_tiles, [&](Index i, int) {
+    Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+    for (Index t = t0; t < t1; ++t) {
+      float const* g = dy.row(t);
+      Index j = plan.token_offsets[t];
+      for (Index s = 0; s < Sl; ++s) {
+        if (sel.expert[t * Sl + s] < 0) continue;
+        Index const r = plan.token_rows[j++];
+        float const* yr = ws.expert_out.data() + r * D;
+        float* dr = ws.d_out.data() + r * D;
+        float const wr = plan.row_weight[r];
+        float dot = 0.0f;
+        for (Index c = 0; c < D; ++c) {
+          dot = std::fma(g[c], yr[c], dot);
+          dr[c] = wr * g[c];
+        }
+        ws.dweight[t * Sl + s] = dot;
+      }
+      for (Index s = 0; s < ns; ++s) {
+        float const gate = Shared::gated ? ws.shared_gate[t * ns + s] : 1.0f;
+        float const* so = ws.shared_out.data() + (s * T + t) * D;
+        float* sd = ws.shared_dy.data() + (s * T + t) * D;
+        float dot = 0.0f;
+        for (Index c = 0; c < D; ++c) {
+          dot = std::fma(g[c], so[c], dot);
+          sd[c] = gate * g[c];
+        }
+        if (Shared::gated) ws.dshared_gate[t * ns + s] = dot * gate * (1.0f - gate);
+      }
+    }
+  });
+
+  // 2. Expert VJPs (row tiles split at expert boundaries; shared experts by token tiles).
+  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int thread) {
+    float* scratch = ws.scratch.data() + thread * per;
+    if (i < row_tiles) {
+      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+      Index r = r0;
+      while (r < r1) {
+        Index e = 0;
+        while (plan.expert_offsets[e + 1] <= r) ++e;
+        Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
+        bank.backward_rows(e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
+                           ConstMatrixView<float>(ws.d_out.data() + r * D, n, D),
+                           MatrixView<float>(ws.act.data() + r * F, n, F),
+                           MatrixView<float>(ws.dhidden.data() + r * P, n, P),
+                           MatrixView<float>(ws.dxin.data() + r * D, n, D), scratch);
+        r = end;
+      }
+    } else if constexpr (Shared::has_experts) {
+      Index const s = (i - row_tiles) / token_tiles;
+      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows, n = std::min(kTileRows, T - t0);
+      Index const off = s * T + t0;
+      shared_.bank().backward_rows(
+          s, ConstMatrixView<float>(ws.shared_hidden.data() + off * Ps, n, Ps),
+          ConstMatrixView<float>(ws.shared_dy.data() + off * D, n, D),
+          MatrixView<float>(ws.shared_act.data() + off * Fs, n, Fs),
+          MatrixView<float>(ws.shared_dhidden.data() + off * Ps, n, Ps),
+          MatrixView<float>(ws.shared_dx.data() + off * D, n, D), scratch);
+    }
+  });
+
+  // 3. Output-gate VJP; dL/d(mixed) back to token-major order.
+  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
+    if (i < row_tiles) {
+      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+      for (Index r = r0; r < r1; ++r) {
+        Index const j = ws.tok_index[r];
+        Gate::backward(ws.mixed_tok.data() + j * D, ws.gate.data() + r * w, ws.dxin.data() + r * D,
+                       ws.dmixed_tok.data() + j * D, ws.dgate.data() + r * w, 1, D);
+      }
+    } else {
+      Index const s = (i - row_tiles) / token_tiles;
+      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+                  t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        Index const k = s * T + t;
+        Gate::backward(ws.mixed_sh.data() + k * D, ws.gate.data() + (R + k) * w,
+                       ws.shared_dx.data() + k * D, ws.dmixed_sh.data() + k * D,
+                       ws.dgate.data() + (R + k) * w, 1, D);
+      }
+    }
+  });
+
+  // 4. SDPA backward: delta per query row, then dq by query chunks and dk, dv by key blocks
+  //    (each key block sums its sequence's routed rows, then each shared expert, in order).
+  std::uint8_t const* mask = ws.key_mask.empty() ? nullptr : ws.key_mask.data();
+  std::vector<SdpaItem> items;
+  sdpa_items(ws, B, S, items);
+  auto grads_for = [&](Index b, Index s) {
+    Index const row0 = s < 0 ? plan.token_offsets[b * S] : s * T + b * S;
+    kernels::SdpaGrads g;
+    g.o = (s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
+    g.ldo = D;
+    g.dout = (s < 0 ? ws.dmixed_tok.data() : ws.dmixed_sh.data()) + row0 * D;
+    g.lddo = D;
+    g.lse = (s < 0 ? ws.lse_tok.data() : ws.lse_sh.data()) + row0;
+    g.delta = (s < 0 ? ws.delta_tok.data() : ws.delta_sh.data()) + row0;
+    g.dq = (s < 0 ? ws.dq_tok.data() : ws.dq_sh.data()) + row0 * dk;
+    g.lddq = dk;
+    g.dk = ws.dk.data() + b * S * dk;
+    g.lddk = dk;
+    g.dv = ws.dv.data() + b * S * D;
+    g.lddv = D;
+    return g;
+  };
+  Index const nit = static_cast<Index>(items.size());
+  parallel_for(pool, nit, [&](Index i, int) {
+    SdpaItem const& it = items[i];
+    float* delta = (it.s < 0 ? ws.delta_tok.data() : ws.delta_sh.data()) + item_row0(ws, T, S, it);
+    kernels::sdpa_backward_delta(grads_for(it.b, it.s), D, it.r0, it.r1, delta);
+  });
+  Index const kblocks = (S + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
+  parallel_for(pool, nit + B * kblocks, [&](Index i, int thread) {
+    float* scratch = ws.scratch.data() + thread * per;
+    if (i < nit) {
+      SdpaItem const& it = items[i];
+      kernels::sdpa_backward_dq(sdpa_params(ws, x, S, it.b, it.s, mask), grads_for(it.b, it.s),
+                                it.r0, it.r1, scratch);
+    } else {
+      Index const b = (i - nit) / kblocks, kb = (i - nit) % kblocks;
+      for (Index s = -1; s < ns; ++s) {
+        kernels::sdpa_backward_dkv(sdpa_params(ws, x, S, b, s, mask), grads_for(b, s), kb, kb + 1,
+                                   scratch);
+      }
+    }
+  });
+
+  // 5. RoPE VJPs; routed query gradients to expert-major order; residual query gradient.
+  parallel_for(pool, token_tiles, [&](Index i, int) {
+    if (!c_.rope) return;
+    Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+    for (Index t = t0; t < t1; ++t) {
+      float const* cs = ws.rope_cos.data() + t * hr;
+      float const* sn = ws.rope_sin.data() + t * hr;
+      kernels::rope_backward(ws.dk.data() + t * dk, cs, sn, c_.rotary_dim);
+      for (Index s = 0; s < ns; ++s) {
+        kernels::rope_backward(ws.dq_sh.data() + (s * T + t) * dk, cs, sn, c_.rotary_dim);
+      }
+    }
+  });
+  parallel_for(pool, row_tiles, [&](Index i, int) {
+    Index const j0 = i * kTileRows, j1 = std::min(R, j0 + kTileRows);
+    for (Index j = j0; j < j1; ++j) {
+      Index const r = plan.token_rows[j], t = plan.row_token[r];
+      float* dq = ws.dq_tok.data() + j * dk;
+      if (c_.rope) {
+        kernels::rope_backward(dq, ws.rope_cos.data() + t * hr, ws.rope_sin.data() + t * hr,
+                               c_.rotary_dim);
+      }
+      std::copy(dq, dq + dk, ws.dq_rows.data() + r * dk);
+    }
+  });
+  if (c_.residual_query) {
+    parallel_for(pool, token_tiles, [&](Index i, int) {
+      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
+      for (Index t = t0; t < t1; ++t) {
+        float* d = ws.dq_res.data() + t * dk;
+        std::fill(d, d + dk, 0.0f);
+        for (Index j = plan.token_offsets[t]; j < plan.token_offsets[t + 1]; ++j) {
+          float const* src = ws.dq_tok.data() + j * dk;
+          for (Index c = 0; c < dk; ++c) d[c] += src[c];
+        }
+      }
+    });
+  }
+
+  // 6. Router VJP.
+  router_.backward(ConstMatrixView<float>(ws.logits.data(), T, E), sel, ws.dweight.data(),
+                   MatrixView<float>(ws.dscores.data(), T, E),
+                   MatrixView<float>(ws.dlogits.data(), T, E));
+
+  // 7. Query and gate projections, input side: dx_rows = dq W_q (through the low rank) + dgamma
+  //    W_g, per row tile split at expert boundaries.
+  parallel_for(pool, row_tiles, [&](Index i, int) {
+    Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
+    Index r = r0;
+    while (r < r1) {
+      Index e = 0;
+      while (plan.expert_offsets[e + 1] <= r) ++e;
+      Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
+      auto dxr = as_eigen(MatrixView<float>(ws.dx_rows.data() + r * D, n, D));
+      ConstMatrixView<float> dq(ws.dq_rows.data() + r * dk, n, dk);
+      if (rk > 0) {
+        MatrixView<float> dql(ws.dq_low.data() + r * rk, n, rk);
+        as_eigen(dql).noalias() =
+            as_eigen(dq) * as_eigen(ConstMatrixView<float>(q_b_.data() + e * dk * rk, dk, rk));
+        dxr.noalias() = as_eigen(ConstMatrixView<float>(dql)) *
+                        as_eigen(ConstMatrixView<float>(q_a_.data() + e * rk * D, rk, D));
+      } else {
+        dxr.noalias() =
+            as_eigen(dq) * as_eigen(ConstMatrixView<float>(q_a_.data() + e * dk * D, dk, D));
+      }
+      if (gated) {
+        dxr.noalias() += as_eigen(ConstMatrixView<float>(ws.dgate.data() + r * w, n, w)) *
+                         as_eigen(ConstMatrixView<float>(gate_proj_.data() + e * w * D, w, D));
+      }
+      r = end;
+    }
+  });
+
+  // 8. Weight gradients, in items of 64 gradient rows.
+  std::vector<detail::GradItem> gi;
+  detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dlogits.data(), T, E),
+                         MatrixView<float>(grads.router_weight.data(), E, D));
+  for (Index e = 0; e < E; ++e) {
+    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
+    if (n == 0) continue;
+    ConstMatrixView<float> xr(ws.x_rows.data() + r0 * D, n, D);
+    ConstMatrixView<float> dq(ws.dq_rows.data() + r0 * dk, n, dk);
+    if (rk > 0) {
+      detail::add_grad_items(gi, ConstMatrixView<float>(ws.q_low.data() + r0 * rk, n, rk), dq,
+                             MatrixView<float>(grads.q_b.data() + e * dk * rk, dk, rk));
+      detail::add_grad_items(gi, xr, ConstMatrixView<float>(ws.dq_low.data() + r0 * rk, n, rk),
+                             MatrixView<float>(grads.q_a.data() + e * rk * D, rk, D));
+    } else {
+      detail::add_grad_items(gi, xr, dq, MatrixView<float>(grads.q_a.data() + e * dk * D, dk, D));
+    }
+    if (gated) {
+      detail::add_grad_items(gi, xr, ConstMatrixView<float>(ws.dgate.data() + r0 * w, n, w),
+                             MatrixView<float>(grads.gate_proj.data() + e * w * D, w, D));
+    }
+    detail::add_grad_items(gi, ConstMatrixView<float>(ws.xin.data() + r0 * D, n, D),
+                           ConstMatrixView<float>(ws.dhidden.data() + r0 * P, n, P),
+                           expert_grads.in_proj(e));
+    detail::add_grad_items(gi, ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
+                           ConstMatrixView<float>(ws.d_out.data() + r0 * D, n, D),
+                           expert_grads.down_proj(e));
+  }
+  if (c_.residual_query) {
+    detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dq_res.data(), T, dk),
+                           MatrixView<float>(grads.q_res.data(), dk, D));
+  }
+  detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dk.data(), T, dk),
+                         MatrixView<float>(grads.k_proj.data(), dk, D));
+  for (Index s = 0; s < ns; ++s) {
+    detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dq_sh.data() + s * T * dk, T, dk),
+                           MatrixView<float>(grads.shared_q.data() + s * dk * D, dk, D));
+    if (gated) {
+      detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dgate.data() + (R + s * T) * w, T, w),
+                             MatrixView<float>(grads.gate_proj.data() + (E + s) * w * D, w, D));
+    }
+    if constexpr (Shared::has_experts) {
+      detail::add_grad_items(gi, ConstMatrixView<float>(ws.xin_sh.data() + s * T * D, T, D),
+                             ConstMatrixView<float>(ws.shared_dhidden.data() + s * T * Ps, T, Ps),
+                             grads.shared.bank().in_proj(s));
+      detail::add_grad_items(gi, ConstMatrixView<float>(ws.shared_act.data() + s * T * Fs, T, Fs),
+                             ConstMatrixView<float>(ws.shared_dy.data() + s * T * D, T, D),
+                             grads.shared.bank().down_proj(s));
+    }
+  }
+  if constexpr (Shared::gated) {
+    if (ns > 0) {
+      detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dshared_gate.data(), T, ns),
+                             grads.shared.gate_weight());
+    }
+  }
+  detail::run_grad_items(pool, gi);
+
+  // 9. dx: the token's routed rows (slot order), the values, then every projection of x_t.
+  parallel_for(pool, token_tiles, [&](Index i, int) {
+    kernels::CombineParams p;
+    p.expert_out = ws.dx_rows.data();
+    p.ld_expert_out = D;
+    p.token_offsets = plan.token_offsets.data();
+    p.token_rows = plan.token_rows.data();
+    p.token_begin = i * kTileRows;
+    p.token_end = std::min(T, p.token_begin + kTileRows);
+    p.cols = D;
+    p.out = dx.data;
+    p.ld_out = dx.row_stride;
+    kernels::combine_rows(p);
+    Index const t0 = p.token_begin, n = p.token_end - t0;
+    auto dxt = as_eigen(dx.middle_rows(t0, n));
+    dxt += as_eigen(ConstMatrixView<float>(ws.dv.data() + t0 * D, n, D));
+    dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dlogits.data() + t0 * E, n, E)) *
+                     as_eigen(router_weight());
+    dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dk.data() + t0 * dk, n, dk)) *
+                     as_eigen(ConstMatrixView<float>(k_proj_.data(), dk, D));
+    if (c_.residual_query) {
+      dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dq_res.data() + t0 * dk, n, dk)) *
+                       as_eigen(ConstMatrixView<float>(q_res_.data(), dk, D));
+    }
+    for (Index s = 0; s < ns; ++s) {
+      dxt.noalias() +=
+          as_eigen(ConstMatrixView<float>(ws.dq_sh.data() + (s * T + t0) * dk, n, dk)) *
+          as_eigen(ConstMatrixView<float>(shared_q_.data() + s * dk * D, dk, D));
+      if (gated) {
+        dxt.noalias() +=
+            as_eigen(ConstMatrixView<float>(ws.dgate.data() + (R + s * T + t0) * w, n, w)) *
+            as_eigen(ConstMatrixView<float>(gate_proj_.data() + (E + s) * w * D, w, D));
+      }
+    }
+    if constexpr (Shared::gated) {
+      if (ns > 0) {
+        dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dshared_gate.data() + t0 * ns, n, ns)) *
+                         as_eigen(shared_.gate_weight());
+      }
+    }
+  });
+}
+
+}  // namespace moe

@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+// A double-precision twin of GatedAttention for forward checks and central finite differences:
+// the same flat parameter layouts, the layouts of ALGORITHMS.md section 2 written out as the
+// reference code does (view + split / chunk), HF-style RMSNorm and rotate_half RoPE, and the
+// naive attention of attention_reference.hpp.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "attention/attention_reference.hpp"
+
+namespace aref {
+
+struct DoubleGatedAttention {
+  enum Layout { kSeparate, kPerGroup, kPerHead };
+  enum Norm { kNone, kRms, kRmsOnePlus };
+  Index D = 0, H = 1, KV = 1, dh = 0, w = 0;  // w: gate width per head (0, 1 or dh)
+  Layout layout = kSeparate;
+  Norm norm = kNone;
+  double eps = 1e-6;
+  bool rope = false;
+  double theta = 10000.0;
+  Index rd = 0;
+  double scale = 1.0;
+  bool causal = true;
+  Index batch = 1;
+  std::vector<Index> positions;        // empty: index in sequence
+  std::vector<std::uint8_t> key_mask;  // empty: none
+  Vec q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+
+  static Vec matvec(Vec const& W, Index rows, Index cols, double const* x) {
+    Vec y(static_cast<std::size_t>(rows), 0.0);
+    for (Index r = 0; r < rows; ++r) {
+      for (Index c = 0; c < cols; ++c) y[r] += W[r * cols + c] * x[c];
+    }
+    return y;
+  }
+
+  void normalize(double* v, Vec const& weight) const {
+    if (norm == kNone) return;
+    double ss = 0.0;
+    for (Index i = 0; i < dh; ++i) ss += v[i] * v[i];
+    double const r = 1.0 / std::sqrt(ss / static_cast<double>(dh) + eps);
+    for (Index i = 0; i < dh; ++i) v[i] *= r * (norm == kRms ? weight[i] : 1.0 + weight[i]);
+  }
+
+  void rotate(double* v, Index pos) const {
+    if (!rope) return;
+    Index const half = rd / 2;
+    Vec out(v, v + rd);
+    for (Index i = 0; i < rd; ++i) {
+      Index const f = i % half;
+      double const angle =
+          static_cast<double>(pos) / std::pow(theta, static_cast<double>(2 * f) / rd);
+      double const rot = i < half ? -v[i + half] : v[i - half];  // rotate_half
+      out[i] = v[i] * std::cos(angle) + rot * std::sin(angle);
+    }
+    std::copy(out.begin(), out.end(), v);
+  }
+
+  /// y [T, D] for x [T, D]; also returns the gate values s [T, H, w] in `gates` if given.
+  Vec forward(Vec const& x, Index T, Vec* gates = nullptr) const {
+    Index const G = H / KV, S = T / batch, HD = H * dh, KD = KV * dh;
+    Vec q(static_cast<std::size_t>(T * HD)), gam(static_cast<std::size_t>(T * H * w)),
+        k(static_cast<std::size_t>(T * KD)), v(static_cast<std::size_t>(T * KD));
+    Index const Pq = layout == kSeparate ? HD : HD + H * w;
+    for (Index t = 0; t < T; ++t) {
+      Vec const qg = matvec(q_proj, Pq, D, x.data() + t * D);
+      // Split the q_proj output as the reference code does.
+      for (Index h = 0; h < H; ++h) {
+        Index qo = 0, go = 0;
+        if (layout == kSeparate) {
+          qo = h * dh;
+        } else if (layout == kPerGroup) {  // view(n_kv, -1) then split [G dh, G w]
+          Index const g = h / G, i = h % G, base = g * (G * dh + G * w);
+          qo = base + i * dh;
+          go = base + G * dh + i * w;
+        } else {  // view(-1, dh + w) then chunk
+          qo = h * (dh + w);
+          go = qo + dh;
+        }
+        for (Index c = 0; c < dh; ++c) q[t * HD + h * dh + c] = qg[qo + c];
+        if (layout != kSeparate) {
+          for (Index c = 0; c < w; ++c) gam[(t * H + h) * w + c] = qg[go + c];
+        }
+      }
+      if (layout == kSeparate && w > 0) {
+        Vec const gm = matvec(gate_proj, H * w, D, x.data() + t * D);
+        for (Index i = 0; i < H * w; ++i) gam[t * H * w + i] = gm[i];
+      }
+      Vec const kt = matvec(k_proj, KD, D, x.data() + t * D);
+      Vec const vt = matvec(v_proj, KD, D, x.data() + t * D);
+      std::copy(kt.begin(), kt.end(), k.begin() + t * KD);
+      std::copy(vt.begin(), vt.end(), v.begin() + t * KD);
+      Index const pos = positions.empty() ? t % S : positions[t];
+      for (Index h = 0; h < H; ++h) {
+        normalize(q.data() + t * HD + h * dh, q_norm);
+        rotate(q.data() + t * HD + h * dh, pos);
+      }
+      for (Index g = 0; g < KV; ++g) {
+        normalize(k.data() + t * KD + g * dh, k_norm);
+        rotate(k.data() + t * KD + g * dh, pos);
+      }
+    }
+    Vec o(static_cast<std::size_t>(T * HD), 0.0);
+    for (Index b = 0; b < batch; ++b) {
+      for (Index h = 0; h < H; ++h) {
+        Index const g = h / G;
+        Sdpa sd;
+        sd.Tq = sd.Tk = S;
+        sd.d = sd.dv = dh;
+        sd.scale = scale;
+        sd.causal = causal;
+        if (!key_mask.empty())
+          sd.key_mask.assign(key_mask.begin() + b * S, key_mask.begin() + (b + 1) * S);
+        Vec qh(static_cast<std::size_t>(S * dh)), kh(qh.size()), vh(qh.size());
+        for (Index s = 0; s < S; ++s) {
+          for (Index c = 0; c < dh; ++c) {
+            qh[s * dh + c] = q[(b * S + s) * HD + h * dh + c];
+            kh[s * dh + c] = k[(b * S + s) * KD + g * dh + c];
+            vh[s * dh + c] = v[(b * S + s) * KD + g * dh + c];
+          }
+        }
+        Vec const a = sd.forward(qh, kh, vh);
+        for (Index s = 0; s < S; ++s) {
+          for (Index c = 0; c < dh; ++c) {
+            double const gate =
+                w == 0 ? 1.0 : sigmoid(gam[((b * S + s) * H + h) * w + (w == 1 ? 0 : c)]);
+            o[(b * S + s) * HD + h * dh + c] = a[s * dh + c] * gate;
+          }
+        }
+      }
+    }
+    if (gates) {
+      gates->resize(gam.size());
+      for (std::size_t i = 0; i < gam.size(); ++i) (*gates)[i] = sigmoid(gam[i]);
+    }
+    Vec y(static_cast<std::size_t>(T * D));
+    for (Index t = 0; t < T; ++t) {
+      Vec const yt = matvec(o_proj, D, HD, o.data() + t * HD);
+      std::copy(yt.begin(), yt.end(), y.begin() + t * D);
+    }
+    return y;
+  }
+
+  double objective(Vec const& x, Vec const& dy, Index T) const {
+    Vec const y = forward(x, T);
+    double s = 0.0;
+    for (std::size_t i = 0; i < y.size(); ++i) s += y[i] * dy[i];
+    return s;
+  }
+};
+
+}  // namespace aref

@@ -1,0 +1,530 @@
+// SPDX-License-Identifier: Apache-2.0
+// GatedAttention: forward against a double-precision twin, finite-difference gradients of every
+// parameter and of x, the gate limits (+inf: ungated, -inf: zero), headwise == elementwise for
+// equal gates, the three weight layouts agree for permuted weights, causal and padding masks leak
+// nothing, determinism across threads, and the errors for bad input.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "attention/gated_reference.hpp"
+#include "moe/core/random.hpp"
+#include "moe/layers/gated_attention.hpp"
+
+using moe::ConstMatrixView;
+using moe::Index;
+using moe::MatrixView;
+namespace gating = moe::gating;
+
+namespace {
+
+std::vector<float> random_vector(Index n, std::uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::vector<float> v(static_cast<std::size_t>(n));
+  moe::fill_uniform(v, lo, hi, seed);
+  return v;
+}
+
+template <class Layer>
+void randomize(Layer& layer, std::uint64_t seed) {
+  auto params = layer.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    bool const norm = params[i].name.find("norm") != std::string_view::npos;
+    float const base = norm && layer.config().qk_norm == moe::QkNorm::kRmsNorm ? 1.0f : 0.0f;
+    moe::fill_uniform(params[i].values, base - 0.5f, base + 0.5f, seed + i);
+  }
+}
+
+template <class Layer>
+aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
+  auto const& c = layer.config();
+  aref::DoubleGatedAttention m;
+  m.D = c.d_model;
+  m.H = c.num_heads;
+  m.KV = c.num_kv_heads;
+  m.dh = c.head_dim;
+  m.w = layer.gate_width();
+  m.layout = c.gate_layout == moe::GateLayout::kSeparate           ? m.kSeparate
+             : c.gate_layout == moe::GateLayout::kPackedPerKvGroup ? m.kPerGroup
+                                                                   : m.kPerHead;
+  m.norm = c.qk_norm == moe::QkNorm::kNone      ? m.kNone
+           : c.qk_norm == moe::QkNorm::kRmsNorm ? m.kRms
+                                                : m.kRmsOnePlus;
+  m.eps = c.norm_eps;
+  m.rope = c.rope;
+  m.theta = c.rope_theta;
+  m.rd = c.rotary_dim;
+  m.scale = c.scale;
+  m.causal = c.causal;
+  m.batch = batch;
+  auto copy = [](auto src) { return aref::Vec(src.begin(), src.end()); };
+  for (auto const& p : layer.parameters()) {
+    if (p.name == "q_proj.weight") m.q_proj = copy(p.values);
+    if (p.name == "gate_proj.weight") m.gate_proj = copy(p.values);
+    if (p.name == "k_proj.weight") m.k_proj = copy(p.values);
+    if (p.name == "v_proj.weight") m.v_proj = copy(p.values);
+    if (p.name == "o_proj.weight") m.o_proj = copy(p.values);
+    if (p.name == "q_norm.weight") m.q_norm = copy(p.values);
+    if (p.name == "k_norm.weight") m.k_norm = copy(p.values);
+  }
+  return m;
+}
+
+aref::Vec* twin_buffer(aref::DoubleGatedAttention& m, std::string_view name) {
+  if (name == "q_proj.weight") return &m.q_proj;
+  if (name == "gate_proj.weight") return &m.gate_proj;
+  if (name == "k_proj.weight") return &m.k_proj;
+  if (name == "v_proj.weight") return &m.v_proj;
+  if (name == "o_proj.weight") return &m.o_proj;
+  if (name == "q_norm.weight") return &m.q_norm;
+  return &m.k_norm;
+}
+
+void require_close(float analytic, double fd, std::string_view what, Index i) {
+  INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
+  REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
+}
+
+double central(aref::DoubleGatedAttention const& m, aref::Vec& v, Index i, aref::Vec const& x,
+               aref::Vec const& dy, Index T) {
+  double const old = v[i];
+  double const h = 1e-6 * std::max(1.0, std::fabs(old));
+  v[i] = old + h;
+  double const lp = m.objective(x, dy, T);
+  v[i] = old - h;
+  double const lm = m.objective(x, dy, T);
+  v[i] = old;
+  return (lp - lm) / (2.0 * h);
+}
+
+struct Run {
+  std::vector<float> y, dx;
+  moe::GatedAttentionWorkspace ws;
+};
+
+/// Forward against the twin, then backward against central differences for every parameter
+/// and x.
+template <class Layer>
+void check_layer(Layer& layer, Index T, moe::AttentionOptions opt, bool gradients = true) {
+  Index const D = layer.d_model();
+  auto xf = random_vector(T * D, 901);
+  auto dyf = random_vector(T * D, 902);
+  auto m = twin(layer, opt.batch);
+  if (!opt.key_mask.empty()) m.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+  if (!opt.positions.empty()) m.positions.assign(opt.positions.begin(), opt.positions.end());
+  Run r;
+  r.y.resize(xf.size());
+  r.dx.resize(xf.size());
+  layer.forward_train({xf.data(), T, D}, {r.y.data(), T, D}, r.ws, opt);
+  aref::Vec x(xf.begin(), xf.end()), dy(dyf.begin(), dyf.end());
+  aref::Vec const want = m.forward(x, T);
+  REQUIRE(aref::rel_err(r.y.data(), want) < 2e-5);
+  std::vector<float> y2(xf.size());
+  moe::GatedAttentionWorkspace ws2;
+  layer.forward({xf.data(), T, D}, {y2.data(), T, D}, ws2, opt);
+  REQUIRE(y2 == r.y);  // inference and training forwards agree bitwise
+  if (!gradients) return;
+  auto grads = layer.make_gradients();
+  layer.backward(r.ws, {dyf.data(), T, D}, {r.dx.data(), T, D}, grads, opt.pool);
+  for (auto const& g : grads.groups()) {
+    aref::Vec* v = twin_buffer(m, g.name);
+    REQUIRE(v->size() == g.values.size());
+    for (Index i = 0; i < static_cast<Index>(g.values.size()); ++i) {
+      require_close(g.values[i], central(m, *v, i, x, dy, T), g.name, i);
+    }
+  }
+  for (Index i = 0; i < T * D; ++i) require_close(r.dx[i], central(m, x, i, x, dy, T), "dx", i);
+}
+
+moe::GatedAttentionConfig small_config(Index heads, Index kv, moe::GateLayout layout) {
+  moe::GatedAttentionConfig c;
+  c.d_model = 6;
+  c.num_heads = heads;
+  c.num_kv_heads = kv;
+  c.head_dim = 4;
+  c.gate_layout = layout;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("GatedAttention gradients match finite differences (elementwise, Qwen3-Next style)",
+          "[attention][gated][grad]") {
+  auto c = small_config(4, 2, moe::GateLayout::kPackedPerHead);
+  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  c.rope = true;
+  c.rope_theta = 100.0f;
+  c.rotary_dim = 2;  // partial RoPE, as Qwen3-Next's partial_rotary_factor
+  moe::GatedAttention<gating::ElementwiseGate> layer(c);
+  randomize(layer, 11);
+  check_layer(layer, 7, {});
+}
+
+TEST_CASE("GatedAttention gradients match finite differences (headwise, per-KV-group packing)",
+          "[attention][gated][grad]") {
+  auto c = small_config(4, 2, moe::GateLayout::kPackedPerKvGroup);
+  c.qk_norm = moe::QkNorm::kRmsNorm;
+  moe::GatedAttention<gating::HeadwiseGate> layer(c);
+  randomize(layer, 12);
+  check_layer(layer, 6, {});
+}
+
+TEST_CASE("GatedAttention gradients match finite differences (separate gate, batch, padding)",
+          "[attention][gated][grad]") {
+  auto c = small_config(3, 1, moe::GateLayout::kSeparate);  // multi-query: 3 heads, 1 KV head
+  c.rope = true;
+  moe::GatedAttention<gating::ElementwiseGate> layer(c);
+  randomize(layer, 13);
+  std::vector<std::uint8_t> mask = {0, 1, 1, 1, 1, 1, 0, 1};  // left padding, a hole
+  moe::AttentionOptions opt;
+  opt.batch = 2;
+  opt.key_mask = mask;
+  check_layer(layer, 8, opt);
+  SECTION("non-causal, headwise, explicit positions") {
+    auto c2 = small_config(2, 2, moe::GateLayout::kSeparate);
+    c2.causal = false;
+    c2.rope = true;
+    moe::GatedAttention<gating::HeadwiseGate> l2(c2);
+    randomize(l2, 14);
+    std::vector<Index> pos = {3, 4, 5, 9, 10, 11};
+    moe::AttentionOptions o2;
+    o2.positions = pos;
+    check_layer(l2, 6, o2);
+  }
+}
+
+TEST_CASE("GatedAttention without a gate: gradients and forward", "[attention][gated][grad]") {
+  auto c = small_config(2, 1, moe::GateLayout::kSeparate);
+  c.qk_norm = moe::QkNorm::kRmsNorm;
+  c.rope = true;
+  moe::GatedAttention<gating::NoGate> layer(c);
+  randomize(layer, 15);
+  check_layer(layer, 5, {});
+}
+
+TEST_CASE("GatedAttention forward matches the twin at larger sizes, several key blocks",
+          "[attention][gated]") {
+  moe::GatedAttentionConfig c;
+  c.d_model = 40;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 20;
+  c.gate_layout = moe::GateLayout::kPackedPerHead;
+  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  c.rope = true;
+  moe::GatedAttention<gating::ElementwiseGate> layer(c);
+  randomize(layer, 16);
+  moe::ThreadPool pool(2);
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  check_layer(layer, 150, opt, false);
+}
+
+TEST_CASE("Gate at +infinity gives the ungated layer, at -infinity zero", "[attention][gated]") {
+  Index const T = 9, D = 6;
+  for (auto layout : {moe::GateLayout::kSeparate, moe::GateLayout::kPackedPerKvGroup,
+                      moe::GateLayout::kPackedPerHead}) {
+    auto c = small_config(4, 2, layout);
+    c.rope = true;
+    moe::GatedAttention<gating::NoGate> plain(c);
+    moe::GatedAttention<gating::ElementwiseGate> gated(c);
+    randomize(plain, 21);
+    // Same q/k/v/o weights; gate rows of +-1e4 on all-positive inputs: logits beyond +-1e3.
+    auto x = random_vector(T * D, 22, 0.1f, 1.0f);
+    for (float sign : {1.0f, -1.0f}) {
+      auto qp = plain.q_proj();
+      auto gp = gated.q_proj();
+      for (Index h = 0; h < 4; ++h) {
+        for (Index d = 0; d < 4; ++d) {
+          std::copy(qp.row(h * 4 + d), qp.row(h * 4 + d) + D, gp.row(gated.query_col(h) + d));
+        }
+      }
+      auto gate_rows = layout == moe::GateLayout::kSeparate ? gated.gate_proj() : gp;
+      for (Index h = 0; h < 4; ++h) {
+        for (Index d = 0; d < 4; ++d) {
+          Index const row =
+              layout == moe::GateLayout::kSeparate ? h * 4 + d : gated.gate_col(h) + d;
+          std::fill(gate_rows.row(row), gate_rows.row(row) + D, sign * 1e4f);
+        }
+      }
+      auto copy = [](auto src, auto dst) {
+        std::copy(src.data, src.data + src.rows * src.cols, dst.data);
+      };
+      copy(plain.k_proj(), gated.k_proj());
+      copy(plain.v_proj(), gated.v_proj());
+      copy(plain.o_proj(), gated.o_proj());
+      std::vector<float> y0(x.size()), y1(x.size());
+      moe::GatedAttentionWorkspace ws;
+      plain.forward({x.data(), T, D}, {y0.data(), T, D}, ws);
+      gated.forward({x.data(), T, D}, {y1.data(), T, D}, ws);
+      if (sign > 0) {
+        REQUIRE(y1 == y0);  // sigmoid = 1 exactly: bitwise the ungated layer
+      } else {
+        for (float v : y1) REQUIRE(v == 0.0f);
+      }
+    }
+  }
+}
+
+TEST_CASE("Headwise equals elementwise when the elementwise gates are equal within a head",
+          "[attention][gated]") {
+  Index const T = 11, D = 6;
+  for (auto layout : {moe::GateLayout::kSeparate, moe::GateLayout::kPackedPerKvGroup,
+                      moe::GateLayout::kPackedPerHead}) {
+    auto c = small_config(4, 2, layout);
+    moe::GatedAttention<gating::HeadwiseGate> hw(c);
+    moe::GatedAttention<gating::ElementwiseGate> ew(c);
+    randomize(hw, 31);
+    auto hq = hw.q_proj();
+    auto eq = ew.q_proj();
+    for (Index h = 0; h < 4; ++h) {
+      for (Index d = 0; d < 4; ++d) {
+        std::copy(hq.row(hw.query_col(h) + d), hq.row(hw.query_col(h) + d) + D,
+                  eq.row(ew.query_col(h) + d));
+        // Every elementwise gate row of head h = the headwise gate row of head h.
+        float const* src =
+            layout == moe::GateLayout::kSeparate ? hw.gate_proj().row(h) : hq.row(hw.gate_col(h));
+        float* dst = layout == moe::GateLayout::kSeparate ? ew.gate_proj().row(h * 4 + d)
+                                                          : eq.row(ew.gate_col(h) + d);
+        std::copy(src, src + D, dst);
+      }
+    }
+    auto copy = [](auto src, auto dst) {
+      std::copy(src.data, src.data + src.rows * src.cols, dst.data);
+    };
+    copy(hw.k_proj(), ew.k_proj());
+    copy(hw.v_proj(), ew.v_proj());
+    copy(hw.o_proj(), ew.o_proj());
+    auto x = random_vector(T * D, 32);
+    auto dy = random_vector(T * D, 33);
+    std::vector<float> y0(x.size()), y1(x.size()), dx0(x.size()), dx1(x.size());
+    moe::GatedAttentionWorkspace w0, w1;
+    hw.forward_train({x.data(), T, D}, {y0.data(), T, D}, w0);
+    ew.forward_train({x.data(), T, D}, {y1.data(), T, D}, w1);
+    // Equal up to rounding: the gate's sigmoid runs in SIMD lanes or in a scalar tail
+    // depending on the number of gate logits per token.
+    for (std::size_t i = 0; i < y0.size(); ++i) REQUIRE(y1[i] == Approx(y0[i]).margin(1e-6));
+    auto g0 = hw.make_gradients();
+    auto g1 = ew.make_gradients();
+    hw.backward(w0, {dy.data(), T, D}, {dx0.data(), T, D}, g0);
+    ew.backward(w1, {dy.data(), T, D}, {dx1.data(), T, D}, g1);
+    for (std::size_t i = 0; i < dx0.size(); ++i) REQUIRE(dx0[i] == Approx(dx1[i]).margin(1e-6));
+    // The headwise gate gradient is the sum of the elementwise ones within the head.
+    for (Index h = 0; h < 4; ++h) {
+      for (Index k = 0; k < D; ++k) {
+        auto grad_row = [&](auto& g, Index row) {
+          return g.gate_proj.empty() ? g.q_proj[row * D + k] : g.gate_proj[row * D + k];
+        };
+        Index const hrow = layout == moe::GateLayout::kSeparate ? h : hw.gate_col(h);
+        double sum = 0.0;
+        for (Index d = 0; d < 4; ++d) {
+          sum +=
+              grad_row(g1, layout == moe::GateLayout::kSeparate ? h * 4 + d : ew.gate_col(h) + d);
+        }
+        REQUIRE(grad_row(g0, hrow) == Approx(sum).margin(1e-5));
+      }
+    }
+  }
+}
+
+TEST_CASE("The three q_proj layouts give the same layer for permuted weights",
+          "[attention][gated]") {
+  Index const T = 12, D = 6;
+  auto cs = small_config(6, 2, moe::GateLayout::kSeparate);  // G = 3 heads per KV group
+  cs.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  cs.rope = true;
+  moe::GatedAttention<gating::ElementwiseGate> sep(cs);
+  randomize(sep, 41);
+  auto x = random_vector(T * D, 42);
+  auto dy = random_vector(T * D, 43);
+  std::vector<float> y0(x.size()), dx0(x.size());
+  moe::GatedAttentionWorkspace w0;
+  sep.forward_train({x.data(), T, D}, {y0.data(), T, D}, w0);
+  auto g0 = sep.make_gradients();
+  sep.backward(w0, {dy.data(), T, D}, {dx0.data(), T, D}, g0);
+  for (auto layout : {moe::GateLayout::kPackedPerKvGroup, moe::GateLayout::kPackedPerHead}) {
+    auto c = cs;
+    c.gate_layout = layout;
+    moe::GatedAttention<gating::ElementwiseGate> packed(c);
+    auto sp = sep.parameters();
+    auto pp = packed.parameters();
+    REQUIRE(pp.size() == sp.size() - 1);  // no separate gate_proj
+    // Permute: query row (h, d) and gate row (h, d) into their packed positions.
+    for (Index h = 0; h < 6; ++h) {
+      for (Index d = 0; d < 4; ++d) {
+        std::copy(sep.q_proj().row(h * 4 + d), sep.q_proj().row(h * 4 + d) + D,
+                  packed.q_proj().row(packed.query_col(h) + d));
+        std::copy(sep.gate_proj().row(h * 4 + d), sep.gate_proj().row(h * 4 + d) + D,
+                  packed.q_proj().row(packed.gate_col(h) + d));
+      }
+    }
+    for (std::size_t i = 2; i < sp.size(); ++i) {
+      std::copy(sp[i].values.begin(), sp[i].values.end(), pp[i - 1].values.begin());
+    }
+    std::vector<float> y1(x.size()), dx1(x.size());
+    moe::GatedAttentionWorkspace w1;
+    packed.forward_train({x.data(), T, D}, {y1.data(), T, D}, w1);
+    REQUIRE(y1 == y0);
+    auto g1 = packed.make_gradients();
+    packed.backward(w1, {dy.data(), T, D}, {dx1.data(), T, D}, g1);
+    // Gradients: the same values in the permuted rows (summation orders differ in dx).
+    auto same = [](float a, float b) { return std::fabs(a - b) <= 1e-6f + 1e-5f * std::fabs(b); };
+    for (std::size_t i = 0; i < dx0.size(); ++i) REQUIRE(same(dx1[i], dx0[i]));
+    for (Index h = 0; h < 6; ++h) {
+      for (Index d = 0; d < 4; ++d) {
+        for (Index k = 0; k < D; ++k) {
+          REQUIRE(
+              same(g1.q_proj[(packed.query_col(h) + d) * D + k], g0.q_proj[(h * 4 + d) * D + k]));
+          REQUIRE(
+              same(g1.q_proj[(packed.gate_col(h) + d) * D + k], g0.gate_proj[(h * 4 + d) * D + k]));
+        }
+      }
+    }
+    for (std::size_t i = 0; i < g0.k_proj.size(); ++i) REQUIRE(same(g1.k_proj[i], g0.k_proj[i]));
+    for (std::size_t i = 0; i < g0.o_proj.size(); ++i) REQUIRE(same(g1.o_proj[i], g0.o_proj[i]));
+    for (std::size_t i = 0; i < g0.q_norm.size(); ++i) REQUIRE(same(g1.q_norm[i], g0.q_norm[i]));
+  }
+}
+
+TEST_CASE("Causal masking leaks nothing from the future; padding keys are never attended",
+          "[attention][gated][mask]") {
+  Index const T = 80, D = 16;  // two query chunks, two key blocks
+  moe::GatedAttentionConfig c;
+  c.d_model = D;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.gate_layout = moe::GateLayout::kPackedPerHead;
+  c.rope = true;
+  moe::GatedAttention<gating::ElementwiseGate> layer(c);
+  randomize(layer, 51);
+  auto x = random_vector(T * D, 52);
+  std::vector<float> y0(x.size()), y1(x.size());
+  moe::GatedAttentionWorkspace ws;
+  layer.forward({x.data(), T, D}, {y0.data(), T, D}, ws);
+  for (Index t0 : {1, 37, 64, 79}) {
+    auto x2 = x;
+    for (Index t = t0; t < T; ++t) {
+      for (Index d = 0; d < D; ++d) x2[t * D + d] += 5.0f;
+    }
+    layer.forward({x2.data(), T, D}, {y1.data(), T, D}, ws);
+    REQUIRE(std::memcmp(y0.data(), y1.data(), static_cast<std::size_t>(t0 * D) * 4) == 0);
+    REQUIRE(y0[t0 * D] != y1[t0 * D]);
+  }
+  // Padding: changing a padded token changes no other token's output, causal or not.
+  std::vector<std::uint8_t> mask(static_cast<std::size_t>(T), 1);
+  mask[3] = mask[50] = 0;
+  for (bool causal : {true, false}) {
+    auto c2 = c;
+    c2.causal = causal;
+    moe::GatedAttention<gating::ElementwiseGate> l2(c2);
+    randomize(l2, 53);
+    moe::AttentionOptions opt;
+    opt.key_mask = mask;
+    l2.forward({x.data(), T, D}, {y0.data(), T, D}, ws, opt);
+    auto x2 = x;
+    for (Index d = 0; d < D; ++d) x2[50 * D + d] -= 3.0f;
+    l2.forward({x2.data(), T, D}, {y1.data(), T, D}, ws, opt);
+    for (Index t = 0; t < T; ++t) {
+      if (t == 50) continue;
+      REQUIRE(std::memcmp(y0.data() + t * D, y1.data() + t * D, D * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("A batch of sequences equals one call per sequence", "[attention][gated]") {
+  Index const S = 9, D = 6;
+  auto c = small_config(4, 2, moe::GateLayout::kPackedPerKvGroup);
+  c.rope = true;
+  moe::GatedAttention<gating::HeadwiseGate> layer(c);
+  randomize(layer, 61);
+  auto x = random_vector(3 * S * D, 62);
+  std::vector<float> yb(x.size()), y1(static_cast<std::size_t>(S * D));
+  moe::GatedAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.batch = 3;
+  layer.forward({x.data(), 3 * S, D}, {yb.data(), 3 * S, D}, ws, opt);
+  for (Index b = 0; b < 3; ++b) {
+    layer.forward({x.data() + b * S * D, S, D}, {y1.data(), S, D}, ws);
+    for (Index i = 0; i < S * D; ++i) REQUIRE(y1[i] == Approx(yb[b * S * D + i]).margin(1e-6));
+  }
+}
+
+TEST_CASE("GatedAttention forward and backward are bitwise identical for 1 and 2 threads",
+          "[attention][gated][determinism]") {
+  Index const T = 130, D = 32;
+  moe::GatedAttentionConfig c;
+  c.d_model = D;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.gate_layout = moe::GateLayout::kPackedPerHead;
+  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  c.rope = true;
+  moe::GatedAttention<gating::ElementwiseGate> layer(c);
+  randomize(layer, 71);
+  auto x = random_vector(T * D, 72);
+  auto dy = random_vector(T * D, 73);
+  moe::ThreadPool pool(2);
+  std::vector<float> y1(x.size()), y2(x.size()), dx1(x.size()), dx2(x.size());
+  moe::GatedAttentionWorkspace w1, w2;
+  moe::AttentionOptions o1, o2;
+  o1.batch = o2.batch = 2;
+  o2.pool = &pool;
+  layer.forward_train({x.data(), T, D}, {y1.data(), T, D}, w1, o1);
+  layer.forward_train({x.data(), T, D}, {y2.data(), T, D}, w2, o2);
+  REQUIRE(y1 == y2);
+  auto g1 = layer.make_gradients();
+  auto g2 = layer.make_gradients();
+  layer.backward(w1, {dy.data(), T, D}, {dx1.data(), T, D}, g1);
+  layer.backward(w2, {dy.data(), T, D}, {dx2.data(), T, D}, g2, &pool);
+  REQUIRE(dx1 == dx2);
+  auto a = g1.groups();
+  auto b = g2.groups();
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO(a[i].name);
+    REQUIRE(std::memcmp(a[i].values.data(), b[i].values.data(), a[i].values.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[attention][gated]") {
+  auto c = small_config(6, 4, moe::GateLayout::kSeparate);
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::HeadwiseGate>(c),
+                      Catch::Contains("num_kv_heads = 4 does not divide num_heads = 6"));
+  c = small_config(4, 2, moe::GateLayout::kSeparate);
+  c.rope = true;
+  c.rotary_dim = 3;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::HeadwiseGate>(c),
+                      Catch::Contains("even rotary_dim"));
+  c = small_config(4, 2, moe::GateLayout::kSeparate);
+  c.head_dim = 0;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c), Catch::Contains("must be >= 1"));
+  c = small_config(4, 2, moe::GateLayout::kSeparate);
+  moe::GatedAttention<gating::HeadwiseGate> layer(c);
+  std::vector<float> x(60), y(60), dx(60);
+  moe::GatedAttentionWorkspace ws;
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 12, 5}, {y.data(), 12, 5}, ws),
+                      Catch::Contains("x has 5 columns but d_model = 6"));
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 10, 6}, {y.data(), 9, 6}, ws),
+                      Catch::Contains("y is [9, 6] but must be [10, 6]"));
+  moe::AttentionOptions opt;
+  opt.batch = 3;
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 10, 6}, {y.data(), 10, 6}, ws, opt),
+                      Catch::Contains("batch = 3 does not divide the 10 tokens"));
+  std::vector<std::uint8_t> mask(4, 1);
+  opt = {};
+  opt.key_mask = mask;
+  REQUIRE_THROWS_WITH(layer.forward({x.data(), 10, 6}, {y.data(), 10, 6}, ws, opt),
+                      Catch::Contains("key_mask has 4 entries for 10 tokens"));
+  auto g = layer.make_gradients();
+  REQUIRE_THROWS_WITH(layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g),
+                      Catch::Contains("call forward_train first"));
+  layer.forward_train({x.data(), 10, 6}, {y.data(), 10, 6}, ws);
+  REQUIRE_THROWS_WITH(layer.backward(ws, {y.data(), 9, 6}, {dx.data(), 9, 6}, g),
+                      Catch::Contains("must be [10, 6]"));
+  moe::GatedAttention<gating::HeadwiseGate> empty;
+  REQUIRE_THROWS_WITH(empty.forward({x.data(), 10, 6}, {y.data(), 10, 6}, ws),
+                      Catch::Contains("default-constructed"));
+}
