@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// 03_hf_layer: run one MoE layer of a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE,
+// DeepSeek-V3, OLMoE) on activations from a file, optionally with its backward pass.
+//
+// What it shows: moe::io::load_hf_moe_layer() (config.json + model.safetensors or index and
+// shards -> the family's preset MoeFfn), forward or forward_train + backward, and
+// moe::io::add_hf_gradients() naming each gradient "grad." + its checkpoint name.
+// Why: scripts compare moe against PyTorch/transformers layer by layer with it (docs/hf.md).
+// Command line (scripts depend on it):
+//   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
+//                    [--grad DY.safetensors] [--threads N]
+// X holds "x" [T, hidden] (F32, BF16 or F16); DY holds "dy" [T, hidden]. Y gets "y" [T, hidden],
+// "router_logits" [T, E], "topk_ids" [T, k] I64 (-1: empty slot), "topk_weights" [T, k], and with
+// --grad also "dx" [T, hidden] and "grad.<checkpoint name>" per parameter. All floats are F32.
+// Exit status: 0 on success; 1 with a one-line message on stderr for any bad input or error.
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/io/hf.hpp"
+
+namespace {
+
+using moe::Index;
+using moe::detail::fail;
+
+constexpr char kUsage[] =
+    "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
+    "[--grad DY.safetensors] [--threads N]";
+
+Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo) {
+  std::string const& s = args.at(key);
+  Index v = -1;
+  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > INT32_MAX) {
+    fail(key, " '", s, "' is not an integer >= ", lo, "; ", kUsage);
+  }
+  return v;
+}
+
+// The float matrix `name` [rows, cols] of a safetensors file (rows < 0: any).
+std::vector<float> read_matrix(std::string const& path, char const* name, Index& rows, Index cols) {
+  moe::io::SafetensorsFile const file(path);
+  moe::io::TensorView const* t = file.find(name);
+  if (t == nullptr) fail(path, ": no tensor '", name, "'; the file must hold \"", name, "\"");
+  using moe::io::Dtype;
+  if (t->dtype != Dtype::kF32 && t->dtype != Dtype::kBf16 && t->dtype != Dtype::kF16) {
+    fail(path, ": tensor '", name, "' is ", moe::io::dtype_name(t->dtype), "; use F32 or BF16");
+  }
+  if (t->shape.size() != 2 || t->shape[1] != cols || (rows >= 0 && t->shape[0] != rows)) {
+    fail(path, ": tensor '", name, "' has shape ", moe::io::detail::shape_string(t->shape),
+         " but must be [", rows >= 0 ? std::to_string(rows) : std::string("T"), ", ", cols,
+         "] (hidden_size of the model)");
+  }
+  rows = static_cast<Index>(t->shape[0]);
+  return moe::io::to_float(*t);
+}
+
+template <class Layer>
+void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
+         moe::ThreadPool* pool) {
+  Layer& layer = hf.layer;
+  Index const D = layer.d_model(), E = layer.num_experts();
+  Index T = -1;
+  std::vector<float> const x = read_matrix(args.at("--input"), "x", T, D);
+  std::vector<float> y(x.size());
+  moe::MoeFfnWorkspace ws;
+  moe::ForwardOptions opt;
+  opt.pool = pool;
+  moe::io::SafetensorsWriter out;
+  if (args.count("--grad") == 0) {
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  } else {
+    std::vector<float> const dy = read_matrix(args.at("--grad"), "dy", T, D);
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    auto grads = layer.make_gradients();
+    std::vector<float> dx(x.size());
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, pool);
+    out.add_f32("dx", {T, D}, dx);
+    moe::io::add_hf_gradients(out, hf, grads);
+  }
+  moe::Selection const& sel = ws.selection;
+  Index const K = sel.slots;
+  std::vector<std::byte> ids(static_cast<std::size_t>(T * K) * 8);
+  for (Index i = 0; i < T * K; ++i) {
+    moe::io::detail::store_le<std::uint64_t>(ids.data() + 8 * i,
+                                             static_cast<std::uint64_t>(sel.expert[i]));
+  }
+  out.add_f32("y", {T, D}, y)
+      .add_f32("router_logits", {T, E}, ws.logits)
+      .add("topk_ids", moe::io::Dtype::kI64, {T, K}, ids)
+      .add_f32("topk_weights", {T, K}, sel.weight);
+  out.save(args.at("--output"));
+}
+
+int main_impl(int argc, char** argv) {
+  std::map<std::string, std::string> args;
+  for (int i = 1; i < argc; i += 2) {
+    std::string const key = argv[i];
+    if (key == "--help" || key == "-h") {
+      std::printf("%s\n", kUsage);
+      std::exit(0);
+    }
+    std::string_view const flags[] = {"--model",  "--layer", "--input",
+                                      "--output", "--grad",  "--threads"};
+    if (std::find(std::begin(flags), std::end(flags), key) == std::end(flags)) {
+      fail("unknown argument '", key, "'; ", kUsage);
+    }
+    if (i + 1 >= argc) fail(key, " needs a value; ", kUsage);
+    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kUsage);
+  }
+  for (char const* required : {"--model", "--layer", "--input", "--output"}) {
+    if (args.count(required) == 0) fail("missing ", required, "; ", kUsage);
+  }
+  Index const layer = parse_int(args, "--layer", 0);
+  Index threads = static_cast<Index>(std::max(1u, std::thread::hardware_concurrency()));
+  if (args.count("--threads") != 0) threads = parse_int(args, "--threads", 1);
+  std::unique_ptr<moe::ThreadPool> pool;
+  if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
+
+  moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);
+  std::visit([&](auto& loaded) { run(loaded, args, pool.get()); }, hf);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string message;
+  try {
+    return main_impl(argc, argv);
+  } catch (std::exception const& e) {  // moe::Error, std::bad_alloc, ...
+    message = e.what();
+  }
+  for (char& c : message) c = (c == '\n' || c == '\r') ? ' ' : c;
+  std::fprintf(stderr, "moe_run_hf_layer: %s\n", message.c_str());
+  return 1;
+}

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+# ctest driver of examples/03_hf_layer (cmake -P). Variables: MAKER (moe_hf_make_tiny_checkpoint),
+# RUNNER (moe_run_hf_layer), WORK_DIR (scratch), MODE (cases below: "what|arg^arg^..."):
+#   ok   a tiny checkpoint per family (sharded, BF16 and fused variants among them); the runner's
+#        forward and --grad runs must exit 0 and write the output file;
+#   bad  bad inputs: each run must exit 1 with exactly one line on stderr naming the problem.
+cmake_minimum_required(VERSION 3.25)
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+function(make_checkpoint dir type)
+  execute_process(COMMAND "${MAKER}" "${dir}" ${type} ${ARGN} RESULT_VARIABLE rc
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${MAKER} ${dir} ${type} ${ARGN} failed (${rc}): ${err}")
+  endif()
+endfunction()
+
+if(MODE STREQUAL "ok")
+  set(cases "mixtral --fused" "qwen2_moe --shards 2" "qwen3_moe" "deepseek_v3 --bf16" "olmoe")
+  foreach(case IN LISTS cases)
+    separate_arguments(args UNIX_COMMAND "${case}")
+    list(GET args 0 type)
+    set(dir "${WORK_DIR}/${type}")
+    make_checkpoint("${dir}" ${args})
+    foreach(grad IN ITEMS "" "--grad;${dir}/dy.safetensors;--threads;2")
+      file(REMOVE "${dir}/y.safetensors")
+      execute_process(COMMAND "${RUNNER}" --model "${dir}" --layer 1 --input "${dir}/x.safetensors"
+                              --output "${dir}/y.safetensors" ${grad}
+                      RESULT_VARIABLE rc ERROR_VARIABLE err)
+      if(NOT rc EQUAL 0 OR NOT EXISTS "${dir}/y.safetensors")
+        message(FATAL_ERROR "moe_run_hf_layer on ${case} ${grad} failed (${rc}): ${err}")
+      endif()
+      file(SIZE "${dir}/y.safetensors" size)
+      message(STATUS "${case} ${grad}: ok, ${size} bytes of output")
+    endforeach()
+  endforeach()
+elseif(MODE STREQUAL "bad")
+  set(dir "${WORK_DIR}/deepseek_v3")
+  make_checkpoint("${dir}" deepseek_v3)
+  file(MAKE_DIRECTORY "${WORK_DIR}/broken")
+  file(WRITE "${WORK_DIR}/broken/config.json" "{\"model_type\": \"mixtral\",}")
+  set(x "${dir}/x.safetensors")
+  set(y "${WORK_DIR}/y.safetensors")
+  set(cases
+      "no arguments|"
+      "dense layer|--model^${dir}^--layer^0^--input^${x}^--output^${y}"
+      "layer out of range|--model^${dir}^--layer^7^--input^${x}^--output^${y}"
+      "no such model|--model^${WORK_DIR}/nothing^--layer^1^--input^${x}^--output^${y}"
+      "invalid config.json|--model^${WORK_DIR}/broken^--layer^1^--input^${x}^--output^${y}"
+      "input without x|--model^${dir}^--layer^1^--input^${dir}/dy.safetensors^--output^${y}"
+      "no such input|--model^${dir}^--layer^1^--input^${dir}/none.safetensors^--output^${y}"
+      "grad without dy|--model^${dir}^--layer^1^--input^${x}^--output^${y}^--grad^${x}"
+      "bad layer number|--model^${dir}^--layer^one^--input^${x}^--output^${y}"
+      "zero threads|--model^${dir}^--layer^1^--input^${x}^--output^${y}^--threads^0"
+      "unknown flag|--model^${dir}^--layer^1^--input^${x}^--output^${y}^--fast^1"
+      "missing value|--model^${dir}^--layer^1^--input^${x}^--output")
+  foreach(case IN LISTS cases)
+    string(REPLACE "|" ";" parts "${case}")
+    list(POP_FRONT parts what)
+    string(REPLACE "^" ";" parts "${parts}")
+    execute_process(COMMAND "${RUNNER}" ${parts} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                    ERROR_VARIABLE err)
+    string(REGEX MATCHALL "\n" newlines "${err}")
+    list(LENGTH newlines lines)
+    if(NOT rc EQUAL 1 OR NOT lines EQUAL 1 OR NOT err MATCHES "^moe_run_hf_layer: ")
+      message(FATAL_ERROR "${what}: expected exit 1 and one line on stderr, got exit ${rc} and:\n${err}")
+    endif()
+    string(STRIP "${err}" err)
+    message(STATUS "${what}: exit 1, ${err}")
+  endforeach()
+else()
+  message(FATAL_ERROR "MODE must be ok or bad")
+endif()

@@ -1,0 +1,653 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// HfMoeConfig: the MoE part of a Hugging Face config.json (Mixtral, Qwen2-MoE, Qwen3-MoE,
+/// DeepSeek-V3, OLMoE), its defaults, which layers are MoE layers, and its JSON form.
+#pragma once
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+#include "moe/io/detail/json.hpp"
+#include "moe/io/detail/mapped_file.hpp"
+
+namespace moe::io {
+
+/// The model families whose MoE layers moe::io loads (config.json "model_type").
+enum class HfFamily : std::uint8_t {
+  kMixtral,     ///< "mixtral": MixtralSparseMoeBlock, block_sparse_moe.*
+  kQwen2Moe,    ///< "qwen2_moe": routed experts + sigmoid-gated shared expert
+  kQwen3Moe,    ///< "qwen3_moe": routed experts only
+  kDeepseekV3,  ///< "deepseek_v3": sigmoid, selection bias, groups, ungated shared experts
+  kOlmoe,       ///< "olmoe": routed experts only, expert width is intermediate_size
+};
+
+/// The config.json "model_type" of a family ("mixtral", "qwen2_moe", ...).
+inline char const* hf_model_type(HfFamily family) noexcept {
+  switch (family) {
+    case HfFamily::kMixtral:
+      return "mixtral";
+    case HfFamily::kQwen2Moe:
+      return "qwen2_moe";
+    case HfFamily::kQwen3Moe:
+      return "qwen3_moe";
+    case HfFamily::kDeepseekV3:
+      return "deepseek_v3";
+    case HfFamily::kOlmoe:
+      return "olmoe";
+  }
+  return "?";
+}
+
+/// The transformers class name of a family's causal LM ("MixtralForCausalLM", ...), written to
+/// config.json "architectures" by save_hf_layer().
+inline char const* hf_architecture(HfFamily family) noexcept {
+  switch (family) {
+    case HfFamily::kMixtral:
+      return "MixtralForCausalLM";
+    case HfFamily::kQwen2Moe:
+      return "Qwen2MoeForCausalLM";
+    case HfFamily::kQwen3Moe:
+      return "Qwen3MoeForCausalLM";
+    case HfFamily::kDeepseekV3:
+      return "DeepseekV3ForCausalLM";
+    case HfFamily::kOlmoe:
+      return "OlmoeForCausalLM";
+  }
+  return "?";
+}
+
+/// The MoE-relevant part of a Hugging Face config.json, with the family's transformers defaults
+/// filled in for absent keys (see docs/hf.md for the table). Fields that a family does not use
+/// keep the values below.
+///
+/// | field                           | config.json key(s)                                       |
+/// |---------------------------------|----------------------------------------------------------|
+/// | num_experts (E)                 | num_local_experts / num_experts / n_routed_experts       |
+/// | expert_intermediate_size (I)    | moe_intermediate_size (Qwen, DeepSeek) or                 |
+/// |                                 | intermediate_size (Mixtral, OLMoE)                       |
+/// | shared_expert_intermediate_size | shared_expert_intermediate_size (Qwen2-MoE)              |
+/// | n_shared_experts                | n_shared_experts (DeepSeek: width n * I)                 |
+/// | which layers are MoE            | decoder_sparse_step, mlp_only_layers (Qwen);             |
+/// |                                 | first_k_dense_replace, moe_layer_freq (DeepSeek)         |
+struct HfMoeConfig {
+  HfFamily family = HfFamily::kMixtral;
+  Index hidden_size = 0;               ///< H
+  Index num_experts = 0;               ///< E (routed experts)
+  Index num_experts_per_tok = 0;       ///< k
+  Index expert_intermediate_size = 0;  ///< I, width of one routed expert
+  bool norm_topk_prob = false;         ///< renormalise the k weights (Mixtral: always)
+  std::string hidden_act = "silu";     ///< "silu" (or its alias "swish"): SwiGLU experts
+  Index num_hidden_layers = -1;        ///< -1 when config.json does not say
+
+  // Qwen2-MoE / Qwen3-MoE.
+  Index shared_expert_intermediate_size = 0;  ///< Qwen2-MoE shared expert width
+  Index decoder_sparse_step = 1;              ///< MoE iff (L + 1) % step == 0
+  std::vector<Index> mlp_only_layers;         ///< layers forced dense
+
+  // DeepSeek-V3.
+  Index n_shared_experts = 0;          ///< one shared expert of width n * I (0: none)
+  Index n_group = 1;                   ///< expert groups
+  Index topk_group = 1;                ///< groups kept per token
+  float routed_scaling_factor = 1.0f;  ///< multiplies the routed weights
+  std::string scoring_func = "sigmoid";
+  std::string topk_method = "noaux_tc";
+  Index first_k_dense_replace = 0;  ///< layers [0, first_k_dense_replace) are dense
+  Index moe_layer_freq = 1;         ///< MoE iff L >= first_k_dense_replace and L % freq == 0
+
+  // FP8 block quantisation ("quantization_config" with quant_method "fp8", as DeepSeek-V3 and
+  // the Qwen3 FP8 releases have it), 0 when absent.
+  Index fp8_block_rows = 0;
+  Index fp8_block_cols = 0;
+
+  /// Keys that config.json lacked and that took the family's default (for error messages).
+  std::vector<std::string> defaulted_keys;
+
+  /// The config.json "model_type".
+  char const* model_type() const noexcept { return hf_model_type(family); }
+
+  /// Width of the shared expert: shared_expert_intermediate_size (Qwen2-MoE),
+  /// n_shared_experts * expert_intermediate_size (DeepSeek-V3), 0 for the other families.
+  Index shared_intermediate_size() const noexcept {
+    if (family == HfFamily::kQwen2Moe) return shared_expert_intermediate_size;
+    if (family == HfFamily::kDeepseekV3) return n_shared_experts * expert_intermediate_size;
+    return 0;
+  }
+
+  /// Is decoder layer `layer` an MoE layer (as transformers decides it)? Mixtral and OLMoE:
+  /// every layer. Qwen2/3-MoE: layer not in mlp_only_layers, E > 0 and (layer + 1) %
+  /// decoder_sparse_step == 0. DeepSeek-V3: layer >= first_k_dense_replace and layer %
+  /// moe_layer_freq == 0. Layers outside [0, num_hidden_layers) are not layers at all.
+  bool is_moe_layer(Index layer) const { return dense_reason(layer).empty(); }
+
+  /// Empty for an MoE layer; otherwise why `layer` is not one (for error messages).
+  std::string dense_reason(Index layer) const {
+    using detail::concat;
+    if (layer < 0) return concat("layer ", layer, " is negative");
+    if (num_hidden_layers >= 0 && layer >= num_hidden_layers) {
+      return concat("layer ", layer, " does not exist: num_hidden_layers = ", num_hidden_layers,
+                    " (layers 0 to ", num_hidden_layers - 1, ")");
+    }
+    switch (family) {
+      case HfFamily::kMixtral:
+      case HfFamily::kOlmoe:
+        return {};
+      case HfFamily::kQwen2Moe:
+      case HfFamily::kQwen3Moe:
+        if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) !=
+            mlp_only_layers.end()) {
+          return concat("layer ", layer, " is a dense MLP layer: it is listed in mlp_only_layers");
+        }
+        if (num_experts == 0) return concat("every layer is dense: num_experts = 0");
+        if ((layer + 1) % decoder_sparse_step != 0) {
+          return concat(
+              "layer ", layer, " is a dense MLP layer: decoder_sparse_step = ", decoder_sparse_step,
+              " makes layer L an MoE layer only when (L + 1) % ", decoder_sparse_step, " == 0");
+        }
+        return {};
+      case HfFamily::kDeepseekV3:
+        if (layer < first_k_dense_replace) {
+          return concat("layer ", layer,
+                        " is a dense MLP layer: first_k_dense_replace = ", first_k_dense_replace,
+                        " makes layers 0 to ", first_k_dense_replace - 1, " dense");
+        }
+        if (layer % moe_layer_freq != 0) {
+          return concat("layer ", layer, " is a dense MLP layer: moe_layer_freq = ", moe_layer_freq,
+                        " makes layer L an MoE layer only when L % ", moe_layer_freq, " == 0");
+        }
+        return {};
+    }
+    return {};
+  }
+};
+
+namespace detail {
+
+struct JsonMember;
+
+/// A parsed JSON value (config files are small: a tree is fine).
+struct JsonValue {
+  JsonKind kind = JsonKind::kNull;
+  std::string text;  ///< string contents, or a number as written
+  bool boolean = false;
+  JsonNumber number;  ///< is_u64 / value for numbers (number.text is not kept)
+  std::vector<JsonValue> items;
+  std::vector<JsonMember> members;
+
+  /// The member named `key` of an object, or nullptr.
+  JsonValue const* member(std::string_view key) const;
+};
+
+/// One "key": value pair of an object.
+struct JsonMember {
+  std::string key;
+  JsonValue value;
+};
+
+inline JsonValue const* JsonValue::member(std::string_view key) const {
+  for (JsonMember const& m : members) {
+    if (m.key == key) return &m.value;
+  }
+  return nullptr;
+}
+
+inline JsonValue parse_json_value(JsonCursor& cur) {
+  JsonValue v;
+  v.kind = cur.peek();
+  switch (v.kind) {
+    case JsonKind::kObject: {
+      cur.begin_object();
+      std::string key;
+      bool first = true;
+      while (cur.next_member(key, first)) {
+        JsonMember m{key, {}};
+        m.value = parse_json_value(cur);
+        v.members.push_back(std::move(m));
+      }
+      break;
+    }
+    case JsonKind::kArray: {
+      cur.begin_array();
+      bool first = true;
+      while (cur.next_element(first)) v.items.push_back(parse_json_value(cur));
+      break;
+    }
+    case JsonKind::kString:
+      v.text = cur.read_string();
+      break;
+    case JsonKind::kNumber:
+      v.number = cur.read_number();
+      v.text = std::string(v.number.text);
+      v.number.text = {};
+      break;
+    case JsonKind::kBool:
+      v.boolean = cur.read_bool();
+      break;
+    case JsonKind::kNull:
+      cur.read_null();
+      break;
+  }
+  return v;
+}
+
+/// Typed access to the top-level keys of a config.json, with defaults and aliases. A key whose
+/// value is null counts as absent (transformers then uses the default as well).
+class HfConfigReader {
+ public:
+  HfConfigReader(JsonValue const& root, std::string source, HfMoeConfig& out)
+      : root_(root), source_(std::move(source)), out_(out) {}
+
+  std::string const& source() const { return source_; }
+
+  JsonValue const* find(std::string_view key) const {
+    JsonValue const* v = root_.member(key);
+    return v == nullptr || v->kind == JsonKind::kNull ? nullptr : v;
+  }
+
+  [[noreturn]] void bad(std::string_view key, JsonValue const& v, char const* expected) const {
+    std::string shown = v.kind == JsonKind::kString ? printable_name(v.text) : v.text;
+    if (v.kind == JsonKind::kBool) shown = v.boolean ? "true" : "false";
+    if (!shown.empty()) shown = concat(" (", shown, ")");
+    moe::detail::fail("hf: ", source_, ": key \"", key, "\" is ", json_kind_name(v.kind), shown,
+                      " but must be ", expected, "; fix config.json");
+  }
+
+  Index integer(std::string_view key, JsonValue const& v, Index min_value) const {
+    if (v.kind != JsonKind::kNumber || !v.number.is_u64 ||
+        v.number.value > static_cast<std::uint64_t>(INT32_MAX)) {
+      bad(key, v, "a non-negative integer below 2^31");
+    }
+    auto const value = static_cast<Index>(v.number.value);
+    if (value < min_value) {
+      moe::detail::fail("hf: ", source_, ": key \"", key, "\" is ", value,
+                        " but must be >= ", min_value, "; fix config.json");
+    }
+    return value;
+  }
+
+  /// The first of `keys` that is present (all present ones must agree), or `fallback`.
+  Index integer(std::initializer_list<std::string_view> keys, Index fallback, Index min_value) {
+    Index result = fallback;
+    std::string_view found;
+    for (std::string_view const key : keys) {
+      JsonValue const* v = find(key);
+      if (v == nullptr) continue;
+      Index const value = integer(key, *v, min_value);
+      if (!found.empty() && value != result) {
+        moe::detail::fail("hf: ", source_, ": keys \"", found, "\" = ", result, " and \"", key,
+                          "\" = ", value,
+                          " name the same setting but disagree; keep one of them in config.json");
+      }
+      if (found.empty()) result = value;
+      found = key;
+    }
+    if (found.empty()) out_.defaulted_keys.emplace_back(*keys.begin());
+    return result;
+  }
+
+  bool boolean(std::string_view key, bool fallback) {
+    JsonValue const* v = find(key);
+    if (v == nullptr) {
+      out_.defaulted_keys.emplace_back(key);
+      return fallback;
+    }
+    if (v->kind != JsonKind::kBool) bad(key, *v, "true or false");
+    return v->boolean;
+  }
+
+  double number(std::string_view key, double fallback) {
+    JsonValue const* v = find(key);
+    if (v == nullptr) {
+      out_.defaulted_keys.emplace_back(key);
+      return fallback;
+    }
+    if (v->kind != JsonKind::kNumber) bad(key, *v, "a number");
+    double value = 0.0;
+    auto const [end, ec] = std::from_chars(v->text.data(), v->text.data() + v->text.size(), value);
+    if (ec != std::errc() || end != v->text.data() + v->text.size() || !std::isfinite(value)) {
+      bad(key, *v, "a finite number");
+    }
+    return value;
+  }
+
+  std::string string(std::string_view key, std::string fallback) {
+    JsonValue const* v = find(key);
+    if (v == nullptr) {
+      out_.defaulted_keys.emplace_back(key);
+      return fallback;
+    }
+    if (v->kind != JsonKind::kString) bad(key, *v, "a string");
+    return v->text;
+  }
+
+  std::vector<Index> integer_list(std::string_view key) {
+    JsonValue const* v = find(key);
+    std::vector<Index> out;
+    if (v == nullptr) {
+      out_.defaulted_keys.emplace_back(key);
+      return out;
+    }
+    if (v->kind != JsonKind::kArray) bad(key, *v, "an array of layer indices");
+    for (JsonValue const& item : v->items) out.push_back(integer(key, item, 0));
+    return out;
+  }
+
+ private:
+  JsonValue const& root_;
+  std::string source_;
+  HfMoeConfig& out_;
+};
+
+/// Checks the parsed sizes against each other; `where` names config.json.
+inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
+  auto fail_if = [&](bool bad, auto const&... parts) {
+    if (bad) moe::detail::fail("hf: ", where, ": ", parts..., "; fix config.json");
+  };
+  char const* experts_key = c.family == HfFamily::kMixtral      ? "num_local_experts"
+                            : c.family == HfFamily::kDeepseekV3 ? "n_routed_experts"
+                                                                : "num_experts";
+  char const* width_key = c.family == HfFamily::kMixtral || c.family == HfFamily::kOlmoe
+                              ? "intermediate_size"
+                              : "moe_intermediate_size";
+  fail_if(c.hidden_size < 1, "hidden_size = ", c.hidden_size, " must be >= 1");
+  fail_if(c.expert_intermediate_size < 1, width_key, " = ", c.expert_intermediate_size,
+          " must be >= 1");
+  bool const may_be_dense = c.family == HfFamily::kQwen2Moe || c.family == HfFamily::kQwen3Moe;
+  fail_if(c.num_experts < (may_be_dense ? 0 : 1), experts_key, " = ", c.num_experts,
+          " must be >= 1");
+  fail_if(c.num_experts > 0 && (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts),
+          "num_experts_per_tok = ", c.num_experts_per_tok, " must be in [1, ", experts_key, " = ",
+          c.num_experts, "]");
+  fail_if(c.hidden_act != "silu" && c.hidden_act != "swish", "hidden_act ",
+          printable_name(c.hidden_act),
+          " is not supported: moe's preset layers have SwiGLU experts, which need \"silu\"");
+  if (c.family == HfFamily::kQwen2Moe) {
+    fail_if(c.shared_expert_intermediate_size < 1,
+            "shared_expert_intermediate_size = ", c.shared_expert_intermediate_size,
+            " must be >= 1 (Qwen2-MoE has a shared expert)");
+  }
+  fail_if(c.decoder_sparse_step < 1, "decoder_sparse_step = ", c.decoder_sparse_step,
+          " must be >= 1");
+  if (c.family == HfFamily::kDeepseekV3) {
+    fail_if(c.moe_layer_freq < 1, "moe_layer_freq = ", c.moe_layer_freq, " must be >= 1");
+    fail_if(c.n_group < 1 || c.num_experts % c.n_group != 0, "n_group = ", c.n_group,
+            " must divide n_routed_experts = ", c.num_experts);
+    fail_if(c.topk_group < 1 || c.topk_group > c.n_group, "topk_group = ", c.topk_group,
+            " must be in [1, n_group = ", c.n_group, "]");
+    fail_if(c.num_experts_per_tok > c.topk_group * (c.num_experts / c.n_group),
+            "num_experts_per_tok = ", c.num_experts_per_tok, " exceeds the ",
+            c.topk_group * (c.num_experts / c.n_group), " experts of the topk_group kept groups");
+    fail_if(!std::isfinite(c.routed_scaling_factor), "routed_scaling_factor is not finite");
+    fail_if(c.scoring_func != "sigmoid", "scoring_func ", printable_name(c.scoring_func),
+            " is not supported: DeepSeek-V3's gate (and moe's DeepseekV3Moe) scores with "
+            "\"sigmoid\"");
+    fail_if(c.topk_method != "noaux_tc", "topk_method ", printable_name(c.topk_method),
+            " is not supported: DeepSeek-V3's gate implements only \"noaux_tc\" (group-limited "
+            "top-k with e_score_correction_bias)");
+  }
+}
+
+}  // namespace detail
+
+/// Parses the text of a config.json. `source` names it in error messages. Reads "model_type"
+/// (required: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3" or "olmoe") and the family's
+/// MoE keys; an absent (or null) key takes the default of the family's transformers config
+/// class and is listed in defaulted_keys. Throws moe::Error for invalid JSON, a missing or
+/// unsupported model_type, a key of the wrong JSON type, an unsupported hidden_act /
+/// scoring_func / topk_method / quantization_config.quant_method (only "fp8" is read), or
+/// sizes that do not fit together.
+inline HfMoeConfig parse_hf_config(std::string_view text,
+                                   std::string const& source = "config.json") {
+  using detail::JsonKind;
+  std::string const hint = "fix config.json (it must be the model's JSON configuration)";
+  if (std::size_t const bad = detail::find_invalid_utf8(text); bad != std::string_view::npos) {
+    moe::detail::fail("hf: ", source, ": config.json is not valid UTF-8 (at byte ", bad, "); ",
+                      hint);
+  }
+  detail::JsonCursor cur(text, detail::concat("hf: ", source), "config.json", hint);
+  if (JsonKind const kind = cur.peek(); kind != JsonKind::kObject) {
+    moe::detail::fail("hf: ", source, ": config.json must be a JSON object, but it is ",
+                      detail::json_kind_name(kind), "; ", hint);
+  }
+  detail::JsonValue const root = detail::parse_json_value(cur);
+  cur.finish();
+  for (std::size_t i = 0; i < root.members.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (root.members[i].key == root.members[j].key) {
+        moe::detail::fail("hf: ", source, ": key ", detail::printable_name(root.members[i].key),
+                          " appears twice in config.json; keep one of them");
+      }
+    }
+  }
+
+  HfMoeConfig c;
+  detail::HfConfigReader r(root, source, c);
+  detail::JsonValue const* type = r.find("model_type");
+  if (type == nullptr) {
+    moe::detail::fail("hf: ", source,
+                      ": config.json has no \"model_type\"; it must name the model family "
+                      "(\"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek_v3\" or \"olmoe\")");
+  }
+  if (type->kind != JsonKind::kString) r.bad("model_type", *type, "a string");
+  static constexpr HfFamily kFamilies[] = {HfFamily::kMixtral, HfFamily::kQwen2Moe,
+                                           HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
+                                           HfFamily::kOlmoe};
+  bool known = false;
+  for (HfFamily const f : kFamilies) {
+    if (type->text == hf_model_type(f)) c.family = f, known = true;
+  }
+  if (!known) {
+    moe::detail::fail("hf: ", source, ": model_type ", detail::printable_name(type->text),
+                      " is not supported; moe loads the MoE layers of \"mixtral\", \"qwen2_moe\", "
+                      "\"qwen3_moe\", \"deepseek_v3\" and \"olmoe\" models");
+  }
+
+  // Defaults of the transformers configuration classes.
+  switch (c.family) {
+    case HfFamily::kMixtral:
+      c.hidden_size = r.integer({"hidden_size"}, 4096, 1);
+      c.expert_intermediate_size = r.integer({"intermediate_size"}, 14336, 1);
+      c.num_experts = r.integer({"num_local_experts", "num_experts", "n_routed_experts"}, 8, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 2, 1);
+      c.norm_topk_prob = true;  // MixtralSparseMoeBlock always renormalises
+      break;
+    case HfFamily::kQwen2Moe:
+      c.hidden_size = r.integer({"hidden_size"}, 2048, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1408, 1);
+      c.shared_expert_intermediate_size = r.integer({"shared_expert_intermediate_size"}, 5632, 1);
+      c.num_experts = r.integer({"num_experts", "num_local_experts", "n_routed_experts"}, 60, 0);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 4, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+      c.decoder_sparse_step = r.integer({"decoder_sparse_step"}, 1, 1);
+      c.mlp_only_layers = r.integer_list("mlp_only_layers");
+      break;
+    case HfFamily::kQwen3Moe:
+      c.hidden_size = r.integer({"hidden_size"}, 2048, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 768, 1);
+      c.num_experts = r.integer({"num_experts", "num_local_experts", "n_routed_experts"}, 128, 0);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+      c.decoder_sparse_step = r.integer({"decoder_sparse_step"}, 1, 1);
+      c.mlp_only_layers = r.integer_list("mlp_only_layers");
+      break;
+    case HfFamily::kDeepseekV3:
+      c.hidden_size = r.integer({"hidden_size"}, 7168, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 2048, 1);
+      c.num_experts = r.integer({"n_routed_experts", "num_experts", "num_local_experts"}, 256, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+      c.n_shared_experts = r.integer({"n_shared_experts"}, 1, 0);
+      c.n_group = r.integer({"n_group"}, 8, 1);
+      c.topk_group = r.integer({"topk_group"}, 4, 1);
+      c.routed_scaling_factor = static_cast<float>(r.number("routed_scaling_factor", 2.5));
+      c.scoring_func = r.string("scoring_func", "sigmoid");
+      c.topk_method = r.string("topk_method", "noaux_tc");
+      c.first_k_dense_replace = r.integer({"first_k_dense_replace"}, 3, 0);
+      c.moe_layer_freq = r.integer({"moe_layer_freq"}, 1, 1);
+      break;
+    case HfFamily::kOlmoe:
+      c.hidden_size = r.integer({"hidden_size"}, 2048, 1);
+      c.expert_intermediate_size = r.integer({"intermediate_size"}, 2048, 1);
+      c.num_experts = r.integer({"num_experts", "num_local_experts", "n_routed_experts"}, 64, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+      break;
+  }
+  c.hidden_act = r.string("hidden_act", "silu");
+  if (detail::JsonValue const* q = r.find("quantization_config")) {
+    if (q->kind != JsonKind::kObject) r.bad("quantization_config", *q, "an object");
+    detail::JsonValue const* method = q->member("quant_method");
+    std::string const name =
+        method != nullptr && method->kind == JsonKind::kString ? method->text : std::string("?");
+    if (name != "fp8") {
+      moe::detail::fail("hf: ", source, ": quantization_config.quant_method ",
+                        detail::printable_name(name),
+                        " is not supported: moe reads F32, BF16 and F16 weights and FP8 "
+                        "(quant_method \"fp8\") block-quantised ones; use such a checkpoint");
+    }
+    c.fp8_block_rows = c.fp8_block_cols = 128;
+    if (detail::JsonValue const* block = q->member("weight_block_size");
+        block != nullptr && block->kind != JsonKind::kNull) {
+      if (block->kind != JsonKind::kArray || block->items.size() != 2) {
+        r.bad("quantization_config.weight_block_size", *block, "an array of two integers");
+      }
+      c.fp8_block_rows = r.integer("quantization_config.weight_block_size", block->items[0], 1);
+      c.fp8_block_cols = r.integer("quantization_config.weight_block_size", block->items[1], 1);
+    }
+  }
+  if (detail::JsonValue const* n = r.find("num_hidden_layers")) {
+    c.num_hidden_layers = r.integer("num_hidden_layers", *n, 1);
+  }
+  detail::validate_hf_config(c, source);
+  return c;
+}
+
+/// Reads and parses `path`: a config.json, or a model directory holding one.
+inline HfMoeConfig read_hf_config(std::filesystem::path const& path) {
+  std::error_code ec;
+  std::filesystem::path const file =
+      std::filesystem::is_directory(path, ec) ? path / "config.json" : path;
+  if (!std::filesystem::exists(file, ec)) {
+    moe::detail::fail("hf: '", file.string(),
+                      "' does not exist; pass the directory of a Hugging Face model (it holds "
+                      "config.json and the safetensors weights)");
+  }
+  detail::MappedFile const mapped(file, "hf");
+  std::string_view const text(reinterpret_cast<char const*>(mapped.bytes().data()),
+                              mapped.bytes().size());
+  return parse_hf_config(text, file.string());
+}
+
+namespace detail {
+
+inline void append_json_key(std::string& out, std::string_view key) {
+  out += out.size() > 2 ? ",\n  " : "\n  ";
+  append_json_string(out, key);
+  out += ": ";
+}
+
+inline std::string json_float(float value) {
+  char buffer[64];
+  auto const [end, ec] = std::to_chars(buffer, buffer + sizeof buffer, value);
+  std::string text(buffer, ec == std::errc() ? end : buffer);
+  // Keep it a JSON float ("2.0", not "2"), as Python's json module writes floats.
+  if (text.find_first_of(".eE") == std::string::npos) text += ".0";
+  return text;
+}
+
+}  // namespace detail
+
+/// The config.json text for `c`: "architectures", "model_type" and the family's MoE keys (the
+/// ones parse_hf_config() reads), with "torch_dtype" set to `torch_dtype` when not empty.
+/// parse_hf_config(hf_config_json(c)) gives back `c` (apart from defaulted_keys).
+inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_dtype = {}) {
+  using detail::append_json_key;
+  std::string out = "{";
+  auto int_key = [&](std::string_view key, Index value) {
+    append_json_key(out, key);
+    out += std::to_string(value);
+  };
+  auto bool_key = [&](std::string_view key, bool value) {
+    append_json_key(out, key);
+    out += value ? "true" : "false";
+  };
+  auto string_key = [&](std::string_view key, std::string_view value) {
+    append_json_key(out, key);
+    detail::append_json_string(out, value);
+  };
+  append_json_key(out, "architectures");
+  out += "[";
+  detail::append_json_string(out, hf_architecture(c.family));
+  out += "]";
+  string_key("model_type", c.model_type());
+  int_key("hidden_size", c.hidden_size);
+  string_key("hidden_act", c.hidden_act);
+  if (c.num_hidden_layers >= 0) int_key("num_hidden_layers", c.num_hidden_layers);
+  int_key("num_experts_per_tok", c.num_experts_per_tok);
+  switch (c.family) {
+    case HfFamily::kMixtral:
+      int_key("intermediate_size", c.expert_intermediate_size);
+      int_key("num_local_experts", c.num_experts);
+      break;
+    case HfFamily::kQwen2Moe:
+    case HfFamily::kQwen3Moe:
+      int_key("moe_intermediate_size", c.expert_intermediate_size);
+      if (c.family == HfFamily::kQwen2Moe) {
+        int_key("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
+      }
+      int_key("num_experts", c.num_experts);
+      bool_key("norm_topk_prob", c.norm_topk_prob);
+      int_key("decoder_sparse_step", c.decoder_sparse_step);
+      append_json_key(out, "mlp_only_layers");
+      out += "[";
+      for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i) {
+        if (i > 0) out += ", ";
+        out += std::to_string(c.mlp_only_layers[i]);
+      }
+      out += "]";
+      break;
+    case HfFamily::kDeepseekV3:
+      int_key("moe_intermediate_size", c.expert_intermediate_size);
+      int_key("n_routed_experts", c.num_experts);
+      int_key("n_shared_experts", c.n_shared_experts);
+      int_key("n_group", c.n_group);
+      int_key("topk_group", c.topk_group);
+      append_json_key(out, "routed_scaling_factor");
+      out += detail::json_float(c.routed_scaling_factor);
+      bool_key("norm_topk_prob", c.norm_topk_prob);
+      string_key("scoring_func", c.scoring_func);
+      string_key("topk_method", c.topk_method);
+      int_key("first_k_dense_replace", c.first_k_dense_replace);
+      int_key("moe_layer_freq", c.moe_layer_freq);
+      break;
+    case HfFamily::kOlmoe:
+      int_key("intermediate_size", c.expert_intermediate_size);
+      int_key("num_experts", c.num_experts);
+      bool_key("norm_topk_prob", c.norm_topk_prob);
+      break;
+  }
+  if (c.fp8_block_rows > 0) {
+    append_json_key(out, "quantization_config");
+    out += detail::concat("{\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", ",
+                          "\"quant_method\": \"fp8\", \"weight_block_size\": [", c.fp8_block_rows,
+                          ", ", c.fp8_block_cols, "]}");
+  }
+  if (!torch_dtype.empty()) string_key("torch_dtype", torch_dtype);
+  out += "\n}\n";
+  return out;
+}
+
+}  // namespace moe::io

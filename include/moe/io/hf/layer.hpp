@@ -1,0 +1,726 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// Loading one MoE layer of a Hugging Face checkpoint into moe's preset layers, saving a layer
+/// as a checkpoint, and naming its gradients after the checkpoint tensors.
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/views.hpp"
+#include "moe/io/detail/json.hpp"
+#include "moe/io/hf/config.hpp"
+#include "moe/io/hf/names.hpp"
+#include "moe/io/safetensors.hpp"
+#include "moe/layers/presets.hpp"
+
+namespace moe::io {
+
+// ---------------------------------------------------------------------------------------------
+// Families, preset configs and layer types.
+
+/// HfMoeConfig of a preset configuration (the inverse of the mapping load_hf_layer() uses).
+/// num_hidden_layers stays -1 (unknown) and every layer counts as an MoE layer.
+inline HfMoeConfig hf_config(presets::MixtralConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kMixtral;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.intermediate_size;
+  c.num_experts = p.num_local_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = true;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::Qwen2MoeConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kQwen2Moe;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.moe_intermediate_size;
+  c.shared_expert_intermediate_size = p.shared_expert_intermediate_size;
+  c.num_experts = p.num_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = p.norm_topk_prob;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::Qwen3MoeConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kQwen3Moe;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.moe_intermediate_size;
+  c.num_experts = p.num_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = p.norm_topk_prob;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::DeepseekV3Config const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kDeepseekV3;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.moe_intermediate_size;
+  c.num_experts = p.n_routed_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.n_group = p.n_group;
+  c.topk_group = p.topk_group;
+  c.routed_scaling_factor = p.routed_scaling_factor;
+  c.n_shared_experts = p.n_shared_experts;
+  c.norm_topk_prob = p.norm_topk_prob;
+  c.first_k_dense_replace = 0;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::OlmoeConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kOlmoe;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.intermediate_size;
+  c.num_experts = p.num_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = p.norm_topk_prob;
+  return c;
+}
+
+// Qwen3-MoE and OLMoE share one C++ type; HfAnyLayer relies on the four types below differing.
+static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
+              "moe::io::HfAnyLayer holds Qwen3-MoE and OLMoE layers in one alternative; give "
+              "OlmoeMoe its own alternative if the presets ever make them different types");
+
+/// Does the preset layer type `Layer` hold layers of `family`? (Qwen3Moe == OlmoeMoe holds both
+/// qwen3_moe and olmoe.)
+template <class Layer>
+constexpr bool hf_family_matches(HfFamily family) noexcept {
+  switch (family) {
+    case HfFamily::kMixtral:
+      return std::is_same_v<Layer, presets::MixtralMoe>;
+    case HfFamily::kQwen2Moe:
+      return std::is_same_v<Layer, presets::Qwen2Moe>;
+    case HfFamily::kQwen3Moe:
+      return std::is_same_v<Layer, presets::Qwen3Moe>;
+    case HfFamily::kDeepseekV3:
+      return std::is_same_v<Layer, presets::DeepseekV3Moe>;
+    case HfFamily::kOlmoe:
+      return std::is_same_v<Layer, presets::OlmoeMoe>;
+  }
+  return false;
+}
+
+/// A layer of type `Layer` with zero weights, shaped and routed as config `c` says:
+/// make_mixtral / make_qwen2_moe / make_qwen3_moe / make_deepseek_v3 / make_olmoe with the
+/// config's sizes, top-k, norm_topk_prob, groups, routed_scaling_factor and shared experts.
+/// Throws moe::Error when `Layer` is not the preset type of c.family.
+template <class Layer>
+Layer make_hf_layer(HfMoeConfig const& c) {
+  moe::detail::check(hf_family_matches<Layer>(c.family), "hf: a ", c.model_type(),
+                     " layer cannot be built as this layer type; use the preset type of its "
+                     "family (or load_hf_moe_layer(), which picks it)");
+  if constexpr (std::is_same_v<Layer, presets::MixtralMoe>) {
+    return presets::make_mixtral(
+        {c.hidden_size, c.expert_intermediate_size, c.num_experts, c.num_experts_per_tok});
+  } else if constexpr (std::is_same_v<Layer, presets::Qwen2Moe>) {
+    return presets::make_qwen2_moe({c.hidden_size, c.expert_intermediate_size,
+                                    c.shared_expert_intermediate_size, c.num_experts,
+                                    c.num_experts_per_tok, c.norm_topk_prob});
+  } else if constexpr (std::is_same_v<Layer, presets::Qwen3Moe>) {
+    return presets::make_qwen3_moe({c.hidden_size, c.expert_intermediate_size, c.num_experts,
+                                    c.num_experts_per_tok, c.norm_topk_prob});
+  } else {
+    static_assert(std::is_same_v<Layer, presets::DeepseekV3Moe>, "not a preset MoE layer type");
+    presets::DeepseekV3Config p;
+    p.hidden_size = c.hidden_size;
+    p.moe_intermediate_size = c.expert_intermediate_size;
+    p.n_routed_experts = c.num_experts;
+    p.num_experts_per_tok = c.num_experts_per_tok;
+    p.n_group = c.n_group;
+    p.topk_group = c.topk_group;
+    p.routed_scaling_factor = c.routed_scaling_factor;
+    p.n_shared_experts = c.n_shared_experts;
+    p.norm_topk_prob = c.norm_topk_prob;
+    return presets::make_deepseek_v3(p);
+  }
+}
+
+/// A layer loaded from a checkpoint, with where each of its tensors came from.
+///
+/// `tensors` lists every checkpoint tensor of the layer (hf_layer_tensors()) with its name:
+/// runners name gradients "grad." + name (add_hf_gradients()), and hf_tensor_values() /
+/// hf_gradient_values() give any of them back in the checkpoint's own layout.
+template <class Layer>
+struct HfLayer {
+  HfMoeConfig config;             ///< the parsed config.json
+  Index layer_index = 0;          ///< L
+  HfLayout layout;                ///< prefix and per-expert / fused experts
+  std::vector<HfTensor> tensors;  ///< every tensor read, in hf_layer_tensors() order
+  Layer layer;                    ///< the weights
+};
+
+/// A loaded layer of any supported family (load_hf_moe_layer()); config.family tells which
+/// (Qwen3-MoE and OLMoE share the third alternative). Use std::visit.
+using HfAnyLayer = std::variant<HfLayer<presets::MixtralMoe>, HfLayer<presets::Qwen2Moe>,
+                                HfLayer<presets::Qwen3Moe>, HfLayer<presets::DeepseekV3Moe>>;
+
+// ---------------------------------------------------------------------------------------------
+// Moving values between checkpoint tensors and layers.
+
+namespace detail {
+
+inline void append_view(std::vector<float>& out, ConstMatrixView<float> v) {
+  for (Index r = 0; r < v.rows; ++r) out.insert(out.end(), v.row(r), v.row(r) + v.cols);
+}
+
+inline float const* copy_into_view(float const* src, MatrixView<float> v) {
+  for (Index r = 0; r < v.rows; ++r) {
+    std::copy(src, src + v.cols, v.row(r));
+    src += v.cols;
+  }
+  return src;
+}
+
+/// The values of tensor `t` (row-major, its checkpoint shape) from a layer's parts: the router
+/// weight [E, H], the selection bias (DeepSeek-V3; may be empty: zeros), the routed experts'
+/// bank and the shared experts. Works on a layer and on its Gradients alike.
+template <class Bank, class Shared>
+std::vector<float> gather_tensor(HfTensor const& t, float const* router,
+                                 std::span<float const> bias, Bank const& bank,
+                                 Shared const& shared) {
+  std::vector<float> out;
+  out.reserve(static_cast<std::size_t>(t.num_elements()));
+  Index const E = bank.num_experts(), H = bank.d_model();
+  switch (t.part) {
+    case HfPart::kRouter:
+      out.assign(router, router + E * H);
+      break;
+    case HfPart::kSelectionBias:
+      out.assign(static_cast<std::size_t>(E), 0.0f);
+      if (!bias.empty()) std::copy(bias.begin(), bias.end(), out.begin());
+      break;
+    case HfPart::kExpertGate:
+      append_view(out, bank.gate_proj(t.expert));
+      break;
+    case HfPart::kExpertUp:
+      append_view(out, bank.up_proj(t.expert));
+      break;
+    case HfPart::kExpertDown:
+      append_view(out, bank.down_proj(t.expert));
+      break;
+    case HfPart::kExpertsGateUp:
+      for (Index e = 0; e < E; ++e) append_view(out, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsDown:
+      for (Index e = 0; e < E; ++e) append_view(out, bank.down_proj(e));
+      break;
+    case HfPart::kSharedGate:
+    case HfPart::kSharedUp:
+    case HfPart::kSharedDown:
+    case HfPart::kSharedExpertGate:
+      if constexpr (Shared::has_experts) {
+        auto const& sb = shared.bank();
+        if (t.part == HfPart::kSharedGate) append_view(out, sb.gate_proj(0));
+        if (t.part == HfPart::kSharedUp) append_view(out, sb.up_proj(0));
+        if (t.part == HfPart::kSharedDown) append_view(out, sb.down_proj(0));
+        if (t.part == HfPart::kSharedExpertGate) append_view(out, shared.gate_weight());
+      }
+      break;
+  }
+  moe::detail::check(static_cast<std::int64_t>(out.size()) == t.num_elements(), "hf: tensor ",
+                     printable_name(t.name), " does not match the layer (", out.size(),
+                     " values for shape ", shape_string(t.shape),
+                     "); the layer and its config disagree");
+  return out;
+}
+
+/// Writes the values of tensor `t` into `layer` (the inverse of gather_tensor()).
+template <class Layer>
+void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
+  auto& bank = layer.experts();
+  Index const E = bank.num_experts();
+  float const* src = v.data();
+  switch (t.part) {
+    case HfPart::kRouter:
+      copy_into_view(src, layer.router_weight());
+      break;
+    case HfPart::kSelectionBias:
+      if constexpr (requires { layer.router().bias; })
+        layer.router().bias.assign(v.begin(), v.end());
+      break;
+    case HfPart::kExpertGate:
+      copy_into_view(src, bank.gate_proj(t.expert));
+      break;
+    case HfPart::kExpertUp:
+      copy_into_view(src, bank.up_proj(t.expert));
+      break;
+    case HfPart::kExpertDown:
+      copy_into_view(src, bank.down_proj(t.expert));
+      break;
+    case HfPart::kExpertsGateUp:
+      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsDown:
+      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.down_proj(e));
+      break;
+    case HfPart::kSharedGate:
+    case HfPart::kSharedUp:
+    case HfPart::kSharedDown:
+    case HfPart::kSharedExpertGate:
+      if constexpr (Layer::Shared::has_experts) {
+        auto& sb = layer.shared_experts().bank();
+        if (t.part == HfPart::kSharedGate) copy_into_view(src, sb.gate_proj(0));
+        if (t.part == HfPart::kSharedUp) copy_into_view(src, sb.up_proj(0));
+        if (t.part == HfPart::kSharedDown) copy_into_view(src, sb.down_proj(0));
+        if (t.part == HfPart::kSharedExpertGate) {
+          copy_into_view(src, layer.shared_experts().gate_weight());
+        }
+      }
+      break;
+  }
+}
+
+template <class Layer>
+std::span<float const> selection_bias(Layer const& layer) {
+  if constexpr (requires { layer.router().bias; }) {
+    return layer.router().bias;
+  } else {
+    return {};
+  }
+}
+
+}  // namespace detail
+
+/// The values of checkpoint tensor `t` held by `layer`, row-major in t.shape (per-expert or
+/// fused, as `t` says).
+template <class Layer>
+std::vector<float> hf_tensor_values(Layer const& layer, HfTensor const& t) {
+  return detail::gather_tensor(t, layer.router_weight().data, detail::selection_bias(layer),
+                               layer.experts(), layer.shared_experts());
+}
+
+/// The gradient of checkpoint tensor `t` (a parameter: t.is_parameter()) from a layer's
+/// Gradients, row-major in t.shape.
+template <class Gradients>
+std::vector<float> hf_gradient_values(Gradients const& grads, HfTensor const& t) {
+  moe::detail::check(t.is_parameter(), "hf: tensor ", detail::printable_name(t.name),
+                     " is a buffer (the selection bias), not a parameter; it has no gradient");
+  return detail::gather_tensor(t, grads.router_weight.data(), {}, grads.experts, grads.shared);
+}
+
+/// Adds the gradient of every parameter of `hf` to `out` as F32 tensors named
+/// `prefix` + checkpoint name ("grad.model.layers.3.mlp.experts.0.gate_proj.weight"), in the
+/// checkpoint's own layout (per-expert or fused). `grads` comes from hf.layer.make_gradients()
+/// and MoeFfn::backward.
+template <class Layer>
+void add_hf_gradients(SafetensorsWriter& out, HfLayer<Layer> const& hf,
+                      typename Layer::Gradients const& grads, std::string_view prefix = "grad.") {
+  for (HfTensor const& t : hf.tensors) {
+    if (!t.is_parameter()) continue;
+    out.add_f32(detail::concat(prefix, t.name), t.shape, hf_gradient_values(grads, t));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading.
+
+/// Options of load_hf_layer().
+struct HfLoadOptions {
+  /// Module prefix of the layer, ending in '.', e.g. "model.language_model.layers.3.mlp." for a
+  /// checkpoint that nests the text model. Empty: "model.layers.L.block_sparse_moe." or
+  /// "model.layers.L.mlp." (Mixtral), "model.layers.L.mlp." (the other families).
+  std::string prefix;
+};
+
+namespace detail {
+
+inline bool starts_with(std::string_view s, std::string_view p) {
+  return s.size() >= p.size() && s.substr(0, p.size()) == p;
+}
+
+/// Why a tensor may be missing: a hint for the error message.
+inline std::string missing_tensor_hint(ShardedCheckpoint const& ckpt, HfMoeConfig const& c,
+                                       Index layer, std::string const& prefix) {
+  std::string const layer_prefix = concat("model.layers.", layer, ".");
+  std::vector<std::string> const names = ckpt.names();
+  bool const any_of_layer = std::any_of(names.begin(), names.end(), [&](std::string const& n) {
+    return starts_with(n, starts_with(prefix, layer_prefix) ? layer_prefix : prefix);
+  });
+  if (!any_of_layer) {
+    return concat("the checkpoint holds no tensor of this layer (nothing starts with '",
+                  starts_with(prefix, layer_prefix) ? layer_prefix : prefix,
+                  "'); is a shard missing, or is the layer index out of range?");
+  }
+  if (ckpt.contains(concat(layer_prefix, "mlp.gate_proj.weight")) ||
+      ckpt.contains(concat(layer_prefix, "mlp.up_proj.weight"))) {
+    return concat("the checkpoint holds a dense MLP (", layer_prefix,
+                  "mlp.gate_proj.weight) at this layer although config.json makes it an MoE "
+                  "layer; config.json and the weights do not belong together");
+  }
+  std::string hint =
+      concat("config.json (model_type ", c.model_type(), ", ", c.num_experts, " routed experts");
+  if (c.shared_intermediate_size() > 0) hint += ", a shared expert";
+  hint += ") and the checkpoint do not agree; check that they come from the same model";
+  return hint;
+}
+
+inline std::string defaulted_note(HfMoeConfig const& c) {
+  if (c.defaulted_keys.empty()) return {};
+  std::string note = " (config.json lacks ";
+  for (std::size_t i = 0; i < c.defaulted_keys.size(); ++i) {
+    if (i > 0) note += ", ";
+    note += c.defaulted_keys[i];
+  }
+  return note + ", which took their transformers defaults)";
+}
+
+/// Reads tensor `t` as floats, checking presence, dtype and shape; dequantises FP8 blockwise
+/// weights (F8_E4M3 with a "<name>_scale_inv" F32 tensor of [ceil(rows/br), ceil(cols/bc)]).
+inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor const& t,
+                                         HfMoeConfig const& c, Index layer,
+                                         std::string const& prefix) {
+  std::string const& src = ckpt.source();
+  TensorView const* view = ckpt.find(t.name);
+  if (view == nullptr) {
+    moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " (", shape_string(t.shape),
+                      ") is missing; ", missing_tensor_hint(ckpt, c, layer, prefix));
+  }
+  bool const fp8 = view->dtype == Dtype::kF8E4M3;
+  bool const float_type =
+      view->dtype == Dtype::kF32 || view->dtype == Dtype::kBf16 || view->dtype == Dtype::kF16;
+  if (!float_type && !(fp8 && t.shape.size() == 2)) {
+    moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " is ",
+                      dtype_name(view->dtype),
+                      "; moe loads F32, BF16 or F16 weights (and F8_E4M3 with a weight_scale_inv "
+                      "for 2-D weights); convert the checkpoint to one of them");
+  }
+  if (view->shape != t.shape) {
+    moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " has shape ",
+                      shape_string(view->shape), " but config.json implies ", shape_string(t.shape),
+                      " (hidden_size ", c.hidden_size, ", ", c.num_experts, " experts of width ",
+                      c.expert_intermediate_size, defaulted_note(c),
+                      "); check that config.json belongs to these weights");
+  }
+  std::vector<float> values = to_float(*view);
+  if (!fp8) return values;
+  std::string const scale_name = concat(t.name, "_scale_inv");
+  TensorView const* scale = ckpt.find(scale_name);
+  if (scale == nullptr) {
+    moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name),
+                      " is F8_E4M3 but the checkpoint has no ", printable_name(scale_name),
+                      " to dequantise it with; an FP8 checkpoint needs both (or convert it to "
+                      "BF16)");
+  }
+  std::int64_t const rows = t.shape[0], cols = t.shape[1];
+  std::int64_t const br = c.fp8_block_rows > 0 ? c.fp8_block_rows : 128;
+  std::int64_t const bc = c.fp8_block_cols > 0 ? c.fp8_block_cols : 128;
+  std::vector<std::int64_t> const scale_shape = {(rows + br - 1) / br, (cols + bc - 1) / bc};
+  if (scale->shape != scale_shape ||
+      !(scale->dtype == Dtype::kF32 || scale->dtype == Dtype::kBf16 ||
+        scale->dtype == Dtype::kF16)) {
+    moe::detail::fail("hf: ", src, ": tensor ", printable_name(scale_name), " is ",
+                      dtype_name(scale->dtype), " ", shape_string(scale->shape), " but the ", br,
+                      "x", bc, " blocks of ", printable_name(t.name), " need F32 ",
+                      shape_string(scale_shape),
+                      "; check quantization_config.weight_block_size in config.json");
+  }
+  std::vector<float> const s = to_float(*scale);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t k = 0; k < cols; ++k) {
+      values[static_cast<std::size_t>(r * cols + k)] *=
+          s[static_cast<std::size_t>((r / br) * scale_shape[1] + k / bc)];
+    }
+  }
+  return values;
+}
+
+/// Finds the layer's module prefix and whether its experts are fused.
+inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
+                              HfLoadOptions const& options) {
+  std::vector<std::string> candidates;
+  if (!options.prefix.empty()) {
+    candidates.push_back(options.prefix);
+  } else {
+    if (c.family == HfFamily::kMixtral) {
+      candidates.push_back(concat("model.layers.", layer, ".block_sparse_moe."));
+    }
+    candidates.push_back(concat("model.layers.", layer, ".mlp."));
+  }
+  HfLayout layout;
+  layout.prefix = candidates.front();
+  for (std::string const& p : candidates) {
+    if (ckpt.contains(concat(p, "gate.weight"))) {
+      layout.prefix = p;
+      break;
+    }
+  }
+  std::string const gate_up = concat(layout.prefix, "experts.gate_up_proj");
+  layout.fused_experts = ckpt.contains(gate_up);
+  std::string const first_expert =
+      concat(layout.prefix,
+             c.family == HfFamily::kMixtral ? "experts.0.w1.weight" : "experts.0.gate_proj.weight");
+  if (layout.fused_experts && ckpt.contains(first_expert)) {
+    moe::detail::fail("hf: ", ckpt.source(), ": layer ", layer, " has both fused (",
+                      printable_name(gate_up), ") and per-expert (", printable_name(first_expert),
+                      ") expert weights; keep one layout in the checkpoint");
+  }
+  return layout;
+}
+
+}  // namespace detail
+
+/// Loads MoE layer `layer` of a model whose config.json is `config` from `checkpoint`, into the
+/// preset type `Layer` of config.family (see make_hf_layer()).
+///
+/// Layout: per-expert tensors (on-disk Hugging Face names) or, when the checkpoint has
+/// "<prefix>experts.gate_up_proj", the fused [E, 2I, H] / [E, H, I] pair; Mixtral's prefix is
+/// "block_sparse_moe." or "mlp." (transformers v5), whichever holds gate.weight. Tensors may be
+/// F32, BF16 or F16 (converted to float exactly), or F8_E4M3 with "<name>_scale_inv" block
+/// scales (dequantised: w = q * scale_inv of its block).
+/// Throws moe::Error naming the checkpoint and tensor when `layer` is not an MoE layer (dense,
+/// negative or beyond num_hidden_layers), a tensor is missing, has another shape than
+/// config.json implies, or has an unsupported dtype (e.g. I32), and when `Layer` is not the
+/// family's preset type.
+template <class Layer>
+HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const& checkpoint,
+                             Index layer, HfLoadOptions const& options = {}) {
+  detail::validate_hf_config(config, checkpoint.source());
+  if (std::string const why = config.dense_reason(layer); !why.empty()) {
+    moe::detail::fail("hf: ", checkpoint.source(), ": cannot load layer ", layer, " of this ",
+                      config.model_type(), " model as an MoE layer: ", why, "; pick an MoE layer");
+  }
+  HfLayer<Layer> out{config,
+                     layer,
+                     detail::detect_layout(checkpoint, config, layer, options),
+                     {},
+                     make_hf_layer<Layer>(config)};
+  out.tensors = hf_layer_tensors(config, out.layout);
+  for (HfTensor const& t : out.tensors) {
+    std::vector<float> const values =
+        detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix);
+    if (t.part == HfPart::kSelectionBias) {
+      for (float const b : values) {
+        moe::detail::check(std::isfinite(b), "hf: ", checkpoint.source(), ": tensor ",
+                           detail::printable_name(t.name),
+                           " holds a non-finite value; the selection bias must be finite");
+      }
+    }
+    detail::scatter_tensor(t, values, out.layer);
+  }
+  return out;
+}
+
+/// load_hf_layer() from a model directory: `model_dir`/config.json plus model.safetensors or
+/// model.safetensors.index.json and its shards.
+template <class Layer>
+HfLayer<Layer> load_hf_layer(std::filesystem::path const& model_dir, Index layer,
+                             HfLoadOptions const& options = {}) {
+  HfMoeConfig const config = read_hf_config(model_dir);
+  moe::detail::check(hf_family_matches<Layer>(config.family), "hf: ", model_dir.string(),
+                     ": the model is a ", config.model_type(),
+                     " model, which does not load into this layer type; use its family's preset "
+                     "type or load_hf_moe_layer()");
+  if (std::string const why = config.dense_reason(layer); !why.empty()) {
+    moe::detail::fail("hf: ", model_dir.string(), ": cannot load layer ", layer, " of this ",
+                      config.model_type(), " model as an MoE layer: ", why, "; pick an MoE layer");
+  }
+  ShardedCheckpoint const checkpoint = open_checkpoint(model_dir);
+  return load_hf_layer<Layer>(config, checkpoint, layer, options);
+}
+
+/// Loads MoE layer `layer` of the model in `model_dir` into the preset type its config.json's
+/// model_type calls for (see load_hf_layer()).
+inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Index layer,
+                                    HfLoadOptions const& options = {}) {
+  HfMoeConfig const config = read_hf_config(model_dir);
+  if (std::string const why = config.dense_reason(layer); !why.empty()) {
+    moe::detail::fail("hf: ", model_dir.string(), ": cannot load layer ", layer, " of this ",
+                      config.model_type(), " model as an MoE layer: ", why, "; pick an MoE layer");
+  }
+  ShardedCheckpoint const checkpoint = open_checkpoint(model_dir);
+  switch (config.family) {
+    case HfFamily::kMixtral:
+      return load_hf_layer<presets::MixtralMoe>(config, checkpoint, layer, options);
+    case HfFamily::kQwen2Moe:
+      return load_hf_layer<presets::Qwen2Moe>(config, checkpoint, layer, options);
+    case HfFamily::kQwen3Moe:
+    case HfFamily::kOlmoe:
+      return load_hf_layer<presets::Qwen3Moe>(config, checkpoint, layer, options);
+    case HfFamily::kDeepseekV3:
+      return load_hf_layer<presets::DeepseekV3Moe>(config, checkpoint, layer, options);
+  }
+  moe::detail::fail("hf: ", model_dir.string(), ": unknown model family");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Saving.
+
+/// Options of save_hf_layer().
+struct HfSaveOptions {
+  /// Dtype of the weights: F32, BF16 or F16 (rounded to nearest even). The selection bias
+  /// (e_score_correction_bias) is always F32, as transformers keeps it.
+  Dtype dtype = Dtype::kF32;
+  /// 1: model.safetensors. n > 1: model-0000i-of-0000n.safetensors plus
+  /// model.safetensors.index.json, the tensors split in order into n nearly equal groups.
+  int shards = 1;
+  /// Write experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I] instead of one
+  /// tensor per expert and projection (Mixtral then uses the "mlp." prefix, as transformers v5).
+  bool fused_experts = false;
+};
+
+namespace detail {
+
+inline void write_text_file(std::filesystem::path const& path, std::string_view text) {
+  std::filesystem::path tmp = path;
+  tmp += ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) {
+    moe::detail::fail("hf: cannot create '", tmp.string(), "': ", std::strerror(errno),
+                      "; check that the directory exists and is writable");
+  }
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = std::fclose(f) == 0 && ok;
+  std::error_code ec;
+  if (ok) std::filesystem::rename(tmp, path, ec);
+  if (!ok || ec) {
+    std::filesystem::remove(tmp, ec);
+    moe::detail::fail("hf: writing '", path.string(),
+                      "' failed; check free disk space and permissions");
+  }
+}
+
+/// Throws unless `layer` has the sizes and routing that `c` describes.
+template <class Layer>
+void check_layer_matches(HfMoeConfig const& c, Layer const& layer, std::string const& where) {
+  auto const& r = layer.router();
+  bool ok = hf_family_matches<Layer>(c.family) && layer.d_model() == c.hidden_size &&
+            layer.num_experts() == c.num_experts && layer.d_ffn() == c.expert_intermediate_size &&
+            r.top_k == c.num_experts_per_tok;
+  if constexpr (requires { r.normalize; }) ok = ok && r.normalize == c.norm_topk_prob;
+  if constexpr (requires { r.n_group; }) {
+    ok = ok && r.n_group == c.n_group && r.topk_group == c.topk_group &&
+         r.scale == c.routed_scaling_factor && r.scoring == routing::ScoreFunction::kSigmoid &&
+         r.group_score == routing::GroupScore::kTopTwoSum;
+  } else if constexpr (requires { r.scale; }) {
+    ok = ok && r.scale == 1.0f;
+  }
+  if constexpr (Layer::Shared::has_experts) {
+    Index const count = layer.shared_experts().count();
+    Index const width = count > 0 ? layer.shared_experts().bank().d_ffn() : 0;
+    ok = ok && count == (c.shared_intermediate_size() > 0 ? 1 : 0) &&
+         width == c.shared_intermediate_size();
+  }
+  if (!ok) {
+    moe::detail::fail("hf: ", where, ": the layer (d_model ", layer.d_model(), ", ",
+                      layer.num_experts(), " experts of width ", layer.d_ffn(), ", top-", r.top_k,
+                      ") does not match the ", c.model_type(), " config (hidden_size ",
+                      c.hidden_size, ", ", c.num_experts, " experts of width ",
+                      c.expert_intermediate_size, ", top-", c.num_experts_per_tok,
+                      ", and its routing and shared-expert settings); build the layer with "
+                      "make_hf_layer(config) or pass the config it was built from");
+  }
+}
+
+inline char const* torch_dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kBf16:
+      return "bfloat16";
+    case Dtype::kF16:
+      return "float16";
+    default:
+      return "float32";
+  }
+}
+
+}  // namespace detail
+
+/// Saves `layer` as MoE layer `layer_index` of a tiny Hugging Face checkpoint in `dir` (created
+/// if needed): config.json (hf_config_json(config)) and model.safetensors, or with
+/// options.shards > 1 the shards and model.safetensors.index.json. Only this layer's tensors
+/// are written (hf_layer_tensors(); names as the real checkpoints have them). A stale
+/// model.safetensors or index of the other form is removed, so that load_hf_layer() reads
+/// what was written. Throws moe::Error when the layer does not match `config`, layer_index is
+/// not an MoE layer of `config`, the dtype is not F32/BF16/F16, or writing fails.
+template <class Layer>
+void save_hf_layer(std::filesystem::path const& dir, HfMoeConfig const& config, Index layer_index,
+                   Layer const& layer, HfSaveOptions const& options = {}) {
+  std::string const where = dir.string();
+  detail::validate_hf_config(config, where);
+  detail::check_layer_matches(config, layer, where);
+  if (std::string const why = config.dense_reason(layer_index); !why.empty()) {
+    moe::detail::fail("hf: ", where, ": cannot save layer ", layer_index, " as an MoE layer: ", why,
+                      "; pick an MoE layer index");
+  }
+  moe::detail::check(
+      options.dtype == Dtype::kF32 || options.dtype == Dtype::kBf16 || options.dtype == Dtype::kF16,
+      "hf: ", where, ": cannot save weights as ", dtype_name(options.dtype),
+      "; use F32, BF16 or F16");
+  HfLayout const layout = hf_default_layout(config.family, layer_index, options.fused_experts);
+  std::vector<HfTensor> const tensors = hf_layer_tensors(config, layout);
+  moe::detail::check(
+      options.shards >= 1 && static_cast<std::size_t>(options.shards) <= tensors.size(),
+      "hf: ", where, ": shards = ", options.shards, " must be in [1, ", tensors.size(),
+      "] (the layer has ", tensors.size(), " tensors)");
+
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec)) {
+    moe::detail::fail("hf: cannot create the directory '", where,
+                      "'; check the path and its permissions");
+  }
+  HfMoeConfig saved = config;
+  saved.fp8_block_rows = saved.fp8_block_cols = 0;  // weights are written unquantised
+  detail::write_text_file(dir / "config.json",
+                          hf_config_json(saved, detail::torch_dtype_name(options.dtype)));
+
+  auto const n = static_cast<std::size_t>(options.shards);
+  std::vector<std::string> shard_of(tensors.size());
+  std::uint64_t total_size = 0;
+  for (std::size_t s = 0; s < n; ++s) {
+    std::size_t const begin = s * tensors.size() / n, end = (s + 1) * tensors.size() / n;
+    SafetensorsWriter writer;
+    writer.set_metadata("format", "pt");
+    for (std::size_t i = begin; i < end; ++i) {
+      HfTensor const& t = tensors[i];
+      std::vector<float> const values = hf_tensor_values(layer, t);
+      Dtype const dtype = t.part == HfPart::kSelectionBias ? Dtype::kF32 : options.dtype;
+      std::vector<std::byte> const bytes = from_float(values, dtype);
+      total_size += bytes.size();
+      writer.add(t.name, dtype, t.shape, bytes);
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, n);
+    std::string const file = n == 1 ? std::string("model.safetensors") : std::string(name);
+    for (std::size_t i = begin; i < end; ++i) shard_of[i] = file;
+    writer.save(dir / file);
+  }
+  if (n == 1) {
+    std::filesystem::remove(dir / "model.safetensors.index.json", ec);
+    return;
+  }
+  std::filesystem::remove(dir / "model.safetensors", ec);
+  std::vector<std::size_t> order(tensors.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return tensors[a].name < tensors[b].name; });
+  std::string index =
+      detail::concat("{\n  \"metadata\": {\"total_size\": ", total_size, "},\n  \"weight_map\": {");
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    index += k == 0 ? "\n    " : ",\n    ";
+    detail::append_json_string(index, tensors[order[k]].name);
+    index += ": ";
+    detail::append_json_string(index, shard_of[order[k]]);
+  }
+  index += "\n  }\n}\n";
+  detail::write_text_file(dir / "model.safetensors.index.json", index);
+}
+
+}  // namespace moe::io

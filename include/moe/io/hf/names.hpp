@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The checkpoint tensors of one Hugging Face MoE layer: names, shapes, and what each one is.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe/core/types.hpp"
+#include "moe/io/detail/json.hpp"
+#include "moe/io/hf/config.hpp"
+
+namespace moe::io {
+
+/// What a checkpoint tensor of an MoE layer holds (I: expert width, Is: shared expert width).
+enum class HfPart : std::uint8_t {
+  kRouter,            ///< gate.weight [E, H]
+  kSelectionBias,     ///< gate.e_score_correction_bias [E] (DeepSeek-V3; a buffer, not trained)
+  kExpertGate,        ///< experts.j.w1 / gate_proj .weight [I, H]
+  kExpertUp,          ///< experts.j.w3 / up_proj .weight [I, H]
+  kExpertDown,        ///< experts.j.w2 / down_proj .weight [H, I]
+  kExpertsGateUp,     ///< experts.gate_up_proj [E, 2I, H] (fused: gate rows, then up rows)
+  kExpertsDown,       ///< experts.down_proj [E, H, I] (fused)
+  kSharedGate,        ///< shared_expert(s).gate_proj.weight [Is, H]
+  kSharedUp,          ///< shared_expert(s).up_proj.weight [Is, H]
+  kSharedDown,        ///< shared_expert(s).down_proj.weight [H, Is]
+  kSharedExpertGate,  ///< shared_expert_gate.weight [1, H] (Qwen2-MoE)
+};
+
+/// One tensor of an MoE layer as the checkpoint stores it.
+struct HfTensor {
+  std::string name;                 ///< checkpoint name, e.g. "model.layers.3.mlp.gate.weight"
+  HfPart part = HfPart::kRouter;    ///< what it holds
+  Index expert = -1;                ///< routed expert of a per-expert tensor, else -1
+  std::vector<std::int64_t> shape;  ///< shape on disk
+
+  /// Is it a trainable parameter of the layer (everything but the selection bias)?
+  bool is_parameter() const noexcept { return part != HfPart::kSelectionBias; }
+  /// Number of elements.
+  std::int64_t num_elements() const noexcept {
+    std::int64_t n = 1;
+    for (std::int64_t const d : shape) n *= d;
+    return n;
+  }
+};
+
+/// Where a layer's tensors live in the checkpoint.
+struct HfLayout {
+  /// Module prefix ending in '.': "model.layers.L.block_sparse_moe." (Mixtral, v4 names) or
+  /// "model.layers.L.mlp." (every other family; Mixtral in the transformers v5 naming).
+  std::string prefix;
+  /// Experts stored fused as experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
+  /// (transformers v5 in-memory layout) instead of one tensor per expert and projection.
+  bool fused_experts = false;
+};
+
+/// The default layout of layer `layer`: per-expert tensors under "model.layers.L.mlp." (or
+/// "model.layers.L.block_sparse_moe." for Mixtral, unless `fused_experts`, which transformers
+/// v5 names "model.layers.L.mlp.").
+inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_experts = false) {
+  HfLayout layout;
+  layout.fused_experts = fused_experts;
+  bool const mixtral_v4 = family == HfFamily::kMixtral && !fused_experts;
+  layout.prefix =
+      detail::concat("model.layers.", layer, mixtral_v4 ? ".block_sparse_moe." : ".mlp.");
+  return layout;
+}
+
+/// Every tensor of one MoE layer of a model with config `c`, in `layout`: the router, the
+/// selection bias (DeepSeek-V3), the routed experts (per expert: gate, up, down; or the two
+/// fused tensors), the shared expert and its gate. Names follow ECOSYSTEM.md section 2:
+///   Mixtral:     gate.weight, experts.j.{w1,w3,w2}.weight
+///   Qwen2-MoE:   gate.weight, experts.j.{gate,up,down}_proj.weight,
+///                shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight
+///   Qwen3-MoE, OLMoE: gate.weight, experts.j.{gate,up,down}_proj.weight
+///   DeepSeek-V3: gate.weight, gate.e_score_correction_bias, experts.j.{gate,up,down}_proj.weight,
+///                shared_experts.{gate,up,down}_proj.weight (when n_shared_experts > 0)
+inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout const& layout) {
+  std::vector<HfTensor> out;
+  std::int64_t const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size;
+  std::string const& p = layout.prefix;
+  auto add = [&](std::string name, HfPart part, Index expert, std::vector<std::int64_t> shape) {
+    out.push_back(HfTensor{std::move(name), part, expert, std::move(shape)});
+  };
+  add(p + "gate.weight", HfPart::kRouter, -1, {E, H});
+  if (c.family == HfFamily::kDeepseekV3) {
+    add(p + "gate.e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
+  }
+  if (layout.fused_experts) {
+    add(p + "experts.gate_up_proj", HfPart::kExpertsGateUp, -1, {E, 2 * I, H});
+    add(p + "experts.down_proj", HfPart::kExpertsDown, -1, {E, H, I});
+  } else {
+    bool const mixtral = c.family == HfFamily::kMixtral;
+    for (Index e = 0; e < E; ++e) {
+      std::string const base = detail::concat(p, "experts.", e, ".");
+      add(base + (mixtral ? "w1.weight" : "gate_proj.weight"), HfPart::kExpertGate, e, {I, H});
+      add(base + (mixtral ? "w3.weight" : "up_proj.weight"), HfPart::kExpertUp, e, {I, H});
+      add(base + (mixtral ? "w2.weight" : "down_proj.weight"), HfPart::kExpertDown, e, {H, I});
+    }
+  }
+  std::int64_t const Is = c.shared_intermediate_size();
+  if (Is > 0) {
+    std::string const s =
+        p + (c.family == HfFamily::kDeepseekV3 ? "shared_experts." : "shared_expert.");
+    add(s + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
+    add(s + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
+    add(s + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});
+  }
+  if (c.family == HfFamily::kQwen2Moe) {
+    add(p + "shared_expert_gate.weight", HfPart::kSharedExpertGate, -1, {1, H});
+  }
+  return out;
+}
+
+}  // namespace moe::io

@@ -1,0 +1,236 @@
+// SPDX-License-Identifier: Apache-2.0
+// config.json: the keys of each family, their transformers defaults, aliases, which layers are
+// MoE layers, and hf_config_json() round trips.
+#include <catch2/catch.hpp>
+#include <string>
+#include <vector>
+
+#include "moe/io/hf/config.hpp"
+
+namespace {
+
+using Catch::Contains;
+using moe::io::HfFamily;
+using moe::io::HfMoeConfig;
+using moe::io::parse_hf_config;
+
+bool defaulted(HfMoeConfig const& c, std::string const& key) {
+  for (auto const& k : c.defaulted_keys) {
+    if (k == key) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("config.json of Mixtral-8x7B", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
+  REQUIRE(c.family == HfFamily::kMixtral);
+  REQUIRE(std::string(c.model_type()) == "mixtral");
+  REQUIRE(c.hidden_size == 4096);
+  REQUIRE(c.expert_intermediate_size == 14336);
+  REQUIRE(c.num_experts == 8);
+  REQUIRE(c.num_experts_per_tok == 2);
+  REQUIRE(c.norm_topk_prob);
+  REQUIRE(c.num_hidden_layers == 32);
+  REQUIRE(c.shared_intermediate_size() == 0);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(31));
+  REQUIRE_FALSE(c.is_moe_layer(32));
+  REQUIRE_FALSE(c.is_moe_layer(-1));
+}
+
+TEST_CASE("config.json of Qwen1.5-MoE-A2.7B (qwen2_moe)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 1, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 5632, "model_type": "qwen2_moe",
+    "moe_intermediate_size": 1408, "norm_topk_prob": false, "num_experts": 60,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "shared_expert_intermediate_size": 5632,
+    "rope_scaling": {"type": "yarn", "factor": 4.0}, "use_sliding_window": false})");
+  REQUIRE(c.family == HfFamily::kQwen2Moe);
+  REQUIRE(c.expert_intermediate_size == 1408);
+  REQUIRE(c.shared_intermediate_size() == 5632);
+  REQUIRE(c.num_experts == 60);
+  REQUIRE(c.num_experts_per_tok == 4);
+  REQUIRE_FALSE(c.norm_topk_prob);
+  REQUIRE(defaulted(c, "mlp_only_layers"));
+  REQUIRE(c.is_moe_layer(0));
+}
+
+TEST_CASE("config.json of Qwen3-30B-A3B and decoder_sparse_step / mlp_only_layers",
+          "[hf][config]") {
+  HfMoeConfig c = parse_hf_config(R"({"model_type": "qwen3_moe", "hidden_size": 2048,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "head_dim": 128})");
+  REQUIRE(c.family == HfFamily::kQwen3Moe);
+  REQUIRE(c.norm_topk_prob);
+  REQUIRE(c.num_experts == 128);
+  REQUIRE(c.is_moe_layer(47));
+  REQUIRE(c.fp8_block_rows == 0);
+  REQUIRE(parse_hf_config(R"({"model_type": "qwen3_moe", "quantization_config": {
+    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+    "weight_block_size": [128, 64]}})")
+              .fp8_block_cols == 64);
+
+  c = parse_hf_config(R"({"model_type": "qwen3_moe", "decoder_sparse_step": 2,
+    "mlp_only_layers": [3, 5]})");
+  REQUIRE_FALSE(c.is_moe_layer(0));  // (0 + 1) % 2 != 0
+  REQUIRE(c.is_moe_layer(1));
+  REQUIRE_FALSE(c.is_moe_layer(3));  // listed
+  REQUIRE_THAT(c.dense_reason(3), Contains("mlp_only_layers"));
+  REQUIRE_THAT(c.dense_reason(2), Contains("decoder_sparse_step = 2"));
+  REQUIRE(c.num_hidden_layers == -1);  // unknown: no range check
+  REQUIRE(c.is_moe_layer(1001));
+
+  c = parse_hf_config(R"({"model_type": "qwen2_moe", "num_experts": 0})");
+  REQUIRE_FALSE(c.is_moe_layer(1));
+  REQUIRE_THAT(c.dense_reason(1), Contains("num_experts = 0"));
+}
+
+TEST_CASE("config.json of DeepSeek-V3", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "norm_topk_prob": true, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "hidden_act": "silu", "ep_size": 1, "aux_loss_alpha": 0.001,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]}})");
+  REQUIRE(c.family == HfFamily::kDeepseekV3);
+  REQUIRE(c.num_experts == 256);
+  REQUIRE(c.n_group == 8);
+  REQUIRE(c.topk_group == 4);
+  REQUIRE(c.routed_scaling_factor == 2.5f);
+  REQUIRE(c.shared_intermediate_size() == 2048);
+  REQUIRE(c.fp8_block_rows == 128);
+  REQUIRE(c.fp8_block_cols == 128);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE_FALSE(c.is_moe_layer(2));
+  REQUIRE_THAT(c.dense_reason(2), Contains("first_k_dense_replace = 3"));
+  REQUIRE(c.is_moe_layer(3));
+  REQUIRE(c.is_moe_layer(60));
+  REQUIRE_FALSE(c.is_moe_layer(61));  // the MTP module is not a decoder layer
+  REQUIRE_THAT(c.dense_reason(61), Contains("num_hidden_layers = 61"));
+
+  HfMoeConfig const f = parse_hf_config(
+      R"({"model_type": "deepseek_v3", "first_k_dense_replace": 1, "moe_layer_freq": 2})");
+  REQUIRE_FALSE(f.is_moe_layer(0));
+  REQUIRE_FALSE(f.is_moe_layer(1));
+  REQUIRE(f.is_moe_layer(2));
+  REQUIRE_THAT(f.dense_reason(3), Contains("moe_layer_freq = 2"));
+}
+
+TEST_CASE("config.json of OLMoE-1B-7B", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({"model_type": "olmoe", "hidden_size": 2048,
+    "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+    "norm_topk_prob": false, "num_hidden_layers": 16, "clip_qkv": null})");
+  REQUIRE(c.family == HfFamily::kOlmoe);
+  REQUIRE(c.expert_intermediate_size == 1024);
+  REQUIRE(c.num_experts == 64);
+  REQUIRE_FALSE(c.norm_topk_prob);
+  REQUIRE(c.is_moe_layer(15));
+}
+
+TEST_CASE("Absent or null keys take the transformers defaults", "[hf][config]") {
+  struct Want {
+    char const* type;
+    moe::Index H, I, E, k;
+    bool norm;
+  };
+  for (Want const w :
+       {Want{"mixtral", 4096, 14336, 8, 2, true}, Want{"qwen2_moe", 2048, 1408, 60, 4, false},
+        Want{"qwen3_moe", 2048, 768, 128, 8, false}, Want{"deepseek_v3", 7168, 2048, 256, 8, true},
+        Want{"olmoe", 2048, 2048, 64, 8, false}}) {
+    INFO(w.type);
+    std::string json = R"({"model_type": ")";
+    json.append(w.type).append(R"(", "hidden_size": null})");
+    HfMoeConfig const c = parse_hf_config(json);
+    REQUIRE(c.hidden_size == w.H);
+    REQUIRE(c.expert_intermediate_size == w.I);
+    REQUIRE(c.num_experts == w.E);
+    REQUIRE(c.num_experts_per_tok == w.k);
+    REQUIRE(c.norm_topk_prob == w.norm);
+    REQUIRE(c.hidden_act == "silu");
+    REQUIRE(defaulted(c, "hidden_size"));
+    REQUIRE(defaulted(c, "num_experts_per_tok"));
+  }
+  HfMoeConfig const q = parse_hf_config(R"({"model_type": "qwen2_moe"})");
+  REQUIRE(q.shared_expert_intermediate_size == 5632);
+  HfMoeConfig const d = parse_hf_config(R"({"model_type": "deepseek_v3"})");
+  REQUIRE(d.n_shared_experts == 1);
+  REQUIRE(d.n_group == 8);
+  REQUIRE(d.topk_group == 4);
+  REQUIRE(d.routed_scaling_factor == 2.5f);
+  REQUIRE(d.first_k_dense_replace == 3);
+  REQUIRE(d.fp8_block_rows == 0);
+}
+
+TEST_CASE("Expert-count aliases are accepted and must agree", "[hf][config]") {
+  REQUIRE(parse_hf_config(R"({"model_type": "mixtral", "num_experts": 4})").num_experts == 4);
+  REQUIRE(parse_hf_config(R"({"model_type": "deepseek_v3", "num_local_experts": 16,
+                              "n_group": 4, "topk_group": 2})")
+              .num_experts == 16);
+  REQUIRE(parse_hf_config(R"({"model_type": "olmoe", "num_experts": 8, "num_local_experts": 8,
+                              "num_experts_per_tok": 2})")
+              .num_experts == 8);
+  REQUIRE_THROWS_WITH(
+      parse_hf_config(R"({"model_type": "mixtral", "num_local_experts": 8, "num_experts": 4})"),
+      Contains("\"num_local_experts\" = 8 and \"num_experts\" = 4") && Contains("disagree"));
+}
+
+TEST_CASE("hf_config_json round-trips through parse_hf_config", "[hf][config]") {
+  HfMoeConfig c = parse_hf_config(R"({"model_type": "deepseek_v3", "hidden_size": 64,
+    "moe_intermediate_size": 16, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+    "topk_group": 2, "routed_scaling_factor": 1.5, "n_shared_experts": 2, "norm_topk_prob": false,
+    "first_k_dense_replace": 1, "moe_layer_freq": 2, "num_hidden_layers": 5,
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}})");
+  HfMoeConfig const back = parse_hf_config(moe::io::hf_config_json(c, "bfloat16"));
+  REQUIRE(back.defaulted_keys.empty());
+  for (HfMoeConfig const* x : {static_cast<HfMoeConfig const*>(&c), &back}) {
+    REQUIRE(x->hidden_size == 64);
+    REQUIRE(x->expert_intermediate_size == 16);
+    REQUIRE(x->num_experts == 16);
+    REQUIRE(x->num_experts_per_tok == 4);
+    REQUIRE(x->n_group == 4);
+    REQUIRE(x->topk_group == 2);
+    REQUIRE(x->routed_scaling_factor == 1.5f);
+    REQUIRE(x->n_shared_experts == 2);
+    REQUIRE_FALSE(x->norm_topk_prob);
+    REQUIRE(x->first_k_dense_replace == 1);
+    REQUIRE(x->moe_layer_freq == 2);
+    REQUIRE(x->num_hidden_layers == 5);
+    REQUIRE(x->fp8_block_rows == 64);
+    REQUIRE(x->fp8_block_cols == 32);
+  }
+  c = parse_hf_config(R"({"model_type": "qwen2_moe", "mlp_only_layers": [0, 2],
+    "decoder_sparse_step": 3, "norm_topk_prob": true})");
+  HfMoeConfig const q = parse_hf_config(moe::io::hf_config_json(c));
+  REQUIRE(q.mlp_only_layers == std::vector<moe::Index>{0, 2});
+  REQUIRE(q.decoder_sparse_step == 3);
+  REQUIRE(q.norm_topk_prob);
+  REQUIRE(q.shared_expert_intermediate_size == 5632);
+  for (char const* type : {"mixtral", "qwen3_moe", "olmoe"}) {
+    std::string json = R"({"model_type": ")";
+    json.append(type).append(R"(", "hidden_size": 32, "num_experts_per_tok": 1})");
+    HfMoeConfig const a = parse_hf_config(json);
+    HfMoeConfig const b = parse_hf_config(moe::io::hf_config_json(a));
+    REQUIRE(b.family == a.family);
+    REQUIRE(b.hidden_size == 32);
+    REQUIRE(b.num_experts == a.num_experts);
+    REQUIRE(b.expert_intermediate_size == a.expert_intermediate_size);
+    REQUIRE(b.norm_topk_prob == a.norm_topk_prob);
+    REQUIRE(b.num_experts_per_tok == 1);
+  }
+}

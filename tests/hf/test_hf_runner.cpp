@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: Apache-2.0
+// moe_run_hf_layer (examples/03_hf_layer) end to end: a tiny checkpoint written by the library,
+// the runner's forward and --grad outputs compared with the layer's own forward and backward.
+#include <sys/wait.h>
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "hf/hf_test_support.hpp"
+#include "io/io_test_support.hpp"
+#include "moe/io/hf.hpp"
+
+#ifdef MOE_RUN_HF_LAYER
+
+namespace {
+
+using Catch::Contains;
+using moe::io::Dtype;
+namespace presets = moe::presets;
+namespace fs = std::filesystem;
+
+int run_runner(std::string const& args, fs::path const& log) {
+  std::string command = "'";
+  command.append(MOE_RUN_HF_LAYER).append("' ").append(args).append(" 2>'");
+  command.append(log.string()).append("'");
+  int const status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string quoted(fs::path const& p) {
+  std::string out = "'";
+  return out.append(p.string()).append("'");
+}
+
+// The words separated by spaces (no "literal" + std::string: see io/detail/json.hpp concat).
+std::string words(std::initializer_list<std::string> parts) {
+  std::string out;
+  for (std::string const& w : parts) out.append(out.empty() ? "" : " ").append(w);
+  return out;
+}
+
+void require_close(std::vector<float> const& got, std::vector<float> const& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-6));
+  }
+}
+
+/// Writes `layer` (layer 1, in `options`' layout) and x / dy, runs the runner with --grad, and
+/// compares every output with the layer's own forward_train + backward.
+template <class Layer>
+void check_runner(std::string const& name, moe::io::HfMoeConfig const& config, Layer& layer,
+                  moe::io::HfSaveOptions const& options, Dtype x_dtype) {
+  fs::path const dir = iotest::scratch_dir(name);
+  moe::io::save_hf_layer(dir, config, 1, layer, options);
+  moe::Index const T = 13, D = layer.d_model(), E = layer.num_experts();
+  std::vector<float> x = hftest::random_input(T, D, 51);
+  if (x_dtype != Dtype::kF32) x = hftest::rounded(x, x_dtype);
+  std::vector<float> const dy = hftest::random_input(T, D, 52);
+  moe::io::SafetensorsWriter()
+      .add("x", x_dtype, {T, D}, moe::io::from_float(x, x_dtype))
+      .save(dir / "x.safetensors");
+  moe::io::SafetensorsWriter().add_f32("dy", {T, D}, dy).save(dir / "dy.safetensors");
+
+  std::string const args = words(
+      {"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x.safetensors"), "--output",
+       quoted(dir / "y.safetensors"), "--grad", quoted(dir / "dy.safetensors"), "--threads 3"});
+  int const rc = run_runner(args, dir / "stderr.txt");
+  INFO(iotest::read_file(dir / "stderr.txt").size() << " bytes on stderr");
+  REQUIRE(rc == 0);
+
+  // The layer's own training forward and backward.
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::MoeFfnWorkspace ws;
+  layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws);
+  auto grads = layer.make_gradients();
+  layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads);
+
+  moe::io::SafetensorsFile const out(dir / "y.safetensors");
+  moe::Index const K = layer.router().top_k;
+  REQUIRE(out.tensor("y").dtype == Dtype::kF32);
+  REQUIRE(out.tensor("y").shape == std::vector<std::int64_t>{T, D});
+  require_close(moe::io::to_float(out.tensor("y")), y);
+  REQUIRE(out.tensor("router_logits").shape == std::vector<std::int64_t>{T, E});
+  require_close(moe::io::to_float(out.tensor("router_logits")), ws.logits);
+  moe::io::TensorView const& ids = out.tensor("topk_ids");
+  REQUIRE(ids.dtype == Dtype::kI64);
+  REQUIRE(ids.shape == std::vector<std::int64_t>{T, K});
+  std::vector<float> const id_values = moe::io::to_float(ids);
+  for (std::size_t i = 0; i < id_values.size(); ++i) {
+    REQUIRE(id_values[i] == static_cast<float>(ws.selection.expert[i]));
+  }
+  REQUIRE(out.tensor("topk_weights").shape == std::vector<std::int64_t>{T, K});
+  require_close(moe::io::to_float(out.tensor("topk_weights")), ws.selection.weight);
+  require_close(moe::io::to_float(out.tensor("dx")), dx);
+
+  // Every parameter's gradient, named after its checkpoint tensor, in the checkpoint's layout.
+  auto const hf = moe::io::load_hf_layer<Layer>(dir, 1);
+  std::size_t parameters = 0;
+  for (moe::io::HfTensor const& t : hf.tensors) {
+    INFO(t.name);
+    if (!t.is_parameter()) {
+      REQUIRE(out.find(moe::io::detail::concat("grad.", t.name)) == nullptr);
+      continue;
+    }
+    ++parameters;
+    moe::io::TensorView const& g = out.tensor(moe::io::detail::concat("grad.", t.name));
+    REQUIRE(g.shape == t.shape);
+    require_close(moe::io::to_float(g), moe::io::hf_gradient_values(grads, t));
+  }
+  REQUIRE(out.size() == 5 + parameters);
+}
+
+}  // namespace
+
+TEST_CASE("moe_run_hf_layer: DeepSeek-V3 forward and --grad match the layer", "[hf][runner]") {
+  presets::DeepseekV3Config p;
+  p.hidden_size = 16;
+  p.moe_intermediate_size = 8;
+  p.n_routed_experts = 8;
+  p.num_experts_per_tok = 3;
+  p.n_group = 4;
+  p.topk_group = 2;
+  p.n_shared_experts = 1;
+  presets::DeepseekV3Moe layer = presets::make_deepseek_v3(p);
+  hftest::randomize(layer, 61);
+  moe::io::HfMoeConfig c = moe::io::hf_config(p);
+  c.first_k_dense_replace = 1;
+  moe::io::HfSaveOptions options;
+  options.shards = 2;
+  check_runner("runner_deepseek", c, layer, options, Dtype::kF32);
+}
+
+TEST_CASE("moe_run_hf_layer: Qwen2-MoE with BF16 input", "[hf][runner]") {
+  presets::Qwen2MoeConfig const p{16, 8, 12, 6, 2, true};
+  presets::Qwen2Moe layer = presets::make_qwen2_moe(p);
+  hftest::randomize(layer, 62);
+  check_runner("runner_qwen2", moe::io::hf_config(p), layer, {}, Dtype::kBf16);
+}
+
+TEST_CASE("moe_run_hf_layer: Mixtral with fused experts", "[hf][runner]") {
+  presets::MixtralConfig const p{16, 8, 4, 2};
+  presets::MixtralMoe layer = presets::make_mixtral(p);
+  hftest::randomize(layer, 63);
+  moe::io::HfSaveOptions options;
+  options.fused_experts = true;
+  check_runner("runner_mixtral_fused", moe::io::hf_config(p), layer, options, Dtype::kF32);
+}
+
+TEST_CASE("moe_run_hf_layer: bad input exits 1 with one line on stderr", "[hf][runner]") {
+  presets::Qwen3MoeConfig const p{8, 4, 4, 2, true};
+  presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
+  fs::path const dir = iotest::scratch_dir("runner_bad");
+  moe::io::save_hf_layer(dir, moe::io::hf_config(p), 1, layer);
+  std::vector<float> const x(3 * 5, 0.5f);
+  moe::io::SafetensorsWriter().add_f32("x", {3, 5}, x).save(dir / "x.safetensors");
+  std::string const args =
+      words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x.safetensors"), "--output",
+             quoted(dir / "y.safetensors")});
+  REQUIRE(run_runner(args, dir / "stderr.txt") == 1);
+  std::vector<std::byte> const err = iotest::read_file(dir / "stderr.txt");
+  std::string const text(reinterpret_cast<char const*>(err.data()), err.size());
+  REQUIRE_THAT(text, Contains("moe_run_hf_layer: ") &&
+                         Contains("tensor 'x' has shape [3, 5] but must be [T, 8]"));
+  REQUIRE(text.find('\n') == text.size() - 1);
+  REQUIRE_FALSE(fs::exists(dir / "y.safetensors"));
+}
+
+#endif  // MOE_RUN_HF_LAYER
