@@ -2,9 +2,10 @@
 // moe::optim::Sgd and moe::optim::AdamW against the update formulas of torch.optim.SGD and
 // torch.optim.AdamW, written out here in double independently of the implementation (plus a few
 // values worked out by hand), convergence on a quadratic, and the checks on misuse.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <string>
+#include <span>
 #include <vector>
 
 #include "moe/core/error.hpp"
@@ -142,9 +143,9 @@ TEST_CASE("Sgd matches the double-precision formulas over several steps", "[opti
     double lr, momentum, weight_decay;
     bool nesterov;
   };
-  for (Case c : {Case{0.05, 0.0, 0.0, false}, Case{0.05, 0.0, 0.2, false},
-                 Case{0.1, 0.9, 0.0, false}, Case{0.1, 0.8, 0.05, false},
-                 Case{0.1, 0.9, 0.0, true}, Case{0.02, 0.5, 0.3, true}}) {
+  for (Case c :
+       {Case{0.05, 0.0, 0.0, false}, Case{0.05, 0.0, 0.2, false}, Case{0.1, 0.9, 0.0, false},
+        Case{0.1, 0.8, 0.05, false}, Case{0.1, 0.9, 0.0, true}, Case{0.02, 0.5, 0.3, true}}) {
     INFO("lr " << c.lr << ", momentum " << c.momentum << ", weight_decay " << c.weight_decay
                << ", nesterov " << c.nesterov);
     Tiny tiny;
@@ -241,7 +242,8 @@ TEST_CASE("Sgd and AdamW minimise a quadratic", "[optim][convergence]") {
       opt.step(params, grads);
     }
     double worst = 0.0;
-    for (std::size_t i = 0; i < p.size(); ++i) worst = std::max(worst, double{std::fabs(p[i] - c[i])});
+    for (std::size_t i = 0; i < p.size(); ++i)
+      worst = std::max(worst, double{std::fabs(p[i] - c[i])});
     return worst;
   };
   Sgd plain(0.3);
