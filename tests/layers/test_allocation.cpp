@@ -98,6 +98,9 @@ TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batc
   SECTION("after reserve") {
     moe::MoeFfnWorkspace ws;
     layer.reserve(ws, T, pool.size());
+    // Let the pool's worker thread start first: a thread's own start-up (TLS, sanitizer state)
+    // may allocate, and on a loaded machine it can start late, inside the counted region.
+    pool.parallel_for(2, [](moe::Index, int) {});
     g_allocations = 0;
     g_counting = true;
     layer.forward({x.data(), 1, D}, {y.data(), 1, D}, ws, {nullptr, &pool});
