@@ -14,7 +14,9 @@
 // whole gradient, 2.4 GB for Qwen3, which a trainer does once per optimizer step, however many
 // micro-batches it accumulates) and the optimizer step. backward accumulates (+=) into the same
 // Gradients in every iteration; the values grow but stay finite, and the time of += does not
-// depend on them. Default MoE is off and the balance policy is balance::None.
+// depend on them. Default MoE is off and the balance policy is balance::None. The weights are not
+// pre-packed (no MoeFfn::pack_weights()): in training an optimizer step changes them every step,
+// which marks a packed copy stale, so forward_train packs weight panels per call as here.
 //
 // FLOP count of one step (multiply-add = 2 FLOP; elementwise SiLU/GLU and their backward, softmax,
 // top-k, gather and combine are not counted: O(T*E + R*F + R*D), < 0.3% here):
@@ -163,7 +165,9 @@ bool add_context() {
   benchmark::AddCustomContext(
       "timed", "forward_train + backward; gradients accumulated, not zeroed in the loop");
   benchmark::AddCustomContext("expert_gemm",
-                              "forward: moe panel kernels; backward: Eigen 3.4 GEMM per tile");
+                              "forward: moe panel kernels, weights packed per call (no "
+                              "pack_weights(), as after every optimizer step); backward: Eigen "
+                              "3.4 GEMM per tile");
   return true;
 }
 [[maybe_unused]] bool const kContextAdded = add_context();

@@ -5,7 +5,7 @@
 //
 // What it shows:
 //   - a training loop: MoeFfn::forward_train, an MSE loss, backward into Gradients,
-//     optim::AdamW::step(layer.parameters(), grads.groups()), layer.end_step();
+//     optim::AdamW::step(layer.parameters(), grads.groups(), &pool), layer.end_step();
 //   - a task that rewards specialisation: x = mu_c + noise (uniform in [-0.5, 0.5)) comes from one
 //     of C clusters (random centres mu_c), the target is y = x + A_c x with a random matrix A_c per
 //     cluster; the model is y_hat = x + MoE(x) (residual), E SwiGLU experts, top-2;
@@ -135,7 +135,7 @@ struct Variant {
     }
     grads.zero();
     layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
-    opt.step(layer.parameters(), grads.groups());
+    opt.step(layer.parameters(), grads.groups(), &pool);
     layer.end_step();  // AuxFreeBias: bias += rate * sign(mean load - load); others: nothing
   }
 };

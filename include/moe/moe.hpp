@@ -47,6 +47,8 @@
 #include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/layers/presets.hpp"
+#include "moe/optim/adamw.hpp"
+#include "moe/optim/sgd.hpp"
 #include "moe/routing/capacity.hpp"
 #include "moe/routing/controls.hpp"
 #include "moe/routing/expert_choice.hpp"

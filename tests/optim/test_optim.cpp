@@ -11,6 +11,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/random.hpp"
+#include "moe/core/thread_pool.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/optim/adamw.hpp"
 #include "moe/optim/sgd.hpp"
@@ -254,6 +255,30 @@ TEST_CASE("Sgd and AdamW minimise a quadratic", "[optim][convergence]") {
   REQUIRE(run(nesterov, 300) < 1e-5);
   AdamW adam(0.05, 0.9, 0.999, 1e-8, 0.0);
   REQUIRE(run(adam, 1000) < 1e-2);
+}
+
+TEST_CASE("A ThreadPool gives bitwise the same step as the calling thread", "[optim][threads]") {
+  // One parameter of several blocks with a ragged tail, and two small ones.
+  std::vector<std::size_t> const sizes{3 * moe::optim::detail::kBlock + 17, 5, 1};
+  auto run = [&](auto opt, moe::ThreadPool* pool) {
+    std::vector<std::vector<float>> p(sizes.size()), g(sizes.size());
+    ParameterList params, grads;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      p[i].resize(sizes[i]);
+      g[i].resize(sizes[i]);
+      moe::fill_uniform(p[i], -1.0f, 1.0f, 30 + i);
+      params.push_back({i == 0 ? "big" : i == 1 ? "small" : "one", p[i]});
+      grads.push_back({params.back().name, g[i]});
+    }
+    for (int s = 0; s < 3; ++s) {
+      for (std::size_t i = 0; i < sizes.size(); ++i) moe::fill_uniform(g[i], -1.0f, 1.0f, 40 + s);
+      opt.step(params, grads, pool);
+    }
+    return p;
+  };
+  moe::ThreadPool pool(3);
+  REQUIRE(run(Sgd(0.1, 0.9, 0.01, true), &pool) == run(Sgd(0.1, 0.9, 0.01, true), nullptr));
+  REQUIRE(run(AdamW(0.01), &pool) == run(AdamW(0.01), nullptr));
 }
 
 TEST_CASE("Mismatched parameter and gradient lists are reported", "[optim][errors]") {

@@ -12,6 +12,7 @@
 
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
+#include "moe/core/thread_pool.hpp"
 #include "moe/optim/detail/check_lists.hpp"
 
 namespace moe::optim {
@@ -34,6 +35,7 @@ namespace moe::optim {
 /// |-----------------|------------------------------------------------------------------------|
 /// | params          | N named flat buffers, e.g. MoeFfn::parameters()                        |
 /// | grads           | N buffers with the same names and sizes, e.g. Gradients::groups()      |
+/// | pool            | optional moe::ThreadPool; null: the calling thread                     |
 ///
 /// State: m and v, one pair of buffers per parameter, allocated (zero) on the first step and bound
 /// to that parameter list (later steps must pass lists of the same names and sizes); `steps()` is
@@ -42,8 +44,9 @@ namespace moe::optim {
 /// Preconditions (checked by step(), moe::Error otherwise): lr, eps, weight_decay finite and
 /// >= 0; beta1, beta2 in [0, 1); params and grads list the same names with the same sizes, in the
 /// same order. Gradients are read only (zero them yourself, e.g. Gradients::zero()).
-/// Cost: O(number of parameters) per step, on the calling thread; state = 2 floats per parameter.
-/// Not thread-safe: one optimizer per parameter list, stepped from one thread.
+/// Cost: O(number of parameters) per step, on the calling thread or spread over a ThreadPool in
+/// blocks of 32K elements; state = 2 floats per parameter. Not thread-safe: one optimizer per
+/// parameter list, stepped from one thread at a time.
 class AdamW {
  public:
   double lr = 1e-3;            ///< learning rate
@@ -75,10 +78,11 @@ class AdamW {
                   "; weight decay must be finite and >= 0");
   }
 
-  /// One update of every parameter from its gradient (see the class comment).
-  void step(ParameterList const& params, ParameterList const& grads) {
+  /// One update of every parameter from its gradient (see the class comment), on `pool` if given
+  /// (the result is bitwise the same for any pool: the update is elementwise).
+  void step(ParameterList const& params, ParameterList const& grads, ThreadPool* pool = nullptr) {
     validate();
-    optim::detail::check_lists("optim::AdamW", params, grads, names_, sizes_);
+    detail::check_lists("optim::AdamW", params, grads, names_, sizes_);
     if (m_.empty()) {
       m_.resize(params.size());
       v_.resize(params.size());
@@ -89,27 +93,25 @@ class AdamW {
     }
     double const t = static_cast<double>(steps_ + 1);
     double const bias_correction1 = 1.0 - std::pow(beta1, t);
-    double const bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, t));
+    float const bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t)));
     float const decay = static_cast<float>(1.0 - lr * weight_decay);
     float const step_size = static_cast<float>(lr / bias_correction1);
-    float const bc2_sqrt = static_cast<float>(bias_correction2_sqrt);
     float const one_minus_beta1 = static_cast<float>(1.0 - beta1);
     float const b2 = static_cast<float>(beta2), one_minus_beta2 = static_cast<float>(1.0 - beta2);
     float const eps_f = static_cast<float>(eps);
-    for (std::size_t i = 0; i < params.size(); ++i) {
+    detail::for_each_block(params, pool, [&](std::size_t i, std::size_t j0, std::size_t j1) {
       float* p = params[i].values.data();
       float const* g = grads[i].values.data();
       float* m = m_[i].data();
       float* v = v_[i].data();
-      std::size_t const n = params[i].values.size();
-      for (std::size_t j = 0; j < n; ++j) {
+      for (std::size_t j = j0; j < j1; ++j) {
         p[j] *= decay;
         m[j] += one_minus_beta1 * (g[j] - m[j]);
         v[j] = b2 * v[j] + one_minus_beta2 * g[j] * g[j];
         float const denom = std::sqrt(v[j]) / bc2_sqrt + eps_f;
         p[j] -= step_size * m[j] / denom;
       }
-    }
+    });
     ++steps_;
   }
 

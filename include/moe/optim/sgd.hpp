@@ -12,6 +12,7 @@
 
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
+#include "moe/core/thread_pool.hpp"
 #include "moe/optim/detail/check_lists.hpp"
 
 namespace moe::optim {
@@ -30,6 +31,7 @@ namespace moe::optim {
 /// |-----------------|------------------------------------------------------------------------|
 /// | params          | N named flat buffers, e.g. MoeFfn::parameters()                        |
 /// | grads           | N buffers with the same names and sizes, e.g. Gradients::groups()      |
+/// | pool            | optional moe::ThreadPool; null: the calling thread                     |
 ///
 /// State: with momentum != 0, one buffer per parameter, allocated on the first step and bound to
 /// that parameter list (later steps must pass lists of the same names and sizes). `steps()`
@@ -39,8 +41,9 @@ namespace moe::optim {
 /// Preconditions (checked by step(), moe::Error otherwise): lr, momentum and weight_decay finite
 /// and >= 0; nesterov needs momentum > 0; params and grads list the same names with the same sizes,
 /// in the same order. Gradients are read only (zero them yourself, e.g. Gradients::zero()).
-/// Cost: O(number of parameters) per step, on the calling thread. Not thread-safe: one optimizer
-/// per parameter list, stepped from one thread.
+/// Cost: O(number of parameters) per step, on the calling thread or spread over a ThreadPool in
+/// blocks of 32K elements. Not thread-safe: one optimizer per parameter list, stepped from one
+/// thread at a time.
 class Sgd {
  public:
   double lr = 1e-3;           ///< learning rate
@@ -70,35 +73,36 @@ class Sgd {
                   "momentum > 0");
   }
 
-  /// One update of every parameter from its gradient (see the class comment).
-  void step(ParameterList const& params, ParameterList const& grads) {
+  /// One update of every parameter from its gradient (see the class comment), on `pool` if given
+  /// (the result is bitwise the same for any pool: the update is elementwise).
+  void step(ParameterList const& params, ParameterList const& grads, ThreadPool* pool = nullptr) {
     validate();
-    optim::detail::check_lists("optim::Sgd", params, grads, names_, sizes_);
+    detail::check_lists("optim::Sgd", params, grads, names_, sizes_);
     bool const use_momentum = momentum != 0.0;
     if (use_momentum && buffers_.empty()) {
       buffers_.resize(params.size());
       for (std::size_t i = 0; i < params.size(); ++i) buffers_[i].resize(params[i].values.size());
     }
+    // A momentum switched on after the first step starts its buffer then, as PyTorch does for a
+    // parameter without a "momentum_buffer" state.
+    bool const first = use_momentum && !buffer_started_;
     float const lr_f = static_cast<float>(lr), mu = static_cast<float>(momentum);
     float const wd = static_cast<float>(weight_decay);
-    for (std::size_t i = 0; i < params.size(); ++i) {
+    bool const nest = nesterov;
+    detail::for_each_block(params, pool, [&](std::size_t i, std::size_t j0, std::size_t j1) {
       float* p = params[i].values.data();
       float const* g = grads[i].values.data();
-      std::size_t const n = params[i].values.size();
       float* b = use_momentum ? buffers_[i].data() : nullptr;
-      // A momentum switched on after the first step starts its buffer then, as PyTorch does for
-      // a parameter without a "momentum_buffer" state.
-      bool const first = use_momentum && !buffer_started_;
-      for (std::size_t j = 0; j < n; ++j) {
+      for (std::size_t j = j0; j < j1; ++j) {
         float d = g[j];
         if (wd != 0.0f) d += wd * p[j];
         if (use_momentum) {
           b[j] = first ? d : mu * b[j] + d;
-          d = nesterov ? d + mu * b[j] : b[j];
+          d = nest ? d + mu * b[j] : b[j];
         }
         p[j] -= lr_f * d;
       }
-    }
+    });
     if (use_momentum) buffer_started_ = true;
     ++steps_;
   }

@@ -1,15 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// Checks shared by the optimizers: parameter and gradient lists match (not public API).
+/// Pieces shared by the optimizers: list checks and blocked loops over parameters (not public API).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <vector>
 
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/types.hpp"
 
 namespace moe::optim::detail {
 
@@ -49,6 +52,32 @@ inline void check_lists(char const* who, ParameterList const& params, ParameterL
           " values but the optimizer state was made for \"", names[i], "\" of ", sizes[i],
           "; use one optimizer per parameter list (or reset() it)");
   }
+}
+
+/// Elements per work item of an optimizer step (128 KB of floats).
+inline constexpr std::size_t kBlock = std::size_t{1} << 15;
+
+/// Calls f(i, begin, end) for consecutive blocks [begin, end) of at most kBlock elements of every
+/// parameter i, on `pool` if given (serially otherwise). Optimizer updates are elementwise, so the
+/// result does not depend on the pool or the order of the blocks.
+template <class F>
+void for_each_block(ParameterList const& params, ThreadPool* pool, F&& f) {
+  std::vector<std::size_t> first(params.size() + 1, 0);  // first block of each parameter
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    first[i + 1] = first[i] + (params[i].values.size() + kBlock - 1) / kBlock;
+  }
+  auto run = [&](std::size_t b) {
+    auto const i = static_cast<std::size_t>(std::upper_bound(first.begin(), first.end(), b) -
+                                            first.begin() - 1);
+    std::size_t const begin = (b - first[i]) * kBlock;
+    f(i, begin, std::min(params[i].values.size(), begin + kBlock));
+  };
+  if (pool == nullptr || first.back() <= 1) {
+    for (std::size_t b = 0; b < first.back(); ++b) run(b);
+    return;
+  }
+  pool->parallel_for(static_cast<Index>(first.back()),
+                     [&](Index b, int) { run(static_cast<std::size_t>(b)); });
 }
 
 }  // namespace moe::optim::detail
