@@ -36,6 +36,7 @@
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/plan.hpp"
+#include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/controls.hpp"
 
@@ -60,8 +61,8 @@ struct ExpertParallelWorkspace {
   Selection selection;               ///< the router's choices for this rank's tokens
   RoutingPlan plan;                  ///< this rank's rows, sorted by expert
   std::vector<float> routed_out;     ///< [R, D] expert outputs, returned, in plan row order
-  std::vector<float> shared_hidden;  ///< [S*T, P_shared]
-  std::vector<float> shared_act;     ///< [S*T, F_shared] (training)
+  std::vector<float> shared_hidden;  ///< [S*T, P_shared] pre-activations (training)
+  std::vector<float> shared_act;     ///< [S*T, F_shared] activations
   std::vector<float> shared_out;     ///< [S*T, D]
   std::vector<float> shared_gate;    ///< [T, S]
   double aux_loss = 0.0;             ///< the balance policy's loss on this rank's tokens
@@ -92,7 +93,7 @@ struct ExpertParallelWorkspace {
 
   // Expert side: rows of this rank's experts, expert-major (expert j's rows, from rank 0, 1, ...).
   std::vector<float> x_rows;      ///< [R_in, D]
-  std::vector<float> hidden;      ///< [R_in, P] pre-activations (m in place, inference)
+  std::vector<float> hidden;      ///< [R_in, P] pre-activations (training)
   std::vector<float> act;         ///< [R_in, F] (training)
   std::vector<float> expert_out;  ///< [R_in, D]
 
@@ -110,25 +111,10 @@ struct ExpertParallelWorkspace {
   std::vector<float> reduce_scratch;
   bool trained = false;
 
-  // Projections (own copy of MoeFfn's job list).
-  struct Job {
-    float const* a;
-    Index lda, rows;
-    float const* w;
-    Index depth;
-    float* c;
-    Index ldc;
-    float const* packed;               ///< fp32 panels (ExpertBank::pack), or null
-    std::uint32_t const* packed_bf16;  ///< bf16 panels (inference only), or null
-    bool panel;  ///< use the packed-panel arithmetic even below kPanelMinRows rows
-  };
-  struct Item {
-    Index job, col_begin, col_end;
-  };
-  std::vector<Job> jobs;
-  std::vector<Item> items;
+  // Projections: the same job queue as MoeFfn (moe::detail::ExpertJob).
+  std::vector<::moe::detail::ExpertJob> jobs;
+  std::vector<::moe::detail::ExpertItem> items;
   std::vector<float> panels;
-  std::vector<std::uint32_t> bf16_scratch;
 
   ConstMatrixView<float> logits_view() const {
     return {logits.data(), selection.num_tokens, selection.num_experts};
@@ -545,55 +531,31 @@ class ExpertParallelMoeFfn {
     return k;
   }
   Index panel_floats() const {
-    Index const n = kernels::panel_scratch_size(panel_depth());
+    Index const n = kernels::expert_scratch_floats(panel_depth());
     return (n + 15) / 16 * 16;
   }
 
-  /// Queues C = A W^T as column items, like MoeFfn (column splits never change results).
-  static void add_job(ExpertParallelWorkspace& ws, ExpertParallelWorkspace::Job job, Index cols) {
-    if (job.rows == 0 || cols == 0) return;
-    Index const j = static_cast<Index>(ws.jobs.size());
-    ws.jobs.push_back(job);
-    bool const small =
-        job.rows < kernels::kPanelMinRows && !job.packed && !job.packed_bf16 && !job.panel;
-    Index const step = small ? 64 : kernels::panel_width();
-    for (Index c = 0; c < cols; c += step) ws.items.push_back({j, c, std::min(cols, c + step)});
+  using Job = ::moe::detail::ExpertJob;
+
+  /// Queues a projection on MoeFfn's queue. `rows_for_path` is the row count MoeFfn's job has on
+  /// the global batch: raw weights take the dot-product path below kPanelMinRows of them, so that
+  /// every row gets the arithmetic MoeFfn gives it.
+  static void add_job(ExpertParallelWorkspace& ws, Job job, Index rows_for_path) {
+    job.w.dot_products = job.w.raw[0] != nullptr && rows_for_path < kernels::kPanelMinRows;
+    ::moe::detail::add_expert_job(ws.jobs, ws.items, job);
+  }
+  static kernels::WeightPanels weights_of(float const* raw, Index rows, float const* packed,
+                                          std::uint32_t const* packed_bf16, Index depth, Index half,
+                                          bool use_bf16) {
+    return ::moe::detail::expert_weights(raw, rows, packed, packed_bf16, depth, half, use_bf16,
+                                         false);
   }
 
-  /// Runs the queued projections. `panel` jobs with fewer than kPanelMinRows rows use the
-  /// packed-panel arithmetic that MoeFfn uses on the (larger) global batch.
   void run_jobs(ExpertParallelWorkspace& ws, ThreadPool* pool) const {
     Index const per = panel_floats();
-    Index const bf16_per = kernels::bf16_scratch_words(panel_depth());
     ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * per));
-    ws.bf16_scratch.resize(static_cast<std::size_t>(threads_of(pool) * bf16_per));
-    parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
-      auto const item = ws.items[static_cast<std::size_t>(i)];
-      auto const& job = ws.jobs[static_cast<std::size_t>(item.job)];
-      float* scratch = ws.panels.data() + thread * per;
-      if (job.packed_bf16) {
-        kernels::project_cols_bf16(job.a, job.lda, job.rows, job.packed_bf16, job.depth,
-                                   item.col_begin, item.col_end, job.c, job.ldc,
-                                   ws.bf16_scratch.data() + thread * bf16_per);
-      } else if (job.packed) {
-        kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth,
-                                     item.col_begin, item.col_end, job.c, job.ldc);
-      } else if (job.rows >= kernels::kPanelMinRows || !job.panel) {
-        kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, item.col_begin,
-                              item.col_end, job.c, job.ldc, scratch);
-      } else {
-        constexpr Index NP = kernels::panel_width();
-        auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
-        float* panel = scratch + ((64 - addr % 64) % 64) / sizeof(float);
-        for (Index n0 = item.col_begin; n0 < item.col_end; n0 += NP) {
-          Index const nc = std::min(NP, item.col_end - n0);
-          kernels::pack_panel(job.w, job.depth, n0, nc, job.depth, panel);
-          kernels::gemm_panel(job.a, job.lda, panel, job.rows, job.depth, job.c + n0, job.ldc, nc);
-        }
-      }
-    });
-    ws.jobs.clear();
-    ws.items.clear();
+    using SharedX = typename ::moe::detail::SharedExpertOr<Shared, Expert>::type;
+    ::moe::detail::run_expert_jobs<Expert, SharedX>(ws.jobs, ws.items, pool, ws.panels.data(), per);
   }
 
   void check_input(ConstMatrixView<float> x) const {
@@ -630,10 +592,15 @@ class ExpertParallelMoeFfn {
     MatrixView<float> logits(ws.logits.data(), T, E);
     ws.jobs.clear();
     ws.items.clear();
-    add_job(ws,
-            {x.data, x.row_stride, T, router_weight_.data(), d_model_, logits.data, E, nullptr,
-             nullptr, total_tokens >= kernels::kPanelMinRows},
-            E);
+    Job job;
+    job.a = {x.data, x.row_stride, nullptr};
+    job.rows = T;
+    job.depth = d_model_;
+    job.w = weights_of(router_weight_.data(), E, nullptr, nullptr, d_model_, 0, false);
+    job.c = logits.data;
+    job.ldc = E;
+    job.cols = E;
+    add_job(ws, job, total_tokens);
     run_jobs(ws, opt.pool);
     for (Index t = 0; t < T; ++t) {
       float const* z = logits.row(t);
@@ -905,49 +872,56 @@ class ExpertParallelMoeFfn {
     if (!direct) reorder(ws.recv_buf.data(), dst.data(), ws, false, pool);
   }
 
-  /// Step 5: up projection, activation, down projection of every local expert on all its rows.
+  /// Step 5: in projection with the activation fused, down projection, of every local expert on
+  /// all its rows (MoeFfn's jobs; outputs unweighted: the routing weight is applied on return).
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const L = bank_.num_experts(), D = d_model_, F = d_ffn_, P = bank_.hidden_cols();
     Index const rin = ws.local_offsets.back();
-    ws.hidden.resize(static_cast<std::size_t>(rin * P));
-    ws.act.resize(static_cast<std::size_t>(train ? rin * F : 0));
+    ws.hidden.resize(static_cast<std::size_t>(train ? rin * P : 0));
+    ws.act.resize(static_cast<std::size_t>(rin * F));
     ws.expert_out.resize(static_cast<std::size_t>(rin * D));
     ws.jobs.clear();
     ws.items.clear();
+    bool const use_bf16 = !train;
     for (Index j = 0; j < L; ++j) {
       Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
-      add_job(ws,
-              {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(j).data, D, ws.hidden.data() + r0 * P,
-               P, bank_.packed_in(j), train ? nullptr : bank_.packed_in_bf16(j),
-               n >= kernels::kPanelMinRows},
-              P);
+      Job job;
+      job.kind = Job::Kind::kRoutedHidden;
+      job.a = {ws.x_rows.data() + r0 * D, D, nullptr};
+      job.rows = n;
+      job.depth = D;
+      job.w = weights_of(bank_.in_proj(j).data, P, bank_.packed_in(j), bank_.packed_in_bf16(j), D,
+                         Expert::gated ? F : 0, use_bf16);
+      job.c = ws.act.data() + r0 * F;
+      job.ldc = F;
+      job.cols = F;
+      job.h = train ? ws.hidden.data() + r0 * P : nullptr;
+      job.ldh = P;
+      add_job(ws, job, n);
     }
     run_jobs(ws, pool);
-    Index const row_tiles = (rin + kTileRows - 1) / kTileRows;
-    parallel_for(pool, row_tiles, [&](Index i, int) {
-      Index const r0 = i * kTileRows, r1 = std::min(rin, r0 + kTileRows);
-      for (Index r = r0; r < r1; ++r) {
-        float* h = ws.hidden.data() + r * P;
-        bank_.activate_row(h, train ? ws.act.data() + r * F : h);
-      }
-    });
     for (Index j = 0; j < L; ++j) {
       Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
-      float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
-      add_job(ws,
-              {m, train ? F : P, n, bank_.down_proj(j).data, F, ws.expert_out.data() + r0 * D, D,
-               bank_.packed_down(j), train ? nullptr : bank_.packed_down_bf16(j),
-               n >= kernels::kPanelMinRows},
-              D);
+      Job job;
+      job.a = {ws.act.data() + r0 * F, F, nullptr};
+      job.rows = n;
+      job.depth = F;
+      job.w = weights_of(bank_.down_proj(j).data, D, bank_.packed_down(j),
+                         bank_.packed_down_bf16(j), F, 0, use_bf16);
+      job.c = ws.expert_out.data() + r0 * D;
+      job.ldc = D;
+      job.cols = D;
+      add_job(ws, job, n);
     }
     run_jobs(ws, pool);
   }
 
   /// Step 7: shared experts on this rank's tokens (kernel path of the global batch), combine.
+  /// Inference applies each routed row's weight first (the product MoeFfn's down-projection
+  /// epilogue computes), then sums; training combines the unweighted rows with the weights.
   void run_shared_and_combine(ConstMatrixView<float> x, MatrixView<float> y,
                               ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, ns = shared_.count();
-    bool const panel = ws.total_tokens >= kernels::kPanelMinRows;
     Index Ps = 0, Fs = 0;
     if constexpr (Shared::has_experts) {
       Ps = shared_.bank().hidden_cols();
@@ -955,10 +929,12 @@ class ExpertParallelMoeFfn {
     }
     ws.shared_out.resize(static_cast<std::size_t>(ns * T * D));
     ws.shared_gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
-    ws.shared_hidden.resize(static_cast<std::size_t>(ns * T * Ps));
-    ws.shared_act.resize(static_cast<std::size_t>(train ? ns * T * Fs : 0));
+    ws.shared_hidden.resize(static_cast<std::size_t>(train ? ns * T * Ps : 0));
+    ws.shared_act.resize(static_cast<std::size_t>(ns * T * Fs));
     Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+    bool const use_bf16 = !train;
     if constexpr (Shared::has_experts) {
+      using SX = typename Shared::Expert;
       if constexpr (Shared::gated) {
         parallel_for(pool, token_tiles, [&](Index i, int) {
           Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
@@ -975,39 +951,53 @@ class ExpertParallelMoeFfn {
       }
       ws.jobs.clear();
       ws.items.clear();
+      auto const& sb = shared_.bank();
       for (Index s = 0; s < ns; ++s) {
-        add_job(ws,
-                {x.data, x.row_stride, T, shared_.bank().in_proj(s).data, D,
-                 ws.shared_hidden.data() + s * T * Ps, Ps, shared_.bank().packed_in(s),
-                 train ? nullptr : shared_.bank().packed_in_bf16(s), panel},
-                Ps);
+        Job job;
+        job.kind = Job::Kind::kSharedHidden;
+        job.a = {x.data, x.row_stride, nullptr};
+        job.rows = T;
+        job.depth = D;
+        job.w = weights_of(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
+                           SX::gated ? Fs : 0, use_bf16);
+        job.c = ws.shared_act.data() + s * T * Fs;
+        job.ldc = Fs;
+        job.cols = Fs;
+        job.h = train ? ws.shared_hidden.data() + s * T * Ps : nullptr;
+        job.ldh = Ps;
+        add_job(ws, job, ws.total_tokens);
       }
       run_jobs(ws, pool);
-      parallel_for(pool, ns * token_tiles, [&](Index i, int) {
-        Index const s = i / token_tiles;
-        Index const t0 = (i % token_tiles) * kTileRows, t1 = std::min(T, t0 + kTileRows);
-        for (Index t = t0; t < t1; ++t) {
-          float* h = ws.shared_hidden.data() + (s * T + t) * Ps;
-          shared_.bank().activate_row(h, train ? ws.shared_act.data() + (s * T + t) * Fs : h);
-        }
-      });
       for (Index s = 0; s < ns; ++s) {
-        float const* m =
-            train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
-        add_job(ws,
-                {m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
-                 ws.shared_out.data() + s * T * D, D, shared_.bank().packed_down(s),
-                 train ? nullptr : shared_.bank().packed_down_bf16(s), panel},
-                D);
+        Job job;
+        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr};
+        job.rows = T;
+        job.depth = Fs;
+        job.w = weights_of(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,
+                           0, use_bf16);
+        job.c = ws.shared_out.data() + s * T * D;
+        job.ldc = D;
+        job.cols = D;
+        add_job(ws, job, ws.total_tokens);
       }
       run_jobs(ws, pool);
     }
     RoutingPlan const& plan = ws.plan;
+    if (!train) {
+      Index const R = plan.num_rows();
+      parallel_for(pool, (R + kTileRows - 1) / kTileRows, [&](Index i, int) {
+        for (Index r = i * kTileRows; r < std::min(R, (i + 1) * kTileRows); ++r) {
+          float const w = plan.row_weight[static_cast<std::size_t>(r)];
+          float* row = ws.routed_out.data() + r * D;
+          for (Index c = 0; c < D; ++c) row[c] = row[c] * w;
+        }
+      });
+    }
     parallel_for(pool, token_tiles, [&](Index i, int) {
       kernels::CombineParams p;
       p.expert_out = ws.routed_out.data();
       p.ld_expert_out = D;
-      p.row_weight = plan.row_weight.data();
+      p.row_weight = train ? plan.row_weight.data() : nullptr;
       p.token_offsets = plan.token_offsets.data();
       p.token_rows = plan.token_rows.data();
       p.shared_out = ns > 0 ? ws.shared_out.data() : nullptr;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <span>
 #include <utility>
 #include <vector>
@@ -22,10 +23,12 @@
 #include "moe/experts/expert_types.hpp"
 #include "moe/experts/shared_experts.hpp"
 #include "moe/kernels/combine.hpp"
+#include "moe/kernels/expert_gemm.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
+#include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/routing/controls.hpp"
 
 namespace moe {
@@ -63,32 +66,20 @@ struct MoeFfnWorkspace {
   std::vector<float> logits;         ///< [T, E] router logits (after routing controls)
   Selection selection;               ///< the router's choices and scores
   RoutingPlan plan;                  ///< rows sorted by expert
-  std::vector<float> x_rows;         ///< [R, D] gathered inputs of the routed rows
-  std::vector<float> hidden;         ///< [R, P] pre-activations (m in place, inference)
-  std::vector<float> act;            ///< [R, F] activations m (training)
-  std::vector<float> expert_out;     ///< [R, D] expert outputs, row r = E_{e(r)}(x[token(r)])
-  std::vector<float> shared_hidden;  ///< [S*T, P_shared]
-  std::vector<float> shared_act;     ///< [S*T, F_shared] (training)
+  std::vector<float> x_rows;         ///< [R, D] gathered inputs of the routed rows (training)
+  std::vector<float> hidden;         ///< [R, P] pre-activations (training)
+  std::vector<float> act;            ///< [R, F] activations m
+  std::vector<float> expert_out;     ///< [R, D] expert outputs E_{e(r)}(x[token(r)]), scaled by
+                                     ///< the routing weight of row r in inference forwards
+  std::vector<float> shared_hidden;  ///< [S*T, P_shared] (training)
+  std::vector<float> shared_act;     ///< [S*T, F_shared]
   std::vector<float> shared_out;     ///< [S*T, D] shared-expert outputs
   std::vector<float> shared_gate;    ///< [T, S] sigmoid gates of the shared experts
-  std::vector<float> panels;         ///< per-thread packed weight panels
-  std::vector<std::uint32_t> bf16_scratch;  ///< per-thread bf16 activation pairs
-  double aux_loss = 0.0;                    ///< the balance policy's loss for the last routed call
+  std::vector<float> panels;         ///< per-thread kernel scratch (kernels::expert_cols)
+  double aux_loss = 0.0;             ///< the balance policy's loss for the last routed call
 
-  /// One projection C = A W^T over some output columns, a unit of parallel work.
-  struct Job {
-    float const* a;
-    Index lda, rows;
-    float const* w;
-    Index depth;
-    float* c;
-    Index ldc;
-    float const* packed = nullptr;  ///< W as [K, NP] panels (ExpertBank::pack), or null
-    std::uint32_t const* packed_bf16 = nullptr;  ///< W as bf16 panels, or null
-  };
-  struct Item {
-    Index job, col_begin, col_end;
-  };
+  using Job = detail::ExpertJob;    ///< one projection with its epilogue
+  using Item = detail::ExpertItem;  ///< panels x rows of a job: a unit of parallel work
   std::vector<Job> jobs;
   std::vector<Item> items;
 
@@ -260,21 +251,23 @@ class MoeFfn {
     grow(ws.plan.row_token, R);
     grow(ws.plan.row_weight, R);
     grow(ws.plan.token_rows, R);
-    grow(ws.x_rows, R * D);
-    grow(ws.hidden, R * bank_.hidden_cols());
+    grow(ws.act, R * d_ffn());
     grow(ws.expert_out, R * D);
     if constexpr (Shared::has_experts) {
-      grow(ws.shared_hidden, ns * max_tokens * shared_.bank().hidden_cols());
+      grow(ws.shared_act, ns * max_tokens * shared_.bank().d_ffn());
     }
     grow(ws.shared_out, ns * max_tokens * D);
     grow(ws.shared_gate, ns * max_tokens);
     grow(ws.panels, threads * panel_floats());
-    grow(ws.bf16_scratch, threads * kernels::bf16_scratch_words(panel_depth()));
     Index const jobs = 2 * (E + ns) + 1;
     grow(ws.jobs, jobs);
+    // Items: per job at most one per panel and row chunk; every routed expert's rows are one
+    // chunk unless it has more than detail::kItemRows rows.
     Index const np = kernels::panel_width();
-    grow(ws.items, (E + ns + 1) * ((std::max(bank_.hidden_cols(), D) + np - 1) / np + 2) +
-                       (ns + 1) * (max_tokens / kTileRows + 2) + R / kTileRows + E + 2);
+    Index const panels = (std::max({bank_.hidden_cols(), D, E}) + np - 1) / np;
+    grow(ws.items,
+         (jobs + 2 * (R / detail::kItemRows + 1) + 2 * ns * (max_tokens / detail::kItemRows + 1)) *
+             (panels + 1));
   }
 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
@@ -286,7 +279,16 @@ class MoeFfn {
     ws.panels.resize(static_cast<std::size_t>(threads_of(opt.pool) * panel_floats()));
     ws.jobs.clear();
     ws.items.clear();
-    add_job(ws, {x.data, x.row_stride, T, router_weight_.data(), d_model_, logits.data, E}, E);
+    MoeFfnWorkspace::Job job;
+    job.a = {x.data, x.row_stride, nullptr};
+    job.rows = T;
+    job.depth = d_model_;
+    job.w = detail::expert_weights(router_weight_.data(), E, nullptr, nullptr, d_model_, 0, false,
+                                   T < kernels::kPanelMinRows);
+    job.c = logits.data;
+    job.ldc = E;
+    job.cols = E;
+    add_job(ws, job);
     run_jobs(ws, opt.pool);
     for (Index t = 0; t < T; ++t) {
       float const* z = logits.row(t);
@@ -420,42 +422,23 @@ class MoeFfn {
     return k;
   }
   Index panel_floats() const {
-    Index const n = kernels::panel_scratch_size(panel_depth());
+    Index const n = kernels::expert_scratch_floats(panel_depth());
     return (n + 15) / 16 * 16;
   }
 
-  /// Queues C = A W^T over `cols` output columns as work items (a panel each, or 64 columns on
-  /// the small-row path).
-  static void add_job(MoeFfnWorkspace& ws, MoeFfnWorkspace::Job job, Index cols) {
-    if (job.rows == 0 || cols == 0) return;
-    Index const j = static_cast<Index>(ws.jobs.size());
-    ws.jobs.push_back(job);
-    Index const step = job.rows < kernels::kPanelMinRows && !job.packed && !job.packed_bf16
-                           ? 64
-                           : kernels::panel_width();
-    for (Index c = 0; c < cols; c += step) ws.items.push_back({j, c, std::min(cols, c + step)});
+  static void add_job(MoeFfnWorkspace& ws, MoeFfnWorkspace::Job const& job) {
+    detail::add_expert_job(ws.jobs, ws.items, job);
   }
-
+  static kernels::WeightPanels weights_of(float const* raw, Index rows, float const* packed,
+                                          std::uint32_t const* packed_bf16, Index depth, Index half,
+                                          bool use_bf16, Index job_rows) {
+    return detail::expert_weights(raw, rows, packed, packed_bf16, depth, half, use_bf16,
+                                  job_rows < kernels::kPanelMinRows);
+  }
   void run_jobs(MoeFfnWorkspace& ws, ThreadPool* pool) const {
-    Index const per = panel_floats();
-    Index const bf16_per = kernels::bf16_scratch_words(panel_depth());
-    parallel_for(pool, static_cast<Index>(ws.items.size()), [&](Index i, int thread) {
-      auto const item = ws.items[i];
-      auto const& job = ws.jobs[item.job];
-      if (job.packed_bf16) {
-        kernels::project_cols_bf16(job.a, job.lda, job.rows, job.packed_bf16, job.depth,
-                                   item.col_begin, item.col_end, job.c, job.ldc,
-                                   ws.bf16_scratch.data() + thread * bf16_per);
-      } else if (job.packed) {
-        kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth,
-                                     item.col_begin, item.col_end, job.c, job.ldc);
-      } else {
-        kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, item.col_begin,
-                              item.col_end, job.c, job.ldc, ws.panels.data() + thread * per);
-      }
-    });
-    ws.jobs.clear();
-    ws.items.clear();
+    using SharedX = typename detail::SharedExpertOr<Shared, Expert>::type;
+    detail::run_expert_jobs<Expert, SharedX>(ws.jobs, ws.items, pool, ws.panels.data(),
+                                             panel_floats());
   }
 
   void check_input(ConstMatrixView<float> x) const {
@@ -480,33 +463,37 @@ class MoeFfn {
                          ws.token_mask};
   }
 
-  /// Gather, up projection, activation, down projection, combine. With `train`, pre-activations
-  /// stay in ws.hidden and activations go to ws.act (and the shared twins).
+  /// In projection with the activation fused (m into ws.act), down projection with the routing
+  /// weight fused (inference), combine. Inference reads each routed row of x in place through
+  /// the plan's row_token (no gather copy). With `train`, the rows are gathered into ws.x_rows,
+  /// pre-activations kept in ws.hidden, and expert outputs stay unweighted (the backward and the
+  /// balance policies need them); the shared experts likewise.
   void run_experts(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
                    MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
+    using Job = MoeFfnWorkspace::Job;
     Index const T = x.rows, D = d_model_, E = num_experts(), F = d_ffn();
     Index const P = bank_.hidden_cols();
     Index const R = plan.num_rows();
     Index const ns = shared_.count();
-    ws.x_rows.resize(static_cast<std::size_t>(R * D));
-    ws.hidden.resize(static_cast<std::size_t>(R * P));
-    ws.act.resize(static_cast<std::size_t>(train ? R * F : 0));
+    ws.x_rows.resize(static_cast<std::size_t>(train ? R * D : 0));
+    ws.hidden.resize(static_cast<std::size_t>(train ? R * P : 0));
+    ws.act.resize(static_cast<std::size_t>(R * F));
     ws.expert_out.resize(static_cast<std::size_t>(R * D));
     ws.shared_out.resize(static_cast<std::size_t>(ns * T * D));
     ws.shared_gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
     ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * panel_floats()));
-    ws.bf16_scratch.resize(
-        static_cast<std::size_t>(threads_of(pool) * kernels::bf16_scratch_words(panel_depth())));
     Index Ps = 0, Fs = 0;
     if constexpr (Shared::has_experts) {
       Ps = shared_.bank().hidden_cols();
       Fs = shared_.bank().d_ffn();
     }
-    ws.shared_hidden.resize(static_cast<std::size_t>(ns * T * Ps));
-    ws.shared_act.resize(static_cast<std::size_t>(train ? ns * T * Fs : 0));
+    ws.shared_hidden.resize(static_cast<std::size_t>(train ? ns * T * Ps : 0));
+    ws.shared_act.resize(static_cast<std::size_t>(ns * T * Fs));
+    // bf16 panels serve inference only; training multiplies the exact fp32 weights.
+    bool const use_bf16 = !train;
 
-    // 1. Gather (dispatch) the routed rows; shared-expert gates.
-    Index const row_tiles = (R + kTileRows - 1) / kTileRows;
+    // 1. Training: gather (dispatch) the routed rows. Shared-expert gates.
+    Index const row_tiles = train ? (R + kTileRows - 1) / kTileRows : 0;
     Index const token_tiles = (T + kTileRows - 1) / kTileRows;
     parallel_for(pool, row_tiles + (Shared::gated ? token_tiles : 0), [&](Index i, int) {
       if (i < row_tiles) {
@@ -526,70 +513,82 @@ class MoeFfn {
         }
       }
     });
-    // 2. Up projections h = x W_in^T, per expert.
+    // 2. In projections with the activation in the epilogue: m = act(x W_gate^T) * (x W_up^T).
+    Index const half = Expert::gated ? F : 0;
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-      add_job(ws,
-              {ws.x_rows.data() + r0 * D, D, n, bank_.in_proj(e).data, D, ws.hidden.data() + r0 * P,
-               P, bank_.packed_in(e), train ? nullptr : bank_.packed_in_bf16(e)},
-              P);
+      Job job;
+      job.kind = Job::Kind::kRoutedHidden;
+      job.a = train ? kernels::RowSource{ws.x_rows.data() + r0 * D, D, nullptr}
+                    : kernels::RowSource{x.data, x.row_stride, plan.row_token.data() + r0};
+      job.rows = n;
+      job.depth = D;
+      job.w = weights_of(bank_.in_proj(e).data, P, bank_.packed_in(e), bank_.packed_in_bf16(e), D,
+                         half, use_bf16, n);
+      job.c = ws.act.data() + r0 * F;
+      job.ldc = F;
+      job.cols = F;
+      job.h = train ? ws.hidden.data() + r0 * P : nullptr;
+      job.ldh = P;
+      add_job(ws, job);
     }
     if constexpr (Shared::has_experts) {
+      using SX = typename Shared::Expert;
       for (Index s = 0; s < ns; ++s) {
-        add_job(ws,
-                {x.data, x.row_stride, T, shared_.bank().in_proj(s).data, D,
-                 ws.shared_hidden.data() + s * T * Ps, Ps, shared_.bank().packed_in(s),
-                 train ? nullptr : shared_.bank().packed_in_bf16(s)},
-                Ps);
+        auto const& sb = shared_.bank();
+        Job job;
+        job.kind = Job::Kind::kSharedHidden;
+        job.a = {x.data, x.row_stride, nullptr};
+        job.rows = T;
+        job.depth = D;
+        job.w = weights_of(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
+                           SX::gated ? Fs : 0, use_bf16, T);
+        job.c = ws.shared_act.data() + s * T * Fs;
+        job.ldc = Fs;
+        job.cols = Fs;
+        job.h = train ? ws.shared_hidden.data() + s * T * Ps : nullptr;
+        job.ldh = Ps;
+        add_job(ws, job);
       }
     }
     run_jobs(ws, pool);
-    // 3. Activations m = act(g) * u (in place for inference, into act for training).
-    Index const shared_tiles = ns * token_tiles;
-    parallel_for(pool, row_tiles + shared_tiles, [&](Index i, int) {
-      if (i < row_tiles) {
-        Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
-        for (Index r = r0; r < r1; ++r) {
-          float* h = ws.hidden.data() + r * P;
-          bank_.activate_row(h, train ? ws.act.data() + r * F : h);
-        }
-      } else if constexpr (Shared::has_experts) {
-        Index const s = (i - row_tiles) / token_tiles;
-        Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
-                    t1 = std::min(T, t0 + kTileRows);
-        for (Index t = t0; t < t1; ++t) {
-          float* h = ws.shared_hidden.data() + (s * T + t) * Ps;
-          shared_.bank().activate_row(h, train ? ws.shared_act.data() + (s * T + t) * Fs : h);
-        }
-      }
-    });
-    // 4. Down projections y_rows = m W_down^T.
+    // 3. Down projections y_rows = m W_down^T, times the routing weight in inference.
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-      float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
-      add_job(ws,
-              {m, train ? F : P, n, bank_.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D,
-               bank_.packed_down(e), train ? nullptr : bank_.packed_down_bf16(e)},
-              D);
+      Job job;
+      job.a = {ws.act.data() + r0 * F, F, nullptr};
+      job.rows = n;
+      job.depth = F;
+      job.w = weights_of(bank_.down_proj(e).data, D, bank_.packed_down(e),
+                         bank_.packed_down_bf16(e), F, 0, use_bf16, n);
+      job.c = ws.expert_out.data() + r0 * D;
+      job.ldc = D;
+      job.cols = D;
+      job.scale = train ? nullptr : plan.row_weight.data() + r0;
+      add_job(ws, job);
     }
     if constexpr (Shared::has_experts) {
       for (Index s = 0; s < ns; ++s) {
-        float const* m =
-            train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
-        add_job(ws,
-                {m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
-                 ws.shared_out.data() + s * T * D, D, shared_.bank().packed_down(s),
-                 train ? nullptr : shared_.bank().packed_down_bf16(s)},
-                D);
+        auto const& sb = shared_.bank();
+        Job job;
+        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr};
+        job.rows = T;
+        job.depth = Fs;
+        job.w = weights_of(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,
+                           0, use_bf16, T);
+        job.c = ws.shared_out.data() + s * T * D;
+        job.ldc = D;
+        job.cols = D;
+        add_job(ws, job);
       }
     }
     run_jobs(ws, pool);
-    // 5. Combine: each token's rows in slot order, then the shared experts.
+    // 4. Combine: each token's rows in slot order, then the shared experts.
     parallel_for(pool, token_tiles, [&](Index i, int) {
       kernels::CombineParams p;
       p.expert_out = ws.expert_out.data();
       p.ld_expert_out = D;
-      p.row_weight = plan.row_weight.data();
+      p.row_weight = train ? plan.row_weight.data() : nullptr;  // inference: already applied
       p.token_offsets = plan.token_offsets.data();
       p.token_rows = plan.token_rows.data();
       p.shared_out = ns > 0 ? ws.shared_out.data() : nullptr;

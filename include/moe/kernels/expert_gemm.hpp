@@ -1,0 +1,498 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The expert GEMM of the hot path: rows of activations read in place through an index (the
+/// dispatch gather fused into the GEMM's reads) times packed weight panels, with the rest of the
+/// expert applied in the epilogue while the tile is in registers:
+///   - GLU in projection: gate and up panels in one pass, m = act(g) * u stored (GluEpilogue);
+///   - MLP in projection: m = act(h) (ActEpilogue);
+///   - down projection: the routing weight of each row applied before the store (StoreEpilogue).
+/// Weight panels come packed ahead of time (fp32 or bf16, ExpertBank::pack) or are packed per
+/// call into scratch (fp32). While one panel is multiplied, the next one of the same work item is
+/// prefetched into L2 in slices spread over the row tiles, so DRAM streaming overlaps the FMAs.
+/// Every output element is one FMA chain over k in ascending order whose value depends only on its
+/// row, its column and K: bitwise the same for any M, tiling, work split or thread count (for a
+/// given path: M < kPanelMinRows with per-call packing uses dot products, see expert_cols).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "moe/core/config.hpp"
+#include "moe/core/types.hpp"
+#include "moe/kernels/activations.hpp"
+#include "moe/kernels/gemm.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
+#include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/simd.hpp"
+
+// GCC 12 reports the deliberately undefined first operand of some AVX-512 intrinsics (xsimd's
+// exp, shifts) as uninitialised once they are inlined here (GCC PR 105593, fixed in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#define MOE_EXPERT_GEMM_POP_DIAGNOSTIC 1
+#endif
+
+// Kept out of line: one call per work item, and GCC 12 applies the diagnostic pragma above only
+// to code that stays in this function.
+#if defined(__GNUC__) || defined(__clang__)
+#define MOE_NOINLINE __attribute__((noinline))
+#else
+#define MOE_NOINLINE
+#endif
+
+namespace moe::kernels {
+
+/// Rows of an activation matrix read in place: row i is base + (index ? index[i] : i) * ld.
+/// With an index (e.g. RoutingPlan::row_token of one expert) the gather is part of the GEMM.
+struct RowSource {
+  float const* base = nullptr;
+  Index ld = 0;
+  Index const* index = nullptr;
+  MOE_ALWAYS_INLINE float const* row(Index i) const { return base + (index ? index[i] : i) * ld; }
+};
+
+/// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
+/// columns c < N - p*NP that exist.
+struct StoreEpilogue {
+  float* c;                      ///< output [M, N] (ldc)
+  Index ldc;                     ///< row stride of c
+  Index cols;                    ///< N
+  float const* scale = nullptr;  ///< [M] per-row factors (routing weights) or null
+  static constexpr int kOperands = 1;
+  template <class B, int NB>
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+    constexpr Index L = static_cast<Index>(B::size);
+    Index const c0 = p * NB * L, nc = std::min(NB * L, cols - c0);
+    float* dst = c + i * ldc + c0;
+    B s(1.0f);
+    if (scale) s = B(scale[i]);
+    if (nc == NB * L) {
+      for (int j = 0; j < NB; ++j) {
+        if (scale) {
+          (v[j] * s).store_unaligned(dst + j * L);
+        } else {
+          v[j].store_unaligned(dst + j * L);
+        }
+      }
+    } else {
+      alignas(64) float tmp[NB * L];
+      for (int j = 0; j < NB; ++j) (scale ? v[j] * s : v[j]).store_aligned(tmp + j * L);
+      std::copy(tmp, tmp + nc, dst);
+    }
+  }
+};
+
+/// Epilogue of a gated (GLU) in projection over hidden units [p*NP, p*NP + NP): operand 0 is the
+/// gate panel, operand 1 the up panel; m = act(g) * u (kernels::glu's batch arithmetic). With h
+/// set, the pre-activations are kept for the backward: g at h[i, j], u at h[i, F + j].
+template <Activation A>
+struct GluEpilogue {
+  float* m;            ///< [M, F] (ldm)
+  Index ldm;           ///< row stride of m
+  Index units;         ///< F
+  float* h = nullptr;  ///< [M, 2F] (ldh) pre-activations, or null
+  Index ldh = 0;
+  static constexpr int kOperands = 2;
+  template <class B, int NB>
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+    constexpr Index L = static_cast<Index>(B::size);
+    constexpr int H = NB / 2;  // batches per operand
+    Index const j0 = p * H * L, nc = std::min(H * L, units - j0);
+    alignas(64) float tmp[3][H * L];
+    bool const full = nc == H * L;
+    for (int j = 0; j < H; ++j) {
+      B const out = detail::activate<A>(v[j]) * v[H + j];
+      if (full) {
+        out.store_unaligned(m + i * ldm + j0 + j * L);
+        if (h) {
+          v[j].store_unaligned(h + i * ldh + j0 + j * L);
+          v[H + j].store_unaligned(h + i * ldh + units + j0 + j * L);
+        }
+      } else {
+        out.store_aligned(tmp[0] + j * L);
+        v[j].store_aligned(tmp[1] + j * L);
+        v[H + j].store_aligned(tmp[2] + j * L);
+      }
+    }
+    if (!full) {
+      std::copy(tmp[0], tmp[0] + nc, m + i * ldm + j0);
+      if (h) {
+        std::copy(tmp[1], tmp[1] + nc, h + i * ldh + j0);
+        std::copy(tmp[2], tmp[2] + nc, h + i * ldh + units + j0);
+      }
+    }
+  }
+};
+
+/// Epilogue of an ungated (MLP) in projection: m = act(h); with h set the pre-activations too.
+template <Activation A>
+struct ActEpilogue {
+  float* m;            ///< [M, F] (ldm)
+  Index ldm;           ///< row stride of m
+  Index units;         ///< F
+  float* h = nullptr;  ///< [M, F] (ldh) pre-activations, or null
+  Index ldh = 0;
+  static constexpr int kOperands = 1;
+  template <class B, int NB>
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+    constexpr Index L = static_cast<Index>(B::size);
+    Index const j0 = p * NB * L, nc = std::min(NB * L, units - j0);
+    alignas(64) float tmp[2][NB * L];
+    for (int j = 0; j < NB; ++j) {
+      detail::activate<A>(v[j]).store_aligned(tmp[0] + j * L);
+      v[j].store_aligned(tmp[1] + j * L);
+    }
+    std::copy(tmp[0], tmp[0] + nc, m + i * ldm + j0);
+    if (h) std::copy(tmp[1], tmp[1] + nc, h + i * ldh + j0);
+  }
+};
+
+/// Largest row tile of the expert micro-kernels: 2 * kOperands * MR accumulators must fit the
+/// register file (32 vector registers with AVX-512, 16 otherwise).
+template <int Operands, class Arch = simd::DefaultArch>
+constexpr Index expert_max_mr() {
+  constexpr bool wide = simd::Batch<float, Arch>::size >= 16;
+  if constexpr (Operands == 1) return wide ? 8 : 6;
+  return wide ? 6 : 2;
+}
+
+namespace detail {
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MOE_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#else
+#define MOE_PREFETCH_L2(p) ((void)(p))
+#endif
+
+/// Prefetch cursors over the bytes of the next panel of each operand: one 64-byte line of each per
+/// k step. Row tile t of nt takes slice t of each panel, so with nt >= 2 tiles (every tile runs K
+/// steps, a panel has 2K lines) the whole next panel is in L2 by the time its first tile starts.
+struct Prefetch {
+  char const* next[2] = {nullptr, nullptr};
+  char const* end[2] = {nullptr, nullptr};
+  MOE_ALWAYS_INLINE void step() {
+    for (int o = 0; o < 2; ++o) {
+      if (next[o] < end[o]) {
+        MOE_PREFETCH_L2(next[o]);
+        next[o] += 64;
+      }
+    }
+  }
+};
+
+/// MR rows x (Ops operands x 2 batches) fp32 tile: acc[o*2+j][r] = sum_k a_r[k] panel_o[k, jL..].
+template <Index MR, int Ops, class Arch, class Epi>
+MOE_ALWAYS_INLINE void expert_tile_f32(float const* const* rows, float const* const* panels,
+                                       Index K, Epi const& epi, Index i0, Index p, Prefetch pf) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr Index NP = 2 * L;
+  constexpr int NB = 2 * Ops;
+  B acc[NB][MR];
+  for (int j = 0; j < NB; ++j) {
+    for (Index r = 0; r < MR; ++r) acc[j][r] = B(0.0f);
+  }
+  float const* a[MR];
+  for (Index r = 0; r < MR; ++r) a[r] = rows[r];
+  for (Index k = 0; k < K; ++k) {
+    pf.step();
+    B b[NB];
+    for (int o = 0; o < Ops; ++o) {
+      b[2 * o] = B::load_aligned(panels[o] + k * NP);
+      b[2 * o + 1] = B::load_aligned(panels[o] + k * NP + L);
+    }
+    for (Index r = 0; r < MR; ++r) {
+      B const av(a[r][k]);
+      for (int j = 0; j < NB; ++j) acc[j][r] = xsimd::fma(av, b[j], acc[j][r]);
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    B v[NB];
+    for (int j = 0; j < NB; ++j) v[j] = acc[j][r];
+    epi.row(i0 + r, p, v);
+  }
+}
+
+/// The bf16-weight tile without AVX512-BF16: weights widened to fp32 in registers.
+template <Index MR, int Ops, class Arch, class Epi>
+MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
+                                              std::uint32_t const* const* panels, Index K,
+                                              Epi const& epi, Index i0, Index p, Prefetch pf) {
+  using B = simd::Batch<float, Arch>;
+  using U = simd::Batch<std::uint32_t, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr Index NP = 2 * L;
+  constexpr int NB = 2 * Ops;
+  B acc[NB][MR];
+  for (int j = 0; j < NB; ++j) {
+    for (Index r = 0; r < MR; ++r) acc[j][r] = B(0.0f);
+  }
+  float const* a[MR];
+  for (Index r = 0; r < MR; ++r) a[r] = rows[r];
+  U const hi_mask(0xFFFF0000u);
+  Index const kp_count = (K + 1) / 2;
+  for (Index kp = 0; kp < kp_count; ++kp) {
+    pf.step();
+    U w[NB];
+    for (int o = 0; o < Ops; ++o) {
+      w[2 * o] = U::load_aligned(panels[o] + kp * NP);
+      w[2 * o + 1] = U::load_aligned(panels[o] + kp * NP + L);
+    }
+    bool const odd = 2 * kp + 1 < K;
+    for (Index r = 0; r < MR; ++r) {
+      B const ae(a[r][2 * kp]);
+      for (int j = 0; j < NB; ++j) {
+        acc[j][r] = xsimd::fma(ae, xsimd::bitwise_cast<B>(w[j] << 16), acc[j][r]);
+      }
+      if (odd) {
+        B const ao(a[r][2 * kp + 1]);
+        for (int j = 0; j < NB; ++j) {
+          acc[j][r] = xsimd::fma(ao, xsimd::bitwise_cast<B>(w[j] & hi_mask), acc[j][r]);
+        }
+      }
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    B v[NB];
+    for (int j = 0; j < NB; ++j) v[j] = acc[j][r];
+    epi.row(i0 + r, p, v);
+  }
+}
+
+#if MOE_HAS_AVX512BF16
+/// Activation rows -> bf16 pairs (round to nearest even, as float_to_bf16), kp_count per row.
+inline void rows_to_bf16_pairs(float const* const* rows, Index n, Index K, std::uint32_t* dst) {
+  Index const kp_count = (K + 1) / 2;
+  for (Index r = 0; r < n; ++r) {
+    float const* a = rows[r];
+    std::uint32_t* d = dst + r * kp_count;
+    Index kp = 0;
+    for (; 2 * kp + 32 <= K; kp += 16) {
+      __m512bh const v =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 2 * kp + 16), _mm512_loadu_ps(a + 2 * kp));
+      _mm512_storeu_si512(d + kp, reinterpret_cast<__m512i>(v));
+    }
+    for (; kp < kp_count; ++kp) {
+      std::uint32_t const lo = float_to_bf16(a[2 * kp]);
+      std::uint32_t const hi = 2 * kp + 1 < K ? float_to_bf16(a[2 * kp + 1]) : 0u;
+      d[kp] = lo | (hi << 16);
+    }
+  }
+}
+
+/// The AVX512-BF16 tile: activations as bf16 pairs (`apairs`, MR rows of kp_count), vdpbf16ps.
+template <Index MR, int Ops, class Arch, class Epi>
+MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
+                                           std::uint32_t const* const* panels, Index K,
+                                           Epi const& epi, Index i0, Index p, Prefetch pf) {
+  using B = simd::Batch<float, Arch>;
+  constexpr int NB = 2 * Ops;
+  Index const kp_count = (K + 1) / 2;
+  __m512 acc[NB][MR];
+  for (int j = 0; j < NB; ++j) {
+    for (Index r = 0; r < MR; ++r) acc[j][r] = _mm512_setzero_ps();
+  }
+  for (Index kp = 0; kp < kp_count; ++kp) {
+    pf.step();
+    __m512bh b[NB];
+    for (int o = 0; o < Ops; ++o) {
+      b[2 * o] = reinterpret_cast<__m512bh>(_mm512_load_si512(panels[o] + kp * 32));
+      b[2 * o + 1] = reinterpret_cast<__m512bh>(_mm512_load_si512(panels[o] + kp * 32 + 16));
+    }
+    for (Index r = 0; r < MR; ++r) {
+      __m512bh const av = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int>(apairs[r * kp_count + kp])));
+      for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], av, b[j]);
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    B v[NB];
+    for (int j = 0; j < NB; ++j) v[j] = B(acc[j][r]);
+    epi.row(i0 + r, p, v);
+  }
+}
+#endif
+
+/// Calls tile.template operator()<mr>(i0) for a balanced split of M rows into tiles of at most
+/// MaxMR rows (e.g. 32 rows -> 8 8 8 8, 30 -> 8 8 7 7): no narrow remainder tile, whose few
+/// accumulators could not hide the FMA latency.
+template <Index MaxMR, class Tile>
+MOE_ALWAYS_INLINE void for_each_row_tile(Index M, Tile&& tile) {
+  Index const nt = (M + MaxMR - 1) / MaxMR;
+  Index const base = M / nt, extra = M % nt;
+  Index i0 = 0;
+  for (Index t = 0; t < nt; ++t) {
+    Index const mr = base + (t < extra ? 1 : 0);
+    switch (mr) {
+      case 8:
+        if constexpr (MaxMR >= 8) tile.template operator()<8>(t, nt, i0);
+        break;
+      case 7:
+        if constexpr (MaxMR >= 7) tile.template operator()<7>(t, nt, i0);
+        break;
+      case 6:
+        if constexpr (MaxMR >= 6) tile.template operator()<6>(t, nt, i0);
+        break;
+      case 5:
+        if constexpr (MaxMR >= 5) tile.template operator()<5>(t, nt, i0);
+        break;
+      case 4:
+        if constexpr (MaxMR >= 4) tile.template operator()<4>(t, nt, i0);
+        break;
+      case 3:
+        if constexpr (MaxMR >= 3) tile.template operator()<3>(t, nt, i0);
+        break;
+      case 2:
+        tile.template operator()<2>(t, nt, i0);
+        break;
+      default:
+        tile.template operator()<1>(t, nt, i0);
+        break;
+    }
+    i0 += mr;
+  }
+}
+
+/// Row tile t of nt prefetches slice t of the `bytes` bytes at next[o] (null: nothing).
+inline Prefetch prefetch_slices(char const* const* next, int ops, Index bytes, Index t, Index nt) {
+  Prefetch pf;
+  if (nt < 2) return pf;
+  Index const per = (bytes / nt + 63) / 64 * 64;
+  Index const b0 = std::min(bytes, t * per), b1 = std::min(bytes, b0 + per);
+  for (int o = 0; o < ops; ++o) {
+    if (next[o]) {
+      pf.next[o] = next[o] + b0;
+      pf.end[o] = next[o] + b1;
+    }
+  }
+  return pf;
+}
+
+}  // namespace detail
+
+/// Where the weight panels of an expert projection come from.
+///   f32:  operand o's panel p is f32[o] + p * K * NP (ExpertBank::packed_in/packed_down layout);
+///   bf16: operand o's panel p is bf16[o] + p * ((K + 1) / 2) * NP words;
+///   raw:  neither: panels are packed per call from raw[o] (rows of W, row stride K), the panel
+///         of operand o covering W rows [p * NP, p * NP + NP) clipped to raw_rows[o]; or, with
+///         dot_products, no packing: gemm_nt dot products row by row (weights streamed once).
+/// Exactly one of f32[0], bf16[0], raw[0] is set. The caller chooses dot_products by the size
+/// of the whole projection (not of one call), so a row's arithmetic never depends on the split.
+struct WeightPanels {
+  float const* f32[2] = {nullptr, nullptr};
+  std::uint32_t const* bf16[2] = {nullptr, nullptr};
+  float const* raw[2] = {nullptr, nullptr};
+  Index raw_rows[2] = {0, 0};
+  bool dot_products = false;
+};
+
+/// Floats of per-thread scratch expert_cols needs for depth K: two fp32 panels (per-call packing),
+/// the row pointers, bf16 activation pairs and the small-M staging tile, 64-byte aligned.
+template <class Arch = simd::DefaultArch>
+constexpr Index expert_scratch_floats(Index K) {
+  constexpr Index NP = panel_width<Arch>();
+  return 2 * K * NP + 8 * ((K + 1) / 2) + 2 * NP + 64;
+}
+
+/// Columns [p0 * NP, p1 * NP) (panels p0..p1-1; NP = panel_width()) of an expert projection of the
+/// M rows of `a` (depth K) against `w`, finished by `epi` (StoreEpilogue, GluEpilogue,
+/// ActEpilogue; Epi::kOperands weight operands). Paths, chosen by the weights and M only:
+///   - packed fp32 or bf16 panels: the panel micro-kernels, row tiles of up to
+///     expert_max_mr() rows, the next panel prefetched;
+///   - raw weights: per-call packing into scratch, then the fp32 micro-kernel;
+///   - raw weights with w.dot_products (for few rows): gemm_nt dot products per row (weights
+///     streamed once, no packing), staged in scratch and passed to the epilogue.
+/// `scratch` holds expert_scratch_floats(K) floats. Allocates nothing.
+template <class Epi, class Arch = simd::DefaultArch>
+MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const& w, Index p0,
+                              Index p1, Epi const& epi, float* scratch) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr Index NP = 2 * L;
+  constexpr int Ops = Epi::kOperands;
+  constexpr int NB = 2 * Ops;
+  constexpr Index MaxMR = expert_max_mr<Ops, Arch>();
+  if (M <= 0 || p1 <= p0) return;
+  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
+  float* const panel_buf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
+  float* const stage = panel_buf + 2 * K * NP;  // dot-product path: one row of NB batches
+  std::uint32_t* const pairs = reinterpret_cast<std::uint32_t*>(stage + 2 * NP);
+  float const* row_ptr_storage[8];
+
+  if (w.raw[0] && w.dot_products) {
+    for (Index p = p0; p < p1; ++p) {
+      for (Index i = 0; i < M; ++i) {
+        float const* ai = a.row(i);
+        for (int o = 0; o < Ops; ++o) {
+          Index const n0 = p * NP, nc = std::min(NP, w.raw_rows[o] - n0);
+          float* dst = stage + o * NP;
+          std::fill(dst, dst + NP, 0.0f);
+          if (nc > 0) gemm_nt<Arch>(ai, K, w.raw[o] + n0 * K, K, dst, NP, 1, nc, K);
+        }
+        B v[NB];
+        for (int j = 0; j < NB; ++j) v[j] = B::load_aligned(stage + j * L);
+        epi.row(i, p, v);
+      }
+    }
+    return;
+  }
+
+  for (Index p = p0; p < p1; ++p) {
+    // This panel of every operand, and the next one's bytes to prefetch.
+    bool const last = p + 1 == p1;
+    if (w.bf16[0]) {
+      Index const words = (K + 1) / 2 * NP;
+      std::uint32_t const* panels[2] = {w.bf16[0] + p * words,
+                                        Ops > 1 ? w.bf16[1] + p * words : nullptr};
+      char const* next[2] = {nullptr, nullptr};
+      if (!last) {
+        for (int o = 0; o < Ops; ++o) next[o] = reinterpret_cast<char const*>(panels[o] + words);
+      }
+      Index const bytes = words * 4;
+      detail::for_each_row_tile<MaxMR>(M, [&]<Index MR>(Index t, Index nt, Index i0) {
+        for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(i0 + r);
+        detail::Prefetch const pf = detail::prefetch_slices(next, Ops, bytes, t, nt);
+#if MOE_HAS_AVX512BF16
+        if constexpr (NP == 32) {
+          detail::rows_to_bf16_pairs(row_ptr_storage, MR, K, pairs);
+          detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs, panels, K, epi, i0, p, pf);
+          return;
+        }
+#endif
+        (void)pairs;
+        detail::expert_tile_bf16_widen<MR, Ops, Arch>(row_ptr_storage, panels, K, epi, i0, p, pf);
+      });
+      continue;
+    }
+    float const* panels[2] = {nullptr, nullptr};
+    char const* next[2] = {nullptr, nullptr};
+    if (w.f32[0]) {
+      for (int o = 0; o < Ops; ++o) {
+        panels[o] = w.f32[o] + p * K * NP;
+        if (!last) next[o] = reinterpret_cast<char const*>(panels[o] + K * NP);
+      }
+    } else {
+      for (int o = 0; o < Ops; ++o) {
+        float* dst = panel_buf + o * K * NP;
+        Index const n0 = p * NP, nc = std::max<Index>(0, std::min(NP, w.raw_rows[o] - n0));
+        pack_panel<Arch>(w.raw[o], K, n0, nc, K, dst);
+        panels[o] = dst;
+      }
+    }
+    Index const bytes = K * NP * 4;
+    detail::for_each_row_tile<MaxMR>(M, [&]<Index MR>(Index t, Index nt, Index i0) {
+      for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(i0 + r);
+      detail::Prefetch const pf = detail::prefetch_slices(next, Ops, bytes, t, nt);
+      detail::expert_tile_f32<MR, Ops, Arch>(row_ptr_storage, panels, K, epi, i0, p, pf);
+    });
+  }
+}
+
+}  // namespace moe::kernels
+
+#ifdef MOE_EXPERT_GEMM_POP_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#undef MOE_EXPERT_GEMM_POP_DIAGNOSTIC
+#endif

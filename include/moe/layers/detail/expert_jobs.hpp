@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The work queue of expert projections shared by MoeFfn and ExpertParallelMoeFfn (not public
+/// API): jobs (one projection of some rows with its epilogue) split into items of panels x rows,
+/// run on a ThreadPool through kernels::expert_cols. Items are fixed by the shapes alone and
+/// every output element is computed by one item, so results are bitwise identical for any number
+/// of threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/types.hpp"
+#include "moe/kernels/expert_gemm.hpp"
+
+namespace moe::detail {
+
+/// One projection of `rows` rows of `a` (depth K) against one weight matrix, or against the gate
+/// and up halves of a GLU in projection, finished by an epilogue.
+struct ExpertJob {
+  enum class Kind : std::uint8_t {
+    kStore,         ///< c = scale * (a W^T)                       (kernels::StoreEpilogue)
+    kRoutedHidden,  ///< m = act(g) * u or act(h), routed experts' activation (Glu/ActEpilogue)
+    kSharedHidden,  ///< the same with the shared experts' activation
+  };
+  Kind kind = Kind::kStore;
+  kernels::RowSource a;  ///< the rows: gathered through an index, or strided
+  Index rows = 0, depth = 0;
+  kernels::WeightPanels w;       ///< packed panels or raw weights (see expert_weights)
+  float* c = nullptr;            ///< kStore: output [rows, cols]; hidden kinds: m [rows, cols = F]
+  Index ldc = 0, cols = 0;       ///< row stride and columns of c
+  float const* scale = nullptr;  ///< kStore: per-row factors (routing weights) or null
+  float* h = nullptr;            ///< hidden kinds: pre-activations [rows, P] (training) or null
+  Index ldh = 0;
+};
+
+/// Panels [p0, p1) of rows [r0, r1) of one job.
+struct ExpertItem {
+  Index job, p0, p1, r0, r1;
+};
+
+/// A job's rows are split into chunks of at most this many rows per item.
+inline constexpr Index kItemRows = 512;
+/// Panels per item with packed weights (the next panel of an item is prefetched while the
+/// current one is multiplied); raw weights take one panel per item (each packs its own).
+inline constexpr Index kItemPanels = 4;
+
+/// The weights of a projection as kernels::expert_cols reads them: bf16 panels (if use_bf16),
+/// fp32 panels, or the raw rows [rows, depth]. half > 0 splits a GLU in projection into gate
+/// rows [0, half) and up rows [half, 2 half) (packed panels need half % panel_width() == 0,
+/// raw weights are used otherwise). `dot_products`: raw weights go through gemm_nt row by row
+/// (set it for jobs of fewer than kernels::kPanelMinRows rows).
+inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float const* packed,
+                                            std::uint32_t const* packed_bf16, Index depth,
+                                            Index half, bool use_bf16, bool dot_products) {
+  Index const np = kernels::panel_width();
+  kernels::WeightPanels w;
+  bool const aligned = half == 0 || half % np == 0;
+  if (use_bf16 && packed_bf16 && aligned) {
+    w.bf16[0] = packed_bf16;
+    if (half > 0) w.bf16[1] = packed_bf16 + (half / np) * ((depth + 1) / 2) * np;
+  } else if (packed && aligned) {
+    w.f32[0] = packed;
+    if (half > 0) w.f32[1] = packed + (half / np) * depth * np;
+  } else {
+    w.raw[0] = raw;
+    w.raw_rows[0] = half > 0 ? half : rows;
+    if (half > 0) {
+      w.raw[1] = raw + half * depth;
+      w.raw_rows[1] = half;
+    }
+    w.dot_products = dot_products;
+  }
+  return w;
+}
+
+/// Queues a job as items of (panels, rows).
+inline void add_expert_job(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& items,
+                           ExpertJob const& job) {
+  if (job.rows == 0 || job.cols == 0) return;
+  Index const np = kernels::panel_width();
+  Index const j = static_cast<Index>(jobs.size());
+  jobs.push_back(job);
+  Index const panels = (job.cols + np - 1) / np;
+  Index const group = job.w.raw[0] ? 1 : kItemPanels;
+  for (Index r0 = 0; r0 < job.rows; r0 += kItemRows) {
+    Index const r1 = std::min(job.rows, r0 + kItemRows);
+    for (Index p = 0; p < panels; p += group) {
+      items.push_back({j, p, std::min(panels, p + group), r0, r1});
+    }
+  }
+}
+
+/// The expert type of a shared-expert policy, or Fallback when it has none.
+template <class S, class Fallback>
+struct SharedExpertOr {
+  using type = Fallback;
+};
+template <class S, class Fallback>
+requires(S::has_experts) struct SharedExpertOr<S, Fallback> {
+  using type = typename S::Expert;
+};
+
+/// An in-projection item with the expert's activation in the epilogue.
+template <class X>
+void run_hidden_item(ExpertJob const& job, kernels::RowSource a, Index M, ExpertItem const& item,
+                     float* scratch) {
+  float* m = job.c + item.r0 * job.ldc;
+  float* h = job.h ? job.h + item.r0 * job.ldh : nullptr;
+  if constexpr (X::gated) {
+    kernels::GluEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
+    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch);
+  } else {
+    kernels::ActEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
+    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch);
+  }
+}
+
+/// Runs and clears the queue. `scratch` holds `per_thread` floats per pool thread, at least
+/// kernels::expert_scratch_floats(depth) for every job's depth.
+template <class RoutedX, class SharedX>
+void run_expert_jobs(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& items, ThreadPool* pool,
+                     float* scratch, Index per_thread) {
+  parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
+    ExpertItem const item = items[static_cast<std::size_t>(i)];
+    ExpertJob const& job = jobs[static_cast<std::size_t>(item.job)];
+    float* s = scratch + thread * per_thread;
+    kernels::RowSource a = job.a;
+    if (a.index) {
+      a.index += item.r0;
+    } else {
+      a.base += item.r0 * a.ld;
+    }
+    Index const M = item.r1 - item.r0;
+    switch (job.kind) {
+      case ExpertJob::Kind::kStore: {
+        kernels::StoreEpilogue const epi{job.c + item.r0 * job.ldc, job.ldc, job.cols,
+                                         job.scale ? job.scale + item.r0 : nullptr};
+        kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, s);
+        break;
+      }
+      case ExpertJob::Kind::kRoutedHidden:
+        run_hidden_item<RoutedX>(job, a, M, item, s);
+        break;
+      case ExpertJob::Kind::kSharedHidden:
+        run_hidden_item<SharedX>(job, a, M, item, s);
+        break;
+    }
+  });
+  jobs.clear();
+  items.clear();
+}
+
+}  // namespace moe::detail

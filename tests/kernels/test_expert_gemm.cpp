@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0
+// kernels::expert_cols (the hot path's expert GEMM with fused gather and epilogues) against a
+// scalar double reference, for every weight source, epilogue and tail size.
+// This TU is built twice: with -march=native (moe_tests) and without -m flags (moe_tests_sse2).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <vector>
+
+#include "moe/kernels/expert_gemm.hpp"
+#include "support/helpers.hpp"
+#include "support/reference.hpp"
+
+using moe::Index;
+using moe::kernels::Activation;
+namespace kernels = moe::kernels;
+
+namespace {
+
+constexpr Index NP = kernels::panel_width();
+template <class T>
+using Aligned = std::vector<T, xsimd::aligned_allocator<T, 64>>;
+
+enum class Source { kPacked, kRaw, kRawDot, kBf16 };
+
+double bf16_round(float v) {
+  return static_cast<double>(kernels::bf16_to_float(kernels::float_to_bf16(v)));
+}
+
+/// The weights of one operand (rows [N, K]) in the form `src` needs.
+struct Operand {
+  std::vector<float> raw;
+  Aligned<float> f32;
+  Aligned<std::uint32_t> bf16;
+  Operand(std::vector<float> w, Index N, Index K) : raw(std::move(w)) {
+    Index const panels = (N + NP - 1) / NP, words = (K + 1) / 2 * NP;
+    f32.resize(static_cast<std::size_t>(panels * K * NP));
+    bf16.resize(static_cast<std::size_t>(panels * words));
+    for (Index p = 0; p < panels; ++p) {
+      Index const nc = std::min(NP, N - p * NP);
+      kernels::pack_panel(raw.data(), K, p * NP, nc, K, f32.data() + p * K * NP);
+      kernels::pack_panel_bf16(raw.data(), K, p * NP, nc, K, bf16.data() + p * words);
+    }
+  }
+};
+
+void set_operand(kernels::WeightPanels& w, int o, Operand const& op, Source src, Index N) {
+  if (src == Source::kPacked) w.f32[o] = op.f32.data();
+  if (src == Source::kBf16) w.bf16[o] = op.bf16.data();
+  if (src == Source::kRaw || src == Source::kRawDot) {
+    w.raw[o] = op.raw.data();
+    w.raw_rows[o] = N;
+    w.dot_products = src == Source::kRawDot;
+  }
+}
+
+/// Does the bf16 path round the activations too (AVX512-BF16 dot products)?
+bool rounds_activations() { return kernels::has_avx512_bf16() && NP == 32; }
+
+/// sum_k a[k] w[k] in double, with the operand rounding of `src`.
+double dot(float const* a, float const* w, Index K, Source src) {
+  double s = 0.0;
+  for (Index k = 0; k < K; ++k) {
+    double const av = src == Source::kBf16 && rounds_activations() ? bf16_round(a[k]) : a[k];
+    double const wv = src == Source::kBf16 ? bf16_round(w[k]) : w[k];
+    s += av * wv;
+  }
+  return s;
+}
+
+char const* name(Source s) {
+  switch (s) {
+    case Source::kPacked:
+      return "packed";
+    case Source::kRaw:
+      return "raw";
+    case Source::kRawDot:
+      return "raw, dot products";
+    case Source::kBf16:
+      return "bf16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+TEST_CASE("expert_cols with StoreEpilogue: gathered rows times W^T, scaled per row",
+          "[kernels][expert_gemm]") {
+  for (Source src : {Source::kPacked, Source::kRaw, Source::kRawDot, Source::kBf16}) {
+    for (Index K : {Index{1}, Index{17}, Index{64}}) {
+      for (Index M : {Index{1}, Index{3}, Index{7}, Index{8}, Index{13}, Index{33}}) {
+        for (Index N : {Index{1}, NP - 1, 2 * NP + 5}) {
+          INFO(name(src) << " M " << M << " N " << N << " K " << K);
+          Index const T = M + 4;  // source rows; each of the M rows picks one
+          auto X = test::random_vector(T * (K + 3), 301);
+          std::vector<Index> index(static_cast<std::size_t>(M));
+          for (Index i = 0; i < M; ++i) index[i] = (i * 7 + 3) % T;
+          auto scale = test::random_vector(M, 302, 0.1f, 1.0f);
+          Operand op(test::random_vector(N * K, 303), N, K);
+          kernels::WeightPanels w;
+          set_operand(w, 0, op, src, N);
+          Index const ldc = N + 2;
+          std::vector<float> C(static_cast<std::size_t>(M * ldc), -7.0f);
+          std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+          kernels::RowSource const a{X.data(), K + 3, index.data()};
+          Index const panels = (N + NP - 1) / NP;
+          // Two calls over a split of the panels: items of one job.
+          kernels::StoreEpilogue const epi{C.data(), ldc, N, scale.data()};
+          kernels::expert_cols(a, M, K, w, 0, panels / 2, epi, scratch.data());
+          kernels::expert_cols(a, M, K, w, panels / 2, panels, epi, scratch.data());
+          for (Index i = 0; i < M; ++i) {
+            for (Index j = 0; j < N; ++j) {
+              double const want =
+                  scale[i] * dot(X.data() + index[i] * (K + 3), op.raw.data() + j * K, K, src);
+              REQUIRE(C[i * ldc + j] == Approx(want).margin(2e-5 * (1 + K)));
+            }
+            for (Index j = N; j < ldc; ++j) REQUIRE(C[i * ldc + j] == -7.0f);  // untouched
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("expert_cols with GluEpilogue: gate and up in one pass, act(g) * u in registers",
+          "[kernels][expert_gemm]") {
+  for (Activation act : {Activation::kSilu, Activation::kGeluTanh}) {
+    for (Source src : {Source::kPacked, Source::kRaw, Source::kRawDot, Source::kBf16}) {
+      for (Index F : {Index{5}, NP, 2 * NP + 3}) {
+        for (Index M : {Index{1}, Index{6}, Index{8}, Index{21}}) {
+          Index const K = 37;
+          INFO(name(src) << " act " << kernels::to_string(act) << " F " << F << " M " << M);
+          auto X = test::random_vector(M * K, 311, -2.0f, 2.0f);
+          auto Win = test::random_vector(2 * F * K, 312);  // HF fused [gate; up], [2F, K]
+          Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
+          Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+          kernels::WeightPanels w;
+          set_operand(w, 0, gate, src, F);
+          set_operand(w, 1, up, src, F);
+          std::vector<float> m(static_cast<std::size_t>(M * F)),
+              h(static_cast<std::size_t>(M * 2 * F));
+          std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+          kernels::RowSource const a{X.data(), K, nullptr};
+          Index const panels = (F + NP - 1) / NP;
+          if (act == Activation::kSilu) {
+            kernels::GluEpilogue<Activation::kSilu> const epi{m.data(), F, F, h.data(), 2 * F};
+            kernels::expert_cols(a, M, K, w, 0, panels, epi, scratch.data());
+          } else {
+            kernels::GluEpilogue<Activation::kGeluTanh> const epi{m.data(), F, F, h.data(), 2 * F};
+            kernels::expert_cols(a, M, K, w, 0, panels, epi, scratch.data());
+          }
+          for (Index i = 0; i < M; ++i) {
+            for (Index j = 0; j < F; ++j) {
+              double const g = dot(X.data() + i * K, Win.data() + j * K, K, src);
+              double const u = dot(X.data() + i * K, Win.data() + (F + j) * K, K, src);
+              REQUIRE(h[i * 2 * F + j] == Approx(g).margin(1e-4));
+              REQUIRE(h[i * 2 * F + F + j] == Approx(u).margin(1e-4));
+              REQUIRE(m[i * F + j] == Approx(ref::activate(act, g) * u).margin(2e-4));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("expert_cols with ActEpilogue: act(x W^T), pre-activations optional",
+          "[kernels][expert_gemm]") {
+  for (Source src : {Source::kPacked, Source::kRaw, Source::kRawDot}) {
+    Index const K = 19, F = NP + 7;
+    for (Index M : {Index{2}, Index{9}}) {
+      auto X = test::random_vector(M * K, 321, -3.0f, 3.0f);
+      Operand op(test::random_vector(F * K, 322), F, K);
+      kernels::WeightPanels w;
+      set_operand(w, 0, op, src, F);
+      std::vector<float> m(static_cast<std::size_t>(M * F));
+      std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+      kernels::ActEpilogue<Activation::kRelu> const epi{m.data(), F, F};
+      kernels::expert_cols(kernels::RowSource{X.data(), K, nullptr}, M, K, w, 0, 2, epi,
+                           scratch.data());
+      for (Index i = 0; i < M; ++i) {
+        for (Index j = 0; j < F; ++j) {
+          double const z = dot(X.data() + i * K, op.raw.data() + j * K, K, src);
+          REQUIRE(m[i * F + j] == Approx(std::max(z, 0.0)).margin(1e-4));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("expert_cols: a row's result does not depend on the other rows or the panel split",
+          "[kernels][expert_gemm]") {
+  // Rows tile differently for M = 40 and M = 9 (balanced tiles of up to 8 or 6 rows), and the
+  // prefetch slices change with the tile count: the values must not.
+  Index const K = 300, N = 3 * NP;
+  auto X = test::random_vector(40 * K, 331);
+  for (Source src : {Source::kPacked, Source::kBf16}) {
+    Operand op(test::random_vector(N * K, 332), N, K);
+    kernels::WeightPanels w;
+    set_operand(w, 0, op, src, N);
+    std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+    std::vector<float> all(static_cast<std::size_t>(40 * N)), part(static_cast<std::size_t>(9 * N));
+    kernels::expert_cols(kernels::RowSource{X.data(), K, nullptr}, 40, K, w, 0, 3,
+                         kernels::StoreEpilogue{all.data(), N, N}, scratch.data());
+    std::vector<Index> index{31, 8, 9, 10, 11, 12, 13, 14, 39};
+    for (Index p = 0; p < 3; ++p) {
+      kernels::expert_cols(kernels::RowSource{X.data(), K, index.data()}, 9, K, w, p, p + 1,
+                           kernels::StoreEpilogue{part.data(), N, N}, scratch.data());
+    }
+    for (Index i = 0; i < 9; ++i) {
+      for (Index j = 0; j < N; ++j) REQUIRE(part[i * N + j] == all[index[i] * N + j]);
+    }
+  }
+}
