@@ -4,8 +4,9 @@
 // The hot path against the machine's limits and against a naive baseline, in one binary run.
 //
 // What it measures (2 threads unless the name says pool:1):
-//   - BM_Peak_FmaF32 / BM_Peak_ReadBandwidth: this machine's fp32 FMA throughput and DRAM read
-//     bandwidth, measured at start-up (0.3 s each) and used by every counter below.
+//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_ReadBandwidth: this machine's fp32 FMA and
+//     AVX512-BF16 dot-product throughput and DRAM read bandwidth, measured at start-up and used by
+//     the counters below (bf16_peak_frac of the ForwardBf16 rows uses the bf16 peak).
 //   - BM_Layer_<Shape>_{Forward,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE, Mixtral-like and
 //     DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048}, with
 //       tokens/s, GFLOP/s,
@@ -106,12 +107,51 @@ double measure_read_bandwidth(int threads) {
   return best;
 }
 
+/// AVX512-BF16 dot-product throughput: vdpbf16ps on 16 independent accumulators; each
+/// instruction is 32 bf16 multiply-adds into 16 fp32 lanes = 64 FLOP. 0 without AVX512-BF16.
+double measure_bf16_peak(int threads) {
+#if MOE_HAS_AVX512BF16
+  std::vector<double> per(static_cast<std::size_t>(threads));
+  auto run = [&](Index, int t) {
+    constexpr int kAcc = 16;
+    __m512 acc[kAcc];
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i + t));
+    __m512bh const a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3F803F80));  // (1, 1)
+    __m512bh const b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x33D633D6));  // (1e-7, ..)
+    long const iters = 1 << 22;
+    auto t0 = std::chrono::steady_clock::now();
+    for (long it = 0; it < iters; ++it) {
+      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    }
+    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < kAcc; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    benchmark::DoNotOptimize(sum);
+    per[static_cast<std::size_t>(t)] = 64.0 * kAcc * static_cast<double>(iters) / s;
+  };
+  moe::ThreadPool p(threads);
+  double best = 0.0;
+  for (int rep = 0; rep < 3; ++rep) {
+    p.parallel_for(threads, run);
+    double total = 0.0;
+    for (double v : per) total += v;
+    best = std::max(best, total);
+  }
+  return best;
+#else
+  (void)threads;
+  return 0.0;
+#endif
+}
+
 struct Limits {
   double fma = 0.0;        // FLOP/s, kThreads threads
   double bandwidth = 0.0;  // bytes/s, kThreads threads
+  double bf16 = 0.0;       // FLOP/s of AVX512-BF16 dot products, kThreads threads (0: none)
 };
 Limits const& limits() {
-  static Limits l{measure_fma_peak(kThreads), measure_read_bandwidth(kThreads)};
+  static Limits l{measure_fma_peak(kThreads), measure_read_bandwidth(kThreads),
+                  measure_bf16_peak(kThreads)};
   return l;
 }
 
@@ -122,6 +162,20 @@ void BM_Peak_FmaF32(benchmark::State& state) {
   state.counters["GFLOP/s"] = v / 1e9;
 }
 BENCHMARK(BM_Peak_FmaF32)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("threads")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+
+void BM_Peak_Bf16Dot(benchmark::State& state) {
+  int const threads = static_cast<int>(state.range(0));
+  double v = 0.0;
+  for (auto _ : state) v = measure_bf16_peak(threads);
+  if (v == 0.0) state.SkipWithError("this build has no AVX512-BF16 (needs -mavx512bf16)");
+  state.counters["GFLOP/s"] = v / 1e9;
+}
+BENCHMARK(BM_Peak_Bf16Dot)
     ->Arg(1)
     ->Arg(2)
     ->ArgName("threads")
@@ -289,6 +343,8 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
   });
   set_counters(state, T, c, 1.0);
   set_fractions(state, s, c, 1.0);
+  // The bf16 target: achieved over the measured bf16 dot-product peak.
+  if (limits().bf16 > 0.0) state.counters["bf16_peak_frac"] = c.flop / s / limits().bf16;
 }
 
 template <Shape const& S>
