@@ -182,18 +182,51 @@ struct Prefetch {
   }
 };
 
-/// MR rows x (Ops operands x 2 batches) fp32 tile: acc[o*2+j][r] = sum_k a_r[k] panel_o[k, jL..].
+/// Where a tile's accumulators start and end when K is cut into slices: the first slice starts
+/// from zero, later ones reload the partial sums the previous slice stored (exact: the FMA chain
+/// over k is the same as without slices); the last slice hands the sums to the epilogue.
+struct Slice {
+  float* partial;  ///< MR rows x (2 * Ops * L) floats, 64-byte aligned
+  bool first, last;
+};
+
+template <Index MR, int NB, class B>
+MOE_ALWAYS_INLINE void tile_begin(B (&acc)[NB][MR], Slice const& sl) {
+  constexpr Index L = static_cast<Index>(B::size);
+  for (Index r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) {
+      acc[j][r] = sl.first ? B(0.0f) : B::load_aligned(sl.partial + (r * NB + j) * L);
+    }
+  }
+}
+
+template <Index MR, int NB, class B, class Epi>
+MOE_ALWAYS_INLINE void tile_end(B const (&acc)[NB][MR], Slice const& sl, Epi const& epi, Index i0,
+                                Index p) {
+  constexpr Index L = static_cast<Index>(B::size);
+  for (Index r = 0; r < MR; ++r) {
+    if (sl.last) {
+      B v[NB];
+      for (int j = 0; j < NB; ++j) v[j] = acc[j][r];
+      epi.row(i0 + r, p, v);
+    } else {
+      for (int j = 0; j < NB; ++j) acc[j][r].store_aligned(sl.partial + (r * NB + j) * L);
+    }
+  }
+}
+
+/// MR rows x (Ops operands x 2 batches) fp32 tile over one K slice:
+///   acc[o*2+j][r] += sum_k a_r[k] panel_o[k, jL..], k in [0, K) of the slice.
 template <Index MR, int Ops, class Arch, class Epi>
 MOE_ALWAYS_INLINE void expert_tile_f32(float const* const* rows, float const* const* panels,
-                                       Index K, Epi const& epi, Index i0, Index p, Prefetch pf) {
+                                       Index K, Epi const& epi, Index i0, Index p, Prefetch pf,
+                                       Slice const& sl) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr Index NP = 2 * L;
   constexpr int NB = 2 * Ops;
   B acc[NB][MR];
-  for (int j = 0; j < NB; ++j) {
-    for (Index r = 0; r < MR; ++r) acc[j][r] = B(0.0f);
-  }
+  tile_begin<MR, NB>(acc, sl);
   float const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r];
   for (Index k = 0; k < K; ++k) {
@@ -208,27 +241,23 @@ MOE_ALWAYS_INLINE void expert_tile_f32(float const* const* rows, float const* co
       for (int j = 0; j < NB; ++j) acc[j][r] = xsimd::fma(av, b[j], acc[j][r]);
     }
   }
-  for (Index r = 0; r < MR; ++r) {
-    B v[NB];
-    for (int j = 0; j < NB; ++j) v[j] = acc[j][r];
-    epi.row(i0 + r, p, v);
-  }
+  tile_end<MR, NB>(acc, sl, epi, i0, p);
 }
 
-/// The bf16-weight tile without AVX512-BF16: weights widened to fp32 in registers.
+/// The bf16-weight tile without AVX512-BF16 (weights widened to fp32 in registers), one K slice
+/// (even start; K = the slice's depth).
 template <Index MR, int Ops, class Arch, class Epi>
 MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
                                               std::uint32_t const* const* panels, Index K,
-                                              Epi const& epi, Index i0, Index p, Prefetch pf) {
+                                              Epi const& epi, Index i0, Index p, Prefetch pf,
+                                              Slice const& sl) {
   using B = simd::Batch<float, Arch>;
   using U = simd::Batch<std::uint32_t, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr Index NP = 2 * L;
   constexpr int NB = 2 * Ops;
   B acc[NB][MR];
-  for (int j = 0; j < NB; ++j) {
-    for (Index r = 0; r < MR; ++r) acc[j][r] = B(0.0f);
-  }
+  tile_begin<MR, NB>(acc, sl);
   float const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r];
   U const hi_mask(0xFFFF0000u);
@@ -254,11 +283,7 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
       }
     }
   }
-  for (Index r = 0; r < MR; ++r) {
-    B v[NB];
-    for (int j = 0; j < NB; ++j) v[j] = acc[j][r];
-    epi.row(i0 + r, p, v);
-  }
+  tile_end<MR, NB>(acc, sl, epi, i0, p);
 }
 
 #if MOE_HAS_AVX512BF16
@@ -282,17 +307,21 @@ inline void rows_to_bf16_pairs(float const* const* rows, Index n, Index K, std::
   }
 }
 
-/// The AVX512-BF16 tile: activations as bf16 pairs (`apairs`, MR rows of kp_count), vdpbf16ps.
+/// The AVX512-BF16 tile: activations as bf16 pairs (`apairs`, MR rows of kp_count), vdpbf16ps,
+/// one K slice.
 template <Index MR, int Ops, class Arch, class Epi>
 MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
                                            std::uint32_t const* const* panels, Index K,
-                                           Epi const& epi, Index i0, Index p, Prefetch pf) {
+                                           Epi const& epi, Index i0, Index p, Prefetch pf,
+                                           Slice const& sl) {
   using B = simd::Batch<float, Arch>;
   constexpr int NB = 2 * Ops;
   Index const kp_count = (K + 1) / 2;
+  B acc_b[NB][MR];
+  tile_begin<MR, NB>(acc_b, sl);
   __m512 acc[NB][MR];
   for (int j = 0; j < NB; ++j) {
-    for (Index r = 0; r < MR; ++r) acc[j][r] = _mm512_setzero_ps();
+    for (Index r = 0; r < MR; ++r) acc[j][r] = acc_b[j][r];
   }
   for (Index kp = 0; kp < kp_count; ++kp) {
     pf.step();
@@ -307,11 +336,10 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
       for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], av, b[j]);
     }
   }
-  for (Index r = 0; r < MR; ++r) {
-    B v[NB];
-    for (int j = 0; j < NB; ++j) v[j] = B(acc[j][r]);
-    epi.row(i0 + r, p, v);
+  for (int j = 0; j < NB; ++j) {
+    for (Index r = 0; r < MR; ++r) acc_b[j][r] = B(acc[j][r]);
   }
+  tile_end<MR, NB>(acc_b, sl, epi, i0, p);
 }
 #endif
 
@@ -388,26 +416,48 @@ struct WeightPanels {
   bool dot_products = false;
 };
 
+/// Rows whose partial sums persist across K slices (a chunk of an expert_cols call).
+inline constexpr Index kExpertChunkRows = 128;
+
+/// Default K-slice depth of expert_cols: each operand's slice of a panel is depth x 32 floats, so
+/// the slices of one pass (16 KB x depth / 128) stay in L2 next to the prefetched next ones even
+/// for the gate+up pass (Ops = 2), and are re-read from there by every row tile.
+/// Compile-time tuning knobs (depths in k): MOE_EXPERT_K_SLICE_GLU for the gate+up pass,
+/// MOE_EXPERT_K_SLICE for single-operand projections.
+template <int Ops>
+constexpr Index expert_k_slice() {
+#ifndef MOE_EXPERT_K_SLICE_GLU
+#define MOE_EXPERT_K_SLICE_GLU 256
+#endif
+#ifndef MOE_EXPERT_K_SLICE
+#define MOE_EXPERT_K_SLICE 512
+#endif
+  return Ops > 1 ? MOE_EXPERT_K_SLICE_GLU : MOE_EXPERT_K_SLICE;
+}
+
 /// Floats of per-thread scratch expert_cols needs for depth K: two fp32 panels (per-call packing),
-/// the row pointers, bf16 activation pairs and the small-M staging tile, 64-byte aligned.
+/// the partial sums of a row chunk, bf16 activation pairs and the dot-product staging row,
+/// 64-byte aligned.
 template <class Arch = simd::DefaultArch>
 constexpr Index expert_scratch_floats(Index K) {
   constexpr Index NP = panel_width<Arch>();
-  return 2 * K * NP + 8 * ((K + 1) / 2) + 2 * NP + 64;
+  return 2 * K * NP + kExpertChunkRows * 2 * NP + 8 * ((K + 1) / 2) + 2 * NP + 64;
 }
 
 /// Columns [p0 * NP, p1 * NP) (panels p0..p1-1; NP = panel_width()) of an expert projection of the
 /// M rows of `a` (depth K) against `w`, finished by `epi` (StoreEpilogue, GluEpilogue,
-/// ActEpilogue; Epi::kOperands weight operands). Paths, chosen by the weights and M only:
-///   - packed fp32 or bf16 panels: the panel micro-kernels, row tiles of up to
-///     expert_max_mr() rows, the next panel prefetched;
-///   - raw weights: per-call packing into scratch, then the fp32 micro-kernel;
+/// ActEpilogue; Epi::kOperands weight operands). Paths, chosen by the weights only:
+///   - packed fp32 or bf16 panels: the panel micro-kernels over row chunks of up to
+///     kExpertChunkRows rows and K slices of `k_slice` (0: expert_k_slice()) depth, the partial
+///     sums kept in scratch between slices (bitwise the same as one pass over K), row tiles of up
+///     to expert_max_mr() rows; the next slice prefetched while one is multiplied;
+///   - raw weights: per-call packing of each panel into scratch, then the same;
 ///   - raw weights with w.dot_products (for few rows): gemm_nt dot products per row (weights
 ///     streamed once, no packing), staged in scratch and passed to the epilogue.
 /// `scratch` holds expert_scratch_floats(K) floats. Allocates nothing.
 template <class Epi, class Arch = simd::DefaultArch>
 MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const& w, Index p0,
-                              Index p1, Epi const& epi, float* scratch) {
+                              Index p1, Epi const& epi, float* scratch, Index k_slice = 0) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr Index NP = 2 * L;
@@ -417,7 +467,8 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   if (M <= 0 || p1 <= p0) return;
   auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
   float* const panel_buf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
-  float* const stage = panel_buf + 2 * K * NP;  // dot-product path: one row of NB batches
+  float* const partial = panel_buf + 2 * K * NP;             // kExpertChunkRows x NB * L
+  float* const stage = partial + kExpertChunkRows * 2 * NP;  // dot-product path: one row
   std::uint32_t* const pairs = reinterpret_cast<std::uint32_t*>(stage + 2 * NP);
   float const* row_ptr_storage[8];
 
@@ -439,55 +490,80 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
     return;
   }
 
-  for (Index p = p0; p < p1; ++p) {
-    // This panel of every operand, and the next one's bytes to prefetch.
-    bool const last = p + 1 == p1;
-    if (w.bf16[0]) {
+  bool const bf16 = w.bf16[0] != nullptr;
+  Index kc = k_slice > 0 ? k_slice : expert_k_slice<Ops>();
+  kc = std::min(K, (kc + 1) / 2 * 2);  // even: bf16 pairs never straddle slices
+  Index const slices = (K + kc - 1) / kc;
+  Index const chunks = (M + kExpertChunkRows - 1) / kExpertChunkRows;
+  // Bytes of operand o's panel p from depth k on (fp32 floats or bf16 words of pairs).
+  auto panel_at = [&](int o, Index p, Index k) -> char const* {
+    if (bf16) {
       Index const words = (K + 1) / 2 * NP;
-      std::uint32_t const* panels[2] = {w.bf16[0] + p * words,
-                                        Ops > 1 ? w.bf16[1] + p * words : nullptr};
-      char const* next[2] = {nullptr, nullptr};
-      if (!last) {
-        for (int o = 0; o < Ops; ++o) next[o] = reinterpret_cast<char const*>(panels[o] + words);
-      }
-      Index const bytes = words * 4;
-      detail::for_each_row_tile<MaxMR>(M, [&]<Index MR>(Index t, Index nt, Index i0) {
-        for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(i0 + r);
-        detail::Prefetch const pf = detail::prefetch_slices(next, Ops, bytes, t, nt);
-#if MOE_HAS_AVX512BF16
-        if constexpr (NP == 32) {
-          detail::rows_to_bf16_pairs(row_ptr_storage, MR, K, pairs);
-          detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs, panels, K, epi, i0, p, pf);
-          return;
-        }
-#endif
-        (void)pairs;
-        detail::expert_tile_bf16_widen<MR, Ops, Arch>(row_ptr_storage, panels, K, epi, i0, p, pf);
-      });
-      continue;
+      return reinterpret_cast<char const*>(w.bf16[o] + p * words + (k / 2) * NP);
     }
-    float const* panels[2] = {nullptr, nullptr};
-    char const* next[2] = {nullptr, nullptr};
-    if (w.f32[0]) {
+    if (w.f32[0]) return reinterpret_cast<char const*>(w.f32[o] + p * K * NP + k * NP);
+    return reinterpret_cast<char const*>(panel_buf + o * K * NP + k * NP);
+  };
+  auto slice_bytes = [&](Index k) {
+    Index const d = std::min(kc, K - k);
+    return bf16 ? (d + 1) / 2 * NP * 4 : d * NP * 4;
+  };
+
+  for (Index p = p0; p < p1; ++p) {
+    if (w.raw[0]) {
       for (int o = 0; o < Ops; ++o) {
-        panels[o] = w.f32[o] + p * K * NP;
-        if (!last) next[o] = reinterpret_cast<char const*>(panels[o] + K * NP);
-      }
-    } else {
-      for (int o = 0; o < Ops; ++o) {
-        float* dst = panel_buf + o * K * NP;
         Index const n0 = p * NP, nc = std::max<Index>(0, std::min(NP, w.raw_rows[o] - n0));
-        pack_panel<Arch>(w.raw[o], K, n0, nc, K, dst);
-        panels[o] = dst;
+        pack_panel<Arch>(w.raw[o], K, n0, nc, K, panel_buf + o * K * NP);
       }
     }
-    Index const bytes = K * NP * 4;
-    detail::for_each_row_tile<MaxMR>(M, [&]<Index MR>(Index t, Index nt, Index i0) {
-      for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(i0 + r);
-      detail::Prefetch const pf = detail::prefetch_slices(next, Ops, bytes, t, nt);
-      detail::expert_tile_f32<MR, Ops, Arch>(row_ptr_storage, panels, K, epi, i0, p, pf);
-    });
+    for (Index c = 0; c < chunks; ++c) {
+      Index const c0 = c * kExpertChunkRows, mc = std::min(kExpertChunkRows, M - c0);
+      for (Index sidx = 0; sidx < slices; ++sidx) {
+        Index const k0 = sidx * kc, kk = std::min(kc, K - k0);
+        detail::Slice sl{partial, sidx == 0, sidx + 1 == slices};
+        // What comes next in this loop order: the next slice, this panel again for the next
+        // chunk, or the next panel (packed weights only; raw panels are packed per panel).
+        char const* next[2] = {nullptr, nullptr};
+        Index next_bytes = 0;
+        bool const packed = !w.raw[0];
+        Index np = p, nk = k0 + kc;
+        if (sidx + 1 == slices) {
+          nk = 0;
+          np = c + 1 < chunks ? p : p + 1;
+        }
+        if (np < p1 && (packed || np == p)) {
+          for (int o = 0; o < Ops; ++o) next[o] = panel_at(o, np, nk);
+          next_bytes = slice_bytes(nk);
+        }
+        char const* cur[2] = {panel_at(0, p, k0), Ops > 1 ? panel_at(1, p, k0) : nullptr};
+        detail::for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index nt, Index i0) {
+          for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(c0 + i0 + r) + k0;
+          detail::Prefetch const pf = detail::prefetch_slices(next, Ops, next_bytes, t, nt);
+          detail::Slice const tsl{partial + i0 * NB * L, sl.first, sl.last};
+          if (bf16) {
+            std::uint32_t const* panels[2] = {reinterpret_cast<std::uint32_t const*>(cur[0]),
+                                              reinterpret_cast<std::uint32_t const*>(cur[1])};
+#if MOE_HAS_AVX512BF16
+            if constexpr (NP == 32) {
+              detail::rows_to_bf16_pairs(row_ptr_storage, MR, kk, pairs);
+              detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs, panels, kk, epi, c0 + i0, p, pf,
+                                                         tsl);
+              return;
+            }
+#endif
+            detail::expert_tile_bf16_widen<MR, Ops, Arch>(row_ptr_storage, panels, kk, epi, c0 + i0,
+                                                          p, pf, tsl);
+          } else {
+            float const* panels[2] = {reinterpret_cast<float const*>(cur[0]),
+                                      reinterpret_cast<float const*>(cur[1])};
+            detail::expert_tile_f32<MR, Ops, Arch>(row_ptr_storage, panels, kk, epi, c0 + i0, p, pf,
+                                                   tsl);
+          }
+        });
+      }
+    }
   }
+  (void)pairs;
 }
 
 }  // namespace moe::kernels
