@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moe/kernels/expert_gemm.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 #include "support/helpers.hpp"
 #include "support/reference.hpp"
 
@@ -238,5 +239,40 @@ TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result
     REQUIRE(run(6) == one);
     REQUIRE(run(64) == one);
     REQUIRE(run(0) == one);
+  }
+}
+
+TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, with tails",
+          "[kernels][gemm_strided]") {
+  for (bool transposed : {false, true}) {
+    for (bool accumulate : {false, true}) {
+      for (Index M : {Index{1}, Index{5}, Index{7}, Index{13}}) {
+        for (Index N : {Index{1}, NP - 1, NP + 1, 2 * NP + 6}) {
+          for (Index K : {Index{1}, Index{37}, Index{300}}) {
+            INFO("transposed " << transposed << " accumulate " << accumulate << " M " << M << " N "
+                               << N << " K " << K);
+            // A as [M, K] (row stride K + 2) or stored transposed as [K, M] (row stride M + 3).
+            Index const a_rs = transposed ? 1 : K + 2, a_ks = transposed ? M + 3 : 1;
+            auto A = test::random_vector((transposed ? K * (M + 3) : M * (K + 2)), 351);
+            Index const ldb = N + 4, ldc = N + 1;
+            auto Bm = test::random_vector(K * ldb, 352);
+            auto C = test::random_vector(M * ldc, 353);
+            auto const C0 = C;
+            kernels::gemm_strided(M, N, K, A.data(), a_rs, a_ks, Bm.data(), ldb, C.data(), ldc,
+                                  accumulate);
+            for (Index r = 0; r < M; ++r) {
+              for (Index c = 0; c < N; ++c) {
+                double want = accumulate ? C0[r * ldc + c] : 0.0;
+                for (Index k = 0; k < K; ++k) {
+                  want += static_cast<double>(A[r * a_rs + k * a_ks]) * Bm[k * ldb + c];
+                }
+                REQUIRE(C[r * ldc + c] == Approx(want).margin(1e-4));
+              }
+              REQUIRE(C[r * ldc + N] == C0[r * ldc + N]);  // the column past N is untouched
+            }
+          }
+        }
+      }
+    }
   }
 }

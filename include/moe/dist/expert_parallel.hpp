@@ -35,6 +35,7 @@
 #include "moe/kernels/gather.hpp"
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/layers/moe_ffn.hpp"
@@ -1253,9 +1254,9 @@ class ExpertParallelMoeFfn {
         }
       } else if (it.kind == 4) {
         if (T == 0) return;
-        ConstMatrixView<float> dz(ws.dlogits.data() + it.r0, T, it.r1 - it.r0, E);
-        as_eigen(MatrixView<float>(partial_router + it.r0 * D, it.r1 - it.r0, D)).noalias() +=
-            as_eigen(dz).transpose() * as_eigen(x);
+        // partial_router[r0:r1] += dlogits[:, r0:r1]^T x (MoeFfn's kernel and order)
+        kernels::gemm_strided(it.r1 - it.r0, D, T, ws.dlogits.data() + it.r0, 1, E, x.data,
+                              x.row_stride, partial_router + it.r0 * D, D, true);
       } else if constexpr (Shared::has_experts) {
         using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
         Index const off = it.e * T;
@@ -1270,8 +1271,8 @@ class ExpertParallelMoeFfn {
               partial_down(it.e));
         } else if constexpr (Shared::gated) {
           if (T == 0) return;
-          ConstMatrixView<float> dz(ws.dgate.data(), T, ns);
-          as_eigen(partial_gate).noalias() += as_eigen(dz).transpose() * as_eigen(x);
+          kernels::gemm_strided(ns, D, T, ws.dgate.data(), 1, ns, x.data, x.row_stride,
+                                partial_gate.data, partial_gate.row_stride, true);
         }
       }
     });

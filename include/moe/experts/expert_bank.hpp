@@ -15,6 +15,7 @@
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 
 namespace moe::experts {
 
@@ -38,7 +39,7 @@ enum class WeightFormat {
 /// `parameters()` is every weight as one flat array (all in_proj blocks, then all down_proj
 /// blocks), for optimizers and loaders. A bank is a value type: copying it copies the weights.
 /// run() is const and thread-safe for distinct output buffers. The backward pass (backward_rows,
-/// accumulate_*_grad) uses Eigen's GEMM, which allocates its own packing buffers.
+/// accumulate_*_grad) runs on kernels::gemm_strided: in place, allocation-free.
 template <ExpertPolicy Expert_>
 class ExpertBank {
  public:
@@ -146,7 +147,9 @@ class ExpertBank {
     Index const n = h.rows, F = d_ffn_;
     if (n == 0) return;
     MatrixView<float> dm(scratch, n, F);
-    as_eigen(dm).noalias() = as_eigen(dy) * as_eigen(down_proj(e));
+    auto const wd = down_proj(e), wi = in_proj(e);
+    kernels::gemm_strided(n, F, d_model_, dy.data, dy.row_stride, 1, wd.data, wd.row_stride,
+                          dm.data, dm.row_stride, false);
     for (Index i = 0; i < n; ++i) {
       float const* hi = h.row(i);
       if constexpr (Expert::gated) {
@@ -156,7 +159,8 @@ class ExpertBank {
         kernels::activate_backward<Expert::activation>(hi, dm.row(i), m.row(i), dh.row(i), F);
       }
     }
-    as_eigen(dx).noalias() = as_eigen(ConstMatrixView<float>(dh)) * as_eigen(in_proj(e));
+    kernels::gemm_strided(n, d_model_, hidden_cols(), dh.data, dh.row_stride, 1, wi.data,
+                          wi.row_stride, dx.data, dx.row_stride, false);
   }
 
   /// Weight phase of the backward for rows [r0, r1) of grad.in_proj(e) (r in [0, P)):
@@ -164,17 +168,15 @@ class ExpertBank {
   static void accumulate_in_grad(ConstMatrixView<float> x, ConstMatrixView<float> dh, Index r0,
                                  Index r1, MatrixView<float> grad_in) {
     if (x.rows == 0 || r1 <= r0) return;
-    ConstMatrixView<float> dh_cols(dh.data + r0, dh.rows, r1 - r0, dh.row_stride);
-    as_eigen(grad_in.middle_rows(r0, r1 - r0)).noalias() +=
-        as_eigen(dh_cols).transpose() * as_eigen(x);
+    kernels::gemm_strided(r1 - r0, x.cols, x.rows, dh.data + r0, 1, dh.row_stride, x.data,
+                          x.row_stride, grad_in.row(r0), grad_in.row_stride, true);
   }
   /// grad.down_proj(e)[r0:r1] += dy[:, r0:r1]^T m   (r in [0, D)).
   static void accumulate_down_grad(ConstMatrixView<float> m, ConstMatrixView<float> dy, Index r0,
                                    Index r1, MatrixView<float> grad_down) {
     if (m.rows == 0 || r1 <= r0) return;
-    ConstMatrixView<float> dy_cols(dy.data + r0, dy.rows, r1 - r0, dy.row_stride);
-    as_eigen(grad_down.middle_rows(r0, r1 - r0)).noalias() +=
-        as_eigen(dy_cols).transpose() * as_eigen(m);
+    kernels::gemm_strided(r1 - r0, m.cols, m.rows, dy.data + r0, 1, dy.row_stride, m.data,
+                          m.row_stride, grad_down.row(r0), grad_down.row_stride, true);
   }
 
   /// Packs every expert's projections into the panel layout the micro-kernel reads

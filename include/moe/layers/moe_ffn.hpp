@@ -26,6 +26,7 @@
 #include "moe/kernels/expert_gemm.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
@@ -799,9 +800,9 @@ class MoeFfn {
                                      it.r1, grads.experts.down_proj(it.e));
         }
       } else if (it.kind == 4) {
-        ConstMatrixView<float> dz(ws.dlogits.data() + it.r0, T, it.r1 - it.r0, E);
-        as_eigen(MatrixView<float>(grads.router_weight.data() + it.r0 * D, it.r1 - it.r0, D))
-            .noalias() += as_eigen(dz).transpose() * as_eigen(x);
+        // router_weight[r0:r1] += dlogits[:, r0:r1]^T x
+        kernels::gemm_strided(it.r1 - it.r0, D, T, ws.dlogits.data() + it.r0, 1, E, x.data,
+                              x.row_stride, grads.router_weight.data() + it.r0 * D, D, true);
       } else if constexpr (Shared::has_experts) {
         using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
         Index const off = it.e * T;
@@ -815,8 +816,9 @@ class MoeFfn {
               ConstMatrixView<float>(ws.shared_dy.data() + off * D, T, D), it.r0, it.r1,
               grads.shared.bank().down_proj(it.e));
         } else if constexpr (Shared::gated) {
-          ConstMatrixView<float> dz(ws.dgate.data(), T, ns);
-          as_eigen(grads.shared.gate_weight()).noalias() += as_eigen(dz).transpose() * as_eigen(x);
+          auto g = grads.shared.gate_weight();  // += dgate^T x
+          kernels::gemm_strided(ns, D, T, ws.dgate.data(), 1, ns, x.data, x.row_stride, g.data,
+                                g.row_stride, true);
         }
       }
     });
