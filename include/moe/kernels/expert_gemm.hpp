@@ -343,46 +343,6 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
 }
 #endif
 
-/// Calls tile.template operator()<mr>(i0) for a balanced split of M rows into tiles of at most
-/// MaxMR rows (e.g. 32 rows -> 8 8 8 8, 30 -> 8 8 7 7): no narrow remainder tile, whose few
-/// accumulators could not hide the FMA latency.
-template <Index MaxMR, class Tile>
-MOE_ALWAYS_INLINE void for_each_row_tile(Index M, Tile&& tile) {
-  Index const nt = (M + MaxMR - 1) / MaxMR;
-  Index const base = M / nt, extra = M % nt;
-  Index i0 = 0;
-  for (Index t = 0; t < nt; ++t) {
-    Index const mr = base + (t < extra ? 1 : 0);
-    switch (mr) {
-      case 8:
-        if constexpr (MaxMR >= 8) tile.template operator()<8>(t, nt, i0);
-        break;
-      case 7:
-        if constexpr (MaxMR >= 7) tile.template operator()<7>(t, nt, i0);
-        break;
-      case 6:
-        if constexpr (MaxMR >= 6) tile.template operator()<6>(t, nt, i0);
-        break;
-      case 5:
-        if constexpr (MaxMR >= 5) tile.template operator()<5>(t, nt, i0);
-        break;
-      case 4:
-        if constexpr (MaxMR >= 4) tile.template operator()<4>(t, nt, i0);
-        break;
-      case 3:
-        if constexpr (MaxMR >= 3) tile.template operator()<3>(t, nt, i0);
-        break;
-      case 2:
-        tile.template operator()<2>(t, nt, i0);
-        break;
-      default:
-        tile.template operator()<1>(t, nt, i0);
-        break;
-    }
-    i0 += mr;
-  }
-}
-
 /// Row tile t of nt prefetches slice t of the `bytes` bytes at next[o] (null: nothing).
 inline Prefetch prefetch_slices(char const* const* next, int ops, Index bytes, Index t, Index nt) {
   Prefetch pf;

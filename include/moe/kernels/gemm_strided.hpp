@@ -12,6 +12,7 @@
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/simd.hpp"
 
 namespace moe::kernels {
@@ -64,34 +65,13 @@ MOE_ALWAYS_INLINE void strided_tile(float const* a, Index a_rs, Index a_ks, floa
   }
 }
 
-template <Index MR, class Arch>
+/// Rows [0, M) in balanced tiles of at most 6 rows (32 rows -> 6 6 5 5 5 5, not 6 6 6 6 6 2).
+template <class Arch>
 void strided_rows(Index M, float const* a, Index a_rs, Index a_ks, float const* b, Index ldb,
                   Index K, float* c, Index ldc, Index nc, bool load) {
-  Index i = 0;
-  for (; i + MR <= M; i += MR) {
-    strided_tile<MR, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-  }
-  switch (M - i) {
-    case 5:
-      if constexpr (MR > 5)
-        strided_tile<5, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-      break;
-    case 4:
-      if constexpr (MR > 4)
-        strided_tile<4, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-      break;
-    case 3:
-      strided_tile<3, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-      break;
-    case 2:
-      strided_tile<2, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-      break;
-    case 1:
-      strided_tile<1, Arch>(a + i * a_rs, a_rs, a_ks, b, ldb, K, c + i * ldc, ldc, nc, load);
-      break;
-    default:
-      break;
-  }
+  for_each_row_tile<6>(M, [&]<Index MR>(Index, Index, Index i0) {
+    strided_tile<MR, Arch>(a + i0 * a_rs, a_rs, a_ks, b, ldb, K, c + i0 * ldc, ldc, nc, load);
+  });
 }
 
 }  // namespace detail
@@ -101,16 +81,15 @@ void strided_rows(Index M, float const* a, Index a_rs, Index a_ks, float const* 
 ///   B(k, c) = b[k * ldb + c]           (row-major [K, N], ldb >= N)
 ///   C row-major [M, N] (ldc >= N).
 /// Each C[r, c] is one FMA chain over k = 0, 1, ..., K-1 (started from C when accumulating), so
-/// its value depends only on its row of A, its column of B and K. Column tails (N not a multiple
-/// of 2 SIMD batches) are handled through a zero-padded copy of the B rows, so B is never read
-/// past column N. Allocates nothing. Preconditions: C does not alias A or B.
+/// its value depends only on its row of A, its column of B and K. B is copied block by block
+/// ([256, 32], zero-padded at a column tail, so B is never read past column N) into a stack
+/// buffer. Allocates nothing. Preconditions: C does not alias A or B.
 template <class Arch = simd::DefaultArch>
 void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
                   Index ldb, float* c, Index ldc, bool accumulate) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr Index NP = 2 * L;
-  constexpr Index MR = 6;  // 12 accumulators + 2 B batches + 1 broadcast: fits 16 registers
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate) {
@@ -118,23 +97,29 @@ void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a
     }
     return;
   }
-  alignas(64) float pad[detail::kStridedKc * NP];  // column tail: B rows copied, zero-padded
-  for (Index c0 = 0; c0 < N; c0 += NP) {
-    Index const nc = std::min(NP, N - c0);
-    for (Index k0 = 0; k0 < K; k0 += detail::kStridedKc) {
-      Index const kk = std::min(detail::kStridedKc, K - k0);
+  // Depth slices outer, column blocks inner: a slice of B's rows is read once, front to back,
+  // for all its column blocks. Each [kk, 32] block is copied into a contiguous, zero-padded
+  // buffer first: B's own rows are ldb apart (often a multiple of 4 KB: L1-set conflicts), the
+  // copy is re-read from L1 by every row tile.
+  alignas(64) float pad[detail::kStridedKc * NP];
+  for (Index k0 = 0; k0 < K; k0 += detail::kStridedKc) {
+    Index const kk = std::min(detail::kStridedKc, K - k0);
+    for (Index c0 = 0; c0 < N; c0 += NP) {
+      Index const nc = std::min(NP, N - c0);
       float const* bk = b + k0 * ldb + c0;
-      Index ldbk = ldb;
-      if (nc < NP) {
+      if (nc == NP) {
+        for (Index k = 0; k < kk; ++k) {
+          B::load_unaligned(bk + k * ldb).store_aligned(pad + k * NP);
+          B::load_unaligned(bk + k * ldb + L).store_aligned(pad + k * NP + L);
+        }
+      } else {
         for (Index k = 0; k < kk; ++k) {
           std::copy(bk + k * ldb, bk + k * ldb + nc, pad + k * NP);
           std::fill(pad + k * NP + nc, pad + (k + 1) * NP, 0.0f);
         }
-        bk = pad;
-        ldbk = NP;
       }
-      detail::strided_rows<MR, Arch>(M, a + k0 * a_ks, a_rs, a_ks, bk, ldbk, kk, c + c0, ldc, nc,
-                                     accumulate || k0 > 0);
+      detail::strided_rows<Arch>(M, a + k0 * a_ks, a_rs, a_ks, pad, NP, kk, c + c0, ldc, nc,
+                                 accumulate || k0 > 0);
     }
   }
 }
