@@ -166,8 +166,8 @@ bool add_context() {
       "timed", "forward_train + backward; gradients accumulated, not zeroed in the loop");
   benchmark::AddCustomContext("expert_gemm",
                               "forward: moe panel kernels, weights packed per call (no "
-                              "pack_weights(), as after every optimizer step); backward: Eigen "
-                              "3.4 GEMM per tile");
+                              "pack_weights(), as after every optimizer step); backward: "
+                              "kernels::gemm_strided per tile");
   return true;
 }
 [[maybe_unused]] bool const kContextAdded = add_context();
