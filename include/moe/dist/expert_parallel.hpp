@@ -1379,12 +1379,13 @@ class ExpertParallelMoeFfn {
     // rows [0, n) of the tile: dxt += dlogits W_r (+ dgate W_g), exactly MoeFfn's expressions.
     auto project = [&](MatrixView<float> dxt, float const* dl, float const* dg, Index n) {
       (void)dg;
-      auto e = as_eigen(dxt);
-      e.noalias() += as_eigen(ConstMatrixView<float>(dl, n, E)) * as_eigen(router_weight());
+      kernels::gemm_strided(n, D, E, dl, E, 1, router_weight_.data(), D, dxt.data, dxt.row_stride,
+                            true);
       if constexpr (Shared::gated) {
         if (ns > 0) {
-          e.noalias() +=
-              as_eigen(ConstMatrixView<float>(dg, n, ns)) * as_eigen(shared_.gate_weight());
+          auto const g = std::as_const(shared_).gate_weight();
+          kernels::gemm_strided(n, D, ns, dg, ns, 1, g.data, g.row_stride, dxt.data, dxt.row_stride,
+                                true);
         }
       }
     };

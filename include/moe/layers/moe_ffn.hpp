@@ -842,15 +842,15 @@ class MoeFfn {
       p.ld_out = dx.row_stride;
       kernels::combine_rows(p);
       Index const n = p.token_end - p.token_begin;
-      auto dxt = as_eigen(dx.middle_rows(p.token_begin, n));
-      dxt.noalias() +=
-          as_eigen(ConstMatrixView<float>(ws.dlogits.data() + p.token_begin * E, n, E)) *
-          as_eigen(router_weight());
+      // dx rows += dlogits W_r (+ dgate W_g)
+      float* dxt = dx.row(p.token_begin);
+      kernels::gemm_strided(n, D, E, ws.dlogits.data() + p.token_begin * E, E, 1,
+                            router_weight_.data(), D, dxt, dx.row_stride, true);
       if constexpr (Shared::gated) {
         if (ns > 0) {
-          dxt.noalias() +=
-              as_eigen(ConstMatrixView<float>(ws.dgate.data() + p.token_begin * ns, n, ns)) *
-              as_eigen(shared_.gate_weight());
+          auto const g = std::as_const(shared_).gate_weight();
+          kernels::gemm_strided(n, D, ns, ws.dgate.data() + p.token_begin * ns, ns, 1, g.data,
+                                g.row_stride, dxt, dx.row_stride, true);
         }
       }
     });
