@@ -333,7 +333,6 @@ class MoeFfn {
     check_input(x);
     check_output(x, y);
     plan.validate(x.rows, num_experts());
-    ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * panel_floats()));
     run_experts(x, plan, y, ws, pool, false);
     ws.trained = false;
   }
