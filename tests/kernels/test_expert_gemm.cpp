@@ -244,10 +244,13 @@ TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result
 
 TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, with tails",
           "[kernels][gemm_strided]") {
+  constexpr Index SW = kernels::strided_width();
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::kGemmStridedScratchFloats) + 3);
   for (bool transposed : {false, true}) {
     for (bool accumulate : {false, true}) {
-      for (Index M : {Index{1}, Index{5}, Index{7}, Index{13}}) {
-        for (Index N : {Index{1}, NP - 1, NP + 1, 2 * NP + 6}) {
+      // M = 70: two row chunks; K = 37 (B packed whole with scratch), 300 (slices of 128).
+      for (Index M : {Index{1}, Index{5}, Index{7}, Index{13}, Index{70}}) {
+        for (Index N : {Index{1}, SW - 1, SW + 1, 2 * SW + 6}) {
           for (Index K : {Index{1}, Index{37}, Index{300}}) {
             INFO("transposed " << transposed << " accumulate " << accumulate << " M " << M << " N "
                                << N << " K " << K);
@@ -269,6 +272,20 @@ TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, wi
                 REQUIRE(C[r * ldc + c] == Approx(want).margin(1e-4));
               }
               REQUIRE(C[r * ldc + N] == C0[r * ldc + N]);  // the column past N is untouched
+            }
+            // With scratch (misaligned on purpose): other loops, bitwise the same results.
+            auto Cs = C0;
+            kernels::gemm_strided(M, N, K, A.data(), a_rs, a_ks, Bm.data(), ldb, Cs.data(), ldc,
+                                  accumulate, scratch.data() + 1);
+            REQUIRE(Cs == C);
+            // A block of rows and columns computed alone equals the same block of the whole.
+            Index const r0 = M / 3, c0 = N / 2;
+            auto Cb = C0;
+            kernels::gemm_strided(M - r0, N - c0, K, A.data() + r0 * a_rs, a_rs, a_ks,
+                                  Bm.data() + c0, ldb, Cb.data() + r0 * ldc + c0, ldc, accumulate,
+                                  scratch.data());
+            for (Index r = r0; r < M; ++r) {
+              for (Index c = c0; c < N; ++c) REQUIRE(Cb[r * ldc + c] == C[r * ldc + c]);
             }
           }
         }

@@ -106,7 +106,7 @@ struct ExpertParallelWorkspace {
   std::vector<float> e_drows, e_dxrows, e_dhidden;  ///< expert side [R_in, D], [R_in, D], [R_in, P]
   std::vector<float> shared_dy, shared_dx, shared_dhidden;  ///< [S*T, D], [S*T, D], [S*T, P_s]
   std::vector<float> dweight, dscores, dlogits, dlogits_extra, dgate;
-  std::vector<float> bwd_scratch;  ///< per-thread [tile, F]
+  std::vector<float> bwd_scratch;  ///< per-thread backward_rows / gemm_strided scratch
   std::vector<float> pad;          ///< one zero-padded tile (rank-boundary tiles)
   std::vector<float> partial;      ///< this rank's gradients of the replicated parameters
   std::vector<float> reduce_scratch;
@@ -216,6 +216,7 @@ class ExpertParallelMoeFfn {
   /// The single-process layer with the same policies.
   using Layer = MoeFfn<Router, Expert, Shared, Balance>;
   static constexpr Index kTileRows = Layer::kTileRows;
+  static constexpr Index kGradRows = Layer::kGradRows;
 
   /// Gradients laid out like parameters(): the router and shared experts (replicated, identical
   /// on every rank after backward) and this rank's routed experts only.
@@ -1114,7 +1115,7 @@ class ExpertParallelMoeFfn {
     ws.dlogits.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
-    Index const scratch_per = kTileRows * std::max(F, Fs);
+    Index const scratch_per = kTileRows * std::max(F, Fs) + kernels::kGemmStridedScratchFloats;
     ws.bwd_scratch.resize(static_cast<std::size_t>(threads_of(pool) * scratch_per));
 
     // 1. Combine VJP (token side): dY_r = w_r dy[t]; dL/dw of each slot; shared experts.
@@ -1194,10 +1195,10 @@ class ExpertParallelMoeFfn {
     std::vector<GradItem> gitems;
     for (Index j = 0; j < L; ++j) {
       if (ws.local_offsets[j + 1] == ws.local_offsets[j]) continue;
-      for (Index r = 0; r < P; r += kTileRows)
-        gitems.push_back({0, j, r, std::min(P, r + kTileRows)});
-      for (Index r = 0; r < D; r += kTileRows)
-        gitems.push_back({1, j, r, std::min(D, r + kTileRows)});
+      for (Index r = 0; r < P; r += kGradRows)
+        gitems.push_back({0, j, r, std::min(P, r + kGradRows)});
+      for (Index r = 0; r < D; r += kGradRows)
+        gitems.push_back({1, j, r, std::min(D, r + kGradRows)});
     }
     // 5. dL/dX rows back to the tokens' ranks.
     return_rows(ws.e_dxrows, ws.dx_rows, ws, pool);
@@ -1231,48 +1232,49 @@ class ExpertParallelMoeFfn {
     };
     MatrixView<float> const partial_gate(partial_shared + n_shared, Shared::gated ? ns : 0, D);
     for (Index s = 0; s < ns && T > 0; ++s) {
-      for (Index r = 0; r < Ps; r += kTileRows)
-        gitems.push_back({2, s, r, std::min(Ps, r + kTileRows)});
-      for (Index r = 0; r < D; r += kTileRows)
-        gitems.push_back({3, s, r, std::min(D, r + kTileRows)});
+      for (Index r = 0; r < Ps; r += kGradRows)
+        gitems.push_back({2, s, r, std::min(Ps, r + kGradRows)});
+      for (Index r = 0; r < D; r += kGradRows)
+        gitems.push_back({3, s, r, std::min(D, r + kGradRows)});
     }
     for (Index r = 0; r < E; r += kTileRows)
       gitems.push_back({4, 0, r, std::min(E, r + kTileRows)});
     if (Shared::gated && ns > 0) gitems.push_back({5, 0, 0, ns});
-    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int) {
+    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int thread) {
       GradItem const& it = gitems[static_cast<std::size_t>(i)];
+      float* const scratch = ws.bwd_scratch.data() + thread * scratch_per;
       if (it.kind == 0 || it.kind == 1) {
         Index const r0 = ws.local_offsets[it.e], n = ws.local_offsets[it.e + 1] - r0;
         if (it.kind == 0) {
           Bank::accumulate_in_grad(ConstMatrixView<float>(ws.x_rows.data() + r0 * D, n, D),
                                    ConstMatrixView<float>(ws.e_dhidden.data() + r0 * P, n, P),
-                                   it.r0, it.r1, grads.experts.in_proj(it.e));
+                                   it.r0, it.r1, grads.experts.in_proj(it.e), scratch);
         } else {
           Bank::accumulate_down_grad(ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
                                      ConstMatrixView<float>(ws.e_drows.data() + r0 * D, n, D),
-                                     it.r0, it.r1, grads.experts.down_proj(it.e));
+                                     it.r0, it.r1, grads.experts.down_proj(it.e), scratch);
         }
       } else if (it.kind == 4) {
         if (T == 0) return;
         // partial_router[r0:r1] += dlogits[:, r0:r1]^T x (MoeFfn's kernel and order)
         kernels::gemm_strided(it.r1 - it.r0, D, T, ws.dlogits.data() + it.r0, 1, E, x.data,
-                              x.row_stride, partial_router + it.r0 * D, D, true);
+                              x.row_stride, partial_router + it.r0 * D, D, true, scratch);
       } else if constexpr (Shared::has_experts) {
         using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
         Index const off = it.e * T;
         if (it.kind == 2) {
           SBank::accumulate_in_grad(
               x, ConstMatrixView<float>(ws.shared_dhidden.data() + off * Ps, T, Ps), it.r0, it.r1,
-              partial_in(it.e));
+              partial_in(it.e), scratch);
         } else if (it.kind == 3) {
           SBank::accumulate_down_grad(
               ConstMatrixView<float>(ws.shared_act.data() + off * Fs, T, Fs),
               ConstMatrixView<float>(ws.shared_dy.data() + off * D, T, D), it.r0, it.r1,
-              partial_down(it.e));
+              partial_down(it.e), scratch);
         } else if constexpr (Shared::gated) {
           if (T == 0) return;
           kernels::gemm_strided(ns, D, T, ws.dgate.data(), 1, ns, x.data, x.row_stride,
-                                partial_gate.data, partial_gate.row_stride, true);
+                                partial_gate.data, partial_gate.row_stride, true, scratch);
         }
       }
     });

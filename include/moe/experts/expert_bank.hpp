@@ -140,16 +140,18 @@ class ExpertBank {
   /// Row phase of the backward of expert e over n rows, given the forward's h [n, P] and the
   /// upstream gradient dy [n, D] of the expert outputs:
   ///   dm = dy W_down [n, F];  (m, dh) from h and dm;  dx = dh W_in [n, D]
-  /// Writes m [n, F] (recomputed), dh [n, P] and dx [n, D]; `scratch` holds n * F floats.
+  /// Writes m [n, F] (recomputed), dh [n, P] and dx [n, D]; `scratch` holds
+  /// backward_scratch_floats(n) floats.
   void backward_rows(Index e, ConstMatrixView<float> h, ConstMatrixView<float> dy,
                      MatrixView<float> m, MatrixView<float> dh, MatrixView<float> dx,
                      float* scratch) const {
     Index const n = h.rows, F = d_ffn_;
     if (n == 0) return;
     MatrixView<float> dm(scratch, n, F);
+    float* const gemm_scratch = scratch + n * F;
     auto const wd = down_proj(e), wi = in_proj(e);
     kernels::gemm_strided(n, F, d_model_, dy.data, dy.row_stride, 1, wd.data, wd.row_stride,
-                          dm.data, dm.row_stride, false);
+                          dm.data, dm.row_stride, false, gemm_scratch);
     for (Index i = 0; i < n; ++i) {
       float const* hi = h.row(i);
       if constexpr (Expert::gated) {
@@ -160,23 +162,29 @@ class ExpertBank {
       }
     }
     kernels::gemm_strided(n, d_model_, hidden_cols(), dh.data, dh.row_stride, 1, wi.data,
-                          wi.row_stride, dx.data, dx.row_stride, false);
+                          wi.row_stride, dx.data, dx.row_stride, false, gemm_scratch);
+  }
+  /// Floats of scratch backward_rows needs for n rows: dm, then gemm_strided's scratch.
+  Index backward_scratch_floats(Index n) const {
+    return n * d_ffn_ + kernels::kGemmStridedScratchFloats;
   }
 
   /// Weight phase of the backward for rows [r0, r1) of grad.in_proj(e) (r in [0, P)):
   ///   grad.in_proj(e)[r0:r1] += dh[:, r0:r1]^T x
+  /// `scratch`: kernels::kGemmStridedScratchFloats floats, or null (slower stack buffers).
   static void accumulate_in_grad(ConstMatrixView<float> x, ConstMatrixView<float> dh, Index r0,
-                                 Index r1, MatrixView<float> grad_in) {
+                                 Index r1, MatrixView<float> grad_in, float* scratch = nullptr) {
     if (x.rows == 0 || r1 <= r0) return;
     kernels::gemm_strided(r1 - r0, x.cols, x.rows, dh.data + r0, 1, dh.row_stride, x.data,
-                          x.row_stride, grad_in.row(r0), grad_in.row_stride, true);
+                          x.row_stride, grad_in.row(r0), grad_in.row_stride, true, scratch);
   }
-  /// grad.down_proj(e)[r0:r1] += dy[:, r0:r1]^T m   (r in [0, D)).
+  /// grad.down_proj(e)[r0:r1] += dy[:, r0:r1]^T m   (r in [0, D)); scratch as above.
   static void accumulate_down_grad(ConstMatrixView<float> m, ConstMatrixView<float> dy, Index r0,
-                                   Index r1, MatrixView<float> grad_down) {
+                                   Index r1, MatrixView<float> grad_down,
+                                   float* scratch = nullptr) {
     if (m.rows == 0 || r1 <= r0) return;
     kernels::gemm_strided(r1 - r0, m.cols, m.rows, dy.data + r0, 1, dy.row_stride, m.data,
-                          m.row_stride, grad_down.row(r0), grad_down.row_stride, true);
+                          m.row_stride, grad_down.row(r0), grad_down.row_stride, true, scratch);
   }
 
   /// Packs every expert's projections into the panel layout the micro-kernel reads

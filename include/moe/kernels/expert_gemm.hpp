@@ -160,12 +160,6 @@ constexpr Index expert_max_mr() {
 
 namespace detail {
 
-#if defined(__GNUC__) || defined(__clang__)
-#define MOE_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
-#else
-#define MOE_PREFETCH_L2(p) ((void)(p))
-#endif
-
 /// Prefetch cursors over the bytes of the next panel of each operand: one 64-byte line of each per
 /// k step. Row tile t of nt takes slice t of each panel, so with nt >= 2 tiles (every tile runs K
 /// steps, a panel has 2K lines) the whole next panel is in L2 by the time its first tile starts.

@@ -1,14 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// gemm_strided: C (+)= A B with A read through arbitrary row and depth strides and B row-major,
-/// without packing: the backward's four expert products (dM = dY W_down, dX = dH W_in,
-/// dW_in += dH^T X, dW_down += dY^T M) read their operands in place. Allocation-free, bitwise
-/// reproducible (each output is one FMA chain over k in ascending order, started from C when
-/// accumulating), vectorised over 2 SIMD batches of output columns.
+/// gemm_strided: C (+)= A B with A read through arbitrary row and depth strides and B row-major:
+/// the backward's expert products (dM = dY W_down, dX = dH W_in, dW_in += dH^T X,
+/// dW_down += dY^T M) and the router / gate terms read their operands in place. A is packed per
+/// depth slice into row tiles (broadcasts from consecutive addresses), B into panels of
+/// strided_width() columns; MR x strided_width() register tiles (6 x 64 with AVX-512). Two loop
+/// shapes:
+///   - B packed whole when it fits the scratch (the weight gradients, K = one expert's rows):
+///     each row tile then streams its rows of C once across all panels, the next tile's rows of C
+///     prefetched with intent to write (C, the gradient, is the DRAM traffic there);
+///   - deep K (dM, dX: B is a weight matrix): slices of 128 rows, one [128, 64] panel of B at a
+///     time (L1) for all row tiles, the next panel prefetched into L2 meanwhile.
+/// Allocation-free, bitwise reproducible: each output is one FMA chain over k in ascending order
+/// (started from C when accumulating; partial sums pass through C between slices, which is
+/// exact), so its value depends only on its row of A, its column of B and K -- not on M, N, the
+/// loop shape, the scratch or the thread that runs it.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
@@ -17,61 +28,236 @@
 
 namespace moe::kernels {
 
+/// SIMD batches per row of a gemm_strided tile: 4 with 16-lane batches (6 x 64 tile: 24
+/// accumulators of the 32 AVX-512 registers), 2 otherwise (4 x 2 batches of 16 registers).
+template <class Arch = simd::DefaultArch>
+constexpr int strided_batches() {
+  return simd::Batch<float, Arch>::size >= 16 ? 4 : 2;
+}
+
+/// Columns of one packed B panel of gemm_strided (64 floats with AVX-512).
+template <class Arch = simd::DefaultArch>
+constexpr Index strided_width() {
+  return strided_batches<Arch>() * static_cast<Index>(simd::Batch<float, Arch>::size);
+}
+
+/// Floats of the scratch gemm_strided takes: a packed B of up to 64 K floats (256 KB, a quarter
+/// of this machine's L2) and packed A slices of 64 rows x 256; plus alignment slack.
+inline constexpr Index kGemmStridedScratchFloats = 65536 + 64 * 256 + 16;
+
 namespace detail {
 
-/// Depth of one pass over B: a [256, 32] block of B is 32 KB and is re-read by every row tile.
-inline constexpr Index kStridedKc = 256;
+inline constexpr Index kStridedRowChunk = 64;    ///< rows of A packed at once
+inline constexpr Index kStridedMaxDepth = 256;   ///< deepest A slice (scratch's A part)
+inline constexpr Index kStridedDeepSlice = 128;  ///< depth of a slice when B is not packed whole
+inline constexpr Index kStridedWholeB = 65536;   ///< floats of the packed-B part of scratch
 
-/// MR x (2 batches) tile of C over depth [0, K): acc starts from C (load) or 0.
-template <Index MR, class Arch>
-MOE_ALWAYS_INLINE void strided_tile(float const* a, Index a_rs, Index a_ks, float const* b,
-                                    Index ldb, Index K, float* c, Index ldc, Index nc, bool load) {
+template <class Arch>
+constexpr Index strided_max_mr() {
+  return simd::Batch<float, Arch>::size >= 16 ? 6 : 4;
+}
+
+/// Prefetch cursor over a [rows, row_bytes] region (row stride `stride` bytes): one 64-byte line
+/// per step into L2, `left` lines from (row, off) on in row-major order; with Write, lines that
+/// will be written (prefetch with intent to write).
+template <bool Write = false>
+struct StridedPrefetch {
+  char const* row = nullptr;
+  Index stride = 0, row_bytes = 0, off = 0, left = 0;
+  /// The cursor at line l of the region (l < lines).
+  StridedPrefetch at(Index l, Index count) const {
+    StridedPrefetch p = *this;
+    Index const lines_per_row = (row_bytes + 63) / 64;
+    if (count <= 0 || lines_per_row == 0) return p;
+    p.row = row + (l / lines_per_row) * stride;
+    p.off = (l % lines_per_row) * 64;
+    p.left = count;
+    return p;
+  }
+  MOE_ALWAYS_INLINE void step() {
+    if (left > 0) {
+#if defined(__GNUC__) || defined(__clang__)
+      if constexpr (Write) {
+        __builtin_prefetch(row + off, 1, 2);
+      } else {
+        MOE_PREFETCH_L2(row + off);
+      }
+#endif
+      off += 64;
+      if (off >= row_bytes) {
+        off = 0;
+        row += stride;
+      }
+      --left;
+    }
+  }
+};
+
+/// A rows [0, M) x depth [0, kd) -> row tiles (the split of for_each_row_tile<MaxMR>): the tile
+/// starting at row i0 with mr rows holds A(i0 + r, k) at dst[i0 * kd + k * mr + r].
+template <Index MaxMR>
+void strided_pack_a(Index M, Index kd, float const* a, Index a_rs, Index a_ks, float* dst) {
+  for_each_row_tile<MaxMR>(M, [&]<Index MR>(Index, Index, Index i0) {
+    float* d = dst + i0 * kd;
+    if (a_ks == 1) {
+      for (Index r = 0; r < MR; ++r) {
+        float const* src = a + (i0 + r) * a_rs;
+        for (Index k = 0; k < kd; ++k) d[k * MR + r] = src[k];
+      }
+    } else {
+      for (Index k = 0; k < kd; ++k) {
+        float const* src = a + i0 * a_rs + k * a_ks;
+        for (Index r = 0; r < MR; ++r) d[k * MR + r] = src[r * a_rs];
+      }
+    }
+  });
+}
+
+/// B rows [0, kd) x columns [0, nb) (row stride ldb) -> panels of NP columns: panel p holds
+/// B(k, p * NP + c) at dst[(p * kd + k) * NP + c], zero past nb. Rows are read front to back.
+template <class Arch>
+void strided_pack_b(Index kd, Index nb, float const* b, Index ldb, float* dst) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
-  B acc0[MR], acc1[MR];
-  alignas(64) float tmp[2 * L];
+  constexpr Index NP = strided_width<Arch>();
+  constexpr int NB = strided_batches<Arch>();
+  Index const full = nb / NP, panels = (nb + NP - 1) / NP;
+  for (Index k = 0; k < kd; ++k) {
+    float const* src = b + k * ldb;
+    for (Index p = 0; p < full; ++p) {
+      float* d = dst + (p * kd + k) * NP;
+      for (int j = 0; j < NB; ++j) B::load_unaligned(src + p * NP + j * L).store_aligned(d + j * L);
+    }
+    if (full < panels) {
+      float* d = dst + (full * kd + k) * NP;
+      Index const nc = nb - full * NP;
+      std::copy(src + full * NP, src + nb, d);
+      std::fill(d + nc, d + NP, 0.0f);
+    }
+  }
+}
+
+/// MR x NP tile of C over depth [0, K) of packed A (ap, [K][MR]) and packed B (bp, [K][NP]):
+/// accumulators start from C (load) or zero; nc <= NP columns of C exist.
+template <Index MR, class Arch, class PfB, class PfC>
+MOE_ALWAYS_INLINE void strided_tile(float const* ap, float const* bp, Index K, float* c, Index ldc,
+                                    Index nc, bool load, PfB& pf, PfC& pc) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr int NB = strided_batches<Arch>();
+  constexpr Index NP = NB * L;
+  B acc[NB][MR];
+  alignas(64) float tmp[NP];
   for (Index r = 0; r < MR; ++r) {
     if (!load) {
-      acc0[r] = acc1[r] = B(0.0f);
-    } else if (nc == 2 * L) {
-      acc0[r] = B::load_unaligned(c + r * ldc);
-      acc1[r] = B::load_unaligned(c + r * ldc + L);
+      for (int j = 0; j < NB; ++j) acc[j][r] = B(0.0f);
+    } else if (nc == NP) {
+      for (int j = 0; j < NB; ++j) acc[j][r] = B::load_unaligned(c + r * ldc + j * L);
     } else {
-      std::fill(tmp, tmp + 2 * L, 0.0f);
+      std::fill(tmp, tmp + NP, 0.0f);
       std::copy(c + r * ldc, c + r * ldc + nc, tmp);
-      acc0[r] = B::load_aligned(tmp);
-      acc1[r] = B::load_aligned(tmp + L);
+      for (int j = 0; j < NB; ++j) acc[j][r] = B::load_aligned(tmp + j * L);
     }
   }
   for (Index k = 0; k < K; ++k) {
-    B const b0 = B::load_unaligned(b + k * ldb);
-    B const b1 = B::load_unaligned(b + k * ldb + L);
-    float const* ak = a + k * a_ks;
+    pf.step();
+    pc.step();
+    B b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = B::load_aligned(bp + k * NP + j * L);
     for (Index r = 0; r < MR; ++r) {
-      B const av(ak[r * a_rs]);
-      acc0[r] = xsimd::fma(av, b0, acc0[r]);
-      acc1[r] = xsimd::fma(av, b1, acc1[r]);
+      B const av(ap[k * MR + r]);
+      for (int j = 0; j < NB; ++j) acc[j][r] = xsimd::fma(av, b[j], acc[j][r]);
     }
   }
   for (Index r = 0; r < MR; ++r) {
-    if (nc == 2 * L) {
-      acc0[r].store_unaligned(c + r * ldc);
-      acc1[r].store_unaligned(c + r * ldc + L);
+    if (nc == NP) {
+      for (int j = 0; j < NB; ++j) acc[j][r].store_unaligned(c + r * ldc + j * L);
     } else {
-      acc0[r].store_aligned(tmp);
-      acc1[r].store_aligned(tmp + L);
+      for (int j = 0; j < NB; ++j) acc[j][r].store_aligned(tmp + j * L);
       std::copy(tmp, tmp + nc, c + r * ldc);
     }
   }
 }
 
-/// Rows [0, M) in balanced tiles of at most 6 rows (32 rows -> 6 6 5 5 5 5, not 6 6 6 6 6 2).
+/// gemm_strided on buffers: bbuf (64-byte aligned) holds kStridedWholeB floats if whole_ok,
+/// else kStridedDeepSlice * NP; abuf kStridedRowChunk * kStridedMaxDepth floats if whole_ok, else
+/// kStridedRowChunk * kStridedDeepSlice.
 template <class Arch>
-void strided_rows(Index M, float const* a, Index a_rs, Index a_ks, float const* b, Index ldb,
-                  Index K, float* c, Index ldc, Index nc, bool load) {
-  for_each_row_tile<6>(M, [&]<Index MR>(Index, Index, Index i0) {
-    strided_tile<MR, Arch>(a + i0 * a_rs, a_rs, a_ks, b, ldb, K, c + i0 * ldc, ldc, nc, load);
-  });
+void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks,
+                       float const* b, Index ldb, float* c, Index ldc, bool accumulate, float* bbuf,
+                       float* abuf, bool whole_ok) {
+  constexpr Index NP = strided_width<Arch>();
+  constexpr Index MaxMR = strided_max_mr<Arch>();
+  constexpr Index kDeep = kStridedDeepSlice;
+  constexpr Index kLine = 64;
+  constexpr Index kFloat = static_cast<Index>(sizeof(float));
+  Index const panels = (N + NP - 1) / NP;
+  auto tile_at = [&]<Index MR>(Index m0, Index i0, Index p, Index k0, Index kd, float const* bp,
+                               auto& pf, auto& pc) {
+    Index const nc = std::min(NP, N - p * NP);
+    strided_tile<MR, Arch>(abuf + i0 * kd, bp, kd, c + (m0 + i0) * ldc + p * NP, ldc, nc,
+                           accumulate || k0 > 0, pf, pc);
+  };
+  StridedPrefetch<> none;
+  if (whole_ok && panels * NP * K <= kStridedWholeB && K <= kStridedMaxDepth) {
+    // Whole B (the weight-gradient products: K = the rows of one expert): B packed once, then
+    // each row tile streams its rows of C once across all panels while the next tile's rows of
+    // C are prefetched (with intent to write).
+    strided_pack_b<Arch>(K, N, b, ldb, bbuf);
+    for (Index m0 = 0; m0 < M; m0 += kStridedRowChunk) {
+      Index const mc = std::min(kStridedRowChunk, M - m0);
+      strided_pack_a<MaxMR>(mc, K, a + m0 * a_rs, a_rs, a_ks, abuf);
+      for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index, Index, Index i0) {
+        StridedPrefetch<true> cnext;
+        Index const nr = std::min(MaxMR, M - (m0 + i0 + MR));
+        cnext.row = reinterpret_cast<char const*>(c + (m0 + i0 + MR) * ldc);
+        cnext.stride = ldc * kFloat;
+        cnext.row_bytes = N * kFloat;
+        Index const lines = nr > 0 ? nr * ((N * kFloat + kLine - 1) / kLine) : 0;
+        Index const per = (lines + panels - 1) / panels;
+        for (Index p = 0; p < panels; ++p) {
+          Index const l0 = std::min(lines, p * per);
+          auto pc = cnext.at(l0, std::min(lines, l0 + per) - l0);
+          tile_at.template operator()<MR>(m0, i0, p, 0, K, bbuf + p * K * NP, none, pc);
+        }
+      });
+    }
+    return;
+  }
+  // Deep K: depth slices of kDeep outer; A's slice packed once per row chunk, then one column
+  // panel of B at a time ([kDeep, NP] = 32 KB, stays in L1) for all row tiles, the next panel
+  // prefetched meanwhile (B's rows are read in place, ldb apart).
+  for (Index k0 = 0; k0 < K; k0 += kDeep) {
+    Index const kd = std::min(kDeep, K - k0);
+    for (Index m0 = 0; m0 < M; m0 += kStridedRowChunk) {
+      Index const mc = std::min(kStridedRowChunk, M - m0);
+      strided_pack_a<MaxMR>(mc, kd, a + m0 * a_rs + k0 * a_ks, a_rs, a_ks, abuf);
+      Index const tiles = (mc + MaxMR - 1) / MaxMR;
+      for (Index p = 0; p < panels; ++p) {
+        strided_pack_b<Arch>(kd, std::min(NP, N - p * NP), b + k0 * ldb + p * NP, ldb, bbuf);
+        // The next panel's block of B (or the next slice's first), spread over the row tiles.
+        StridedPrefetch<> next;
+        next.stride = ldb * kFloat;
+        Index rows = 0;
+        if (p + 1 < panels) {
+          next.row = reinterpret_cast<char const*>(b + k0 * ldb + (p + 1) * NP);
+          next.row_bytes = std::min(NP, N - (p + 1) * NP) * kFloat;
+          rows = kd;
+        } else if (k0 + kDeep < K && m0 + kStridedRowChunk >= M) {
+          next.row = reinterpret_cast<char const*>(b + (k0 + kDeep) * ldb);
+          next.row_bytes = std::min(NP, N) * kFloat;
+          rows = std::min(kDeep, K - k0 - kDeep);
+        }
+        Index const lines = rows * ((next.row_bytes + kLine - 1) / kLine);
+        Index const per = (lines + tiles - 1) / tiles;
+        for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index, Index i0) {
+          Index const l0 = std::min(lines, t * per);
+          auto pf = next.at(l0, std::min(lines, l0 + per) - l0);
+          tile_at.template operator()<MR>(m0, i0, p, k0, kd, bbuf, pf, none);
+        });
+      }
+    }
+  }
 }
 
 }  // namespace detail
@@ -81,15 +267,32 @@ void strided_rows(Index M, float const* a, Index a_rs, Index a_ks, float const* 
 ///   B(k, c) = b[k * ldb + c]           (row-major [K, N], ldb >= N)
 ///   C row-major [M, N] (ldc >= N).
 /// Each C[r, c] is one FMA chain over k = 0, 1, ..., K-1 (started from C when accumulating), so
-/// its value depends only on its row of A, its column of B and K. B is copied block by block
-/// ([256, 32], zero-padded at a column tail, so B is never read past column N) into a stack
-/// buffer. Allocates nothing. Preconditions: C does not alias A or B.
+/// its value depends only on its row of A, its column of B and K. B is never read past column N,
+/// C never written past it. `scratch` holds kGemmStridedScratchFloats floats (any alignment); with
+/// it, a B of up to 64 K floats (K <= 256) is packed whole (the weight-gradient shapes). Without
+/// scratch (null, or the overload without it), 64 KB of stack buffers serve. Allocates nothing.
+/// Preconditions: C does not alias A or B; scratch aliases nothing.
 template <class Arch = simd::DefaultArch>
 void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
+                  Index ldb, float* c, Index ldc, bool accumulate);
+
+template <class Arch = simd::DefaultArch>
+void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
+                  Index ldb, float* c, Index ldc, bool accumulate, float* scratch) {
+  if (scratch == nullptr || M <= 0 || N <= 0 || K <= 0) {
+    gemm_strided<Arch>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate);
+    return;
+  }
+  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
+  float* const bbuf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
+  detail::gemm_strided_impl<Arch>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate, bbuf,
+                                  bbuf + detail::kStridedWholeB, true);
+}
+
+/// gemm_strided without scratch: depth slices through 64 KB of stack buffers (same results).
+template <class Arch>
+void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
                   Index ldb, float* c, Index ldc, bool accumulate) {
-  using B = simd::Batch<float, Arch>;
-  constexpr Index L = static_cast<Index>(B::size);
-  constexpr Index NP = 2 * L;
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate) {
@@ -97,31 +300,10 @@ void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a
     }
     return;
   }
-  // Depth slices outer, column blocks inner: a slice of B's rows is read once, front to back,
-  // for all its column blocks. Each [kk, 32] block is copied into a contiguous, zero-padded
-  // buffer first: B's own rows are ldb apart (often a multiple of 4 KB: L1-set conflicts), the
-  // copy is re-read from L1 by every row tile.
-  alignas(64) float pad[detail::kStridedKc * NP];
-  for (Index k0 = 0; k0 < K; k0 += detail::kStridedKc) {
-    Index const kk = std::min(detail::kStridedKc, K - k0);
-    for (Index c0 = 0; c0 < N; c0 += NP) {
-      Index const nc = std::min(NP, N - c0);
-      float const* bk = b + k0 * ldb + c0;
-      if (nc == NP) {
-        for (Index k = 0; k < kk; ++k) {
-          B::load_unaligned(bk + k * ldb).store_aligned(pad + k * NP);
-          B::load_unaligned(bk + k * ldb + L).store_aligned(pad + k * NP + L);
-        }
-      } else {
-        for (Index k = 0; k < kk; ++k) {
-          std::copy(bk + k * ldb, bk + k * ldb + nc, pad + k * NP);
-          std::fill(pad + k * NP + nc, pad + (k + 1) * NP, 0.0f);
-        }
-      }
-      detail::strided_rows<Arch>(M, a + k0 * a_ks, a_rs, a_ks, pad, NP, kk, c + c0, ldc, nc,
-                                 accumulate || k0 > 0);
-    }
-  }
+  alignas(64) float bbuf[detail::kStridedDeepSlice * strided_width<Arch>()];
+  alignas(64) float abuf[detail::kStridedRowChunk * detail::kStridedDeepSlice];
+  detail::gemm_strided_impl<Arch>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate, bbuf, abuf,
+                                  false);
 }
 
 }  // namespace moe::kernels

@@ -24,6 +24,7 @@
 #include "moe/gating/sdpa_gate.hpp"
 #include "moe/kernels/combine.hpp"
 #include "moe/kernels/gather.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
@@ -368,7 +369,8 @@ class MoeAttention {
     Index depth = std::max({D, c_.qk_dim, std::max<Index>(1, c_.q_rank), bank_->d_ffn()});
     depth = std::max(depth, shared_ffn());
     n = std::max(n, kernels::panel_scratch_size(depth));
-    n = std::max(n, kTileRows * std::max(bank_->d_ffn(), shared_ffn()));  // backward_rows
+    n = std::max(n, kTileRows * std::max(bank_->d_ffn(), shared_ffn()) +
+                        kernels::kGemmStridedScratchFloats);  // backward_rows
     return (n + 15) / 16 * 16;
   }
 

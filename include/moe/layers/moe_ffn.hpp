@@ -99,7 +99,7 @@ struct MoeFfnWorkspace {
   std::vector<float> dlogits;            ///< [T, E]
   std::vector<float> dlogits_extra;      ///< [T, E] balance terms on the logits
   std::vector<float> dgate;              ///< [T, S] dL/d(shared gate logits)
-  std::vector<float> bwd_scratch;        ///< per-thread [tile, F] buffers
+  std::vector<float> bwd_scratch;        ///< per-thread backward_rows / gemm_strided scratch
   bool trained = false;                  ///< set by forward_train, cleared by backward
 
   ConstMatrixView<float> logits_view() const {
@@ -146,6 +146,8 @@ class MoeFfn {
 
   /// Rows per gather / activation / combine work item (row-independent work: any value works).
   static constexpr Index kTileRows = 64;
+  /// Rows of a weight gradient per backward work item (the product's B is packed once per item).
+  static constexpr Index kGradRows = 256;
 
   /// Gradients of every parameter, each buffer shaped like its parameter. `groups()` lists them
   /// in the order of MoeFfn::parameters().
@@ -672,7 +674,7 @@ class MoeFfn {
     ws.dlogits.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
-    Index const scratch_per = kTileRows * std::max(F, Fs);
+    Index const scratch_per = kTileRows * std::max(F, Fs) + kernels::kGemmStridedScratchFloats;
     ws.bwd_scratch.resize(static_cast<std::size_t>(threads_of(pool) * scratch_per));
 
     // 1. Combine VJP: dY_r = w_r dy[t]; dL/dw of each slot = <dy[t], Y_r>; shared experts.
@@ -763,7 +765,7 @@ class MoeFfn {
     router_.backward(ws.logits_view(), ws.selection, ws.dweight.data(),
                      MatrixView<float>(ws.dscores.data(), T, E), dlogits);
     for (Index i = 0; i < T * E; ++i) ws.dlogits[i] += ws.dlogits_extra[i];
-    // 5. Weight gradients: one item per (bank, expert, 64-row block of the gradient).
+    // 5. Weight gradients: one item per (bank, expert, kGradRows-row block of the gradient).
     struct GradItem {
       int kind;  // 0 expert in, 1 expert down, 2 shared in, 3 shared down, 4 router, 5 gate
       Index e, r0, r1;
@@ -771,53 +773,55 @@ class MoeFfn {
     std::vector<GradItem> gitems;
     for (Index e = 0; e < E; ++e) {
       if (plan.expert_rows(e) == 0) continue;
-      for (Index r = 0; r < P; r += kTileRows)
-        gitems.push_back({0, e, r, std::min(P, r + kTileRows)});
-      for (Index r = 0; r < D; r += kTileRows)
-        gitems.push_back({1, e, r, std::min(D, r + kTileRows)});
+      for (Index r = 0; r < P; r += kGradRows)
+        gitems.push_back({0, e, r, std::min(P, r + kGradRows)});
+      for (Index r = 0; r < D; r += kGradRows)
+        gitems.push_back({1, e, r, std::min(D, r + kGradRows)});
     }
     for (Index s = 0; s < ns && T > 0; ++s) {
-      for (Index r = 0; r < Ps; r += kTileRows)
-        gitems.push_back({2, s, r, std::min(Ps, r + kTileRows)});
-      for (Index r = 0; r < D; r += kTileRows)
-        gitems.push_back({3, s, r, std::min(D, r + kTileRows)});
+      for (Index r = 0; r < Ps; r += kGradRows)
+        gitems.push_back({2, s, r, std::min(Ps, r + kGradRows)});
+      for (Index r = 0; r < D; r += kGradRows)
+        gitems.push_back({3, s, r, std::min(D, r + kGradRows)});
     }
     for (Index r = 0; r < E; r += kTileRows)
       gitems.push_back({4, 0, r, std::min(E, r + kTileRows)});
     if (Shared::gated && ns > 0) gitems.push_back({5, 0, 0, ns});
-    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int) {
+    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int thread) {
       GradItem const& it = gitems[i];
+      float* const scratch = ws.bwd_scratch.data() + thread * scratch_per;
       if (it.kind == 0 || it.kind == 1) {
         Index const r0 = plan.expert_offsets[it.e], n = plan.expert_rows(it.e);
         if (it.kind == 0) {
           Bank::accumulate_in_grad(ConstMatrixView<float>(ws.x_rows.data() + r0 * D, n, D),
                                    ConstMatrixView<float>(ws.dhidden.data() + r0 * P, n, P), it.r0,
-                                   it.r1, grads.experts.in_proj(it.e));
+                                   it.r1, grads.experts.in_proj(it.e), scratch);
         } else {
           Bank::accumulate_down_grad(ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
                                      ConstMatrixView<float>(ws.d_rows.data() + r0 * D, n, D), it.r0,
-                                     it.r1, grads.experts.down_proj(it.e));
+                                     it.r1, grads.experts.down_proj(it.e), scratch);
         }
       } else if (it.kind == 4) {
         // router_weight[r0:r1] += dlogits[:, r0:r1]^T x
         kernels::gemm_strided(it.r1 - it.r0, D, T, ws.dlogits.data() + it.r0, 1, E, x.data,
-                              x.row_stride, grads.router_weight.data() + it.r0 * D, D, true);
+                              x.row_stride, grads.router_weight.data() + it.r0 * D, D, true,
+                              scratch);
       } else if constexpr (Shared::has_experts) {
         using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
         Index const off = it.e * T;
         if (it.kind == 2) {
           SBank::accumulate_in_grad(
               x, ConstMatrixView<float>(ws.shared_dhidden.data() + off * Ps, T, Ps), it.r0, it.r1,
-              grads.shared.bank().in_proj(it.e));
+              grads.shared.bank().in_proj(it.e), scratch);
         } else if (it.kind == 3) {
           SBank::accumulate_down_grad(
               ConstMatrixView<float>(ws.shared_act.data() + off * Fs, T, Fs),
               ConstMatrixView<float>(ws.shared_dy.data() + off * D, T, D), it.r0, it.r1,
-              grads.shared.bank().down_proj(it.e));
+              grads.shared.bank().down_proj(it.e), scratch);
         } else if constexpr (Shared::gated) {
           auto g = grads.shared.gate_weight();  // += dgate^T x
           kernels::gemm_strided(ns, D, T, ws.dgate.data(), 1, ns, x.data, x.row_stride, g.data,
-                                g.row_stride, true);
+                                g.row_stride, true, scratch);
         }
       }
     });
