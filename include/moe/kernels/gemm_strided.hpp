@@ -11,7 +11,8 @@
 ///     each row tile then streams its rows of C once across all panels, the next tile's rows of C
 ///     prefetched with intent to write (C, the gradient, is the DRAM traffic there);
 ///   - deep K (dM, dX: B is a weight matrix): slices of 128 rows, one [128, 64] panel of B at a
-///     time (L1) for all row tiles, the next panel prefetched into L2 meanwhile.
+///     time (packed, L1; read in place when at most 3 row tiles use it) for all row tiles, the
+///     panel two ahead prefetched into L2 meanwhile.
 /// Allocation-free, bitwise reproducible: each output is one FMA chain over k in ascending order
 /// (started from C when accumulating; partial sums pass through C between slices, which is
 /// exact), so its value depends only on its row of A, its column of B and K -- not on M, N, the
@@ -47,10 +48,12 @@ inline constexpr Index kGemmStridedScratchFloats = 65536 + 64 * 256 + 16;
 
 namespace detail {
 
-inline constexpr Index kStridedRowChunk = 64;    ///< rows of A packed at once
-inline constexpr Index kStridedMaxDepth = 256;   ///< deepest A slice (scratch's A part)
-inline constexpr Index kStridedDeepSlice = 128;  ///< depth of a slice when B is not packed whole
-inline constexpr Index kStridedWholeB = 65536;   ///< floats of the packed-B part of scratch
+inline constexpr Index kStridedRowChunk = 64;       ///< rows of A packed at once
+inline constexpr Index kStridedMaxDepth = 256;      ///< deepest A slice (scratch's A part)
+inline constexpr Index kStridedDeepSlice = 128;     ///< depth of a slice when B is not packed whole
+inline constexpr Index kStridedWholeB = 65536;      ///< floats of the packed-B part of scratch
+inline constexpr Index kStridedInPlaceTiles = 3;    ///< deep K: B read in place up to this
+inline constexpr Index kStridedPrefetchPanels = 2;  ///< deep K: B prefetched this many panels ahead
 
 template <class Arch>
 constexpr Index strided_max_mr() {
@@ -140,8 +143,8 @@ void strided_pack_b(Index kd, Index nb, float const* b, Index ldb, float* dst) {
 /// MR x NP tile of C over depth [0, K) of packed A (ap, [K][MR]) and packed B (bp, [K][NP]):
 /// accumulators start from C (load) or zero; nc <= NP columns of C exist.
 template <Index MR, class Arch, class PfB, class PfC>
-MOE_ALWAYS_INLINE void strided_tile(float const* ap, float const* bp, Index K, float* c, Index ldc,
-                                    Index nc, bool load, PfB& pf, PfC& pc) {
+MOE_ALWAYS_INLINE void strided_tile(float const* ap, float const* bp, Index ldbp, Index K, float* c,
+                                    Index ldc, Index nc, bool load, PfB& pf, PfC& pc) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr int NB = strided_batches<Arch>();
@@ -163,7 +166,7 @@ MOE_ALWAYS_INLINE void strided_tile(float const* ap, float const* bp, Index K, f
     pf.step();
     pc.step();
     B b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = B::load_aligned(bp + k * NP + j * L);
+    for (int j = 0; j < NB; ++j) b[j] = B::load_unaligned(bp + k * ldbp + j * L);
     for (Index r = 0; r < MR; ++r) {
       B const av(ap[k * MR + r]);
       for (int j = 0; j < NB; ++j) acc[j][r] = xsimd::fma(av, b[j], acc[j][r]);
@@ -193,9 +196,9 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
   constexpr Index kFloat = static_cast<Index>(sizeof(float));
   Index const panels = (N + NP - 1) / NP;
   auto tile_at = [&]<Index MR>(Index m0, Index i0, Index p, Index k0, Index kd, float const* bp,
-                               auto& pf, auto& pc) {
+                               Index ldbp, auto& pf, auto& pc) {
     Index const nc = std::min(NP, N - p * NP);
-    strided_tile<MR, Arch>(abuf + i0 * kd, bp, kd, c + (m0 + i0) * ldc + p * NP, ldc, nc,
+    strided_tile<MR, Arch>(abuf + i0 * kd, bp, ldbp, kd, c + (m0 + i0) * ldc + p * NP, ldc, nc,
                            accumulate || k0 > 0, pf, pc);
   };
   StridedPrefetch<> none;
@@ -218,34 +221,42 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
         for (Index p = 0; p < panels; ++p) {
           Index const l0 = std::min(lines, p * per);
           auto pc = cnext.at(l0, std::min(lines, l0 + per) - l0);
-          tile_at.template operator()<MR>(m0, i0, p, 0, K, bbuf + p * K * NP, none, pc);
+          tile_at.template operator()<MR>(m0, i0, p, 0, K, bbuf + p * K * NP, NP, none, pc);
         }
       });
     }
     return;
   }
   // Deep K: depth slices of kDeep outer; A's slice packed once per row chunk, then one column
-  // panel of B at a time ([kDeep, NP] = 32 KB, stays in L1) for all row tiles, the next panel
-  // prefetched meanwhile (B's rows are read in place, ldb apart).
+  // panel of B at a time ([kDeep, NP] = 32 KB, packed: stays in L1) for all row tiles, the
+  // panels ahead prefetched meanwhile.
   for (Index k0 = 0; k0 < K; k0 += kDeep) {
     Index const kd = std::min(kDeep, K - k0);
     for (Index m0 = 0; m0 < M; m0 += kStridedRowChunk) {
       Index const mc = std::min(kStridedRowChunk, M - m0);
       strided_pack_a<MaxMR>(mc, kd, a + m0 * a_rs + k0 * a_ks, a_rs, a_ks, abuf);
       Index const tiles = (mc + MaxMR - 1) / MaxMR;
+      // Few row tiles: reading full panels of B in place (from L2, prefetched) beats packing a
+      // block that only a few tiles reuse (DeepSeek-like shapes: 16 rows per expert).
+      bool const direct = tiles <= kStridedInPlaceTiles;
       for (Index p = 0; p < panels; ++p) {
-        strided_pack_b<Arch>(kd, std::min(NP, N - p * NP), b + k0 * ldb + p * NP, ldb, bbuf);
-        // The next panel's block of B (or the next slice's first), spread over the row tiles.
+        bool const in_place = direct && (p + 1) * NP <= N;
+        if (!in_place) {
+          strided_pack_b<Arch>(kd, std::min(NP, N - p * NP), b + k0 * ldb + p * NP, ldb, bbuf);
+        }
+        // The block of B kStridedPrefetchPanels panels ahead (into the next slice at the end),
+        // spread over the row tiles: one panel ahead leaves too little time for DRAM.
         StridedPrefetch<> next;
         next.stride = ldb * kFloat;
         Index rows = 0;
-        if (p + 1 < panels) {
-          next.row = reinterpret_cast<char const*>(b + k0 * ldb + (p + 1) * NP);
-          next.row_bytes = std::min(NP, N - (p + 1) * NP) * kFloat;
+        Index const q = p + kStridedPrefetchPanels;
+        if (q < panels) {
+          next.row = reinterpret_cast<char const*>(b + k0 * ldb + q * NP);
+          next.row_bytes = std::min(NP, N - q * NP) * kFloat;
           rows = kd;
-        } else if (k0 + kDeep < K && m0 + kStridedRowChunk >= M) {
-          next.row = reinterpret_cast<char const*>(b + (k0 + kDeep) * ldb);
-          next.row_bytes = std::min(NP, N) * kFloat;
+        } else if (k0 + kDeep < K && m0 + kStridedRowChunk >= M && q - panels < panels) {
+          next.row = reinterpret_cast<char const*>(b + (k0 + kDeep) * ldb + (q - panels) * NP);
+          next.row_bytes = std::min(NP, N - (q - panels) * NP) * kFloat;
           rows = std::min(kDeep, K - k0 - kDeep);
         }
         Index const lines = rows * ((next.row_bytes + kLine - 1) / kLine);
@@ -253,7 +264,9 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
         for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index, Index i0) {
           Index const l0 = std::min(lines, t * per);
           auto pf = next.at(l0, std::min(lines, l0 + per) - l0);
-          tile_at.template operator()<MR>(m0, i0, p, k0, kd, bbuf, pf, none);
+          tile_at.template operator()<MR>(m0, i0, p, k0, kd,
+                                          in_place ? b + k0 * ldb + p * NP : bbuf,
+                                          in_place ? ldb : NP, pf, none);
         });
       }
     }
