@@ -42,16 +42,17 @@ constexpr Index strided_width() {
   return strided_batches<Arch>() * static_cast<Index>(simd::Batch<float, Arch>::size);
 }
 
-/// Floats of the scratch gemm_strided takes: a packed B of up to 64 K floats (256 KB, a quarter
-/// of this machine's L2) and packed A slices of 64 rows x 256; plus alignment slack.
-inline constexpr Index kGemmStridedScratchFloats = 65536 + 64 * 256 + 16;
+/// Floats of the scratch gemm_strided takes: a packed B of up to 128 K floats (512 KB, half of
+/// this machine's L2: an expert's 64 rows of a 2048-wide input) and packed A slices of 64 rows x
+/// 256; plus alignment slack.
+inline constexpr Index kGemmStridedScratchFloats = 131072 + 64 * 256 + 16;
 
 namespace detail {
 
 inline constexpr Index kStridedRowChunk = 64;       ///< rows of A packed at once
 inline constexpr Index kStridedMaxDepth = 256;      ///< deepest A slice (scratch's A part)
 inline constexpr Index kStridedDeepSlice = 128;     ///< depth of a slice when B is not packed whole
-inline constexpr Index kStridedWholeB = 65536;      ///< floats of the packed-B part of scratch
+inline constexpr Index kStridedWholeB = 131072;     ///< floats of the packed-B part of scratch
 inline constexpr Index kStridedInPlaceTiles = 3;    ///< deep K: B read in place up to this
 inline constexpr Index kStridedPrefetchPanels = 2;  ///< deep K: B prefetched this many panels ahead
 
@@ -282,7 +283,7 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
 /// Each C[r, c] is one FMA chain over k = 0, 1, ..., K-1 (started from C when accumulating), so
 /// its value depends only on its row of A, its column of B and K. B is never read past column N,
 /// C never written past it. `scratch` holds kGemmStridedScratchFloats floats (any alignment); with
-/// it, a B of up to 64 K floats (K <= 256) is packed whole (the weight-gradient shapes). Without
+/// it, a B of up to 128 K floats (K <= 256) is packed whole (the weight-gradient shapes). Without
 /// scratch (null, or the overload without it), 64 KB of stack buffers serve. Allocates nothing.
 /// Preconditions: C does not alias A or B; scratch aliases nothing.
 template <class Arch = simd::DefaultArch>
