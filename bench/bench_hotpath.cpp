@@ -5,8 +5,9 @@
 //
 // What it measures (2 threads unless the name says pool:1):
 //   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_ReadBandwidth: this machine's fp32 FMA and
-//     AVX512-BF16 dot-product throughput and DRAM read bandwidth, measured at start-up and used by
-//     the counters below (bf16_peak_frac of the ForwardBf16 rows uses the bf16 peak).
+//     AVX512-BF16 dot-product throughput and DRAM read bandwidth. The counters below use the
+//     values measured once at start-up, before any layer is allocated (printed as the "limits"
+//     context; bf16_peak_frac of the ForwardBf16 rows uses the bf16 peak).
 //   - BM_Layer_<Shape>_{Forward,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE, Mixtral-like and
 //     DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048}, with
 //       tokens/s, GFLOP/s,
@@ -596,4 +597,18 @@ bool add_context() {
 
 }  // namespace
 
-BENCHMARK_MAIN();
+// The limits are measured before any benchmark allocates its layers (gigabytes of weights whose
+// first touch can slow the machine's memory for a while), and printed with the context.
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  Limits const& lim = limits();
+  benchmark::AddCustomContext("limits", std::to_string(lim.fma / 1e9) + " GFLOP/s fp32 FMA, " +
+                                            std::to_string(lim.bf16 / 1e9) + " GFLOP/s bf16 dot, " +
+                                            std::to_string(lim.bandwidth / 1e9) + " GB/s read (" +
+                                            std::to_string(kThreads) +
+                                            " threads, measured at start-up)");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
