@@ -293,3 +293,23 @@ TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, wi
     }
   }
 }
+
+TEST_CASE("pack_panel transposes W rows into a zero-padded K x NP panel",
+          "[kernels][expert_gemm]") {
+  // Full panels take the in-register 16 x 16 transpose on AVX-512; tails the scalar loop.
+  for (Index K : {Index{1}, Index{15}, Index{16}, Index{17}, Index{50}}) {
+    for (Index nc : {NP, NP - 1, Index{1}}) {
+      INFO("K " << K << " nc " << nc);
+      Index const ldw = K + 3, n0 = 2;
+      auto W = test::random_vector((n0 + NP) * ldw, 361);
+      std::vector<float> panel(static_cast<std::size_t>(K * NP), -1.0f);
+      kernels::pack_panel(W.data(), ldw, n0, nc, K, panel.data());
+      for (Index k = 0; k < K; ++k) {
+        for (Index c = 0; c < NP; ++c) {
+          float const want = c < nc ? W[(n0 + c) * ldw + k] : 0.0f;
+          REQUIRE(panel[k * NP + c] == want);
+        }
+      }
+    }
+  }
+}

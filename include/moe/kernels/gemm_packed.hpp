@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
 #include "moe/kernels/gemm.hpp"
@@ -28,15 +32,69 @@ constexpr Index panel_width() {
   return 2 * static_cast<Index>(simd::Batch<float, Arch>::size);
 }
 
+namespace detail {
+#if defined(__AVX512F__)
+/// dst[j * ldd + i] = src[i * lds + j] for a 16 x 16 block (unpack 32/64-bit, then two rounds
+/// of 128-bit lane shuffles).
+MOE_ALWAYS_INLINE void transpose16x16(float const* src, Index lds, float* dst, Index ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = lo(t[i], t[i + 2]);
+    r[i + 1] = hi(t[i], t[i + 2]);
+    r[i + 2] = lo(t[i + 1], t[i + 3]);
+    r[i + 3] = hi(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + j * ldd, r[j]);
+}
+#endif
+}  // namespace detail
+
 /// Packs weight rows [n0, n0 + nc) of W [N, K] (row-major, ldw) into a K x NP panel,
 /// panel[k * NP + c] = W[n0 + c, k], NP = panel_width(); columns c >= nc are zero.
-/// `panel` holds K * panel_width() floats.
+/// `panel` holds K * panel_width() floats. With AVX-512 full 16 x 16 blocks are transposed in
+/// registers (the per-call packing of training forwards, whose weights change every step).
 template <class Arch = simd::DefaultArch>
 void pack_panel(float const* W, Index ldw, Index n0, Index nc, Index K, float* panel) {
   constexpr Index NP = panel_width<Arch>();
+  Index kdone = 0;
+#if defined(__AVX512F__)
+  if constexpr (NP == 32) {
+    if (nc == NP) {
+      kdone = K / 16 * 16;
+      for (Index k0 = 0; k0 < kdone; k0 += 16) {
+        for (Index c0 = 0; c0 < NP; c0 += 16) {
+          detail::transpose16x16(W + (n0 + c0) * ldw + k0, ldw, panel + k0 * NP + c0, NP);
+        }
+      }
+    }
+  }
+#endif
   // k outer, c inner: contiguous writes; the NP source rows stay in L1 across consecutive k.
   Index const kb = 64;
-  for (Index k0 = 0; k0 < K; k0 += kb) {
+  for (Index k0 = kdone; k0 < K; k0 += kb) {
     Index const k1 = std::min(K, k0 + kb);
     for (Index c = 0; c < nc; ++c) {
       float const* w = W + (n0 + c) * ldw;
