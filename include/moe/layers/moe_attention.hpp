@@ -369,8 +369,10 @@ class MoeAttention {
     Index depth = std::max({D, c_.qk_dim, std::max<Index>(1, c_.q_rank), bank_->d_ffn()});
     depth = std::max(depth, shared_ffn());
     n = std::max(n, kernels::panel_scratch_size(depth));
-    n = std::max(n, kTileRows * std::max(bank_->d_ffn(), shared_ffn()) +
-                        kernels::kGemmStridedScratchFloats);  // backward_rows
+    n = std::max(n, bank_->backward_scratch_floats(kTileRows));
+    if constexpr (Shared::has_experts) {
+      n = std::max(n, shared_.bank().backward_scratch_floats(kTileRows));
+    }
     return (n + 15) / 16 * 16;
   }
 

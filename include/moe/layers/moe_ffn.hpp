@@ -674,7 +674,11 @@ class MoeFfn {
     ws.dlogits.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
-    Index const scratch_per = kTileRows * std::max(F, Fs) + kernels::kGemmStridedScratchFloats;
+    // backward_rows scratch per thread; it also holds the weight gradients' gemm_strided scratch.
+    Index scratch_per = bank_.backward_scratch_floats(kTileRows);
+    if constexpr (Shared::has_experts) {
+      scratch_per = std::max(scratch_per, shared_.bank().backward_scratch_floats(kTileRows));
+    }
     ws.bwd_scratch.resize(static_cast<std::size_t>(threads_of(pool) * scratch_per));
 
     // 1. Combine VJP: dY_r = w_r dy[t]; dL/dw of each slot = <dy[t], Y_r>; shared experts.
