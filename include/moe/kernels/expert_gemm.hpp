@@ -31,6 +31,7 @@
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define MOE_EXPERT_GEMM_POP_DIAGNOSTIC 1
 #endif
 
@@ -281,42 +282,45 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
 }
 
 #if MOE_HAS_AVX512BF16
-/// Activation rows -> bf16 pairs (round to nearest even, as float_to_bf16), kp_count per row.
-inline void rows_to_bf16_pairs(float const* const* rows, Index n, Index K, std::uint32_t* dst) {
+/// Rows [0, n) of `a` -> bf16 pairs, ceil(K / 2) words per row at dst + r * ldd: word kp holds
+/// a[2 kp] (low half) and a[2 kp + 1] (high half, 0 past K). Every element goes through
+/// vcvtne2ps2bf16 (round to nearest even; denormal inputs become 0), the tail through masked
+/// loads, so a row's pairs depend on nothing but the row.
+inline void rows_to_bf16_pairs(RowSource a, Index n, Index K, std::uint32_t* dst, Index ldd) {
   Index const kp_count = (K + 1) / 2;
   for (Index r = 0; r < n; ++r) {
-    float const* a = rows[r];
-    std::uint32_t* d = dst + r * kp_count;
+    float const* x = a.row(r);
+    std::uint32_t* d = dst + r * ldd;
     Index kp = 0;
     for (; 2 * kp + 32 <= K; kp += 16) {
       __m512bh const v =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 2 * kp + 16), _mm512_loadu_ps(a + 2 * kp));
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 2 * kp + 16), _mm512_loadu_ps(x + 2 * kp));
       _mm512_storeu_si512(d + kp, reinterpret_cast<__m512i>(v));
     }
-    for (; kp < kp_count; ++kp) {
-      std::uint32_t const lo = float_to_bf16(a[2 * kp]);
-      std::uint32_t const hi = 2 * kp + 1 < K ? float_to_bf16(a[2 * kp + 1]) : 0u;
-      d[kp] = lo | (hi << 16);
+    if (kp < kp_count) {
+      Index const rest = K - 2 * kp;  // 1..31 floats
+      auto const lo_mask = static_cast<__mmask16>((1u << std::min<Index>(rest, 16)) - 1u);
+      auto const hi_mask = static_cast<__mmask16>(rest > 16 ? (1u << (rest - 16)) - 1u : 0u);
+      __m512bh const v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi_mask, x + 2 * kp + 16),
+                                             _mm512_maskz_loadu_ps(lo_mask, x + 2 * kp));
+      auto const words = static_cast<__mmask16>((1u << (kp_count - kp)) - 1u);
+      _mm512_mask_storeu_epi32(d + kp, words, reinterpret_cast<__m512i>(v));
     }
   }
 }
 
-/// The AVX512-BF16 tile: activations as bf16 pairs (`apairs`, MR rows of kp_count), vdpbf16ps,
-/// one K slice.
+/// The AVX512-BF16 tile: MR rows of activations as bf16 pairs (`apairs`, row stride lda words)
+/// times the panels' bf16 pairs with vdpbf16ps, one K slice. Kept out of line: inlined into
+/// expert_cols' row-tile loop, GCC 12 kept the accumulators on the stack (half the speed).
 template <Index MR, int Ops, class Arch, class Epi>
-MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
-                                           std::uint32_t const* const* panels, Index K,
-                                           Epi const& epi, Index i0, Index p, Prefetch pf,
-                                           Slice const& sl) {
+MOE_NOINLINE void expert_tile_bf16_dp(std::uint32_t const* apairs, Index lda,
+                                      std::uint32_t const* const* panels, Index K, Epi const& epi,
+                                      Index i0, Index p, Prefetch pf, Slice const& sl) {
   using B = simd::Batch<float, Arch>;
   constexpr int NB = 2 * Ops;
   Index const kp_count = (K + 1) / 2;
-  B acc_b[NB][MR];
-  tile_begin<MR, NB>(acc_b, sl);
-  __m512 acc[NB][MR];
-  for (int j = 0; j < NB; ++j) {
-    for (Index r = 0; r < MR; ++r) acc[j][r] = acc_b[j][r];
-  }
+  B acc[NB][MR];
+  tile_begin<MR, NB>(acc, sl);
   for (Index kp = 0; kp < kp_count; ++kp) {
     pf.step();
     __m512bh b[NB];
@@ -325,15 +329,12 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_dp(std::uint32_t const* apairs,
       b[2 * o + 1] = reinterpret_cast<__m512bh>(_mm512_load_si512(panels[o] + kp * 32 + 16));
     }
     for (Index r = 0; r < MR; ++r) {
-      __m512bh const av = reinterpret_cast<__m512bh>(
-          _mm512_set1_epi32(static_cast<int>(apairs[r * kp_count + kp])));
-      for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], av, b[j]);
+      __m512bh const av =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(apairs[r * lda + kp])));
+      for (int j = 0; j < NB; ++j) acc[j][r] = B(_mm512_dpbf16_ps(acc[j][r], av, b[j]));
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    for (Index r = 0; r < MR; ++r) acc_b[j][r] = B(acc[j][r]);
-  }
-  tile_end<MR, NB>(acc_b, sl, epi, i0, p);
+  tile_end<MR, NB>(acc, sl, epi, i0, p);
 }
 #endif
 
@@ -389,13 +390,14 @@ constexpr Index expert_k_slice() {
   return Ops > 1 ? MOE_EXPERT_K_SLICE_GLU : MOE_EXPERT_K_SLICE;
 }
 
-/// Floats of per-thread scratch expert_cols needs for depth K: two fp32 panels (per-call packing),
-/// the partial sums of a row chunk, bf16 activation pairs and the dot-product staging row,
-/// 64-byte aligned.
+/// Floats of per-thread scratch expert_cols needs for depth K: two fp32 panels (per-call packing)
+/// or a row chunk's bf16 activation pairs (bf16 panels), the partial sums of a row chunk and the
+/// dot-product staging row, 64-byte aligned.
 template <class Arch = simd::DefaultArch>
 constexpr Index expert_scratch_floats(Index K) {
   constexpr Index NP = panel_width<Arch>();
-  return 2 * K * NP + kExpertChunkRows * 2 * NP + 8 * ((K + 1) / 2) + 2 * NP + 64;
+  Index const operands = std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2));
+  return operands + kExpertChunkRows * 2 * NP + 2 * NP + 64;
 }
 
 /// Columns [p0 * NP, p1 * NP) (panels p0..p1-1; NP = panel_width()) of an expert projection of the
@@ -421,9 +423,10 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   if (M <= 0 || p1 <= p0) return;
   auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
   float* const panel_buf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
-  float* const partial = panel_buf + 2 * K * NP;             // kExpertChunkRows x NB * L
+  // bf16 panels: the activation pairs of a row chunk, in the space raw weights pack panels into.
+  auto* const pairs = reinterpret_cast<std::uint32_t*>(panel_buf);
+  float* const partial = panel_buf + std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2));
   float* const stage = partial + kExpertChunkRows * 2 * NP;  // dot-product path: one row
-  std::uint32_t* const pairs = reinterpret_cast<std::uint32_t*>(stage + 2 * NP);
   float const* row_ptr_storage[8];
 
   if (w.raw[0] && w.dot_products) {
@@ -445,15 +448,23 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   }
 
   bool const bf16 = w.bf16[0] != nullptr;
+#if MOE_HAS_AVX512BF16
+  // vdpbf16ps: activations rounded to bf16 pairs once per row chunk, in scratch.
+  bool const dp = bf16 && NP == 32;
+#else
+  bool const dp = false;
+#endif
+  Index const kp_all = (K + 1) / 2;  // bf16 pairs of a row
   Index kc = k_slice > 0 ? k_slice : expert_k_slice<Ops>();
   kc = std::min(K, (kc + 1) / 2 * 2);  // even: bf16 pairs never straddle slices
   Index const slices = (K + kc - 1) / kc;
   Index const chunks = (M + kExpertChunkRows - 1) / kExpertChunkRows;
+  Index const panels = p1 - p0;
+  bool const packed = !w.raw[0];
   // Bytes of operand o's panel p from depth k on (fp32 floats or bf16 words of pairs).
   auto panel_at = [&](int o, Index p, Index k) -> char const* {
     if (bf16) {
-      Index const words = (K + 1) / 2 * NP;
-      return reinterpret_cast<char const*>(w.bf16[o] + p * words + (k / 2) * NP);
+      return reinterpret_cast<char const*>(w.bf16[o] + p * kp_all * NP + (k / 2) * NP);
     }
     if (w.f32[0]) return reinterpret_cast<char const*>(w.f32[o] + p * K * NP + k * NP);
     return reinterpret_cast<char const*>(panel_buf + o * K * NP + k * NP);
@@ -462,61 +473,77 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
     Index const d = std::min(kc, K - k);
     return bf16 ? (d + 1) / 2 * NP * 4 : d * NP * 4;
   };
+  // Step s runs (panel, chunk): chunk-major when the chunk's rows are converted to bf16 pairs
+  // (once per chunk), panel-major otherwise (a raw panel is packed once, for all chunks).
+  auto panel_of = [&](Index st) { return p0 + (dp ? st % panels : st / chunks); };
+  auto chunk_of = [&](Index st) { return dp ? st / panels : st % chunks; };
 
-  for (Index p = p0; p < p1; ++p) {
-    if (w.raw[0]) {
+  for (Index st = 0; st < panels * chunks; ++st) {
+    Index const p = panel_of(st), c = chunk_of(st);
+    Index const c0 = c * kExpertChunkRows, mc = std::min(kExpertChunkRows, M - c0);
+    if (w.raw[0] && c == 0) {
       for (int o = 0; o < Ops; ++o) {
         Index const n0 = p * NP, nc = std::max<Index>(0, std::min(NP, w.raw_rows[o] - n0));
         pack_panel<Arch>(w.raw[o], K, n0, nc, K, panel_buf + o * K * NP);
       }
     }
-    for (Index c = 0; c < chunks; ++c) {
-      Index const c0 = c * kExpertChunkRows, mc = std::min(kExpertChunkRows, M - c0);
-      for (Index sidx = 0; sidx < slices; ++sidx) {
-        Index const k0 = sidx * kc, kk = std::min(kc, K - k0);
-        detail::Slice sl{partial, sidx == 0, sidx + 1 == slices};
-        // What comes next in this loop order: the next slice, this panel again for the next
-        // chunk, or the next panel (packed weights only; raw panels are packed per panel).
-        char const* next[2] = {nullptr, nullptr};
-        Index next_bytes = 0;
-        bool const packed = !w.raw[0];
-        Index np = p, nk = k0 + kc;
-        if (sidx + 1 == slices) {
-          nk = 0;
-          np = c + 1 < chunks ? p : p + 1;
-        }
-        if (np < p1 && (packed || np == p)) {
-          for (int o = 0; o < Ops; ++o) next[o] = panel_at(o, np, nk);
-          next_bytes = slice_bytes(nk);
-        }
-        char const* cur[2] = {panel_at(0, p, k0), Ops > 1 ? panel_at(1, p, k0) : nullptr};
-        detail::for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index nt, Index i0) {
-          for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(c0 + i0 + r) + k0;
-          detail::Prefetch const pf = detail::prefetch_slices(next, Ops, next_bytes, t, nt);
-          detail::Slice const tsl{partial + i0 * NB * L, sl.first, sl.last};
-          if (bf16) {
-            std::uint32_t const* panels[2] = {reinterpret_cast<std::uint32_t const*>(cur[0]),
+#if MOE_HAS_AVX512BF16
+    if (dp && p == p0) {
+      RowSource chunk = a;
+      if (chunk.index) {
+        chunk.index += c0;
+      } else {
+        chunk.base += c0 * chunk.ld;
+      }
+      detail::rows_to_bf16_pairs(chunk, mc, K, pairs, kp_all);
+    }
+#endif
+    for (Index sidx = 0; sidx < slices; ++sidx) {
+      Index const k0 = sidx * kc, kk = std::min(kc, K - k0);
+      detail::Slice sl{partial, sidx == 0, sidx + 1 == slices};
+      // What comes next: the next slice, or the first slice of the next step's panel (packed
+      // weights only; a raw panel is packed when its first chunk starts).
+      char const* next[2] = {nullptr, nullptr};
+      Index next_bytes = 0;
+      Index np = p, nk = k0 + kc;
+      bool have_next = true;
+      if (sidx + 1 == slices) {
+        nk = 0;
+        have_next = st + 1 < panels * chunks;
+        if (have_next) np = panel_of(st + 1);
+      }
+      if (have_next && (packed || np == p)) {
+        for (int o = 0; o < Ops; ++o) next[o] = panel_at(o, np, nk);
+        next_bytes = slice_bytes(nk);
+      }
+      char const* cur[2] = {panel_at(0, p, k0), Ops > 1 ? panel_at(1, p, k0) : nullptr};
+      detail::for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index nt, Index i0) {
+        detail::Prefetch const pf = detail::prefetch_slices(next, Ops, next_bytes, t, nt);
+        detail::Slice const tsl{partial + i0 * NB * L, sl.first, sl.last};
+        if (bf16) {
+          std::uint32_t const* panels_u[2] = {reinterpret_cast<std::uint32_t const*>(cur[0]),
                                               reinterpret_cast<std::uint32_t const*>(cur[1])};
 #if MOE_HAS_AVX512BF16
-            if constexpr (NP == 32) {
-              detail::rows_to_bf16_pairs(row_ptr_storage, MR, kk, pairs);
-              detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs, panels, kk, epi, c0 + i0, p, pf,
-                                                         tsl);
-              return;
-            }
-#endif
-            detail::expert_tile_bf16_widen<MR, Ops, Arch>(row_ptr_storage, panels, kk, epi, c0 + i0,
-                                                          p, pf, tsl);
-          } else {
-            float const* panels[2] = {reinterpret_cast<float const*>(cur[0]),
-                                      reinterpret_cast<float const*>(cur[1])};
-            detail::expert_tile_f32<MR, Ops, Arch>(row_ptr_storage, panels, kk, epi, c0 + i0, p, pf,
-                                                   tsl);
+          if constexpr (NP == 32) {
+            detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs + i0 * kp_all + k0 / 2, kp_all,
+                                                       panels_u, kk, epi, c0 + i0, p, pf, tsl);
+            return;
           }
-        });
-      }
+#endif
+          for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(c0 + i0 + r) + k0;
+          detail::expert_tile_bf16_widen<MR, Ops, Arch>(row_ptr_storage, panels_u, kk, epi, c0 + i0,
+                                                        p, pf, tsl);
+        } else {
+          for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(c0 + i0 + r) + k0;
+          float const* panels_f[2] = {reinterpret_cast<float const*>(cur[0]),
+                                      reinterpret_cast<float const*>(cur[1])};
+          detail::expert_tile_f32<MR, Ops, Arch>(row_ptr_storage, panels_f, kk, epi, c0 + i0, p, pf,
+                                                 tsl);
+        }
+      });
     }
   }
+  (void)dp;
   (void)pairs;
 }
 

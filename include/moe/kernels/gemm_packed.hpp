@@ -24,6 +24,15 @@
 #define MOE_PREFETCH_L2(p) ((void)(p))
 #endif
 
+// GCC 12 reports the deliberately undefined pass-through operand of AVX-512 shuffles (used by
+// transpose16x16) as uninitialised once they are inlined (GCC PR 105593, fixed in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define MOE_GEMM_PACKED_POP_DIAGNOSTIC 1
+#endif
+
 namespace moe::kernels {
 
 /// Columns of one packed weight panel: two SIMD batches (32 floats with AVX-512, 16 with AVX2).
@@ -264,3 +273,8 @@ void project_cols_packed(float const* A, Index lda, Index M, float const* panels
 }
 
 }  // namespace moe::kernels
+
+#ifdef MOE_GEMM_PACKED_POP_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#undef MOE_GEMM_PACKED_POP_DIAGNOSTIC
+#endif
