@@ -19,6 +19,7 @@
 #include "moe/core/config.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/routing_plan.hpp"

@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// Core vocabulary: views, Eigen interop without copies, errors, the thread pool.
+// Core vocabulary: views, Eigen interop without copies, errors, the thread pool, weight storage.
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <limits>
+#include <new>
 #include <set>
 #include <stdexcept>
 
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 
@@ -84,4 +88,24 @@ TEST_CASE("ThreadPool rethrows the first exception after all items finish", "[co
   pool.parallel_for(
       4, [&](Index, int) { pool.parallel_for(3, [&](Index, int) { inner.fetch_add(1); }); });
   REQUIRE(inner == 12);
+}
+
+TEST_CASE("HugePageAllocator: 64-byte aligned blocks, 2 MiB aligned and padded at 2 MiB and up",
+          "[core][memory]") {
+  auto addr = [](void const* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  for (std::size_t n : {std::size_t{1}, std::size_t{17}, std::size_t{100000}}) {
+    moe::HugePageVector<float> v(n, 1.5f);
+    REQUIRE(addr(v.data()) % 64 == 0);
+    REQUIRE(v[n - 1] == 1.5f);
+  }
+  std::size_t const big = moe::kHugePageBytes / sizeof(float) + 3;  // one page and a bit
+  moe::HugePageVector<float> v(big, 0.0f);
+  REQUIRE(addr(v.data()) % moe::kHugePageBytes == 0);
+  REQUIRE(moe::HugePageAllocator<float>::block_bytes(big) == 2 * moe::kHugePageBytes);
+  v.back() = 2.0f;  // the whole block is usable
+  moe::HugePageVector<float> w = v;  // copies through the (stateless) allocator
+  REQUIRE(w.back() == 2.0f);
+  REQUIRE(w.get_allocator() == v.get_allocator());
+  moe::HugePageAllocator<std::uint32_t> alloc;
+  REQUIRE_THROWS_AS(alloc.allocate(std::numeric_limits<std::size_t>::max() / 2), std::bad_alloc);
 }

@@ -12,6 +12,7 @@
 #include "moe/core/concepts.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
@@ -298,11 +299,11 @@ class ExpertBank {
   Index num_experts_ = 0;
   Index d_model_ = 0;
   Index d_ffn_ = 0;
-  std::vector<float> params_;
+  HugePageVector<float> params_;
   std::uint64_t version_ = 0;  // bumped by every mutable access to the weights
   std::uint64_t packed_version_ = ~std::uint64_t{0};
-  std::vector<float, xsimd::aligned_allocator<float, 64>> packed_;
-  std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed_bf16_;
+  HugePageVector<float> packed_;
+  HugePageVector<std::uint32_t> packed_bf16_;
 };
 
 }  // namespace moe::experts
