@@ -102,7 +102,7 @@ TEST_CASE("HugePageAllocator: 64-byte aligned blocks, 2 MiB aligned and padded a
   moe::HugePageVector<float> v(big, 0.0f);
   REQUIRE(addr(v.data()) % moe::kHugePageBytes == 0);
   REQUIRE(moe::HugePageAllocator<float>::block_bytes(big) == 2 * moe::kHugePageBytes);
-  v.back() = 2.0f;  // the whole block is usable
+  v.back() = 2.0f;                   // the whole block is usable
   moe::HugePageVector<float> w = v;  // copies through the (stateless) allocator
   REQUIRE(w.back() == 2.0f);
   REQUIRE(w.get_allocator() == v.get_allocator());
