@@ -4,6 +4,8 @@
 // This TU is built twice: with -march=native (moe_tests) and without -m flags (moe_tests_sse2).
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "moe/kernels/expert_gemm.hpp"
@@ -240,6 +242,74 @@ TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result
     REQUIRE(run(64) == one);
     REQUIRE(run(0) == one);
   }
+}
+
+TEST_CASE("bf16_pairs_rows rounds like vcvtne2ps2bf16: nearest even, denormals to zero, NaN kept",
+          "[kernels][expert_gemm][bf16]") {
+  // Reference: round to nearest even on the bits; denormal inputs are signed zeros.
+  auto want = [](float f) -> std::uint32_t {
+    std::uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0) return (u & 0x80000000u) >> 16;
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  };
+  float const specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            1.00390625f,  // 1 + 2^-8: a tie, rounds to even (1)
+                            1.01171875f,  // 1 + 3 * 2^-8: a tie, rounds to even (1 + 2^-6)
+                            std::numeric_limits<float>::denorm_min(),
+                            -1e-39f,  // denormal
+                            std::numeric_limits<float>::min(),
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            3.0e38f};
+  for (Index K :
+       {Index{1}, Index{2}, Index{13}, Index{31}, Index{32}, Index{33}, Index{64}, Index{77}}) {
+    INFO("K " << K);
+    Index const rows = 3, kp = (K + 1) / 2, ldd = kp + 2;
+    auto X = test::random_vector(rows * (K + 1), 361, -3.0f, 3.0f);
+    for (Index i = 0; i < rows * (K + 1); i += 3) X[i] = specials[(i / 3) % 13];
+    std::vector<std::uint32_t> got(static_cast<std::size_t>(rows * ldd), 0xDEADBEEFu);
+    std::vector<Index> index{2, 0, 1};
+    kernels::bf16_pairs_rows({X.data(), K + 1, index.data()}, rows, K, got.data(), ldd);
+    for (Index r = 0; r < rows; ++r) {
+      float const* x = X.data() + index[r] * (K + 1);
+      for (Index k = 0; k < kp; ++k) {
+        std::uint32_t const lo = want(x[2 * k]), hi = 2 * k + 1 < K ? want(x[2 * k + 1]) : 0u;
+        REQUIRE(got[r * ldd + k] == (lo | (hi << 16)));
+      }
+      REQUIRE(got[r * ldd + kp] == 0xDEADBEEFu);  // nothing written past the row
+    }
+  }
+}
+
+TEST_CASE("expert_cols: bf16 pairs given in RowSource give bitwise the rows' own rounding",
+          "[kernels][expert_gemm][bf16]") {
+  Index const K = 75, F = NP + 3, M = 140, T = 150;
+  auto X = test::random_vector(T * K, 371);
+  auto Win = test::random_vector(2 * F * K, 372);
+  Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
+  Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+  kernels::WeightPanels w;
+  set_operand(w, 0, gate, Source::kBf16, F);
+  set_operand(w, 1, up, Source::kBf16, F);
+  std::vector<Index> index(static_cast<std::size_t>(M));
+  for (Index i = 0; i < M; ++i) index[i] = (i * 11 + 5) % T;
+  Index const kp = (K + 1) / 2;
+  std::vector<std::uint32_t> pairs(static_cast<std::size_t>(T * kp));
+  kernels::bf16_pairs_rows({X.data(), K, nullptr}, T, K, pairs.data(), kp);
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+  auto run = [&](kernels::RowSource a) {
+    std::vector<float> m(static_cast<std::size_t>(M * F));
+    kernels::GluEpilogue<Activation::kSilu> const epi{m.data(), F, F};
+    kernels::expert_cols(a, M, K, w, 0, 2, epi, scratch.data(), 32);
+    return m;
+  };
+  REQUIRE(run({X.data(), K, index.data(), pairs.data(), kp}) == run({X.data(), K, index.data()}));
 }
 
 TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, with tails",

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "moe/core/eigen_interop.hpp"
 #include "moe/layers/moe_ffn.hpp"
@@ -450,6 +451,42 @@ TEST_CASE("Packed weights give the unpacked result, and stale packs are never us
   layer.backward(w1, {dy.data(), T, D}, {dx1.data(), T, D}, g1);
   copy.backward(w2, {dy.data(), T, D}, {dx2.data(), T, D}, g2);
   for (std::size_t i = 0; i < dx1.size(); ++i) REQUIRE(dx1[i] == Approx(dx2[i]).margin(1e-5));
+}
+
+TEST_CASE("bf16-packed weights: inference equals a double forward of the bf16-rounded operands",
+          "[layers][packing][bf16]") {
+  // F and the shared F are multiples of the panel width, so every projection (gate+up and down,
+  // routed and shared) multiplies bf16 panels; with AVX512-BF16 the layer rounds x and m to
+  // bf16 pairs once per forward (MoeFfnWorkspace::x_pairs, act_pairs, shared_act_pairs).
+  Index const np = moe::kernels::panel_width();
+  Index const D = 70, F = 2 * np, E = 5, T = 37;
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(D, F, {E, 2, true, 1.0f},
+                                                               Sh(1, D, np));
+  randomize(layer, 121);
+  layer.pack_weights(experts::WeightFormat::kBf16);
+  auto x = test::random_vector(T * D, 122);
+  ConstMatrixView<float> xv(x.data(), T, D);
+  std::vector<float> y1(x.size()), y2(x.size());
+  moe::MoeFfnWorkspace ws1, ws2;
+  moe::ThreadPool pool(2);
+  layer.forward(xv, {y1.data(), T, D}, ws1);
+  layer.forward(xv, {y2.data(), T, D}, ws2, {nullptr, &pool});
+  REQUIRE(y1 == y2);  // bitwise for 1 and 2 threads
+  bool const dp = moe::kernels::bf16_dot_products();
+  REQUIRE(ws1.x_pairs.size() == static_cast<std::size_t>(dp ? T * ((D + 1) / 2) : 0));
+  REQUIRE(ws1.act_pairs.size() == static_cast<std::size_t>(dp ? 2 * T * (F / 2) : 0));
+  auto const r = test::routing_of(ws1.selection);
+  auto const& cl = std::as_const(layer);
+  auto const spec = ref::layer_forward(cl, xv, r, {true, dp});
+  auto const exact = ref::layer_forward(cl, xv, r);
+  // fp32 accumulation against double (an m whose fp32 and double values round to different
+  // bf16 neighbours would move y by one of F terms at 2^-8; none does with this seed).
+  double const to_spec = test::max_rel_diff(y1.data(), spec);
+  double const to_exact = test::max_rel_diff(y1.data(), exact);
+  INFO("to_spec " << to_spec << " to_exact " << to_exact);
+  REQUIRE(to_spec < 5e-5);
+  REQUIRE(to_exact > 20 * to_spec);  // the rounding model explains the bf16 error
 }
 
 TEST_CASE("bf16-packed weights: inference within bf16 rounding, training stays exact",

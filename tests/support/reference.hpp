@@ -12,6 +12,7 @@
 
 #include "moe/core/views.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 
 namespace ref {
 
@@ -243,24 +244,38 @@ inline double activate(moe::kernels::Activation a, double x) {
   return 0.0;
 }
 
+/// v rounded to bf16 (nearest even) and back.
+inline double bf16_round(double v) {
+  return moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(static_cast<float>(v)));
+}
+
+/// What a bf16 forward rounds to bf16 before multiplying: the weights (bf16 panels), and with
+/// AVX512-BF16 dot products also the projections' inputs (x, and m before the down projection).
+struct Bf16Rounding {
+  bool weights = false;
+  bool activations = false;
+};
+
 /// One expert in double: W_down (act(W_gate x) * W_up x) or W_down act(W_up x).
-/// gate may be an empty view (plain MLP).
+/// gate may be an empty view (plain MLP). `bf16`: operands rounded as a bf16 forward rounds them.
 inline std::vector<double> expert(moe::ConstMatrixView<float> gate, moe::ConstMatrixView<float> up,
                                   moe::ConstMatrixView<float> down, moe::kernels::Activation a,
-                                  float const* x) {
+                                  float const* x, Bf16Rounding bf16 = {}) {
   Index const F = up.rows, D = up.cols;
+  auto w = [&](float v) { return bf16.weights ? bf16_round(v) : static_cast<double>(v); };
+  auto in = [&](double v) { return bf16.activations ? bf16_round(v) : v; };
   std::vector<double> h(static_cast<std::size_t>(F));
   for (Index f = 0; f < F; ++f) {
     double u = 0.0, g = 0.0;
     for (Index d = 0; d < D; ++d) {
-      u += static_cast<double>(up(f, d)) * x[d];
-      if (gate.rows > 0) g += static_cast<double>(gate(f, d)) * x[d];
+      u += w(up(f, d)) * in(x[d]);
+      if (gate.rows > 0) g += w(gate(f, d)) * in(x[d]);
     }
-    h[f] = gate.rows > 0 ? activate(a, g) * u : activate(a, u);
+    h[f] = in(gate.rows > 0 ? activate(a, g) * u : activate(a, u));
   }
   std::vector<double> y(static_cast<std::size_t>(D), 0.0);
   for (Index d = 0; d < D; ++d) {
-    for (Index f = 0; f < F; ++f) y[d] += static_cast<double>(down(d, f)) * h[f];
+    for (Index f = 0; f < F; ++f) y[d] += w(down(d, f)) * h[f];
   }
   return y;
 }

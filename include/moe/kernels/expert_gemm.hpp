@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
@@ -47,11 +48,18 @@ namespace moe::kernels {
 
 /// Rows of an activation matrix read in place: row i is base + (index ? index[i] : i) * ld.
 /// With an index (e.g. RoutingPlan::row_token of one expert) the gather is part of the GEMM.
+/// Optionally `pairs` holds the same rows already rounded to bf16 pairs (bf16_pairs_rows, row
+/// stride ldp words, addressed through the same index): the AVX512-BF16 path of expert_cols then
+/// reads them instead of rounding the rows itself (once per call), so a layer rounds each row
+/// once per forward. Ignored by every other path.
 struct RowSource {
   float const* base = nullptr;
   Index ld = 0;
   Index const* index = nullptr;
-  MOE_ALWAYS_INLINE float const* row(Index i) const { return base + (index ? index[i] : i) * ld; }
+  std::uint32_t const* pairs = nullptr;
+  Index ldp = 0;
+  MOE_ALWAYS_INLINE Index at(Index i) const { return index ? index[i] : i; }
+  MOE_ALWAYS_INLINE float const* row(Index i) const { return base + at(i) * ld; }
 };
 
 /// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
@@ -157,6 +165,57 @@ constexpr Index expert_max_mr() {
   constexpr bool wide = simd::Batch<float, Arch>::size >= 16;
   if constexpr (Operands == 1) return wide ? 8 : 6;
   return wide ? 6 : 2;
+}
+
+/// Does expert_cols multiply bf16 panels with AVX512-BF16 dot products on this build (and so
+/// round activations to bf16 pairs and read RowSource::pairs)? Otherwise it widens the weights.
+template <class Arch = simd::DefaultArch>
+constexpr bool bf16_dot_products() {
+  return MOE_HAS_AVX512BF16 && panel_width<Arch>() == 32;
+}
+
+/// Rows [0, n) of `a` rounded to bf16 pairs, ceil(K / 2) words per row at dst + r * ldd: word kp
+/// holds a[2 kp] (low half) and a[2 kp + 1] (high half; 0 past K), each rounded to nearest even
+/// with denormal inputs taken as (signed) zero and NaN kept NaN, as vcvtne2ps2bf16 does (the
+/// instruction used with AVX512-BF16; the same arithmetic in scalar code elsewhere), so a row's
+/// pairs depend on nothing but the row. The activations expert_cols' bf16 dot products read.
+inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, Index ldd) {
+  Index const kp_count = (K + 1) / 2;
+  for (Index r = 0; r < n; ++r) {
+    float const* x = a.row(r);
+    std::uint32_t* d = dst + r * ldd;
+    Index kp = 0;
+#if MOE_HAS_AVX512BF16
+    for (; 2 * kp + 32 <= K; kp += 16) {
+      __m512bh const v =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 2 * kp + 16), _mm512_loadu_ps(x + 2 * kp));
+      _mm512_storeu_si512(d + kp, reinterpret_cast<__m512i>(v));
+    }
+    if (kp < kp_count) {
+      Index const rest = K - 2 * kp;  // 1..31 floats
+      auto const lo_mask = static_cast<__mmask16>((1u << std::min<Index>(rest, 16)) - 1u);
+      auto const hi_mask = static_cast<__mmask16>(rest > 16 ? (1u << (rest - 16)) - 1u : 0u);
+      __m512bh const v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi_mask, x + 2 * kp + 16),
+                                             _mm512_maskz_loadu_ps(lo_mask, x + 2 * kp));
+      auto const words = static_cast<__mmask16>((1u << (kp_count - kp)) - 1u);
+      _mm512_mask_storeu_epi32(d + kp, words, reinterpret_cast<__m512i>(v));
+    }
+#else
+    auto round = [](float f) -> std::uint32_t {
+      std::uint32_t u;
+      std::memcpy(&u, &f, 4);
+      if ((u & 0x7F800000u) == 0) u &= 0x80000000u;  // denormal -> signed zero
+      if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+      u += 0x7FFFu + ((u >> 16) & 1u);
+      return u >> 16;
+    };
+    for (; kp < kp_count; ++kp) {
+      std::uint32_t const lo = round(x[2 * kp]);
+      std::uint32_t const hi = 2 * kp + 1 < K ? round(x[2 * kp + 1]) : 0u;
+      d[kp] = lo | (hi << 16);
+    }
+#endif
+  }
 }
 
 namespace detail {
@@ -282,38 +341,12 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
 }
 
 #if MOE_HAS_AVX512BF16
-/// Rows [0, n) of `a` -> bf16 pairs, ceil(K / 2) words per row at dst + r * ldd: word kp holds
-/// a[2 kp] (low half) and a[2 kp + 1] (high half, 0 past K). Every element goes through
-/// vcvtne2ps2bf16 (round to nearest even; denormal inputs become 0), the tail through masked
-/// loads, so a row's pairs depend on nothing but the row.
-inline void rows_to_bf16_pairs(RowSource a, Index n, Index K, std::uint32_t* dst, Index ldd) {
-  Index const kp_count = (K + 1) / 2;
-  for (Index r = 0; r < n; ++r) {
-    float const* x = a.row(r);
-    std::uint32_t* d = dst + r * ldd;
-    Index kp = 0;
-    for (; 2 * kp + 32 <= K; kp += 16) {
-      __m512bh const v =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 2 * kp + 16), _mm512_loadu_ps(x + 2 * kp));
-      _mm512_storeu_si512(d + kp, reinterpret_cast<__m512i>(v));
-    }
-    if (kp < kp_count) {
-      Index const rest = K - 2 * kp;  // 1..31 floats
-      auto const lo_mask = static_cast<__mmask16>((1u << std::min<Index>(rest, 16)) - 1u);
-      auto const hi_mask = static_cast<__mmask16>(rest > 16 ? (1u << (rest - 16)) - 1u : 0u);
-      __m512bh const v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi_mask, x + 2 * kp + 16),
-                                             _mm512_maskz_loadu_ps(lo_mask, x + 2 * kp));
-      auto const words = static_cast<__mmask16>((1u << (kp_count - kp)) - 1u);
-      _mm512_mask_storeu_epi32(d + kp, words, reinterpret_cast<__m512i>(v));
-    }
-  }
-}
-
-/// The AVX512-BF16 tile: MR rows of activations as bf16 pairs (`apairs`, row stride lda words)
-/// times the panels' bf16 pairs with vdpbf16ps, one K slice. Kept out of line: inlined into
-/// expert_cols' row-tile loop, GCC 12 kept the accumulators on the stack (half the speed).
+/// The AVX512-BF16 tile: MR rows of activations as bf16 pairs (`arows`, each at the slice's
+/// first pair) times the panels' bf16 pairs with vdpbf16ps, one K slice. Kept out of line:
+/// inlined into expert_cols' row-tile loop, GCC 12 kept the accumulators on the stack (half the
+/// speed).
 template <Index MR, int Ops, class Arch, class Epi>
-MOE_NOINLINE void expert_tile_bf16_dp(std::uint32_t const* apairs, Index lda,
+MOE_NOINLINE void expert_tile_bf16_dp(std::uint32_t const* const* arows,
                                       std::uint32_t const* const* panels, Index K, Epi const& epi,
                                       Index i0, Index p, Prefetch pf, Slice const& sl) {
   using B = simd::Batch<float, Arch>;
@@ -321,6 +354,8 @@ MOE_NOINLINE void expert_tile_bf16_dp(std::uint32_t const* apairs, Index lda,
   Index const kp_count = (K + 1) / 2;
   B acc[NB][MR];
   tile_begin<MR, NB>(acc, sl);
+  std::uint32_t const* a[MR];
+  for (Index r = 0; r < MR; ++r) a[r] = arows[r];
   for (Index kp = 0; kp < kp_count; ++kp) {
     pf.step();
     __m512bh b[NB];
@@ -329,8 +364,7 @@ MOE_NOINLINE void expert_tile_bf16_dp(std::uint32_t const* apairs, Index lda,
       b[2 * o + 1] = reinterpret_cast<__m512bh>(_mm512_load_si512(panels[o] + kp * 32 + 16));
     }
     for (Index r = 0; r < MR; ++r) {
-      __m512bh const av =
-          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(apairs[r * lda + kp])));
+      __m512bh const av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[r][kp])));
       for (int j = 0; j < NB; ++j) acc[j][r] = B(_mm512_dpbf16_ps(acc[j][r], av, b[j]));
     }
   }
@@ -406,7 +440,10 @@ constexpr Index expert_scratch_floats(Index K) {
 ///   - packed fp32 or bf16 panels: the panel micro-kernels over row chunks of up to
 ///     kExpertChunkRows rows and K slices of `k_slice` (0: expert_k_slice()) depth, the partial
 ///     sums kept in scratch between slices (bitwise the same as one pass over K), row tiles of up
-///     to expert_max_mr() rows; the next slice prefetched while one is multiplied;
+///     to expert_max_mr() rows; the next slice prefetched while one is multiplied. bf16 panels
+///     with bf16_dot_products(): the rows as bf16 pairs (a.pairs, or each row chunk rounded once
+///     by bf16_pairs_rows into scratch; bitwise the same) times the panels with vdpbf16ps, row
+///     chunk by row chunk; without: weights widened to fp32 in registers;
 ///   - raw weights: per-call packing of each panel into scratch, then the same;
 ///   - raw weights with w.dot_products (for few rows): gemm_nt dot products per row (weights
 ///     streamed once, no packing), staged in scratch and passed to the epilogue.
@@ -448,12 +485,8 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   }
 
   bool const bf16 = w.bf16[0] != nullptr;
-#if MOE_HAS_AVX512BF16
-  // vdpbf16ps: activations rounded to bf16 pairs once per row chunk, in scratch.
-  bool const dp = bf16 && NP == 32;
-#else
-  bool const dp = false;
-#endif
+  // vdpbf16ps: activations as bf16 pairs, from a.pairs or rounded once per row chunk into scratch.
+  bool const dp = bf16 && bf16_dot_products<Arch>();
   Index const kp_all = (K + 1) / 2;  // bf16 pairs of a row
   Index kc = k_slice > 0 ? k_slice : expert_k_slice<Ops>();
   kc = std::min(K, (kc + 1) / 2 * 2);  // even: bf16 pairs never straddle slices
@@ -487,17 +520,15 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
         pack_panel<Arch>(w.raw[o], K, n0, nc, K, panel_buf + o * K * NP);
       }
     }
-#if MOE_HAS_AVX512BF16
-    if (dp && p == p0) {
+    if (dp && !a.pairs && p == p0) {
       RowSource chunk = a;
       if (chunk.index) {
         chunk.index += c0;
       } else {
         chunk.base += c0 * chunk.ld;
       }
-      detail::rows_to_bf16_pairs(chunk, mc, K, pairs, kp_all);
+      bf16_pairs_rows(chunk, mc, K, pairs, kp_all);
     }
-#endif
     for (Index sidx = 0; sidx < slices; ++sidx) {
       Index const k0 = sidx * kc, kk = std::min(kc, K - k0);
       detail::Slice sl{partial, sidx == 0, sidx + 1 == slices};
@@ -525,8 +556,14 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
                                               reinterpret_cast<std::uint32_t const*>(cur[1])};
 #if MOE_HAS_AVX512BF16
           if constexpr (NP == 32) {
-            detail::expert_tile_bf16_dp<MR, Ops, Arch>(pairs + i0 * kp_all + k0 / 2, kp_all,
-                                                       panels_u, kk, epi, c0 + i0, p, pf, tsl);
+            std::uint32_t const* arows[MR];
+            for (Index r = 0; r < MR; ++r) {
+              arows[r] =
+                  (a.pairs ? a.pairs + a.at(c0 + i0 + r) * a.ldp : pairs + (i0 + r) * kp_all) +
+                  k0 / 2;
+            }
+            detail::expert_tile_bf16_dp<MR, Ops, Arch>(arows, panels_u, kk, epi, c0 + i0, p, pf,
+                                                       tsl);
             return;
           }
 #endif

@@ -77,7 +77,12 @@ struct MoeFfnWorkspace {
   std::vector<float> shared_out;     ///< [S*T, D] shared-expert outputs
   std::vector<float> shared_gate;    ///< [T, S] sigmoid gates of the shared experts
   std::vector<float> panels;         ///< per-thread kernel scratch (kernels::expert_cols)
-  double aux_loss = 0.0;             ///< the balance policy's loss for the last routed call
+  /// Inference with bf16 panels and AVX512-BF16 (kernels::bf16_dot_products): the inputs of the
+  /// expert projections rounded to bf16 pairs once per forward (kernels::bf16_pairs_rows).
+  std::vector<std::uint32_t> x_pairs;           ///< [T, ceil(D / 2)]
+  std::vector<std::uint32_t> act_pairs;         ///< [R, ceil(F / 2)]
+  std::vector<std::uint32_t> shared_act_pairs;  ///< [S*T, ceil(F_shared / 2)]
+  double aux_loss = 0.0;  ///< the balance policy's loss for the last routed call
 
   using Job = detail::ExpertJob;    ///< one projection with its epilogue
   using Item = detail::ExpertItem;  ///< panels x rows of a job: a unit of parallel work
@@ -258,6 +263,13 @@ class MoeFfn {
     grow(ws.expert_out, R * D);
     if constexpr (Shared::has_experts) {
       grow(ws.shared_act, ns * max_tokens * shared_.bank().d_ffn());
+    }
+    if (kernels::bf16_dot_products()) {  // used once the bank is packed as bf16
+      grow(ws.x_pairs, max_tokens * ((D + 1) / 2));
+      grow(ws.act_pairs, R * ((d_ffn() + 1) / 2));
+      if constexpr (Shared::has_experts) {
+        grow(ws.shared_act_pairs, ns * max_tokens * ((shared_.bank().d_ffn() + 1) / 2));
+      }
     }
     grow(ws.shared_out, ns * max_tokens * D);
     grow(ws.shared_gate, ns * max_tokens);
@@ -491,14 +503,33 @@ class MoeFfn {
     }
     ws.shared_hidden.resize(static_cast<std::size_t>(train ? ns * T * Ps : 0));
     ws.shared_act.resize(static_cast<std::size_t>(ns * T * Fs));
-    // bf16 panels serve inference only; training multiplies the exact fp32 weights.
+    // bf16 panels serve inference only; training multiplies the exact fp32 weights. With
+    // AVX512-BF16 the projections' inputs are rounded to bf16 pairs once here, not per item.
     bool const use_bf16 = !train;
+    bool routed_pairs = false, shared_pairs = false;
+    if (use_bf16 && kernels::bf16_dot_products()) {
+      routed_pairs = E > 0 && bank_.packed_in_bf16(0) != nullptr;
+      if constexpr (Shared::has_experts) {
+        shared_pairs = ns > 0 && shared_.bank().packed_in_bf16(0) != nullptr;
+      }
+    }
+    Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpFs = (Fs + 1) / 2;
+    bool const x_pairs = routed_pairs || shared_pairs;
+    ws.x_pairs.resize(static_cast<std::size_t>(x_pairs ? T * kpD : 0));
+    ws.act_pairs.resize(static_cast<std::size_t>(routed_pairs ? R * kpF : 0));
+    ws.shared_act_pairs.resize(static_cast<std::size_t>(shared_pairs ? ns * T * kpFs : 0));
 
-    // 1. Training: gather (dispatch) the routed rows. Shared-expert gates.
+    // 1. Training: gather (dispatch) the routed rows. Shared-expert gates. bf16 pairs of x.
     Index const row_tiles = train ? (R + kTileRows - 1) / kTileRows : 0;
     Index const token_tiles = (T + kTileRows - 1) / kTileRows;
-    parallel_for(pool, row_tiles + (Shared::gated ? token_tiles : 0), [&](Index i, int) {
-      if (i < row_tiles) {
+    Index const gate_tiles = Shared::gated ? token_tiles : 0;
+    Index const pair_tiles = x_pairs ? token_tiles : 0;
+    parallel_for(pool, row_tiles + gate_tiles + pair_tiles, [&](Index i, int) {
+      if (i >= row_tiles + gate_tiles) {
+        Index const t0 = (i - row_tiles - gate_tiles) * kTileRows;
+        kernels::bf16_pairs_rows({x.data + t0 * x.row_stride, x.row_stride, nullptr},
+                                 std::min(kTileRows, T - t0), D, ws.x_pairs.data() + t0 * kpD, kpD);
+      } else if (i < row_tiles) {
         Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
         kernels::gather_rows(x.data, x.row_stride, plan.row_token.data() + r0, n, D,
                              ws.x_rows.data() + r0 * D, D);
@@ -522,7 +553,8 @@ class MoeFfn {
       Job job;
       job.kind = Job::Kind::kRoutedHidden;
       job.a = train ? kernels::RowSource{ws.x_rows.data() + r0 * D, D, nullptr}
-                    : kernels::RowSource{x.data, x.row_stride, plan.row_token.data() + r0};
+                    : kernels::RowSource{x.data, x.row_stride, plan.row_token.data() + r0,
+                                         routed_pairs ? ws.x_pairs.data() : nullptr, kpD};
       job.rows = n;
       job.depth = D;
       job.w = weights_of(bank_.in_proj(e).data, P, bank_.packed_in(e), bank_.packed_in_bf16(e), D,
@@ -540,7 +572,7 @@ class MoeFfn {
         auto const& sb = shared_.bank();
         Job job;
         job.kind = Job::Kind::kSharedHidden;
-        job.a = {x.data, x.row_stride, nullptr};
+        job.a = {x.data, x.row_stride, nullptr, shared_pairs ? ws.x_pairs.data() : nullptr, kpD};
         job.rows = T;
         job.depth = D;
         job.w = weights_of(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
@@ -554,11 +586,27 @@ class MoeFfn {
       }
     }
     run_jobs(ws, pool);
+    // bf16 pairs of m for the down projections.
+    Index const act_tiles = routed_pairs ? (R + kTileRows - 1) / kTileRows : 0;
+    Index const shared_tiles = shared_pairs ? (ns * T + kTileRows - 1) / kTileRows : 0;
+    parallel_for(pool, act_tiles + shared_tiles, [&](Index i, int) {
+      if (i < act_tiles) {
+        Index const r0 = i * kTileRows;
+        kernels::bf16_pairs_rows({ws.act.data() + r0 * F, F, nullptr}, std::min(kTileRows, R - r0),
+                                 F, ws.act_pairs.data() + r0 * kpF, kpF);
+      } else {
+        Index const r0 = (i - act_tiles) * kTileRows;
+        kernels::bf16_pairs_rows({ws.shared_act.data() + r0 * Fs, Fs, nullptr},
+                                 std::min(kTileRows, ns * T - r0), Fs,
+                                 ws.shared_act_pairs.data() + r0 * kpFs, kpFs);
+      }
+    });
     // 3. Down projections y_rows = m W_down^T, times the routing weight in inference.
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
       Job job;
-      job.a = {ws.act.data() + r0 * F, F, nullptr};
+      job.a = {ws.act.data() + r0 * F, F, nullptr,
+               routed_pairs ? ws.act_pairs.data() + r0 * kpF : nullptr, kpF};
       job.rows = n;
       job.depth = F;
       job.w = weights_of(bank_.down_proj(e).data, D, bank_.packed_down(e),
@@ -573,7 +621,8 @@ class MoeFfn {
       for (Index s = 0; s < ns; ++s) {
         auto const& sb = shared_.bank();
         Job job;
-        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr};
+        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr,
+                 shared_pairs ? ws.shared_act_pairs.data() + s * T * kpFs : nullptr, kpFs};
         job.rows = T;
         job.depth = Fs;
         job.w = weights_of(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,
