@@ -323,10 +323,10 @@ Plain make_plain(Index E = 8, Index k = 2, Index D = 16, Index F = 24) {
   return layer;
 }
 
-Qwen2Like make_qwen2_like() {
+Qwen2Like make_qwen2_like(Index F = 20, Index Fs = 28) {
   Index const D = 16;
-  Qwen2Like layer(D, 20, routing::SoftmaxTopK{6, 2, false, 1.0f},
-                  experts::GatedSharedExperts<experts::SwiGlu>(1, D, 28));
+  Qwen2Like layer(D, F, routing::SoftmaxTopK{6, 2, false, 1.0f},
+                  experts::GatedSharedExperts<experts::SwiGlu>(1, D, Fs));
   randomize(layer, 17);
   return layer;
 }
@@ -400,6 +400,15 @@ TEST_CASE("dist: forward and backward equal MoeFfn", "[dist]") {
     c.pack = true;
     c.format = experts::WeightFormat::kBf16;
     check_against_reference(make_qwen2_like(), c);
+  }
+  SECTION("bf16, every projection on panels (inputs rounded to bf16 pairs once), 2 threads") {
+    Case c;
+    c.total_tokens = 61;
+    c.pack = true;
+    c.threads = 2;
+    c.format = experts::WeightFormat::kBf16;
+    Index const np = moe::kernels::panel_width();
+    check_against_reference(make_qwen2_like(np, np), c);
   }
   SECTION("global batch under 8 tokens") {
     Case c;

@@ -97,6 +97,10 @@ struct ExpertParallelWorkspace {
   std::vector<float> hidden;      ///< [R_in, P] pre-activations (training)
   std::vector<float> act;         ///< [R_in, F] (training)
   std::vector<float> expert_out;  ///< [R_in, D]
+  /// Inference with bf16 panels and AVX512-BF16: projection inputs as bf16 pairs (MoeFfn's
+  /// x_pairs / act_pairs; kernels::bf16_pairs_rows), rounded once per forward.
+  std::vector<std::uint32_t> x_pairs, act_pairs;                ///< [R_in, D/2], [R_in, F/2]
+  std::vector<std::uint32_t> shared_x_pairs, shared_act_pairs;  ///< [T, D/2], [S*T, F_s/2]
 
   // Training (filled by forward_train, read by backward).
   std::vector<float> x;                  ///< [T, D] copy of the input
@@ -885,11 +889,20 @@ class ExpertParallelMoeFfn {
     ws.jobs.clear();
     ws.items.clear();
     bool const use_bf16 = !train;
+    bool const pairs =
+        use_bf16 && kernels::bf16_dot_products() && L > 0 && bank_.packed_in_bf16(0) != nullptr;
+    Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2;
+    ws.x_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpD : 0));
+    ws.act_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpF : 0));
+    ::moe::detail::run_pairs_tasks(pool,
+                                   {::moe::detail::PairsTask{ws.x_rows.data(), D, rin, D,
+                                                             pairs ? ws.x_pairs.data() : nullptr}});
     for (Index j = 0; j < L; ++j) {
       Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
       Job job;
       job.kind = Job::Kind::kRoutedHidden;
-      job.a = {ws.x_rows.data() + r0 * D, D, nullptr};
+      job.a = {ws.x_rows.data() + r0 * D, D, nullptr,
+               pairs ? ws.x_pairs.data() + r0 * kpD : nullptr, kpD};
       job.rows = n;
       job.depth = D;
       job.w = weights_of(bank_.in_proj(j).data, P, bank_.packed_in(j), bank_.packed_in_bf16(j), D,
@@ -902,10 +915,14 @@ class ExpertParallelMoeFfn {
       add_job(ws, job, n);
     }
     run_jobs(ws, pool);
+    ::moe::detail::run_pairs_tasks(
+        pool, {::moe::detail::PairsTask{ws.act.data(), F, rin, F,
+                                        pairs ? ws.act_pairs.data() : nullptr}});
     for (Index j = 0; j < L; ++j) {
       Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
       Job job;
-      job.a = {ws.act.data() + r0 * F, F, nullptr};
+      job.a = {ws.act.data() + r0 * F, F, nullptr, pairs ? ws.act_pairs.data() + r0 * kpF : nullptr,
+               kpF};
       job.rows = n;
       job.depth = F;
       job.w = weights_of(bank_.down_proj(j).data, D, bank_.packed_down(j),
@@ -954,10 +971,18 @@ class ExpertParallelMoeFfn {
       ws.jobs.clear();
       ws.items.clear();
       auto const& sb = shared_.bank();
+      bool const pairs =
+          use_bf16 && kernels::bf16_dot_products() && ns > 0 && sb.packed_in_bf16(0) != nullptr;
+      Index const kpD = (D + 1) / 2, kpFs = (Fs + 1) / 2;
+      ws.shared_x_pairs.resize(static_cast<std::size_t>(pairs ? T * kpD : 0));
+      ws.shared_act_pairs.resize(static_cast<std::size_t>(pairs ? ns * T * kpFs : 0));
+      ::moe::detail::run_pairs_tasks(
+          pool, {::moe::detail::PairsTask{x.data, x.row_stride, T, D,
+                                          pairs ? ws.shared_x_pairs.data() : nullptr}});
       for (Index s = 0; s < ns; ++s) {
         Job job;
         job.kind = Job::Kind::kSharedHidden;
-        job.a = {x.data, x.row_stride, nullptr};
+        job.a = {x.data, x.row_stride, nullptr, pairs ? ws.shared_x_pairs.data() : nullptr, kpD};
         job.rows = T;
         job.depth = D;
         job.w = weights_of(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
@@ -970,9 +995,13 @@ class ExpertParallelMoeFfn {
         add_job(ws, job, ws.total_tokens);
       }
       run_jobs(ws, pool);
+      ::moe::detail::run_pairs_tasks(
+          pool, {::moe::detail::PairsTask{ws.shared_act.data(), Fs, ns * T, Fs,
+                                          pairs ? ws.shared_act_pairs.data() : nullptr}});
       for (Index s = 0; s < ns; ++s) {
         Job job;
-        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr};
+        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr,
+                 pairs ? ws.shared_act_pairs.data() + s * T * kpFs : nullptr, kpFs};
         job.rows = T;
         job.depth = Fs;
         job.w = weights_of(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,

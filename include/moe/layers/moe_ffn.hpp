@@ -513,23 +513,17 @@ class MoeFfn {
         shared_pairs = ns > 0 && shared_.bank().packed_in_bf16(0) != nullptr;
       }
     }
-    Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpFs = (Fs + 1) / 2;
+    Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpFs = (Fs + 1) / 2;  // pairs per row
     bool const x_pairs = routed_pairs || shared_pairs;
     ws.x_pairs.resize(static_cast<std::size_t>(x_pairs ? T * kpD : 0));
     ws.act_pairs.resize(static_cast<std::size_t>(routed_pairs ? R * kpF : 0));
     ws.shared_act_pairs.resize(static_cast<std::size_t>(shared_pairs ? ns * T * kpFs : 0));
 
-    // 1. Training: gather (dispatch) the routed rows. Shared-expert gates. bf16 pairs of x.
+    // 1. Training: gather (dispatch) the routed rows. Shared-expert gates.
     Index const row_tiles = train ? (R + kTileRows - 1) / kTileRows : 0;
     Index const token_tiles = (T + kTileRows - 1) / kTileRows;
-    Index const gate_tiles = Shared::gated ? token_tiles : 0;
-    Index const pair_tiles = x_pairs ? token_tiles : 0;
-    parallel_for(pool, row_tiles + gate_tiles + pair_tiles, [&](Index i, int) {
-      if (i >= row_tiles + gate_tiles) {
-        Index const t0 = (i - row_tiles - gate_tiles) * kTileRows;
-        kernels::bf16_pairs_rows({x.data + t0 * x.row_stride, x.row_stride, nullptr},
-                                 std::min(kTileRows, T - t0), D, ws.x_pairs.data() + t0 * kpD, kpD);
-      } else if (i < row_tiles) {
+    parallel_for(pool, row_tiles + (Shared::gated ? token_tiles : 0), [&](Index i, int) {
+      if (i < row_tiles) {
         Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
         kernels::gather_rows(x.data, x.row_stride, plan.row_token.data() + r0, n, D,
                              ws.x_rows.data() + r0 * D, D);
@@ -546,6 +540,9 @@ class MoeFfn {
         }
       }
     });
+    // bf16 pairs of x for the in projections.
+    detail::run_pairs_tasks(pool, {detail::PairsTask{x.data, x.row_stride, T, D,
+                                                     x_pairs ? ws.x_pairs.data() : nullptr}});
     // 2. In projections with the activation in the epilogue: m = act(x W_gate^T) * (x W_up^T).
     Index const half = Expert::gated ? F : 0;
     for (Index e = 0; e < E; ++e) {
@@ -587,20 +584,11 @@ class MoeFfn {
     }
     run_jobs(ws, pool);
     // bf16 pairs of m for the down projections.
-    Index const act_tiles = routed_pairs ? (R + kTileRows - 1) / kTileRows : 0;
-    Index const shared_tiles = shared_pairs ? (ns * T + kTileRows - 1) / kTileRows : 0;
-    parallel_for(pool, act_tiles + shared_tiles, [&](Index i, int) {
-      if (i < act_tiles) {
-        Index const r0 = i * kTileRows;
-        kernels::bf16_pairs_rows({ws.act.data() + r0 * F, F, nullptr}, std::min(kTileRows, R - r0),
-                                 F, ws.act_pairs.data() + r0 * kpF, kpF);
-      } else {
-        Index const r0 = (i - act_tiles) * kTileRows;
-        kernels::bf16_pairs_rows({ws.shared_act.data() + r0 * Fs, Fs, nullptr},
-                                 std::min(kTileRows, ns * T - r0), Fs,
-                                 ws.shared_act_pairs.data() + r0 * kpFs, kpFs);
-      }
-    });
+    detail::run_pairs_tasks(
+        pool,
+        {detail::PairsTask{ws.act.data(), F, R, F, routed_pairs ? ws.act_pairs.data() : nullptr},
+         detail::PairsTask{ws.shared_act.data(), Fs, ns * T, Fs,
+                           shared_pairs ? ws.shared_act_pairs.data() : nullptr}});
     // 3. Down projections y_rows = m W_down^T, times the routing weight in inference.
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);

@@ -77,6 +77,33 @@ inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float 
   return w;
 }
 
+/// Rows [0, rows) of `src` (row stride ld, depth K) to be rounded into bf16 pairs at dst
+/// (ceil(K / 2) words per row), for the AVX512-BF16 path of expert_cols (RowSource::pairs).
+struct PairsTask {
+  float const* src = nullptr;
+  Index ld = 0, rows = 0, K = 0;
+  std::uint32_t* dst = nullptr;
+};
+
+/// Runs the tasks (kernels::bf16_pairs_rows) in parallel tiles of 64 rows; null tasks are skipped.
+template <std::size_t N>
+void run_pairs_tasks(ThreadPool* pool, PairsTask const (&tasks)[N]) {
+  constexpr Index kTile = 64;
+  Index tiles[N + 1] = {0};
+  for (std::size_t i = 0; i < N; ++i) {
+    Index const n = tasks[i].dst ? (tasks[i].rows + kTile - 1) / kTile : 0;
+    tiles[i + 1] = tiles[i] + n;
+  }
+  parallel_for(pool, tiles[N], [&](Index item, int) {
+    std::size_t i = 0;
+    while (item >= tiles[i + 1]) ++i;
+    PairsTask const& t = tasks[i];
+    Index const r0 = (item - tiles[i]) * kTile, kp = (t.K + 1) / 2;
+    kernels::bf16_pairs_rows({t.src + r0 * t.ld, t.ld, nullptr}, std::min(kTile, t.rows - r0), t.K,
+                             t.dst + r0 * kp, kp);
+  });
+}
+
 /// Queues a job as items of (panels, rows).
 inline void add_expert_job(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& items,
                            ExpertJob const& job) {
