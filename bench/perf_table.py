@@ -7,7 +7,8 @@ Usage: python3 bench/perf_table.py results.json > tables.md
 For every shape: one row per (T, variant) with time, tokens/s, GFLOP/s, S-MFU, S-MBU, roofline
 fraction and the speed-up over the naive HF-loop baseline measured in the same run (forward
 variants against the naive forward, forward+backward against the naive forward+backward); then
-the non-GEMM kernels at T = 512 as a share of the fp32 forward.
+the non-GEMM kernels at T = 512 as a share of the fp32 forward. Last, the targets of issue 6
+checked against the same run ("met" / "not met" per shape).
 """
 import json
 import re
@@ -52,8 +53,8 @@ def main(path):
     for shape in shapes:
         print(f"### {shape}\n")
         print("| T | variant | time (ms) | tokens/s | GFLOP/s | S-MFU | S-MBU | roofline "
-              "| vs naive |")
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+              "| of bf16 peak | vs naive |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         ts = sorted({t for (k, s, _, t) in rows if s == shape and k == "Layer"})
         for t in ts:
             for what, label, naive_what in variants:
@@ -62,9 +63,11 @@ def main(path):
                     continue
                 naive = rows.get(("Naive", shape, naive_what, t))
                 speedup = f"{ms(naive) / ms(b):.2f}x" if naive else "-"
+                bf16 = f"{b['bf16_peak_frac']:.3f}" if "bf16_peak_frac" in b else "-"
                 print(f"| {t} | {label} | {ms(b):.3f} | {b.get('tokens/s', 0):,.0f} "
                       f"| {b.get('GFLOP/s', 0):.1f} | {b.get('S-MFU', 0):.3f} "
-                      f"| {b.get('S-MBU', 0):.3f} | {b.get('roofline', 0):.3f} | {speedup} |")
+                      f"| {b.get('S-MBU', 0):.3f} | {b.get('roofline', 0):.3f} | {bf16} "
+                      f"| {speedup} |")
         fwd = rows.get(("Layer", shape, "Forward", 512))
         kernels = [(w, rows.get(("Kernel", shape, w, 512)))
                    for w in ("Route", "Plan", "Gather", "Combine")]
@@ -75,6 +78,78 @@ def main(path):
                   f"{100 * total / ms(fwd):.1f}% of the fp32 forward ({ms(fwd):.1f} ms). "
                   "The layer no longer runs Gather (rows are read in place).")
         print()
+    targets(shapes, rows)
+
+
+def targets(shapes, rows):
+    """The targets of issue 6, each checked on every shape of the run."""
+    def layer(shape, what, t):
+        return rows.get(("Layer", shape, what, t))
+
+    def ratio(a, b):
+        return ms(b) / ms(a) if a and b else None
+
+    def non_gemm(shape):
+        fwd = layer(shape, "Forward", 512)
+        ks = [rows.get(("Kernel", shape, w, 512)) for w in ("Route", "Plan", "Gather", "Combine")]
+        if not fwd or not all(ks):
+            return None
+        return sum(ms(k) for k in ks) / ms(fwd)
+
+    def counter(name):
+        return lambda shape, what, t: (layer(shape, what, t) or {}).get(name)
+
+    # (target, values per shape as (label, function(shape) -> value), pass test)
+    checks = [
+        ("T <= 8: S-MBU >= 0.80 (fp32)", [("T 1", lambda s: counter("S-MBU")(s, "Forward", 1)),
+                                          ("T 8", lambda s: counter("S-MBU")(s, "Forward", 8))],
+         lambda v: v >= 0.80, "{:.2f}"),
+        ("routing + plan + gather + combine <= 5% of the forward at T = 512",
+         [("", non_gemm)], lambda v: v <= 0.05, "{:.1%}"),
+        ("forward >= 3x naive at T = 512",
+         [("", lambda s: ratio(layer(s, "Forward", 512), rows.get(("Naive", s, "Forward", 512))))],
+         lambda v: v >= 3.0, "{:.2f}x"),
+        ("forward >= 1.5x naive at T = 1",
+         [("", lambda s: ratio(layer(s, "Forward", 1), rows.get(("Naive", s, "Forward", 1))))],
+         lambda v: v >= 1.5, "{:.2f}x"),
+        ("fp32 at T >= 512: roofline >= 0.70 (Qwen3: S-MFU >= 0.65)",
+         [("T 512", lambda s: counter("S-MFU" if s == "Qwen3" else "roofline")(s, "Forward", 512)),
+          ("T 2048",
+           lambda s: counter("S-MFU" if s == "Qwen3" else "roofline")(s, "Forward", 2048))],
+         None, "{:.3f}"),
+        ("forward+backward >= 3x naive at T = 512",
+         [("", lambda s: ratio(layer(s, "ForwardBackward", 512),
+                               rows.get(("Naive", s, "ForwardBackward", 512))))],
+         lambda v: v >= 3.0, "{:.2f}x"),
+        ("bf16 >= 1.6x the fp32 layer at T <= 8",
+         [("T 1", lambda s: ratio(layer(s, "ForwardBf16", 1), layer(s, "Forward", 1))),
+          ("T 8", lambda s: ratio(layer(s, "ForwardBf16", 8), layer(s, "Forward", 8)))],
+         lambda v: v >= 1.6, "{:.2f}x"),
+        ("bf16 >= 0.65 of the bf16 dot-product peak at T >= 512",
+         [("T 512", lambda s: counter("bf16_peak_frac")(s, "ForwardBf16", 512)),
+          ("T 2048", lambda s: counter("bf16_peak_frac")(s, "ForwardBf16", 2048))],
+         lambda v: v >= 0.65, "{:.3f}"),
+    ]
+    print("## Targets of issue 6, against this run\n")
+    print("| target | " + " | ".join(shapes) + " | met |")
+    print("|---|" + "---|" * len(shapes) + "---|")
+    for name, values, test, fmt in checks:
+        cells, ok_all, missing = [], True, False
+        for shape in shapes:
+            parts = []
+            for label, f in values:
+                v = f(shape)
+                if v is None:
+                    missing = True
+                    continue
+                passed = (v >= (0.65 if shape == "Qwen3" else 0.70)) if test is None else test(v)
+                ok_all &= passed
+                mark = "" if passed else " (no)"
+                parts.append(f"{label + ' ' if label else ''}{fmt.format(v)}{mark}")
+            cells.append(", ".join(parts) if parts else "-")
+        status = "-" if missing and ok_all else ("yes" if ok_all else "no")
+        print(f"| {name} | " + " | ".join(cells) + f" | {status} |")
+    print()
 
 
 if __name__ == "__main__":
