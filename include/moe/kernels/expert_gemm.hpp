@@ -580,8 +580,6 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
       });
     }
   }
-  (void)dp;
-  (void)pairs;
 }
 
 }  // namespace moe::kernels
