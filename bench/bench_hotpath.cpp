@@ -71,7 +71,7 @@ double measure_fma_peak(int threads) {
   };
   moe::ThreadPool p(threads);
   double best = 0.0;
-  for (int rep = 0; rep < 3; ++rep) {
+  for (int rep = 0; rep < 9; ++rep) {  // best of 9: other VMs share the cores
     p.parallel_for(threads, run);
     double total = 0.0;
     for (double v : per) total += v;
@@ -132,7 +132,7 @@ double measure_bf16_peak(int threads) {
   };
   moe::ThreadPool p(threads);
   double best = 0.0;
-  for (int rep = 0; rep < 3; ++rep) {
+  for (int rep = 0; rep < 9; ++rep) {  // best of 9: other VMs share the cores
     p.parallel_for(threads, run);
     double total = 0.0;
     for (double v : per) total += v;
