@@ -8,6 +8,7 @@
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/simd.hpp"
 
 namespace moe::kernels {
@@ -183,3 +184,5 @@ void glu_backward(float const* g, float const* u, float const* dm, float* m, flo
 }
 
 }  // namespace moe::kernels
+
+#include "moe/kernels/detail/diagnostics_pop.hpp"

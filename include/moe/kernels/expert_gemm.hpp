@@ -22,21 +22,13 @@
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/simd.hpp"
 
-// GCC 12 reports the deliberately undefined first operand of some AVX-512 intrinsics (xsimd's
-// exp, shifts) as uninitialised once they are inlined here (GCC PR 105593, fixed in GCC 13).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define MOE_EXPERT_GEMM_POP_DIAGNOSTIC 1
-#endif
-
-// Kept out of line: one call per work item, and GCC 12 applies the diagnostic pragma above only
+// Kept out of line: one call per work item, and GCC 12 applies the diagnostic pragmas only
 // to code that stays in this function.
 #if defined(__GNUC__) || defined(__clang__)
 #define MOE_NOINLINE __attribute__((noinline))
@@ -584,7 +576,4 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
 
 }  // namespace moe::kernels
 
-#ifdef MOE_EXPERT_GEMM_POP_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#undef MOE_EXPERT_GEMM_POP_DIAGNOSTIC
-#endif
+#include "moe/kernels/detail/diagnostics_pop.hpp"

@@ -24,14 +24,7 @@
 #define MOE_PREFETCH_L2(p) ((void)(p))
 #endif
 
-// GCC 12 reports the deliberately undefined pass-through operand of AVX-512 shuffles (used by
-// transpose16x16) as uninitialised once they are inlined (GCC PR 105593, fixed in GCC 13).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define MOE_GEMM_PACKED_POP_DIAGNOSTIC 1
-#endif
+#include "moe/kernels/detail/diagnostics_push.hpp"
 
 namespace moe::kernels {
 
@@ -274,7 +267,4 @@ void project_cols_packed(float const* A, Index lda, Index M, float const* panels
 
 }  // namespace moe::kernels
 
-#ifdef MOE_GEMM_PACKED_POP_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#undef MOE_GEMM_PACKED_POP_DIAGNOSTIC
-#endif
+#include "moe/kernels/detail/diagnostics_pop.hpp"

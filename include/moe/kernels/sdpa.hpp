@@ -12,6 +12,7 @@
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/simd.hpp"
 
@@ -481,3 +482,5 @@ void sdpa_backward_dkv(SdpaParams const& p, SdpaGrads const& g, Index kb_begin, 
 }
 
 }  // namespace moe::kernels
+
+#include "moe/kernels/detail/diagnostics_pop.hpp"

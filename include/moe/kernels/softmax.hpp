@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/simd.hpp"
 
 namespace moe::kernels {
@@ -69,3 +70,5 @@ void sigmoid_rows(float const* in, Index ld_in, float* out, Index ld_out, Index 
 }
 
 }  // namespace moe::kernels
+
+#include "moe/kernels/detail/diagnostics_pop.hpp"
