@@ -889,8 +889,7 @@ class ExpertParallelMoeFfn {
     ws.jobs.clear();
     ws.items.clear();
     bool const use_bf16 = !train;
-    bool const pairs =
-        use_bf16 && kernels::bf16_dot_products() && L > 0 && bank_.packed_in_bf16(0) != nullptr;
+    bool const pairs = ::moe::detail::uses_bf16_pairs(bank_, use_bf16);
     Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2;
     ws.x_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpD : 0));
     ws.act_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpF : 0));
@@ -971,8 +970,7 @@ class ExpertParallelMoeFfn {
       ws.jobs.clear();
       ws.items.clear();
       auto const& sb = shared_.bank();
-      bool const pairs =
-          use_bf16 && kernels::bf16_dot_products() && ns > 0 && sb.packed_in_bf16(0) != nullptr;
+      bool const pairs = ::moe::detail::uses_bf16_pairs(sb, use_bf16);
       Index const kpD = (D + 1) / 2, kpFs = (Fs + 1) / 2;
       ws.shared_x_pairs.resize(static_cast<std::size_t>(pairs ? T * kpD : 0));
       ws.shared_act_pairs.resize(static_cast<std::size_t>(pairs ? ns * T * kpFs : 0));

@@ -506,12 +506,10 @@ class MoeFfn {
     // bf16 panels serve inference only; training multiplies the exact fp32 weights. With
     // AVX512-BF16 the projections' inputs are rounded to bf16 pairs once here, not per item.
     bool const use_bf16 = !train;
-    bool routed_pairs = false, shared_pairs = false;
-    if (use_bf16 && kernels::bf16_dot_products()) {
-      routed_pairs = E > 0 && bank_.packed_in_bf16(0) != nullptr;
-      if constexpr (Shared::has_experts) {
-        shared_pairs = ns > 0 && shared_.bank().packed_in_bf16(0) != nullptr;
-      }
+    bool const routed_pairs = detail::uses_bf16_pairs(bank_, use_bf16);
+    bool shared_pairs = false;
+    if constexpr (Shared::has_experts) {
+      shared_pairs = detail::uses_bf16_pairs(shared_.bank(), use_bf16);
     }
     Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpFs = (Fs + 1) / 2;  // pairs per row
     bool const x_pairs = routed_pairs || shared_pairs;

@@ -77,6 +77,14 @@ inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float 
   return w;
 }
 
+/// Whether an inference forward hands `bank`'s projections their inputs as bf16 pairs: the bank
+/// is packed as bf16 (and current) and expert_cols multiplies bf16 panels with dot products.
+template <class Bank>
+bool uses_bf16_pairs(Bank const& bank, bool use_bf16) {
+  return use_bf16 && kernels::bf16_dot_products() && bank.num_experts() > 0 &&
+         bank.packed_in_bf16(0) != nullptr;
+}
+
 /// Rows [0, rows) of `src` (row stride ld, depth K) to be rounded into bf16 pairs at dst
 /// (ceil(K / 2) words per row), for the AVX512-BF16 path of expert_cols (RowSource::pairs).
 struct PairsTask {
