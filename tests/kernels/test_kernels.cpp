@@ -186,6 +186,38 @@ TEST_CASE("combine_rows sums each token's rows in order and adds gated shared ou
   }
 }
 
+TEST_CASE("scale_dot scales a row and returns its dot product for every tail size",
+          "[kernels][combine]") {
+  for (Index n : test::tail_sizes(kLanes)) {
+    INFO("cols " << n);
+    auto g = test::random_vector(n, 31);
+    auto y = test::random_vector(n, 32);
+    std::vector<float> dst(static_cast<std::size_t>(n) + 1, 99.0f);
+    float const dot = kernels::scale_dot(g.data(), y.data(), -0.75f, dst.data(), n);
+    double want = 0.0, mag = 0.0;
+    for (Index c = 0; c < n; ++c) {
+      want += static_cast<double>(g[c]) * y[c];
+      mag += std::abs(static_cast<double>(g[c]) * y[c]);
+      REQUIRE(dst[c] == -0.75f * g[c]);  // one rounding: exact against the float product
+    }
+    REQUIRE(dst[n] == 99.0f);  // nothing written past n
+    REQUIRE(dot == Approx(want).margin(1e-6 * (1.0 + mag)));
+    // In place (dst aliasing g) gives the same dot product and scaled values.
+    auto g2 = g;
+    REQUIRE(kernels::scale_dot(g2.data(), y.data(), -0.75f, g2.data(), n) == dot);
+    for (Index c = 0; c < n; ++c) REQUIRE(g2[c] == dst[c]);
+  }
+  // A NaN in y reaches the dot product, not the scaled row; an Inf in g reaches both.
+  std::vector<float> g(37, 1.0f), y(37, 2.0f), dst(37);
+  y[20] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(std::isnan(kernels::scale_dot(g.data(), y.data(), 0.5f, dst.data(), 37)));
+  for (float v : dst) REQUIRE(v == 0.5f);
+  y[20] = 2.0f;
+  g[3] = std::numeric_limits<float>::infinity();
+  REQUIRE(std::isinf(kernels::scale_dot(g.data(), y.data(), 0.5f, dst.data(), 37)));
+  REQUIRE(std::isinf(dst[3]));
+}
+
 TEST_CASE("activations match the double definitions on a grid including |x| > 20",
           "[kernels][activations]") {
   for (Activation a :

@@ -210,6 +210,17 @@ TEMPLATE_TEST_CASE("Backward matches finite differences for every expert kind", 
   check_gradients(layer, 6, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
 }
 
+TEST_CASE("Backward matches finite differences when an expert's rows span several row items",
+          "[training][grad]") {
+  // Top-1 of 2 experts over 600 tokens: each expert gets about 300 rows, more than one row-phase
+  // work item takes (detail::kBackwardRows = 256), so its rows are split into chunks.
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(4, 3, {2, 1, false, 1.0f});
+  randomize(layer, 41);
+  moe::ThreadPool pool(2);
+  check_gradients(
+      layer, 600, [](auto z) { return ref::softmax_top_k(z, 1, false, 1.0); }, false, &pool);
+}
+
 TEST_CASE("Backward matches finite differences with shared experts", "[training][grad]") {
   SECTION("two ungated shared experts") {
     using Sh = experts::UngatedSharedExperts<experts::SwiGlu>;

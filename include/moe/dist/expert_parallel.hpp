@@ -82,8 +82,6 @@ struct ExpertParallelWorkspace {
   std::vector<Index> chunk_src, chunk_dst;           ///< [P, L] source-major / expert-major offsets
   std::vector<Index> chunk_fill;                     ///< [L] scratch
   std::vector<Index> local_offsets;         ///< [L+1] expert-major offsets of local experts
-  std::vector<Index> global_offsets;        ///< [L] row offset of each local expert in the
-                                            ///< global plan (training)
   std::vector<std::int64_t> global_counts;  ///< [2E+1] all rows, real rows, real tokens
   ExchangeStats stats;                      ///< traffic of the last call
   std::vector<CallRecord> agreement;        ///< [P] the last agreement table
@@ -1074,11 +1072,7 @@ class ExpertParallelMoeFfn {
     ws.stats.bytes_sent += nominal;
     ws.stats.bytes_received += nominal;
     auto const ids = local_expert_ids();
-    ws.global_offsets.assign(ids.size(), 0);
     for (std::size_t j = 0; j < ids.size(); ++j) {
-      Index off = 0;
-      for (Index e = 0; e < ids[j]; ++e) off += ws.global_counts[static_cast<std::size_t>(e)];
-      ws.global_offsets[j] = off;
       ::moe::detail::check(ws.global_counts[static_cast<std::size_t>(ids[j])] ==
                                ws.local_offsets[j + 1] - ws.local_offsets[j],
                            "ExpertParallelMoeFfn: internal error, the counts of expert ", ids[j],
@@ -1143,7 +1137,7 @@ class ExpertParallelMoeFfn {
     ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
     // backward_rows scratch per thread; it also holds the weight gradients' gemm_strided scratch.
-    Index scratch_per = bank_.backward_scratch_floats(kTileRows);
+    Index scratch_per = bank_.backward_scratch_floats(::moe::detail::kBackwardRows);
     if constexpr (Shared::has_experts) {
       scratch_per = std::max(scratch_per, shared_.bank().backward_scratch_floats(kTileRows));
     }
@@ -1158,26 +1152,14 @@ class ExpertParallelMoeFfn {
         for (Index s = 0; s < S; ++s) {
           if (ws.selection.expert[static_cast<std::size_t>(t * S + s)] < 0) continue;
           Index const r = plan.token_rows[j++];
-          float const* yr = ws.routed_out.data() + r * D;
-          float* dr = ws.d_rows.data() + r * D;
-          float const w = plan.row_weight[r];
-          float dot = 0.0f;
-          for (Index c = 0; c < D; ++c) {
-            dot = std::fma(g[c], yr[c], dot);
-            dr[c] = w * g[c];
-          }
-          ws.dweight[static_cast<std::size_t>(t * S + s)] = dot;
+          ws.dweight[static_cast<std::size_t>(t * S + s)] = kernels::scale_dot(
+              g, ws.routed_out.data() + r * D, plan.row_weight[r], ws.d_rows.data() + r * D, D);
         }
         for (Index s = 0; s < ns; ++s) {
           float const gate =
               Shared::gated ? ws.shared_gate[static_cast<std::size_t>(t * ns + s)] : 1.0f;
-          float const* so = ws.shared_out.data() + (s * T + t) * D;
-          float* sd = ws.shared_dy.data() + (s * T + t) * D;
-          float dot = 0.0f;
-          for (Index c = 0; c < D; ++c) {
-            dot = std::fma(g[c], so[c], dot);
-            sd[c] = gate * g[c];
-          }
+          float const dot = kernels::scale_dot(g, ws.shared_out.data() + (s * T + t) * D, gate,
+                                               ws.shared_dy.data() + (s * T + t) * D, D);
           if (Shared::gated)
             ws.dgate[static_cast<std::size_t>(t * ns + s)] = dot * gate * (1.0f - gate);
         }
@@ -1190,28 +1172,20 @@ class ExpertParallelMoeFfn {
     balance_.backward(balance_inputs(ws), bg);
     // 3. dL/dY rows to the experts' owners (the forward's counts).
     send_rows_to_owners(ws.d_rows, ws.e_drows, ws, pool);
-    // 4. Expert VJPs on the owner, row phase, on MoeFfn's tiles: 64 rows of the global plan,
-    //    split at expert boundaries.
+    // 4. Expert VJPs on the owner, row phase, on MoeFfn's items: each expert's rows (all of
+    //    them are here) in chunks of up to kBackwardRows.
     ws.e_dxrows.resize(static_cast<std::size_t>(rin * D));
     ws.e_dhidden.resize(static_cast<std::size_t>(rin * P));
     ws.act.resize(static_cast<std::size_t>(rin * F));
-    struct Chunk {
-      Index j, r0, r1;  // local rows [r0, r1) of expert j (expert-major)
-    };
-    std::vector<Chunk> chunks;
+    std::vector<::moe::detail::RowChunk> chunks;
     for (Index j = 0; j < L; ++j) {
-      Index const base = ws.local_offsets[j], n = ws.local_offsets[j + 1] - base;
-      Index const g0 = ws.global_offsets[static_cast<std::size_t>(j)];
-      for (Index g = g0; g < g0 + n;) {
-        Index const end = std::min(g0 + n, (g / kTileRows + 1) * kTileRows);
-        chunks.push_back({j, base + (g - g0), base + (end - g0)});
-        g = end;
-      }
+      Index const base = ws.local_offsets[j];
+      ::moe::detail::add_row_chunks(chunks, j, base, ws.local_offsets[j + 1] - base);
     }
     parallel_for(pool, static_cast<Index>(chunks.size()), [&](Index i, int thread) {
-      Chunk const c = chunks[static_cast<std::size_t>(i)];
+      ::moe::detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
       Index const n = c.r1 - c.r0;
-      bank_.backward_rows(c.j, ConstMatrixView<float>(ws.hidden.data() + c.r0 * P, n, P),
+      bank_.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + c.r0 * P, n, P),
                           ConstMatrixView<float>(ws.e_drows.data() + c.r0 * D, n, D),
                           MatrixView<float>(ws.act.data() + c.r0 * F, n, F),
                           MatrixView<float>(ws.e_dhidden.data() + c.r0 * P, n, P),

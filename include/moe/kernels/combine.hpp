@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// combine_rows: each token's expert outputs summed in a fixed order, each output row written once.
+/// combine_rows: each token's expert outputs summed in a fixed order, each output row written once;
+/// scale_dot: one row of the combine's backward.
 #pragma once
 
 #include <cmath>
@@ -72,6 +73,40 @@ void combine_rows(CombineParams const& p) {
       y[c] = acc;
     }
   }
+}
+
+/// One row of the combine's VJP, for a term w * y of a token's output with upstream gradient g:
+///   dst[c] = w * g[c]  (c < n)   and returns   <g, y> = sum_c g[c] y[c]
+/// (dL/dy for the expert row and dL/dw for its routing weight or gate). The dot product is
+/// accumulated in SIMD lanes (two batch accumulators over alternating blocks of L, added, then
+/// reduced with simd::reduce_add, then the scalar tail in order), so its value depends only on
+/// the inputs and n. dst may alias g; it must not alias y. NaN/Inf propagate as IEEE arithmetic.
+template <class Arch = simd::DefaultArch>
+float scale_dot(float const* g, float const* y, float w, float* dst, Index n) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  B const wb(w);
+  B acc0(0.0f), acc1(0.0f);
+  Index c = 0;
+  for (; c + 2 * L <= n; c += 2 * L) {
+    B const g0 = B::load_unaligned(g + c), g1 = B::load_unaligned(g + c + L);
+    acc0 = xsimd::fma(g0, B::load_unaligned(y + c), acc0);
+    acc1 = xsimd::fma(g1, B::load_unaligned(y + c + L), acc1);
+    (wb * g0).store_unaligned(dst + c);
+    (wb * g1).store_unaligned(dst + c + L);
+  }
+  if (c + L <= n) {
+    B const g0 = B::load_unaligned(g + c);
+    acc0 = xsimd::fma(g0, B::load_unaligned(y + c), acc0);
+    (wb * g0).store_unaligned(dst + c);
+    c += L;
+  }
+  float dot = simd::reduce_add(B(acc0 + acc1));
+  for (; c < n; ++c) {
+    dot = std::fma(g[c], y[c], dot);
+    dst[c] = w * g[c];
+  }
+  return dot;
 }
 
 }  // namespace moe::kernels

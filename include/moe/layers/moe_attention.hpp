@@ -30,6 +30,7 @@
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/detail/projections.hpp"
+#include "moe/layers/detail/row_chunks.hpp"
 
 namespace moe {
 
@@ -369,7 +370,7 @@ class MoeAttention {
     Index depth = std::max({D, c_.qk_dim, std::max<Index>(1, c_.q_rank), bank_->d_ffn()});
     depth = std::max(depth, shared_ffn());
     n = std::max(n, kernels::panel_scratch_size(depth));
-    n = std::max(n, bank_->backward_scratch_floats(kTileRows));
+    n = std::max(n, bank_->backward_scratch_floats(detail::kBackwardRows));
     if constexpr (Shared::has_experts) {
       n = std::max(n, shared_.bank().backward_scratch_floats(kTileRows));
     }
@@ -787,50 +788,39 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
       for (Index s = 0; s < Sl; ++s) {
         if (sel.expert[t * Sl + s] < 0) continue;
         Index const r = plan.token_rows[j++];
-        float const* yr = ws.expert_out.data() + r * D;
-        float* dr = ws.d_out.data() + r * D;
-        float const wr = plan.row_weight[r];
-        float dot = 0.0f;
-        for (Index c = 0; c < D; ++c) {
-          dot = std::fma(g[c], yr[c], dot);
-          dr[c] = wr * g[c];
-        }
-        ws.dweight[t * Sl + s] = dot;
+        ws.dweight[t * Sl + s] = kernels::scale_dot(g, ws.expert_out.data() + r * D,
+                                                    plan.row_weight[r], ws.d_out.data() + r * D, D);
       }
       for (Index s = 0; s < ns; ++s) {
         float const gate = Shared::gated ? ws.shared_gate[t * ns + s] : 1.0f;
-        float const* so = ws.shared_out.data() + (s * T + t) * D;
-        float* sd = ws.shared_dy.data() + (s * T + t) * D;
-        float dot = 0.0f;
-        for (Index c = 0; c < D; ++c) {
-          dot = std::fma(g[c], so[c], dot);
-          sd[c] = gate * g[c];
-        }
+        float const dot = kernels::scale_dot(g, ws.shared_out.data() + (s * T + t) * D, gate,
+                                             ws.shared_dy.data() + (s * T + t) * D, D);
         if (Shared::gated) ws.dshared_gate[t * ns + s] = dot * gate * (1.0f - gate);
       }
     }
   });
 
-  // 2. Expert VJPs (row tiles split at expert boundaries; shared experts by token tiles).
-  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int thread) {
+  // 2. Expert VJPs (each expert's rows in chunks of up to kBackwardRows; shared experts by
+  //    token tiles).
+  std::vector<detail::RowChunk> chunks;
+  for (Index e = 0; e < bank.num_experts(); ++e) {
+    detail::add_row_chunks(chunks, e, plan.expert_offsets[e], plan.expert_rows(e));
+  }
+  Index const routed_items = static_cast<Index>(chunks.size());
+  parallel_for(pool, routed_items + ns * token_tiles, [&](Index i, int thread) {
     float* scratch = ws.scratch.data() + thread * per;
-    if (i < row_tiles) {
-      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
-      Index r = r0;
-      while (r < r1) {
-        Index e = 0;
-        while (plan.expert_offsets[e + 1] <= r) ++e;
-        Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
-        bank.backward_rows(e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
-                           ConstMatrixView<float>(ws.d_out.data() + r * D, n, D),
-                           MatrixView<float>(ws.act.data() + r * F, n, F),
-                           MatrixView<float>(ws.dhidden.data() + r * P, n, P),
-                           MatrixView<float>(ws.dxin.data() + r * D, n, D), scratch);
-        r = end;
-      }
+    if (i < routed_items) {
+      detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
+      Index const r = c.r0, n = c.r1 - c.r0;
+      bank.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
+                         ConstMatrixView<float>(ws.d_out.data() + r * D, n, D),
+                         MatrixView<float>(ws.act.data() + r * F, n, F),
+                         MatrixView<float>(ws.dhidden.data() + r * P, n, P),
+                         MatrixView<float>(ws.dxin.data() + r * D, n, D), scratch);
     } else if constexpr (Shared::has_experts) {
-      Index const s = (i - row_tiles) / token_tiles;
-      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows, n = std::min(kTileRows, T - t0);
+      Index const s = (i - routed_items) / token_tiles;
+      Index const t0 = ((i - routed_items) % token_tiles) * kTileRows,
+                  n = std::min(kTileRows, T - t0);
       Index const off = s * T + t0;
       shared_.bank().backward_rows(
           s, ConstMatrixView<float>(ws.shared_hidden.data() + off * Ps, n, Ps),

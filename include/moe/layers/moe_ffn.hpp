@@ -30,6 +30,7 @@
 #include "moe/kernels/plan.hpp"
 #include "moe/kernels/softmax.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
+#include "moe/layers/detail/row_chunks.hpp"
 #include "moe/routing/controls.hpp"
 
 namespace moe {
@@ -696,7 +697,6 @@ class MoeFfn {
       Fs = shared_.bank().d_ffn();
     }
     ConstMatrixView<float> x(ws.x.data(), T, D);
-    Index const row_tiles = (R + kTileRows - 1) / kTileRows;
     Index const token_tiles = (T + kTileRows - 1) / kTileRows;
     ws.d_rows.resize(static_cast<std::size_t>(R * D));
     ws.dx_rows.resize(static_cast<std::size_t>(R * D));
@@ -710,7 +710,7 @@ class MoeFfn {
     ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
     ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
     // backward_rows scratch per thread; it also holds the weight gradients' gemm_strided scratch.
-    Index scratch_per = bank_.backward_scratch_floats(kTileRows);
+    Index scratch_per = bank_.backward_scratch_floats(detail::kBackwardRows);
     if constexpr (Shared::has_experts) {
       scratch_per = std::max(scratch_per, shared_.bank().backward_scratch_floats(kTileRows));
     }
@@ -725,25 +725,13 @@ class MoeFfn {
         for (Index s = 0; s < S; ++s) {
           if (ws.selection.expert[t * S + s] < 0) continue;
           Index const r = plan.token_rows[j++];
-          float const* yr = ws.expert_out.data() + r * D;
-          float* dr = ws.d_rows.data() + r * D;
-          float const w = plan.row_weight[r];
-          float dot = 0.0f;
-          for (Index c = 0; c < D; ++c) {
-            dot = std::fma(g[c], yr[c], dot);
-            dr[c] = w * g[c];
-          }
-          ws.dweight[t * S + s] = dot;
+          ws.dweight[t * S + s] = kernels::scale_dot(
+              g, ws.expert_out.data() + r * D, plan.row_weight[r], ws.d_rows.data() + r * D, D);
         }
         for (Index s = 0; s < ns; ++s) {
           float const gate = Shared::gated ? ws.shared_gate[t * ns + s] : 1.0f;
-          float const* so = ws.shared_out.data() + (s * T + t) * D;
-          float* sd = ws.shared_dy.data() + (s * T + t) * D;
-          float dot = 0.0f;
-          for (Index c = 0; c < D; ++c) {
-            dot = std::fma(g[c], so[c], dot);
-            sd[c] = gate * g[c];
-          }
+          float const dot = kernels::scale_dot(g, ws.shared_out.data() + (s * T + t) * D, gate,
+                                               ws.shared_dy.data() + (s * T + t) * D, D);
           if (Shared::gated) ws.dgate[t * ns + s] = dot * gate * (1.0f - gate);
         }
       }
@@ -767,28 +755,27 @@ class MoeFfn {
                         MatrixView<float>(ws.dlogits_extra.data(), T, E),
                         MatrixView<float>(ws.d_rows.data(), R, D)};
     balance_.backward(balance_inputs(ws), bg);
-    // 3. Expert VJPs, row phase: m, dh and dx per row tile (routed) and token tile (shared).
+    // 3. Expert VJPs, row phase: m, dh and dx per expert (in chunks of up to kBackwardRows
+    //    rows; each streams the expert's weights once) and per token tile (shared).
+    std::vector<detail::RowChunk> chunks;
+    for (Index e = 0; e < E; ++e) {
+      detail::add_row_chunks(chunks, e, plan.expert_offsets[e], plan.expert_rows(e));
+    }
+    Index const routed_items = static_cast<Index>(chunks.size());
     Index const shared_tiles = ns * token_tiles;
-    parallel_for(pool, row_tiles + shared_tiles, [&](Index i, int thread) {
+    parallel_for(pool, routed_items + shared_tiles, [&](Index i, int thread) {
       float* scratch = ws.bwd_scratch.data() + thread * scratch_per;
-      if (i < row_tiles) {
-        Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
-        // A tile may span experts: split it at expert boundaries.
-        Index r = r0;
-        while (r < r1) {
-          Index e = 0;
-          while (plan.expert_offsets[e + 1] <= r) ++e;
-          Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
-          bank_.backward_rows(e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
-                              ConstMatrixView<float>(ws.d_rows.data() + r * D, n, D),
-                              MatrixView<float>(ws.act.data() + r * F, n, F),
-                              MatrixView<float>(ws.dhidden.data() + r * P, n, P),
-                              MatrixView<float>(ws.dx_rows.data() + r * D, n, D), scratch);
-          r = end;
-        }
+      if (i < routed_items) {
+        detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
+        Index const r = c.r0, n = c.r1 - c.r0;
+        bank_.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
+                            ConstMatrixView<float>(ws.d_rows.data() + r * D, n, D),
+                            MatrixView<float>(ws.act.data() + r * F, n, F),
+                            MatrixView<float>(ws.dhidden.data() + r * P, n, P),
+                            MatrixView<float>(ws.dx_rows.data() + r * D, n, D), scratch);
       } else if constexpr (Shared::has_experts) {
-        Index const s = (i - row_tiles) / token_tiles;
-        Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
+        Index const s = (i - routed_items) / token_tiles;
+        Index const t0 = ((i - routed_items) % token_tiles) * kTileRows,
                     n = std::min(kTileRows, T - t0);
         Index const off = s * T + t0;
         shared_.bank().backward_rows(
