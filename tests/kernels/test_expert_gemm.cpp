@@ -312,6 +312,35 @@ TEST_CASE("expert_cols: bf16 pairs given in RowSource give bitwise the rows' own
   REQUIRE(run({X.data(), K, index.data(), pairs.data(), kp}) == run({X.data(), K, index.data()}));
 }
 
+TEST_CASE("expert_cols: the NextPanel prefetch hint never changes a result",
+          "[kernels][expert_gemm]") {
+  Index const K = 75, F = 2 * NP + 3, M = 20;
+  auto X = test::random_vector(M * K, 381);
+  auto Win = test::random_vector(2 * F * K, 382);
+  Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
+  Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+  Operand other(test::random_vector(F * 40, 383), F, 40);
+  for (Source src : {Source::kPacked, Source::kBf16}) {
+    kernels::WeightPanels w, next_f32, next_bf16;
+    set_operand(w, 0, gate, src, F);
+    set_operand(w, 1, up, src, F);
+    set_operand(next_f32, 0, other, Source::kPacked, F);
+    set_operand(next_bf16, 0, other, Source::kBf16, F);
+    std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+    auto run = [&](kernels::NextPanel after) {
+      std::vector<float> m(static_cast<std::size_t>(M * F));
+      kernels::GluEpilogue<Activation::kSilu> const epi{m.data(), F, F};
+      kernels::expert_cols({X.data(), K, nullptr}, M, K, w, 0, 3, epi, scratch.data(), 32, after);
+      return m;
+    };
+    auto const want = run({});
+    // The next panel: another projection (either layout, another depth) or this one's.
+    REQUIRE(run({&next_f32, 1, 40}) == want);
+    REQUIRE(run({&next_bf16, 2, 40}) == want);
+    REQUIRE(run({&w, 0, K}) == want);
+  }
+}
+
 TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, with tails",
           "[kernels][gemm_strided]") {
   constexpr Index SW = kernels::strided_width();

@@ -397,6 +397,16 @@ struct WeightPanels {
   bool dot_products = false;
 };
 
+/// The panel a caller multiplies after an expert_cols call (for example its next work item's
+/// first panel): the call prefetches that panel's first K slice into L2 during its own last
+/// slice, as it does between its own panels, so the next call does not start on a cold panel.
+/// Only a hint: results never depend on it. Ignored for raw weights (w null: no next panel).
+struct NextPanel {
+  WeightPanels const* w = nullptr;  ///< the next panel's weights (packed fp32 or bf16)
+  Index p = 0;                      ///< its panel index
+  Index K = 0;                      ///< its depth
+};
+
 /// Rows whose partial sums persist across K slices (a chunk of an expert_cols call).
 inline constexpr Index kExpertChunkRows = 128;
 
@@ -439,10 +449,12 @@ constexpr Index expert_scratch_floats(Index K) {
 ///   - raw weights: per-call packing of each panel into scratch, then the same;
 ///   - raw weights with w.dot_products (for few rows): gemm_nt dot products per row (weights
 ///     streamed once, no packing), staged in scratch and passed to the epilogue.
-/// `scratch` holds expert_scratch_floats(K) floats. Allocates nothing.
+/// `scratch` holds expert_scratch_floats(K) floats. Allocates nothing. `after`: the panel the
+/// caller multiplies next, prefetched during the last slice (a hint; see NextPanel).
 template <class Epi, class Arch = simd::DefaultArch>
 MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const& w, Index p0,
-                              Index p1, Epi const& epi, float* scratch, Index k_slice = 0) {
+                              Index p1, Epi const& epi, float* scratch, Index k_slice = 0,
+                              NextPanel after = {}) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   constexpr Index NP = 2 * L;
@@ -538,10 +550,20 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
       if (have_next && (packed || np == p)) {
         for (int o = 0; o < Ops; ++o) next[o] = panel_at(o, np, nk);
         next_bytes = slice_bytes(nk);
+      } else if (!have_next && after.w) {
+        // The caller's next panel: its first slice, as deep as ours (a hint, for either layout).
+        WeightPanels const& nw = *after.w;
+        Index const d = std::min(kc, after.K), kpn = (after.K + 1) / 2;
+        for (int o = 0; o < 2; ++o) {
+          if (nw.bf16[o]) next[o] = reinterpret_cast<char const*>(nw.bf16[o] + after.p * kpn * NP);
+          if (nw.f32[o])
+            next[o] = reinterpret_cast<char const*>(nw.f32[o] + after.p * after.K * NP);
+        }
+        next_bytes = nw.bf16[0] ? (d + 1) / 2 * NP * 4 : d * NP * 4;
       }
       char const* cur[2] = {panel_at(0, p, k0), Ops > 1 ? panel_at(1, p, k0) : nullptr};
       detail::for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index nt, Index i0) {
-        detail::Prefetch const pf = detail::prefetch_slices(next, Ops, next_bytes, t, nt);
+        detail::Prefetch const pf = detail::prefetch_slices(next, 2, next_bytes, t, nt);
         detail::Slice const tsl{partial + i0 * NB * L, sl.first, sl.last};
         if (bf16) {
           std::uint32_t const* panels_u[2] = {reinterpret_cast<std::uint32_t const*>(cur[0]),

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -142,47 +143,71 @@ requires(S::has_experts) struct SharedExpertOr<S, Fallback> {
 /// An in-projection item with the expert's activation in the epilogue.
 template <class X>
 void run_hidden_item(ExpertJob const& job, kernels::RowSource a, Index M, ExpertItem const& item,
-                     float* scratch) {
+                     float* scratch, kernels::NextPanel after) {
   float* m = job.c + item.r0 * job.ldc;
   float* h = job.h ? job.h + item.r0 * job.ldh : nullptr;
   if constexpr (X::gated) {
     kernels::GluEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
-    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch);
+    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch, 0, after);
   } else {
     kernels::ActEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
-    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch);
+    kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch, 0, after);
+  }
+}
+
+/// Runs one item; `next` is the item this thread runs after it (its first panel is prefetched
+/// during this one's last slice), or null.
+template <class RoutedX, class SharedX>
+void run_expert_item(std::vector<ExpertJob> const& jobs, ExpertItem const& item, float* s,
+                     ExpertItem const* next) {
+  ExpertJob const& job = jobs[static_cast<std::size_t>(item.job)];
+  kernels::NextPanel after;
+  if (next) {
+    ExpertJob const& nj = jobs[static_cast<std::size_t>(next->job)];
+    after = {&nj.w, next->p0, nj.depth};
+  }
+  kernels::RowSource a = job.a;
+  if (a.index) {
+    a.index += item.r0;
+  } else {
+    a.base += item.r0 * a.ld;
+  }
+  Index const M = item.r1 - item.r0;
+  switch (job.kind) {
+    case ExpertJob::Kind::kStore: {
+      kernels::StoreEpilogue const epi{job.c + item.r0 * job.ldc, job.ldc, job.cols,
+                                       job.scale ? job.scale + item.r0 : nullptr};
+      kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, s, 0, after);
+      break;
+    }
+    case ExpertJob::Kind::kRoutedHidden:
+      run_hidden_item<RoutedX>(job, a, M, item, s, after);
+      break;
+    case ExpertJob::Kind::kSharedHidden:
+      run_hidden_item<SharedX>(job, a, M, item, s, after);
+      break;
   }
 }
 
 /// Runs and clears the queue. `scratch` holds `per_thread` floats per pool thread, at least
-/// kernels::expert_scratch_floats(depth) for every job's depth.
+/// kernels::expert_scratch_floats(depth) for every job's depth. Items are handed out
+/// dynamically, one ahead: a thread claims its next item before it runs the current one, so the
+/// current one's last slice can prefetch the next one's first (kernels::NextPanel). Which thread
+/// runs an item never changes its result.
 template <class RoutedX, class SharedX>
 void run_expert_jobs(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& items, ThreadPool* pool,
                      float* scratch, Index per_thread) {
-  parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
-    ExpertItem const item = items[static_cast<std::size_t>(i)];
-    ExpertJob const& job = jobs[static_cast<std::size_t>(item.job)];
+  Index const n = static_cast<Index>(items.size());
+  std::atomic<Index> next{0};
+  Index const threads = pool ? pool->size() : 1;
+  parallel_for(pool, threads, [&](Index, int thread) {
     float* s = scratch + thread * per_thread;
-    kernels::RowSource a = job.a;
-    if (a.index) {
-      a.index += item.r0;
-    } else {
-      a.base += item.r0 * a.ld;
-    }
-    Index const M = item.r1 - item.r0;
-    switch (job.kind) {
-      case ExpertJob::Kind::kStore: {
-        kernels::StoreEpilogue const epi{job.c + item.r0 * job.ldc, job.ldc, job.cols,
-                                         job.scale ? job.scale + item.r0 : nullptr};
-        kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, s);
-        break;
-      }
-      case ExpertJob::Kind::kRoutedHidden:
-        run_hidden_item<RoutedX>(job, a, M, item, s);
-        break;
-      case ExpertJob::Kind::kSharedHidden:
-        run_hidden_item<SharedX>(job, a, M, item, s);
-        break;
+    Index cur = next.fetch_add(1, std::memory_order_relaxed);
+    while (cur < n) {
+      Index const nxt = next.fetch_add(1, std::memory_order_relaxed);
+      run_expert_item<RoutedX, SharedX>(jobs, items[static_cast<std::size_t>(cur)], s,
+                                        nxt < n ? &items[static_cast<std::size_t>(nxt)] : nullptr);
+      cur = nxt;
     }
   });
   jobs.clear();
