@@ -191,9 +191,9 @@ void run_expert_item(std::vector<ExpertJob> const& jobs, ExpertItem const& item,
 
 /// Runs and clears the queue. `scratch` holds `per_thread` floats per pool thread, at least
 /// kernels::expert_scratch_floats(depth) for every job's depth. Items are handed out
-/// dynamically, one ahead: a thread claims its next item before it runs the current one, so the
-/// current one's last slice can prefetch the next one's first (kernels::NextPanel). Which thread
-/// runs an item never changes its result.
+/// dynamically, one ahead while many remain: a thread claims its next item before it runs the
+/// current one, so the current one's last slice can prefetch the next one's first
+/// (kernels::NextPanel). Which thread runs an item never changes its result.
 template <class RoutedX, class SharedX>
 void run_expert_jobs(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& items, ThreadPool* pool,
                      float* scratch, Index per_thread) {
@@ -204,10 +204,12 @@ void run_expert_jobs(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>& item
     float* s = scratch + thread * per_thread;
     Index cur = next.fetch_add(1, std::memory_order_relaxed);
     while (cur < n) {
-      Index const nxt = next.fetch_add(1, std::memory_order_relaxed);
+      // Claim ahead only while plenty of items remain: at the end of the queue an item held
+      // ahead would keep another thread idle.
+      Index const nxt = cur + 2 * threads < n ? next.fetch_add(1, std::memory_order_relaxed) : n;
       run_expert_item<RoutedX, SharedX>(jobs, items[static_cast<std::size_t>(cur)], s,
                                         nxt < n ? &items[static_cast<std::size_t>(nxt)] : nullptr);
-      cur = nxt;
+      cur = nxt < n ? nxt : next.fetch_add(1, std::memory_order_relaxed);
     }
   });
   jobs.clear();
