@@ -312,6 +312,32 @@ TEST_CASE("expert_cols: bf16 pairs given in RowSource give bitwise the rows' own
   REQUIRE(run({X.data(), K, index.data(), pairs.data(), kp}) == run({X.data(), K, index.data()}));
 }
 
+TEST_CASE("expert_cols: streaming stores write the same values, aligned or not, with tails",
+          "[kernels][expert_gemm]") {
+  Index const K = 40, N = 3 * NP + 5, M = 13;
+  auto X = test::random_vector(M * K, 391);
+  Operand w_op(test::random_vector(N * K, 392), N, K);
+  auto scale = test::random_vector(M, 393);
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+  for (Source src : {Source::kPacked, Source::kBf16}) {
+    kernels::WeightPanels w;
+    set_operand(w, 0, w_op, src, N);
+    Index const panels = (N + NP - 1) / NP;
+    for (Index offset : {Index{0}, Index{1}}) {  // 64-byte aligned rows, then misaligned ones
+      INFO("offset " << offset);
+      Index const ldc = 4 * NP;  // rows 64-byte aligned when c is
+      Aligned<float> plain(static_cast<std::size_t>(M * ldc + 16), -1.0f);
+      Aligned<float> streamed(plain.size(), -1.0f);
+      kernels::StoreEpilogue e0{plain.data() + offset, ldc, N, scale.data()};
+      kernels::StoreEpilogue e1{streamed.data() + offset, ldc, N, scale.data(), true};
+      kernels::expert_cols({X.data(), K, nullptr}, M, K, w, 0, panels, e0, scratch.data());
+      kernels::expert_cols({X.data(), K, nullptr}, M, K, w, 0, panels, e1, scratch.data());
+      kernels::simd::stream_fence();
+      REQUIRE(plain == streamed);
+    }
+  }
+}
+
 TEST_CASE("expert_cols: the NextPanel prefetch hint never changes a result",
           "[kernels][expert_gemm]") {
   Index const K = 75, F = 2 * NP + 3, M = 20;

@@ -253,6 +253,31 @@ TEST_CASE("Results are bitwise identical for 1 and 2 threads and from run to run
   REQUIRE(std::memcmp(y2.data(), y3.data(), y1.size() * sizeof(float)) == 0);
 }
 
+TEST_CASE("Large expert outputs, written with streaming stores, match the reference",
+          "[layers][determinism]") {
+  // T = 2048 tokens x top-2 x D = 1024: a 16 MiB [R, D] expert output, which the down
+  // projections write with non-temporal stores (detail::kStreamOutputBytes), then the combine
+  // reads on another thread. Against the double reference, and bitwise for 1 and 2 threads.
+  Index const D = 1024, F = 32, E = 4, T = 2048;
+  REQUIRE(2 * T * D * Index{4} >= moe::detail::kStreamOutputBytes);
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, true, 1.0f});
+  randomize(layer, 61);
+  moe::ThreadPool pool(2);
+  for (auto format : {experts::WeightFormat::kF32, experts::WeightFormat::kBf16}) {
+    layer.pack_weights(format);
+    if (format == experts::WeightFormat::kF32) {
+      check_against_reference(
+          layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); }, &pool);
+    }
+    auto x = test::random_vector(T * D, 62);
+    std::vector<float> y1(x.size()), y2(x.size());
+    moe::MoeFfnWorkspace w1, w2;
+    layer.forward({x.data(), T, D}, {y1.data(), T, D}, w1);
+    layer.forward({x.data(), T, D}, {y2.data(), T, D}, w2, {nullptr, &pool});
+    REQUIRE(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("A plan computed elsewhere drives another expert bank", "[layers][plan]") {
   Index const D = 16, F = 12, E = 6, T = 40;
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> a(D, F, {E, 2, false, 1.0f});

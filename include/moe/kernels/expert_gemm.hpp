@@ -55,12 +55,16 @@ struct RowSource {
 };
 
 /// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
-/// columns c < N - p*NP that exist.
+/// columns c < N - p*NP that exist. With `stream`, full panels at 64-byte aligned addresses are
+/// written with non-temporal stores (simd::store_stream: no read of the line first, no cache
+/// displaced), for outputs too large to stay cached until they are read; the caller then calls
+/// simd::stream_fence() before another thread reads C. Same values either way.
 struct StoreEpilogue {
   float* c;                      ///< output [M, N] (ldc)
   Index ldc;                     ///< row stride of c
   Index cols;                    ///< N
   float const* scale = nullptr;  ///< [M] per-row factors (routing weights) or null
+  bool stream = false;           ///< non-temporal stores where possible
   static constexpr int kOperands = 1;
   template <class B, int NB>
   MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
@@ -69,7 +73,9 @@ struct StoreEpilogue {
     float* dst = c + i * ldc + c0;
     B s(1.0f);
     if (scale) s = B(scale[i]);
-    if (nc == NB * L) {
+    if (stream && nc == NB * L && reinterpret_cast<std::uintptr_t>(dst) % 64 == 0) {
+      for (int j = 0; j < NB; ++j) simd::store_stream(dst + j * L, scale ? v[j] * s : v[j]);
+    } else if (nc == NB * L) {
       for (int j = 0; j < NB; ++j) {
         if (scale) {
           (v[j] * s).store_unaligned(dst + j * L);

@@ -4,6 +4,7 @@
 /// The one place that touches version-sensitive xsimd API (8.1 in Debian 12 vs 9+ upstream).
 #pragma once
 
+#include <type_traits>
 #include <xsimd/xsimd.hpp>
 
 namespace moe::kernels::simd {
@@ -33,6 +34,44 @@ inline typename B::value_type reduce_max(B const& b) {
   typename B::value_type m = lanes[0];
   for (std::size_t i = 1; i < B::size; ++i) m = lanes[i] > m ? lanes[i] : m;
   return m;
+}
+
+/// Stores b at p (aligned to the batch's size) with a non-temporal (streaming) store where the
+/// target has one for this width: the line goes to memory without being read first and without
+/// displacing cached data, for large outputs that are not read again soon. Ordinary aligned
+/// store otherwise. Follow a run of streaming stores with stream_fence() before another thread
+/// reads them.
+template <class B>
+inline void store_stream(typename B::value_type* p, B const& b) {
+  if constexpr (std::is_same_v<typename B::value_type, float>) {
+#if defined(__AVX512F__)
+    if constexpr (B::size == 16) {
+      _mm512_stream_ps(p, b);
+      return;
+    }
+#endif
+#if defined(__AVX__)
+    if constexpr (B::size == 8) {
+      _mm256_stream_ps(p, b);
+      return;
+    }
+#endif
+#if defined(__SSE2__)
+    if constexpr (B::size == 4) {
+      _mm_stream_ps(p, b);
+      return;
+    }
+#endif
+  }
+  b.store_aligned(p);
+}
+
+/// Orders this thread's earlier streaming stores before its later stores (sfence), so that a
+/// thread that synchronises with it afterwards sees them.
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 }  // namespace moe::kernels::simd

@@ -15,6 +15,7 @@
 #include "moe/core/concepts.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -71,8 +72,10 @@ struct MoeFfnWorkspace {
   std::vector<float> x_rows;         ///< [R, D] gathered inputs of the routed rows (training)
   std::vector<float> hidden;         ///< [R, P] pre-activations (training)
   std::vector<float> act;            ///< [R, F] activations m
-  std::vector<float> expert_out;     ///< [R, D] expert outputs E_{e(r)}(x[token(r)]), scaled by
+  HugePageVector<float> expert_out;  ///< [R, D] expert outputs E_{e(r)}(x[token(r)]), scaled by
                                      ///< the routing weight of row r in inference forwards
+                                     ///< (64-byte aligned: large ones are written with
+                                     ///< non-temporal stores)
   std::vector<float> shared_hidden;  ///< [S*T, P_shared] (training)
   std::vector<float> shared_act;     ///< [S*T, F_shared]
   std::vector<float> shared_out;     ///< [S*T, D] shared-expert outputs
@@ -588,7 +591,9 @@ class MoeFfn {
         {detail::PairsTask{ws.act.data(), F, R, F, routed_pairs ? ws.act_pairs.data() : nullptr},
          detail::PairsTask{ws.shared_act.data(), Fs, ns * T, Fs,
                            shared_pairs ? ws.shared_act_pairs.data() : nullptr}});
-    // 3. Down projections y_rows = m W_down^T, times the routing weight in inference.
+    // 3. Down projections y_rows = m W_down^T, times the routing weight in inference; a large
+    //    output goes to memory with non-temporal stores (see detail::kStreamOutputBytes).
+    bool const stream_out = R * D * static_cast<Index>(sizeof(float)) >= detail::kStreamOutputBytes;
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
       Job job;
@@ -602,6 +607,7 @@ class MoeFfn {
       job.ldc = D;
       job.cols = D;
       job.scale = train ? nullptr : plan.row_weight.data() + r0;
+      job.stream = stream_out;
       add_job(ws, job);
     }
     if constexpr (Shared::has_experts) {
