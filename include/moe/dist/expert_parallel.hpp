@@ -38,6 +38,7 @@
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
+#include "moe/layers/detail/row_chunks.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/controls.hpp"
 
@@ -1183,14 +1184,10 @@ class ExpertParallelMoeFfn {
       ::moe::detail::add_row_chunks(chunks, j, base, ws.local_offsets[j + 1] - base);
     }
     parallel_for(pool, static_cast<Index>(chunks.size()), [&](Index i, int thread) {
-      ::moe::detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
-      Index const n = c.r1 - c.r0;
-      bank_.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + c.r0 * P, n, P),
-                          ConstMatrixView<float>(ws.e_drows.data() + c.r0 * D, n, D),
-                          MatrixView<float>(ws.act.data() + c.r0 * F, n, F),
-                          MatrixView<float>(ws.e_dhidden.data() + c.r0 * P, n, P),
-                          MatrixView<float>(ws.e_dxrows.data() + c.r0 * D, n, D),
-                          ws.bwd_scratch.data() + thread * scratch_per);
+      ::moe::detail::backward_chunk(bank_, chunks[static_cast<std::size_t>(i)], ws.hidden.data(),
+                                    ws.e_drows.data(), ws.act.data(), ws.e_dhidden.data(),
+                                    ws.e_dxrows.data(),
+                                    ws.bwd_scratch.data() + thread * scratch_per);
     });
     // Expert weight gradients: one item per (expert, 64-row block of the gradient), all rows.
     struct GradItem {

@@ -810,13 +810,9 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   parallel_for(pool, routed_items + ns * token_tiles, [&](Index i, int thread) {
     float* scratch = ws.scratch.data() + thread * per;
     if (i < routed_items) {
-      detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
-      Index const r = c.r0, n = c.r1 - c.r0;
-      bank.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
-                         ConstMatrixView<float>(ws.d_out.data() + r * D, n, D),
-                         MatrixView<float>(ws.act.data() + r * F, n, F),
-                         MatrixView<float>(ws.dhidden.data() + r * P, n, P),
-                         MatrixView<float>(ws.dxin.data() + r * D, n, D), scratch);
+      detail::backward_chunk(bank, chunks[static_cast<std::size_t>(i)], ws.hidden.data(),
+                             ws.d_out.data(), ws.act.data(), ws.dhidden.data(), ws.dxin.data(),
+                             scratch);
     } else if constexpr (Shared::has_experts) {
       Index const s = (i - routed_items) / token_tiles;
       Index const t0 = ((i - routed_items) % token_tiles) * kTileRows,

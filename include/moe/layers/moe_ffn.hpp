@@ -772,13 +772,9 @@ class MoeFfn {
     parallel_for(pool, routed_items + shared_tiles, [&](Index i, int thread) {
       float* scratch = ws.bwd_scratch.data() + thread * scratch_per;
       if (i < routed_items) {
-        detail::RowChunk const c = chunks[static_cast<std::size_t>(i)];
-        Index const r = c.r0, n = c.r1 - c.r0;
-        bank_.backward_rows(c.e, ConstMatrixView<float>(ws.hidden.data() + r * P, n, P),
-                            ConstMatrixView<float>(ws.d_rows.data() + r * D, n, D),
-                            MatrixView<float>(ws.act.data() + r * F, n, F),
-                            MatrixView<float>(ws.dhidden.data() + r * P, n, P),
-                            MatrixView<float>(ws.dx_rows.data() + r * D, n, D), scratch);
+        detail::backward_chunk(bank_, chunks[static_cast<std::size_t>(i)], ws.hidden.data(),
+                               ws.d_rows.data(), ws.act.data(), ws.dhidden.data(),
+                               ws.dx_rows.data(), scratch);
       } else if constexpr (Shared::has_experts) {
         Index const s = (i - routed_items) / token_tiles;
         Index const t0 = ((i - routed_items) % token_tiles) * kTileRows,

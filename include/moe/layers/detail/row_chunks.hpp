@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moe/core/types.hpp"
+#include "moe/core/views.hpp"
 
 namespace moe::detail {
 
@@ -28,6 +29,19 @@ inline void add_row_chunks(std::vector<RowChunk>& out, Index e, Index base, Inde
   for (Index i = 0; i < k; ++i) {
     out.push_back({e, base + i * n / k, base + (i + 1) * n / k});
   }
+}
+
+/// The row phase of one chunk: bank.backward_rows over rows [c.r0, c.r1) of the row-major
+/// buffers h [R, P], dy [R, D], m [R, F], dh [R, P] and dx [R, D] (P = bank.hidden_cols()).
+template <class Bank>
+void backward_chunk(Bank const& bank, RowChunk c, float const* h, float const* dy, float* m,
+                    float* dh, float* dx, float* scratch) {
+  Index const r = c.r0, n = c.r1 - c.r0;
+  Index const P = bank.hidden_cols(), D = bank.d_model(), F = bank.d_ffn();
+  bank.backward_rows(c.e, ConstMatrixView<float>(h + r * P, n, P),
+                     ConstMatrixView<float>(dy + r * D, n, D), MatrixView<float>(m + r * F, n, F),
+                     MatrixView<float>(dh + r * P, n, P), MatrixView<float>(dx + r * D, n, D),
+                     scratch);
 }
 
 }  // namespace moe::detail
