@@ -278,6 +278,31 @@ TEST_CASE("Large expert outputs, written with streaming stores, match the refere
   }
 }
 
+TEST_CASE("With packed weights a token's output does not depend on its batch (fp32, bf16)",
+          "[layers][determinism]") {
+  // 2048 tokens at once give experts ~1024 rows and the shared expert 2048: jobs of more than
+  // one 512-row work item, whose later items must read their own rows (and, with AVX512-BF16,
+  // their own bf16 pairs). 256-token batches keep every job in one item.
+  Index const D = 256, F = 32, E = 4, T = 2048, B = 256;
+  using Sh = experts::UngatedSharedExperts<experts::SwiGlu>;
+  moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(D, F, {E, 2, true, 1.0f},
+                                                               Sh(1, D, 32));
+  randomize(layer, 71);
+  auto x = test::random_vector(T * D, 72);
+  moe::ThreadPool pool(2);
+  for (auto format : {experts::WeightFormat::kF32, experts::WeightFormat::kBf16}) {
+    INFO("bf16 " << (format == experts::WeightFormat::kBf16));
+    layer.pack_weights(format);
+    std::vector<float> whole(x.size()), parts(x.size());
+    moe::MoeFfnWorkspace ws;
+    layer.forward({x.data(), T, D}, {whole.data(), T, D}, ws, {nullptr, &pool});
+    for (Index t0 = 0; t0 < T; t0 += B) {
+      layer.forward({x.data() + t0 * D, B, D}, {parts.data() + t0 * D, B, D}, ws);
+    }
+    REQUIRE(std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("A plan computed elsewhere drives another expert bank", "[layers][plan]") {
   Index const D = 16, F = 12, E = 6, T = 40;
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> a(D, F, {E, 2, false, 1.0f});
