@@ -52,6 +52,18 @@ struct RowSource {
   Index ldp = 0;
   MOE_ALWAYS_INLINE Index at(Index i) const { return index ? index[i] : i; }
   MOE_ALWAYS_INLINE float const* row(Index i) const { return base + at(i) * ld; }
+  /// The same source from row r on: the index advanced, or (rows in place) the base and the
+  /// pairs, which then move together.
+  MOE_ALWAYS_INLINE RowSource from(Index r) const {
+    RowSource s = *this;
+    if (s.index) {
+      s.index += r;
+    } else {
+      s.base += r * ld;
+      if (s.pairs) s.pairs += r * ldp;
+    }
+    return s;
+  }
 };
 
 /// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
@@ -531,13 +543,7 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
       }
     }
     if (dp && !a.pairs && p == p0) {
-      RowSource chunk = a;
-      if (chunk.index) {
-        chunk.index += c0;
-      } else {
-        chunk.base += c0 * chunk.ld;
-      }
-      bf16_pairs_rows(chunk, mc, K, pairs, kp_all);
+      bf16_pairs_rows(a.from(c0), mc, K, pairs, kp_all);
     }
     for (Index sidx = 0; sidx < slices; ++sidx) {
       Index const k0 = sidx * kc, kk = std::min(kc, K - k0);

@@ -173,14 +173,7 @@ void run_expert_item(std::vector<ExpertJob> const& jobs, ExpertItem const& item,
     ExpertJob const& nj = jobs[static_cast<std::size_t>(next->job)];
     after = {&nj.w, next->p0, nj.depth};
   }
-  // The item's rows: through the index, or (rows in place) the base and the rows' bf16 pairs.
-  kernels::RowSource a = job.a;
-  if (a.index) {
-    a.index += item.r0;
-  } else {
-    a.base += item.r0 * a.ld;
-    if (a.pairs) a.pairs += item.r0 * a.ldp;
-  }
+  kernels::RowSource const a = job.a.from(item.r0);
   Index const M = item.r1 - item.r0;
   switch (job.kind) {
     case ExpertJob::Kind::kStore: {
