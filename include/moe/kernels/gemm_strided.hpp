@@ -265,9 +265,20 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
         for_each_row_tile<MaxMR>(mc, [&]<Index MR>(Index t, Index, Index i0) {
           Index const l0 = std::min(lines, t * per);
           auto pf = next.at(l0, std::min(lines, l0 + per) - l0);
+          // The C block the next tile loads (the next rows of this panel, or the chunk's first
+          // rows of the next panel), prefetched with intent to write: without it each tile
+          // started by waiting on its accumulators (C's partial sums of the previous slice).
+          StridedPrefetch<true> pc;
+          Index const ni = i0 + MR < mc ? i0 + MR : 0, np = i0 + MR < mc ? p : p + 1;
+          if (np < panels) {
+            pc.row = reinterpret_cast<char const*>(c + (m0 + ni) * ldc + np * NP);
+            pc.stride = ldc * kFloat;
+            pc.row_bytes = std::min(NP, N - np * NP) * kFloat;
+            pc = pc.at(0, std::min(MaxMR, mc - ni) * ((pc.row_bytes + kLine - 1) / kLine));
+          }
           tile_at.template operator()<MR>(m0, i0, p, k0, kd,
                                           in_place ? b + k0 * ldb + p * NP : bbuf,
-                                          in_place ? ldb : NP, pf, none);
+                                          in_place ? ldb : NP, pf, pc);
         });
       }
     }
