@@ -38,6 +38,7 @@
 #include <memory>
 #include <moe/moe.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -463,6 +464,24 @@ void naive_backward(Layer const& layer, moe::MoeFfnWorkspace const& routed,
 // ---------------------------------------------------------------------------------------------
 // The layer rows.
 
+/// One layer row: warms `ours` and `beside` up, times them side by side (timed_rows), sets the
+/// counters (FLOPs x flop_factor, weight bytes x byte_factor) and the speed-up `name` over
+/// `other`. Returns the times and the cost (of one forward) for row-specific counters.
+template <Shape const& S, class Ours, class Beside>
+std::pair<RowTimes, Cost> measure_row(benchmark::State& state, Layer const& layer,
+                                      moe::MoeFfnWorkspace const& ws, Index T, double flop_factor,
+                                      double byte_factor, Ours&& ours, Beside&& beside,
+                                      std::string const& name, std::string const& other) {
+  ours();
+  beside();
+  Cost c = cost_of(layer, S, ws.plan, T);
+  c.weight_bytes *= byte_factor;
+  RowTimes const r = timed_rows(state, ours, beside);
+  set_counters(state, T, c, flop_factor, r);
+  set_speedup(state, r, name, other);
+  return {r, c};
+}
+
 template <Shape const& S>
 void BM_Layer_Forward(benchmark::State& state) {
   Index const T = state.range(0);
@@ -479,12 +498,7 @@ void BM_Layer_Forward(benchmark::State& state) {
     naive_forward<S>(layer, ws_naive, x, T, y_naive, false, nullptr);
     benchmark::DoNotOptimize(y_naive.data());
   };
-  ours();
-  naive();
-  Cost const c = cost_of(layer, S, ws.plan, T);
-  RowTimes const r = timed_rows(state, ours, naive);
-  set_counters(state, T, c, 1.0, r);
-  set_speedup(state, r, "vs_naive", "naive");
+  measure_row<S>(state, layer, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive");
 }
 
 /// Forward with bf16 weight panels (WeightFormat::kBf16): the active weights cost half the bytes.
@@ -505,13 +519,7 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
     f32.forward({x.data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
     benchmark::DoNotOptimize(y32.data());
   };
-  ours();
-  fp32();
-  Cost c = cost_of(layer, S, ws.plan, T);
-  c.weight_bytes /= 2.0;
-  RowTimes const r = timed_rows(state, ours, fp32);
-  set_counters(state, T, c, 1.0, r);
-  set_speedup(state, r, "vs_fp32", "fp32");
+  auto const [r, c] = measure_row<S>(state, layer, ws, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
   // The bf16 target: achieved over the measured bf16 dot-product peak.
   if (r.lim.bf16 > 0.0) {
     state.counters["bf16_peak_GFLOP/s"] = r.lim.bf16 / 1e9;
@@ -541,12 +549,7 @@ void BM_Layer_ForwardBackward(benchmark::State& state) {
     naive_backward<S>(layer, ws_naive, dy, T, saved, dx_naive, gin, gdown);
     benchmark::DoNotOptimize(dx_naive.data());
   };
-  ours();
-  naive();
-  Cost const c = cost_of(layer, S, ws.plan, T);
-  RowTimes const r = timed_rows(state, ours, naive);
-  set_counters(state, T, c, 3.0, r);
-  set_speedup(state, r, "vs_naive", "naive");
+  measure_row<S>(state, layer, ws, T, 3.0, 1.0, ours, naive, "vs_naive", "naive");
 }
 
 // ---------------------------------------------------------------------------------------------
