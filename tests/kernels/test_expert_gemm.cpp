@@ -373,7 +373,7 @@ TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, wi
   std::vector<float> scratch(static_cast<std::size_t>(kernels::kGemmStridedScratchFloats) + 3);
   for (bool transposed : {false, true}) {
     for (bool accumulate : {false, true}) {
-      // M = 70: two row chunks; K = 37 (B packed whole with scratch), 300 (slices of 128).
+      // M = 70: two row chunks; K = 37 (B packed whole with scratch), 300 (slices of 256).
       for (Index M : {Index{1}, Index{5}, Index{7}, Index{13}, Index{70}}) {
         for (Index N : {Index{1}, SW - 1, SW + 1, 2 * SW + 6}) {
           for (Index K : {Index{1}, Index{37}, Index{300}}) {

@@ -10,9 +10,10 @@
 ///   - B packed whole when it fits the scratch (the weight gradients, K = one expert's rows):
 ///     each row tile then streams its rows of C once across all panels, the next tile's rows of C
 ///     prefetched with intent to write (C, the gradient, is the DRAM traffic there);
-///   - deep K (dM, dX: B is a weight matrix): slices of 128 rows, one [128, 64] panel of B at a
-///     time (packed, L1; read in place when at most 3 row tiles use it) for all row tiles, the
-///     panel two ahead prefetched into L2 meanwhile.
+///   - deep K (dM, dX: B is a weight matrix): slices of 256 rows, one [256, 64] panel of B at a
+///     time (packed, L1/L2; read in place when at most 3 row tiles use it) for all row tiles, the
+///     panel two ahead prefetched into L2 meanwhile, and the C block of the next tile (its partial
+///     sums) prefetched with intent to write.
 /// Allocation-free, bitwise reproducible: each output is one FMA chain over k in ascending order
 /// (started from C when accumulating; partial sums pass through C between slices, which is
 /// exact), so its value depends only on its row of A, its column of B and K -- not on M, N, the
@@ -51,7 +52,7 @@ namespace detail {
 
 inline constexpr Index kStridedRowChunk = 64;       ///< rows of A packed at once
 inline constexpr Index kStridedMaxDepth = 256;      ///< deepest A slice (scratch's A part)
-inline constexpr Index kStridedDeepSlice = 128;     ///< depth of a slice when B is not packed whole
+inline constexpr Index kStridedDeepSlice = 256;     ///< depth of a slice when B is not packed whole
 inline constexpr Index kStridedWholeB = 131072;     ///< floats of the packed-B part of scratch
 inline constexpr Index kStridedInPlaceTiles = 3;    ///< deep K: B read in place up to this
 inline constexpr Index kStridedPrefetchPanels = 2;  ///< deep K: B prefetched this many panels ahead
@@ -229,7 +230,7 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
     return;
   }
   // Deep K: depth slices of kDeep outer; A's slice packed once per row chunk, then one column
-  // panel of B at a time ([kDeep, NP] = 32 KB, packed: stays in L1) for all row tiles, the
+  // panel of B at a time ([kDeep, NP] = 64 KB, packed: L1 and L2) for all row tiles, the
   // panels ahead prefetched meanwhile.
   for (Index k0 = 0; k0 < K; k0 += kDeep) {
     Index const kd = std::min(kDeep, K - k0);
@@ -295,7 +296,7 @@ void gemm_strided_impl(Index M, Index N, Index K, float const* a, Index a_rs, In
 /// its value depends only on its row of A, its column of B and K. B is never read past column N,
 /// C never written past it. `scratch` holds kGemmStridedScratchFloats floats (any alignment); with
 /// it, a B of up to 128 K floats (K <= 256) is packed whole (the weight-gradient shapes). Without
-/// scratch (null, or the overload without it), 64 KB of stack buffers serve. Allocates nothing.
+/// scratch (null, or the overload without it), 128 KB of stack buffers serve. Allocates nothing.
 /// Preconditions: C does not alias A or B; scratch aliases nothing.
 template <class Arch = simd::DefaultArch>
 void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
@@ -314,7 +315,7 @@ void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a
                                   bbuf + detail::kStridedWholeB, true);
 }
 
-/// gemm_strided without scratch: depth slices through 64 KB of stack buffers (same results).
+/// gemm_strided without scratch: depth slices through 128 KB of stack buffers (same results).
 template <class Arch>
 void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a_ks, float const* b,
                   Index ldb, float* c, Index ldc, bool accumulate) {
