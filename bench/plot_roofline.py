@@ -22,7 +22,7 @@ def main(src, dst):
         peaks.append(b["peak_GFLOP/s"])
         bws.append(b["bw_GB/s"])
         gflops = b.get("best_GFLOP/s", b["GFLOP/s"])
-        points.append((name.replace("BM_Layer_", "").replace("/manual_time", "").replace("/real_time", ""), b["FLOP/B"], gflops))
+        points.append((name.replace("BM_Layer_", "").replace("/manual_time", "").replace("/real_time", "").replace("/min_time:1.500", ""), b["FLOP/B"], gflops))
     if not points:
         sys.exit("no BM_Layer_* results with FLOP/B in " + src)
     peak = sorted(peaks)[len(peaks) // 2]
