@@ -297,7 +297,7 @@ struct Cost {
   double flop = 0.0;          // forward FLOP
   double weight_bytes = 0.0;  // active expert (+ shared, router) weight bytes
 };
-Cost cost_of(Layer const& layer, Shape const& s, moe::RoutingPlan const& plan, Index T) {
+Cost cost_of(Shape const& s, moe::RoutingPlan const& plan, Index T) {
   Cost c;
   Index active = 0;
   for (Index e = 0; e < s.E; ++e) active += plan.expert_rows(e) > 0;
@@ -307,22 +307,31 @@ Cost cost_of(Layer const& layer, Shape const& s, moe::RoutingPlan const& plan, I
   c.weight_bytes =
       4.0 * (static_cast<double>(active) * 3.0 * s.D * s.F +
              (s.shared_f > 0 ? 3.0 * s.D * s.shared_f : 0.0) + static_cast<double>(s.E) * s.D);
-  (void)layer;
   return c;
 }
+
+/// Mean and fastest of a series of timed runs, in seconds.
+struct Timing {
+  double total = 0.0, best = 1e30;
+  /// Runs f once and records its time.
+  template <class F>
+  void run(F&& f) {
+    auto const t0 = std::chrono::steady_clock::now();
+    f();
+    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total += s;
+    best = std::min(best, s);
+  }
+};
 
 /// What a layer row's timed loop saw: the mean and the fastest iteration of ours and of what ran
 /// beside it (the naive baseline, or the fp32 layer for a bf16 row), and the machine's limits
 /// measured around the loop.
 struct RowTimes {
   double mean = 0.0, best = 0.0;                // seconds per iteration, ours
-  double beside_mean = 0.0, beside_best = 0.0;  // seconds per iteration, beside (0: none)
+  double beside_mean = 0.0, beside_best = 0.0;  // seconds per iteration, beside
   Limits lim;
 };
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 /// The timed loop of a layer row: `ours` is the row's time (manual time); `beside` runs right
 /// after it in every iteration, so that a speed-up compares times measured side by side under
@@ -330,29 +339,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 /// measured just before and just after the loop, the larger of the two kept.
 template <class Ours, class Beside>
 RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside) {
-  RowTimes r;
   Limits const before = measure_limits();
-  double total = 0.0, total_beside = 0.0, best = 1e30, best_beside = 1e30;
+  Timing a, b;
   for (auto _ : state) {
-    auto t0 = std::chrono::steady_clock::now();
-    ours();
-    double const s = seconds_since(t0);
-    state.SetIterationTime(s);
-    total += s;
-    best = std::min(best, s);
-    auto t1 = std::chrono::steady_clock::now();
-    beside();
-    double const sb = seconds_since(t1);
-    total_beside += sb;
-    best_beside = std::min(best_beside, sb);
+    double const prev = a.total;
+    a.run(ours);
+    state.SetIterationTime(a.total - prev);
+    b.run(beside);
   }
-  r.lim = larger(before, measure_limits());
   double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
-  r.mean = total / n;
-  r.best = best;
-  r.beside_mean = total_beside / n;
-  r.beside_best = best_beside;
-  return r;
+  return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits())};
 }
 
 /// The counters of a layer row. tokens/s and GFLOP/s are Google Benchmark rates over the mean
@@ -469,13 +465,13 @@ void naive_backward(Layer const& layer, moe::MoeFfnWorkspace const& routed,
 /// counters (FLOPs x flop_factor, weight bytes x byte_factor) and the speed-up `name` over
 /// `other`. Returns the times and the cost (of one forward) for row-specific counters.
 template <Shape const& S, class Ours, class Beside>
-std::pair<RowTimes, Cost> measure_row(benchmark::State& state, Layer const& layer,
-                                      moe::MoeFfnWorkspace const& ws, Index T, double flop_factor,
-                                      double byte_factor, Ours&& ours, Beside&& beside,
-                                      std::string const& name, std::string const& other) {
+std::pair<RowTimes, Cost> measure_row(benchmark::State& state, moe::MoeFfnWorkspace const& ws,
+                                      Index T, double flop_factor, double byte_factor, Ours&& ours,
+                                      Beside&& beside, std::string const& name,
+                                      std::string const& other) {
   ours();
   beside();
-  Cost c = cost_of(layer, S, ws.plan, T);
+  Cost c = cost_of(S, ws.plan, T);
   c.weight_bytes *= byte_factor;
   RowTimes const r = timed_rows(state, ours, beside);
   set_counters(state, T, c, flop_factor, r);
@@ -499,7 +495,7 @@ void BM_Layer_Forward(benchmark::State& state) {
     naive_forward<S>(layer, ws_naive, x, T, y_naive, false, nullptr);
     benchmark::DoNotOptimize(y_naive.data());
   };
-  measure_row<S>(state, layer, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive");
+  measure_row<S>(state, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive");
 }
 
 /// Forward with bf16 weight panels (WeightFormat::kBf16): the active weights cost half the bytes.
@@ -520,7 +516,7 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
     f32.forward({x.data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
     benchmark::DoNotOptimize(y32.data());
   };
-  auto const [r, c] = measure_row<S>(state, layer, ws, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
+  auto const [r, c] = measure_row<S>(state, ws, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
   // The bf16 target: achieved over the measured bf16 dot-product peak.
   if (r.lim.bf16 > 0.0) {
     state.counters["bf16_peak_GFLOP/s"] = r.lim.bf16 / 1e9;
@@ -550,7 +546,7 @@ void BM_Layer_ForwardBackward(benchmark::State& state) {
     naive_backward<S>(layer, ws_naive, dy, T, saved, dx_naive, gin, gdown);
     benchmark::DoNotOptimize(dx_naive.data());
   };
-  measure_row<S>(state, layer, ws, T, 3.0, 1.0, ours, naive, "vs_naive", "naive");
+  measure_row<S>(state, ws, T, 3.0, 1.0, ours, naive, "vs_naive", "naive");
 }
 
 // ---------------------------------------------------------------------------------------------
