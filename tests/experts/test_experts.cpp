@@ -92,3 +92,29 @@ TEST_CASE("ExpertBank rejects non-positive sizes", "[experts][errors]") {
                       Catch::Contains("sizes must be positive"));
   REQUIRE_NOTHROW((experts::ExpertBank<experts::SwiGlu>(0, 4, 4)));
 }
+
+TEST_CASE("ExpertBank::pack: current until a weight changes, and knows its format", "[experts]") {
+  using Bank = experts::ExpertBank<experts::SwiGlu>;
+  Index const np = moe::kernels::panel_width();
+  Bank bank(2, np, np);
+  REQUIRE_FALSE(bank.packed());
+  bank.pack(experts::WeightFormat::kBf16);
+  REQUIRE(bank.packed());
+  REQUIRE(bank.packed_format() == experts::WeightFormat::kBf16);
+  REQUIRE(bank.packed_in_bf16(1) != nullptr);
+  REQUIRE(bank.packed_in(1) == nullptr);
+  bank.pack(experts::WeightFormat::kF32);
+  REQUIRE(bank.packed_format() == experts::WeightFormat::kF32);
+  REQUIRE(bank.packed_in(1) != nullptr);
+  REQUIRE(bank.packed_in_bf16(1) == nullptr);
+  bank.in_proj(0)(0, 0) = 1.0f;  // a mutable view marks the pack stale
+  REQUIRE_FALSE(bank.packed());
+  REQUIRE(bank.packed_in(1) == nullptr);
+  // A bank of no experts (an expert-parallel rank that owns none) is packed once pack() ran,
+  // in the format asked for, though it stores nothing.
+  Bank none(0, np, np);
+  REQUIRE_FALSE(none.packed());
+  none.pack(experts::WeightFormat::kBf16);
+  REQUIRE(none.packed());
+  REQUIRE(none.packed_format() == experts::WeightFormat::kBf16);
+}

@@ -239,11 +239,10 @@ class ExpertBank {
       }
     }
     packed_version_ = version_;
+    packed_format_ = format;
   }
   /// The format of the current packed copy (meaningful when packed()).
-  WeightFormat packed_format() const {
-    return packed_bf16_.empty() ? WeightFormat::kF32 : WeightFormat::kBf16;
-  }
+  WeightFormat packed_format() const { return packed_format_; }
   /// Expert e's bf16 panels ([D or F pairs, NP] words, in then down), or null when not current.
   std::uint32_t const* packed_in_bf16(Index e) const {
     return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_in_offset(e) : nullptr;
@@ -252,10 +251,9 @@ class ExpertBank {
     return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_down_offset(e) : nullptr;
   }
 
-  /// Is the packed copy present and made from the current weights?
-  bool packed() const {
-    return packed_version_ == version_ && (!packed_.empty() || !packed_bf16_.empty());
-  }
+  /// Is the packed copy present and made from the current weights? (A bank of no experts, as an
+  /// expert-parallel rank may hold, is packed once pack() has run, though it stores nothing.)
+  bool packed() const { return packed_version_ == version_; }
   /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed.
   float const* packed_in(Index e) const {
     return packed() && !packed_.empty() ? packed_.data() + packed_in_offset(e) : nullptr;
@@ -302,6 +300,7 @@ class ExpertBank {
   HugePageVector<float> params_;
   std::uint64_t version_ = 0;  // bumped by every mutable access to the weights
   std::uint64_t packed_version_ = ~std::uint64_t{0};
+  WeightFormat packed_format_ = WeightFormat::kF32;
   HugePageVector<float> packed_;
   HugePageVector<std::uint32_t> packed_bf16_;
 };
