@@ -23,6 +23,7 @@
 #include "moe/core/concepts.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -92,10 +93,11 @@ struct ExpertParallelWorkspace {
   std::vector<float> recv_buf;  ///< [R_in, D] rows in source-major order (expert side)
 
   // Expert side: rows of this rank's experts, expert-major (expert j's rows, from rank 0, 1, ...).
-  std::vector<float> x_rows;      ///< [R_in, D]
-  std::vector<float> hidden;      ///< [R_in, P] pre-activations (training)
-  std::vector<float> act;         ///< [R_in, F] (training)
-  std::vector<float> expert_out;  ///< [R_in, D]
+  std::vector<float> x_rows;  ///< [R_in, D]
+  std::vector<float> hidden;  ///< [R_in, P] pre-activations (training)
+  std::vector<float> act;     ///< [R_in, F] (training)
+  /// [R_in, D]; 64-byte aligned: a large one is written with streaming stores (MoeFfn's).
+  HugePageVector<float> expert_out;
   /// Inference with bf16 panels and AVX512-BF16: projection inputs as bf16 pairs (MoeFfn's
   /// x_pairs / act_pairs; kernels::bf16_pairs_rows), rounded once per forward.
   std::vector<std::uint32_t> x_pairs, act_pairs;                ///< [R_in, D/2], [R_in, F/2]
@@ -685,7 +687,7 @@ class ExpertParallelMoeFfn {
     // 5. Local experts on every row they received.
     run_local_experts(ws, opt.pool, train);
     // 6. Outputs back to the tokens' ranks, in plan row order.
-    return_rows(ws.expert_out, ws.routed_out, ws, opt.pool);
+    return_rows(ws.expert_out.data(), ws.routed_out, ws, opt.pool);
     // 7. Shared experts and combine.
     run_shared_and_combine(xin, y, ws, opt.pool, train);
     if (train) {
@@ -826,17 +828,17 @@ class ExpertParallelMoeFfn {
     if (!direct) reorder(ws.recv_buf.data(), ws.x_rows.data(), ws, false, pool);
   }
 
-  /// Step 6 (and its backward twin): expert-major rows `src` back to the tokens' ranks, into
-  /// `dst` [R, D] in plan row order.
-  void return_rows(std::vector<float> const& src, std::vector<float>& dst,
-                   ExpertParallelWorkspace& ws, ThreadPool* pool) const {
+  /// Step 6 (and its backward twin): expert-major rows `src` [R_in, D] back to the tokens'
+  /// ranks, into `dst` [R, D] in plan row order.
+  void return_rows(float const* src, std::vector<float>& dst, ExpertParallelWorkspace& ws,
+                   ThreadPool* pool) const {
     Index const D = d_model_, R = ws.plan.num_rows(), L = bank_.num_experts();
     Index const rin = ws.local_offsets.back();
     bool const direct = expert_major_is_source_major(L);
-    float const* send = src.data();
+    float const* send = src;
     if (!direct) {
       ws.recv_buf.resize(static_cast<std::size_t>(rin * D));
-      reorder(src.data(), ws.recv_buf.data(), ws, true, pool);
+      reorder(src, ws.recv_buf.data(), ws, true, pool);
       send = ws.recv_buf.data();
     }
     dst.resize(static_cast<std::size_t>(R * D));
@@ -916,6 +918,10 @@ class ExpertParallelMoeFfn {
     ::moe::detail::run_pairs_tasks(
         pool, {::moe::detail::PairsTask{ws.act.data(), F, rin, F,
                                         pairs ? ws.act_pairs.data() : nullptr}});
+    // A large output goes to memory with non-temporal stores, as in MoeFfn: it is read next by
+    // the exchange, not while it would still be cached (::moe::detail::kStreamOutputBytes).
+    bool const stream_out =
+        rin * D * static_cast<Index>(sizeof(float)) >= ::moe::detail::kStreamOutputBytes;
     for (Index j = 0; j < L; ++j) {
       Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
       Job job;
@@ -928,6 +934,7 @@ class ExpertParallelMoeFfn {
       job.c = ws.expert_out.data() + r0 * D;
       job.ldc = D;
       job.cols = D;
+      job.stream = stream_out;
       add_job(ws, job, n);
     }
     run_jobs(ws, pool);
@@ -1203,7 +1210,7 @@ class ExpertParallelMoeFfn {
         gitems.push_back({1, j, r, std::min(D, r + kGradRows)});
     }
     // 5. dL/dX rows back to the tokens' ranks.
-    return_rows(ws.e_dxrows, ws.dx_rows, ws, pool);
+    return_rows(ws.e_dxrows.data(), ws.dx_rows, ws, pool);
     // 6. Router VJP (token side).
     MatrixView<float> dlogits(ws.dlogits.data(), T, E);
     router_.backward(ws.logits_view(), ws.selection, ws.dweight.data(),
