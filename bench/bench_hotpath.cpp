@@ -17,13 +17,21 @@
 //     counters peak_GFLOP/s, bw_GB/s, bf16_peak_GFLOP/s): the host's bandwidth drifts too much
 //     for one start-up value to judge rows measured minutes later. The fractions use the row's
 //     fastest iteration (best_ms), as the limits are the best of several probes; the row's time
-//     and tokens/s, GFLOP/s are means. The forward+backward rows run for at least 1.5 s of ours
-//     (3 steps at T = 512) so that one disturbed step does not decide the row.
+//     and tokens/s, GFLOP/s are means. The forward+backward rows run 3 steps each (the
+//     fastest decides the fractions), so that one disturbed step does not decide the row: with a
+//     minimum time instead, one step of 2.3 s (against ~0.5 s) once ended a row by itself.
 //   - The baseline, vs_naive and naive_ms of the fp32 rows: the straightforward C++ port of the
 //     Hugging Face loop (per expert: gather rows into a copy, Eigen GEMMs, weighted scatter-add),
 //     serial, run right after ours in every iteration so that the ratio compares times measured
 //     side by side. Likewise vs_fp32 and fp32_ms of the bf16 rows: the fp32 layer beside it.
+//     At T <= 8 the fp32 rows also report one thread's read bandwidth (bw1_GB/s) and
+//     bw_ratio = bw_GB/s / bw1_GB/s: both sides are bandwidth-bound there and the baseline is
+//     serial, so this is about what a speed-up can reach (vs_naive / S-MBU exactly: the speed-up
+//     if ours read at the full measured bandwidth).
 //   - BM_Kernel_<Shape>_{Route,Plan,Gather,Combine}/T:512: the non-GEMM parts of the layer.
+//   - BM_Kernel_<Shape>_ExpertIn{Dram,Cached}/T:512: the routed experts' gate+up projection
+//     alone, as the layer runs it, with each expert's weights (from DRAM) and with every expert
+//     reading expert 0's weights (from cache): what streaming the weights costs the kernel.
 // FLOP counts: router 2*T*E*D; each routed row 2*D*F*3 (gate, up, down); shared experts
 // 2*T*D*F_s*3. Forward+backward counts 3x the forward (dX and dW each cost a forward).
 // Weights: every shape's active set at T = 1 exceeds the assumed last-level cache, so one layer
@@ -166,9 +174,10 @@ double measure_bf16_peak(int threads, int reps = 9) {
 }
 
 struct Limits {
-  double fma = 0.0;        // FLOP/s, kThreads threads
-  double bandwidth = 0.0;  // bytes/s, kThreads threads
-  double bf16 = 0.0;       // FLOP/s of AVX512-BF16 dot products, kThreads threads (0: none)
+  double fma = 0.0;         // FLOP/s, kThreads threads
+  double bandwidth = 0.0;   // bytes/s, kThreads threads
+  double bf16 = 0.0;        // FLOP/s of AVX512-BF16 dot products, kThreads threads (0: none)
+  double bandwidth1 = 0.0;  // bytes/s, one thread (measured for the rows that report it, else 0)
 };
 
 /// Measured once at start-up, before any layer is allocated; printed as the "limits" context.
@@ -183,12 +192,15 @@ Limits const& startup_limits() {
 /// as other VMs come and go (27.6 to 52 GB/s at start-up in runs of the same day), so a start-up
 /// value misjudges rows measured minutes later. Best of 5 bandwidth passes and of 3 for the
 /// FLOP peaks: about 0.3 s per measurement.
-Limits measure_limits() {
+/// With `one_thread`, also the read bandwidth of one thread alone (what the serial baseline can
+/// stream at most).
+Limits measure_limits(bool one_thread = false) {
   return {measure_fma_peak(kThreads, 3), measure_read_bandwidth(kThreads, 5),
-          measure_bf16_peak(kThreads, 3)};
+          measure_bf16_peak(kThreads, 3), one_thread ? measure_read_bandwidth(1, 5) : 0.0};
 }
 Limits larger(Limits const& a, Limits const& b) {
-  return {std::max(a.fma, b.fma), std::max(a.bandwidth, b.bandwidth), std::max(a.bf16, b.bf16)};
+  return {std::max(a.fma, b.fma), std::max(a.bandwidth, b.bandwidth), std::max(a.bf16, b.bf16),
+          std::max(a.bandwidth1, b.bandwidth1)};
 }
 
 void BM_Peak_FmaF32(benchmark::State& state) {
@@ -338,8 +350,8 @@ struct RowTimes {
 /// the same load from other VMs (and neither finds the other's data in cache). The limits are
 /// measured just before and just after the loop, the larger of the two kept.
 template <class Ours, class Beside>
-RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside) {
-  Limits const before = measure_limits();
+RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, bool one_thread) {
+  Limits const before = measure_limits(one_thread);
   Timing a, b;
   for (auto _ : state) {
     double const prev = a.total;
@@ -348,7 +360,7 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside) {
     b.run(beside);
   }
   double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
-  return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits())};
+  return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits(one_thread))};
 }
 
 /// The counters of a layer row. tokens/s and GFLOP/s are Google Benchmark rates over the mean
@@ -464,16 +476,17 @@ void naive_backward(Layer const& layer, moe::MoeFfnWorkspace const& routed,
 /// One layer row: warms `ours` and `beside` up, times them side by side (timed_rows), sets the
 /// counters (FLOPs x flop_factor, weight bytes x byte_factor) and the speed-up `name` over
 /// `other`. Returns the times and the cost (of one forward) for row-specific counters.
+/// `one_thread`: also measure one thread's read bandwidth around the loop (Limits::bandwidth1).
 template <Shape const& S, class Ours, class Beside>
 std::pair<RowTimes, Cost> measure_row(benchmark::State& state, moe::MoeFfnWorkspace const& ws,
                                       Index T, double flop_factor, double byte_factor, Ours&& ours,
                                       Beside&& beside, std::string const& name,
-                                      std::string const& other) {
+                                      std::string const& other, bool one_thread = false) {
   ours();
   beside();
   Cost c = cost_of(S, ws.plan, T);
   c.weight_bytes *= byte_factor;
-  RowTimes const r = timed_rows(state, ours, beside);
+  RowTimes const r = timed_rows(state, ours, beside, one_thread);
   set_counters(state, T, c, flop_factor, r);
   set_speedup(state, r, name, other);
   return {r, c};
@@ -495,7 +508,18 @@ void BM_Layer_Forward(benchmark::State& state) {
     naive_forward<S>(layer, ws_naive, x, T, y_naive, false, nullptr);
     benchmark::DoNotOptimize(y_naive.data());
   };
-  measure_row<S>(state, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive");
+  // At T <= 8 both sides stream weights from DRAM (bandwidth-bound), ours on kThreads threads
+  // and the serial baseline on one, so the row also reports one thread's read bandwidth
+  // (bw1_GB/s) and bw_ratio = bw_GB/s / bw1_GB/s: the speed-up of a kThreads-thread stream over
+  // a one-thread stream on the host at that moment.
+  bool const streaming = T <= 8;
+  auto const [r, c] =
+      measure_row<S>(state, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive", streaming);
+  (void)c;
+  if (streaming && r.lim.bandwidth1 > 0.0) {
+    state.counters["bw1_GB/s"] = r.lim.bandwidth1 / 1e9;
+    state.counters["bw_ratio"] = r.lim.bandwidth / r.lim.bandwidth1;
+  }
 }
 
 /// Forward with bf16 weight panels (WeightFormat::kBf16): the active weights cost half the bytes.
@@ -617,13 +641,82 @@ void BM_Kernel_Combine(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * (R + T) * S.D * 4);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The routed experts' in projection alone, with the weights in DRAM and in cache.
+
+/// The gate+up (GLU) projection of every routed row at T, as the layer runs it (the layer's own
+/// expert queue: items of 4 panels, rows read through the plan's index, SiLU(g) * u in the
+/// epilogue), on kThreads threads. `Cached` = false: each expert's own packed weights, all of
+/// them read from DRAM once per iteration, as in the layer. `Cached` = true: every expert
+/// multiplies expert 0's weights instead, which then stay in cache; same rows, same FLOPs, same
+/// code. The two rows side by side show what streaming the weights from DRAM costs the
+/// micro-kernel at this shape's rows per expert (16 on average for DeepSeekV3 at T = 512, where
+/// FLOP per weight byte is close to the machine's ridge point). Counters: GFLOP/s and S-MFU of the
+/// fastest iteration, and the rate at which it reads weights (weight_GB/s, of bw_GB/s: bw_frac).
+template <Shape const& S, bool Cached>
+void BM_Kernel_ExpertIn(benchmark::State& state) {
+  Index const T = state.range(0);
+  Layer& layer = layer_for(S);
+  auto x = input(T, S.D);
+  moe::MoeFfnWorkspace ws;
+  layer.route({x.data(), T, S.D}, ws);
+  auto const& plan = ws.plan;
+  Index const R = plan.num_rows();
+  auto const& bank = layer.experts();
+  std::vector<float> m(static_cast<std::size_t>(R * S.F));
+  Index const per_thread = moe::kernels::expert_scratch_floats(S.D);
+  std::vector<float> scratch(static_cast<std::size_t>(per_thread * kThreads));
+  std::vector<moe::detail::ExpertJob> jobs;
+  std::vector<moe::detail::ExpertItem> items;
+  auto run = [&] {
+    for (Index e = 0; e < S.E; ++e) {
+      Index const off = plan.expert_offsets[e], n = plan.expert_rows(e);
+      Index const we = Cached ? 0 : e;
+      moe::detail::ExpertJob job;
+      job.kind = moe::detail::ExpertJob::Kind::kRoutedHidden;
+      job.a = {x.data(), S.D, plan.row_token.data() + off};
+      job.rows = n;
+      job.depth = S.D;
+      job.w = moe::detail::expert_weights(bank.in_proj(we).data, 2 * S.F, bank.packed_in(we),
+                                          nullptr, S.D, S.F, false, false);
+      job.c = m.data() + off * S.F;
+      job.ldc = job.cols = S.F;
+      moe::detail::add_expert_job(jobs, items, job);
+    }
+    moe::detail::run_expert_jobs<experts::SwiGlu, experts::SwiGlu>(jobs, items, &pool(),
+                                                                   scratch.data(), per_thread);
+    benchmark::DoNotOptimize(m.data());
+  };
+  run();
+  Limits const before = measure_limits();
+  Timing t;
+  for (auto _ : state) {
+    double const prev = t.total;
+    t.run(run);
+    state.SetIterationTime(t.total - prev);
+  }
+  Limits const lim = larger(before, measure_limits());
+  Index active = 0;
+  for (Index e = 0; e < S.E; ++e) active += plan.expert_rows(e) > 0;
+  double const flop = 2.0 * static_cast<double>(R) * S.D * 2.0 * S.F;
+  double const bytes = 4.0 * static_cast<double>(active) * S.D * 2.0 * S.F;
+  state.counters["best_ms"] = t.best * 1e3;
+  state.counters["best_GFLOP/s"] = flop / t.best / 1e9;
+  state.counters["peak_GFLOP/s"] = lim.fma / 1e9;
+  state.counters["S-MFU"] = flop / t.best / lim.fma;
+  state.counters["rows/expert"] = static_cast<double>(R) / static_cast<double>(active);
+  state.counters["weight_GB/s"] = bytes / t.best / 1e9;
+  state.counters["bw_GB/s"] = lim.bandwidth / 1e9;
+  state.counters["bw_frac"] = bytes / t.best / lim.bandwidth;
+}
+
 // clang-format off
 #define MOE_LAYER_BENCH(SHAPE, NAME)                                                              \
   BENCHMARK_TEMPLATE(BM_Layer_Forward, SHAPE)->Name("BM_Layer_" #NAME "_Forward")                 \
       ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Arg(2048)                     \
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardBackward, SHAPE)->Name("BM_Layer_" #NAME "_ForwardBackward") \
-      ->ArgName("T")->Arg(128)->Arg(512)->Arg(2048)->MinTime(1.5)                                 \
+      ->ArgName("T")->Arg(128)->Arg(512)->Arg(2048)->Iterations(3)                                \
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Kernel_Route, SHAPE)->Name("BM_Kernel_" #NAME "_Route")                   \
       ->ArgName("T")->Arg(512)->Unit(benchmark::kMicrosecond);                                    \
@@ -633,6 +726,10 @@ void BM_Kernel_Combine(benchmark::State& state) {
       ->ArgName("T")->Arg(512)->Unit(benchmark::kMicrosecond);                                    \
   BENCHMARK_TEMPLATE(BM_Kernel_Combine, SHAPE)->Name("BM_Kernel_" #NAME "_Combine")               \
       ->ArgName("T")->Arg(512)->Unit(benchmark::kMicrosecond);                                    \
+  BENCHMARK_TEMPLATE(BM_Kernel_ExpertIn, SHAPE, false)->Name("BM_Kernel_" #NAME "_ExpertInDram")  \
+      ->ArgName("T")->Arg(512)->Unit(benchmark::kMillisecond)->UseManualTime();                   \
+  BENCHMARK_TEMPLATE(BM_Kernel_ExpertIn, SHAPE, true)->Name("BM_Kernel_" #NAME "_ExpertInCached") \
+      ->ArgName("T")->Arg(512)->Unit(benchmark::kMillisecond)->UseManualTime();                   \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardBf16, SHAPE)->Name("BM_Layer_" #NAME "_ForwardBf16")         \
       ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Arg(2048)                     \
       ->Unit(benchmark::kMillisecond)->UseManualTime()
