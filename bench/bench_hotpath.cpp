@@ -576,6 +576,20 @@ void BM_Layer_ForwardBackward(benchmark::State& state) {
 // ---------------------------------------------------------------------------------------------
 // The non-GEMM parts at T = 512.
 
+/// A row's batch routed once: T = state.range(0) tokens of input() through S's fp32 layer, whose
+/// plan (ws.plan) the kernel rows below run on.
+template <Shape const& S>
+struct Routed {
+  Index T;
+  Layer& layer;
+  std::vector<float> x;
+  moe::MoeFfnWorkspace ws;
+  explicit Routed(benchmark::State const& state)
+      : T(state.range(0)), layer(layer_for(S)), x(input(T, S.D)) {
+    layer.route({x.data(), T, S.D}, ws);
+  }
+};
+
 template <Shape const& S>
 void BM_Kernel_Route(benchmark::State& state) {
   Index const T = state.range(0);
@@ -589,22 +603,16 @@ void BM_Kernel_Route(benchmark::State& state) {
 
 template <Shape const& S>
 void BM_Kernel_Plan(benchmark::State& state) {
-  Index const T = state.range(0);
-  Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  moe::MoeFfnWorkspace ws;
-  layer.route({x.data(), T, S.D}, ws);
+  Routed<S> const b(state);
   moe::RoutingPlan plan;
-  for (auto _ : state) moe::kernels::build_plan(ws.selection, plan);
+  for (auto _ : state) moe::kernels::build_plan(b.ws.selection, plan);
 }
 
 template <Shape const& S>
 void BM_Kernel_Gather(benchmark::State& state) {
-  Index const T = state.range(0);
-  Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  moe::MoeFfnWorkspace ws;
-  layer.route({x.data(), T, S.D}, ws);
+  Routed<S> const b(state);
+  auto const& x = b.x;
+  auto const& ws = b.ws;
   Index const R = ws.plan.num_rows();
   std::vector<float> out(static_cast<std::size_t>(R * S.D));
   for (auto _ : state) {
@@ -616,13 +624,11 @@ void BM_Kernel_Gather(benchmark::State& state) {
 
 template <Shape const& S>
 void BM_Kernel_Combine(benchmark::State& state) {
-  Index const T = state.range(0);
-  Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  moe::MoeFfnWorkspace ws;
-  layer.route({x.data(), T, S.D}, ws);
+  Routed<S> const b(state);
+  Index const T = b.T;
+  auto const& ws = b.ws;
   Index const R = ws.plan.num_rows();
-  std::vector<float> rows(static_cast<std::size_t>(R * S.D), 0.5f), y(x.size());
+  std::vector<float> rows(static_cast<std::size_t>(R * S.D), 0.5f), y(b.x.size());
   for (auto _ : state) {
     moe::kernels::CombineParams p;
     p.expert_out = rows.data();
@@ -655,14 +661,11 @@ void BM_Kernel_Combine(benchmark::State& state) {
 /// fastest iteration, and the rate at which it reads weights (weight_GB/s, of bw_GB/s: bw_frac).
 template <Shape const& S, bool Cached>
 void BM_Kernel_ExpertIn(benchmark::State& state) {
-  Index const T = state.range(0);
-  Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  moe::MoeFfnWorkspace ws;
-  layer.route({x.data(), T, S.D}, ws);
-  auto const& plan = ws.plan;
+  Routed<S> const b(state);
+  auto const& x = b.x;
+  auto const& plan = b.ws.plan;
   Index const R = plan.num_rows();
-  auto const& bank = layer.experts();
+  auto const& bank = b.layer.experts();
   std::vector<float> m(static_cast<std::size_t>(R * S.F));
   Index const per_thread = moe::kernels::expert_scratch_floats(S.D);
   std::vector<float> scratch(static_cast<std::size_t>(per_thread * kThreads));
