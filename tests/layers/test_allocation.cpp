@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// MoeFfn allocates nothing in the steady state: global operator new is counted while a layer
-// runs with a workspace that has already seen the batch size (or was reserved).
+// The layers allocate nothing in the steady state: global operator new (and malloc) is counted
+// while a layer runs with a workspace that has already seen the batch size (or was reserved):
+// MoeFfn forward, GatedAttention and MoeAttention forward and forward_train + backward.
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <new>
 
+#include "moe/layers/gated_attention.hpp"
+#include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/layers/presets.hpp"
 #include "support/helpers.hpp"
@@ -107,5 +110,110 @@ TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batc
     layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, {nullptr, &pool});
     g_counting = false;
     REQUIRE(g_allocations == 0);
+  }
+}
+
+namespace {
+
+/// Every parameter group of an attention layer uniform in [-0.1, 0.1].
+template <class Layer>
+void randomize(Layer& layer, std::uint64_t seed) {
+  auto params = layer.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    moe::fill_uniform(params[i].values, -0.1f, 0.1f, seed + i);
+  }
+}
+
+/// Counts the allocations of f().
+template <class F>
+long allocations_of(F&& f) {
+  g_allocations = 0;
+  g_counting = true;
+  f();
+  g_counting = false;
+  return g_allocations.load();
+}
+
+}  // namespace
+
+TEST_CASE("GatedAttention forward and backward allocate nothing once the workspace has grown",
+          "[attention][allocation]") {
+  using moe::Index;
+  moe::GatedAttentionConfig c;
+  c.d_model = 64;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.gate_layout = moe::GateLayout::kPackedPerHead;
+  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  c.rope = true;
+  moe::GatedAttention<moe::gating::ElementwiseGate> layer(c);
+  randomize(layer, 3);
+  Index const T = 96, D = c.d_model;
+  auto x = test::random_vector(T * D, 4);
+  auto dy = test::random_vector(T * D, 5);
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(2);
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  opt.batch = 2;
+  auto grads = layer.make_gradients();
+  moe::GatedAttentionWorkspace ws;
+  auto step = [&] {
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+  };
+  SECTION("the counter works: a fresh workspace does allocate") {
+    REQUIRE(allocations_of(step) > 0);
+  }
+  SECTION("after a first step at the largest size") {
+    step();
+    REQUIRE(allocations_of(step) == 0);
+    REQUIRE(allocations_of([&] {
+              layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+            }) == 0);
+  }
+}
+
+TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace has grown",
+          "[attention][allocation]") {
+  using moe::Index;
+  namespace experts = moe::experts;
+  Index const D = 64, F = 48, T = 96;
+  experts::ExpertBank<experts::SwiGlu> bank(4, D, F);
+  moe::fill_uniform(bank.parameters(), -0.1f, 0.1f, 6);
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  moe::MoeAttentionConfig c;
+  c.d_model = D;
+  c.qk_dim = 32;
+  c.q_rank = 16;
+  c.residual_query = true;
+  c.rope = true;
+  moe::MoeAttention<moe::routing::SoftmaxTopK, experts::SwiGlu, Sh, moe::gating::HeadwiseGate>
+      layer(c, {4, 2, false, 1.0f}, bank, Sh(1, D, 32));
+  randomize(layer, 7);
+  auto x = test::random_vector(T * D, 8);
+  auto dy = test::random_vector(T * D, 9);
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(2);
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  opt.batch = 2;
+  auto grads = layer.make_gradients();
+  experts::ExpertBank<experts::SwiGlu> bank_grads(4, D, F);
+  moe::MoeAttentionWorkspace ws;
+  auto step = [&] {
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, bank_grads, &pool);
+  };
+  SECTION("the counter works: a fresh workspace does allocate") {
+    REQUIRE(allocations_of(step) > 0);
+  }
+  SECTION("after a first step at the largest size") {
+    step();
+    REQUIRE(allocations_of(step) == 0);
+    REQUIRE(allocations_of([&] {
+              layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+            }) == 0);
   }
 }

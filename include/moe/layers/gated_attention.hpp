@@ -11,13 +11,13 @@
 #include <span>
 #include <vector>
 
-#include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 #include "moe/gating/sdpa_gate.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/rms_norm.hpp"
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
@@ -63,7 +63,7 @@ struct GatedAttentionConfig {
 
 /// What a GatedAttention call writes besides its output, and what forward_train keeps for
 /// backward (see GatedAttention). Reused across calls: it grows to the largest call and then
-/// allocates nothing (the backward's Eigen products still allocate their packing buffers).
+/// allocates nothing, forward or backward.
 struct GatedAttentionWorkspace {
   std::vector<float> qg;        ///< [T, P] q_proj (+ gate_proj) output: queries, gate logits
   std::vector<float> k_raw;     ///< [T, KV d_h] k_proj output (before norm / RoPE)
@@ -80,6 +80,7 @@ struct GatedAttentionWorkspace {
   std::vector<float> rope_sin;  ///< [T, rotary_dim / 2]
   std::vector<float> scratch;   ///< per-thread SDPA and panel scratch
   detail::ProjectionQueue queue;
+  std::vector<detail::GradItem> grad_items;  ///< backward work items, reused across calls
 
   // Training only (forward_train fills, backward reads).
   std::vector<float> x;                ///< [T, D] copy of the input
@@ -511,8 +512,8 @@ class GatedAttention {
     // 1. dO = dy W_o; gate VJP: dA = dO * s, dgamma (into dgate).
     parallel_for(pool, tiles, [&](Index i, int) {
       Index const t0 = i * kTileRows, n = std::min(kTileRows, T - t0);
-      as_eigen(MatrixView<float>(ws.dgated.data() + t0 * HD, n, HD)).noalias() =
-          as_eigen(dy.middle_rows(t0, n)) * as_eigen(o_proj());
+      kernels::gemm_strided(n, HD, D, dy.data + t0 * dy.row_stride, dy.row_stride, 1,
+                            p_.o_proj.data(), HD, ws.dgated.data() + t0 * HD, HD, false);
       for (Index t = t0; t < t0 + n; ++t) {
         float* d = ws.dgated.data() + t * HD;
         Gate::backward(ws.attn.data() + t * HD, ws.gate.data() + t * H * w, d, d,
@@ -600,7 +601,8 @@ class GatedAttention {
     });
 
     // 4. Weight gradients, in items of 64 gradient rows.
-    std::vector<detail::GradItem> items;
+    auto& items = ws.grad_items;
+    items.clear();
     ConstMatrixView<float> dqg(ws.dqg.data(), T, P);
     detail::add_grad_items(items, x, dqg, MatrixView<float>(grads.q_proj.data(), q_proj_rows(), D));
     if (separate_gate()) {
@@ -626,19 +628,18 @@ class GatedAttention {
     // 5. dx = d[Q|gamma] W_q (+ dgamma W_g) + dK_raw W_k + dV W_v.
     parallel_for(pool, tiles, [&](Index i, int) {
       Index const t0 = i * kTileRows, n = std::min(kTileRows, T - t0);
-      auto dxt = as_eigen(dx.middle_rows(t0, n));
-      dxt.noalias() =
-          as_eigen(ConstMatrixView<float>(ws.dqg.data() + t0 * P, n, q_proj_rows(), P)) *
-          as_eigen(q_proj());
+      float* const dxt = dx.data + t0 * dx.row_stride;
+      Index const ldx = dx.row_stride;
+      kernels::gemm_strided(n, D, q_proj_rows(), ws.dqg.data() + t0 * P, P, 1, p_.q_proj.data(), D,
+                            dxt, ldx, false);
       if (separate_gate()) {
-        dxt.noalias() +=
-            as_eigen(ConstMatrixView<float>(ws.dqg.data() + t0 * P + HD, n, gate_cols(), P)) *
-            as_eigen(gate_proj());
+        kernels::gemm_strided(n, D, gate_cols(), ws.dqg.data() + t0 * P + HD, P, 1,
+                              p_.gate_proj.data(), D, dxt, ldx, true);
       }
-      dxt.noalias() +=
-          as_eigen(ConstMatrixView<float>(ws.dk_raw.data() + t0 * KD, n, KD)) * as_eigen(k_proj());
-      dxt.noalias() +=
-          as_eigen(ConstMatrixView<float>(ws.dv.data() + t0 * KD, n, KD)) * as_eigen(v_proj());
+      kernels::gemm_strided(n, D, KD, ws.dk_raw.data() + t0 * KD, KD, 1, p_.k_proj.data(), D, dxt,
+                            ldx, true);
+      kernels::gemm_strided(n, D, KD, ws.dv.data() + t0 * KD, KD, 1, p_.v_proj.data(), D, dxt, ldx,
+                            true);
     });
   }
 

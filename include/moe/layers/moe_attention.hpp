@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "moe/core/concepts.hpp"
-#include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
@@ -48,6 +47,14 @@ struct MoeAttentionConfig {
   bool causal = true;
 };
 
+namespace detail {
+/// One SDPA call's query rows in MoeAttention: routed rows of sequence b (token-major [r0, r1)
+/// of that sequence's rows), or shared expert s's rows of sequence b (s < 0: routed).
+struct AttentionSdpaItem {
+  Index b, s, r0, r1;
+};
+}  // namespace detail
+
 /// What a MoeAttention call writes besides its output, and what forward_train keeps (see
 /// MoeAttention). "Expert-major" rows follow the RoutingPlan (sorted by expert); "token-major"
 /// rows follow plan.token_rows (sorted by token), so each sequence's queries are contiguous.
@@ -81,6 +88,9 @@ struct MoeAttentionWorkspace {
   std::vector<float> rope_cos, rope_sin;  ///< [T, rotary_dim / 2]
   std::vector<float> scratch;             ///< per-thread SDPA / panel / backward scratch
   detail::ProjectionQueue queue;
+  std::vector<detail::AttentionSdpaItem> sdpa_items;  ///< work items, reused across calls
+  std::vector<detail::RowChunk> row_chunks;
+  std::vector<detail::GradItem> grad_items;
 
   // Training only.
   std::vector<float> x;
@@ -405,11 +415,7 @@ class MoeAttention {
                   " tokens; pass one per token or none");
   }
 
-  /// One SDPA call's rows: routed rows of sequence b (token-major [j0, j1)), or shared expert
-  /// s's rows of sequence b.
-  struct SdpaItem {
-    Index b, s, r0, r1;  // s < 0: routed
-  };
+  using SdpaItem = detail::AttentionSdpaItem;
 
   kernels::SdpaParams sdpa_params(MoeAttentionWorkspace const& ws, ConstMatrixView<float> x,
                                   Index S, Index b, Index s, std::uint8_t const* mask) const {
@@ -610,7 +616,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   grow(ws.lse_tok, train ? R : 0);
   grow(ws.lse_sh, train ? ns * T : 0);
   std::uint8_t const* mask = opt.key_mask.empty() ? nullptr : opt.key_mask.data();
-  std::vector<SdpaItem> items;
+  auto& items = ws.sdpa_items;
   sdpa_items(ws, B, S, items);
   parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
     SdpaItem const& it = items[i];
@@ -802,7 +808,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
 
   // 2. Expert VJPs (each expert's rows in chunks of up to kBackwardRows; shared experts by
   //    token tiles).
-  std::vector<detail::RowChunk> chunks;
+  auto& chunks = ws.row_chunks;
+  chunks.clear();
   for (Index e = 0; e < bank.num_experts(); ++e) {
     detail::add_row_chunks(chunks, e, plan.expert_offsets[e], plan.expert_rows(e));
   }
@@ -852,7 +859,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   // 4. SDPA backward: delta per query row, then dq by query chunks and dk, dv by key blocks
   //    (each key block sums its sequence's routed rows, then each shared expert, in order).
   std::uint8_t const* mask = ws.key_mask.empty() ? nullptr : ws.key_mask.data();
-  std::vector<SdpaItem> items;
+  auto& items = ws.sdpa_items;
   sdpa_items(ws, B, S, items);
   auto grads_for = [&](Index b, Index s) {
     Index const row0 = s < 0 ? plan.token_offsets[b * S] : s * T + b * S;
@@ -946,28 +953,26 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
       Index e = 0;
       while (plan.expert_offsets[e + 1] <= r) ++e;
       Index const end = std::min(r1, plan.expert_offsets[e + 1]), n = end - r;
-      auto dxr = as_eigen(MatrixView<float>(ws.dx_rows.data() + r * D, n, D));
-      ConstMatrixView<float> dq(ws.dq_rows.data() + r * dk, n, dk);
+      float* const dxr = ws.dx_rows.data() + r * D;
+      float const* const dq = ws.dq_rows.data() + r * dk;
       if (rk > 0) {
-        MatrixView<float> dql(ws.dq_low.data() + r * rk, n, rk);
-        as_eigen(dql).noalias() =
-            as_eigen(dq) * as_eigen(ConstMatrixView<float>(q_b_.data() + e * dk * rk, dk, rk));
-        dxr.noalias() = as_eigen(ConstMatrixView<float>(dql)) *
-                        as_eigen(ConstMatrixView<float>(q_a_.data() + e * rk * D, rk, D));
+        float* const dql = ws.dq_low.data() + r * rk;
+        kernels::gemm_strided(n, rk, dk, dq, dk, 1, q_b_.data() + e * dk * rk, rk, dql, rk, false);
+        kernels::gemm_strided(n, D, rk, dql, rk, 1, q_a_.data() + e * rk * D, D, dxr, D, false);
       } else {
-        dxr.noalias() =
-            as_eigen(dq) * as_eigen(ConstMatrixView<float>(q_a_.data() + e * dk * D, dk, D));
+        kernels::gemm_strided(n, D, dk, dq, dk, 1, q_a_.data() + e * dk * D, D, dxr, D, false);
       }
       if (gated) {
-        dxr.noalias() += as_eigen(ConstMatrixView<float>(ws.dgate.data() + r * w, n, w)) *
-                         as_eigen(ConstMatrixView<float>(gate_proj_.data() + e * w * D, w, D));
+        kernels::gemm_strided(n, D, w, ws.dgate.data() + r * w, w, 1, gate_proj_.data() + e * w * D,
+                              D, dxr, D, true);
       }
       r = end;
     }
   });
 
   // 8. Weight gradients, in items of 64 gradient rows.
-  std::vector<detail::GradItem> gi;
+  auto& gi = ws.grad_items;
+  gi.clear();
   detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dlogits.data(), T, E),
                          MatrixView<float>(grads.router_weight.data(), E, D));
   for (Index e = 0; e < E; ++e) {
@@ -1038,30 +1043,31 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
     p.ld_out = dx.row_stride;
     kernels::combine_rows(p);
     Index const t0 = p.token_begin, n = p.token_end - t0;
-    auto dxt = as_eigen(dx.middle_rows(t0, n));
-    dxt += as_eigen(ConstMatrixView<float>(ws.dv.data() + t0 * D, n, D));
-    dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dlogits.data() + t0 * E, n, E)) *
-                     as_eigen(router_weight());
-    dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dk.data() + t0 * dk, n, dk)) *
-                     as_eigen(ConstMatrixView<float>(k_proj_.data(), dk, D));
-    if (c_.residual_query) {
-      dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dq_res.data() + t0 * dk, n, dk)) *
-                       as_eigen(ConstMatrixView<float>(q_res_.data(), dk, D));
+    float* const dxt = dx.data + t0 * dx.row_stride;
+    Index const ldx = dx.row_stride;
+    for (Index t = 0; t < n; ++t) {
+      float const* const dvt = ws.dv.data() + (t0 + t) * D;
+      float* const out = dxt + t * ldx;
+      for (Index c = 0; c < D; ++c) out[c] += dvt[c];
     }
+    // dx_t += sum of (d projection input) x (projection weight), one accumulating product each.
+    auto add = [&](float const* a, Index k, float const* wt, Index ldw) {
+      kernels::gemm_strided(n, D, k, a, k, 1, wt, ldw, dxt, ldx, true);
+    };
+    ConstMatrixView<float> const rw = router_weight();
+    add(ws.dlogits.data() + t0 * E, E, rw.data, rw.row_stride);
+    add(ws.dk.data() + t0 * dk, dk, k_proj_.data(), D);
+    if (c_.residual_query) add(ws.dq_res.data() + t0 * dk, dk, q_res_.data(), D);
     for (Index s = 0; s < ns; ++s) {
-      dxt.noalias() +=
-          as_eigen(ConstMatrixView<float>(ws.dq_sh.data() + (s * T + t0) * dk, n, dk)) *
-          as_eigen(ConstMatrixView<float>(shared_q_.data() + s * dk * D, dk, D));
+      add(ws.dq_sh.data() + (s * T + t0) * dk, dk, shared_q_.data() + s * dk * D, D);
       if (gated) {
-        dxt.noalias() +=
-            as_eigen(ConstMatrixView<float>(ws.dgate.data() + (R + s * T + t0) * w, n, w)) *
-            as_eigen(ConstMatrixView<float>(gate_proj_.data() + (E + s) * w * D, w, D));
+        add(ws.dgate.data() + (R + s * T + t0) * w, w, gate_proj_.data() + (E + s) * w * D, D);
       }
     }
     if constexpr (Shared::gated) {
       if (ns > 0) {
-        dxt.noalias() += as_eigen(ConstMatrixView<float>(ws.dshared_gate.data() + t0 * ns, n, ns)) *
-                         as_eigen(shared_.gate_weight());
+        ConstMatrixView<float> const gw = shared_.gate_weight();
+        add(ws.dshared_gate.data() + t0 * ns, ns, gw.data, gw.row_stride);
       }
     }
   });

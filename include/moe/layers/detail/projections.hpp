@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <vector>
 
-#include "moe/core/eigen_interop.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 
 namespace moe::detail {
 
@@ -67,12 +67,14 @@ class ProjectionQueue {
 };
 
 /// grad[r0:r1] += dC[:, r0:r1]^T A: rows [r0, r1) of the gradient of W in C = A W^T.
-/// A [n, K], dC [n, >= r1], grad [N, K].
+/// A [n, K], dC [n, >= r1], grad [N, K]. One kernels::gemm_strided call (dC read transposed in
+/// place): each gradient element is one FMA chain over the n rows in order, started from its
+/// value, so it does not depend on how the rows [r0, r1) are split.
 inline void accumulate_weight_grad(ConstMatrixView<float> a, ConstMatrixView<float> dc, Index r0,
                                    Index r1, MatrixView<float> grad) {
   if (a.rows == 0 || r1 <= r0) return;
-  ConstMatrixView<float> cols(dc.data + r0, dc.rows, r1 - r0, dc.row_stride);
-  as_eigen(grad.middle_rows(r0, r1 - r0)).noalias() += as_eigen(cols).transpose() * as_eigen(a);
+  kernels::gemm_strided(r1 - r0, a.cols, a.rows, dc.data + r0, 1, dc.row_stride, a.data,
+                        a.row_stride, grad.data + r0 * grad.row_stride, grad.row_stride, true);
 }
 
 /// One item of a weight-gradient computation: rows [r0, r1) of `grad` += dC[:, off + r0 :
