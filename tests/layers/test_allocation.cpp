@@ -115,15 +115,6 @@ TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batc
 
 namespace {
 
-/// Every parameter group of an attention layer uniform in [-0.1, 0.1].
-template <class Layer>
-void randomize(Layer& layer, std::uint64_t seed) {
-  auto params = layer.parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    moe::fill_uniform(params[i].values, -0.1f, 0.1f, seed + i);
-  }
-}
-
 /// Counts the allocations of f().
 template <class F>
 long allocations_of(F&& f) {
@@ -132,6 +123,29 @@ long allocations_of(F&& f) {
   f();
   g_counting = false;
   return g_allocations.load();
+}
+
+/// A fresh workspace allocates during `step` (the counter works), and after a first step at the
+/// largest size neither `step` (forward_train + backward) nor `forward` allocates.
+template <class Step, class Forward>
+void require_steady_state_allocation_free(Step&& step, Forward&& forward) {
+  SECTION("the counter works: a fresh workspace does allocate") {
+    REQUIRE(allocations_of(step) > 0);
+  }
+  SECTION("after a first step at the largest size") {
+    step();
+    REQUIRE(allocations_of(step) == 0);
+    REQUIRE(allocations_of(forward) == 0);
+  }
+}
+
+/// Every parameter group of an attention layer uniform in [-0.1, 0.1].
+template <class Layer>
+void randomize(Layer& layer, std::uint64_t seed) {
+  auto params = layer.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    moe::fill_uniform(params[i].values, -0.1f, 0.1f, seed + i);
+  }
 }
 
 }  // namespace
@@ -163,16 +177,9 @@ TEST_CASE("GatedAttention forward and backward allocate nothing once the workspa
     layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
     layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
   };
-  SECTION("the counter works: a fresh workspace does allocate") {
-    REQUIRE(allocations_of(step) > 0);
-  }
-  SECTION("after a first step at the largest size") {
-    step();
-    REQUIRE(allocations_of(step) == 0);
-    REQUIRE(allocations_of([&] {
-              layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-            }) == 0);
-  }
+  require_steady_state_allocation_free(step, [&] {
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  });
 }
 
 TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace has grown",
@@ -206,14 +213,7 @@ TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace
     layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
     layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, bank_grads, &pool);
   };
-  SECTION("the counter works: a fresh workspace does allocate") {
-    REQUIRE(allocations_of(step) > 0);
-  }
-  SECTION("after a first step at the largest size") {
-    step();
-    REQUIRE(allocations_of(step) == 0);
-    REQUIRE(allocations_of([&] {
-              layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-            }) == 0);
-  }
+  require_steady_state_allocation_free(step, [&] {
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
+  });
 }
