@@ -148,13 +148,25 @@ void randomize(Layer& layer, std::uint64_t seed) {
   }
 }
 
+/// The batch both attention cases run: 2 sequences of 48 tokens of width 64, 2 threads.
+struct AttentionBatch {
+  static constexpr moe::Index T = 96, D = 64;
+  std::vector<float> x = test::random_vector(T * D, 4), dy = test::random_vector(T * D, 5);
+  std::vector<float> y = std::vector<float>(T * D), dx = std::vector<float>(T * D);
+  moe::ThreadPool pool{2};
+  moe::AttentionOptions opt{&pool, 2, {}, {}};
+  moe::ConstMatrixView<float> in() const { return {x.data(), T, D}; }
+  moe::MatrixView<float> out() { return {y.data(), T, D}; }
+  moe::ConstMatrixView<float> dout() const { return {dy.data(), T, D}; }
+  moe::MatrixView<float> din() { return {dx.data(), T, D}; }
+};
+
 }  // namespace
 
 TEST_CASE("GatedAttention forward and backward allocate nothing once the workspace has grown",
           "[attention][allocation]") {
-  using moe::Index;
   moe::GatedAttentionConfig c;
-  c.d_model = 64;
+  c.d_model = AttentionBatch::D;
   c.num_heads = 4;
   c.num_kv_heads = 2;
   c.head_dim = 16;
@@ -163,30 +175,21 @@ TEST_CASE("GatedAttention forward and backward allocate nothing once the workspa
   c.rope = true;
   moe::GatedAttention<moe::gating::ElementwiseGate> layer(c);
   randomize(layer, 3);
-  Index const T = 96, D = c.d_model;
-  auto x = test::random_vector(T * D, 4);
-  auto dy = test::random_vector(T * D, 5);
-  std::vector<float> y(x.size()), dx(x.size());
-  moe::ThreadPool pool(2);
-  moe::AttentionOptions opt;
-  opt.pool = &pool;
-  opt.batch = 2;
+  AttentionBatch b;
   auto grads = layer.make_gradients();
   moe::GatedAttentionWorkspace ws;
   auto step = [&] {
-    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+    layer.forward_train(b.in(), b.out(), ws, b.opt);
+    layer.backward(ws, b.dout(), b.din(), grads, &b.pool);
   };
-  require_steady_state_allocation_free(step, [&] {
-    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-  });
+  require_steady_state_allocation_free(step, [&] { layer.forward(b.in(), b.out(), ws, b.opt); });
 }
 
 TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace has grown",
           "[attention][allocation]") {
   using moe::Index;
   namespace experts = moe::experts;
-  Index const D = 64, F = 48, T = 96;
+  Index const D = AttentionBatch::D, F = 48;
   experts::ExpertBank<experts::SwiGlu> bank(4, D, F);
   moe::fill_uniform(bank.parameters(), -0.1f, 0.1f, 6);
   using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
@@ -199,21 +202,13 @@ TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace
   moe::MoeAttention<moe::routing::SoftmaxTopK, experts::SwiGlu, Sh, moe::gating::HeadwiseGate>
       layer(c, {4, 2, false, 1.0f}, bank, Sh(1, D, 32));
   randomize(layer, 7);
-  auto x = test::random_vector(T * D, 8);
-  auto dy = test::random_vector(T * D, 9);
-  std::vector<float> y(x.size()), dx(x.size());
-  moe::ThreadPool pool(2);
-  moe::AttentionOptions opt;
-  opt.pool = &pool;
-  opt.batch = 2;
+  AttentionBatch b;
   auto grads = layer.make_gradients();
   experts::ExpertBank<experts::SwiGlu> bank_grads(4, D, F);
   moe::MoeAttentionWorkspace ws;
   auto step = [&] {
-    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, bank_grads, &pool);
+    layer.forward_train(b.in(), b.out(), ws, b.opt);
+    layer.backward(ws, b.dout(), b.din(), grads, bank_grads, &b.pool);
   };
-  require_steady_state_allocation_free(step, [&] {
-    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
-  });
+  require_steady_state_allocation_free(step, [&] { layer.forward(b.in(), b.out(), ws, b.opt); });
 }
