@@ -249,7 +249,8 @@ void check_against_reference(Layer ref, Case const& c) {
                            "expert down_proj grad") == 0);
     }
     // Replicated parameters: summation-order bound (bitwise with one rank).
-    auto const rscale = abs_outer(rws.dlogits.data(), E, rws.x.data(), D, T, E, D);
+    auto const rscale =
+        abs_outer(rws.router_grads.dlogits.data(), E, rws.train.x.data(), D, T, E, D);
     if (P == 1) {
       CHECK(bit_mismatches(g.router_weight.data(), gref.router_weight.data(), E * D,
                            "router grad") == 0);
@@ -261,16 +262,16 @@ void check_against_reference(Layer ref, Case const& c) {
       Index const ns = sb.num_experts(), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
       for (Index s = 0; s < ns; ++s) {
         auto const in_scale =
-            abs_outer(rws.shared_dhidden.data() + s * T * Ps, Ps, rws.x.data(), D, T, Ps, D);
-        auto const down_scale = abs_outer(rws.shared_dy.data() + s * T * D, D,
-                                          rws.shared_act.data() + s * T * Fs, Fs, T, D, Fs);
+            abs_outer(rws.shared.dhidden.data() + s * T * Ps, Ps, rws.train.x.data(), D, T, Ps, D);
+        auto const down_scale = abs_outer(rws.shared.dy.data() + s * T * D, D,
+                                          rws.shared.act.data() + s * T * Fs, Fs, T, D, Fs);
         CHECK(out_of_bound(g.shared.bank().in_proj(s).data, gref.shared.bank().in_proj(s).data,
                            in_scale, T, P, "shared in_proj grad") == 0);
         CHECK(out_of_bound(g.shared.bank().down_proj(s).data, gref.shared.bank().down_proj(s).data,
                            down_scale, T, P, "shared down_proj grad") == 0);
       }
       if constexpr (Layer::Shared::gated) {
-        auto const gscale = abs_outer(rws.dgate.data(), ns, rws.x.data(), D, T, ns, D);
+        auto const gscale = abs_outer(rws.shared.dgate.data(), ns, rws.train.x.data(), D, T, ns, D);
         CHECK(out_of_bound(g.shared.gate_weight().data, gref.shared.gate_weight().data, gscale, T,
                            P, "shared gate grad") == 0);
       }

@@ -274,7 +274,7 @@ TEST_CASE("Default MoE: dense router gradient, both modes, EMA update", "[traini
     for (Index c = 0; c < D; ++c) {
       double mean = 0.0;
       for (Index r = ws.plan.expert_offsets[e]; r < ws.plan.expert_offsets[e + 1]; ++r) {
-        mean += ws.expert_out[r * D + c];
+        mean += ws.routed.out[r * D + c];
       }
       double const want =
           n == 0 ? d0[e * D + c] : 0.5 * d0[e * D + c] + 0.5 * mean / static_cast<double>(n);
@@ -343,11 +343,12 @@ TEST_CASE(
       // u = dL/dw for the two selected experts; p = scores.
       float const* p = ws.selection.scores.data() + t * E;
       double pu = 0.0;
-      for (Index s = 0; s < 2; ++s) pu += p[ws.selection.expert[t * 2 + s]] * ws.dweight[t * 2 + s];
+      for (Index s = 0; s < 2; ++s)
+        pu += p[ws.selection.expert[t * 2 + s]] * ws.router_grads.dweight[t * 2 + s];
       for (Index e = 0; e < E; ++e) {
         bool chosen = ws.selection.expert[t * 2] == e || ws.selection.expert[t * 2 + 1] == e;
         if (chosen) continue;
-        float const dz = ws.dlogits[t * E + e];
+        float const dz = ws.router_grads.dlogits[t * E + e];
         if (normalize) {
           REQUIRE(dz == 0.0f);
         } else {

@@ -525,7 +525,7 @@ TEST_CASE("bf16-packed weights: inference equals a double forward of the bf16-ro
   REQUIRE(y1 == y2);  // bitwise for 1 and 2 threads
   bool const dp = moe::kernels::bf16_dot_products();
   REQUIRE(ws1.x_pairs.size() == static_cast<std::size_t>(dp ? T * ((D + 1) / 2) : 0));
-  REQUIRE(ws1.act_pairs.size() == static_cast<std::size_t>(dp ? 2 * T * (F / 2) : 0));
+  REQUIRE(ws1.routed.act_pairs.size() == static_cast<std::size_t>(dp ? 2 * T * (F / 2) : 0));
   auto const r = test::routing_of(ws1.selection);
   auto const& cl = std::as_const(layer);
   auto const spec = ref::layer_forward(cl, xv, r, {true, dp});

@@ -21,9 +21,7 @@
 
 #include "moe/balance/none.hpp"
 #include "moe/core/concepts.hpp"
-#include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
-#include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -32,15 +30,15 @@
 #include "moe/dist/placement.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/experts/shared_experts.hpp"
-#include "moe/kernels/combine.hpp"
 #include "moe/kernels/gather.hpp"
-#include "moe/kernels/gemm.hpp"
-#include "moe/kernels/gemm_packed.hpp"
-#include "moe/kernels/gemm_strided.hpp"
-#include "moe/kernels/plan.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
-#include "moe/layers/detail/row_chunks.hpp"
+#include "moe/layers/detail/ffn_gradients.hpp"
 #include "moe/layers/moe_ffn.hpp"
+#include "moe/layers/stages/combine.hpp"
+#include "moe/layers/stages/routed_experts.hpp"
+#include "moe/layers/stages/router.hpp"
+#include "moe/layers/stages/shared_experts.hpp"
+#include "moe/layers/stages/work.hpp"
 #include "moe/routing/controls.hpp"
 
 namespace moe::dist {
@@ -54,21 +52,20 @@ struct ExpertParallelOptions {
 };
 
 /// Everything one ExpertParallelMoeFfn call writes besides its output. Reused across calls (no
-/// allocation once it has seen the largest batch, apart from MPI's own buffers and Eigen's GEMM
-/// packing in backward). One per concurrent caller; a training forward keeps here what backward
-/// needs. "Token side" buffers hold this rank's tokens; "expert side" buffers hold the rows this
-/// rank's experts received from every rank.
+/// allocation once it has seen the largest batch, apart from MPI's own buffers). One per
+/// concurrent caller; a training forward keeps here what backward needs. "Token side" buffers
+/// hold this rank's tokens; "expert side" buffers hold the rows this rank's experts received
+/// from every rank. The stages are MoeFfn's (moe/layers/stages/): only the exchanges are this
+/// layer's own.
 struct ExpertParallelWorkspace {
-  // Token side, this rank's T tokens.
-  std::vector<float> logits;         ///< [T, E] router logits (after routing controls)
-  Selection selection;               ///< the router's choices for this rank's tokens
-  RoutingPlan plan;                  ///< this rank's rows, sorted by expert
-  std::vector<float> routed_out;     ///< [R, D] expert outputs, returned, in plan row order
-  std::vector<float> shared_hidden;  ///< [S*T, P_shared] pre-activations (training)
-  std::vector<float> shared_act;     ///< [S*T, F_shared] activations
-  std::vector<float> shared_out;     ///< [S*T, D]
-  std::vector<float> shared_gate;    ///< [T, S]
-  double aux_loss = 0.0;             ///< the balance policy's loss on this rank's tokens
+  // Token side, this rank's T tokens: the results of routing.
+  std::vector<float> logits;      ///< [T, E] router logits (after routing controls)
+  Selection selection;            ///< the router's choices for this rank's tokens
+  RoutingPlan plan;               ///< this rank's rows, sorted by expert
+  double aux_loss = 0.0;          ///< the balance policy's loss on this rank's tokens
+  std::vector<float> routed_out;  ///< [R, D] expert outputs, returned, in plan row order
+  stages::SharedStage shared;     ///< the replicated shared experts on this rank's tokens
+  std::vector<std::uint32_t> shared_x_pairs;  ///< [T, ceil(D / 2)] bf16 pairs of x (inference)
 
   // Where this rank's tokens sit in the global batch (rank order): filled by every forward.
   Index token_offset = 0;              ///< global index of this rank's first token
@@ -93,34 +90,23 @@ struct ExpertParallelWorkspace {
   std::vector<float> recv_buf;  ///< [R_in, D] rows in source-major order (expert side)
 
   // Expert side: rows of this rank's experts, expert-major (expert j's rows, from rank 0, 1, ...).
-  std::vector<float> x_rows;  ///< [R_in, D]
-  std::vector<float> hidden;  ///< [R_in, P] pre-activations (training)
-  std::vector<float> act;     ///< [R_in, F] (training)
-  /// [R_in, D]; 64-byte aligned: a large one is written with streaming stores (MoeFfn's).
-  HugePageVector<float> expert_out;
-  /// Inference with bf16 panels and AVX512-BF16: projection inputs as bf16 pairs (MoeFfn's
-  /// x_pairs / act_pairs; kernels::bf16_pairs_rows), rounded once per forward.
-  std::vector<std::uint32_t> x_pairs, act_pairs;                ///< [R_in, D/2], [R_in, F/2]
-  std::vector<std::uint32_t> shared_x_pairs, shared_act_pairs;  ///< [T, D/2], [S*T, F_s/2]
+  /// x_rows [R_in, D] as received, pre-activations, activations, outputs (64-byte aligned: a
+  /// large one is written with streaming stores), bf16 pairs; backward rows.
+  stages::RoutedExperts experts;
+  std::vector<std::uint32_t> x_pairs;  ///< [R_in, ceil(D / 2)] bf16 pairs of x_rows (inference)
+  stages::ProjectionQueue queue;       ///< projections of the current phase, per-thread scratch
 
   // Training (filled by forward_train, read by backward).
   std::vector<float> x;                  ///< [T, D] copy of the input
   std::vector<std::uint8_t> token_mask;  ///< [T] or empty
+  stages::Stamp stamp;                   ///< the layer and shapes that filled it (or none)
   std::vector<float> d_rows;             ///< [R, D] dL/d(expert outputs), plan order
   std::vector<float> dx_rows;            ///< [R, D] returned dL/d(expert inputs), plan order
-  std::vector<float> e_drows, e_dxrows, e_dhidden;  ///< expert side [R_in, D], [R_in, D], [R_in, P]
-  std::vector<float> shared_dy, shared_dx, shared_dhidden;  ///< [S*T, D], [S*T, D], [S*T, P_s]
-  std::vector<float> dweight, dscores, dlogits, dlogits_extra, dgate;
-  std::vector<float> bwd_scratch;  ///< per-thread backward_rows / gemm_strided scratch
-  std::vector<float> pad;          ///< one zero-padded tile (rank-boundary tiles)
-  std::vector<float> partial;      ///< this rank's gradients of the replicated parameters
+  stages::RouterGrads router_grads;      ///< dL/d(slot weights), d(scores), d(logits)
+  stages::GradTasks grad_tasks;          ///< the weight-gradient items of a backward
+  stages::ThreadScratch scratch;         ///< per-thread backward scratch
+  std::vector<float> partial;            ///< this rank's gradients of the replicated parameters
   std::vector<float> reduce_scratch;
-  bool trained = false;
-
-  // Projections: the same job queue as MoeFfn (moe::detail::ExpertJob).
-  std::vector<::moe::detail::ExpertJob> jobs;
-  std::vector<::moe::detail::ExpertItem> items;
-  std::vector<float> panels;
 
   ConstMatrixView<float> logits_view() const {
     return {logits.data(), selection.num_tokens, selection.num_experts};
@@ -179,11 +165,11 @@ struct ExpertParallelWorkspace {
 ///    row count of the call, so each projection here takes the path MoeFfn takes on the global
 ///    batch (experts: the owner has all the expert's rows; router and shared experts: chosen from
 ///    the global token count).
-///  - backward dx and every routed-expert gradient: bitwise. Eigen's GEMM (backward) can round
-///    a row differently depending on the row count and the row's position in the call, so the
-///    owner calls it on exactly MoeFfn's tiles (64 rows of the global plan, split at expert
-///    boundaries), and the token side evaluates 64-token tiles of the global batch, zero-padded
-///    where a tile straddles a rank boundary.
+///  - backward dx and every routed-expert gradient: bitwise. Both layers run the same stages
+///    (moe/layers/stages/); the backward's products (kernels::gemm_strided) give each element
+///    one FMA chain over k that depends on its row and column only, not on the row count or the
+///    row's position in the call, so the owner may run an expert's rows in one call and the
+///    token side its own tokens in local tiles (golden digests at 1, 2 and 4 ranks keep this).
 ///  - router, shared-expert and gate gradients: sums over all tokens of the global batch. Each
 ///    rank sums its tokens, then the partials are summed over ranks, so the order of the float
 ///    additions differs from MoeFfn's: |ep - ref| <= (T + P) 2^-23 sum_t |term_t| per element
@@ -220,27 +206,12 @@ class ExpertParallelMoeFfn {
   using Bank = experts::ExpertBank<Expert>;
   /// The single-process layer with the same policies.
   using Layer = MoeFfn<Router, Expert, Shared, Balance>;
-  static constexpr Index kTileRows = Layer::kTileRows;
-  static constexpr Index kGradRows = Layer::kGradRows;
+  /// Rows per token-side work item (row-independent work: any value gives the same bits).
+  static constexpr Index kTileRows = stages::kTokenTile;
 
   /// Gradients laid out like parameters(): the router and shared experts (replicated, identical
   /// on every rank after backward) and this rank's routed experts only.
-  struct Gradients {
-    std::vector<float> router_weight;  ///< [E, D]
-    Bank experts;                      ///< this rank's L experts
-    Shared shared;                     ///< like the layer's shared experts
-    void zero() {
-      std::fill(router_weight.begin(), router_weight.end(), 0.0f);
-      std::fill(experts.parameters().begin(), experts.parameters().end(), 0.0f);
-      if constexpr (Shared::has_experts) {
-        auto p = shared.bank().parameters();
-        std::fill(p.begin(), p.end(), 0.0f);
-        auto g = shared.gate_weight();
-        std::fill(g.data, g.data + g.rows * g.cols, 0.0f);
-      }
-    }
-    ParameterList groups() { return list_parameters(router_weight, experts, shared); }
-  };
+  using Gradients = ::moe::detail::FfnGradients<Bank, Shared>;
 
   ExpertParallelMoeFfn() = default;
 
@@ -346,17 +317,13 @@ class ExpertParallelMoeFfn {
 
   /// Every trainable parameter as in MoeFfn::parameters(), except that "experts" holds this
   /// rank's experts only.
-  ParameterList parameters() { return list_parameters(router_weight_, bank_, shared_); }
+  ParameterList parameters() {
+    return ::moe::detail::ffn_parameters(router_weight_, bank_, shared_);
+  }
 
   /// Zero gradients shaped like parameters().
   Gradients make_gradients() const {
-    Gradients g;
-    g.router_weight.assign(router_weight_.size(), 0.0f);
-    g.experts = Bank(bank_.num_experts(), d_model_, d_ffn_);
-    if constexpr (Shared::has_experts) {
-      g.shared = Shared(shared_.count(), d_model_, shared_.bank().d_ffn());
-    }
-    return g;
+    return ::moe::detail::make_ffn_gradients<Gradients>(router_weight_.size(), bank_, shared_);
   }
 
   /// Packs the local and shared experts' weights once (ExpertBank::pack), as MoeFfn::pack_weights:
@@ -389,25 +356,18 @@ class ExpertParallelMoeFfn {
                 ThreadPool* pool = nullptr) requires TrainableRouterPolicy<Router> {
     CallRecord rec = record(CallKind::kBackward);
     try {
-      ::moe::detail::check(ws.trained,
+      ::moe::detail::check(ws.stamp.filled(),
                            "ExpertParallelMoeFfn::backward: the workspace holds no training "
                            "forward; call forward_train first (and backward once per forward)");
-      Index const T = ws.selection.num_tokens, D = d_model_;
+      Index const T = ws.stamp.tokens, D = d_model_;
+      ::moe::detail::check(ws.stamp == stamp(T),
+                           "ExpertParallelMoeFfn::backward: the workspace was filled by another "
+                           "layer's forward_train; pass the workspace of this layer's");
       ::moe::detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
                            "ExpertParallelMoeFfn::backward: dy and dx must be [", T, ", ", D,
                            "] like the forward's x");
-      ::moe::detail::check(
-          grads.router_weight.size() == router_weight_.size() &&
-              grads.experts.parameters().size() == std::as_const(bank_).parameters().size(),
-          "ExpertParallelMoeFfn::backward: gradients do not match this layer; use "
-          "make_gradients()");
-      if constexpr (Shared::has_experts) {
-        ::moe::detail::check(
-            grads.shared.bank().parameters().size() ==
-                std::as_const(shared_).bank().parameters().size(),
-            "ExpertParallelMoeFfn::backward: shared-expert gradients do not match; use "
-            "make_gradients()");
-      }
+      ::moe::detail::check_ffn_gradients(grads, router_weight_.size(), bank_, shared_,
+                                         "ExpertParallelMoeFfn");
     } catch (std::exception const& e) {
       rec.failed = 1;
       detail::copy_text(rec.message, e.what());
@@ -415,7 +375,7 @@ class ExpertParallelMoeFfn {
     ws.stats.clear();
     detail::agree(comm_.get(), rec, "ExpertParallelMoeFfn::backward", false, &ws.stats,
                   ws.agreement);
-    ws.trained = false;
+    ws.stamp = {};
     backward_impl(ws, dy, dx, grads, pool);
   }
 
@@ -486,18 +446,10 @@ class ExpertParallelMoeFfn {
   }
 
  private:
-  template <class V, class SharedT>
-  static ParameterList list_parameters(V& router_weight, Bank& bank, SharedT& shared) {
-    ParameterList list;
-    list.push_back({"router.weight", std::span<float>(router_weight)});
-    list.push_back({"experts", bank.parameters()});
-    if constexpr (SharedT::has_experts) {
-      list.push_back({"shared_experts", shared.bank().parameters()});
-      auto g = shared.gate_weight();
-      list.push_back({"shared_experts.gate",
-                      std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols))});
-    }
-    return list;
+  using SharedX = typename ::moe::detail::SharedExpertOr<Shared, Expert>::type;
+
+  stages::Stamp stamp(Index tokens) const {
+    return {this, tokens, d_model_, num_experts(), d_ffn_};
   }
 
   CallRecord record(CallKind kind) {
@@ -527,42 +479,6 @@ class ExpertParallelMoeFfn {
     config_hash_ = detail::fnv1a(&ph, sizeof ph, config_hash_);
     rec.config = config_hash_;
     detail::copy_text(rec.config_text, config_text_);
-  }
-
-  static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
-
-  /// The largest projection depth (K) of any job.
-  Index panel_depth() const {
-    Index k = std::max(d_model_, d_ffn_);
-    if constexpr (Shared::has_experts) k = std::max(k, shared_.bank().d_ffn());
-    return k;
-  }
-  Index panel_floats() const {
-    Index const n = kernels::expert_scratch_floats(panel_depth());
-    return (n + 15) / 16 * 16;
-  }
-
-  using Job = ::moe::detail::ExpertJob;
-
-  /// Queues a projection on MoeFfn's queue. `rows_for_path` is the row count MoeFfn's job has on
-  /// the global batch: raw weights take the dot-product path below kPanelMinRows of them, so that
-  /// every row gets the arithmetic MoeFfn gives it.
-  static void add_job(ExpertParallelWorkspace& ws, Job job, Index rows_for_path) {
-    job.w.dot_products = job.w.raw[0] != nullptr && rows_for_path < kernels::kPanelMinRows;
-    ::moe::detail::add_expert_job(ws.jobs, ws.items, job);
-  }
-  static kernels::WeightPanels weights_of(float const* raw, Index rows, float const* packed,
-                                          std::uint32_t const* packed_bf16, Index depth, Index half,
-                                          bool use_bf16) {
-    return ::moe::detail::expert_weights(raw, rows, packed, packed_bf16, depth, half, use_bf16,
-                                         false);
-  }
-
-  void run_jobs(ExpertParallelWorkspace& ws, ThreadPool* pool) const {
-    Index const per = panel_floats();
-    ws.panels.resize(static_cast<std::size_t>(threads_of(pool) * per));
-    using SharedX = typename ::moe::detail::SharedExpertOr<Shared, Expert>::type;
-    ::moe::detail::run_expert_jobs<Expert, SharedX>(ws.jobs, ws.items, pool, ws.panels.data(), per);
   }
 
   void check_input(ConstMatrixView<float> x) const {
@@ -595,36 +511,12 @@ class ExpertParallelMoeFfn {
   void route(ConstMatrixView<float> x, ExpertParallelWorkspace& ws, ForwardOptions const& opt,
              Index total_tokens) const {
     Index const T = x.rows, E = num_experts();
-    ws.logits.resize(static_cast<std::size_t>(T * E));
+    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, total_tokens, ws.logits,
+                                           ws.queue, opt.pool);
     MatrixView<float> logits(ws.logits.data(), T, E);
-    ws.jobs.clear();
-    ws.items.clear();
-    Job job;
-    job.a = {x.data, x.row_stride, nullptr};
-    job.rows = T;
-    job.depth = d_model_;
-    job.w = weights_of(router_weight_.data(), E, nullptr, nullptr, d_model_, 0, false);
-    job.c = logits.data;
-    job.ldc = E;
-    job.cols = E;
-    add_job(ws, job, total_tokens);
-    run_jobs(ws, opt.pool);
-    for (Index t = 0; t < T; ++t) {
-      float const* z = logits.row(t);
-      for (Index e = 0; e < E; ++e) {
-        if (!std::isfinite(z[e])) {
-          ::moe::detail::fail("ExpertParallelMoeFfn: router logit [token ", t, " of rank ",
-                              comm_.rank(), " (global token ", ws.token_offset + t, "), expert ", e,
-                              "] is ", z[e],
-                              "; NaN or Inf in the input x or the router weight. Check the "
-                              "previous layer's output");
-        }
-      }
-    }
-    if (opt.controls) opt.controls->apply_to_logits(logits);
-    router_.select(logits, ws.selection);
-    if (opt.controls) opt.controls->apply_to_weights(ws.selection);
-    kernels::build_plan(ws.selection, ws.plan);
+    stages::check_finite_logits(logits, {"ExpertParallelMoeFfn", comm_.rank(), ws.token_offset});
+    stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan,
+                            "ExpertParallelMoeFfn");
     ws.aux_loss =
         balance_.aux_loss(BalanceInputs{logits, ws.selection, ws.plan, {}, opt.token_mask});
   }
@@ -650,7 +542,7 @@ class ExpertParallelMoeFfn {
       detail::copy_text(rec.message, e.what());
     }
     ws.stats.clear();
-    ws.trained = false;
+    ws.stamp = {};
     detail::agree(comm_.get(), rec,
                   train ? "ExpertParallelMoeFfn::forward_train" : "ExpertParallelMoeFfn::forward",
                   false, &ws.stats, ws.agreement);
@@ -687,7 +579,7 @@ class ExpertParallelMoeFfn {
     // 5. Local experts on every row they received.
     run_local_experts(ws, opt.pool, train);
     // 6. Outputs back to the tokens' ranks, in plan row order.
-    return_rows(ws.expert_out.data(), ws.routed_out, ws, opt.pool);
+    return_rows(ws.experts.out.data(), ws.routed_out, ws, opt.pool);
     // 7. Shared experts and combine.
     run_shared_and_combine(xin, y, ws, opt.pool, train);
     if (train) {
@@ -695,7 +587,7 @@ class ExpertParallelMoeFfn {
       if constexpr (requires(Balance & b, BalanceInputs const& in) { b.observe(in); }) {
         observe_global(ws);
       }
-      ws.trained = true;
+      ws.stamp = stamp(T);
     }
   }
 
@@ -813,7 +705,7 @@ class ExpertParallelMoeFfn {
     Index const D = d_model_, R = ws.plan.num_rows(), L = bank_.num_experts();
     Index const rin = ws.local_offsets.back();
     ws.send_buf.resize(static_cast<std::size_t>(R * D));
-    ws.x_rows.resize(static_cast<std::size_t>(rin * D));
+    ws.experts.x_rows.resize(static_cast<std::size_t>(rin * D));
     Index const tiles = (R + kTileRows - 1) / kTileRows;
     parallel_for(pool, tiles, [&](Index i, int) {
       Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
@@ -823,9 +715,9 @@ class ExpertParallelMoeFfn {
     bool const direct = expert_major_is_source_major(L);
     if (!direct) ws.recv_buf.resize(static_cast<std::size_t>(rin * D));
     detail::alltoallv_rows(comm_.get(), ws.send_buf.data(), ws.send_counts, ws.send_displs,
-                           direct ? ws.x_rows.data() : ws.recv_buf.data(), ws.recv_counts,
+                           direct ? ws.experts.x_rows.data() : ws.recv_buf.data(), ws.recv_counts,
                            ws.recv_displs, row_type_.get(), D * 4, ws.stats);
-    if (!direct) reorder(ws.recv_buf.data(), ws.x_rows.data(), ws, false, pool);
+    if (!direct) reorder(ws.recv_buf.data(), ws.experts.x_rows.data(), ws, false, pool);
   }
 
   /// Step 6 (and its backward twin): expert-major rows `src` [R_in, D] back to the tokens'
@@ -879,65 +771,26 @@ class ExpertParallelMoeFfn {
     if (!direct) reorder(ws.recv_buf.data(), dst.data(), ws, false, pool);
   }
 
-  /// Step 5: in projection with the activation fused, down projection, of every local expert on
-  /// all its rows (MoeFfn's jobs; outputs unweighted: the routing weight is applied on return).
+  stages::ExpertRows local_rows(ExpertParallelWorkspace const& ws) const {
+    return {ws.local_offsets.data(), bank_.num_experts()};
+  }
+
+  /// Step 5: the routed-experts engine on every row this rank's experts received (MoeFfn's
+  /// jobs on all of an expert's rows; outputs unweighted: the weight is applied on return).
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
-    Index const L = bank_.num_experts(), D = d_model_, F = d_ffn_, P = bank_.hidden_cols();
-    Index const rin = ws.local_offsets.back();
-    ws.hidden.resize(static_cast<std::size_t>(train ? rin * P : 0));
-    ws.act.resize(static_cast<std::size_t>(rin * F));
-    ws.expert_out.resize(static_cast<std::size_t>(rin * D));
-    ws.jobs.clear();
-    ws.items.clear();
-    bool const use_bf16 = !train;
-    bool const pairs = ::moe::detail::uses_bf16_pairs(bank_, use_bf16);
-    Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2;
-    ws.x_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpD : 0));
-    ws.act_pairs.resize(static_cast<std::size_t>(pairs ? rin * kpF : 0));
-    ::moe::detail::run_pairs_tasks(pool,
-                                   {::moe::detail::PairsTask{ws.x_rows.data(), D, rin, D,
-                                                             pairs ? ws.x_pairs.data() : nullptr}});
-    for (Index j = 0; j < L; ++j) {
-      Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
-      Job job;
-      job.kind = Job::Kind::kRoutedHidden;
-      job.a = {ws.x_rows.data() + r0 * D, D, nullptr,
-               pairs ? ws.x_pairs.data() + r0 * kpD : nullptr, kpD};
-      job.rows = n;
-      job.depth = D;
-      job.w = weights_of(bank_.in_proj(j).data, P, bank_.packed_in(j), bank_.packed_in_bf16(j), D,
-                         Expert::gated ? F : 0, use_bf16);
-      job.c = ws.act.data() + r0 * F;
-      job.ldc = F;
-      job.cols = F;
-      job.h = train ? ws.hidden.data() + r0 * P : nullptr;
-      job.ldh = P;
-      add_job(ws, job, n);
-    }
-    run_jobs(ws, pool);
+    Index const D = d_model_, rin = ws.local_offsets.back(), kpD = (D + 1) / 2;
+    stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train)};
+    ws.experts.prepare(bank_, rin, mode, false);
+    ws.x_pairs.resize(static_cast<std::size_t>(mode.pairs ? rin * kpD : 0));
+    std::uint32_t* const pairs = mode.pairs ? ws.x_pairs.data() : nullptr;
     ::moe::detail::run_pairs_tasks(
-        pool, {::moe::detail::PairsTask{ws.act.data(), F, rin, F,
-                                        pairs ? ws.act_pairs.data() : nullptr}});
-    // A large output goes to memory with non-temporal stores, as in MoeFfn: it is read next by
-    // the exchange, not while it would still be cached (::moe::detail::kStreamOutputBytes).
-    bool const stream_out =
-        rin * D * static_cast<Index>(sizeof(float)) >= ::moe::detail::kStreamOutputBytes;
-    for (Index j = 0; j < L; ++j) {
-      Index const r0 = ws.local_offsets[j], n = ws.local_offsets[j + 1] - r0;
-      Job job;
-      job.a = {ws.act.data() + r0 * F, F, nullptr, pairs ? ws.act_pairs.data() + r0 * kpF : nullptr,
-               kpF};
-      job.rows = n;
-      job.depth = F;
-      job.w = weights_of(bank_.down_proj(j).data, D, bank_.packed_down(j),
-                         bank_.packed_down_bf16(j), F, 0, use_bf16);
-      job.c = ws.expert_out.data() + r0 * D;
-      job.ldc = D;
-      job.cols = D;
-      job.stream = stream_out;
-      add_job(ws, job, n);
-    }
-    run_jobs(ws, pool);
+        pool, {::moe::detail::PairsTask{ws.experts.x_rows.data(), D, rin, D, pairs}});
+    ws.experts.enqueue_in(ws.queue, bank_, local_rows(ws),
+                          {ws.experts.x_rows.data(), D, nullptr, pairs, kpD}, mode);
+    ws.queue.run<Expert, SharedX>(pool);
+    ::moe::detail::run_pairs_tasks(pool, {ws.experts.act_pairs_task(bank_, rin)});
+    ws.experts.enqueue_down(ws.queue, bank_, local_rows(ws), nullptr, mode);
+    ws.queue.run<Expert, SharedX>(pool);
   }
 
   /// Step 7: shared experts on this rank's tokens (kernel path of the global batch), combine.
@@ -945,78 +798,20 @@ class ExpertParallelMoeFfn {
   /// epilogue computes), then sums; training combines the unweighted rows with the weights.
   void run_shared_and_combine(ConstMatrixView<float> x, MatrixView<float> y,
                               ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
-    Index const T = x.rows, D = d_model_, ns = shared_.count();
-    Index Ps = 0, Fs = 0;
-    if constexpr (Shared::has_experts) {
-      Ps = shared_.bank().hidden_cols();
-      Fs = shared_.bank().d_ffn();
-    }
-    ws.shared_out.resize(static_cast<std::size_t>(ns * T * D));
-    ws.shared_gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
-    ws.shared_hidden.resize(static_cast<std::size_t>(train ? ns * T * Ps : 0));
-    ws.shared_act.resize(static_cast<std::size_t>(ns * T * Fs));
-    Index const token_tiles = (T + kTileRows - 1) / kTileRows;
-    bool const use_bf16 = !train;
-    if constexpr (Shared::has_experts) {
-      using SX = typename Shared::Expert;
-      if constexpr (Shared::gated) {
-        parallel_for(pool, token_tiles, [&](Index i, int) {
-          Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
-          for (Index t = t0; t < t1; ++t) {
-            for (Index s = 0; s < ns; ++s) {
-              float const* g = shared_.gate_weight().row(s);
-              float const* xt = x.row(t);
-              float z = 0.0f;
-              for (Index d = 0; d < D; ++d) z = std::fma(g[d], xt[d], z);
-              ws.shared_gate[static_cast<std::size_t>(t * ns + s)] = 1.0f / (1.0f + std::exp(-z));
-            }
-          }
-        });
-      }
-      ws.jobs.clear();
-      ws.items.clear();
-      auto const& sb = shared_.bank();
-      bool const pairs = ::moe::detail::uses_bf16_pairs(sb, use_bf16);
-      Index const kpD = (D + 1) / 2, kpFs = (Fs + 1) / 2;
-      ws.shared_x_pairs.resize(static_cast<std::size_t>(pairs ? T * kpD : 0));
-      ws.shared_act_pairs.resize(static_cast<std::size_t>(pairs ? ns * T * kpFs : 0));
-      ::moe::detail::run_pairs_tasks(
-          pool, {::moe::detail::PairsTask{x.data, x.row_stride, T, D,
-                                          pairs ? ws.shared_x_pairs.data() : nullptr}});
-      for (Index s = 0; s < ns; ++s) {
-        Job job;
-        job.kind = Job::Kind::kSharedHidden;
-        job.a = {x.data, x.row_stride, nullptr, pairs ? ws.shared_x_pairs.data() : nullptr, kpD};
-        job.rows = T;
-        job.depth = D;
-        job.w = weights_of(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
-                           SX::gated ? Fs : 0, use_bf16);
-        job.c = ws.shared_act.data() + s * T * Fs;
-        job.ldc = Fs;
-        job.cols = Fs;
-        job.h = train ? ws.shared_hidden.data() + s * T * Ps : nullptr;
-        job.ldh = Ps;
-        add_job(ws, job, ws.total_tokens);
-      }
-      run_jobs(ws, pool);
-      ::moe::detail::run_pairs_tasks(
-          pool, {::moe::detail::PairsTask{ws.shared_act.data(), Fs, ns * T, Fs,
-                                          pairs ? ws.shared_act_pairs.data() : nullptr}});
-      for (Index s = 0; s < ns; ++s) {
-        Job job;
-        job.a = {ws.shared_act.data() + s * T * Fs, Fs, nullptr,
-                 pairs ? ws.shared_act_pairs.data() + s * T * kpFs : nullptr, kpFs};
-        job.rows = T;
-        job.depth = Fs;
-        job.w = weights_of(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,
-                           0, use_bf16);
-        job.c = ws.shared_out.data() + s * T * D;
-        job.ldc = D;
-        job.cols = D;
-        add_job(ws, job, ws.total_tokens);
-      }
-      run_jobs(ws, pool);
-    }
+    Index const T = x.rows, D = d_model_, kpD = (D + 1) / 2;
+    stages::ExpertMode const mode{train, stages::SharedStage::uses_pairs(shared_, train)};
+    ws.shared.prepare(shared_, T, mode, D);
+    ws.shared.gates(shared_, x, pool);
+    ws.shared_x_pairs.resize(static_cast<std::size_t>(mode.pairs ? T * kpD : 0));
+    std::uint32_t* const pairs = mode.pairs ? ws.shared_x_pairs.data() : nullptr;
+    ::moe::detail::run_pairs_tasks(pool,
+                                   {::moe::detail::PairsTask{x.data, x.row_stride, T, D, pairs}});
+    ws.shared.enqueue_in(ws.queue, shared_, {x.data, x.row_stride, nullptr, pairs, kpD}, T, mode,
+                         ws.total_tokens);
+    ws.queue.run<Expert, SharedX>(pool);
+    ::moe::detail::run_pairs_tasks(pool, {ws.shared.act_pairs_task(shared_, T)});
+    ws.shared.enqueue_down(ws.queue, shared_, T, mode, ws.total_tokens);
+    ws.queue.run<Expert, SharedX>(pool);
     RoutingPlan const& plan = ws.plan;
     if (!train) {
       Index const R = plan.num_rows();
@@ -1028,25 +823,16 @@ class ExpertParallelMoeFfn {
         }
       });
     }
-    parallel_for(pool, token_tiles, [&](Index i, int) {
-      kernels::CombineParams p;
-      p.expert_out = ws.routed_out.data();
-      p.ld_expert_out = D;
-      p.row_weight = train ? plan.row_weight.data() : nullptr;
-      p.token_offsets = plan.token_offsets.data();
-      p.token_rows = plan.token_rows.data();
-      p.shared_out = ns > 0 ? ws.shared_out.data() : nullptr;
-      p.ld_shared = D;
-      p.shared_plane = T * D;
-      p.num_shared = ns;
-      p.shared_gate = Shared::gated && ns > 0 ? ws.shared_gate.data() : nullptr;
-      p.token_begin = i * kTileRows;
-      p.token_end = std::min(T, p.token_begin + kTileRows);
-      p.cols = D;
-      p.out = y.data;
-      p.ld_out = y.row_stride;
-      kernels::combine_rows(p);
-    });
+    stages::combine(combine_source(ws, train), y, pool);
+  }
+
+  stages::CombineSource combine_source(ExpertParallelWorkspace const& ws, bool weighted) const {
+    stages::CombineSource src;
+    src.rows = ws.routed_out.data();
+    src.row_weight = weighted ? ws.plan.row_weight.data() : nullptr;
+    src.plan = &ws.plan;
+    ws.shared.add_to(src, shared_);
+    return src;
   }
 
   /// Step 8 (training): global per-expert rows, rows of real tokens, and real tokens
@@ -1107,121 +893,37 @@ class ExpertParallelMoeFfn {
     balance_.observe(BalanceInputs{ConstMatrixView<float>(nullptr, 0, E), sel, plan, {}, {}});
   }
 
-  /// The tiles of `kTileRows` global tokens that overlap this rank's tokens: calls
-  /// fn(global_begin, global_end, local_begin, local_end) for each, where [local_begin,
-  /// local_end) are this rank's rows of the tile (local indices) and the tile has
-  /// global_end - global_begin rows in MoeFfn.
-  template <class Fn>
-  static void for_each_global_tile(ExpertParallelWorkspace const& ws, Index T, Fn&& fn) {
-    Index const O = ws.token_offset, total = ws.total_tokens;
-    if (T == 0) return;
-    for (Index g0 = O / kTileRows * kTileRows; g0 < O + T; g0 += kTileRows) {
-      Index const g1 = std::min(total, g0 + kTileRows);
-      fn(g0, g1, std::max(g0, O) - O, std::min(g1, O + T) - O);
-    }
-  }
-
+  /// The backward: MoeFfn's stages on each side of the exchanges.
   void backward_impl(ExpertParallelWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                      Gradients& grads, ThreadPool* pool) const {
-    Index const T = ws.selection.num_tokens, D = d_model_, E = num_experts(), F = d_ffn_;
-    Index const P = bank_.hidden_cols(), S = ws.selection.slots, L = bank_.num_experts();
+    Index const T = ws.selection.num_tokens, D = d_model_, E = num_experts();
     RoutingPlan const& plan = ws.plan;
-    Index const R = plan.num_rows(), ns = shared_.count();
-    Index const rin = ws.local_offsets.back();
-    Index Ps = 0, Fs = 0;
-    if constexpr (Shared::has_experts) {
-      Ps = shared_.bank().hidden_cols();
-      Fs = shared_.bank().d_ffn();
-    }
+    Index const R = plan.num_rows();
     ConstMatrixView<float> x(ws.x.data(), T, D);
-    Index const token_tiles = (T + kTileRows - 1) / kTileRows;
+    ws.router_grads.reset(T, ws.selection.slots, E);
     ws.d_rows.resize(static_cast<std::size_t>(R * D));
-    ws.shared_dy.resize(static_cast<std::size_t>(ns * T * D));
-    ws.shared_dx.resize(static_cast<std::size_t>(ns * T * D));
-    ws.shared_dhidden.resize(static_cast<std::size_t>(ns * T * Ps));
-    ws.dweight.assign(static_cast<std::size_t>(T * S), 0.0f);
-    ws.dscores.assign(static_cast<std::size_t>(T * E), 0.0f);
-    ws.dlogits.assign(static_cast<std::size_t>(T * E), 0.0f);
-    ws.dlogits_extra.assign(static_cast<std::size_t>(T * E), 0.0f);
-    ws.dgate.assign(static_cast<std::size_t>(ns * T), 0.0f);
-    // backward_rows scratch per thread; it also holds the weight gradients' gemm_strided scratch.
-    Index scratch_per = bank_.backward_scratch_floats(::moe::detail::kBackwardRows);
-    if constexpr (Shared::has_experts) {
-      scratch_per = std::max(scratch_per, shared_.bank().backward_scratch_floats(kTileRows));
-    }
-    ws.bwd_scratch.resize(static_cast<std::size_t>(threads_of(pool) * scratch_per));
-
+    ws.shared.prepare_backward(shared_, T, D);
     // 1. Combine VJP (token side): dY_r = w_r dy[t]; dL/dw of each slot; shared experts.
-    parallel_for(pool, token_tiles, [&](Index i, int) {
-      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
-      for (Index t = t0; t < t1; ++t) {
-        float const* g = dy.row(t);
-        Index j = plan.token_offsets[t];
-        for (Index s = 0; s < S; ++s) {
-          if (ws.selection.expert[static_cast<std::size_t>(t * S + s)] < 0) continue;
-          Index const r = plan.token_rows[j++];
-          ws.dweight[static_cast<std::size_t>(t * S + s)] = kernels::scale_dot(
-              g, ws.routed_out.data() + r * D, plan.row_weight[r], ws.d_rows.data() + r * D, D);
-        }
-        for (Index s = 0; s < ns; ++s) {
-          float const gate =
-              Shared::gated ? ws.shared_gate[static_cast<std::size_t>(t * ns + s)] : 1.0f;
-          float const dot = kernels::scale_dot(g, ws.shared_out.data() + (s * T + t) * D, gate,
-                                               ws.shared_dy.data() + (s * T + t) * D, D);
-          if (Shared::gated)
-            ws.dgate[static_cast<std::size_t>(t * ns + s)] = dot * gate * (1.0f - gate);
-        }
-      }
-    });
+    stages::CombineGrads cg{ws.d_rows.data(), ws.router_grads.dweight.data()};
+    ws.shared.add_to(cg);
+    stages::combine_backward(dy, combine_source(ws, true), ws.selection, cg, pool);
     // 2. Balance gradients on this rank's tokens.
-    BalanceGradients bg{MatrixView<float>(ws.dscores.data(), T, E),
-                        MatrixView<float>(ws.dlogits_extra.data(), T, E),
+    BalanceGradients bg{MatrixView<float>(ws.router_grads.dscores.data(), T, E),
+                        MatrixView<float>(ws.router_grads.dlogits_extra.data(), T, E),
                         MatrixView<float>(ws.d_rows.data(), R, D)};
     balance_.backward(balance_inputs(ws), bg);
     // 3. dL/dY rows to the experts' owners (the forward's counts).
-    send_rows_to_owners(ws.d_rows, ws.e_drows, ws, pool);
-    // 4. Expert VJPs on the owner, row phase, on MoeFfn's items: each expert's rows (all of
-    //    them are here) in chunks of up to kBackwardRows.
-    ws.e_dxrows.resize(static_cast<std::size_t>(rin * D));
-    ws.e_dhidden.resize(static_cast<std::size_t>(rin * P));
-    ws.act.resize(static_cast<std::size_t>(rin * F));
-    std::vector<::moe::detail::RowChunk> chunks;
-    for (Index j = 0; j < L; ++j) {
-      Index const base = ws.local_offsets[j];
-      ::moe::detail::add_row_chunks(chunks, j, base, ws.local_offsets[j + 1] - base);
-    }
-    parallel_for(pool, static_cast<Index>(chunks.size()), [&](Index i, int thread) {
-      ::moe::detail::backward_chunk(bank_, chunks[static_cast<std::size_t>(i)], ws.hidden.data(),
-                                    ws.e_drows.data(), ws.act.data(), ws.e_dhidden.data(),
-                                    ws.e_dxrows.data(),
-                                    ws.bwd_scratch.data() + thread * scratch_per);
-    });
-    // Expert weight gradients: one item per (expert, 64-row block of the gradient), all rows.
-    struct GradItem {
-      int kind;  // 0 expert in, 1 expert down, 2 shared in, 3 shared down, 4 router, 5 gate
-      Index e, r0, r1;
-    };
-    std::vector<GradItem> gitems;
-    for (Index j = 0; j < L; ++j) {
-      if (ws.local_offsets[j + 1] == ws.local_offsets[j]) continue;
-      for (Index r = 0; r < P; r += kGradRows)
-        gitems.push_back({0, j, r, std::min(P, r + kGradRows)});
-      for (Index r = 0; r < D; r += kGradRows)
-        gitems.push_back({1, j, r, std::min(D, r + kGradRows)});
-    }
+    send_rows_to_owners(ws.d_rows, ws.experts.d_out, ws, pool);
+    // 4. Expert VJPs on the owner, row phase, on all of each expert's rows.
+    ws.experts.backward_rows(bank_, local_rows(ws), pool, ws.scratch);
     // 5. dL/dX rows back to the tokens' ranks.
-    return_rows(ws.e_dxrows.data(), ws.dx_rows, ws, pool);
-    // 6. Router VJP (token side).
-    MatrixView<float> dlogits(ws.dlogits.data(), T, E);
-    router_.backward(ws.logits_view(), ws.selection, ws.dweight.data(),
-                     MatrixView<float>(ws.dscores.data(), T, E), dlogits);
-    for (Index i = 0; i < T * E; ++i) {
-      ws.dlogits[static_cast<std::size_t>(i)] += ws.dlogits_extra[static_cast<std::size_t>(i)];
-    }
-    // 7. Shared experts' row phase on 64-token tiles of the global batch.
-    if constexpr (Shared::has_experts) shared_backward_rows(ws, pool, scratch_per);
-    // 8. Weight gradients: routed experts into grads (they stay here), replicated parameters
-    //    into this rank's partial sums.
+    return_rows(ws.experts.dx_rows.data(), ws.dx_rows, ws, pool);
+    // 6. Router VJP and the shared experts' row phase (token side).
+    ws.router_grads.vjp(router_, ws.logits_view(), ws.selection);
+    ws.shared.backward_rows(shared_, T, pool, ws.scratch);
+    // 7. Weight gradients: routed experts into grads (they stay here), replicated parameters
+    //    into this rank's partial sums, laid out [router.weight | shared bank parameters() |
+    //    gate].
     Index const n_router = E * D;
     Index n_shared = 0, n_gate = 0;
     if constexpr (Shared::has_experts) {
@@ -1229,70 +931,25 @@ class ExpertParallelMoeFfn {
       n_gate = shared_.gate_weight().rows * shared_.gate_weight().cols;
     }
     ws.partial.assign(static_cast<std::size_t>(n_router + n_shared + n_gate), 0.0f);
-    // This rank's partial sums, laid out like [router.weight | shared bank parameters() (every
-    // in_proj block, then every down_proj block) | gate].
-    float* const partial_router = ws.partial.data();
-    float* const partial_shared = partial_router + n_router;
-    auto partial_in = [&](Index s) {
-      return MatrixView<float>(partial_shared + s * Ps * D, Ps, D);
-    };
-    auto partial_down = [&](Index s) {
-      return MatrixView<float>(partial_shared + ns * Ps * D + s * D * Fs, D, Fs);
-    };
-    MatrixView<float> const partial_gate(partial_shared + n_shared, Shared::gated ? ns : 0, D);
-    for (Index s = 0; s < ns && T > 0; ++s) {
-      for (Index r = 0; r < Ps; r += kGradRows)
-        gitems.push_back({2, s, r, std::min(Ps, r + kGradRows)});
-      for (Index r = 0; r < D; r += kGradRows)
-        gitems.push_back({3, s, r, std::min(D, r + kGradRows)});
-    }
-    for (Index r = 0; r < E; r += kTileRows)
-      gitems.push_back({4, 0, r, std::min(E, r + kTileRows)});
-    if (Shared::gated && ns > 0) gitems.push_back({5, 0, 0, ns});
-    parallel_for(pool, static_cast<Index>(gitems.size()), [&](Index i, int thread) {
-      GradItem const& it = gitems[static_cast<std::size_t>(i)];
-      float* const scratch = ws.bwd_scratch.data() + thread * scratch_per;
-      if (it.kind == 0 || it.kind == 1) {
-        Index const r0 = ws.local_offsets[it.e], n = ws.local_offsets[it.e + 1] - r0;
-        if (it.kind == 0) {
-          Bank::accumulate_in_grad(ConstMatrixView<float>(ws.x_rows.data() + r0 * D, n, D),
-                                   ConstMatrixView<float>(ws.e_dhidden.data() + r0 * P, n, P),
-                                   it.r0, it.r1, grads.experts.in_proj(it.e), scratch);
-        } else {
-          Bank::accumulate_down_grad(ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
-                                     ConstMatrixView<float>(ws.e_drows.data() + r0 * D, n, D),
-                                     it.r0, it.r1, grads.experts.down_proj(it.e), scratch);
-        }
-      } else if (it.kind == 4) {
-        if (T == 0) return;
-        // partial_router[r0:r1] += dlogits[:, r0:r1]^T x (MoeFfn's kernel and order)
-        kernels::gemm_strided(it.r1 - it.r0, D, T, ws.dlogits.data() + it.r0, 1, E, x.data,
-                              x.row_stride, partial_router + it.r0 * D, D, true, scratch);
-      } else if constexpr (Shared::has_experts) {
-        using SBank = std::remove_cvref_t<decltype(shared_.bank())>;
-        Index const off = it.e * T;
-        if (it.kind == 2) {
-          SBank::accumulate_in_grad(
-              x, ConstMatrixView<float>(ws.shared_dhidden.data() + off * Ps, T, Ps), it.r0, it.r1,
-              partial_in(it.e), scratch);
-        } else if (it.kind == 3) {
-          SBank::accumulate_down_grad(
-              ConstMatrixView<float>(ws.shared_act.data() + off * Fs, T, Fs),
-              ConstMatrixView<float>(ws.shared_dy.data() + off * D, T, D), it.r0, it.r1,
-              partial_down(it.e), scratch);
-        } else if constexpr (Shared::gated) {
-          if (T == 0) return;
-          kernels::gemm_strided(ns, D, T, ws.dgate.data(), 1, ns, x.data, x.row_stride,
-                                partial_gate.data, partial_gate.row_stride, true, scratch);
-        }
-      }
-    });
-    (void)partial_in;
-    (void)partial_down;
-    (void)partial_gate;
-    // 9. dx = combine(dX rows, shared dx) + dlogits W_r + dgate W_g, on MoeFfn's token tiles.
-    input_gradient(ws, dx, pool);
-    // 10. Sum the replicated parameters' gradients over ranks; accumulate into grads.
+    float* const partial = ws.partial.data();
+    ws.grad_tasks.clear();
+    ws.experts.add_weight_grads(ws.grad_tasks, bank_, local_rows(ws), ws.experts.x_rows.data(),
+                                grads.experts);
+    ws.shared.add_weight_grads(ws.grad_tasks, shared_, x,
+                               {partial + n_router, partial + n_router + n_shared});
+    ws.router_grads.add_weight_grad(ws.grad_tasks, x, E, partial);
+    ws.grad_tasks.run(pool, ws.scratch);
+    // 8. dx = combine(dX rows, shared dx) + dlogits W_r + dgate W_g.
+    stages::CombineSource src;
+    src.rows = ws.dx_rows.data();
+    src.plan = &plan;
+    src.shared = ws.shared.dx.data();
+    src.num_shared = shared_.count();
+    stages::DxTerm const terms[] = {ws.router_grads.dx_term(router_weight_.data(), E, D),
+                                    ws.shared.gate_dx_term(shared_)};
+    stages::combine(src, dx, pool,
+                    [&](Index t0, Index n) { stages::add_dx_terms(terms, t0, n, dx); });
+    // 9. Sum the replicated parameters' gradients over ranks; accumulate into grads.
     detail::sum_over_ranks(comm_.get(), ws.partial, reduction_, ws.reduce_scratch, ws.stats);
     for (Index i = 0; i < n_router; ++i) {
       grads.router_weight[static_cast<std::size_t>(i)] += ws.partial[static_cast<std::size_t>(i)];
@@ -1305,134 +962,6 @@ class ExpertParallelMoeFfn {
       auto gg = grads.shared.gate_weight();
       for (Index i = 0; i < n_gate; ++i) {
         gg.data[i] += ws.partial[static_cast<std::size_t>(n_router + n_shared + i)];
-      }
-    }
-  }
-
-  /// Shared experts' backward row phase: MoeFfn's items are (shared expert, 64-token tile of the
-  /// global batch); tiles that straddle a rank boundary run on a zero-padded copy so that Eigen
-  /// sees the same row count and row positions.
-  void shared_backward_rows(ExpertParallelWorkspace& ws, ThreadPool* pool, Index scratch_per) const
-      requires(Shared::has_experts) {
-    Index const T = ws.selection.num_tokens, D = d_model_, ns = shared_.count();
-    Index const Ps = shared_.bank().hidden_cols(), Fs = shared_.bank().d_ffn();
-    struct Tile {
-      Index g0, g1, a, b;
-    };
-    std::vector<Tile> tiles;
-    for_each_global_tile(ws, T, [&](Index g0, Index g1, Index a, Index b) {
-      tiles.push_back({g0, g1, a, b});
-    });
-    Index const nt = static_cast<Index>(tiles.size());
-    auto full = [&](Tile const& t) { return t.b - t.a == t.g1 - t.g0; };
-    parallel_for(pool, ns * nt, [&](Index i, int thread) {
-      Index const s = i / nt;
-      Tile const& tl = tiles[static_cast<std::size_t>(i % nt)];
-      if (!full(tl)) return;
-      Index const off = s * T + tl.a, n = tl.b - tl.a;
-      shared_.bank().backward_rows(
-          s, ConstMatrixView<float>(ws.shared_hidden.data() + off * Ps, n, Ps),
-          ConstMatrixView<float>(ws.shared_dy.data() + off * D, n, D),
-          MatrixView<float>(ws.shared_act.data() + off * Fs, n, Fs),
-          MatrixView<float>(ws.shared_dhidden.data() + off * Ps, n, Ps),
-          MatrixView<float>(ws.shared_dx.data() + off * D, n, D),
-          ws.bwd_scratch.data() + thread * scratch_per);
-    });
-    for (Index s = 0; s < ns; ++s) {
-      for (Tile const& tl : tiles) {
-        if (full(tl)) continue;
-        Index const n = tl.g1 - tl.g0, lead = tl.a + ws.token_offset - tl.g0, m = tl.b - tl.a;
-        // pad = [h n*Ps | dy n*D | act n*Fs | dh n*Ps | dx n*D]
-        ws.pad.assign(static_cast<std::size_t>(n * (2 * Ps + 2 * D + Fs)), 0.0f);
-        float* h = ws.pad.data();
-        float* g = h + n * Ps;
-        float* a = g + n * D;
-        float* dh = a + n * Fs;
-        float* ddx = dh + n * Ps;
-        Index const off = s * T + tl.a;
-        std::copy(ws.shared_hidden.data() + off * Ps, ws.shared_hidden.data() + (off + m) * Ps,
-                  h + lead * Ps);
-        std::copy(ws.shared_dy.data() + off * D, ws.shared_dy.data() + (off + m) * D, g + lead * D);
-        shared_.bank().backward_rows(s, ConstMatrixView<float>(h, n, Ps),
-                                     ConstMatrixView<float>(g, n, D), MatrixView<float>(a, n, Fs),
-                                     MatrixView<float>(dh, n, Ps), MatrixView<float>(ddx, n, D),
-                                     ws.bwd_scratch.data());
-        std::copy(a + lead * Fs, a + (lead + m) * Fs, ws.shared_act.data() + off * Fs);
-        std::copy(dh + lead * Ps, dh + (lead + m) * Ps, ws.shared_dhidden.data() + off * Ps);
-        std::copy(ddx + lead * D, ddx + (lead + m) * D, ws.shared_dx.data() + off * D);
-      }
-    }
-  }
-
-  /// dx for this rank's tokens, tile by tile of the global batch (padded at rank boundaries).
-  void input_gradient(ExpertParallelWorkspace& ws, MatrixView<float> dx, ThreadPool* pool) const {
-    Index const T = ws.selection.num_tokens, D = d_model_, E = num_experts(), ns = shared_.count();
-    RoutingPlan const& plan = ws.plan;
-    auto combine = [&](Index t0, Index t1) {
-      kernels::CombineParams p;
-      p.expert_out = ws.dx_rows.data();
-      p.ld_expert_out = D;
-      p.row_weight = nullptr;
-      p.token_offsets = plan.token_offsets.data();
-      p.token_rows = plan.token_rows.data();
-      p.shared_out = ns > 0 ? ws.shared_dx.data() : nullptr;
-      p.ld_shared = D;
-      p.shared_plane = T * D;
-      p.num_shared = ns;
-      p.shared_gate = nullptr;
-      p.token_begin = t0;
-      p.token_end = t1;
-      p.cols = D;
-      p.out = dx.data;
-      p.ld_out = dx.row_stride;
-      kernels::combine_rows(p);
-    };
-    // rows [0, n) of the tile: dxt += dlogits W_r (+ dgate W_g), exactly MoeFfn's expressions.
-    auto project = [&](MatrixView<float> dxt, float const* dl, float const* dg, Index n) {
-      (void)dg;
-      kernels::gemm_strided(n, D, E, dl, E, 1, router_weight_.data(), D, dxt.data, dxt.row_stride,
-                            true);
-      if constexpr (Shared::gated) {
-        if (ns > 0) {
-          auto const g = std::as_const(shared_).gate_weight();
-          kernels::gemm_strided(n, D, ns, dg, ns, 1, g.data, g.row_stride, dxt.data, dxt.row_stride,
-                                true);
-        }
-      }
-    };
-    struct Tile {
-      Index g0, g1, a, b;
-    };
-    std::vector<Tile> tiles;
-    for_each_global_tile(ws, T, [&](Index g0, Index g1, Index a, Index b) {
-      tiles.push_back({g0, g1, a, b});
-    });
-    parallel_for(pool, static_cast<Index>(tiles.size()), [&](Index i, int) {
-      Tile const& tl = tiles[static_cast<std::size_t>(i)];
-      combine(tl.a, tl.b);
-      if (tl.b - tl.a != tl.g1 - tl.g0) return;
-      Index const n = tl.b - tl.a;
-      project(dx.middle_rows(tl.a, n), ws.dlogits.data() + tl.a * E,
-              ns > 0 && Shared::gated ? ws.dgate.data() + tl.a * ns : nullptr, n);
-    });
-    for (Tile const& tl : tiles) {
-      if (tl.b - tl.a == tl.g1 - tl.g0) continue;
-      Index const n = tl.g1 - tl.g0, lead = tl.a + ws.token_offset - tl.g0, m = tl.b - tl.a;
-      Index const gcols = Shared::gated ? ns : 0;
-      ws.pad.assign(static_cast<std::size_t>(n * (D + E + gcols)), 0.0f);
-      float* pdx = ws.pad.data();
-      float* pdl = pdx + n * D;
-      float* pdg = pdl + n * E;
-      for (Index t = 0; t < m; ++t) {
-        std::copy(dx.row(tl.a + t), dx.row(tl.a + t) + D, pdx + (lead + t) * D);
-      }
-      std::copy(ws.dlogits.data() + tl.a * E, ws.dlogits.data() + tl.b * E, pdl + lead * E);
-      if (gcols > 0) {
-        std::copy(ws.dgate.data() + tl.a * ns, ws.dgate.data() + tl.b * ns, pdg + lead * ns);
-      }
-      project(MatrixView<float>(pdx, n, D), pdl, pdg, n);
-      for (Index t = 0; t < m; ++t) {
-        std::copy(pdx + (lead + t) * D, pdx + (lead + t + 1) * D, dx.row(tl.a + t));
       }
     }
   }

@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The work lists the pipeline stages fill and a layer runs: projections (ProjectionQueue),
+/// weight gradients (GradTasks) and the input-gradient terms of a token tile (DxTerms). Items
+/// are fixed by the shapes alone and every output element is computed by one item in a fixed
+/// order, so results are bitwise identical for any number of threads. Not public API.
+#pragma once
+
+#include <algorithm>
+#include <span>
+#include <vector>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/core/types.hpp"
+#include "moe/core/views.hpp"
+#include "moe/kernels/expert_gemm.hpp"
+#include "moe/kernels/gemm_strided.hpp"
+#include "moe/layers/detail/expert_jobs.hpp"
+
+namespace moe::stages {
+
+/// Which layer filled a training cache, and for what shapes: backward checks it, so a workspace
+/// filled by another layer (or by none) is an error, never an out-of-bounds read.
+struct Stamp {
+  void const* layer = nullptr;  ///< null: empty (no training forward since the last backward)
+  Index tokens = 0, d_model = 0, experts = 0, ffn = 0;
+  bool filled() const { return layer != nullptr; }
+  bool operator==(Stamp const&) const = default;
+};
+
+/// Per-thread scratch, grown to `threads * per` floats (no allocation once it has been that big).
+class ThreadScratch {
+ public:
+  float* grow(ThreadPool* pool, Index per) {
+    per_ = (per + 15) / 16 * 16;
+    Index const n = static_cast<Index>(pool ? pool->size() : 1) * per_;
+    if (static_cast<Index>(buf_.size()) < n) buf_.resize(static_cast<std::size_t>(n));
+    return buf_.data();
+  }
+  void reserve(int threads, Index per) {
+    buf_.reserve(static_cast<std::size_t>(threads * ((per + 15) / 16 * 16)));
+  }
+  float* of(int thread) { return buf_.data() + thread * per_; }
+  Index per_thread() const { return per_; }
+
+ private:
+  std::vector<float> buf_;
+  Index per_ = 0;
+};
+
+/// Projections C = A W^T of one phase of a layer, with their epilogues (detail::ExpertJob): the
+/// stages add jobs, the layer runs them all at once (kernels::expert_cols, items handed out
+/// dynamically with the next item's first panel prefetched).
+class ProjectionQueue {
+ public:
+  void add(detail::ExpertJob const& job) {
+    depth_ = std::max(depth_, job.depth);
+    detail::add_expert_job(jobs_, items_, job);
+  }
+  /// Runs and clears the queue. RoutedX / SharedX: the expert kinds of the kRoutedHidden and
+  /// kSharedHidden jobs' activation epilogues.
+  template <class RoutedX, class SharedX>
+  void run(ThreadPool* pool) {
+    Index const per = kernels::expert_scratch_floats(depth_);
+    float* s = scratch_.grow(pool, per);
+    detail::run_expert_jobs<RoutedX, SharedX>(jobs_, items_, pool, s, scratch_.per_thread());
+    depth_ = 0;
+  }
+  /// Room for `jobs` jobs of up to `items` items, and scratch for `threads` at depth `depth`.
+  void reserve(Index jobs, Index items, int threads, Index depth) {
+    jobs_.reserve(static_cast<std::size_t>(jobs));
+    items_.reserve(static_cast<std::size_t>(items));
+    scratch_.reserve(threads, kernels::expert_scratch_floats(depth));
+  }
+
+ private:
+  std::vector<detail::ExpertJob> jobs_;
+  std::vector<detail::ExpertItem> items_;
+  ThreadScratch scratch_;
+  Index depth_ = 0;
+};
+
+/// The weights of a projection as expert_cols reads them (see detail::expert_weights); raw
+/// weights go through dot products when the projection has fewer than kPanelMinRows rows in
+/// `path_rows` (the rows the single-process layer gives it).
+inline kernels::WeightPanels weights_for(float const* raw, Index rows, float const* packed,
+                                         std::uint32_t const* packed_bf16, Index depth, Index half,
+                                         bool use_bf16, Index path_rows) {
+  return detail::expert_weights(raw, rows, packed, packed_bf16, depth, half, use_bf16,
+                                path_rows < kernels::kPanelMinRows);
+}
+
+/// One weight-gradient item: rows [r0, r1) of grad [N, K] += dC[:, r0:r1]^T A, A [n, K],
+/// dC [n, N] (the gradient of W in C = A W^T). Each gradient element is one FMA chain over the n
+/// rows in order, started from its value (kernels::gemm_strided), so it does not depend on how
+/// the rows [r0, r1) are split into items.
+struct GradTask {
+  ConstMatrixView<float> a;
+  ConstMatrixView<float> dc;
+  MatrixView<float> grad;
+  Index r0, r1;
+};
+
+/// The weight gradients of one backward, in items of `block` gradient rows.
+class GradTasks {
+ public:
+  void clear() { tasks_.clear(); }
+  /// grad += dc^T a, split into items of `block` rows of grad. Nothing when a has no rows.
+  void add(ConstMatrixView<float> a, ConstMatrixView<float> dc, MatrixView<float> grad,
+           Index block = 64) {
+    if (a.rows == 0) return;
+    for (Index r = 0; r < grad.rows; r += block) {
+      tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block)});
+    }
+  }
+  /// Runs every item (scratch: kernels::kGemmStridedScratchFloats per thread, or more).
+  void run(ThreadPool* pool, ThreadScratch& scratch) {
+    float* const base = scratch.grow(pool, kernels::kGemmStridedScratchFloats);
+    Index const per = scratch.per_thread();
+    parallel_for(pool, static_cast<Index>(tasks_.size()), [&](Index i, int thread) {
+      GradTask const& t = tasks_[static_cast<std::size_t>(i)];
+      kernels::gemm_strided(t.r1 - t.r0, t.a.cols, t.a.rows, t.dc.data + t.r0, 1, t.dc.row_stride,
+                            t.a.data, t.a.row_stride, t.grad.row(t.r0), t.grad.row_stride, true,
+                            base + thread * per);
+    });
+  }
+  std::size_t size() const { return tasks_.size(); }
+
+ private:
+  std::vector<GradTask> tasks_;
+};
+
+/// One term of an input gradient: dx[t] += d[t] W for the tokens of a tile, d [T, k] (row
+/// stride ld), W [k, D] (row stride ldw). A layer's dx is the combine of its rows plus its
+/// terms, in a fixed order.
+struct DxTerm {
+  float const* d = nullptr;
+  Index ld = 0, k = 0;
+  float const* w = nullptr;
+  Index ldw = 0;
+};
+
+/// dx rows [t0, t0 + n) += sum of the terms, in order (one accumulating gemm_strided each).
+inline void add_dx_terms(std::span<DxTerm const> terms, Index t0, Index n, MatrixView<float> dx) {
+  float* const dxt = dx.row(t0);
+  for (DxTerm const& t : terms) {
+    if (t.k == 0) continue;
+    kernels::gemm_strided(n, dx.cols, t.k, t.d + t0 * t.ld, t.ld, 1, t.w, t.ldw, dxt, dx.row_stride,
+                          true);
+  }
+}
+
+}  // namespace moe::stages
