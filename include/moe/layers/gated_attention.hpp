@@ -23,6 +23,7 @@
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/detail/projections.hpp"
+#include "moe/layers/stages/work.hpp"
 
 namespace moe {
 
@@ -80,7 +81,8 @@ struct GatedAttentionWorkspace {
   std::vector<float> rope_sin;  ///< [T, rotary_dim / 2]
   std::vector<float> scratch;   ///< per-thread SDPA and panel scratch
   detail::ProjectionQueue queue;
-  std::vector<detail::GradItem> grad_items;  ///< backward work items, reused across calls
+  stages::GradTasks grad_tasks;        ///< backward weight-gradient items, reused across calls
+  stages::ThreadScratch grad_scratch;  ///< per-thread scratch of the weight gradients
 
   // Training only (forward_train fills, backward reads).
   std::vector<float> x;                ///< [T, D] copy of the input
@@ -601,21 +603,21 @@ class GatedAttention {
     });
 
     // 4. Weight gradients, in items of 64 gradient rows.
-    auto& items = ws.grad_items;
+    auto& items = ws.grad_tasks;
     items.clear();
     ConstMatrixView<float> dqg(ws.dqg.data(), T, P);
-    detail::add_grad_items(items, x, dqg, MatrixView<float>(grads.q_proj.data(), q_proj_rows(), D));
+    items.add(x, dqg, MatrixView<float>(grads.q_proj.data(), q_proj_rows(), D));
     if (separate_gate()) {
-      detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dqg.data() + HD, T, w * H, P),
-                             MatrixView<float>(grads.gate_proj.data(), gate_cols(), D));
+      items.add(x, ConstMatrixView<float>(ws.dqg.data() + HD, T, w * H, P),
+                MatrixView<float>(grads.gate_proj.data(), gate_cols(), D));
     }
-    detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dk_raw.data(), T, KD),
-                           MatrixView<float>(grads.k_proj.data(), KD, D));
-    detail::add_grad_items(items, x, ConstMatrixView<float>(ws.dv.data(), T, KD),
-                           MatrixView<float>(grads.v_proj.data(), KD, D));
-    detail::add_grad_items(items, ConstMatrixView<float>(o_in, T, HD), dy,
-                           MatrixView<float>(grads.o_proj.data(), D, HD));
-    detail::run_grad_items(pool, items);
+    items.add(x, ConstMatrixView<float>(ws.dk_raw.data(), T, KD),
+              MatrixView<float>(grads.k_proj.data(), KD, D));
+    items.add(x, ConstMatrixView<float>(ws.dv.data(), T, KD),
+              MatrixView<float>(grads.v_proj.data(), KD, D));
+    items.add(ConstMatrixView<float>(o_in, T, HD), dy,
+              MatrixView<float>(grads.o_proj.data(), D, HD));
+    items.run(pool, ws.grad_scratch);
     if (has_norm()) {  // tile partials summed in tile order
       for (Index i = 0; i < tiles; ++i) {
         for (Index c = 0; c < dh; ++c) {

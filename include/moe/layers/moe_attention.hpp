@@ -28,8 +28,13 @@
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
+#include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/layers/detail/projections.hpp"
-#include "moe/layers/detail/row_chunks.hpp"
+#include "moe/layers/stages/combine.hpp"
+#include "moe/layers/stages/routed_experts.hpp"
+#include "moe/layers/stages/router.hpp"
+#include "moe/layers/stages/shared_experts.hpp"
+#include "moe/layers/stages/work.hpp"
 
 namespace moe {
 
@@ -62,45 +67,46 @@ struct MoeAttentionWorkspace {
   std::vector<float> logits;  ///< [T, E] router logits
   Selection selection;
   RoutingPlan plan;
-  std::vector<Index> tok_index;      ///< [R] token-major index of each expert-major row
-  std::vector<Index> tok_pos;        ///< [R] causal position of each token-major row
-  std::vector<float> x_rows;         ///< [R, D] expert-major gathered inputs
-  std::vector<float> q_low;          ///< [R, r] low-rank query codes (q_rank > 0)
-  std::vector<float> q_rows;         ///< [R, d_qk] expert-major routed queries (before RoPE)
-  std::vector<float> q_res;          ///< [T, d_qk] residual query (residual_query)
-  std::vector<float> q_tok;          ///< [R, d_qk] token-major queries after residual and RoPE
-  std::vector<float> q_sh;           ///< [n_shared, T, d_qk] shared-expert queries after RoPE
-  std::vector<float> k;              ///< [T, d_qk] shared key after RoPE
-  std::vector<float> mixed_tok;      ///< [R, D] SDPA outputs (token-major, before the gate)
-  std::vector<float> mixed_sh;       ///< [n_shared, T, D]
-  std::vector<float> lse_tok;        ///< [R] SDPA row logsumexp (training)
-  std::vector<float> lse_sh;         ///< [n_shared, T]
-  std::vector<float> gate;           ///< [R + n_shared T, w] gate logits, then sigmoid gates
-  std::vector<float> xin;            ///< [R, D] expert inputs (gated mixed vectors), expert-major
-  std::vector<float> xin_sh;         ///< [n_shared, T, D]
-  std::vector<float> hidden;         ///< [R, P] expert pre-activations
-  std::vector<float> act;            ///< [R, F] expert activations (training)
-  std::vector<float> expert_out;     ///< [R, D]
-  std::vector<float> shared_hidden;  ///< [n_shared, T, P_shared]
-  std::vector<float> shared_act;     ///< [n_shared, T, F_shared] (training)
-  std::vector<float> shared_out;     ///< [n_shared, T, D]
-  std::vector<float> shared_gate;    ///< [T, n_shared] shared-expert sigmoid gates
+  std::vector<Index> tok_index;  ///< [R] token-major index of each expert-major row
+  std::vector<Index> tok_pos;    ///< [R] causal position of each token-major row
+  std::vector<float> x_rows;     ///< [R, D] expert-major gathered inputs
+  std::vector<float> q_low;      ///< [R, r] low-rank query codes (q_rank > 0)
+  std::vector<float> q_rows;     ///< [R, d_qk] expert-major routed queries (before RoPE)
+  std::vector<float> q_res;      ///< [T, d_qk] residual query (residual_query)
+  std::vector<float> q_tok;      ///< [R, d_qk] token-major queries after residual and RoPE
+  std::vector<float> q_sh;       ///< [n_shared, T, d_qk] shared-expert queries after RoPE
+  std::vector<float> k;          ///< [T, d_qk] shared key after RoPE
+  std::vector<float> mixed_tok;  ///< [R, D] SDPA outputs (token-major, before the gate)
+  std::vector<float> mixed_sh;   ///< [n_shared, T, D]
+  std::vector<float> lse_tok;    ///< [R] SDPA row logsumexp (training)
+  std::vector<float> lse_sh;     ///< [n_shared, T]
+  std::vector<float> gate;       ///< [R + n_shared T, w] gate logits, then sigmoid gates
+  std::vector<float> xin_sh;     ///< [n_shared, T, D] shared-expert inputs (gated mixed)
+  /// The routed experts (the shared bank) through the routed-experts engine: x_rows [R, D] are
+  /// the expert inputs (gated mixed vectors, expert-major), then pre-activations (training),
+  /// activations, outputs [R, D], bf16 pairs; backward rows.
+  stages::RoutedExperts routed;
+  std::vector<std::uint32_t> xin_pairs;     ///< [R, ceil(D / 2)] bf16 pairs of the expert inputs
+  std::vector<std::uint32_t> xin_sh_pairs;  ///< [n_shared, T, ceil(D / 2)]
+  stages::SharedStage shared;  ///< the layer's own shared experts: gates, activations, outputs
   std::vector<float> rope_cos, rope_sin;  ///< [T, rotary_dim / 2]
-  std::vector<float> scratch;             ///< per-thread SDPA / panel / backward scratch
-  detail::ProjectionQueue queue;
+  std::vector<float> scratch;             ///< per-thread SDPA / panel scratch
+  detail::ProjectionQueue queue;          ///< query, key and gate projections
+  stages::ProjectionQueue expert_queue;   ///< the experts' projections (and the router's)
   std::vector<detail::AttentionSdpaItem> sdpa_items;  ///< work items, reused across calls
-  std::vector<detail::RowChunk> row_chunks;
-  std::vector<detail::GradItem> grad_items;
+  stages::GradTasks grad_tasks;                       ///< weight-gradient items of a backward
+  std::vector<stages::DxTerm> dx_terms;               ///< dx's projection terms, in order
+  stages::ThreadScratch grad_scratch;                 ///< per-thread backward scratch
 
   // Training only.
   std::vector<float> x;
   std::vector<std::uint8_t> key_mask;
   Index batch = 1;
-  std::vector<float> d_out, dweight, dscores, dlogits, dxin, dhidden, dgate;
+  stages::RouterGrads router_grads;  ///< dL/d(slot weights), d(scores), d(logits)
+  std::vector<float> dgate;
   std::vector<float> dmixed_tok, dmixed_sh, delta_tok, delta_sh;
   std::vector<float> dq_tok, dq_sh, dq_rows, dq_low, dq_res, dk, dv, dx_rows;
-  std::vector<float> shared_dy, shared_dx, shared_dhidden, dshared_gate;
-  bool trained = false;
+  stages::Stamp stamp;  ///< the layer and shapes of the training forward (or none)
 };
 
 /// UMoE pre-mixing attention experts (ALGORITHMS.md section 3): attention is token mixing
@@ -274,8 +280,8 @@ class MoeAttention {
   void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
                AttentionOptions const& opt = {}) const {
     check_call(x, y, opt);
+    ws.stamp = {};
     run_forward(x, y, ws, opt, false);
-    ws.trained = false;
   }
 
   /// forward() keeping in `ws` what backward needs.
@@ -283,6 +289,7 @@ class MoeAttention {
                      AttentionOptions const& opt = {}) const {
     check_call(x, y, opt);
     Index const T = x.rows, D = c_.d_model;
+    ws.stamp = {};
     ws.x.resize(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
     ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
@@ -290,7 +297,7 @@ class MoeAttention {
     AttentionOptions o = opt;
     o.key_mask = ws.key_mask;
     run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
-    ws.trained = true;
+    ws.stamp = stamp(T);
   }
 
   /// Backward of the last forward_train on `ws`: dx [T, D] (overwritten), the layer's parameter
@@ -299,10 +306,13 @@ class MoeAttention {
   void backward(MoeAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads, Bank& expert_grads,
                 ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
-    detail::check(ws.trained,
+    detail::check(ws.stamp.filled(),
                   "MoeAttention::backward: the workspace holds no training forward; call "
                   "forward_train first (and backward only once per forward)");
-    Index const D = c_.d_model, T = static_cast<Index>(ws.x.size()) / D;
+    Index const D = c_.d_model, T = ws.stamp.tokens;
+    detail::check(ws.stamp == stamp(T),
+                  "MoeAttention::backward: the workspace was filled by another layer's "
+                  "forward_train; pass the workspace of this layer's forward_train");
     detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
                   "MoeAttention::backward: dy and dx must be [", T, ", ", D,
                   "] like the forward's x");
@@ -310,18 +320,32 @@ class MoeAttention {
         grads.router_weight.size() == router_weight_.size() && grads.q_a.size() == q_a_.size() &&
             grads.q_b.size() == q_b_.size() && grads.q_res.size() == q_res_.size() &&
             grads.k_proj.size() == k_proj_.size() && grads.shared_q.size() == shared_q_.size() &&
-            grads.gate_proj.size() == gate_proj_.size(),
+            grads.gate_proj.size() == gate_proj_.size() && shared_grads_match(grads.shared),
         "MoeAttention::backward: gradients do not match this layer; use "
         "make_gradients()");
     detail::check(expert_grads.parameters().size() == bank_->parameters().size() &&
                       expert_grads.num_experts() == bank_->num_experts(),
                   "MoeAttention::backward: expert_grads is not shaped like the expert bank; pass "
                   "the FFN layer's Gradients::experts (or a bank built with the same sizes)");
-    ws.trained = false;
+    ws.stamp = {};
     run_backward(ws, dy, dx, grads, expert_grads, pool);
   }
 
  private:
+  using SharedX = typename detail::SharedExpertOr<Shared, Expert>::type;
+
+  stages::Stamp stamp(Index tokens) const {
+    return {this, tokens, c_.d_model, num_experts(), bank_->d_ffn()};
+  }
+  bool shared_grads_match(Shared const& g) const {
+    if constexpr (Shared::has_experts) {
+      return g.count() == shared_.count() && g.bank().d_ffn() == shared_.bank().d_ffn() &&
+             g.bank().d_model() == shared_.bank().d_model();
+    }
+    (void)g;
+    return true;
+  }
+
   template <class G>
   static ParameterList list(G& g) {
     ParameterList l;
@@ -380,10 +404,6 @@ class MoeAttention {
     Index depth = std::max({D, c_.qk_dim, std::max<Index>(1, c_.q_rank), bank_->d_ffn()});
     depth = std::max(depth, shared_ffn());
     n = std::max(n, kernels::panel_scratch_size(depth));
-    n = std::max(n, bank_->backward_scratch_floats(detail::kBackwardRows));
-    if constexpr (Shared::has_experts) {
-      n = std::max(n, shared_.bank().backward_scratch_floats(kTileRows));
-    }
     return (n + 15) / 16 * 16;
   }
 
@@ -481,8 +501,6 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
                                                AttentionOptions const& opt, bool train) const {
   Index const T = x.rows, D = c_.d_model, E = num_experts(), dk = c_.qk_dim, rk = c_.q_rank;
   Index const ns = shared_.count(), w = gate_width(), B = opt.batch, hr = half_rot();
-  Index const P = bank_->hidden_cols(), F = bank_->d_ffn(), Ps = shared_hidden_cols();
-  Index const Fs = shared_ffn();
   ThreadPool* pool = opt.pool;
   Index const per = scratch_floats();
   auto grow = [](auto& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
@@ -495,21 +513,11 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   Bank const& bank = *bank_;
 
   // 1. Route on each token's own hidden state.
-  grow(ws.logits, T * E);
-  ws.queue.add({x.data, x.row_stride, T, router_weight_.data(), D, ws.logits.data(), E}, E);
-  ws.queue.run(pool, ws.scratch.data(), per);
-  for (Index t = 0; t < T; ++t) {
-    for (Index e = 0; e < E; ++e) {
-      float const z = ws.logits[t * E + e];
-      if (!std::isfinite(z)) {
-        detail::fail("MoeAttention: router logit [token ", t, ", expert ", e, "] is ", z,
-                     "; NaN or Inf in the input x or the router weight. Check the previous "
-                     "layer's output");
-      }
-    }
-  }
-  router_.select(ConstMatrixView<float>(ws.logits.data(), T, E), ws.selection);
-  kernels::build_plan(ws.selection, ws.plan);
+  stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, T, ws.logits, ws.expert_queue,
+                                         pool);
+  MatrixView<float> logits(ws.logits.data(), T, E);
+  stages::check_finite_logits(logits, {"MoeAttention"});
+  stages::select_and_plan(router_, logits, nullptr, ws.selection, ws.plan, "MoeAttention");
   RoutingPlan const& plan = ws.plan;
   Index const R = plan.num_rows();
   grow(ws.tok_index, R);
@@ -628,14 +636,15 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   });
 
   // 5. Output gate; expert inputs back in expert-major order.
-  grow(ws.xin, R * D);
+  grow(ws.routed.x_rows, R * D);
   grow(ws.xin_sh, ns * T * D);
   parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
     if (i < row_tiles) {
       Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
       for (Index r = r0; r < r1; ++r) {
         float* g = ws.gate.data() + r * w;
-        Gate::forward(ws.mixed_tok.data() + ws.tok_index[r] * D, g, g, ws.xin.data() + r * D, 1, D);
+        Gate::forward(ws.mixed_tok.data() + ws.tok_index[r] * D, g, g,
+                      ws.routed.x_rows.data() + r * D, 1, D);
       }
     } else {
       Index const s = (i - row_tiles) / token_tiles;
@@ -649,93 +658,39 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
     }
   });
 
-  // 6. Experts: the shared bank on the routed rows, the layer's shared experts on theirs.
-  grow(ws.hidden, R * P);
-  grow(ws.act, train ? R * F : 0);
-  grow(ws.expert_out, R * D);
-  grow(ws.shared_hidden, ns * T * Ps);
-  grow(ws.shared_act, train ? ns * T * Fs : 0);
-  grow(ws.shared_out, ns * T * D);
-  grow(ws.shared_gate, Shared::gated ? T * ns : 0);
-  for (Index e = 0; e < E; ++e) {
-    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-    ws.queue.add({ws.xin.data() + r0 * D, D, n, bank.in_proj(e).data, D, ws.hidden.data() + r0 * P,
-                  P, bank.packed_in(e)},
-                 P);
-  }
-  if constexpr (Shared::has_experts) {
-    for (Index s = 0; s < ns; ++s) {
-      ws.queue.add({ws.xin_sh.data() + s * T * D, D, T, shared_.bank().in_proj(s).data, D,
-                    ws.shared_hidden.data() + s * T * Ps, Ps},
-                   Ps);
-    }
-  }
-  ws.queue.run(pool, ws.scratch.data(), per);
-  parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
-    if (i < row_tiles) {
-      Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
-      for (Index r = r0; r < r1; ++r) {
-        float* h = ws.hidden.data() + r * P;
-        bank.activate_row(h, train ? ws.act.data() + r * F : h);
-      }
-    } else if constexpr (Shared::has_experts) {
-      Index const s = (i - row_tiles) / token_tiles;
-      Index const t0 = ((i - row_tiles) % token_tiles) * kTileRows,
-                  t1 = std::min(T, t0 + kTileRows);
-      for (Index t = t0; t < t1; ++t) {
-        float* h = ws.shared_hidden.data() + (s * T + t) * Ps;
-        shared_.bank().activate_row(h, train ? ws.shared_act.data() + (s * T + t) * Fs : h);
-      }
-    }
-  });
-  for (Index e = 0; e < E; ++e) {
-    Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-    float const* m = train ? ws.act.data() + r0 * F : ws.hidden.data() + r0 * P;
-    ws.queue.add({m, train ? F : P, n, bank.down_proj(e).data, F, ws.expert_out.data() + r0 * D, D,
-                  bank.packed_down(e)},
-                 D);
-  }
-  if constexpr (Shared::has_experts) {
-    for (Index s = 0; s < ns; ++s) {
-      float const* m =
-          train ? ws.shared_act.data() + s * T * Fs : ws.shared_hidden.data() + s * T * Ps;
-      ws.queue.add({m, train ? Fs : Ps, T, shared_.bank().down_proj(s).data, Fs,
-                    ws.shared_out.data() + s * T * D, D},
-                   D);
-    }
-  }
-  ws.queue.run(pool, ws.scratch.data(), per);
+  // 6. Experts: the shared bank on the routed rows, the layer's shared experts on theirs, both
+  //    through the routed-experts engine (fused activation, packed fp32 / bf16 panels).
+  stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank, !train)};
+  stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train)};
+  stages::ExpertRows const rows{plan.expert_offsets.data(), E};
+  Index const kpD = (D + 1) / 2;
+  ws.routed.prepare(bank, R, routed, false);
+  ws.shared.prepare(shared_, T, shared, D);
+  ws.shared.gates(shared_, x, pool);
+  ws.xin_pairs.resize(static_cast<std::size_t>(routed.pairs ? R * kpD : 0));
+  ws.xin_sh_pairs.resize(static_cast<std::size_t>(shared.pairs ? ns * T * kpD : 0));
+  std::uint32_t* const pairs = routed.pairs ? ws.xin_pairs.data() : nullptr;
+  std::uint32_t* const sh_pairs = shared.pairs ? ws.xin_sh_pairs.data() : nullptr;
+  detail::run_pairs_tasks(pool, {detail::PairsTask{ws.routed.x_rows.data(), D, R, D, pairs},
+                                 detail::PairsTask{ws.xin_sh.data(), D, ns * T, D, sh_pairs}});
+  ws.routed.enqueue_in(ws.expert_queue, bank, rows,
+                       {ws.routed.x_rows.data(), D, nullptr, pairs, kpD}, routed);
+  ws.shared.enqueue_in(ws.expert_queue, shared_, {ws.xin_sh.data(), D, nullptr, sh_pairs, kpD}, T,
+                       shared, T, T);
+  ws.expert_queue.run<Expert, SharedX>(pool);
+  detail::run_pairs_tasks(
+      pool, {ws.routed.act_pairs_task(bank, R), ws.shared.act_pairs_task(shared_, T)});
+  ws.routed.enqueue_down(ws.expert_queue, bank, rows, nullptr, routed);
+  ws.shared.enqueue_down(ws.expert_queue, shared_, T, shared, T);
+  ws.expert_queue.run<Expert, SharedX>(pool);
 
-  // 7. Shared-expert gates and the combine: y_t = sum_j w_j E(m_j) + sum_s g_s E_s(m_s).
-  parallel_for(pool, token_tiles, [&](Index i, int) {
-    kernels::CombineParams p;
-    p.token_begin = i * kTileRows;
-    p.token_end = std::min(T, p.token_begin + kTileRows);
-    if constexpr (Shared::gated) {
-      for (Index t = p.token_begin; t < p.token_end; ++t) {
-        for (Index s = 0; s < ns; ++s) {
-          float const* g = shared_.gate_weight().row(s);
-          float z = 0.0f;
-          for (Index d = 0; d < D; ++d) z = std::fma(g[d], x(t, d), z);
-          ws.shared_gate[t * ns + s] = 1.0f / (1.0f + std::exp(-z));
-        }
-      }
-    }
-    p.expert_out = ws.expert_out.data();
-    p.ld_expert_out = D;
-    p.row_weight = plan.row_weight.data();
-    p.token_offsets = plan.token_offsets.data();
-    p.token_rows = plan.token_rows.data();
-    p.shared_out = ns > 0 ? ws.shared_out.data() : nullptr;
-    p.ld_shared = D;
-    p.shared_plane = T * D;
-    p.num_shared = ns;
-    p.shared_gate = Shared::gated && ns > 0 ? ws.shared_gate.data() : nullptr;
-    p.cols = D;
-    p.out = y.data;
-    p.ld_out = y.row_stride;
-    kernels::combine_rows(p);
-  });
+  // 7. The combine: y_t = sum_j w_j E(m_j) + sum_s g_s E_s(m_s).
+  stages::CombineSource src;
+  src.rows = ws.routed.out.data();
+  src.row_weight = plan.row_weight.data();
+  src.plan = &plan;
+  ws.shared.add_to(src, shared_);
+  stages::combine(src, y, pool);
 }
 
 template <RouterPolicy Rt, ExpertPolicy Xp, SharedExpertPolicy Sh, gating::SdpaGatePolicy Gt>
@@ -746,8 +701,6 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   Index const D = c_.d_model, T = static_cast<Index>(ws.x.size()) / D, E = num_experts();
   Index const dk = c_.qk_dim, rk = c_.q_rank, ns = shared_.count(), w = gate_width();
   Index const B = ws.batch, hr = half_rot();
-  Index const P = bank_->hidden_cols(), F = bank_->d_ffn(), Ps = shared_hidden_cols();
-  Index const Fs = shared_ffn();
   Index const per = scratch_floats();
   auto sized = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
   auto zeroed = [](std::vector<float>& v, Index n) { v.assign(static_cast<std::size_t>(n), 0.0f); };
@@ -761,12 +714,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   ConstMatrixView<float> x(ws.x.data(), T, D);
   Index const row_tiles = (R + kTileRows - 1) / kTileRows;
   Index const token_tiles = (T + kTileRows - 1) / kTileRows;
-  sized(ws.d_out, R * D);
-  zeroed(ws.dweight, T * Sl);
-  zeroed(ws.dscores, T * E);
-  zeroed(ws.dlogits, T * E);
-  sized(ws.dxin, R * D);
-  sized(ws.dhidden, R * P);
+  ws.router_grads.reset(T, Sl, E);
+  sized(ws.routed.d_out, R * D);
   sized(ws.dgate, (R + ns * T) * w);
   sized(ws.dmixed_tok, R * D);
   sized(ws.dmixed_sh, ns * T * D);
@@ -780,59 +729,25 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   sized(ws.dq_low, R * rk);
   sized(ws.dq_res, c_.residual_query ? T * dk : 0);
   sized(ws.dx_rows, R * D);
-  sized(ws.shared_dy, ns * T * D);
-  sized(ws.shared_dx, ns * T * D);
-  sized(ws.shared_dhidden, ns * T * Ps);
-  zeroed(ws.dshared_gate, T * ns);
+  ws.shared.prepare_backward(shared_, T, D);
 
   // 1. Combine VJP: dE_r = w_r dy_t, dL/dw = <dy_t, E_r>; shared experts and their gates.
-  parallel_for(pool, token_tiles, [&](Index i, int) {
-    Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
-    for (Index t = t0; t < t1; ++t) {
-      float const* g = dy.row(t);
-      Index j = plan.token_offsets[t];
-      for (Index s = 0; s < Sl; ++s) {
-        if (sel.expert[t * Sl + s] < 0) continue;
-        Index const r = plan.token_rows[j++];
-        ws.dweight[t * Sl + s] = kernels::scale_dot(g, ws.expert_out.data() + r * D,
-                                                    plan.row_weight[r], ws.d_out.data() + r * D, D);
-      }
-      for (Index s = 0; s < ns; ++s) {
-        float const gate = Shared::gated ? ws.shared_gate[t * ns + s] : 1.0f;
-        float const dot = kernels::scale_dot(g, ws.shared_out.data() + (s * T + t) * D, gate,
-                                             ws.shared_dy.data() + (s * T + t) * D, D);
-        if (Shared::gated) ws.dshared_gate[t * ns + s] = dot * gate * (1.0f - gate);
-      }
-    }
-  });
+  {
+    stages::CombineSource src;
+    src.rows = ws.routed.out.data();
+    src.row_weight = plan.row_weight.data();
+    src.plan = &plan;
+    ws.shared.add_to(src, shared_);
+    stages::CombineGrads cg{ws.routed.d_out.data(), ws.router_grads.dweight.data()};
+    ws.shared.add_to(cg);
+    stages::combine_backward(dy, src, sel, cg, pool);
+  }
 
   // 2. Expert VJPs (each expert's rows in chunks of up to kBackwardRows; shared experts by
   //    token tiles).
-  auto& chunks = ws.row_chunks;
-  chunks.clear();
-  for (Index e = 0; e < bank.num_experts(); ++e) {
-    detail::add_row_chunks(chunks, e, plan.expert_offsets[e], plan.expert_rows(e));
-  }
-  Index const routed_items = static_cast<Index>(chunks.size());
-  parallel_for(pool, routed_items + ns * token_tiles, [&](Index i, int thread) {
-    float* scratch = ws.scratch.data() + thread * per;
-    if (i < routed_items) {
-      detail::backward_chunk(bank, chunks[static_cast<std::size_t>(i)], ws.hidden.data(),
-                             ws.d_out.data(), ws.act.data(), ws.dhidden.data(), ws.dxin.data(),
-                             scratch);
-    } else if constexpr (Shared::has_experts) {
-      Index const s = (i - routed_items) / token_tiles;
-      Index const t0 = ((i - routed_items) % token_tiles) * kTileRows,
-                  n = std::min(kTileRows, T - t0);
-      Index const off = s * T + t0;
-      shared_.bank().backward_rows(
-          s, ConstMatrixView<float>(ws.shared_hidden.data() + off * Ps, n, Ps),
-          ConstMatrixView<float>(ws.shared_dy.data() + off * D, n, D),
-          MatrixView<float>(ws.shared_act.data() + off * Fs, n, Fs),
-          MatrixView<float>(ws.shared_dhidden.data() + off * Ps, n, Ps),
-          MatrixView<float>(ws.shared_dx.data() + off * D, n, D), scratch);
-    }
-  });
+  stages::ExpertRows const rows{plan.expert_offsets.data(), E};
+  ws.routed.backward_rows(bank, rows, pool, ws.grad_scratch);
+  ws.shared.backward_rows(shared_, T, pool, ws.grad_scratch);
 
   // 3. Output-gate VJP; dL/d(mixed) back to token-major order.
   parallel_for(pool, row_tiles + ns * token_tiles, [&](Index i, int) {
@@ -840,8 +755,9 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
       Index const r0 = i * kTileRows, r1 = std::min(R, r0 + kTileRows);
       for (Index r = r0; r < r1; ++r) {
         Index const j = ws.tok_index[r];
-        Gate::backward(ws.mixed_tok.data() + j * D, ws.gate.data() + r * w, ws.dxin.data() + r * D,
-                       ws.dmixed_tok.data() + j * D, ws.dgate.data() + r * w, 1, D);
+        Gate::backward(ws.mixed_tok.data() + j * D, ws.gate.data() + r * w,
+                       ws.routed.dx_rows.data() + r * D, ws.dmixed_tok.data() + j * D,
+                       ws.dgate.data() + r * w, 1, D);
       }
     } else {
       Index const s = (i - row_tiles) / token_tiles;
@@ -850,7 +766,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
       for (Index t = t0; t < t1; ++t) {
         Index const k = s * T + t;
         Gate::backward(ws.mixed_sh.data() + k * D, ws.gate.data() + (R + k) * w,
-                       ws.shared_dx.data() + k * D, ws.dmixed_sh.data() + k * D,
+                       ws.shared.dx.data() + k * D, ws.dmixed_sh.data() + k * D,
                        ws.dgate.data() + (R + k) * w, 1, D);
       }
     }
@@ -940,9 +856,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
   }
 
   // 6. Router VJP.
-  router_.backward(ConstMatrixView<float>(ws.logits.data(), T, E), sel, ws.dweight.data(),
-                   MatrixView<float>(ws.dscores.data(), T, E),
-                   MatrixView<float>(ws.dlogits.data(), T, E));
+  ws.router_grads.vjp(router_, ConstMatrixView<float>(ws.logits.data(), T, E), sel, false);
 
   // 7. Query and gate projections, input side: dx_rows = dq W_q (through the low rank) + dgamma
   //    W_g, per row tile split at expert boundaries.
@@ -970,106 +884,71 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
     }
   });
 
-  // 8. Weight gradients, in items of 64 gradient rows.
-  auto& gi = ws.grad_items;
-  gi.clear();
-  detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dlogits.data(), T, E),
-                         MatrixView<float>(grads.router_weight.data(), E, D));
+  // 8. Weight gradients, each item one block of one gradient's rows.
+  auto& gt = ws.grad_tasks;
+  gt.clear();
+  ws.router_grads.add_weight_grad(gt, x, E, grads.router_weight.data());
   for (Index e = 0; e < E; ++e) {
     Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
     if (n == 0) continue;
     ConstMatrixView<float> xr(ws.x_rows.data() + r0 * D, n, D);
     ConstMatrixView<float> dq(ws.dq_rows.data() + r0 * dk, n, dk);
     if (rk > 0) {
-      detail::add_grad_items(gi, ConstMatrixView<float>(ws.q_low.data() + r0 * rk, n, rk), dq,
-                             MatrixView<float>(grads.q_b.data() + e * dk * rk, dk, rk));
-      detail::add_grad_items(gi, xr, ConstMatrixView<float>(ws.dq_low.data() + r0 * rk, n, rk),
-                             MatrixView<float>(grads.q_a.data() + e * rk * D, rk, D));
+      gt.add(ConstMatrixView<float>(ws.q_low.data() + r0 * rk, n, rk), dq,
+             MatrixView<float>(grads.q_b.data() + e * dk * rk, dk, rk));
+      gt.add(xr, ConstMatrixView<float>(ws.dq_low.data() + r0 * rk, n, rk),
+             MatrixView<float>(grads.q_a.data() + e * rk * D, rk, D));
     } else {
-      detail::add_grad_items(gi, xr, dq, MatrixView<float>(grads.q_a.data() + e * dk * D, dk, D));
+      gt.add(xr, dq, MatrixView<float>(grads.q_a.data() + e * dk * D, dk, D));
     }
     if (gated) {
-      detail::add_grad_items(gi, xr, ConstMatrixView<float>(ws.dgate.data() + r0 * w, n, w),
-                             MatrixView<float>(grads.gate_proj.data() + e * w * D, w, D));
+      gt.add(xr, ConstMatrixView<float>(ws.dgate.data() + r0 * w, n, w),
+             MatrixView<float>(grads.gate_proj.data() + e * w * D, w, D));
     }
-    detail::add_grad_items(gi, ConstMatrixView<float>(ws.xin.data() + r0 * D, n, D),
-                           ConstMatrixView<float>(ws.dhidden.data() + r0 * P, n, P),
-                           expert_grads.in_proj(e));
-    detail::add_grad_items(gi, ConstMatrixView<float>(ws.act.data() + r0 * F, n, F),
-                           ConstMatrixView<float>(ws.d_out.data() + r0 * D, n, D),
-                           expert_grads.down_proj(e));
   }
+  ws.routed.add_weight_grads(gt, bank, rows, ws.routed.x_rows.data(), expert_grads);
   if (c_.residual_query) {
-    detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dq_res.data(), T, dk),
-                           MatrixView<float>(grads.q_res.data(), dk, D));
+    gt.add(x, ConstMatrixView<float>(ws.dq_res.data(), T, dk),
+           MatrixView<float>(grads.q_res.data(), dk, D));
   }
-  detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dk.data(), T, dk),
-                         MatrixView<float>(grads.k_proj.data(), dk, D));
+  gt.add(x, ConstMatrixView<float>(ws.dk.data(), T, dk),
+         MatrixView<float>(grads.k_proj.data(), dk, D));
   for (Index s = 0; s < ns; ++s) {
-    detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dq_sh.data() + s * T * dk, T, dk),
-                           MatrixView<float>(grads.shared_q.data() + s * dk * D, dk, D));
+    gt.add(x, ConstMatrixView<float>(ws.dq_sh.data() + s * T * dk, T, dk),
+           MatrixView<float>(grads.shared_q.data() + s * dk * D, dk, D));
     if (gated) {
-      detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dgate.data() + (R + s * T) * w, T, w),
-                             MatrixView<float>(grads.gate_proj.data() + (E + s) * w * D, w, D));
-    }
-    if constexpr (Shared::has_experts) {
-      detail::add_grad_items(gi, ConstMatrixView<float>(ws.xin_sh.data() + s * T * D, T, D),
-                             ConstMatrixView<float>(ws.shared_dhidden.data() + s * T * Ps, T, Ps),
-                             grads.shared.bank().in_proj(s));
-      detail::add_grad_items(gi, ConstMatrixView<float>(ws.shared_act.data() + s * T * Fs, T, Fs),
-                             ConstMatrixView<float>(ws.shared_dy.data() + s * T * D, T, D),
-                             grads.shared.bank().down_proj(s));
+      gt.add(x, ConstMatrixView<float>(ws.dgate.data() + (R + s * T) * w, T, w),
+             MatrixView<float>(grads.gate_proj.data() + (E + s) * w * D, w, D));
     }
   }
-  if constexpr (Shared::gated) {
-    if (ns > 0) {
-      detail::add_grad_items(gi, x, ConstMatrixView<float>(ws.dshared_gate.data(), T, ns),
-                             grads.shared.gate_weight());
-    }
-  }
-  detail::run_grad_items(pool, gi);
+  ws.shared.add_weight_grads(gt, shared_, x, stages::grad_target(grads.shared), ws.xin_sh.data());
+  gt.run(pool, ws.grad_scratch);
 
-  // 9. dx: the token's routed rows (slot order), the values, then every projection of x_t.
-  parallel_for(pool, token_tiles, [&](Index i, int) {
-    kernels::CombineParams p;
-    p.expert_out = ws.dx_rows.data();
-    p.ld_expert_out = D;
-    p.token_offsets = plan.token_offsets.data();
-    p.token_rows = plan.token_rows.data();
-    p.token_begin = i * kTileRows;
-    p.token_end = std::min(T, p.token_begin + kTileRows);
-    p.cols = D;
-    p.out = dx.data;
-    p.ld_out = dx.row_stride;
-    kernels::combine_rows(p);
-    Index const t0 = p.token_begin, n = p.token_end - t0;
-    float* const dxt = dx.data + t0 * dx.row_stride;
-    Index const ldx = dx.row_stride;
-    for (Index t = 0; t < n; ++t) {
-      float const* const dvt = ws.dv.data() + (t0 + t) * D;
-      float* const out = dxt + t * ldx;
+  // 9. dx: the token's routed rows (slot order), the values, then every projection of x_t (one
+  //    accumulating product each, in this order).
+  auto& terms = ws.dx_terms;
+  terms.clear();
+  terms.push_back(ws.router_grads.dx_term(router_weight_.data(), E, D));
+  terms.push_back({ws.dk.data(), dk, dk, k_proj_.data(), D});
+  if (c_.residual_query) terms.push_back({ws.dq_res.data(), dk, dk, q_res_.data(), D});
+  for (Index s = 0; s < ns; ++s) {
+    terms.push_back({ws.dq_sh.data() + s * T * dk, dk, dk, shared_q_.data() + s * dk * D, D});
+    if (gated) {
+      terms.push_back(
+          {ws.dgate.data() + (R + s * T) * w, w, w, gate_proj_.data() + (E + s) * w * D, D});
+    }
+  }
+  terms.push_back(ws.shared.gate_dx_term(shared_));
+  stages::CombineSource src;
+  src.rows = ws.dx_rows.data();
+  src.plan = &plan;
+  stages::combine(src, dx, pool, [&](Index t0, Index n) {
+    for (Index t = t0; t < t0 + n; ++t) {
+      float const* const dvt = ws.dv.data() + t * D;
+      float* const out = dx.row(t);
       for (Index c = 0; c < D; ++c) out[c] += dvt[c];
     }
-    // dx_t += sum of (d projection input) x (projection weight), one accumulating product each.
-    auto add = [&](float const* a, Index k, float const* wt, Index ldw) {
-      kernels::gemm_strided(n, D, k, a, k, 1, wt, ldw, dxt, ldx, true);
-    };
-    ConstMatrixView<float> const rw = router_weight();
-    add(ws.dlogits.data() + t0 * E, E, rw.data, rw.row_stride);
-    add(ws.dk.data() + t0 * dk, dk, k_proj_.data(), D);
-    if (c_.residual_query) add(ws.dq_res.data() + t0 * dk, dk, q_res_.data(), D);
-    for (Index s = 0; s < ns; ++s) {
-      add(ws.dq_sh.data() + (s * T + t0) * dk, dk, shared_q_.data() + s * dk * D, D);
-      if (gated) {
-        add(ws.dgate.data() + (R + s * T + t0) * w, w, gate_proj_.data() + (E + s) * w * D, D);
-      }
-    }
-    if constexpr (Shared::gated) {
-      if (ns > 0) {
-        ConstMatrixView<float> const gw = shared_.gate_weight();
-        add(ws.dshared_gate.data() + t0 * ns, ns, gw.data, gw.row_stride);
-      }
-    }
+    stages::add_dx_terms(terms, t0, n, dx);
   });
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// Work queues of projections C = A W^T and the weight-gradient / input-gradient products shared
-/// by the attention layers (not public API).
+/// The work queue of the attention layers' query / key / value / gate projections C = A W^T
+/// (not public API; the weight gradients are stages::GradTasks).
 #pragma once
 
 #include <algorithm>
@@ -11,7 +11,6 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 #include "moe/kernels/gemm_packed.hpp"
-#include "moe/kernels/gemm_strided.hpp"
 
 namespace moe::detail {
 
@@ -65,41 +64,5 @@ class ProjectionQueue {
   std::vector<Job> jobs_;
   std::vector<Item> items_;
 };
-
-/// grad[r0:r1] += dC[:, r0:r1]^T A: rows [r0, r1) of the gradient of W in C = A W^T.
-/// A [n, K], dC [n, >= r1], grad [N, K]. One kernels::gemm_strided call (dC read transposed in
-/// place): each gradient element is one FMA chain over the n rows in order, started from its
-/// value, so it does not depend on how the rows [r0, r1) are split.
-inline void accumulate_weight_grad(ConstMatrixView<float> a, ConstMatrixView<float> dc, Index r0,
-                                   Index r1, MatrixView<float> grad) {
-  if (a.rows == 0 || r1 <= r0) return;
-  kernels::gemm_strided(r1 - r0, a.cols, a.rows, dc.data + r0, 1, dc.row_stride, a.data,
-                        a.row_stride, grad.data + r0 * grad.row_stride, grad.row_stride, true);
-}
-
-/// One item of a weight-gradient computation: rows [r0, r1) of `grad` += dC[:, off + r0 :
-/// off + r1]^T A.
-struct GradItem {
-  ConstMatrixView<float> a;
-  ConstMatrixView<float> dc;
-  MatrixView<float> grad;
-  Index r0, r1;
-};
-
-/// Splits grad [N, K] += dC^T A into items of 64 gradient rows (fixed by the shapes).
-inline void add_grad_items(std::vector<GradItem>& items, ConstMatrixView<float> a,
-                           ConstMatrixView<float> dc, MatrixView<float> grad) {
-  if (a.rows == 0) return;
-  for (Index r = 0; r < grad.rows; r += 64) {
-    items.push_back({a, dc, grad, r, std::min(grad.rows, r + 64)});
-  }
-}
-
-inline void run_grad_items(ThreadPool* pool, std::vector<GradItem> const& items) {
-  parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int) {
-    GradItem const& it = items[i];
-    accumulate_weight_grad(it.a, it.dc, it.r0, it.r1, it.grad);
-  });
-}
 
 }  // namespace moe::detail
