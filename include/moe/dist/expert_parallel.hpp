@@ -32,7 +32,7 @@
 #include "moe/experts/shared_experts.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
-#include "moe/layers/detail/ffn_gradients.hpp"
+#include "moe/layers/detail/ffn_base.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/layers/stages/combine.hpp"
 #include "moe/layers/stages/routed_experts.hpp"
@@ -197,21 +197,20 @@ struct ExpertParallelWorkspace {
 template <RouterPolicy Router_, ExpertPolicy Expert_,
           SharedExpertPolicy Shared_ = experts::NoSharedExperts,
           BalancePolicy Balance_ = balance::None>
-class ExpertParallelMoeFfn {
+class ExpertParallelMoeFfn
+    : public ::moe::detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> {
+  using Base = ::moe::detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_>;
+
  public:
-  using Router = Router_;
-  using Expert = Expert_;
-  using Shared = Shared_;
-  using Balance = Balance_;
-  using Bank = experts::ExpertBank<Expert>;
+  using typename Base::Balance, typename Base::Bank, typename Base::Expert, typename Base::Router,
+      typename Base::Shared;
+  /// Gradients laid out like parameters(): the router and shared experts (replicated, identical
+  /// on every rank after backward) and this rank's routed experts only.
+  using Gradients = typename Base::Gradients;
   /// The single-process layer with the same policies.
   using Layer = MoeFfn<Router, Expert, Shared, Balance>;
   /// Rows per token-side work item (row-independent work: any value gives the same bits).
   static constexpr Index kTileRows = stages::kTokenTile;
-
-  /// Gradients laid out like parameters(): the router and shared experts (replicated, identical
-  /// on every rank after backward) and this rank's routed experts only.
-  using Gradients = ::moe::detail::FfnGradients<Bank, Shared>;
 
   ExpertParallelMoeFfn() = default;
 
@@ -227,8 +226,6 @@ class ExpertParallelMoeFfn {
     try {
       router.validate();
       Index const E = router.expert_count();
-      ::moe::detail::check(d_model >= 1 && d_ffn >= 1, "ExpertParallelMoeFfn: d_model = ", d_model,
-                           ", d_ffn = ", d_ffn, "; both must be >= 1");
       if (options.placement.empty()) {
         options.placement = ExpertPlacement::contiguous(E, comm_.size());
       }
@@ -238,21 +235,11 @@ class ExpertParallelMoeFfn {
           " experts over ", options.placement.num_ranks(), " ranks, but the router has ", E,
           " experts and the communicator ", comm_.size(),
           " ranks; build it with ExpertPlacement::contiguous(E, P) or similar");
-      if constexpr (Shared::has_experts) {
-        ::moe::detail::check(
-            shared.count() == 0 || shared.bank().d_model() == d_model,
-            "ExpertParallelMoeFfn: shared experts have d_model = ", shared.bank().d_model(),
-            " but the layer has ", d_model, "; build them with the layer's d_model");
-      }
-      router_ = std::move(router);
-      shared_ = std::move(shared);
-      balance_ = std::move(balance);
+      Index const local = options.placement.num_local(comm_.rank());
+      this->init(d_model, d_ffn, local, std::move(router), std::move(shared), std::move(balance),
+                 "ExpertParallelMoeFfn");
       placement_ = std::move(options.placement);
       reduction_ = options.reduction;
-      d_model_ = d_model;
-      d_ffn_ = d_ffn;
-      bank_ = Bank(placement_.num_local(comm_.rank()), d_model, d_ffn);
-      router_weight_.assign(static_cast<std::size_t>(E * d_model), 0.0f);
       row_type_ = RowType(d_model);
       describe_config(rec);
     } catch (std::exception const& e) {
@@ -288,9 +275,7 @@ class ExpertParallelMoeFfn {
   ExpertParallelMoeFfn(ExpertParallelMoeFfn&&) noexcept = default;
   ExpertParallelMoeFfn& operator=(ExpertParallelMoeFfn&&) noexcept = default;
 
-  Index d_model() const { return d_model_; }
-  Index d_ffn() const { return d_ffn_; }
-  Index num_experts() const { return router_.expert_count(); }
+  using Base::num_experts, Base::router_weight;
   int rank() const { return comm_.rank(); }
   int num_ranks() const { return comm_.size(); }
   /// The layer's own duplicate of the communicator it was built on.
@@ -300,38 +285,11 @@ class ExpertParallelMoeFfn {
   /// Global ids of this rank's experts, ascending: local expert j is expert local_expert_ids()[j].
   std::span<Index const> local_expert_ids() const { return placement_.experts_of(comm_.rank()); }
 
-  Router& router() { return router_; }
-  Router const& router() const { return router_; }
-  /// This rank's routed experts (L = local_expert_ids().size() of them, possibly 0).
+  /// This rank's routed experts (L = local_expert_ids().size() of them, possibly 0). The
+  /// router weight [E, D] and the shared experts are replicated: keep them equal on every rank.
+  /// parameters() are MoeFfn::parameters(), except that "experts" holds this rank's experts.
   Bank& local_experts() { return bank_; }
   Bank const& local_experts() const { return bank_; }
-  Shared& shared_experts() { return shared_; }
-  Shared const& shared_experts() const { return shared_; }
-  Balance& balance() { return balance_; }
-  Balance const& balance() const { return balance_; }
-  /// [E, D] router projection (replicated: keep it equal on every rank).
-  MatrixView<float> router_weight() { return {router_weight_.data(), num_experts(), d_model_}; }
-  ConstMatrixView<float> router_weight() const {
-    return {router_weight_.data(), num_experts(), d_model_};
-  }
-
-  /// Every trainable parameter as in MoeFfn::parameters(), except that "experts" holds this
-  /// rank's experts only.
-  ParameterList parameters() {
-    return ::moe::detail::ffn_parameters(router_weight_, bank_, shared_);
-  }
-
-  /// Zero gradients shaped like parameters().
-  Gradients make_gradients() const {
-    return ::moe::detail::make_ffn_gradients<Gradients>(router_weight_.size(), bank_, shared_);
-  }
-
-  /// Packs the local and shared experts' weights once (ExpertBank::pack), as MoeFfn::pack_weights:
-  /// fp32 panels, or bf16 panels for inference (training forwards then use the fp32 weights).
-  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
-    bank_.pack(format);
-    if constexpr (Shared::has_experts) shared_.bank().pack(format);
-  }
 
   /// y = MoE(x) for this rank's tokens x [T_r, D] into y [T_r, D] (y may be x). Collective: every
   /// rank calls it (T_r may differ, and may be 0). Same options as MoeFfn::forward.
@@ -446,10 +404,12 @@ class ExpertParallelMoeFfn {
   }
 
  private:
+  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_weight_,
+      Base::shared_;
   using SharedX = typename ::moe::detail::SharedExpertOr<Shared, Expert>::type;
 
   stages::Stamp stamp(Index tokens) const {
-    return {this, tokens, d_model_, num_experts(), d_ffn_};
+    return {this, tokens, d_model_, num_experts(), bank_.d_ffn()};
   }
 
   CallRecord record(CallKind kind) {
@@ -467,7 +427,8 @@ class ExpertParallelMoeFfn {
     if constexpr (Shared::has_experts) Fs = shared_.bank().d_ffn();
     std::string text =
         "E=" + std::to_string(num_experts()) + " D=" + std::to_string(d_model_) +
-        " F=" + std::to_string(d_ffn_) + " slots=" + std::to_string(router_.slots_per_token()) +
+        " F=" + std::to_string(bank_.d_ffn()) +
+        " slots=" + std::to_string(router_.slots_per_token()) +
         " expert=" + (Expert::gated ? "glu/" : "mlp/") + kernels::to_string(Expert::activation) +
         " shared=" + std::to_string(shared_.count()) + "x" + std::to_string(Fs) +
         (Shared::gated ? " gated" : "") + " placement=" + placement_.describe() + " reduction=" +
@@ -482,22 +443,13 @@ class ExpertParallelMoeFfn {
   }
 
   void check_input(ConstMatrixView<float> x) const {
-    ::moe::detail::check(x.cols == d_model_, "ExpertParallelMoeFfn: x has ", x.cols,
-                         " columns but d_model = ", d_model_,
-                         "; pass activations of shape [tokens, d_model]");
-    ::moe::detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                         "ExpertParallelMoeFfn: x is not a valid view (rows = ", x.rows,
-                         ", row_stride = ", x.row_stride, ")");
+    Base::check_input(x, "ExpertParallelMoeFfn");
     ::moe::detail::check(comm_.valid() && !router_weight_.empty(),
                          "ExpertParallelMoeFfn: the layer was default-constructed or moved from; "
                          "construct it with a communicator and sizes first");
   }
   void check_output(ConstMatrixView<float> x, MatrixView<float> y) const {
-    ::moe::detail::check(y.rows == x.rows && y.cols == d_model_, "ExpertParallelMoeFfn: y is [",
-                         y.rows, ", ", y.cols, "] but must be [", x.rows, ", ", d_model_,
-                         "] like x");
-    ::moe::detail::check(y.row_stride >= y.cols && (y.data || y.rows == 0),
-                         "ExpertParallelMoeFfn: y is not a valid view");
+    Base::check_output(x, y, "ExpertParallelMoeFfn");
   }
 
   BalanceInputs balance_inputs(ExpertParallelWorkspace const& ws) const {
@@ -968,15 +920,8 @@ class ExpertParallelMoeFfn {
 
   Communicator comm_;
   RowType row_type_;
-  Router router_{};
-  Bank bank_;
-  Shared shared_{};
-  Balance balance_{};
   ExpertPlacement placement_;
   GradientReduction reduction_ = GradientReduction::kRankOrdered;
-  Index d_model_ = 0;
-  Index d_ffn_ = 0;
-  std::vector<float> router_weight_;
   std::uint64_t config_hash_ = 0;
   std::string config_text_;
   std::int64_t seq_ = 0;

@@ -23,7 +23,7 @@
 #include "moe/experts/expert_types.hpp"
 #include "moe/experts/shared_experts.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
-#include "moe/layers/detail/ffn_gradients.hpp"
+#include "moe/layers/detail/ffn_base.hpp"
 #include "moe/layers/stages/combine.hpp"
 #include "moe/layers/stages/routed_experts.hpp"
 #include "moe/layers/stages/router.hpp"
@@ -63,12 +63,8 @@ struct DefaultMoe {
 /// `MoeFfn::reserve`), a forward allocates nothing, and so does a backward. One workspace per
 /// concurrent caller; the layer itself is read-only during forward. A training forward
 /// (`forward_train`) also keeps here what `backward` needs, stamped with the layer that made it.
-struct MoeFfnWorkspace {
-  // Results of the last call.
-  std::vector<float> logits;  ///< [T, E] router logits (after routing controls)
-  Selection selection;        ///< the router's choices and scores
-  RoutingPlan plan;           ///< rows sorted by expert
-  double aux_loss = 0.0;      ///< the balance policy's loss for the last routed call
+struct MoeFfnWorkspace : stages::RoutingResults {
+  // Results of the last call (stages::RoutingResults): logits [T, E], selection, plan, aux_loss.
 
   // The stages' buffers.
   /// The routed experts' rows: inputs (training), pre-activations, activations, outputs
@@ -91,10 +87,6 @@ struct MoeFfnWorkspace {
   stages::RouterGrads router_grads;  ///< dL/d(slot weights), d(scores), d(logits)
   stages::GradTasks grad_tasks;      ///< the weight-gradient items of a backward
   stages::ThreadScratch scratch;     ///< per-thread backward scratch
-
-  ConstMatrixView<float> logits_view() const {
-    return {logits.data(), selection.num_tokens, selection.num_experts};
-  }
 };
 
 /// A sparse Mixture-of-Experts feed-forward layer (GShard / Switch "dispatch, experts, combine"):
@@ -126,79 +118,32 @@ struct MoeFfnWorkspace {
 template <RouterPolicy Router_, ExpertPolicy Expert_,
           SharedExpertPolicy Shared_ = experts::NoSharedExperts,
           BalancePolicy Balance_ = balance::None>
-class MoeFfn {
- public:
-  using Router = Router_;
-  using Expert = Expert_;
-  using Shared = Shared_;
-  using Balance = Balance_;
-  using Bank = experts::ExpertBank<Expert>;
+class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> {
+  using Base = detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_>;
 
+ public:
+  using typename Base::Balance, typename Base::Bank, typename Base::Expert, typename Base::Router,
+      typename Base::Shared;
   /// Gradients of every parameter, each buffer shaped like its parameter (router_weight [E, D],
   /// experts, shared). `groups()` lists them in the order of MoeFfn::parameters().
-  using Gradients = detail::FfnGradients<Bank, Shared>;
+  using Gradients = typename Base::Gradients;
 
   MoeFfn() = default;
   /// A layer with zero weights. Throws moe::Error if the router is invalid or the sizes disagree.
-  MoeFfn(Index d_model, Index d_ffn, Router router, Shared shared = {}, Balance balance = {})
-      : router_(std::move(router)),
-        shared_(std::move(shared)),
-        balance_(std::move(balance)),
-        d_model_(d_model) {
-    router_.validate();
-    Index const E = router_.expert_count();
-    detail::check(d_model >= 1 && d_ffn >= 1, "MoeFfn: d_model = ", d_model, ", d_ffn = ", d_ffn,
-                  "; both must be >= 1");
-    bank_ = Bank(E, d_model, d_ffn);
-    router_weight_.assign(static_cast<std::size_t>(E * d_model), 0.0f);
-    defaults_.assign(static_cast<std::size_t>(E * d_model), 0.0f);
-    if constexpr (Shared::has_experts) {
-      detail::check(shared_.count() == 0 || shared_.bank().d_model() == d_model,
-                    "MoeFfn: shared experts have d_model = ", shared_.bank().d_model(),
-                    " but the layer has ", d_model, "; build them with the layer's d_model");
-    }
+  MoeFfn(Index d_model, Index d_ffn, Router router, Shared shared = {}, Balance balance = {}) {
+    this->init(d_model, d_ffn, -1, std::move(router), std::move(shared), std::move(balance),
+               "MoeFfn");
+    defaults_.assign(static_cast<std::size_t>(num_experts() * d_model), 0.0f);
   }
 
-  Index d_model() const { return d_model_; }
-  Index d_ffn() const { return bank_.d_ffn(); }
-  Index num_experts() const { return router_.expert_count(); }
-
-  Router& router() { return router_; }
-  Router const& router() const { return router_; }
+  using Base::num_experts, Base::router_weight;
+  /// The E routed experts.
   Bank& experts() { return bank_; }
   Bank const& experts() const { return bank_; }
-  Shared& shared_experts() { return shared_; }
-  Shared const& shared_experts() const { return shared_; }
-  Balance& balance() { return balance_; }
-  Balance const& balance() const { return balance_; }
-  /// [E, D] router projection, logits = x W_r^T.
-  MatrixView<float> router_weight() { return {router_weight_.data(), num_experts(), d_model_}; }
-  ConstMatrixView<float> router_weight() const {
-    return {router_weight_.data(), num_experts(), d_model_};
-  }
   /// Default-MoE configuration (off by default) and its EMA state d [E, D].
   DefaultMoe& default_moe() { return default_moe_; }
   DefaultMoe const& default_moe() const { return default_moe_; }
   MatrixView<float> default_outputs() { return {defaults_.data(), num_experts(), d_model_}; }
-
-  /// Every trainable parameter as named flat buffers: "router.weight", "experts" (all in_proj
-  /// blocks then all down_proj blocks, see ExpertBank), and with shared experts
-  /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
-  /// buffers, not parameters.
-  ParameterList parameters() { return detail::ffn_parameters(router_weight_, bank_, shared_); }
-
-  /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
-  /// (ExpertBank::pack), so forwards stop repacking them per call. Call again after changing
-  /// weights; until then the layer notices the change and packs per call. Doubles expert memory.
-  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
-    bank_.pack(format);
-    if constexpr (Shared::has_experts) shared_.bank().pack(format);
-  }
-
-  /// Zero gradients shaped like this layer's parameters.
-  Gradients make_gradients() const {
-    return detail::make_ffn_gradients<Gradients>(router_weight_.size(), bank_, shared_);
-  }
 
   /// Grows `ws` for batches of up to max_tokens tokens and `threads` threads, so that later
   /// forwards allocate nothing.
@@ -335,33 +280,29 @@ class MoeFfn {
   }
 
  private:
+  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_weight_,
+      Base::shared_;
   using SharedX = typename detail::SharedExpertOr<Shared, Expert>::type;
 
   stages::Stamp stamp(Index tokens) const {
-    return {this, tokens, d_model_, num_experts(), d_ffn()};
+    return {this, tokens, d_model_, num_experts(), bank_.d_ffn()};
   }
 
   /// The deepest projection (K) of any job.
   Index projection_depth() const {
-    Index k = std::max(d_model_, d_ffn());
+    Index k = std::max(d_model_, bank_.d_ffn());
     if constexpr (Shared::has_experts) k = std::max(k, shared_.bank().d_ffn());
     return k;
   }
 
   void check_input(ConstMatrixView<float> x) const {
-    detail::check(x.cols == d_model_, "MoeFfn: x has ", x.cols, " columns but d_model = ", d_model_,
-                  "; pass activations of shape [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "MoeFfn: x is not a valid view (rows = ", x.rows, ", row_stride = ", x.row_stride,
-                  ")");
-    detail::check(router_weight_.size() == static_cast<std::size_t>(num_experts() * d_model_),
-                  "MoeFfn: the layer was default-constructed; construct it with sizes first");
+    Base::check_input(x, "MoeFfn");
+    detail::check(
+        router_weight_.size() == static_cast<std::size_t>(num_experts() * d_model_) && d_model_ > 0,
+        "MoeFfn: the layer was default-constructed; construct it with sizes first");
   }
   void check_output(ConstMatrixView<float> x, MatrixView<float> y) const {
-    detail::check(y.rows == x.rows && y.cols == d_model_, "MoeFfn: y is [", y.rows, ", ", y.cols,
-                  "] but must be [", x.rows, ", ", d_model_, "] like x");
-    detail::check(y.row_stride >= y.cols && (y.data || y.rows == 0),
-                  "MoeFfn: y is not a valid view");
+    Base::check_output(x, y, "MoeFfn");
   }
 
   BalanceInputs balance_inputs(MoeFfnWorkspace const& ws) const {
@@ -539,12 +480,6 @@ class MoeFfn {
                     [&](Index t0, Index n) { stages::add_dx_terms(terms, t0, n, dx); });
   }
 
-  Router router_{};
-  Bank bank_;
-  Shared shared_{};
-  Balance balance_{};
-  Index d_model_ = 0;
-  std::vector<float> router_weight_;
   DefaultMoe default_moe_{};
   std::vector<float> defaults_;
   MoeFfnWorkspace own_ws_;

@@ -18,6 +18,19 @@
 
 namespace moe::stages {
 
+/// What routing produced for a batch, the results every MoE layer's workspace holds (apart from
+/// its stages' buffers and its training cache).
+struct RoutingResults {
+  std::vector<float> logits;  ///< [T, E] router logits (after routing controls)
+  Selection selection;        ///< the router's choices and scores
+  RoutingPlan plan;           ///< rows sorted by expert
+  double aux_loss = 0.0;      ///< the balance policy's loss for the last routed call (0: none)
+
+  ConstMatrixView<float> logits_view() const {
+    return {logits.data(), selection.num_tokens, selection.num_experts};
+  }
+};
+
 /// Who computed a logit, for the error message of a non-finite one.
 struct LogitOrigin {
   char const* layer = "MoeFfn";

@@ -1,0 +1,173 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// What the MoE FFN layers (MoeFfn and ExpertParallelMoeFfn) share besides the pipeline stages:
+/// their policies, parameters and accessors, the parameter list and gradient buffers, the
+/// argument checks. Not public API: use the layers.
+#pragma once
+
+#include <algorithm>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/parameters.hpp"
+#include "moe/core/views.hpp"
+#include "moe/experts/expert_bank.hpp"
+
+namespace moe::detail {
+
+/// "router.weight", "experts" (every in_proj block, then every down_proj block) and, with
+/// shared experts, "shared_experts" and "shared_experts.gate".
+template <class V, class Bank, class Shared>
+ParameterList ffn_parameters(V& router_weight, Bank& bank, Shared& shared) {
+  ParameterList list;
+  list.push_back({"router.weight", std::span<float>(router_weight)});
+  list.push_back({"experts", bank.parameters()});
+  if constexpr (Shared::has_experts) {
+    list.push_back({"shared_experts", shared.bank().parameters()});
+    auto g = shared.gate_weight();
+    list.push_back({"shared_experts.gate",
+                    std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols))});
+  }
+  return list;
+}
+
+/// Gradients of an MoE FFN layer's parameters, each buffer shaped like its parameter;
+/// `groups()` lists them in the order of the layer's parameters().
+template <class Bank, class Shared>
+struct FfnGradients {
+  std::vector<float> router_weight;  ///< [E, D]
+  Bank experts;                      ///< same shapes as the layer's (routed, local) experts
+  Shared shared;                     ///< same shapes as the layer's shared experts
+  void zero() {
+    for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
+  }
+  ParameterList groups() { return ffn_parameters(router_weight, experts, shared); }
+};
+
+/// Zero gradients shaped like (router_weight, bank, shared).
+template <class Grads, class Bank, class Shared>
+Grads make_ffn_gradients(std::size_t router_size, Bank const& bank, Shared const& shared) {
+  Grads g;
+  g.router_weight.assign(router_size, 0.0f);
+  g.experts = Bank(bank.num_experts(), bank.d_model(), bank.d_ffn());
+  if constexpr (Shared::has_experts) {
+    g.shared = Shared(shared.count(), shared.bank().d_model(), shared.bank().d_ffn());
+  }
+  return g;
+}
+
+/// Throws moe::Error (who: the layer's name) unless `g` is shaped like the layer's parameters.
+template <class Grads, class Bank, class Shared>
+void check_ffn_gradients(Grads const& g, std::size_t router_size, Bank const& bank,
+                         Shared const& shared, char const* who) {
+  bool ok = g.router_weight.size() == router_size &&
+            g.experts.num_experts() == bank.num_experts() &&
+            g.experts.d_model() == bank.d_model() && g.experts.d_ffn() == bank.d_ffn();
+  if constexpr (Shared::has_experts) {
+    ok = ok && g.shared.count() == shared.count() &&
+         g.shared.bank().d_ffn() == shared.bank().d_ffn() &&
+         g.shared.bank().d_model() == shared.bank().d_model() &&
+         g.shared.gate_weight().rows == shared.gate_weight().rows;
+  }
+  check(ok, who,
+        "::backward: the gradients are not shaped like this layer's parameters (another "
+        "layer's?); make them with this layer's make_gradients()");
+}
+
+/// The policies, parameters and accessors of an MoE FFN layer: the router and its weight
+/// [E, D], the routed experts this process holds (all of them, or one rank's), the shared
+/// experts and the balance policy.
+template <class Router_, class Expert_, class Shared_, class Balance_>
+class FfnLayerBase {
+ public:
+  using Router = Router_;
+  using Expert = Expert_;
+  using Shared = Shared_;
+  using Balance = Balance_;
+  using Bank = experts::ExpertBank<Expert>;
+  /// Gradients of every parameter, each buffer shaped like its parameter (router_weight [E, D],
+  /// experts, shared). `groups()` lists them in the order of parameters().
+  using Gradients = FfnGradients<Bank, Shared>;
+
+  Index d_model() const { return d_model_; }
+  Index d_ffn() const { return bank_.d_ffn(); }
+  Index num_experts() const { return router_.expert_count(); }
+
+  Router& router() { return router_; }
+  Router const& router() const { return router_; }
+  Shared& shared_experts() { return shared_; }
+  Shared const& shared_experts() const { return shared_; }
+  Balance& balance() { return balance_; }
+  Balance const& balance() const { return balance_; }
+  /// [E, D] router projection, logits = x W_r^T.
+  MatrixView<float> router_weight() { return {router_weight_.data(), num_experts(), d_model_}; }
+  ConstMatrixView<float> router_weight() const {
+    return {router_weight_.data(), num_experts(), d_model_};
+  }
+
+  /// Every trainable parameter as named flat buffers: "router.weight", "experts" (all in_proj
+  /// blocks then all down_proj blocks, see ExpertBank), and with shared experts
+  /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
+  /// buffers, not parameters.
+  ParameterList parameters() { return ffn_parameters(router_weight_, bank_, shared_); }
+
+  /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
+  /// (ExpertBank::pack): fp32 panels, or bf16 panels for inference (training forwards then use
+  /// the fp32 weights). Call again after changing weights; until then the layer notices the
+  /// change and packs per call. Doubles expert memory.
+  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
+    bank_.pack(format);
+    if constexpr (Shared::has_experts) shared_.bank().pack(format);
+  }
+
+  /// Zero gradients shaped like this layer's parameters.
+  Gradients make_gradients() const {
+    return make_ffn_gradients<Gradients>(router_weight_.size(), bank_, shared_);
+  }
+
+ protected:
+  FfnLayerBase() = default;
+  /// Validates and takes the policies; `bank_experts` routed experts of D -> F -> D held here
+  /// (-1: all of the router's).
+  void init(Index d_model, Index d_ffn, Index bank_experts, Router router, Shared shared,
+            Balance balance, char const* who) {
+    router.validate();
+    check(d_model >= 1 && d_ffn >= 1, who, ": d_model = ", d_model, ", d_ffn = ", d_ffn,
+          "; both must be >= 1");
+    if constexpr (Shared::has_experts) {
+      check(shared.count() == 0 || shared.bank().d_model() == d_model, who,
+            ": shared experts have d_model = ", shared.bank().d_model(), " but the layer has ",
+            d_model, "; build them with the layer's d_model");
+    }
+    router_ = std::move(router);
+    shared_ = std::move(shared);
+    balance_ = std::move(balance);
+    d_model_ = d_model;
+    bank_ = Bank(bank_experts < 0 ? router_.expert_count() : bank_experts, d_model, d_ffn);
+    router_weight_.assign(static_cast<std::size_t>(router_.expert_count() * d_model), 0.0f);
+  }
+
+  void check_input(ConstMatrixView<float> x, char const* who) const {
+    check(x.cols == d_model_, who, ": x has ", x.cols, " columns but d_model = ", d_model_,
+          "; pass activations of shape [tokens, d_model]");
+    check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0), who,
+          ": x is not a valid view (rows = ", x.rows, ", row_stride = ", x.row_stride, ")");
+  }
+  void check_output(ConstMatrixView<float> x, MatrixView<float> y, char const* who) const {
+    check(y.rows == x.rows && y.cols == d_model_, who, ": y is [", y.rows, ", ", y.cols,
+          "] but must be [", x.rows, ", ", d_model_, "] like x");
+    check(y.row_stride >= y.cols && (y.data || y.rows == 0), who, ": y is not a valid view");
+  }
+
+  Router router_{};
+  Bank bank_;
+  Shared shared_{};
+  Balance balance_{};
+  Index d_model_ = 0;
+  std::vector<float> router_weight_;
+};
+
+}  // namespace moe::detail
