@@ -7,6 +7,7 @@
 #include "moe/experts/shared_experts.hpp"
 #include "support/helpers.hpp"
 #include "support/layer_reference.hpp"
+#include "support/run_expert.hpp"
 
 using moe::Index;
 namespace experts = moe::experts;
@@ -17,9 +18,9 @@ static_assert(moe::SharedExpertPolicy<experts::NoSharedExperts>);
 static_assert(moe::SharedExpertPolicy<experts::GatedSharedExperts<experts::SwiGlu>>);
 static_assert(moe::SharedExpertPolicy<experts::UngatedSharedExperts<experts::GeluMlp>>);
 
-TEMPLATE_TEST_CASE("ExpertBank::run matches the reference expert", "[experts]", experts::SwiGlu,
-                   experts::GeGlu, experts::GeGluErf, experts::ReluMlp, experts::GeluMlp,
-                   experts::GeluTanhMlp, experts::SiluMlp) {
+TEMPLATE_TEST_CASE("One expert through the routed-experts engine matches the reference expert",
+                   "[experts]", experts::SwiGlu, experts::GeGlu, experts::GeGluErf,
+                   experts::ReluMlp, experts::GeluMlp, experts::GeluTanhMlp, experts::SiluMlp) {
   Index const E = 3, D = 24, F = 40;
   experts::ExpertBank<TestType> bank(E, D, F);
   moe::fill_uniform(bank.parameters(), -0.3f, 0.3f, 5);
@@ -27,10 +28,9 @@ TEMPLATE_TEST_CASE("ExpertBank::run matches the reference expert", "[experts]", 
     INFO("rows " << n);
     auto x = test::random_vector(n * D, 6, -2.0f, 2.0f);
     std::vector<float> y(static_cast<std::size_t>(n * D));
-    std::vector<float> scratch(static_cast<std::size_t>(bank.scratch_size(n)));
     for (Index e = 0; e < E; ++e) {
-      bank.run(e, moe::ConstMatrixView<float>(x.data(), n, D),
-               moe::MatrixView<float>(y.data(), n, D), scratch.data());
+      test::run_expert(bank, e, moe::ConstMatrixView<float>(x.data(), n, D),
+                       moe::MatrixView<float>(y.data(), n, D));
       for (Index i = 0; i < n; ++i) {
         auto want = ref::bank_expert(bank, e, x.data() + i * D);
         REQUIRE(test::max_rel_diff(y.data() + i * D, want) < 1e-5);
@@ -81,9 +81,9 @@ TEST_CASE("Fused gate_up equals separate gate and up projections", "[experts]") 
   }
   for (Index i = 0; i < D * F; ++i) a.down_proj(0).data[i] = b.down_proj(0).data[i] = dn[i];
   auto x = test::random_vector(D, 4);
-  std::vector<float> ya(D), yb(D), s(static_cast<std::size_t>(a.scratch_size(1)));
-  a.run(0, {x.data(), 1, D}, {ya.data(), 1, D}, s.data());
-  b.run(0, {x.data(), 1, D}, {yb.data(), 1, D}, s.data());
+  std::vector<float> ya(D), yb(D);
+  test::run_expert(a, 0, {x.data(), 1, D}, {ya.data(), 1, D});
+  test::run_expert(b, 0, {x.data(), 1, D}, {yb.data(), 1, D});
   REQUIRE(ya == yb);
 }
 

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "moe/core/concepts.hpp"
-#include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/core/memory.hpp"
+#include "moe/core/views.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
@@ -39,8 +39,9 @@ enum class WeightFormat {
 ///
 /// `parameters()` is every weight as one flat array (all in_proj blocks, then all down_proj
 /// blocks), for optimizers and loaders. A bank is a value type: copying it copies the weights.
-/// run() is const and thread-safe for distinct output buffers. The backward pass (backward_rows,
-/// accumulate_*_grad) runs on kernels::gemm_strided: in place, allocation-free.
+/// The layers run its experts through the routed-experts engine (moe/layers/stages/); the
+/// backward's row phase (backward_rows) runs on kernels::gemm_strided: in place,
+/// allocation-free, const and thread-safe for distinct output buffers.
 template <ExpertPolicy Expert_>
 class ExpertBank {
  public:
@@ -94,49 +95,8 @@ class ExpertBank {
   }
   std::span<float const> parameters() const { return params_; }
 
-  /// Floats of scratch that run() needs for n rows: n * P plus one packed weight panel.
-  Index scratch_size(Index rows) const { return rows * hidden_cols() + panel_scratch_size(); }
-  /// Floats of packed-panel scratch the projections need (kernels::project_cols).
-  Index panel_scratch_size() const {
-    return kernels::panel_scratch_size(std::max(d_model_, d_ffn_));
-  }
   /// P: columns of the pre-activation h (2F for GLU experts, F for MLPs).
   Index hidden_cols() const { return kInFactor * d_ffn_; }
-
-  /// out[i] = E_e(x[i]) for the n = x.rows rows of x [n, D] into out [n, D], single-threaded.
-  /// `scratch` holds scratch_size(n) floats. Projections go through kernels::project_cols, so the
-  /// result depends only on the inputs and n (bitwise), and nothing is allocated.
-  void run(Index e, ConstMatrixView<float> x, MatrixView<float> out, float* scratch) const {
-    Index const n = x.rows;
-    if (n == 0) return;
-    float* panel = scratch + n * hidden_cols();
-    MatrixView<float> h(scratch, n, hidden_cols());
-    project_in(e, x, 0, hidden_cols(), h, panel);
-    for (Index i = 0; i < n; ++i) activate_row(h.row(i), h.row(i));  // in place: m in h[:, :F]
-    project_down(e, ConstMatrixView<float>(scratch, n, d_ffn_, hidden_cols()), 0, d_model_, out,
-                 panel);
-  }
-
-  /// h[:, c0:c1] = x W_in[c0:c1]^T (pre-activations; `panel` holds panel_scratch_size() floats).
-  void project_in(Index e, ConstMatrixView<float> x, Index c0, Index c1, MatrixView<float> h,
-                  float* panel) const {
-    kernels::project_cols(x.data, x.row_stride, x.rows, in_ptr(e), d_model_, d_model_, c0, c1,
-                          h.data, h.row_stride, panel);
-  }
-  /// out[:, c0:c1] = m W_down[c0:c1]^T for m [n, F].
-  void project_down(Index e, ConstMatrixView<float> m, Index c0, Index c1, MatrixView<float> out,
-                    float* panel) const {
-    kernels::project_cols(m.data, m.row_stride, m.rows, down_ptr(e), d_ffn_, d_ffn_, c0, c1,
-                          out.data, out.row_stride, panel);
-  }
-  /// m[0:F] = act(h[0:F]) * h[F:2F] (GLU) or act(h[0:F]); m may be h.
-  void activate_row(float const* h, float* m) const {
-    if constexpr (Expert::gated) {
-      kernels::glu<Expert::activation>(h, h + d_ffn_, m, d_ffn_);
-    } else {
-      kernels::activate<Expert::activation>(h, m, d_ffn_);
-    }
-  }
 
   /// Row phase of the backward of expert e over n rows, given the forward's h [n, P] and the
   /// upstream gradient dy [n, D] of the expert outputs:
@@ -168,24 +128,6 @@ class ExpertBank {
   /// Floats of scratch backward_rows needs for n rows: dm, then gemm_strided's scratch.
   Index backward_scratch_floats(Index n) const {
     return n * d_ffn_ + kernels::kGemmStridedScratchFloats;
-  }
-
-  /// Weight phase of the backward for rows [r0, r1) of grad.in_proj(e) (r in [0, P)):
-  ///   grad.in_proj(e)[r0:r1] += dh[:, r0:r1]^T x
-  /// `scratch`: kernels::kGemmStridedScratchFloats floats, or null (slower stack buffers).
-  static void accumulate_in_grad(ConstMatrixView<float> x, ConstMatrixView<float> dh, Index r0,
-                                 Index r1, MatrixView<float> grad_in, float* scratch = nullptr) {
-    if (x.rows == 0 || r1 <= r0) return;
-    kernels::gemm_strided(r1 - r0, x.cols, x.rows, dh.data + r0, 1, dh.row_stride, x.data,
-                          x.row_stride, grad_in.row(r0), grad_in.row_stride, true, scratch);
-  }
-  /// grad.down_proj(e)[r0:r1] += dy[:, r0:r1]^T m   (r in [0, D)); scratch as above.
-  static void accumulate_down_grad(ConstMatrixView<float> m, ConstMatrixView<float> dy, Index r0,
-                                   Index r1, MatrixView<float> grad_down,
-                                   float* scratch = nullptr) {
-    if (m.rows == 0 || r1 <= r0) return;
-    kernels::gemm_strided(r1 - r0, m.cols, m.rows, dy.data + r0, 1, dy.row_stride, m.data,
-                          m.row_stride, grad_down.row(r0), grad_down.row_stride, true, scratch);
   }
 
   /// Packs every expert's projections into the panel layout the micro-kernel reads
