@@ -8,9 +8,10 @@
 //   BM_Layer_GatedAttention_Forward / _Train
 //       D 1024, 8 query heads over 2 KV heads, head_dim 128, elementwise gate packed per query
 //       head (Qwen3-Next layout), q/k RMSNorm (1 + w), RoPE on 64 of 128 dims; pool of 2 threads
-//   BM_Layer_MoeAttention_Forward / _Train
-//       UMoE: D 1024, 16 SiLU-MLP experts of F 512 (bank packed once), top-2, d_qk 128, query
-//       rank 32 + residual query, RoPE, headwise gate, no shared expert; pool of 2 threads
+//   BM_Layer_MoeAttention_Forward / _ForwardBf16 / _Train
+//       UMoE: D 1024, 16 SiLU-MLP experts of F 512 (bank packed once: fp32 panels, or bf16 panels
+//       for the _ForwardBf16 rows), top-2, d_qk 128, query rank 32 + residual query, RoPE,
+//       headwise gate, no shared expert; pool of 2 threads
 //   all at T in {128, 512, 2048}.
 //
 // FLOP count (multiply-add = 2 FLOP; softmax, exp, norms, RoPE, gates and activations are not
@@ -211,7 +212,7 @@ using Umoe = moe::MoeAttention<moe::routing::SoftmaxTopK, moe::experts::SiluMlp,
 struct UmoeModel {
   Bank bank{16, 1024, 512};
   Umoe layer;
-  UmoeModel() {
+  explicit UmoeModel(moe::experts::WeightFormat format = moe::experts::WeightFormat::kF32) {
     moe::fill_uniform(bank.parameters(), -0.03f, 0.03f, 30);
     moe::MoeAttentionConfig c;
     c.d_model = 1024;
@@ -222,12 +223,17 @@ struct UmoeModel {
     layer = Umoe(c, {16, 2, false, 1.0f}, bank);
     std::uint64_t seed = 31;
     for (auto& p : layer.parameters()) moe::fill_uniform(p.values, -0.03f, 0.03f, seed++);
-    bank.pack();  // fp32 panels once, as MoeFfn::pack_weights does for the FFN use
+    bank.pack(format);  // panels once, as MoeFfn::pack_weights does for the FFN use
   }
 };
 
 UmoeModel& umoe_model() {
   static UmoeModel m;
+  return m;
+}
+/// The same layer over a bank packed as bf16 panels (inference).
+UmoeModel& umoe_model_bf16() {
+  static UmoeModel m(moe::experts::WeightFormat::kBf16);
   return m;
 }
 
@@ -244,8 +250,7 @@ double umoe_flops(moe::MoeAttentionWorkspace const& ws, Index T, bool train) {
   return (train ? 3.0 : 1.0) * proj + per_pair * pairs;
 }
 
-void BM_Layer_MoeAttention_Forward(benchmark::State& state) {
-  UmoeModel& m = umoe_model();
+void umoe_forward(benchmark::State& state, UmoeModel& m) {
   Index const T = state.range(0), D = 1024;
   auto x = random_vector(T * D, 40, 1.0f);
   std::vector<float> y(x.size());
@@ -260,6 +265,10 @@ void BM_Layer_MoeAttention_Forward(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_counters(state, T, umoe_flops(ws, T, false));
+}
+void BM_Layer_MoeAttention_Forward(benchmark::State& state) { umoe_forward(state, umoe_model()); }
+void BM_Layer_MoeAttention_ForwardBf16(benchmark::State& state) {
+  umoe_forward(state, umoe_model_bf16());
 }
 
 void BM_Layer_MoeAttention_Train(benchmark::State& state) {
@@ -301,6 +310,11 @@ BENCHMARK(BM_Layer_GatedAttention_Train)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Layer_MoeAttention_Forward)
+    ->ArgsProduct({{128, 512, 2048}})
+    ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Layer_MoeAttention_ForwardBf16)
     ->ArgsProduct({{128, 512, 2048}})
     ->ArgNames({"T"})
     ->UseRealTime()

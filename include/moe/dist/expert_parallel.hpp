@@ -28,6 +28,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/dist/communicator.hpp"
 #include "moe/dist/placement.hpp"
+#include "moe/dist/row_exchange.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/experts/shared_experts.hpp"
 #include "moe/kernels/gather.hpp"
@@ -72,22 +73,10 @@ struct ExpertParallelWorkspace {
   Index total_tokens = 0;              ///< tokens over all ranks
   std::vector<Index> tokens_per_rank;  ///< [P]
 
-  // Exchange bookkeeping (rows; MPI counts are int).
-  std::vector<Index> send_token;  ///< [R] token of each row in send order
-  std::vector<Index> send_row;    ///< [R] plan row of each send slot (non-monotone maps)
-  std::vector<int> send_counts, send_displs, recv_counts, recv_displs;  ///< [P]
-  std::vector<std::int64_t> count_send, count_recv;  ///< [P, 1 + L_max] status + counts
-  std::vector<Index> chunk_rows;                     ///< [P, L] rows from rank s for local expert j
-  std::vector<Index> chunk_src, chunk_dst;           ///< [P, L] source-major / expert-major offsets
-  std::vector<Index> chunk_fill;                     ///< [L] scratch
-  std::vector<Index> local_offsets;         ///< [L+1] expert-major offsets of local experts
+  RowExchange exchange;                     ///< the row exchanges' bookkeeping and staging
   std::vector<std::int64_t> global_counts;  ///< [2E+1] all rows, real rows, real tokens
   ExchangeStats stats;                      ///< traffic of the last call
   std::vector<CallRecord> agreement;        ///< [P] the last agreement table
-
-  // Staging for the exchanges.
-  std::vector<float> send_buf;  ///< [R, D] rows in send order (token side)
-  std::vector<float> recv_buf;  ///< [R_in, D] rows in source-major order (expert side)
 
   // Expert side: rows of this rank's experts, expert-major (expert j's rows, from rank 0, 1, ...).
   /// x_rows [R_in, D] as received, pre-activations, activations, outputs (64-byte aligned: a
@@ -525,13 +514,15 @@ class ExpertParallelMoeFfn
       route_error = e.what();
     }
     // 3. Counts.
-    exchange_counts(ws, status, route_error);
+    RowExchange::Context const ex = exchange_context();
+    ws.exchange.exchange_counts(ex, ws.plan, status, route_error, ws.stats);
     // 4. Dispatch the token rows to the experts' owners.
-    dispatch_rows(xin, ws, opt.pool);
+    ws.exchange.dispatch(ex, xin, ws.plan.num_rows(), ws.experts.x_rows, opt.pool, ws.stats);
     // 5. Local experts on every row they received.
     run_local_experts(ws, opt.pool, train);
     // 6. Outputs back to the tokens' ranks, in plan row order.
-    return_rows(ws.experts.out.data(), ws.routed_out, ws, opt.pool);
+    ws.exchange.return_rows(ex, ws.experts.out.data(), ws.plan.num_rows(), ws.routed_out, opt.pool,
+                            ws.stats);
     // 7. Shared experts and combine.
     run_shared_and_combine(xin, y, ws, opt.pool, train);
     if (train) {
@@ -543,194 +534,18 @@ class ExpertParallelMoeFfn
     }
   }
 
-  /// Step 3: status + per-expert counts to every rank (MPI_Alltoall); derives the row counts
-  /// and displacements of both exchanges and the source-major -> expert-major reordering.
-  void exchange_counts(ExpertParallelWorkspace& ws, std::int64_t status,
-                       std::string const& route_error) const {
-    int const P = comm_.size(), me = comm_.rank();
-    Index const Lmax = placement_.max_local(), block = 1 + Lmax;
-    RoutingPlan const& plan = ws.plan;
-    bool const routed = status == 0;
-    ws.count_send.assign(static_cast<std::size_t>(P * block), 0);
-    ws.count_recv.assign(static_cast<std::size_t>(P * block), 0);
-    for (int q = 0; q < P; ++q) {
-      std::int64_t* b = ws.count_send.data() + q * block;
-      b[0] = status;
-      auto const ids = placement_.experts_of(q);
-      for (std::size_t j = 0; j < ids.size() && routed; ++j) b[1 + j] = plan.expert_rows(ids[j]);
-    }
-    detail::alltoall_i64(comm_.get(), ws.count_send.data(), ws.count_recv.data(),
-                         static_cast<int>(block), ws.stats);
-    for (int s = 0; s < P; ++s) {
-      if (ws.count_recv[static_cast<std::size_t>(s * block)] != 0) {
-        if (s == me) throw Error(route_error);
-        ::moe::detail::fail("ExpertParallelMoeFfn::forward (rank ", me, " of ", P, "): rank ", s,
-                            " could not route its tokens (non-finite router logits or an invalid "
-                            "routing); every rank stops this call. See rank ",
-                            s, "'s error for the token and the fix");
-      }
-    }
-    // Send side: rows grouped by destination rank, then expert, then token.
-    ws.send_counts.assign(static_cast<std::size_t>(P), 0);
-    ws.send_displs.assign(static_cast<std::size_t>(P), 0);
-    Index R = plan.num_rows(), offset = 0;
-    bool const monotone = placement_.monotone();
-    ws.send_token.resize(static_cast<std::size_t>(R));
-    ws.send_row.resize(static_cast<std::size_t>(monotone ? 0 : R));
-    for (int q = 0; q < P; ++q) {
-      Index n = 0;
-      for (Index e : placement_.experts_of(q)) {
-        for (Index r = plan.expert_offsets[e]; r < plan.expert_offsets[e + 1]; ++r) {
-          ws.send_token[static_cast<std::size_t>(offset + n)] = plan.row_token[r];
-          if (!monotone) ws.send_row[static_cast<std::size_t>(offset + n)] = r;
-          ++n;
-        }
-      }
-      ws.send_displs[static_cast<std::size_t>(q)] = detail::mpi_count(offset, "rows sent");
-      ws.send_counts[static_cast<std::size_t>(q)] = detail::mpi_count(n, "rows sent");
-      offset += n;
-    }
-    // Receive side: rows from rank s for local expert j.
-    Index const L = bank_.num_experts();
-    ws.chunk_rows.assign(static_cast<std::size_t>(P * L), 0);
-    ws.recv_counts.assign(static_cast<std::size_t>(P), 0);
-    ws.recv_displs.assign(static_cast<std::size_t>(P), 0);
-    ws.local_offsets.assign(static_cast<std::size_t>(L + 1), 0);
-    Index rin = 0;
-    for (int s = 0; s < P; ++s) {
-      Index n = 0;
-      for (Index j = 0; j < L; ++j) {
-        Index const c = ws.count_recv[static_cast<std::size_t>(s * block + 1 + j)];
-        ws.chunk_rows[static_cast<std::size_t>(s * L + j)] = c;
-        ws.local_offsets[static_cast<std::size_t>(j + 1)] += c;
-        n += c;
-      }
-      ws.recv_displs[static_cast<std::size_t>(s)] = detail::mpi_count(rin, "rows received");
-      ws.recv_counts[static_cast<std::size_t>(s)] = detail::mpi_count(n, "rows received");
-      rin += n;
-    }
-    for (Index j = 0; j < L; ++j) ws.local_offsets[j + 1] += ws.local_offsets[j];
-    ws.chunk_src.resize(static_cast<std::size_t>(P * L));
-    ws.chunk_dst.resize(static_cast<std::size_t>(P * L));
-    std::vector<Index>& dst_fill = ws.chunk_fill;
-    dst_fill.assign(ws.local_offsets.begin(), ws.local_offsets.end() - 1);
-    for (int s = 0; s < P; ++s) {
-      Index src = ws.recv_displs[static_cast<std::size_t>(s)];
-      for (Index j = 0; j < L; ++j) {
-        Index const c = ws.chunk_rows[static_cast<std::size_t>(s * L + j)];
-        ws.chunk_src[static_cast<std::size_t>(s * L + j)] = src;
-        ws.chunk_dst[static_cast<std::size_t>(s * L + j)] = dst_fill[static_cast<std::size_t>(j)];
-        dst_fill[static_cast<std::size_t>(j)] += c;
-        src += c;
-      }
-    }
-    ws.stats.rows_sent = R;
-    ws.stats.rows_received = rin;
-    ws.stats.remote_rows_sent = R - ws.send_counts[static_cast<std::size_t>(me)];
-  }
-
-  /// With at most one local expert the source-major receive order is already expert-major,
-  /// and the reorder is skipped.
-  static bool expert_major_is_source_major(Index L) { return L <= 1; }
-
-  /// Source-major rows (as received) -> expert-major rows, or back (`to_source`).
-  void reorder(float const* src, float* dst, ExpertParallelWorkspace const& ws, bool to_source,
-               ThreadPool* pool) const {
-    Index const D = d_model_;
-    Index const chunks = static_cast<Index>(ws.chunk_rows.size());
-    parallel_for(pool, chunks, [&](Index i, int) {
-      Index const n = ws.chunk_rows[static_cast<std::size_t>(i)];
-      Index const a = ws.chunk_src[static_cast<std::size_t>(i)];
-      Index const b = ws.chunk_dst[static_cast<std::size_t>(i)];
-      if (n == 0) return;
-      if (to_source) {
-        std::copy(src + b * D, src + (b + n) * D, dst + a * D);
-      } else {
-        std::copy(src + a * D, src + (a + n) * D, dst + b * D);
-      }
-    });
-  }
-
-  /// Step 4: gather this rank's rows in send order, MPI_Alltoallv, reorder to expert-major.
-  void dispatch_rows(ConstMatrixView<float> x, ExpertParallelWorkspace& ws,
-                     ThreadPool* pool) const {
-    Index const D = d_model_, R = ws.plan.num_rows(), L = bank_.num_experts();
-    Index const rin = ws.local_offsets.back();
-    ws.send_buf.resize(static_cast<std::size_t>(R * D));
-    ws.experts.x_rows.resize(static_cast<std::size_t>(rin * D));
-    Index const tiles = (R + kTileRows - 1) / kTileRows;
-    parallel_for(pool, tiles, [&](Index i, int) {
-      Index const r0 = i * kTileRows, n = std::min(kTileRows, R - r0);
-      kernels::gather_rows(x.data, x.row_stride, ws.send_token.data() + r0, n, D,
-                           ws.send_buf.data() + r0 * D, D);
-    });
-    bool const direct = expert_major_is_source_major(L);
-    if (!direct) ws.recv_buf.resize(static_cast<std::size_t>(rin * D));
-    detail::alltoallv_rows(comm_.get(), ws.send_buf.data(), ws.send_counts, ws.send_displs,
-                           direct ? ws.experts.x_rows.data() : ws.recv_buf.data(), ws.recv_counts,
-                           ws.recv_displs, row_type_.get(), D * 4, ws.stats);
-    if (!direct) reorder(ws.recv_buf.data(), ws.experts.x_rows.data(), ws, false, pool);
-  }
-
-  /// Step 6 (and its backward twin): expert-major rows `src` [R_in, D] back to the tokens'
-  /// ranks, into `dst` [R, D] in plan row order.
-  void return_rows(float const* src, std::vector<float>& dst, ExpertParallelWorkspace& ws,
-                   ThreadPool* pool) const {
-    Index const D = d_model_, R = ws.plan.num_rows(), L = bank_.num_experts();
-    Index const rin = ws.local_offsets.back();
-    bool const direct = expert_major_is_source_major(L);
-    float const* send = src;
-    if (!direct) {
-      ws.recv_buf.resize(static_cast<std::size_t>(rin * D));
-      reorder(src, ws.recv_buf.data(), ws, true, pool);
-      send = ws.recv_buf.data();
-    }
-    dst.resize(static_cast<std::size_t>(R * D));
-    bool const monotone = placement_.monotone();
-    if (!monotone) ws.send_buf.resize(static_cast<std::size_t>(R * D));
-    detail::alltoallv_rows(comm_.get(), send, ws.recv_counts, ws.recv_displs,
-                           monotone ? dst.data() : ws.send_buf.data(), ws.send_counts,
-                           ws.send_displs, row_type_.get(), D * 4, ws.stats);
-    if (!monotone) {
-      for (Index i = 0; i < R; ++i) {
-        Index const r = ws.send_row[static_cast<std::size_t>(i)];
-        std::copy(ws.send_buf.data() + i * D, ws.send_buf.data() + (i + 1) * D, dst.data() + r * D);
-      }
-    }
-  }
-
-  /// The backward dispatch: `src` [R, D] in plan row order to the owners, expert-major into dst.
-  void send_rows_to_owners(std::vector<float> const& src, std::vector<float>& dst,
-                           ExpertParallelWorkspace& ws, ThreadPool* pool) const {
-    Index const D = d_model_, R = ws.plan.num_rows(), L = bank_.num_experts();
-    Index const rin = ws.local_offsets.back();
-    bool const monotone = placement_.monotone();
-    float const* send = src.data();
-    if (!monotone) {
-      ws.send_buf.resize(static_cast<std::size_t>(R * D));
-      for (Index i = 0; i < R; ++i) {
-        Index const r = ws.send_row[static_cast<std::size_t>(i)];
-        std::copy(src.data() + r * D, src.data() + (r + 1) * D, ws.send_buf.data() + i * D);
-      }
-      send = ws.send_buf.data();
-    }
-    dst.resize(static_cast<std::size_t>(rin * D));
-    bool const direct = expert_major_is_source_major(L);
-    if (!direct) ws.recv_buf.resize(static_cast<std::size_t>(rin * D));
-    detail::alltoallv_rows(comm_.get(), send, ws.send_counts, ws.send_displs,
-                           direct ? dst.data() : ws.recv_buf.data(), ws.recv_counts, ws.recv_displs,
-                           row_type_.get(), D * 4, ws.stats);
-    if (!direct) reorder(ws.recv_buf.data(), dst.data(), ws, false, pool);
+  RowExchange::Context exchange_context() const {
+    return {comm_.get(), comm_.rank(), comm_.size(), &placement_, d_model_, row_type_.get()};
   }
 
   stages::ExpertRows local_rows(ExpertParallelWorkspace const& ws) const {
-    return {ws.local_offsets.data(), bank_.num_experts()};
+    return {ws.exchange.local_offsets.data(), bank_.num_experts()};
   }
 
   /// Step 5: the routed-experts engine on every row this rank's experts received (MoeFfn's
   /// jobs on all of an expert's rows; outputs unweighted: the weight is applied on return).
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
-    Index const D = d_model_, rin = ws.local_offsets.back(), kpD = (D + 1) / 2;
+    Index const D = d_model_, rin = ws.exchange.received(), kpD = (D + 1) / 2;
     stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train)};
     ws.experts.prepare(bank_, rin, mode, false);
     ws.x_pairs.resize(static_cast<std::size_t>(mode.pairs ? rin * kpD : 0));
@@ -820,7 +635,7 @@ class ExpertParallelMoeFfn
     auto const ids = local_expert_ids();
     for (std::size_t j = 0; j < ids.size(); ++j) {
       ::moe::detail::check(ws.global_counts[static_cast<std::size_t>(ids[j])] ==
-                               ws.local_offsets[j + 1] - ws.local_offsets[j],
+                               ws.exchange.local_offsets[j + 1] - ws.exchange.local_offsets[j],
                            "ExpertParallelMoeFfn: internal error, the counts of expert ", ids[j],
                            " disagree between the all-to-all and the all-reduce");
     }
@@ -865,11 +680,12 @@ class ExpertParallelMoeFfn
                         MatrixView<float>(ws.d_rows.data(), R, D)};
     balance_.backward(balance_inputs(ws), bg);
     // 3. dL/dY rows to the experts' owners (the forward's counts).
-    send_rows_to_owners(ws.d_rows, ws.experts.d_out, ws, pool);
+    RowExchange::Context const ex = exchange_context();
+    ws.exchange.send_to_owners(ex, ws.d_rows, R, ws.experts.d_out, pool, ws.stats);
     // 4. Expert VJPs on the owner, row phase, on all of each expert's rows.
     ws.experts.backward_rows(bank_, local_rows(ws), pool, ws.scratch);
     // 5. dL/dX rows back to the tokens' ranks.
-    return_rows(ws.experts.dx_rows.data(), ws.dx_rows, ws, pool);
+    ws.exchange.return_rows(ex, ws.experts.dx_rows.data(), R, ws.dx_rows, pool, ws.stats);
     // 6. Router VJP and the shared experts' row phase (token side).
     ws.router_grads.vjp(router_, ws.logits_view(), ws.selection);
     ws.shared.backward_rows(shared_, T, pool, ws.scratch);
