@@ -18,6 +18,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/thread_pool.hpp"
+#include "moe/core/views.hpp"
 #include "moe/dist/communicator.hpp"
 #include "moe/dist/placement.hpp"
 #include "moe/kernels/gather.hpp"
