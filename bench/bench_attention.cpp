@@ -213,7 +213,7 @@ struct UmoeModel {
   Bank bank{16, 1024, 512};
   Umoe layer;
   explicit UmoeModel(moe::experts::WeightFormat format = moe::experts::WeightFormat::kF32) {
-    moe::fill_uniform(bank.parameters(), -0.03f, 0.03f, 30);
+    moe::fill_uniform(bank.edit().parameters(), -0.03f, 0.03f, 30);
     moe::MoeAttentionConfig c;
     c.d_model = 1024;
     c.qk_dim = 128;

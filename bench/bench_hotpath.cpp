@@ -276,8 +276,8 @@ std::unique_ptr<Layer> make_layer(Shape const& s) {
   auto wr = layer->router_weight();
   moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -bound,
                     bound, 1);
-  moe::fill_uniform(layer->experts().parameters(), -bound, bound, 2);
-  moe::fill_uniform(layer->shared_experts().bank().parameters(), -bound, bound, 3);
+  moe::fill_uniform(layer->experts().edit().parameters(), -bound, bound, 2);
+  moe::fill_uniform(layer->shared_experts().bank().edit().parameters(), -bound, bound, 3);
   return layer;
 }
 

@@ -63,7 +63,7 @@ void fill_weights(Layer& layer, std::uint64_t seed) {
   moe::MatrixView<float> const w_r = layer.router_weight();  // [E, D]
   moe::fill_uniform(std::span<float>(w_r.data, static_cast<std::size_t>(w_r.rows * w_r.cols)),
                     -bound, bound, seed);
-  moe::fill_uniform(layer.experts().parameters(), -bound, bound, seed + 1);
+  moe::fill_uniform(layer.experts().edit().parameters(), -bound, bound, seed + 1);
   layer.pack_weights();  // weights in the micro-kernel's panel layout, once (inference mode)
 }
 

@@ -56,7 +56,7 @@ int run(bool small) {
   float const bound = 1.0f / std::sqrt(static_cast<float>(D));
   moe::MatrixView<float> const w_r = layer.router_weight();  // [E, D]
   moe::fill_uniform(std::span<float>(w_r.data, static_cast<std::size_t>(E * D)), -bound, bound, 1);
-  moe::fill_uniform(layer.experts().parameters(), -bound, bound, 2);
+  moe::fill_uniform(layer.experts().edit().parameters(), -bound, bound, 2);
   layer.pack_weights();  // once, after the weights are set: the micro-kernel's panel layout
 
   std::vector<float> x(static_cast<std::size_t>(T * D));  // [T, D] activations

@@ -112,7 +112,7 @@ struct Variant {
     float const b = 1.0f / std::sqrt(static_cast<float>(layer.d_model()));
     auto w = layer.router_weight();
     moe::fill_uniform({w.data, static_cast<std::size_t>(w.rows * w.cols)}, -b, b, 1);
-    moe::fill_uniform(layer.experts().parameters(), -b, b, 2);
+    moe::fill_uniform(layer.experts().edit().parameters(), -b, b, 2);
   }
 
   /// forward_train, loss, backward, AdamW, end_step; records loss and load.

@@ -32,9 +32,9 @@ void randomize(Layer& layer, std::uint64_t seed) {
   auto w = layer.router_weight();
   moe::fill_uniform(std::span<float>(w.data, static_cast<std::size_t>(w.rows * w.cols)), -0.5f,
                     0.5f, seed);
-  moe::fill_uniform(layer.experts().parameters(), -0.3f, 0.3f, seed + 1);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.3f, 0.3f, seed + 1);
   if constexpr (Layer::Shared::has_experts) {
-    moe::fill_uniform(layer.shared_experts().bank().parameters(), -0.3f, 0.3f, seed + 2);
+    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.3f, 0.3f, seed + 2);
     auto g = layer.shared_experts().gate_weight();
     moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -0.5f,
                       0.5f, seed + 3);

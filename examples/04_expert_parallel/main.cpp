@@ -69,14 +69,18 @@ void fill_weights(EpLayer& layer, Options const& o) {
   moe::fill_uniform(std::span<float>(w.data, static_cast<std::size_t>(w.rows * w.cols)), -bound,
                     bound, 1);
   auto const ids = layer.local_expert_ids();
-  for (std::size_t j = 0; j < ids.size(); ++j) {
-    auto in = layer.local_experts().in_proj(static_cast<Index>(j));
-    auto down = layer.local_experts().down_proj(static_cast<Index>(j));
-    auto const seed = 1000 + 2 * static_cast<std::uint64_t>(ids[j]);
-    moe::fill_uniform(std::span<float>(in.data, static_cast<std::size_t>(in.rows * in.cols)),
-                      -bound, bound, seed);
-    moe::fill_uniform(std::span<float>(down.data, static_cast<std::size_t>(down.rows * down.cols)),
-                      -bound, bound, seed + 1);
+  {
+    auto const edit = layer.local_experts().edit();
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      auto in = edit.in_proj(static_cast<Index>(j));
+      auto down = edit.down_proj(static_cast<Index>(j));
+      auto const seed = 1000 + 2 * static_cast<std::uint64_t>(ids[j]);
+      moe::fill_uniform(std::span<float>(in.data, static_cast<std::size_t>(in.rows * in.cols)),
+                        -bound, bound, seed);
+      moe::fill_uniform(
+          std::span<float>(down.data, static_cast<std::size_t>(down.rows * down.cols)), -bound,
+          bound, seed + 1);
+    }
   }
   layer.pack_weights();
 }
@@ -92,14 +96,18 @@ moe::presets::Qwen3Moe reference_layer(Options const& o) {
   auto w = ref.router_weight();
   moe::fill_uniform(std::span<float>(w.data, static_cast<std::size_t>(w.rows * w.cols)), -bound,
                     bound, 1);
-  for (Index e = 0; e < o.experts; ++e) {
-    auto in = ref.experts().in_proj(e);
-    auto down = ref.experts().down_proj(e);
-    auto const seed = 1000 + 2 * static_cast<std::uint64_t>(e);
-    moe::fill_uniform(std::span<float>(in.data, static_cast<std::size_t>(in.rows * in.cols)),
-                      -bound, bound, seed);
-    moe::fill_uniform(std::span<float>(down.data, static_cast<std::size_t>(down.rows * down.cols)),
-                      -bound, bound, seed + 1);
+  {
+    auto const edit = ref.experts().edit();
+    for (Index e = 0; e < o.experts; ++e) {
+      auto in = edit.in_proj(e);
+      auto down = edit.down_proj(e);
+      auto const seed = 1000 + 2 * static_cast<std::uint64_t>(e);
+      moe::fill_uniform(std::span<float>(in.data, static_cast<std::size_t>(in.rows * in.cols)),
+                        -bound, bound, seed);
+      moe::fill_uniform(
+          std::span<float>(down.data, static_cast<std::size_t>(down.rows * down.cols)), -bound,
+          bound, seed + 1);
+    }
   }
   ref.pack_weights();
   return ref;

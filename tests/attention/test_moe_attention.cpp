@@ -145,7 +145,7 @@ TEST_CASE(
     "[attention][umoe][grad]") {
   Index const D = 6, F = 5;
   experts::ExpertBank<experts::SiluMlp> bank(4, D, F);  // UMoE VanillaMLP: down(silu(gate x))
-  moe::fill_uniform(bank.parameters(), -0.6f, 0.6f, 81);
+  moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 81);
   using Sh = experts::GatedSharedExperts<experts::SiluMlp>;
   moe::MoeAttentionConfig c;
   c.d_model = D;
@@ -170,7 +170,7 @@ TEST_CASE(
     "[attention][umoe][grad]") {
   Index const D = 5;
   experts::ExpertBank<experts::SwiGlu> bank(3, D, 4);
-  moe::fill_uniform(bank.parameters(), -0.6f, 0.6f, 91);
+  moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 91);
   moe::MoeAttentionConfig c;
   c.d_model = D;
   c.qk_dim = 3;
@@ -191,7 +191,7 @@ TEST_CASE(
     "[attention][umoe][grad]") {
   Index const D = 6;
   experts::ExpertBank<experts::GeluMlp> bank(3, D, 4);
-  moe::fill_uniform(bank.parameters(), -0.6f, 0.6f, 95);
+  moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 95);
   using Sh = experts::UngatedSharedExperts<experts::SiluMlp>;
   moe::MoeAttentionConfig c;
   c.d_model = D;
@@ -211,7 +211,7 @@ TEST_CASE(
   Index const T = 70, D = 12, F = 10, r = 4;  // T spans two key blocks
   using Ffn = moe::MoeFfn<routing::SoftmaxTopK, experts::SiluMlp>;
   Ffn ffn(D, F, {1, 1, false, 1.0f});
-  moe::fill_uniform(ffn.experts().parameters(), -0.4f, 0.4f, 101);
+  moe::fill_uniform(ffn.experts().edit().parameters(), -0.4f, 0.4f, 101);
   auto wr = ffn.router_weight();
   moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(D)), -1.0f, 1.0f, 102);
   moe::MoeAttentionConfig c;
@@ -283,7 +283,7 @@ TEST_CASE(
     "[attention][umoe][mask][determinism]") {
   Index const T = 150, D = 16;
   experts::ExpertBank<experts::SwiGlu> bank(6, D, 12);
-  moe::fill_uniform(bank.parameters(), -0.3f, 0.3f, 111);
+  moe::fill_uniform(bank.edit().parameters(), -0.3f, 0.3f, 111);
   using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
   moe::MoeAttentionConfig c;
   c.d_model = D;

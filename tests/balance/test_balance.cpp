@@ -283,8 +283,8 @@ TEST_CASE("A layer's balance policy enters its loss and its router gradient",
   moe::MoeFfn<routing::SoftmaxTopK, moe::experts::SwiGlu, moe::experts::NoSharedExperts, Policy>
       with(D, 4, {E, 2, false, 1.0f}, {},
            Policy{{balance::HfLoadBalancing{2, 0.1}, balance::ZLoss{0.01}}});
-  moe::fill_uniform(plain.experts().parameters(), -0.3f, 0.3f, 1);
-  moe::fill_uniform(with.experts().parameters(), -0.3f, 0.3f, 1);
+  moe::fill_uniform(plain.experts().edit().parameters(), -0.3f, 0.3f, 1);
+  moe::fill_uniform(with.experts().edit().parameters(), -0.3f, 0.3f, 1);
   auto wr = test::random_vector(E * D, 2);
   std::copy(wr.begin(), wr.end(), plain.router_weight().data);
   std::copy(wr.begin(), wr.end(), with.router_weight().data);

@@ -4,5 +4,5 @@
 #include <moe/experts/expert_types.hpp>
 
 moe::MatrixView<float> gate(moe::experts::ExpertBank<moe::experts::ReluMlp>& bank) {
-  return bank.gate_proj(0);
+  return bank.edit().gate_proj(0);
 }

@@ -64,10 +64,12 @@ TEST_CASE("golden: expert-parallel layer", "[golden]") {
   Index const D = 64, T = 150;
   Layer layer(D, 64, routing::SoftmaxTopK{8, 2, true, 1.0f},
               experts::GatedSharedExperts<experts::SwiGlu>(1, D, 32));
-  auto params = layer.parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    float const a = params[i].name == "router.weight" ? 1.0f : 0.5f;
-    moe::fill_uniform(params[i].values, -a, a, 1000 + i);
+  {
+    auto params = layer.parameters();  // holds the banks' edit scopes until the block ends
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      float const a = params[i].name == "router.weight" ? 1.0f : 0.5f;
+      moe::fill_uniform(params[i].values, -a, a, 1000 + i);
+    }
   }
   // Uneven split: rank r holds tokens [T r^2 / p^2, T (r+1)^2 / p^2).
   auto begin = [&](int r) { return T * r * r / (p * p); };

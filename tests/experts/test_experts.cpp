@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // ExpertBank: weight layout and every expert kind against the double reference.
 #include <catch2/catch.hpp>
+#include <memory>
 
 #include "moe/experts/expert_bank.hpp"
 #include "moe/experts/expert_types.hpp"
 #include "moe/experts/shared_experts.hpp"
+#include "moe/layers/detail/ffn_base.hpp"
 #include "support/helpers.hpp"
 #include "support/layer_reference.hpp"
 #include "support/run_expert.hpp"
@@ -23,7 +25,7 @@ TEMPLATE_TEST_CASE("One expert through the routed-experts engine matches the ref
                    experts::ReluMlp, experts::GeluMlp, experts::GeluTanhMlp, experts::SiluMlp) {
   Index const E = 3, D = 24, F = 40;
   experts::ExpertBank<TestType> bank(E, D, F);
-  moe::fill_uniform(bank.parameters(), -0.3f, 0.3f, 5);
+  moe::fill_uniform(bank.edit().parameters(), -0.3f, 0.3f, 5);
   for (Index n : {0, 1, 5, 70}) {
     INFO("rows " << n);
     auto x = test::random_vector(n * D, 6, -2.0f, 2.0f);
@@ -68,18 +70,22 @@ TEST_CASE("Fused gate_up equals separate gate and up projections", "[experts]") 
   auto g = test::random_vector(F * D, 1);
   auto u = test::random_vector(F * D, 2);
   auto dn = test::random_vector(D * F, 3);
-  for (Index i = 0; i < F * D; ++i) {
-    a.gate_proj(0).data[i] = g[i];
-    a.up_proj(0).data[i] = u[i];
-  }
-  auto fused = b.in_proj(0);
-  for (Index f = 0; f < F; ++f) {
-    for (Index d = 0; d < D; ++d) {
-      fused(f, d) = g[f * D + d];
-      fused(F + f, d) = u[f * D + d];
+  {
+    auto const ea = a.edit();
+    auto const eb = b.edit();
+    for (Index i = 0; i < F * D; ++i) {
+      ea.gate_proj(0).data[i] = g[i];
+      ea.up_proj(0).data[i] = u[i];
     }
+    auto fused = eb.in_proj(0);
+    for (Index f = 0; f < F; ++f) {
+      for (Index d = 0; d < D; ++d) {
+        fused(f, d) = g[f * D + d];
+        fused(F + f, d) = u[f * D + d];
+      }
+    }
+    for (Index i = 0; i < D * F; ++i) ea.down_proj(0).data[i] = eb.down_proj(0).data[i] = dn[i];
   }
-  for (Index i = 0; i < D * F; ++i) a.down_proj(0).data[i] = b.down_proj(0).data[i] = dn[i];
   auto x = test::random_vector(D, 4);
   std::vector<float> ya(D), yb(D);
   test::run_expert(a, 0, {x.data(), 1, D}, {ya.data(), 1, D});
@@ -93,7 +99,7 @@ TEST_CASE("ExpertBank rejects non-positive sizes", "[experts][errors]") {
   REQUIRE_NOTHROW((experts::ExpertBank<experts::SwiGlu>(0, 4, 4)));
 }
 
-TEST_CASE("ExpertBank::pack: current until a weight changes, and knows its format", "[experts]") {
+TEST_CASE("ExpertBank::pack: reads never touch it, an edit suspends and rebuilds it", "[experts]") {
   using Bank = experts::ExpertBank<experts::SwiGlu>;
   Index const np = moe::kernels::panel_width();
   Bank bank(2, np, np);
@@ -107,9 +113,44 @@ TEST_CASE("ExpertBank::pack: current until a weight changes, and knows its forma
   REQUIRE(bank.packed_format() == experts::WeightFormat::kF32);
   REQUIRE(bank.packed_in(1) != nullptr);
   REQUIRE(bank.packed_in_bf16(1) == nullptr);
-  bank.in_proj(0)(0, 0) = 1.0f;  // a mutable view marks the pack stale
-  REQUIRE_FALSE(bank.packed());
-  REQUIRE(bank.packed_in(1) == nullptr);
+  // Reads (const views, also of a non-const bank) leave the pack current.
+  REQUIRE(bank.in_proj(0)(0, 0) == 0.0f);
+  REQUIRE(bank.packed());
+  {
+    auto const edit = bank.edit();  // while an edit is open the pack is not used...
+    edit.in_proj(0)(0, 0) = 1.0f;
+    REQUIRE(bank.editing());
+    REQUIRE_FALSE(bank.packed());
+    REQUIRE(bank.packed_in(1) == nullptr);
+    // ... and cannot be rebuilt under it.
+    REQUIRE_THROWS_WITH(bank.pack(), Catch::Contains("open for writing"));
+    auto const nested = bank.edit();
+    nested.down_proj(1)(0, 0) = 2.0f;
+  }
+  // When the last edit ends the pack is rebuilt, in its format, from the edited weights.
+  REQUIRE_FALSE(bank.editing());
+  REQUIRE(bank.packed());
+  REQUIRE(bank.packed_format() == experts::WeightFormat::kF32);
+  REQUIRE(bank.packed_in(0)[0] == 1.0f);  // panel 0, k = 0, column 0 = W_in[0, 0]
+  // A bank never packed stays unpacked after an edit; a copy starts with no edit open.
+  Bank plain(1, np, np);
+  {
+    auto const edit = plain.edit();
+    Bank copy = plain;
+    REQUIRE_FALSE(copy.editing());
+    REQUIRE_NOTHROW(copy.pack());
+  }
+  REQUIRE_FALSE(plain.packed());
+  // A layer's parameters() list holds the edit open while it lives (an optimizer's writes are
+  // seen), and the pack comes back when it goes.
+  {
+    auto const list = std::make_shared<moe::ParameterList>();
+    list->push_back({"experts", moe::detail::open_edit(*list, bank).parameters()});
+    REQUIRE_FALSE(bank.packed());
+    list->front().values[0] = 3.0f;
+  }
+  REQUIRE(bank.packed());
+  REQUIRE(bank.packed_in(0)[0] == 3.0f);
   // A bank of no experts (an expert-parallel rank that owns none) is packed once pack() ran,
   // in the format asked for, though it stores nothing.
   Bank none(0, np, np);

@@ -62,7 +62,7 @@ TEST_CASE("MoeFfn forward allocates nothing once the workspace has seen the batc
           "[layers][allocation]") {
   using moe::Index;
   auto layer = moe::presets::make_qwen2_moe({32, 16, 24, 8, 2, false});
-  moe::fill_uniform(layer.experts().parameters(), -0.2f, 0.2f, 1);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.2f, 0.2f, 1);
   Index const T = 200, D = 32;
   auto x = test::random_vector(T * D, 2);
   std::vector<float> y(x.size());
@@ -191,7 +191,7 @@ TEST_CASE("MoeAttention forward and backward allocate nothing once the workspace
   namespace experts = moe::experts;
   Index const D = AttentionBatch::D, F = 48;
   experts::ExpertBank<experts::SwiGlu> bank(4, D, F);
-  moe::fill_uniform(bank.parameters(), -0.1f, 0.1f, 6);
+  moe::fill_uniform(bank.edit().parameters(), -0.1f, 0.1f, 6);
   using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
   moe::MoeAttentionConfig c;
   c.d_model = D;

@@ -227,7 +227,7 @@ TEST_CASE("golden: MoeAttention", "[golden]") {
     DYNAMIC_SECTION("low-rank queries, residual query, RoPE, headwise gate, gated shared expert, F "
                     << F) {
       Bank bank(4, D, F);
-      moe::fill_uniform(bank.parameters(), -0.5f, 0.5f, 900);
+      moe::fill_uniform(bank.edit().parameters(), -0.5f, 0.5f, 900);
       moe::MoeAttentionConfig c;
       c.d_model = D;
       c.qk_dim = 16;
@@ -245,7 +245,7 @@ TEST_CASE("golden: MoeAttention", "[golden]") {
   }
   SECTION("full-rank queries, no gate, packed bank") {
     Bank bank(4, D, 32);
-    moe::fill_uniform(bank.parameters(), -0.5f, 0.5f, 920);
+    moe::fill_uniform(bank.edit().parameters(), -0.5f, 0.5f, 920);
     bank.pack();
     moe::MoeAttentionConfig c;
     c.d_model = D;

@@ -29,12 +29,12 @@ namespace {
 
 template <class Layer>
 void randomize(Layer& layer, std::uint64_t seed) {
-  moe::fill_uniform(layer.experts().parameters(), -0.2f, 0.2f, seed);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.2f, 0.2f, seed);
   auto wr = layer.router_weight();
   moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
                     0.5f, seed + 1);
   if constexpr (Layer::Shared::has_experts) {
-    moe::fill_uniform(layer.shared_experts().bank().parameters(), -0.2f, 0.2f, seed + 2);
+    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.2f, 0.2f, seed + 2);
     auto g = layer.shared_experts().gate_weight();
     moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -0.5f,
                       0.5f, seed + 3);
@@ -163,8 +163,8 @@ TEST_CASE("Identity experts with renormalised weights return the input", "[layer
   moe::MoeFfn<routing::SoftmaxTopK, experts::ReluMlp> layer(D, D, {E, 3, true, 1.0f});
   for (Index e = 0; e < E; ++e) {
     for (Index i = 0; i < D; ++i) {
-      layer.experts().up_proj(e)(i, i) = 1.0f;
-      layer.experts().down_proj(e)(i, i) = 1.0f;
+      layer.experts().edit().up_proj(e)(i, i) = 1.0f;
+      layer.experts().edit().down_proj(e)(i, i) = 1.0f;
     }
   }
   auto wr = layer.router_weight();
@@ -327,8 +327,8 @@ TEST_CASE("A hand-built plan is validated and used", "[layers][plan]") {
   moe::MoeFfn<routing::SoftmaxTopK, experts::ReluMlp> layer(D, D, {E, 1, false, 1.0f});
   for (Index e = 0; e < E; ++e) {
     for (Index i = 0; i < D; ++i) {
-      layer.experts().up_proj(e)(i, i) = 1.0f;
-      layer.experts().down_proj(e)(i, i) = static_cast<float>(e + 1);
+      layer.experts().edit().up_proj(e)(i, i) = 1.0f;
+      layer.experts().edit().down_proj(e)(i, i) = static_cast<float>(e + 1);
     }
   }
   moe::RoutingPlan plan;
@@ -478,17 +478,28 @@ TEST_CASE("Packed weights give the unpacked result, and stale packs are never us
   REQUIRE(test::max_rel_diff(packed.data(), want) < 2e-5);
   for (std::size_t i = 0; i < plain.size(); ++i)
     REQUIRE(packed[i] == Approx(plain[i]).margin(1e-6));
-  // Changing a weight after packing: the pack is stale and the layer packs per call again.
-  layer.experts().down_proj(0)(0, 0) += 1.0f;
-  REQUIRE_FALSE(layer.experts().packed());
-  layer.forward({x.data(), T, D}, {after.data(), T, D}, ws, {nullptr, &pool});
-  auto want2 = ref::layer_forward(layer, {x.data(), T, D}, test::routing_of(ws.selection));
-  REQUIRE(test::max_rel_diff(after.data(), want2) < 2e-5);
+  // Changing a weight after packing: while the edit is open the pack is not used (the layer
+  // packs per call and sees the write); when it closes, the pack is rebuilt from the new weights.
+  {
+    auto const edit = layer.experts().edit();
+    edit.down_proj(0)(0, 0) += 1.0f;
+    REQUIRE_FALSE(layer.experts().packed());
+    layer.forward({x.data(), T, D}, {after.data(), T, D}, ws, {nullptr, &pool});
+    auto want2 = ref::layer_forward(layer, {x.data(), T, D}, test::routing_of(ws.selection));
+    REQUIRE(test::max_rel_diff(after.data(), want2) < 2e-5);
+  }
+  REQUIRE(layer.experts().packed());
+  std::vector<float> repacked(x.size());
+  layer.forward({x.data(), T, D}, {repacked.data(), T, D}, ws, {nullptr, &pool});
+  REQUIRE(repacked == after);  // the rebuilt pack holds the edited weight
+  // Reading the weights through a non-const layer never touches the pack.
+  REQUIRE(layer.experts().down_proj(0)(0, 0) == std::as_const(layer).experts().down_proj(0)(0, 0));
+  REQUIRE(layer.experts().packed());
   // Training through packed weights gives the same gradients as through unpacked ones.
   layer.pack_weights();
   auto copy = layer;
-  copy.experts().parameters();  // marks the copy's pack stale
-  copy.shared_experts().bank().parameters();
+  auto const copy_edit = copy.experts().edit();  // the copy runs unpacked while this is open
+  auto const copy_shared_edit = copy.shared_experts().bank().edit();
   REQUIRE(layer.experts().packed());
   REQUIRE_FALSE(copy.experts().packed());
   std::vector<float> dy = test::random_vector(T * D, 103), dx1(x.size()), dx2(x.size()),

@@ -13,12 +13,12 @@ namespace {
 
 template <class Layer>
 void randomize(Layer& layer, std::uint64_t seed) {
-  moe::fill_uniform(layer.experts().parameters(), -0.2f, 0.2f, seed);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.2f, 0.2f, seed);
   auto wr = layer.router_weight();
   moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
                     0.5f, seed + 1);
   if constexpr (Layer::Shared::has_experts) {
-    moe::fill_uniform(layer.shared_experts().bank().parameters(), -0.2f, 0.2f, seed + 2);
+    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.2f, 0.2f, seed + 2);
     auto g = layer.shared_experts().gate_weight();
     moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -0.5f,
                       0.5f, seed + 3);

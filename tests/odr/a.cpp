@@ -6,7 +6,7 @@ float run_b();
 
 float run_a() {
   auto layer = moe::presets::make_olmoe({16, 8, 4, 2, false});
-  moe::fill_uniform(layer.experts().parameters(), -0.5f, 0.5f, 1);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.5f, 0.5f, 1);
   float x[32];
   float y[32];
   moe::fill_uniform(x, -1.0f, 1.0f, 2);

@@ -333,7 +333,7 @@ TEST_CASE("AdamW steps an MoeFfn through parameters() and Gradients::groups()",
   // A tiny layer fitted to a fixed random target: the MSE must fall.
   moe::Index const D = 8, F = 6, E = 4, T = 32;
   moe::MoeFfn<moe::routing::SoftmaxTopK, moe::experts::SwiGlu> layer(D, F, {E, 2, true, 1.0f});
-  moe::fill_uniform(layer.experts().parameters(), -0.3f, 0.3f, 21);
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.3f, 0.3f, 21);
   auto wr = layer.router_weight();
   moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(E * D)), -0.3f, 0.3f, 22);
   std::vector<float> x(T * D), target(T * D), y(T * D), dy(T * D), dx(T * D);

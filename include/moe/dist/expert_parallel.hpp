@@ -249,13 +249,16 @@ class ExpertParallelMoeFfn
     auto const w = layer.router_weight();
     std::copy(w.data, w.data + w.rows * w.cols, ep.router_weight_.begin());
     auto const ids = ep.local_expert_ids();
-    for (std::size_t j = 0; j < ids.size(); ++j) {
-      auto const src_in = layer.experts().in_proj(ids[j]);
-      auto const src_down = layer.experts().down_proj(ids[j]);
-      auto dst_in = ep.bank_.in_proj(static_cast<Index>(j));
-      auto dst_down = ep.bank_.down_proj(static_cast<Index>(j));
-      std::copy(src_in.data, src_in.data + src_in.rows * src_in.cols, dst_in.data);
-      std::copy(src_down.data, src_down.data + src_down.rows * src_down.cols, dst_down.data);
+    {
+      auto const edit = ep.bank_.edit();
+      for (std::size_t j = 0; j < ids.size(); ++j) {
+        auto const src_in = layer.experts().in_proj(ids[j]);
+        auto const src_down = layer.experts().down_proj(ids[j]);
+        auto dst_in = edit.in_proj(static_cast<Index>(j));
+        auto dst_down = edit.down_proj(static_cast<Index>(j));
+        std::copy(src_in.data, src_in.data + src_in.rows * src_in.cols, dst_in.data);
+        std::copy(src_down.data, src_down.data + src_down.rows * src_down.cols, dst_down.data);
+      }
     }
     if (layer.experts().packed()) ep.bank_.pack(layer.experts().packed_format());
     return ep;
@@ -385,8 +388,8 @@ class ExpertParallelMoeFfn
       bcast(router_.bias.data(), router_.bias.size());
     }
     if constexpr (Shared::has_experts) {
-      auto p = shared_.bank().parameters();
-      bcast(p.data(), p.size());
+      auto const p = shared_.bank().edit();
+      bcast(p.parameters().data(), p.parameters().size());
       auto g = shared_.gate_weight();
       bcast(g.data, static_cast<std::size_t>(g.rows * g.cols));
     }
@@ -701,8 +704,9 @@ class ExpertParallelMoeFfn
     ws.partial.assign(static_cast<std::size_t>(n_router + n_shared + n_gate), 0.0f);
     float* const partial = ws.partial.data();
     ws.grad_tasks.clear();
+    auto const expert_grads = grads.experts.edit();
     ws.experts.add_weight_grads(ws.grad_tasks, bank_, local_rows(ws), ws.experts.x_rows.data(),
-                                grads.experts);
+                                expert_grads);
     ws.shared.add_weight_grads(ws.grad_tasks, shared_, x,
                                {partial + n_router, partial + n_router + n_shared});
     ws.router_grads.add_weight_grad(ws.grad_tasks, x, E, partial);
@@ -723,7 +727,8 @@ class ExpertParallelMoeFfn
       grads.router_weight[static_cast<std::size_t>(i)] += ws.partial[static_cast<std::size_t>(i)];
     }
     if constexpr (Shared::has_experts) {
-      auto gp = grads.shared.bank().parameters();
+      auto const edit = grads.shared.bank().edit();
+      auto gp = edit.parameters();
       for (Index i = 0; i < n_shared; ++i) {
         gp[static_cast<std::size_t>(i)] += ws.partial[static_cast<std::size_t>(n_router + i)];
       }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "moe/core/concepts.hpp"
@@ -62,38 +63,58 @@ class ExpertBank {
   Index d_model() const { return d_model_; }
   Index d_ffn() const { return d_ffn_; }
 
-  MatrixView<float> in_proj(Index e) {
-    ++version_;
-    return {in_ptr(e), kInFactor * d_ffn_, d_model_};
-  }
+  /// Reads: const views, which never touch a packed copy.
   ConstMatrixView<float> in_proj(Index e) const {
     return {in_ptr(e), kInFactor * d_ffn_, d_model_};
-  }
-  MatrixView<float> gate_proj(Index e) requires(Expert::gated) {
-    ++version_;
-    return {in_ptr(e), d_ffn_, d_model_};
   }
   ConstMatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
     return {in_ptr(e), d_ffn_, d_model_};
   }
-  MatrixView<float> up_proj(Index e) {
-    ++version_;
-    return {in_ptr(e) + (kInFactor - 1) * d_ffn_ * d_model_, d_ffn_, d_model_};
-  }
   ConstMatrixView<float> up_proj(Index e) const {
     return {in_ptr(e) + (kInFactor - 1) * d_ffn_ * d_model_, d_ffn_, d_model_};
   }
-  MatrixView<float> down_proj(Index e) {
-    ++version_;
-    return {down_ptr(e), d_model_, d_ffn_};
-  }
   ConstMatrixView<float> down_proj(Index e) const { return {down_ptr(e), d_model_, d_ffn_}; }
-
-  std::span<float> parameters() {
-    ++version_;
-    return params_;
-  }
   std::span<float const> parameters() const { return params_; }
+
+  /// A scope for writing the weights. While any Edit of the bank is alive its packed copy is
+  /// not used (packed() is false, the layers pack per call, so every write is seen) and pack()
+  /// throws; when the last one ends, a bank that was packed when the first began is packed
+  /// again in the same format. The views an Edit hands out are valid while it lives: a write
+  /// through one after it ended is a use after scope, like a write through a dangling
+  /// iterator. Not copyable; movable. `auto ed = bank.edit(); fill(ed.parameters());`
+  class Edit {
+   public:
+    explicit Edit(ExpertBank& bank) : bank_(&bank) { bank_->begin_edit(); }
+    Edit(Edit&& other) noexcept : bank_(std::exchange(other.bank_, nullptr)) {}
+    Edit(Edit const&) = delete;
+    Edit& operator=(Edit const&) = delete;
+    Edit& operator=(Edit&&) = delete;
+    ~Edit() {
+      if (bank_) bank_->end_edit();
+    }
+
+    MatrixView<float> in_proj(Index e) const {
+      return {bank_->in_ptr(e), kInFactor * bank_->d_ffn_, bank_->d_model_};
+    }
+    MatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
+      return {bank_->in_ptr(e), bank_->d_ffn_, bank_->d_model_};
+    }
+    MatrixView<float> up_proj(Index e) const {
+      return {bank_->in_ptr(e) + (kInFactor - 1) * bank_->d_ffn_ * bank_->d_model_, bank_->d_ffn_,
+              bank_->d_model_};
+    }
+    MatrixView<float> down_proj(Index e) const {
+      return {bank_->down_ptr(e), bank_->d_model_, bank_->d_ffn_};
+    }
+    std::span<float> parameters() const { return bank_->params_; }
+
+   private:
+    ExpertBank* bank_;
+  };
+  /// Opens an edit scope (see Edit).
+  Edit edit() { return Edit(*this); }
+  /// Is an edit scope open?
+  bool editing() const { return edits_.n > 0; }
 
   /// P: columns of the pre-activation h (2F for GLU experts, F for MLPs).
   Index hidden_cols() const { return kInFactor * d_ffn_; }
@@ -136,12 +157,13 @@ class ExpertBank {
   /// every call. The fp32 copy doubles the weight memory; WeightFormat::kBf16 stores bf16 panels
   /// (kernels::pack_panel_bf16, round-to-nearest-even) that inference forwards multiply with
   /// AVX512-BF16 dot products where available (fp32 widening otherwise); training forwards
-  /// ignore a bf16 pack and use the exact fp32 weights. It is used only while current: any
-  /// mutable access to the weights afterwards (in_proj(), down_proj(), parameters(), ...) marks it
-  /// stale and the layers fall back to packing per call, so results never use stale weights, as
-  /// long as views obtained *before* pack() are not written to after it. Call pack() again after
-  /// changing the weights.
+  /// ignore a bf16 pack and use the exact fp32 weights. Reads (the const views) never touch the
+  /// pack; writes go through an Edit, during which the pack is not used and after which it is
+  /// rebuilt, so results never come from stale weights. Throws moe::Error while an Edit is open.
   void pack(WeightFormat format = WeightFormat::kF32) {
+    detail::check(!editing(),
+                  "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
+                  "layer's parameters() list is alive); let it end first, it repacks on its own");
     Index const np = kernels::panel_width();
     Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
     Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
@@ -180,7 +202,7 @@ class ExpertBank {
         }
       }
     }
-    packed_version_ = version_;
+    pack_current_ = true;
     packed_format_ = format;
   }
   /// The format of the current packed copy (meaningful when packed()).
@@ -195,7 +217,7 @@ class ExpertBank {
 
   /// Is the packed copy present and made from the current weights? (A bank of no experts, as an
   /// expert-parallel rank may hold, is packed once pack() has run, though it stores nothing.)
-  bool packed() const { return packed_version_ == version_; }
+  bool packed() const { return pack_current_; }
   /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed.
   float const* packed_in(Index e) const {
     return packed() && !packed_.empty() ? packed_.data() + packed_in_offset(e) : nullptr;
@@ -240,8 +262,32 @@ class ExpertBank {
   Index d_model_ = 0;
   Index d_ffn_ = 0;
   HugePageVector<float> params_;
-  std::uint64_t version_ = 0;  // bumped by every mutable access to the weights
-  std::uint64_t packed_version_ = ~std::uint64_t{0};
+  /// Open edit scopes; a copy of the bank starts with none.
+  struct EditCount {
+    int n = 0;
+    EditCount() = default;
+    EditCount(EditCount const&) {}
+    EditCount& operator=(EditCount const&) { return *this; }
+  };
+  void begin_edit() {
+    if (edits_.n++ == 0) {
+      repack_ = pack_current_;
+      pack_current_ = false;
+    }
+  }
+  void end_edit() {
+    if (--edits_.n == 0 && repack_) {
+      repack_ = false;
+      try {
+        pack(packed_format_);
+      } catch (...) {  // out of memory: stay unpacked (the layers pack per call), never throw
+      }
+    }
+  }
+
+  EditCount edits_;
+  bool pack_current_ = false;  // the packed copy was made from the current weights
+  bool repack_ = false;        // pack again when the open edits end
   WeightFormat packed_format_ = WeightFormat::kF32;
   HugePageVector<float> packed_;
   HugePageVector<std::uint32_t> packed_bf16_;

@@ -29,6 +29,7 @@
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
+#include "moe/layers/detail/ffn_base.hpp"
 #include "moe/layers/detail/projections.hpp"
 #include "moe/layers/stages/combine.hpp"
 #include "moe/layers/stages/routed_experts.hpp"
@@ -361,7 +362,7 @@ class MoeAttention {
     add("gate_proj.weight", g.gate_proj);
     if constexpr (Shared::has_experts) {
       if (g.shared.count() > 0) {
-        l.push_back({"shared_experts", g.shared.bank().parameters()});
+        l.push_back({"shared_experts", detail::open_edit(l, g.shared.bank()).parameters()});
         auto gw = g.shared.gate_weight();
         if (gw.rows > 0) {
           l.push_back({"shared_experts.gate",
@@ -906,7 +907,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
              MatrixView<float>(grads.gate_proj.data() + e * w * D, w, D));
     }
   }
-  ws.routed.add_weight_grads(gt, bank, rows, ws.routed.x_rows.data(), expert_grads);
+  auto const expert_edit = expert_grads.edit();
+  ws.routed.add_weight_grads(gt, bank, rows, ws.routed.x_rows.data(), expert_edit);
   if (c_.residual_query) {
     gt.add(x, ConstMatrixView<float>(ws.dq_res.data(), T, dk),
            MatrixView<float>(grads.q_res.data(), dk, D));
@@ -921,7 +923,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
              MatrixView<float>(grads.gate_proj.data() + (E + s) * w * D, w, D));
     }
   }
-  ws.shared.add_weight_grads(gt, shared_, x, stages::grad_target(grads.shared), ws.xin_sh.data());
+  stages::SharedGradScope<Shared> const shared_grads(grads.shared);
+  ws.shared.add_weight_grads(gt, shared_, x, shared_grads.target(), ws.xin_sh.data());
   gt.run(pool, ws.grad_scratch);
 
   // 9. dx: the token's routed rows (slot order), the values, then every projection of x_t (one

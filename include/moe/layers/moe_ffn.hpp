@@ -459,8 +459,10 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     ws.router_grads.vjp(router_, ws.logits_view(), ws.selection);
     // 5. Weight gradients, each item one block of one gradient's rows.
     ws.grad_tasks.clear();
-    ws.routed.add_weight_grads(ws.grad_tasks, bank_, rows, ws.routed.x_rows.data(), grads.experts);
-    ws.shared.add_weight_grads(ws.grad_tasks, shared_, x, stages::grad_target(grads.shared));
+    auto const expert_grads = grads.experts.edit();
+    stages::SharedGradScope<Shared> const shared_grads(grads.shared);
+    ws.routed.add_weight_grads(ws.grad_tasks, bank_, rows, ws.routed.x_rows.data(), expert_grads);
+    ws.shared.add_weight_grads(ws.grad_tasks, shared_, x, shared_grads.target());
     ws.router_grads.add_weight_grad(ws.grad_tasks, x, E, grads.router_weight.data());
     ws.grad_tasks.run(pool, ws.scratch);
     // 6. dx = the token's expert-input gradients (slot order) + shared + router + gate terms.

@@ -10,8 +10,9 @@ int main() {
   using Layer = moe::MoeFfn<moe::routing::SoftmaxTopK, moe::experts::ReluMlp>;
   Layer layer(2, 2, moe::routing::SoftmaxTopK{2, 1, true, 1.0f});
   for (moe::Index e = 0; e < 2; ++e) {
-    auto up = layer.experts().up_proj(e);
-    auto down = layer.experts().down_proj(e);
+    auto const edit = layer.experts().edit();
+    auto up = edit.up_proj(e);
+    auto down = edit.down_proj(e);
     for (moe::Index i = 0; i < 2; ++i) {
       up(i, i) = 1.0f;
       down(i, i) = static_cast<float>(2 << e);
@@ -36,7 +37,7 @@ int main() {
   using Glu = moe::MoeFfn<moe::routing::SoftmaxTopK, moe::experts::SwiGlu>;
   moe::Index const T = 8, D = 64;
   Glu glu(D, 64, moe::routing::SoftmaxTopK{4, 2, true, 1.0f});
-  moe::fill_uniform(glu.experts().parameters(), -0.1f, 0.1f, 7);
+  moe::fill_uniform(glu.experts().edit().parameters(), -0.1f, 0.1f, 7);
   std::vector<float> xs(T * D, 0.25f), y32(xs.size()), y16(xs.size()), dx(xs.size());
   moe::ConstMatrixView<float> xv(xs.data(), T, D);
   moe::MoeFfnWorkspace gws;

@@ -245,8 +245,8 @@ std::vector<float> gather_tensor(HfTensor const& t, float const* router,
 /// Writes the values of tensor `t` into `layer` (the inverse of gather_tensor()).
 template <class Layer>
 void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
-  auto& bank = layer.experts();
-  Index const E = bank.num_experts();
+  auto const bank = layer.experts().edit();
+  Index const E = layer.experts().num_experts();
   float const* src = v.data();
   switch (t.part) {
     case HfPart::kRouter:
@@ -276,7 +276,7 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
     case HfPart::kSharedDown:
     case HfPart::kSharedExpertGate:
       if constexpr (Layer::Shared::has_experts) {
-        auto& sb = layer.shared_experts().bank();
+        auto const sb = layer.shared_experts().bank().edit();
         if (t.part == HfPart::kSharedGate) copy_into_view(src, sb.gate_proj(0));
         if (t.part == HfPart::kSharedUp) copy_into_view(src, sb.up_proj(0));
         if (t.part == HfPart::kSharedDown) copy_into_view(src, sb.down_proj(0));

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -18,15 +19,24 @@
 
 namespace moe::detail {
 
+/// An edit scope of `bank` kept alive by `list`.
+template <class Bank>
+typename Bank::Edit const& open_edit(ParameterList& list, Bank& bank) {
+  auto edit = std::make_shared<typename Bank::Edit>(bank);
+  list.keep(edit);
+  return *edit;
+}
+
 /// "router.weight", "experts" (every in_proj block, then every down_proj block) and, with
 /// shared experts, "shared_experts" and "shared_experts.gate".
+/// The list keeps the banks' edit scopes open (ParameterList::keep) while it lives.
 template <class V, class Bank, class Shared>
 ParameterList ffn_parameters(V& router_weight, Bank& bank, Shared& shared) {
   ParameterList list;
   list.push_back({"router.weight", std::span<float>(router_weight)});
-  list.push_back({"experts", bank.parameters()});
+  list.push_back({"experts", open_edit(list, bank).parameters()});
   if constexpr (Shared::has_experts) {
-    list.push_back({"shared_experts", shared.bank().parameters()});
+    list.push_back({"shared_experts", open_edit(list, shared.bank()).parameters()});
     auto g = shared.gate_weight();
     list.push_back({"shared_experts.gate",
                     std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols))});
@@ -111,13 +121,15 @@ class FfnLayerBase {
   /// Every trainable parameter as named flat buffers: "router.weight", "experts" (all in_proj
   /// blocks then all down_proj blocks, see ExpertBank), and with shared experts
   /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
-  /// buffers, not parameters.
+  /// buffers, not parameters. The list holds the banks' edit scopes open while it lives (writes
+  /// through it are seen; a pack is rebuilt when it goes): keep it for one optimizer step.
   ParameterList parameters() { return ffn_parameters(router_weight_, bank_, shared_); }
 
   /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
   /// (ExpertBank::pack): fp32 panels, or bf16 panels for inference (training forwards then use
-  /// the fp32 weights). Call again after changing weights; until then the layer notices the
-  /// change and packs per call. Doubles expert memory.
+  /// the fp32 weights). Weights written later through an edit scope (ExpertBank::edit, or a
+  /// parameters() list while it lives) are seen: the pack is not used while the edit is open
+  /// and is rebuilt when it ends. Throws while such an edit is open. Doubles expert memory.
   void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
     bank_.pack(format);
     if constexpr (Shared::has_experts) shared_.bank().pack(format);

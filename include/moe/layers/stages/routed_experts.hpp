@@ -165,11 +165,12 @@ struct RoutedExperts {
     });
   }
 
-  /// Weight gradients of every expert with rows, into grads (a bank shaped like the experts):
+  /// Weight gradients of every expert with rows, into grads (an edit of a bank shaped like the
+  /// experts):
   /// in_proj += dH^T X (X: `inputs` [R, D]), down_proj += dY^T m, in items of 256 rows.
   template <class Bank>
   void add_weight_grads(GradTasks& tasks, Bank const& bank, ExpertRows rows, float const* inputs,
-                        Bank& grads) const {
+                        typename Bank::Edit const& grads) const {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
     constexpr Index kBlock = 256;
     for (Index e = 0; e < rows.count; ++e) {

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "moe/core/thread_pool.hpp"
@@ -257,14 +259,23 @@ struct SharedStage {
   }
 };
 
-/// A SharedGradTarget writing into a shared-expert policy object (its bank and gate).
+/// The SharedGradTarget of a shared-expert policy object holding gradients (its bank and its
+/// gate), with the bank's edit scope open while this lives.
+template <class Shared, bool = Shared::has_experts>
+class SharedGradScope {
+ public:
+  explicit SharedGradScope(Shared&) {}
+  SharedGradTarget target() const { return {}; }
+};
 template <class Shared>
-SharedGradTarget grad_target(Shared& g) {
-  if constexpr (Shared::has_experts) {
-    return {g.bank().parameters().data(), g.gate_weight().data};
-  }
-  (void)g;
-  return {};
-}
+class SharedGradScope<Shared, true> {
+ public:
+  explicit SharedGradScope(Shared& g) : edit_(g.bank()), gate_(g.gate_weight().data) {}
+  SharedGradTarget target() const { return {edit_.parameters().data(), gate_}; }
+
+ private:
+  typename std::remove_cvref_t<decltype(std::declval<Shared&>().bank())>::Edit edit_;
+  float* gate_;
+};
 
 }  // namespace moe::stages
