@@ -370,4 +370,9 @@ TEST_CASE("MoeAttention reports bad input clearly", "[attention][umoe]") {
   REQUIRE_THROWS_WITH(layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g, other),
                       Catch::Contains("expert_grads is not shaped like the expert bank"));
   REQUIRE_THROWS_WITH(layer.bind_experts(other), Catch::Contains("the expert bank has 3"));
+  // A workspace another layer filled is refused (the layer's stamp), not read.
+  Layer twin(c, {4, 2, false, 1.0f}, bank);
+  REQUIRE_THROWS_WITH(twin.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g, eg),
+                      Catch::Contains("filled by another layer"));
+  REQUIRE_NOTHROW(layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g, eg));
 }

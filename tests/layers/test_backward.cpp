@@ -413,3 +413,63 @@ TEST_CASE("Parameters and gradients list the same buffers; misuse is reported", 
   REQUIRE_THROWS_WITH(layer.backward(ws, {dy.data(), 1, 8}, {dx.data(), 1, 8}, grads),
                       Catch::Contains("must be [2, 8]"));
 }
+
+TEST_CASE("backward checks whose workspace and gradients it is given", "[backward][errors]") {
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh>;
+  Layer a(8, 6, {4, 2, true, 1.0f}, Sh(1, 8, 6));
+  Layer same_shape(8, 6, {4, 2, true, 1.0f}, Sh(1, 8, 6));
+  Layer wider(8, 6, {6, 2, true, 1.0f}, Sh(1, 8, 6));
+  Layer two_shared(8, 6, {4, 2, true, 1.0f}, Sh(2, 8, 6));
+  randomize(a, 40);
+  std::vector<float> x = test::random_vector(3 * 8, 41), y(24), dy(24, 0.1f), dx(24);
+  moe::MoeFfnWorkspace ws;
+  auto grads = a.make_gradients();
+  // A workspace another layer filled (even one of the same shapes) is refused, not read.
+  a.forward_train({x.data(), 3, 8}, {y.data(), 3, 8}, ws);
+  REQUIRE_THROWS_WITH(same_shape.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, grads),
+                      Catch::Contains("filled by another layer"));
+  auto wider_grads = wider.make_gradients();
+  REQUIRE_THROWS_WITH(wider.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, wider_grads),
+                      Catch::Contains("filled by another layer"));
+  // Gradients of another layer's shapes (more experts, more shared experts) are refused.
+  REQUIRE_THROWS_WITH(a.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, wider_grads),
+                      Catch::Contains("not shaped like this layer"));
+  auto shared_grads = two_shared.make_gradients();
+  REQUIRE_THROWS_WITH(a.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, shared_grads),
+                      Catch::Contains("not shaped like this layer"));
+  // The right pair still works, once.
+  REQUIRE_NOTHROW(a.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, grads));
+  REQUIRE_THROWS_WITH(a.backward(ws, {dy.data(), 3, 8}, {dx.data(), 3, 8}, grads),
+                      Catch::Contains("call forward_train first"));
+}
+
+TEST_CASE("A router policy that leaves a misshapen Selection is an error, not an overflow",
+          "[layers][errors]") {
+  // Each policy breaks one part of the contract of select().
+  struct BadRouter {
+    int flaw = 0;
+    Index expert_count() const { return 3; }
+    Index slots_per_token() const { return 2; }
+    void validate() const {}
+    void select(ConstMatrixView<float> logits, moe::Selection& sel) const {
+      Index const T = logits.rows;
+      sel.reset(flaw == 0 ? T - 1 : T, flaw == 1 ? 1 : 2, 3);  // 0: too few tokens; 1: slots
+      for (std::size_t i = 0; i < sel.expert.size(); ++i) {
+        sel.expert[i] = static_cast<moe::ExpertId>(i % 3);
+        sel.weight[i] = 0.5f;
+      }
+      if (flaw == 2) sel.expert[1] = 7;     // an expert id out of range
+      if (flaw == 3) sel.weight.resize(1);  // weights of the wrong length
+      if (flaw == 4) sel.scores.clear();    // no scores
+    }
+  };
+  std::vector<float> x = test::random_vector(4 * 8, 42), y(32);
+  moe::MoeFfnWorkspace ws;
+  for (int flaw = 0; flaw < 5; ++flaw) {
+    INFO("flaw " << flaw);
+    moe::MoeFfn<BadRouter, experts::SwiGlu> layer(8, 4, BadRouter{flaw});
+    REQUIRE_THROWS_WITH(layer.forward({x.data(), 4, 8}, {y.data(), 4, 8}, ws),
+                        Catch::Contains("router policy") && Catch::Contains("MoeFfn"));
+  }
+}
