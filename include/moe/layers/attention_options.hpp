@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 
+#include "moe/core/error.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
 
@@ -29,5 +30,19 @@ struct AttentionOptions {
   std::span<std::uint8_t const> key_mask = {};  ///< [T] or empty
   std::span<Index const> positions = {};        ///< [T] or empty
 };
+
+namespace detail {
+/// Throws moe::Error (who: the layer's name) unless `opt` fits x of T tokens.
+inline void check_attention_options(AttentionOptions const& opt, Index T, char const* who) {
+  check(opt.batch >= 1 && T % opt.batch == 0, who, ": batch = ", opt.batch, " does not divide the ",
+        T, " tokens; x must hold batch sequences of equal length");
+  check(opt.key_mask.empty() || static_cast<Index>(opt.key_mask.size()) == T, who,
+        ": key_mask has ", opt.key_mask.size(), " entries for ", T,
+        " tokens; pass one per token (1 = real, 0 = padding) or none");
+  check(opt.positions.empty() || static_cast<Index>(opt.positions.size()) == T, who,
+        ": positions has ", opt.positions.size(), " entries for ", T,
+        " tokens; pass one per token or none");
+}
+}  // namespace detail
 
 }  // namespace moe

@@ -350,15 +350,7 @@ class GatedAttention {
                       (y.data || y.rows == 0),
                   "GatedAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
                   c_.d_model, "] like x");
-    detail::check(opt.batch >= 1 && x.rows % opt.batch == 0, "GatedAttention: batch = ", opt.batch,
-                  " does not divide the ", x.rows,
-                  " tokens; x must hold batch sequences of equal length");
-    detail::check(opt.key_mask.empty() || static_cast<Index>(opt.key_mask.size()) == x.rows,
-                  "GatedAttention: key_mask has ", opt.key_mask.size(), " entries for ", x.rows,
-                  " tokens; pass one per token (1 = real, 0 = padding) or none");
-    detail::check(opt.positions.empty() || static_cast<Index>(opt.positions.size()) == x.rows,
-                  "GatedAttention: positions has ", opt.positions.size(), " entries for ", x.rows,
-                  " tokens; pass one per token or none");
+    detail::check_attention_options(opt, x.rows, "GatedAttention");
   }
 
   kernels::SdpaParams sdpa_params(GatedAttentionWorkspace const& ws, Index S, Index b, Index h,

@@ -425,15 +425,7 @@ class MoeAttention {
     detail::check(y.rows == 0 || y.data != x.data,
                   "MoeAttention: y aliases x; the values of every token are read after outputs "
                   "are written, so pass a separate output buffer");
-    detail::check(opt.batch >= 1 && x.rows % opt.batch == 0, "MoeAttention: batch = ", opt.batch,
-                  " does not divide the ", x.rows,
-                  " tokens; x must hold batch sequences of equal length");
-    detail::check(opt.key_mask.empty() || static_cast<Index>(opt.key_mask.size()) == x.rows,
-                  "MoeAttention: key_mask has ", opt.key_mask.size(), " entries for ", x.rows,
-                  " tokens; pass one per token (1 = real, 0 = padding) or none");
-    detail::check(opt.positions.empty() || static_cast<Index>(opt.positions.size()) == x.rows,
-                  "MoeAttention: positions has ", opt.positions.size(), " entries for ", x.rows,
-                  " tokens; pass one per token or none");
+    detail::check_attention_options(opt, x.rows, "MoeAttention");
   }
 
   using SdpaItem = detail::AttentionSdpaItem;
