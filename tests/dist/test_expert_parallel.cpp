@@ -547,6 +547,20 @@ TEST_CASE("dist: errors reach every rank, no hang", "[dist]") {
         Catch::Contains("rank " + std::to_string(P - 1) + " failed its local checks") &&
             Catch::Contains("top_k"));
   }
+  SECTION("backward with a workspace another layer filled") {
+    Plain ref = make_plain();
+    auto ep = dist::ExpertParallelOf<Plain>::from_layer(MPI_COMM_WORLD, ref);
+    auto twin = dist::ExpertParallelOf<Plain>::from_layer(MPI_COMM_WORLD, ref);
+    Index const T = 12;
+    auto X = random_vector(T * D, 6);
+    std::vector<float> y(X.size()), dx(X.size());
+    dist::ExpertParallelWorkspace ws;
+    auto g = ep.make_gradients();
+    ep.forward_train({X.data(), T, D}, {y.data(), T, D}, ws);
+    CHECK_THROWS_WITH(twin.backward(ws, {y.data(), T, D}, {dx.data(), T, D}, g),
+                      Catch::Contains("another layer"));
+    CHECK_NOTHROW(ep.backward(ws, {y.data(), T, D}, {dx.data(), T, D}, g));
+  }
   SECTION("calls on a layer") {
     Plain ref = make_plain();
     auto ep = dist::ExpertParallelOf<Plain>::from_layer(MPI_COMM_WORLD, ref);
