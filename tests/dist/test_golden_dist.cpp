@@ -18,6 +18,7 @@
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 #include "support/golden.hpp"
+#include "support/helpers.hpp"
 
 using moe::Index;
 namespace dist = moe::dist;
@@ -31,12 +32,6 @@ test::GoldenEntry const kGolden[] = {
 #include "dist/golden_digests.inc"
 };
 // clang-format on
-
-std::vector<float> random_vector(Index n, std::uint64_t seed) {
-  std::vector<float> v(static_cast<std::size_t>(n));
-  moe::fill_uniform(v, -1.0f, 1.0f, seed);
-  return v;
-}
 
 /// This rank's digest, folded with every other rank's in rank order (collective).
 std::uint64_t fold_ranks(std::uint64_t mine) {
@@ -74,8 +69,8 @@ TEST_CASE("golden: expert-parallel layer", "[golden]") {
   // Uneven split: rank r holds tokens [T r^2 / p^2, T (r+1)^2 / p^2).
   auto begin = [&](int r) { return T * r * r / (p * p); };
   Index const O = begin(me), Tr = begin(me + 1) - O;
-  auto X = random_vector(T * D, 11);
-  auto dY = random_vector(T * D, 12);
+  auto X = test::random_vector(T * D, 11);
+  auto dY = test::random_vector(T * D, 12);
   moe::ConstMatrixView<float> x(X.data() + O * D, Tr, D), dy(dY.data() + O * D, Tr, D);
   std::vector<float> y(static_cast<std::size_t>(Tr * D)), dx(y.size());
   moe::MatrixView<float> yv(y.data(), Tr, D), dxv(dx.data(), Tr, D);

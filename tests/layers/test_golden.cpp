@@ -21,6 +21,7 @@
 #include "moe/routing/top_k_softmax.hpp"
 #include "moe/routing/top_p.hpp"
 #include "support/golden.hpp"
+#include "support/helpers.hpp"
 
 using moe::Index;
 namespace routing = moe::routing;
@@ -33,12 +34,6 @@ test::GoldenEntry const kGolden[] = {
 #include "layers/golden_digests.inc"
 };
 // clang-format on
-
-std::vector<float> random_vector(Index n, std::uint64_t seed) {
-  std::vector<float> v(static_cast<std::size_t>(n));
-  moe::fill_uniform(v, -1.0f, 1.0f, seed);
-  return v;
-}
 
 template <class Layer>
 void randomize(Layer& layer, std::uint64_t seed) {
@@ -54,8 +49,8 @@ void randomize(Layer& layer, std::uint64_t seed) {
 template <class Layer>
 std::uint64_t ffn_digest(Layer& layer, Index T, int steps = 1, bool train = true) {
   Index const D = layer.d_model();
-  auto x = random_vector(T * D, 11);
-  auto dy = random_vector(T * D, 12);
+  auto x = test::random_vector(T * D, 11);
+  auto dy = test::random_vector(T * D, 12);
   moe::ThreadPool pool(2);
   test::Digest dg;
   std::vector<float> y1(x.size()), y2(x.size());
@@ -131,7 +126,7 @@ TEST_CASE("golden: MoeFfn routers, experts and shared experts", "[golden]") {
     r.n_group = 4;
     r.topk_group = 2;
     r.scale = 2.5f;
-    r.bias = random_vector(8, 301);
+    r.bias = test::random_vector(8, 301);
     moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu,
                 experts::UngatedSharedExperts<experts::SwiGlu>>
         layer(kD, 32, r, experts::UngatedSharedExperts<experts::SwiGlu>(1, kD, 64));
@@ -183,8 +178,8 @@ TEST_CASE("golden: MoeAttention", "[golden]") {
   using Bank = experts::ExpertBank<experts::SiluMlp>;
   Index const D = 32, B = 2, S = 20, T = B * S;
   auto digest = [&](auto& layer, Bank& bank) {
-    auto x = random_vector(T * D, 21);
-    auto dy = random_vector(T * D, 22);
+    auto x = test::random_vector(T * D, 21);
+    auto dy = test::random_vector(T * D, 22);
     moe::ThreadPool pool(2);
     test::Digest dg;
     std::vector<float> y1(x.size()), y2(x.size()), dx1(x.size()), dx2(x.size());

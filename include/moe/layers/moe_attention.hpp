@@ -391,10 +391,6 @@ class MoeAttention {
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
   Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
   Index gate_width() const { return Gate::width(c_.d_model); }
-  Index shared_hidden_cols() const {
-    if constexpr (Shared::has_experts) return shared_.bank().hidden_cols();
-    return 0;
-  }
   Index shared_ffn() const {
     if constexpr (Shared::has_experts) return shared_.bank().d_ffn();
     return 0;

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// The work queue of expert projections shared by MoeFfn and ExpertParallelMoeFfn (not public
-/// API): jobs (one projection of some rows with its epilogue) split into items of panels x rows,
-/// run on a ThreadPool through kernels::expert_cols. Items are fixed by the shapes alone and
+/// The work queue of expert projections every layer runs through stages::ProjectionQueue (not
+/// public API): jobs (one projection of some rows with its epilogue) split into items of panels x
+/// rows, run on a ThreadPool through kernels::expert_cols. Items are fixed by the shapes alone and
 /// every output element is computed by one item, so results are bitwise identical for any number
 /// of threads.
 #pragma once

@@ -2,7 +2,7 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// Work items of a backward's row phase (not public API): each expert's rows, in chunks, shared
-/// by MoeFfn, MoeAttention and ExpertParallelMoeFfn so that all three split rows alike.
+/// by every layer through the routed-experts engine (stages::RoutedExperts::backward_rows).
 #pragma once
 
 #include <vector>
