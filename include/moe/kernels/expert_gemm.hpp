@@ -26,6 +26,8 @@
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/quant_gemm.hpp"
+#include "moe/kernels/row_source.hpp"
 #include "moe/kernels/simd.hpp"
 
 // Kept out of line: one call per work item, and GCC 12 applies the diagnostic pragmas only
@@ -37,34 +39,6 @@
 #endif
 
 namespace moe::kernels {
-
-/// Rows of an activation matrix read in place: row i is base + (index ? index[i] : i) * ld.
-/// With an index (e.g. RoutingPlan::row_token of one expert) the gather is part of the GEMM.
-/// Optionally `pairs` holds the same rows already rounded to bf16 pairs (bf16_pairs_rows, row
-/// stride ldp words, addressed through the same index): the AVX512-BF16 path of expert_cols then
-/// reads them instead of rounding the rows itself (once per call), so a layer rounds each row
-/// once per forward. Ignored by every other path.
-struct RowSource {
-  float const* base = nullptr;
-  Index ld = 0;
-  Index const* index = nullptr;
-  std::uint32_t const* pairs = nullptr;
-  Index ldp = 0;
-  MOE_ALWAYS_INLINE Index at(Index i) const { return index ? index[i] : i; }
-  MOE_ALWAYS_INLINE float const* row(Index i) const { return base + at(i) * ld; }
-  /// The same source from row r on: the index advanced, or (rows in place) the base and the
-  /// pairs, which then move together.
-  MOE_ALWAYS_INLINE RowSource from(Index r) const {
-    RowSource s = *this;
-    if (s.index) {
-      s.index += r;
-    } else {
-      s.base += r * ld;
-      if (s.pairs) s.pairs += r * ldp;
-    }
-    return s;
-  }
-};
 
 /// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
 /// columns c < N - p*NP that exist. With `stream`, full panels at 64-byte aligned addresses are
@@ -404,15 +378,18 @@ inline Prefetch prefetch_slices(char const* const* next, int ops, Index bytes, I
 ///   bf16: operand o's panel p is bf16[o] + p * ((K + 1) / 2) * NP words;
 ///   raw:  neither: panels are packed per call from raw[o] (rows of W, row stride K), the panel
 ///         of operand o covering W rows [p * NP, p * NP + NP) clipped to raw_rows[o]; or, with
-///         dot_products, no packing: gemm_nt dot products row by row (weights streamed once).
-/// Exactly one of f32[0], bf16[0], raw[0] is set. The caller chooses dot_products by the size
-/// of the whole projection (not of one call), so a row's arithmetic never depends on the split.
+///         dot_products, no packing: gemm_nt dot products row by row (weights streamed once);
+///   quant: quantized panels (pack_quant_panels) of 32 columns, multiplied by quant_cols.
+/// Exactly one of f32[0], bf16[0], raw[0], quant[0].data is set. The caller chooses dot_products by
+/// the size of the whole projection (not of one call), so a row's arithmetic never depends on the
+/// split.
 struct WeightPanels {
   float const* f32[2] = {nullptr, nullptr};
   std::uint32_t const* bf16[2] = {nullptr, nullptr};
   float const* raw[2] = {nullptr, nullptr};
   Index raw_rows[2] = {0, 0};
   bool dot_products = false;
+  QuantWeights quant[2] = {};
 };
 
 /// The panel a caller multiplies after an expert_cols call (for example its next work item's
@@ -451,7 +428,8 @@ template <class Arch = simd::DefaultArch>
 constexpr Index expert_scratch_floats(Index K) {
   constexpr Index NP = panel_width<Arch>();
   Index const operands = std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2));
-  return operands + kExpertChunkRows * 2 * NP + 2 * NP + 64;
+  return std::max(operands + kExpertChunkRows * 2 * NP + 2 * NP + 64,
+                  K % 32 == 0 ? quant_scratch_floats(K) : Index{0});
 }
 
 /// Columns [p0 * NP, p1 * NP) (panels p0..p1-1; NP = panel_width()) of an expert projection of the
@@ -466,7 +444,9 @@ constexpr Index expert_scratch_floats(Index K) {
 ///     chunk by row chunk; without: weights widened to fp32 in registers;
 ///   - raw weights: per-call packing of each panel into scratch, then the same;
 ///   - raw weights with w.dot_products (for few rows): gemm_nt dot products per row (weights
-///     streamed once, no packing), staged in scratch and passed to the epilogue.
+///     streamed once, no packing), staged in scratch and passed to the epilogue;
+///   - quantized panels: quant_cols (integer dot products; panels of 32 columns, so p0, p1 and
+///     the epilogue's panel index count 32-column panels whatever NP is).
 /// `scratch` holds expert_scratch_floats(K) floats. Allocates nothing. `after`: the panel the
 /// caller multiplies next, prefetched during the last slice (a hint; see NextPanel).
 template <class Epi, class Arch = simd::DefaultArch>
@@ -480,6 +460,10 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   constexpr int NB = 2 * Ops;
   constexpr Index MaxMR = expert_max_mr<Ops, Arch>();
   if (M <= 0 || p1 <= p0) return;
+  if (w.quant[0].data) {
+    quant_cols<Epi, Arch>(a, M, K, w.quant, p0, p1, epi, scratch);
+    return;
+  }
   auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
   float* const panel_buf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
   // bf16 panels: the activation pairs of a row chunk, in the space raw weights pack panels into.

@@ -1,0 +1,535 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// Integer kernels for quantized expert weights (moe/quant/blocks.hpp formats).
+///
+/// Activations are quantized once per row to int8 in 32-blocks (quantize_rows_q8): for block b,
+/// da_b = amax_b / 127 and a_k = round_even(x_k / da_b), with the block sums s32_b = sum a_k (and
+/// per 16: s16) kept beside them. Weights are re-packed once (pack_quant_panels) from GGUF rows
+/// into panels of 32 output columns, every weight an unsigned level u with
+///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q6_K: offset 32)
+///   w = s * u - m         (Q4_K: s = d * sc, m = dmin * mn)
+/// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
+/// is then, per scale block, one integer sum by `vpdpbusd` (unsigned weight bytes times signed
+/// activation bytes, exact in int32) folded into an fp32 accumulator:
+///   acc = fma((float)(isum - offset * s) * s_col, da_b, acc)        (offset formats)
+///   acc = fma((float)isum * s_col, da_b, acc); acc = fma(-m_col, da_b * s32_b, acc)   (Q4_K)
+/// over the blocks in ascending k. The portable kernel (no AVX512-VNNI) does the same integer
+/// sums and the same float operations in the same order, so both give the same bits, for any
+/// row split, tiling or thread count.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "moe/core/config.hpp"
+#include "moe/core/types.hpp"
+#include "moe/kernels/gemm_packed.hpp"
+#include "moe/kernels/row_source.hpp"
+#include "moe/kernels/simd.hpp"
+#include "moe/quant/blocks.hpp"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define MOE_HAS_AVX512VNNI 1
+#else
+#define MOE_HAS_AVX512VNNI 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MOE_QUANT_NOINLINE __attribute__((noinline))
+#else
+#define MOE_QUANT_NOINLINE
+#endif
+
+namespace moe::kernels {
+
+/// Does this build multiply quantized weights with AVX512-VNNI (otherwise: the portable kernel)?
+constexpr bool has_avx512_vnni() { return MOE_HAS_AVX512VNNI != 0; }
+
+/// Output columns of one quantized weight panel.
+inline constexpr Index kQuantPanelCols = 32;
+
+// ----------------------------------------------------------------------------------------------
+// Activations: int8 rows in 32-blocks.
+
+/// Bytes of one quantized activation row of depth K (K % 32 == 0), 64-byte multiple:
+/// int8 a[K], float da[K/32], float ds[K/32] (= da * s32), int32 s32[K/32], int32 s16[K/16].
+constexpr Index q8_row_bytes(Index K) { return (K + 5 * K / 8 + 63) / 64 * 64; }
+
+/// The parts of a quantized activation row.
+struct Q8Row {
+  std::int8_t const* a;
+  float const* d;
+  float const* ds;
+  std::int32_t const* s32;
+  std::int32_t const* s16;
+};
+inline Q8Row q8_row(std::byte const* row, Index K) {
+  return {reinterpret_cast<std::int8_t const*>(row), reinterpret_cast<float const*>(row + K),
+          reinterpret_cast<float const*>(row + K + K / 8),
+          reinterpret_cast<std::int32_t const*>(row + K + K / 4),
+          reinterpret_cast<std::int32_t const*>(row + K + 3 * K / 8)};
+}
+
+/// Quantizes one row of K floats (K % 32 == 0) into q8_row_bytes(K) bytes at dst (64-byte
+/// aligned). A block holding a NaN or an infinity gets da = NaN (so every output it feeds is
+/// NaN, as in fp32) and zero levels.
+inline void quantize_row_q8(float const* x, Index K, std::byte* dst) {
+  auto* a = reinterpret_cast<std::int8_t*>(dst);
+  auto* d = reinterpret_cast<float*>(dst + K);
+  auto* ds = reinterpret_cast<float*>(dst + K + K / 8);
+  auto* s32 = reinterpret_cast<std::int32_t*>(dst + K + K / 4);
+  auto* s16 = reinterpret_cast<std::int32_t*>(dst + K + 3 * K / 8);
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (Index b = 0; b < K / 32; ++b) {
+    float const* xb = x + 32 * b;
+    std::int8_t* ab = a + 32 * b;
+#if MOE_HAS_AVX512VNNI
+    __m512 const x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    __m512 const ax0 = _mm512_abs_ps(x0), ax1 = _mm512_abs_ps(x1);
+    __mmask16 const bad = _mm512_cmp_ps_mask(ax0, _mm512_set1_ps(kMax), _CMP_NLE_UQ) |
+                          _mm512_cmp_ps_mask(ax1, _mm512_set1_ps(kMax), _CMP_NLE_UQ);
+    float const amax = _mm512_reduce_max_ps(_mm512_max_ps(ax0, ax1));
+#else
+    float amax = 0.0f;
+    bool bad = false;
+    for (int j = 0; j < 32; ++j) {
+      float const v = std::fabs(xb[j]);
+      if (!(v <= kMax)) bad = true;
+      amax = v > amax ? v : amax;
+    }
+#endif
+    if (bad) {
+      std::memset(ab, 0, 32);
+      d[b] = ds[b] = std::numeric_limits<float>::quiet_NaN();
+      s32[b] = s16[2 * b] = s16[2 * b + 1] = 0;
+      continue;
+    }
+    float const db = amax / 127.0f;
+    float const id = db != 0.0f ? 1.0f / db : 0.0f;
+#if MOE_HAS_AVX512VNNI
+    // vcvtps2dq rounds to nearest even (the default MXCSR mode), as std::nearbyint does.
+    __m512i const q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+    __m512i const q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16), _mm512_cvtsepi32_epi8(q1));
+    std::int32_t const lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
+#else
+    std::int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 32; ++j) {
+      float const r = std::nearbyint(xb[j] * id);
+      int const q = static_cast<int>(r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r));
+      ab[j] = static_cast<std::int8_t>(q);
+      (j < 16 ? lo : hi) += q;
+    }
+#endif
+    d[b] = db;
+    s16[2 * b] = lo;
+    s16[2 * b + 1] = hi;
+    s32[b] = lo + hi;
+    ds[b] = db * static_cast<float>(lo + hi);
+  }
+}
+
+/// Rows [0, n) of `a` quantized, row r at dst + r * ldq bytes (ldq >= q8_row_bytes(K)).
+inline void quantize_rows_q8(RowSource a, Index n, Index K, std::byte* dst, Index ldq) {
+  for (Index r = 0; r < n; ++r) quantize_row_q8(a.row(r), K, dst + r * ldq);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Weight panels.
+
+/// Bytes of one panel group (block_elems(f) depth x 32 columns): header then weights.
+constexpr Index quant_header_bytes(quant::Format f) {
+  switch (f) {
+    case quant::Format::kQ8_0:
+    case quant::Format::kQ4_0:
+      return 64;  // fp16 d[32]
+    case quant::Format::kQ4_K:
+      return 640;  // fp16 d[32], fp16 dmin[32], u8 sc[8][32], u8 m[8][32]
+    case quant::Format::kQ6_K:
+      return 576;  // fp16 d[32], i8 sc[16][32]
+  }
+  return 0;
+}
+constexpr bool quant_is_4bit(quant::Format f) {
+  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
+}
+constexpr Index quant_group_bytes(quant::Format f) {
+  Index const G = quant::block_elems(f);
+  return quant_header_bytes(f) + (quant_is_4bit(f) ? G * 16 : G * 32);
+}
+/// Bytes of one panel of depth K.
+constexpr Index quant_panel_bytes(quant::Format f, Index K) {
+  return K / quant::block_elems(f) * quant_group_bytes(f);
+}
+
+/// Packs N GGUF rows of depth K (row n at rows + n * row_bytes(f, K)) into ceil(N / 32) panels at
+/// dst (64-byte aligned, ceil(N / 32) * quant_panel_bytes(f, K) bytes). Columns past N are zero.
+/// Weight bytes of a group, for 32 k (8-bit) or 8 k (4-bit) at a time and 32 columns:
+///   8-bit: byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
+///   4-bit: byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and k = 8 o + 4 + j (high).
+inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
+                              std::byte* dst) {
+  using quant::Format;
+  Index const G = quant::block_elems(f), rb = quant::row_bytes(f, K);
+  Index const panels = (N + kQuantPanelCols - 1) / kQuantPanelCols;
+  Index const HB = quant_header_bytes(f), GB = quant_group_bytes(f);
+  std::memset(dst, 0, static_cast<std::size_t>(panels * quant_panel_bytes(f, K)));
+  for (Index p = 0; p < panels; ++p) {
+    for (Index g = 0; g < K / G; ++g) {
+      std::byte* grp = dst + p * quant_panel_bytes(f, K) + g * GB;
+      auto* w = reinterpret_cast<std::uint8_t*>(grp + HB);
+      auto* d16 = reinterpret_cast<std::uint16_t*>(grp);
+      for (Index c = 0; c < kQuantPanelCols; ++c) {
+        Index const n = p * kQuantPanelCols + c;
+        if (n >= N) break;
+        std::byte const* blk = rows + n * rb + g * quant::block_bytes(f);
+        auto put = [&](Index k, int u) {
+          if (quant_is_4bit(f)) {
+            Index const o = k / 8, j = k % 4;
+            int const shift = (k % 8) >= 4 ? 4 : 0;
+            w[(o * 32 + c) * 4 + j] =
+                static_cast<std::uint8_t>(w[(o * 32 + c) * 4 + j] | (u << shift));
+          } else {
+            w[((k / 4) * 32 + c) * 4 + k % 4] = static_cast<std::uint8_t>(u);
+          }
+        };
+        switch (f) {
+          case Format::kQ8_0: {
+            quant::BlockQ8_0 b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            for (Index k = 0; k < 32; ++k) put(k, b.qs[k] + 128);
+            break;
+          }
+          case Format::kQ4_0: {
+            quant::BlockQ4_0 b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
+            break;
+          }
+          case Format::kQ4_K: {
+            quant::BlockQ4_K b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            d16[32 + c] = b.dmin;
+            auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
+            for (int j = 0; j < 8; ++j) {
+              std::uint8_t s, m;
+              quant::get_scale_min(j, b.scales, &s, &m);
+              sc[j * 32 + c] = s;
+              sc[256 + j * 32 + c] = m;
+            }
+            for (Index k = 0; k < 256; ++k) put(k, quant::q4k_level(b, static_cast<int>(k)));
+            break;
+          }
+          case Format::kQ6_K: {
+            quant::BlockQ6_K b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            auto* sc = reinterpret_cast<std::int8_t*>(grp + 64);
+            for (int j = 0; j < 16; ++j) sc[j * 32 + c] = b.scales[j];
+            for (Index k = 0; k < 256; ++k) put(k, quant::q6_level(b, static_cast<int>(k)));
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+/// A quantized weight operand as the kernels read it: panel p at data + p * panel_bytes.
+struct QuantWeights {
+  std::byte const* data = nullptr;
+  quant::Format format = quant::Format::kQ8_0;
+  Index panel_bytes = 0;
+};
+
+namespace detail {
+
+/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8); Q4_K has a min.
+constexpr int quant_offset_shift(quant::Format f) {
+  return f == quant::Format::kQ8_0 ? 7 : (f == quant::Format::kQ6_K ? 5 : 3);
+}
+/// Depth of one integer sum (a scale block of the weights).
+constexpr Index quant_fold_depth(quant::Format f) { return f == quant::Format::kQ6_K ? 16 : 32; }
+
+/// Portable kernel: MR rows x Ops operands x 32 columns, into out[r][o * 32 + c].
+template <quant::Format F, int Ops>
+void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* const* panels,
+                         float (*out)[2 * kQuantPanelCols]) {
+  using quant::Format;
+  constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
+  constexpr Index SB = quant_fold_depth(F);
+  for (Index r = 0; r < MR; ++r) {
+    Q8Row const& a = rows[r];
+    for (int o = 0; o < Ops; ++o) {
+      for (Index c = 0; c < kQuantPanelCols; ++c) {
+        float acc = 0.0f;
+        for (Index g = 0; g < K / G; ++g) {
+          std::byte const* grp = panels[o] + g * GB;
+          auto const* w = reinterpret_cast<std::uint8_t const*>(grp + HB);
+          auto const* d16 = reinterpret_cast<std::uint16_t const*>(grp);
+          for (Index sb = 0; sb < G / SB; ++sb) {
+            Index const k0 = g * G + sb * SB;
+            std::int32_t isum = 0;
+            for (Index kk = 0; kk < SB; ++kk) {
+              Index const k = sb * SB + kk;  // depth within the group
+              int u;
+              if constexpr (quant_is_4bit(F)) {
+                std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
+                u = (k % 8) >= 4 ? v >> 4 : v & 0xF;
+              } else {
+                u = w[((k / 4) * 32 + c) * 4 + k % 4];
+              }
+              isum += u * a.a[k0 + kk];
+            }
+            float const da = a.d[k0 / 32];
+            if constexpr (F == Format::kQ4_K) {
+              float const d = quant::detail::fp32(d16[c]), dmin = quant::detail::fp32(d16[32 + c]);
+              auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + 128);
+              float const s = d * static_cast<float>(sc[sb * 32 + c]);
+              float const m = dmin * static_cast<float>(sc[256 + sb * 32 + c]);
+              acc = std::fma(static_cast<float>(isum) * s, da, acc);
+              acc = std::fma(-m, a.ds[k0 / 32], acc);
+            } else {
+              float s;
+              std::int32_t corr;
+              if constexpr (F == Format::kQ6_K) {
+                auto const* sc = reinterpret_cast<std::int8_t const*>(grp + 64);
+                s = quant::detail::fp32(d16[c]) * static_cast<float>(sc[sb * 32 + c]);
+                corr = a.s16[k0 / 16];
+              } else {
+                s = quant::detail::fp32(d16[c]);
+                corr = a.s32[k0 / 32];
+              }
+              std::int32_t const t = isum - corr * (1 << quant_offset_shift(F));
+              acc = std::fma(static_cast<float>(t) * s, da, acc);
+            }
+          }
+        }
+        out[r][o * kQuantPanelCols + c] = acc;
+      }
+    }
+  }
+}
+
+#if MOE_HAS_AVX512VNNI
+/// AVX512-VNNI kernel: MR rows x Ops operands x 32 columns (2 vectors each), accumulators in
+/// registers over the whole depth, handed to the epilogue as float batches.
+template <quant::Format F, Index MR, int Ops, class Epi>
+MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte const* const* panels,
+                                        Epi const& epi, Index i0, Index p) {
+  using quant::Format;
+  using B = simd::Batch<float, xsimd::avx512bw>;
+  constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
+  constexpr Index SB = quant_fold_depth(F);
+  __m512 acc[Ops][2][MR];
+  for (int o = 0; o < Ops; ++o)
+    for (int v = 0; v < 2; ++v)
+      for (Index r = 0; r < MR; ++r) acc[o][v][r] = _mm512_setzero_ps();
+  std::int8_t const* a[MR];
+  for (Index r = 0; r < MR; ++r) a[r] = rows[r].a;
+  __m512i const nib = _mm512_set1_epi8(0x0F);
+  for (Index g = 0; g < K / G; ++g) {
+    std::byte const* grp[Ops];
+    for (int o = 0; o < Ops; ++o) grp[o] = panels[o] + g * GB;
+    if (g + 1 < K / G) {
+      for (int o = 0; o < Ops; ++o) {
+        for (Index l = 0; l < GB; l += 64) MOE_PREFETCH_L2(grp[o] + GB + l);
+      }
+    }
+    for (Index sb = 0; sb < G / SB; ++sb) {
+      Index const k0 = g * G + sb * SB;
+      __m512i iacc[Ops][2][MR];
+      for (int o = 0; o < Ops; ++o)
+        for (int v = 0; v < 2; ++v)
+          for (Index r = 0; r < MR; ++r) iacc[o][v][r] = _mm512_setzero_si512();
+      if constexpr (quant_is_4bit(F)) {
+        for (Index oct = 0; oct < SB / 8; ++oct) {
+          for (int o = 0; o < Ops; ++o) {
+            for (int v = 0; v < 2; ++v) {
+              __m512i const packed =
+                  _mm512_load_si512(grp[o] + HB + ((sb * SB / 8 + oct) * 32 + v * 16) * 4);
+              __m512i const lo = _mm512_and_si512(packed, nib);
+              __m512i const hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nib);
+              for (Index r = 0; r < MR; ++r) {
+                std::int32_t q0, q1;
+                std::memcpy(&q0, a[r] + k0 + 8 * oct, 4);
+                std::memcpy(&q1, a[r] + k0 + 8 * oct + 4, 4);
+                iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], lo, _mm512_set1_epi32(q0));
+                iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], hi, _mm512_set1_epi32(q1));
+              }
+            }
+          }
+        }
+      } else {
+        for (Index qd = 0; qd < SB / 4; ++qd) {
+          for (int o = 0; o < Ops; ++o) {
+            for (int v = 0; v < 2; ++v) {
+              __m512i const wv =
+                  _mm512_load_si512(grp[o] + HB + ((sb * SB / 4 + qd) * 32 + v * 16) * 4);
+              for (Index r = 0; r < MR; ++r) {
+                std::int32_t q;
+                std::memcpy(&q, a[r] + k0 + 4 * qd, 4);
+                iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], wv, _mm512_set1_epi32(q));
+              }
+            }
+          }
+        }
+      }
+      // Fold the block's integer sums into the fp32 accumulators.
+      __m512 da[MR];
+      for (Index r = 0; r < MR; ++r) da[r] = _mm512_set1_ps(rows[r].d[k0 / 32]);
+      if constexpr (F == Format::kQ4_K) {
+        __m512 ds[MR];
+        for (Index r = 0; r < MR; ++r) ds[r] = _mm512_set1_ps(rows[r].ds[k0 / 32]);
+        for (int o = 0; o < Ops; ++o) {
+          auto const* sc = reinterpret_cast<std::uint8_t const*>(grp[o] + 128);
+          for (int v = 0; v < 2; ++v) {
+            __m512 const d = _mm512_cvtph_ps(
+                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
+            __m512 const dmin = _mm512_cvtph_ps(
+                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + 64 + v * 32)));
+            __m512 const s = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                       _mm_load_si128(reinterpret_cast<__m128i const*>(sc + sb * 32 + v * 16)))));
+            __m512 const m = _mm512_mul_ps(
+                dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(
+                          reinterpret_cast<__m128i const*>(sc + 256 + sb * 32 + v * 16)))));
+            for (Index r = 0; r < MR; ++r) {
+              __m512 const f = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[o][v][r]), s);
+              acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
+              acc[o][v][r] = _mm512_fnmadd_ps(m, ds[r], acc[o][v][r]);
+            }
+          }
+        }
+      } else {
+        __m512i corr[MR];
+        for (Index r = 0; r < MR; ++r) {
+          std::int32_t const s = F == Format::kQ6_K ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
+          corr[r] = _mm512_set1_epi32(s * (1 << quant_offset_shift(F)));
+        }
+        for (int o = 0; o < Ops; ++o) {
+          for (int v = 0; v < 2; ++v) {
+            __m512 s = _mm512_cvtph_ps(
+                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
+            if constexpr (F == Format::kQ6_K) {
+              auto const* sc = reinterpret_cast<std::int8_t const*>(grp[o] + 64);
+              s = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(
+                                       reinterpret_cast<__m128i const*>(sc + sb * 32 + v * 16)))));
+            }
+            for (Index r = 0; r < MR; ++r) {
+              __m512 const f =
+                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[o][v][r], corr[r])), s);
+              acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
+            }
+          }
+        }
+      }
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    B out[2 * Ops];
+    for (int o = 0; o < Ops; ++o) {
+      out[2 * o] = B(acc[o][0][r]);
+      out[2 * o + 1] = B(acc[o][1][r]);
+    }
+    epi.row(i0 + r, p, out);
+  }
+}
+#endif
+
+}  // namespace detail
+
+/// Rows whose quantized activations a quant_cols call makes at a time (when a.q8 is null).
+inline constexpr Index kQuantChunkRows = 128;
+
+/// Floats of scratch quant_cols needs for depth K: a row chunk's quantized activations (when the
+/// caller hands none) and one staging tile, 64-byte aligned.
+constexpr Index quant_scratch_floats(Index K) {
+  return (kQuantChunkRows * q8_row_bytes(K) + 8 * 2 * kQuantPanelCols * 4) / 4 + 32;
+}
+
+/// Largest row tile of the quantized kernels for Ops operands.
+constexpr Index quant_max_mr(int ops) { return ops == 1 ? 6 : 3; }
+
+/// Columns [p0 * 32, p1 * 32) of the projection of the M rows of `a` (depth K, K a multiple of
+/// the format's block) against Ops = Epi::kOperands quantized operands w[0..Ops), finished by
+/// `epi` (StoreEpilogue, GluEpilogue, ActEpilogue; panel index p in units of 32 columns). The
+/// rows come quantized in a.q8 (quantize_rows_q8, row stride a.ldq, through a's index), or are
+/// quantized here per chunk of kQuantChunkRows rows into scratch (bitwise the same).
+/// `scratch`: quant_scratch_floats(K) floats. Allocates nothing.
+template <class Epi, class Arch = simd::DefaultArch>
+void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, Index p1,
+                Epi const& epi, float* scratch) {
+  constexpr int Ops = Epi::kOperands;
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  if (M <= 0 || p1 <= p0) return;
+  quant::Format const f = w[0].format;
+  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
+  auto* const base = reinterpret_cast<std::byte*>(scratch) + (64 - addr % 64) % 64;
+  Index const rb = q8_row_bytes(K);
+  std::byte* const qbuf = base;
+  auto* const stage = reinterpret_cast<float(*)[2 * kQuantPanelCols]>(base + kQuantChunkRows * rb);
+  for (Index c0 = 0; c0 < M; c0 += kQuantChunkRows) {
+    Index const mc = std::min(kQuantChunkRows, M - c0);
+    if (!a.q8) quantize_rows_q8(a.from(c0), mc, K, qbuf, rb);
+    auto row_of = [&](Index i) {
+      return a.q8 ? q8_row(a.q8 + a.at(c0 + i) * a.ldq, K) : q8_row(qbuf + i * rb, K);
+    };
+    for (Index p = p0; p < p1; ++p) {
+      std::byte const* panels[2] = {w[0].data + p * w[0].panel_bytes,
+                                    Ops > 1 ? w[1].data + p * w[1].panel_bytes : nullptr};
+      auto run = [&]<quant::Format F>() {
+#if MOE_HAS_AVX512VNNI
+        if constexpr (L == 16) {
+          ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
+              mc, [&]<Index MR>(Index, Index, Index i0) {
+                Q8Row rows[MR];
+                for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
+                detail::quant_tile_vnni<F, MR, Ops>(rows, K, panels, epi, c0 + i0, p);
+              });
+          return;
+        }
+#endif
+        for (Index i0 = 0; i0 < mc; i0 += 8) {
+          Index const mr = std::min<Index>(8, mc - i0);
+          Q8Row rows[8];
+          for (Index r = 0; r < mr; ++r) rows[r] = row_of(i0 + r);
+          detail::quant_tile_portable<F, Ops>(rows, mr, K, panels, stage);
+          for (Index r = 0; r < mr; ++r) {
+            constexpr int NB = static_cast<int>(Ops * kQuantPanelCols / L);
+            B v[NB];
+            for (int j = 0; j < NB; ++j) v[j] = B::load_unaligned(stage[r] + j * L);
+            epi.row(c0 + i0 + r, p, v);
+          }
+        }
+      };
+      switch (f) {
+        case quant::Format::kQ8_0:
+          run.template operator()<quant::Format::kQ8_0>();
+          break;
+        case quant::Format::kQ6_K:
+          run.template operator()<quant::Format::kQ6_K>();
+          break;
+        case quant::Format::kQ4_K:
+          run.template operator()<quant::Format::kQ4_K>();
+          break;
+        case quant::Format::kQ4_0:
+          run.template operator()<quant::Format::kQ4_0>();
+          break;
+      }
+    }
+  }
+}
+
+}  // namespace moe::kernels

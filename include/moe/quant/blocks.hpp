@@ -1,0 +1,551 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q4_K and Q4_0 (ggml-common.h), and
+/// their reference quantizers and dequantizers (ggml-quants.c: quantize_row_*_ref,
+/// dequantize_row_*), written here from those definitions. A row of k weights is k / block_elems
+/// consecutive blocks, little-endian, as in a GGUF tensor:
+///
+/// | format | weights per block | bytes | bits per weight | value of weight i |
+/// |--------|-------------------|-------|-----------------|----------------------------------------|
+/// | Q8_0   | 32                | 34    | 8.5             | d * qs[i] | | Q6_K   | 256 (16 x 16) |
+/// 210   | 6.5625          | d * scales[i / 16] * (q6 - 32)         | | Q4_K   | 256 (8 x 32) | 144
+/// | 4.5             | d * sc[i / 32] * q4 - dmin * m[i / 32] | | Q4_0   | 32                | 18
+/// | 4.5             | d * (q4 - 8)                           |
+///
+/// (d, dmin: fp16; sc, m: 6-bit; q6 in [0, 64), q4 in [0, 16).) The quantizers are ggml's
+/// round-to-nearest references, Q4_K and Q6_K with their scale searches, operation for
+/// operation and without floating-point contraction (each product is rounded before it is
+/// added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on the
+/// compiler flags. NaN policy: quantize_row refuses a non-finite weight (moe::Error naming its
+/// position); dequantize_row decodes any bytes (an fp16 scale may be inf or NaN).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+#include "moe/io/safetensors/convert.hpp"
+
+namespace moe::quant {
+
+/// A GGUF block format for weights.
+enum class Format : std::uint8_t {
+  kQ8_0,  ///< 8-bit, 32-blocks, one fp16 scale
+  kQ6_K,  ///< 6-bit, 256-super-blocks of 16 sub-blocks with int8 scales
+  kQ4_K,  ///< 4-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins
+  kQ4_0,  ///< 4-bit, 32-blocks, one fp16 scale, offset 8
+};
+
+/// Every format, in order of falling precision.
+inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ4_K, Format::kQ4_0};
+
+/// ggml block types, byte for byte (static_asserts below check the sizes).
+struct BlockQ8_0 {
+  std::uint16_t d;     ///< fp16 scale
+  std::int8_t qs[32];  ///< weights
+};
+struct BlockQ4_0 {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint8_t qs[16];  ///< weight j in the low nibble of qs[j], weight j + 16 in the high one
+};
+struct BlockQ4_K {
+  std::uint16_t d;          ///< fp16 super-block scale of the sub-block scales
+  std::uint16_t dmin;       ///< fp16 super-block scale of the sub-block mins
+  std::uint8_t scales[12];  ///< 8 6-bit scales and 8 6-bit mins (get_scale_min below)
+  std::uint8_t qs[128];     ///< per 64 weights: 32 bytes, weight l low nibble, l + 32 high
+};
+struct BlockQ6_K {
+  std::uint8_t ql[128];    ///< low 4 bits
+  std::uint8_t qh[64];     ///< high 2 bits
+  std::int8_t scales[16];  ///< int8 scale per 16 weights
+  std::uint16_t d;         ///< fp16 super-block scale
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
+
+/// Weights per block.
+constexpr Index block_elems(Format f) {
+  return f == Format::kQ8_0 || f == Format::kQ4_0 ? 32 : 256;
+}
+/// Bytes per block.
+constexpr Index block_bytes(Format f) {
+  switch (f) {
+    case Format::kQ8_0:
+      return 34;
+    case Format::kQ6_K:
+      return 210;
+    case Format::kQ4_K:
+      return 144;
+    case Format::kQ4_0:
+      return 18;
+  }
+  return 0;
+}
+/// Bits per weight, scales included.
+constexpr double bits_per_weight(Format f) {
+  return 8.0 * static_cast<double>(block_bytes(f)) / static_cast<double>(block_elems(f));
+}
+/// Bytes of a row of k weights (k a multiple of block_elems(f)).
+constexpr Index row_bytes(Format f, Index k) { return k / block_elems(f) * block_bytes(f); }
+
+/// The lower-case ggml name: "q8_0", "q6_k", "q4_k", "q4_0".
+constexpr char const* name(Format f) {
+  switch (f) {
+    case Format::kQ8_0:
+      return "q8_0";
+    case Format::kQ6_K:
+      return "q6_k";
+    case Format::kQ4_K:
+      return "q4_k";
+    case Format::kQ4_0:
+      return "q4_0";
+  }
+  return "?";
+}
+
+/// The format named `s` (case-insensitive: "q8_0", "Q4_K", ...); moe::Error for any other.
+inline Format parse_format(std::string_view s) {
+  std::string lower(s);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  for (Format f : kFormats) {
+    if (lower == name(f)) return f;
+  }
+  detail::fail("quant::parse_format: unknown weight format '", s,
+               "'; use one of q8_0, q6_k, q4_k, q4_0");
+}
+
+namespace detail {
+
+/// a * b rounded to float and kept from being fused into a following add (an empty asm that
+/// takes the product as an input and output), so the arithmetic is the same with or without
+/// -ffp-contract=fast and FMA in the target flags.
+inline float mul(float a, float b) {
+  float p = a * b;
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+g"(p));
+#endif
+  return p;
+}
+
+/// ggml's nearest_int: round to nearest, ties to even, for |v| <= 4194303.
+inline int nearest_int(float v) {
+  float const s = v + 12582912.f;
+  std::int32_t i;
+  std::memcpy(&i, &s, sizeof i);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+inline std::uint16_t fp16(float v) { return io::float_to_f16(v); }
+inline float fp32(std::uint16_t h) { return io::f16_to_float(h); }
+
+constexpr float kGroupMaxEps = 1e-15f;
+
+/// ggml make_qx_quants with rmse_type 1 and no importance weights: symmetric levels
+/// L in [0, 2 nmax) for x with the best of 19 candidate scales (weighted by x^2).
+inline float make_qx_quants(int n, int nmax, float const* x, std::int8_t* L) {
+  float max = 0, amax = 0;
+  for (int i = 0; i < n; ++i) {
+    float const ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[i];
+    }
+  }
+  if (amax < kGroupMaxEps) {
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    return 0.f;
+  }
+  auto clamp_l = [nmax](int l) { return l < -nmax ? -nmax : (l > nmax - 1 ? nmax - 1 : l); };
+  float iscale = -static_cast<float>(nmax) / max;
+  float sumlx = 0, suml2 = 0;
+  for (int i = 0; i < n; ++i) {
+    int const l = clamp_l(nearest_int(iscale * x[i]));
+    L[i] = static_cast<std::int8_t>(l + nmax);
+    float const w = mul(x[i], x[i]);
+    sumlx += mul(mul(w, x[i]), static_cast<float>(l));
+    suml2 += mul(mul(w, static_cast<float>(l)), static_cast<float>(l));
+  }
+  float scale = suml2 != 0.0f ? sumlx / suml2 : 0.0f;
+  float best = mul(scale, sumlx);
+  for (int is = -9; is <= 9; ++is) {
+    if (is == 0) continue;
+    iscale = -(static_cast<float>(nmax) + mul(0.1f, static_cast<float>(is))) / max;
+    sumlx = suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+      int const l = clamp_l(nearest_int(iscale * x[i]));
+      float const w = mul(x[i], x[i]);
+      sumlx += mul(mul(w, x[i]), static_cast<float>(l));
+      suml2 += mul(mul(w, static_cast<float>(l)), static_cast<float>(l));
+    }
+    if (suml2 > 0 && mul(sumlx, sumlx) > mul(best, suml2)) {
+      for (int i = 0; i < n; ++i) {
+        L[i] = static_cast<std::int8_t>(nmax + clamp_l(nearest_int(iscale * x[i])));
+      }
+      scale = sumlx / suml2;
+      best = mul(scale, sumlx);
+    }
+  }
+  return scale;
+}
+
+/// ggml make_qkx2_quants with use_mad = false: asymmetric levels L in [0, nmax] with a min,
+/// the best of nstep + 1 candidate scales by weighted squared error. Returns the scale, and the
+/// negated min in *the_min.
+inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weights,
+                              std::uint8_t* L, float* the_min, std::uint8_t* Laux, float rmin,
+                              float rdelta, int nstep) {
+  float min = x[0], max = x[0];
+  float sum_w = weights[0];
+  float sum_x = mul(sum_w, x[0]);
+  for (int i = 1; i < n; ++i) {
+    if (x[i] < min) min = x[i];
+    if (x[i] > max) max = x[i];
+    float const w = weights[i];
+    sum_w += w;
+    sum_x += mul(w, x[i]);
+  }
+  if (min > 0) min = 0;
+  if (max == min) {
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    *the_min = -min;
+    return 0.f;
+  }
+  auto clamp_l = [nmax](int l) { return l < 0 ? 0 : (l > nmax ? nmax : l); };
+  float iscale = static_cast<float>(nmax) / (max - min);
+  float scale = 1 / iscale;
+  float best_error = 0;
+  for (int i = 0; i < n; ++i) {
+    int const l = nearest_int(mul(iscale, x[i] - min));
+    L[i] = static_cast<std::uint8_t>(clamp_l(l));
+    float diff = mul(scale, static_cast<float>(L[i])) + min - x[i];
+    diff = mul(diff, diff);
+    best_error += mul(weights[i], diff);
+  }
+  if (nstep < 1) {
+    *the_min = -min;
+    return scale;
+  }
+  for (int is = 0; is <= nstep; ++is) {
+    iscale = (rmin + mul(rdelta, static_cast<float>(is)) + static_cast<float>(nmax)) / (max - min);
+    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    for (int i = 0; i < n; ++i) {
+      int const l = clamp_l(nearest_int(mul(iscale, x[i] - min)));
+      Laux[i] = static_cast<std::uint8_t>(l);
+      float const w = weights[i], fl = static_cast<float>(l);
+      sum_l += mul(w, fl);
+      sum_l2 += mul(mul(w, fl), fl);
+      sum_xl += mul(mul(w, fl), x[i]);
+    }
+    float const D = mul(sum_w, sum_l2) - mul(sum_l, sum_l);
+    if (D > 0) {
+      float this_scale = (mul(sum_w, sum_xl) - mul(sum_x, sum_l)) / D;
+      float this_min = (mul(sum_l2, sum_x) - mul(sum_l, sum_xl)) / D;
+      if (this_min > 0) {
+        this_min = 0;
+        this_scale = sum_xl / sum_l2;
+      }
+      float cur_error = 0;
+      for (int i = 0; i < n; ++i) {
+        float diff = mul(this_scale, static_cast<float>(Laux[i])) + this_min - x[i];
+        diff = mul(diff, diff);
+        cur_error += mul(weights[i], diff);
+      }
+      if (cur_error < best_error) {
+        for (int i = 0; i < n; ++i) L[i] = Laux[i];
+        best_error = cur_error;
+        scale = this_scale;
+        min = this_min;
+      }
+    }
+  }
+  *the_min = -min;
+  return scale;
+}
+
+}  // namespace detail
+
+/// Q4_K sub-block j's 6-bit scale and min from the 12 packed bytes (ggml get_scale_min_k4).
+inline void get_scale_min(int j, std::uint8_t const* q, std::uint8_t* sc, std::uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = static_cast<std::uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<std::uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+/// One block of each format from block_elems floats (ggml quantize_row_*_ref for one block).
+inline void quantize_block(float const* x, BlockQ8_0& y) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+  float const d = amax / 127;
+  float const id = d != 0.0f ? 1.0f / d : 0.0f;
+  y.d = detail::fp16(d);
+  for (int j = 0; j < 32; ++j) y.qs[j] = static_cast<std::int8_t>(std::round(x[j] * id));
+}
+
+inline void quantize_block(float const* x, BlockQ4_0& y) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  float const d = max / -8;
+  float const id = d != 0.0f ? 1.0f / d : 0.0f;
+  y.d = detail::fp16(d);
+  for (int j = 0; j < 16; ++j) {
+    // ggml: MIN(15, (int8_t)(x * id + 8.5f)); the sum lies in [0.5, 16.5], so the cast is exact.
+    int const lo = static_cast<int>(detail::mul(x[j], id) + 8.5f);
+    int const hi = static_cast<int>(detail::mul(x[j + 16], id) + 8.5f);
+    y.qs[j] = static_cast<std::uint8_t>((lo < 15 ? lo : 15) | ((hi < 15 ? hi : 15) << 4));
+  }
+}
+
+inline void quantize_block(float const* x, BlockQ4_K& y) {
+  using detail::mul;
+  std::uint8_t L[256], Laux[32];
+  float weights[32], mins[8], scales[8];
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 8; ++j) {
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
+    float const av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
+    scales[j] = detail::make_qkx2_quants(32, 15, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
+                                         -1.f, 0.1f, 20);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  float const inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  float const inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  for (int j = 0; j < 8; ++j) {
+    // ggml stores nearest_int into a uint8_t, then clamps to 63 (the value is never negative).
+    auto ls = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_scale, scales[j])));
+    auto lm = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_min, mins[j])));
+    ls = ls < 63 ? ls : 63;
+    lm = lm < 63 ? lm : 63;
+    if (j < 4) {
+      y.scales[j] = ls;
+      y.scales[j + 4] = lm;
+    } else {
+      y.scales[j + 4] = static_cast<std::uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      y.scales[j - 4] = static_cast<std::uint8_t>(y.scales[j - 4] | ((ls >> 4) << 6));
+      y.scales[j] = static_cast<std::uint8_t>(y.scales[j] | ((lm >> 4) << 6));
+    }
+  }
+  y.d = detail::fp16(max_scale / 63.f);
+  y.dmin = detail::fp16(max_min / 63.f);
+  for (int j = 0; j < 8; ++j) {
+    std::uint8_t sc, m;
+    get_scale_min(j, y.scales, &sc, &m);
+    float const d = mul(detail::fp32(y.d), static_cast<float>(sc));
+    if (d == 0.0f) continue;
+    float const dm = mul(detail::fp32(y.dmin), static_cast<float>(m));
+    for (int ii = 0; ii < 32; ++ii) {
+      int const l = detail::nearest_int((x[32 * j + ii] + dm) / d);
+      L[32 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > 15 ? 15 : l));
+    }
+  }
+  std::uint8_t* q = y.qs;
+  for (int j = 0; j < 256; j += 64) {
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<std::uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+    q += 32;
+  }
+}
+
+inline void quantize_block(float const* x, BlockQ6_K& y) {
+  using detail::mul;
+  std::int8_t L[256];
+  float scales[16];
+  float max_scale = 0, max_abs_scale = 0;
+  for (int ib = 0; ib < 16; ++ib) {
+    float const scale = detail::make_qx_quants(16, 32, x + 16 * ib, L + 16 * ib);
+    scales[ib] = scale;
+    if (std::fabs(scale) > max_abs_scale) {
+      max_abs_scale = std::fabs(scale);
+      max_scale = scale;
+    }
+  }
+  if (max_abs_scale < detail::kGroupMaxEps) {
+    std::memset(&y, 0, sizeof y);
+    y.d = detail::fp16(0.f);
+    return;
+  }
+  float const iscale = -128.f / max_scale;
+  y.d = detail::fp16(1 / iscale);
+  for (int ib = 0; ib < 16; ++ib) {
+    int const l = detail::nearest_int(mul(iscale, scales[ib]));
+    y.scales[ib] = static_cast<std::int8_t>(l < 127 ? l : 127);
+  }
+  for (int j = 0; j < 16; ++j) {
+    float const d = mul(detail::fp32(y.d), static_cast<float>(y.scales[j]));
+    if (d == 0.0f) continue;
+    for (int ii = 0; ii < 16; ++ii) {
+      int const l = detail::nearest_int(x[16 * j + ii] / d);
+      L[16 * j + ii] = static_cast<std::int8_t>((l < -32 ? -32 : (l > 31 ? 31 : l)) + 32);
+    }
+  }
+  std::uint8_t* ql = y.ql;
+  std::uint8_t* qh = y.qh;
+  for (int j = 0; j < 256; j += 128) {
+    for (int l = 0; l < 32; ++l) {
+      auto const q1 = static_cast<std::uint8_t>(L[j + l] & 0xF);
+      auto const q2 = static_cast<std::uint8_t>(L[j + l + 32] & 0xF);
+      auto const q3 = static_cast<std::uint8_t>(L[j + l + 64] & 0xF);
+      auto const q4 = static_cast<std::uint8_t>(L[j + l + 96] & 0xF);
+      ql[l] = static_cast<std::uint8_t>(q1 | (q3 << 4));
+      ql[l + 32] = static_cast<std::uint8_t>(q2 | (q4 << 4));
+      qh[l] = static_cast<std::uint8_t>((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) |
+                                        ((L[j + l + 64] >> 4) << 4) | ((L[j + l + 96] >> 4) << 6));
+    }
+    ql += 64;
+    qh += 32;
+  }
+}
+
+/// One block of each format decoded to block_elems floats (ggml dequantize_row_*).
+inline void dequantize_block(BlockQ8_0 const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  for (int j = 0; j < 32; ++j) y[j] = detail::mul(static_cast<float>(b.qs[j]), d);
+}
+inline void dequantize_block(BlockQ4_0 const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(static_cast<float>((b.qs[j] & 0x0F) - 8), d);
+    y[j + 16] = detail::mul(static_cast<float>((b.qs[j] >> 4) - 8), d);
+  }
+}
+inline void dequantize_block(BlockQ4_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d), min = detail::fp32(b.dmin);
+  std::uint8_t const* q = b.qs;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    std::uint8_t sc, m;
+    get_scale_min(is, b.scales, &sc, &m);
+    float const d1 = mul(d, static_cast<float>(sc)), m1 = mul(min, static_cast<float>(m));
+    get_scale_min(is + 1, b.scales, &sc, &m);
+    float const d2 = mul(d, static_cast<float>(sc)), m2 = mul(min, static_cast<float>(m));
+    for (int l = 0; l < 32; ++l) *y++ = mul(d1, static_cast<float>(q[l] & 0xF)) - m1;
+    for (int l = 0; l < 32; ++l) *y++ = mul(d2, static_cast<float>(q[l] >> 4)) - m2;
+  }
+}
+inline void dequantize_block(BlockQ6_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d);
+  std::uint8_t const* ql = b.ql;
+  std::uint8_t const* qh = b.qh;
+  std::int8_t const* sc = b.scales;
+  for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      int const is = l / 16;
+      int const q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      int const q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      int const q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      int const q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = mul(mul(d, static_cast<float>(sc[is])), static_cast<float>(q1));
+      y[l + 32] = mul(mul(d, static_cast<float>(sc[is + 2])), static_cast<float>(q2));
+      y[l + 64] = mul(mul(d, static_cast<float>(sc[is + 4])), static_cast<float>(q3));
+      y[l + 96] = mul(mul(d, static_cast<float>(sc[is + 6])), static_cast<float>(q4));
+    }
+  }
+}
+
+/// The 6-bit level (0..63) of weight i of a Q6_K block, and the 4-bit level of a Q4_K block:
+/// the integers the kernels multiply.
+inline int q6_level(BlockQ6_K const& b, int i) {
+  int const half = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
+  std::uint8_t const* ql = b.ql + 64 * half;
+  std::uint8_t const qh = b.qh[32 * half + l];
+  int const lo = quarter == 0   ? ql[l] & 0xF
+                 : quarter == 1 ? ql[l + 32] & 0xF
+                 : quarter == 2 ? ql[l] >> 4
+                                : ql[l + 32] >> 4;
+  return lo | (((qh >> (2 * quarter)) & 3) << 4);
+}
+inline int q4k_level(BlockQ4_K const& b, int i) {
+  int const chunk = i / 64, r = i % 64;
+  std::uint8_t const v = b.qs[32 * chunk + r % 32];
+  return r < 32 ? v & 0xF : v >> 4;
+}
+
+namespace detail {
+template <class Block>
+void quantize_blocks(float const* x, Index k, void* out) {
+  auto* blocks = static_cast<Block*>(out);
+  constexpr Index elems =
+      std::is_same_v<Block, BlockQ8_0> || std::is_same_v<Block, BlockQ4_0> ? 32 : 256;
+  for (Index b = 0; b < k / elems; ++b) {
+    Block blk;
+    std::memset(&blk, 0, sizeof blk);
+    quantize_block(x + b * elems, blk);
+    std::memcpy(blocks + b, &blk, sizeof blk);
+  }
+}
+template <class Block>
+void dequantize_blocks(void const* in, Index k, float* y) {
+  constexpr Index elems =
+      std::is_same_v<Block, BlockQ8_0> || std::is_same_v<Block, BlockQ4_0> ? 32 : 256;
+  auto const* bytes = static_cast<unsigned char const*>(in);
+  for (Index b = 0; b < k / elems; ++b) {
+    Block blk;
+    std::memcpy(&blk, bytes + b * static_cast<Index>(sizeof(Block)), sizeof blk);
+    dequantize_block(blk, y + b * elems);
+  }
+}
+}  // namespace detail
+
+/// Checks that a row of k weights can be stored in format f (k a positive multiple of
+/// block_elems(f)); `who` names the caller in the message.
+inline void check_row_length(Format f, Index k, char const* who) {
+  moe::detail::check(k > 0 && k % block_elems(f) == 0, who, ": rows of ", k, " weights cannot be ",
+                     name(f), " (its blocks hold ", block_elems(f),
+                     " weights; GGUF rows are whole blocks); use ",
+                     block_elems(f) == 256 ? "q8_0 or q4_0 (32-blocks)" : "fp32 or bf16",
+                     " for this projection, or a width that is a multiple of ", block_elems(f));
+}
+
+/// Quantizes k weights (a multiple of block_elems(f)) into row_bytes(f, k) bytes at out.
+/// Throws moe::Error for a non-finite weight or a bad k.
+inline void quantize_row(Format f, float const* x, Index k, void* out) {
+  check_row_length(f, k, "quant::quantize_row");
+  for (Index i = 0; i < k; ++i) {
+    moe::detail::check(std::isfinite(x[i]), "quant::quantize_row: weight ", i, " of the row is ",
+                       x[i], "; only finite weights can be quantized (fix or drop the tensor)");
+  }
+  switch (f) {
+    case Format::kQ8_0:
+      return detail::quantize_blocks<BlockQ8_0>(x, k, out);
+    case Format::kQ6_K:
+      return detail::quantize_blocks<BlockQ6_K>(x, k, out);
+    case Format::kQ4_K:
+      return detail::quantize_blocks<BlockQ4_K>(x, k, out);
+    case Format::kQ4_0:
+      return detail::quantize_blocks<BlockQ4_0>(x, k, out);
+  }
+}
+
+/// Decodes row_bytes(f, k) bytes at in into k floats.
+inline void dequantize_row(Format f, void const* in, Index k, float* y) {
+  check_row_length(f, k, "quant::dequantize_row");
+  switch (f) {
+    case Format::kQ8_0:
+      return detail::dequantize_blocks<BlockQ8_0>(in, k, y);
+    case Format::kQ6_K:
+      return detail::dequantize_blocks<BlockQ6_K>(in, k, y);
+    case Format::kQ4_K:
+      return detail::dequantize_blocks<BlockQ4_K>(in, k, y);
+    case Format::kQ4_0:
+      return detail::dequantize_blocks<BlockQ4_0>(in, k, y);
+  }
+}
+
+}  // namespace moe::quant
