@@ -67,6 +67,7 @@ struct ExpertParallelWorkspace {
   std::vector<float> routed_out;  ///< [R, D] expert outputs, returned, in plan row order
   stages::SharedStage shared;     ///< the replicated shared experts on this rank's tokens
   std::vector<std::uint32_t> shared_x_pairs;  ///< [T, ceil(D / 2)] bf16 pairs of x (inference)
+  std::vector<std::byte> shared_x_q8;         ///< [T] int8 rows of x (quantized shared experts)
 
   // Where this rank's tokens sit in the global batch (rank order): filled by every forward.
   Index token_offset = 0;              ///< global index of this rank's first token
@@ -83,6 +84,7 @@ struct ExpertParallelWorkspace {
   /// large one is written with streaming stores), bf16 pairs; backward rows.
   stages::RoutedExperts experts;
   std::vector<std::uint32_t> x_pairs;  ///< [R_in, ceil(D / 2)] bf16 pairs of x_rows (inference)
+  std::vector<std::byte> x_q8;         ///< [R_in] int8 rows of x_rows (quantized experts)
   stages::ProjectionQueue queue;       ///< projections of the current phase, per-thread scratch
 
   // Training (filled by forward_train, read by backward).
@@ -260,7 +262,12 @@ class ExpertParallelMoeFfn
         std::copy(src_down.data, src_down.data + src_down.rows * src_down.cols, dst_down.data);
       }
     }
-    if (layer.experts().packed()) ep.bank_.pack(layer.experts().packed_format());
+    if (layer.experts().packed()) {
+      auto const all = layer.experts().packed_formats();
+      std::vector<experts::ExpertFormat> local;
+      for (auto const id : ids) local.push_back(all[static_cast<std::size_t>(id)]);
+      ep.bank_.pack(local);
+    }
     return ep;
   }
 
@@ -549,14 +556,18 @@ class ExpertParallelMoeFfn
   /// jobs on all of an expert's rows; outputs unweighted: the weight is applied on return).
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const D = d_model_, rin = ws.exchange.received(), kpD = (D + 1) / 2;
-    stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train)};
+    stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train),
+                                  ::moe::detail::uses_q8_rows(bank_, !train)};
+    Index const rbD = kernels::q8_row_bytes(D);
     ws.experts.prepare(bank_, rin, mode, false);
     ws.x_pairs.resize(static_cast<std::size_t>(mode.pairs ? rin * kpD : 0));
+    ws.x_q8.resize(static_cast<std::size_t>(mode.q8 ? rin * rbD : 0));
     std::uint32_t* const pairs = mode.pairs ? ws.x_pairs.data() : nullptr;
+    std::byte* const q8 = mode.q8 ? ws.x_q8.data() : nullptr;
     ::moe::detail::run_pairs_tasks(
-        pool, {::moe::detail::PairsTask{ws.experts.x_rows.data(), D, rin, D, pairs}});
+        pool, {::moe::detail::PairsTask{ws.experts.x_rows.data(), D, rin, D, pairs, q8}});
     ws.experts.enqueue_in(ws.queue, bank_, local_rows(ws),
-                          {ws.experts.x_rows.data(), D, nullptr, pairs, kpD}, mode);
+                          {ws.experts.x_rows.data(), D, nullptr, pairs, kpD, q8, rbD}, mode);
     ws.queue.run<Expert, SharedX>(pool);
     ::moe::detail::run_pairs_tasks(pool, {ws.experts.act_pairs_task(bank_, rin)});
     ws.experts.enqueue_down(ws.queue, bank_, local_rows(ws), nullptr, mode);
@@ -569,15 +580,19 @@ class ExpertParallelMoeFfn
   void run_shared_and_combine(ConstMatrixView<float> x, MatrixView<float> y,
                               ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, kpD = (D + 1) / 2;
-    stages::ExpertMode const mode{train, stages::SharedStage::uses_pairs(shared_, train)};
+    stages::ExpertMode const mode{train, stages::SharedStage::uses_pairs(shared_, train),
+                                  stages::SharedStage::uses_q8(shared_, train)};
+    Index const rbD = kernels::q8_row_bytes(D);
     ws.shared.prepare(shared_, T, mode, D);
     ws.shared.gates(shared_, x, pool);
     ws.shared_x_pairs.resize(static_cast<std::size_t>(mode.pairs ? T * kpD : 0));
+    ws.shared_x_q8.resize(static_cast<std::size_t>(mode.q8 ? T * rbD : 0));
     std::uint32_t* const pairs = mode.pairs ? ws.shared_x_pairs.data() : nullptr;
-    ::moe::detail::run_pairs_tasks(pool,
-                                   {::moe::detail::PairsTask{x.data, x.row_stride, T, D, pairs}});
-    ws.shared.enqueue_in(ws.queue, shared_, {x.data, x.row_stride, nullptr, pairs, kpD}, T, mode,
-                         ws.total_tokens);
+    std::byte* const q8 = mode.q8 ? ws.shared_x_q8.data() : nullptr;
+    ::moe::detail::run_pairs_tasks(
+        pool, {::moe::detail::PairsTask{x.data, x.row_stride, T, D, pairs, q8}});
+    ws.shared.enqueue_in(ws.queue, shared_, {x.data, x.row_stride, nullptr, pairs, kpD, q8, rbD}, T,
+                         mode, ws.total_tokens);
     ws.queue.run<Expert, SharedX>(pool);
     ::moe::detail::run_pairs_tasks(pool, {ws.shared.act_pairs_task(shared_, T)});
     ws.shared.enqueue_down(ws.queue, shared_, T, mode, ws.total_tokens);

@@ -5,8 +5,13 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -18,13 +23,69 @@
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/gemm_strided.hpp"
+#include "moe/kernels/quant_gemm.hpp"
+#include "moe/quant/matrix.hpp"
 
 namespace moe::experts {
 
-/// Storage of packed expert weights (ExpertBank::pack).
+/// Storage of packed expert weights (ExpertBank::pack), per projection of each expert.
 enum class WeightFormat {
   kF32,   ///< fp32 panels: exact
   kBf16,  ///< bf16 panels: half the bytes; inference only (forward_train uses fp32)
+  kQ8_0,  ///< GGUF Q8_0 blocks (8.5 bits a weight); inference only, like every quantized format
+  kQ6_K,  ///< GGUF Q6_K (6.5625 bits; the kernels read 8-bit levels, see kernels/quant_gemm.hpp)
+  kQ4_K,  ///< GGUF Q4_K (4.5 bits)
+  kQ4_0,  ///< GGUF Q4_0 (4.5 bits)
+};
+
+/// Is f one of the GGUF block formats (multiplied by the integer kernels)?
+constexpr bool is_quantized(WeightFormat f) {
+  return f != WeightFormat::kF32 && f != WeightFormat::kBf16;
+}
+/// The block format of a quantized WeightFormat.
+constexpr quant::Format quant_format(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kQ6_K:
+      return quant::Format::kQ6_K;
+    case WeightFormat::kQ4_K:
+      return quant::Format::kQ4_K;
+    case WeightFormat::kQ4_0:
+      return quant::Format::kQ4_0;
+    default:
+      return quant::Format::kQ8_0;
+  }
+}
+/// "fp32", "bf16", "q8_0", "q6_k", "q4_k", "q4_0".
+constexpr char const* name(WeightFormat f) {
+  return f == WeightFormat::kF32    ? "fp32"
+         : f == WeightFormat::kBf16 ? "bf16"
+                                    : quant::name(quant_format(f));
+}
+/// Parses name(f) (case-insensitive; "f32" is fp32 too); moe::Error for anything else.
+inline WeightFormat parse_weight_format(std::string_view s) {
+  std::string lower(s);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
+  if (lower == "bf16") return WeightFormat::kBf16;
+  for (auto f :
+       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0}) {
+    if (lower == name(f)) return f;
+  }
+  detail::fail("parse_weight_format: unknown weight format '", s,
+               "'; use one of fp32, bf16, q8_0, q6_k, q4_k, q4_0");
+}
+/// Bits per weight of a format as stored by ExpertBank::pack (scales included).
+constexpr double bits_per_weight(WeightFormat f) {
+  return f == WeightFormat::kF32    ? 32.0
+         : f == WeightFormat::kBf16 ? 16.0
+                                    : quant::bits_per_weight(quant_format(f));
+}
+
+/// The formats of one expert's two projections (in = gate and up, down).
+struct ExpertFormat {
+  WeightFormat in = WeightFormat::kF32;
+  WeightFormat down = WeightFormat::kF32;
+  bool operator==(ExpertFormat const&) const = default;
 };
 
 /// Owns the weights of `num_experts` experts that all compute `Expert` (a GLU or an MLP), in
@@ -156,97 +217,230 @@ class ExpertBank {
   /// panels of [F, NP]; NP = kernels::panel_width()), so that forwards stop repacking weights on
   /// every call. The fp32 copy doubles the weight memory; WeightFormat::kBf16 stores bf16 panels
   /// (kernels::pack_panel_bf16, round-to-nearest-even) that inference forwards multiply with
-  /// AVX512-BF16 dot products where available (fp32 widening otherwise); training forwards
-  /// ignore a bf16 pack and use the exact fp32 weights. Reads (the const views) never touch the
-  /// pack; writes go through an Edit, during which the pack is not used and after which it is
-  /// rebuilt, so results never come from stale weights. Throws moe::Error while an Edit is open.
+  /// AVX512-BF16 dot products where available (fp32 widening otherwise); the quantized formats
+  /// quantize each projection row by row into GGUF blocks (quant::quantize_row, ggml's reference
+  /// quantizers) and re-pack them for the integer kernels (kernels::pack_quant_panels).
+  /// Training forwards ignore a bf16 or quantized pack and use the exact fp32 weights. Reads (the
+  /// const views) never touch the pack; writes go through an Edit, during which the pack is not
+  /// used and after which it is rebuilt, so results never come from stale weights. Throws
+  /// moe::Error while an Edit is open, for a quantized format whose blocks do not divide the
+  /// projection's depth (D for in, F for down), and for non-finite weights in a quantized one.
   void pack(WeightFormat format = WeightFormat::kF32) {
+    std::vector<ExpertFormat> const all(static_cast<std::size_t>(num_experts_), {format, format});
+    pack(all);
+    uniform_ = format;
+  }
+  /// Packs expert e's projections in formats[e] (one entry per expert): experts of different
+  /// formats in one bank (mixed precision, e.g. an AlphaQ allocation) run in one forward.
+  void pack(std::span<ExpertFormat const> formats) {
     detail::check(!editing(),
                   "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
                   "layer's parameters() list is alive); let it end first, it repacks on its own");
+    detail::check(static_cast<Index>(formats.size()) == num_experts_,
+                  "ExpertBank::pack: ", formats.size(), " formats for ", num_experts_,
+                  " experts; give one per expert");
+    for (Index e = 0; e < num_experts_; ++e) {
+      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
+      if (is_quantized(f.in)) {
+        Index const blk = quant::block_elems(quant_format(f.in));
+        detail::check(d_model_ % blk == 0, "ExpertBank::pack: expert ", e,
+                      "'s in projection has depth d_model = ", d_model_, ", not a multiple of ",
+                      blk, " as ", name(f.in),
+                      " blocks need; pack it as q8_0/q4_0 (32-blocks), bf16 or fp32");
+      }
+      if (is_quantized(f.down)) {
+        Index const blk = quant::block_elems(quant_format(f.down));
+        detail::check(d_ffn_ % blk == 0, "ExpertBank::pack: expert ", e,
+                      "'s down projection has depth d_ffn = ", d_ffn_, ", not a multiple of ", blk,
+                      " as ", name(f.down),
+                      " blocks need; pack it as q8_0/q4_0 (32-blocks), bf16 or fp32");
+      }
+    }
     Index const np = kernels::panel_width();
     Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
     Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
+    Index const in_f32 = in_panels * D * np, down_f32 = down_panels * F * np;
+    Index const in_bf16 = in_panels * ((D + 1) / 2) * np,
+                down_bf16 = down_panels * ((F + 1) / 2) * np;
+    // Offsets of every projection in its format's storage (-1: stored in another format).
+    std::vector<Slot> slots(static_cast<std::size_t>(num_experts_));
+    Index n_f32 = 0, n_bf16 = 0, n_q = 0;
+    auto place = [&](WeightFormat f, Index rows, Index depth, Index f32, Index bf16,
+                     Slot::Part& part) {
+      part.format = f;
+      if (f == WeightFormat::kF32) {
+        part.offset = n_f32;
+        n_f32 += f32;
+      } else if (f == WeightFormat::kBf16) {
+        part.offset = n_bf16;
+        n_bf16 += bf16;
+      } else {
+        part.offset = n_q;
+        part.panel_bytes = kernels::quant_panel_bytes(quant_format(f), depth);
+        n_q += (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * part.panel_bytes;
+      }
+    };
+    for (Index e = 0; e < num_experts_; ++e) {
+      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
+      Slot& sl = slots[static_cast<std::size_t>(e)];
+      if (is_quantized(f.in)) {
+        // GLU: gate and up are two operands of F rows each; MLP: one of F rows.
+        place(f.in, F, D, 0, 0, sl.in);
+        if constexpr (Expert::gated) place(f.in, F, D, 0, 0, sl.up);
+      } else {
+        place(f.in, P, D, in_f32, in_bf16, sl.in);
+      }
+      place(f.down, D, F, down_f32, down_bf16, sl.down);
+    }
     packed_.clear();
     packed_bf16_.clear();
-    if (format == WeightFormat::kF32) {
-      packed_.assign(
-          static_cast<std::size_t>(num_experts_ * (in_panels * D + down_panels * F) * np), 0.0f);
-    } else {
-      packed_bf16_.assign(
-          static_cast<std::size_t>(num_experts_ *
-                                   (in_panels * ((D + 1) / 2) + down_panels * ((F + 1) / 2)) * np),
-          0u);
-    }
+    packed_q_.clear();
+    packed_.assign(static_cast<std::size_t>(n_f32), 0.0f);
+    packed_bf16_.assign(static_cast<std::size_t>(n_bf16), 0u);
+    packed_q_.assign(static_cast<std::size_t>(n_q), std::byte{0});
+    std::vector<std::byte> rows_q;
+    auto pack_quant = [&](float const* w, Index rows, Index depth, Slot::Part const& part) {
+      quant::Format const qf = quant_format(part.format);
+      Index const rb = quant::row_bytes(qf, depth);
+      rows_q.resize(static_cast<std::size_t>(rows * rb));
+      for (Index r = 0; r < rows; ++r) {
+        quant::quantize_row(qf, w + r * depth, depth, rows_q.data() + r * rb);
+      }
+      kernels::pack_quant_panels(qf, rows_q.data(), rows, depth, packed_q_.data() + part.offset);
+    };
     for (Index e = 0; e < num_experts_; ++e) {
-      for (Index p = 0; p < in_panels; ++p) {
-        Index const nc = std::min(np, P - p * np);
-        if (format == WeightFormat::kF32) {
-          kernels::pack_panel(in_ptr(e), D, p * np, nc, D,
-                              packed_.data() + packed_in_offset(e) + p * D * np);
-        } else {
-          kernels::pack_panel_bf16(
-              in_ptr(e), D, p * np, nc, D,
-              packed_bf16_.data() + bf16_in_offset(e) + p * ((D + 1) / 2) * np);
+      Slot const& sl = slots[static_cast<std::size_t>(e)];
+      if (is_quantized(sl.in.format)) {
+        pack_quant(in_ptr(e), Expert::gated ? F : P, D, sl.in);
+        if constexpr (Expert::gated) pack_quant(in_ptr(e) + F * D, F, D, sl.up);
+      } else {
+        for (Index p = 0; p < in_panels; ++p) {
+          Index const nc = std::min(np, P - p * np);
+          if (sl.in.format == WeightFormat::kF32) {
+            kernels::pack_panel(in_ptr(e), D, p * np, nc, D,
+                                packed_.data() + sl.in.offset + p * D * np);
+          } else {
+            kernels::pack_panel_bf16(in_ptr(e), D, p * np, nc, D,
+                                     packed_bf16_.data() + sl.in.offset + p * ((D + 1) / 2) * np);
+          }
         }
       }
-      for (Index p = 0; p < down_panels; ++p) {
-        Index const nc = std::min(np, D - p * np);
-        if (format == WeightFormat::kF32) {
-          kernels::pack_panel(down_ptr(e), F, p * np, nc, F,
-                              packed_.data() + packed_down_offset(e) + p * F * np);
-        } else {
-          kernels::pack_panel_bf16(
-              down_ptr(e), F, p * np, nc, F,
-              packed_bf16_.data() + bf16_down_offset(e) + p * ((F + 1) / 2) * np);
+      if (is_quantized(sl.down.format)) {
+        pack_quant(down_ptr(e), D, F, sl.down);
+      } else {
+        for (Index p = 0; p < down_panels; ++p) {
+          Index const nc = std::min(np, D - p * np);
+          if (sl.down.format == WeightFormat::kF32) {
+            kernels::pack_panel(down_ptr(e), F, p * np, nc, F,
+                                packed_.data() + sl.down.offset + p * F * np);
+          } else {
+            kernels::pack_panel_bf16(down_ptr(e), F, p * np, nc, F,
+                                     packed_bf16_.data() + sl.down.offset + p * ((F + 1) / 2) * np);
+          }
         }
       }
+    }
+    slots_ = std::move(slots);
+    formats_.assign(formats.begin(), formats.end());
+    uniform_.reset();
+    if (!formats_.empty() &&
+        std::all_of(formats_.begin(), formats_.end(), [&](ExpertFormat const& f) {
+          return f.in == formats_[0].in && f.down == formats_[0].in;
+        })) {
+      uniform_ = formats_[0].in;
     }
     pack_current_ = true;
-    packed_format_ = format;
   }
-  /// The format of the current packed copy (meaningful when packed()).
-  WeightFormat packed_format() const { return packed_format_; }
-  /// Expert e's bf16 panels ([D or F pairs, NP] words, in then down), or null when not current.
+  /// The format of a pack that used one format everywhere (kF32 before any pack; for a mixed
+  /// pack, the format of expert 0's in projection: see packed_formats()).
+  WeightFormat packed_format() const {
+    return uniform_ ? *uniform_ : (formats_.empty() ? WeightFormat::kF32 : formats_[0].in);
+  }
+  /// The formats of the last pack, one per expert (empty before any pack).
+  std::span<ExpertFormat const> packed_formats() const { return formats_; }
+  /// Does the current pack hold any bf16 / quantized projection?
+  bool packed_bf16_any() const { return packed() && !packed_bf16_.empty(); }
+  bool packed_quant_any() const { return packed() && !packed_q_.empty(); }
+  /// Expert e's bf16 panels ([D or F pairs, NP] words, in then down), or null when not current
+  /// or not bf16.
   std::uint32_t const* packed_in_bf16(Index e) const {
-    return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_in_offset(e) : nullptr;
+    return part_is(e, &Slot::in, WeightFormat::kBf16) ? packed_bf16_.data() + slot(e).in.offset
+                                                      : nullptr;
   }
   std::uint32_t const* packed_down_bf16(Index e) const {
-    return packed() && !packed_bf16_.empty() ? packed_bf16_.data() + bf16_down_offset(e) : nullptr;
+    return part_is(e, &Slot::down, WeightFormat::kBf16) ? packed_bf16_.data() + slot(e).down.offset
+                                                        : nullptr;
+  }
+  /// Expert e's quantized in projection as the integer kernels read it (GLU: gate, up; MLP: up,
+  /// none), or {} when not current or not quantized.
+  std::array<kernels::QuantWeights, 2> packed_in_quant(Index e) const {
+    std::array<kernels::QuantWeights, 2> q{};
+    if (!packed() || e >= static_cast<Index>(slots_.size()) || !is_quantized(slot(e).in.format))
+      return q;
+    q[0] = quant_weights(slot(e).in);
+    if constexpr (Expert::gated) q[1] = quant_weights(slot(e).up);
+    return q;
+  }
+  std::array<kernels::QuantWeights, 2> packed_down_quant(Index e) const {
+    std::array<kernels::QuantWeights, 2> q{};
+    if (!packed() || e >= static_cast<Index>(slots_.size()) || !is_quantized(slot(e).down.format))
+      return q;
+    q[0] = quant_weights(slot(e).down);
+    return q;
+  }
+  /// Bytes the current pack stores for expert e's projections (what a forward streams).
+  Index packed_bytes(Index e) const {
+    if (!packed()) return 0;
+    auto part = [&](Slot::Part const& p, Index rows, Index depth, Index f32, Index bf16) -> Index {
+      if (p.format == WeightFormat::kF32) return f32 * 4;
+      if (p.format == WeightFormat::kBf16) return bf16 * 4;
+      return (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * p.panel_bytes;
+    };
+    Index const np = kernels::panel_width(), P = hidden_cols(), D = d_model_, F = d_ffn_;
+    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
+    Slot const& s = slot(e);
+    Index b = part(s.down, D, F, down_panels * F * np, down_panels * ((F + 1) / 2) * np);
+    if (is_quantized(s.in.format)) {
+      b += part(s.in, Expert::gated ? F : P, D, 0, 0);
+      if constexpr (Expert::gated) b += part(s.up, F, D, 0, 0);
+    } else {
+      b += part(s.in, P, D, in_panels * D * np, in_panels * ((D + 1) / 2) * np);
+    }
+    return b;
   }
 
   /// Is the packed copy present and made from the current weights? (A bank of no experts, as an
   /// expert-parallel rank may hold, is packed once pack() has run, though it stores nothing.)
   bool packed() const { return pack_current_; }
-  /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed.
+  /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed
+  /// as fp32.
   float const* packed_in(Index e) const {
-    return packed() && !packed_.empty() ? packed_.data() + packed_in_offset(e) : nullptr;
+    return part_is(e, &Slot::in, WeightFormat::kF32) ? packed_.data() + slot(e).in.offset : nullptr;
   }
   /// First panel of expert e's down projection ([F, NP] panels, contiguous), or null.
   float const* packed_down(Index e) const {
-    return packed() && !packed_.empty() ? packed_.data() + packed_down_offset(e) : nullptr;
+    return part_is(e, &Slot::down, WeightFormat::kF32) ? packed_.data() + slot(e).down.offset
+                                                       : nullptr;
   }
 
  private:
-  Index bf16_in_offset(Index e) const {
-    Index const np = kernels::panel_width();
-    Index const in_panels = (hidden_cols() + np - 1) / np, down_panels = (d_model_ + np - 1) / np;
-    return e * (in_panels * ((d_model_ + 1) / 2) + down_panels * ((d_ffn_ + 1) / 2)) * np;
+  /// Where the pack keeps one expert's projections: the format and offset of each part (in; up,
+  /// the second operand of a quantized GLU in projection; down), in floats, words or bytes of
+  /// that format's storage.
+  struct Slot {
+    struct Part {
+      WeightFormat format = WeightFormat::kF32;
+      Index offset = 0;
+      Index panel_bytes = 0;  // quantized parts
+    };
+    Part in, up, down;
+  };
+  Slot const& slot(Index e) const { return slots_[static_cast<std::size_t>(e)]; }
+  bool part_is(Index e, Slot::Part Slot::*part, WeightFormat f) const {
+    return packed() && e < static_cast<Index>(slots_.size()) && (slot(e).*part).format == f;
   }
-  Index bf16_down_offset(Index e) const {
-    Index const np = kernels::panel_width();
-    Index const in_panels = (hidden_cols() + np - 1) / np;
-    return bf16_in_offset(e) + in_panels * ((d_model_ + 1) / 2) * np;
-  }
-  Index packed_in_offset(Index e) const {
-    Index const np = kernels::panel_width();
-    Index const in_panels = (hidden_cols() + np - 1) / np, down_panels = (d_model_ + np - 1) / np;
-    return e * (in_panels * d_model_ + down_panels * d_ffn_) * np;
-  }
-  Index packed_down_offset(Index e) const {
-    Index const np = kernels::panel_width();
-    Index const in_panels = (hidden_cols() + np - 1) / np;
-    return packed_in_offset(e) + in_panels * d_model_ * np;
+  kernels::QuantWeights quant_weights(Slot::Part const& p) const {
+    return {packed_q_.data() + p.offset, quant_format(p.format), p.panel_bytes};
   }
 
   float* in_ptr(Index e) { return params_.data() + e * kInFactor * d_ffn_ * d_model_; }
@@ -279,7 +473,10 @@ class ExpertBank {
     if (--edits_.n == 0 && repack_) {
       repack_ = false;
       try {
-        pack(packed_format_);
+        std::vector<ExpertFormat> const formats = formats_;
+        auto const uniform = uniform_;
+        pack(formats);
+        uniform_ = uniform;
       } catch (...) {  // out of memory: stay unpacked (the layers pack per call), never throw
       }
     }
@@ -288,9 +485,12 @@ class ExpertBank {
   EditCount edits_;
   bool pack_current_ = false;  // the packed copy was made from the current weights
   bool repack_ = false;        // pack again when the open edits end
-  WeightFormat packed_format_ = WeightFormat::kF32;
+  std::vector<Slot> slots_;
+  std::vector<ExpertFormat> formats_;
+  std::optional<WeightFormat> uniform_;
   HugePageVector<float> packed_;
   HugePageVector<std::uint32_t> packed_bf16_;
+  HugePageVector<std::byte> packed_q_;
 };
 
 }  // namespace moe::experts

@@ -28,6 +28,7 @@
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/row_source.hpp"
 #include "moe/kernels/simd.hpp"
@@ -533,3 +534,5 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
 }
 
 }  // namespace moe::kernels
+
+#include "moe/kernels/detail/diagnostics_pop.hpp"

@@ -74,6 +74,9 @@ struct MoeFfnWorkspace : stages::RoutingResults {
   /// Inference with bf16 panels and AVX512-BF16 (kernels::bf16_dot_products): x rounded to
   /// bf16 pairs once per forward (kernels::bf16_pairs_rows), [T, ceil(D / 2)].
   std::vector<std::uint32_t> x_pairs;
+  /// x quantized to int8 rows once per forward when some expert is packed in a quantized format
+  /// (kernels::quantize_rows_q8), [T] rows of kernels::q8_row_bytes(D) bytes.
+  std::vector<std::byte> x_q8;
   stages::ProjectionQueue queue;  ///< projections of the current phase, per-thread scratch
 
   // Training cache (filled by forward_train, read once by backward).
@@ -166,6 +169,9 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     ws.routed.reserve(bank_, R);
     ws.shared.reserve(shared_, max_tokens, D);
     if (kernels::bf16_dot_products()) grow(ws.x_pairs, max_tokens * ((D + 1) / 2));
+    if (detail::uses_q8_rows(bank_, true) || stages::SharedStage::uses_q8(shared_, false)) {
+      grow(ws.x_q8, max_tokens * kernels::q8_row_bytes(D));
+    }
     // Items: per job at most one per panel and row chunk; every routed expert's rows are one
     // chunk unless it has more than detail::kItemRows rows.
     Index const jobs = 2 * (E + ns) + 1;
@@ -324,29 +330,39 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   void run_experts(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
                    MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, R = plan.num_rows(), kpD = (D + 1) / 2;
-    stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank_, !train)};
-    stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train)};
+    stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank_, !train),
+                                    detail::uses_q8_rows(bank_, !train)};
+    stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train),
+                                    stages::SharedStage::uses_q8(shared_, train)};
     stages::ExpertRows const rows = rows_of(plan);
     ws.routed.prepare(bank_, R, routed, train);
     ws.shared.prepare(shared_, T, shared, D);
-    bool const x_pairs = routed.pairs || shared.pairs;
+    bool const x_pairs = routed.pairs || shared.pairs, x_q8 = routed.q8 || shared.q8;
+    Index const rbD = kernels::q8_row_bytes(D);
     ws.x_pairs.resize(static_cast<std::size_t>(x_pairs ? T * kpD : 0));
+    ws.x_q8.resize(static_cast<std::size_t>(x_q8 ? T * rbD : 0));
     std::uint32_t const* pairs = x_pairs ? ws.x_pairs.data() : nullptr;
-    // 1. Dispatch (training gathers the rows), shared-expert gates, x as bf16 pairs.
+    std::byte const* q8 = x_q8 ? ws.x_q8.data() : nullptr;
+    // 1. Dispatch (training gathers the rows), shared-expert gates, x as bf16 pairs / int8 rows.
     if (train) ws.routed.gather(x, plan.row_token.data(), R, pool);
     ws.shared.gates(shared_, x, pool);
-    detail::run_pairs_tasks(pool,
-                            {detail::PairsTask{x.data, x.row_stride, T, D,
-                                               ws.x_pairs.empty() ? nullptr : ws.x_pairs.data()}});
+    detail::run_pairs_tasks(
+        pool, {detail::PairsTask{x.data, x.row_stride, T, D, x_pairs ? ws.x_pairs.data() : nullptr,
+                                 x_q8 ? ws.x_q8.data() : nullptr}});
     // 2. In projections with the activation in the epilogue: m = act(x W_gate^T) * (x W_up^T).
-    kernels::RowSource const in =
-        train ? kernels::RowSource{ws.routed.x_rows.data(), D, nullptr}
-              : kernels::RowSource{x.data, x.row_stride, plan.row_token.data(),
-                                   routed.pairs ? pairs : nullptr, kpD};
+    kernels::RowSource const in = train ? kernels::RowSource{ws.routed.x_rows.data(), D, nullptr}
+                                        : kernels::RowSource{x.data,
+                                                             x.row_stride,
+                                                             plan.row_token.data(),
+                                                             routed.pairs ? pairs : nullptr,
+                                                             kpD,
+                                                             routed.q8 ? q8 : nullptr,
+                                                             rbD};
     ws.routed.enqueue_in(ws.queue, bank_, rows, in, routed);
     ws.shared.enqueue_in(ws.queue, shared_,
-                         {x.data, x.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD}, T,
-                         shared, T);
+                         {x.data, x.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
+                          shared.q8 ? q8 : nullptr, rbD},
+                         T, shared, T);
     run_queue(ws, pool);
     detail::run_pairs_tasks(
         pool, {ws.routed.act_pairs_task(bank_, R), ws.shared.act_pairs_task(shared_, T)});

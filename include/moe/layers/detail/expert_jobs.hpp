@@ -56,16 +56,23 @@ inline constexpr Index kItemRows = 512;
 /// current one is multiplied); raw weights take one panel per item (each packs its own).
 inline constexpr Index kItemPanels = 4;
 
-/// The weights of a projection as kernels::expert_cols reads them: bf16 panels (if use_bf16),
-/// fp32 panels, or the raw rows [rows, depth]. half > 0 splits a GLU in projection into gate
+/// The weights of a projection as kernels::expert_cols reads them: quantized panels (if
+/// use_bf16, i.e. an inference forward, and `quant` has them), bf16 panels (if use_bf16), fp32
+/// panels, or the raw rows [rows, depth]. half > 0 splits a GLU in projection into gate
 /// rows [0, half) and up rows [half, 2 half) (packed panels need half % panel_width() == 0,
 /// raw weights are used otherwise). `dot_products`: raw weights go through gemm_nt row by row
 /// (set it for jobs of fewer than kernels::kPanelMinRows rows).
 inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float const* packed,
                                             std::uint32_t const* packed_bf16, Index depth,
-                                            Index half, bool use_bf16, bool dot_products) {
+                                            Index half, bool use_bf16, bool dot_products,
+                                            kernels::QuantWeights const* quant = nullptr) {
   Index const np = kernels::panel_width();
   kernels::WeightPanels w;
+  if (use_bf16 && quant && quant[0].data) {
+    w.quant[0] = quant[0];
+    w.quant[1] = quant[1];
+    return w;
+  }
   bool const aligned = half == 0 || half % np == 0;
   if (use_bf16 && packed_bf16 && aligned) {
     w.bf16[0] = packed_bf16;
@@ -89,34 +96,49 @@ inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float 
 /// is packed as bf16 (and current) and expert_cols multiplies bf16 panels with dot products.
 template <class Bank>
 bool uses_bf16_pairs(Bank const& bank, bool use_bf16) {
-  return use_bf16 && kernels::bf16_dot_products() && bank.num_experts() > 0 &&
-         bank.packed_in_bf16(0) != nullptr;
+  return use_bf16 && kernels::bf16_dot_products() && bank.packed_bf16_any();
+}
+
+/// Whether an inference forward hands `bank`'s projections their inputs quantized to int8 rows
+/// (kernels::quantize_rows_q8): some projection is packed in a quantized format.
+template <class Bank>
+bool uses_q8_rows(Bank const& bank, bool inference) {
+  return inference && bank.packed_quant_any();
 }
 
 /// Rows [0, rows) of `src` (row stride ld, depth K) to be rounded into bf16 pairs at dst
-/// (ceil(K / 2) words per row), for the AVX512-BF16 path of expert_cols (RowSource::pairs).
+/// (ceil(K / 2) words per row), for the AVX512-BF16 path of expert_cols (RowSource::pairs),
+/// and/or quantized to int8 rows at q8 (kernels::q8_row_bytes(K) bytes per row) for the
+/// quantized-weight path (RowSource::q8).
 struct PairsTask {
   float const* src = nullptr;
   Index ld = 0, rows = 0, K = 0;
   std::uint32_t* dst = nullptr;
+  std::byte* q8 = nullptr;
 };
 
-/// Runs the tasks (kernels::bf16_pairs_rows) in parallel tiles of 64 rows; null tasks are skipped.
+/// Runs the tasks (kernels::bf16_pairs_rows, kernels::quantize_rows_q8) in parallel tiles of 64
+/// rows; null tasks are skipped.
 template <std::size_t N>
 void run_pairs_tasks(ThreadPool* pool, PairsTask const (&tasks)[N]) {
   constexpr Index kTile = 64;
   Index tiles[N + 1] = {0};
   for (std::size_t i = 0; i < N; ++i) {
-    Index const n = tasks[i].dst ? (tasks[i].rows + kTile - 1) / kTile : 0;
+    Index const n = tasks[i].dst || tasks[i].q8 ? (tasks[i].rows + kTile - 1) / kTile : 0;
     tiles[i + 1] = tiles[i] + n;
   }
   parallel_for(pool, tiles[N], [&](Index item, int) {
     std::size_t i = 0;
     while (item >= tiles[i + 1]) ++i;
     PairsTask const& t = tasks[i];
-    Index const r0 = (item - tiles[i]) * kTile, kp = (t.K + 1) / 2;
-    kernels::bf16_pairs_rows({t.src + r0 * t.ld, t.ld, nullptr}, std::min(kTile, t.rows - r0), t.K,
-                             t.dst + r0 * kp, kp);
+    Index const r0 = (item - tiles[i]) * kTile, kp = (t.K + 1) / 2,
+                n = std::min(kTile, t.rows - r0);
+    if (t.dst)
+      kernels::bf16_pairs_rows({t.src + r0 * t.ld, t.ld, nullptr}, n, t.K, t.dst + r0 * kp, kp);
+    if (t.q8) {
+      Index const rb = kernels::q8_row_bytes(t.K);
+      kernels::quantize_rows_q8({t.src + r0 * t.ld, t.ld, nullptr}, n, t.K, t.q8 + r0 * rb, rb);
+    }
   });
 }
 
@@ -127,7 +149,8 @@ inline void add_expert_job(std::vector<ExpertJob>& jobs, std::vector<ExpertItem>
   Index const np = kernels::panel_width();
   Index const j = static_cast<Index>(jobs.size());
   jobs.push_back(job);
-  Index const panels = (job.cols + np - 1) / np;
+  Index const pw = job.w.quant[0].data ? kernels::kQuantPanelCols : np;
+  Index const panels = (job.cols + pw - 1) / pw;
   Index const group = job.w.raw[0] ? 1 : kItemPanels;
   for (Index r0 = 0; r0 < job.rows; r0 += kItemRows) {
     Index const r1 = std::min(job.rows, r0 + kItemRows);

@@ -35,6 +35,7 @@ struct ExpertRows {
 struct ExpertMode {
   bool train = false;
   bool pairs = false;  ///< inputs handed over as bf16 pairs (see detail::uses_bf16_pairs)
+  bool q8 = false;     ///< inputs handed over as int8 rows (see detail::uses_q8_rows)
 };
 
 /// The routed experts' buffers (expert-major rows, R of them) and the engine that fills them.
@@ -46,6 +47,7 @@ struct RoutedExperts {
   /// a large one can be written with non-temporal stores.
   HugePageVector<float> out;
   std::vector<std::uint32_t> act_pairs;  ///< [R, ceil(F / 2)] bf16 pairs of m (inference)
+  std::vector<std::byte> act_q8;  ///< [R] int8 rows of m (kernels::q8_row_bytes(F) bytes each)
   // Backward.
   std::vector<float> d_out;    ///< [R, D] dL/d(outputs)
   std::vector<float> dx_rows;  ///< [R, D] dL/d(inputs)
@@ -62,6 +64,7 @@ struct RoutedExperts {
     act.resize(static_cast<std::size_t>(R * F));
     out.resize(static_cast<std::size_t>(R * D));
     act_pairs.resize(static_cast<std::size_t>(mode.pairs ? R * ((F + 1) / 2) : 0));
+    act_q8.resize(static_cast<std::size_t>(mode.q8 ? R * kernels::q8_row_bytes(F) : 0));
   }
   template <class Bank>
   void reserve(Bank const& bank, Index R) {
@@ -69,6 +72,9 @@ struct RoutedExperts {
     out.reserve(static_cast<std::size_t>(R * bank.d_model()));
     if (kernels::bf16_dot_products()) {
       act_pairs.reserve(static_cast<std::size_t>(R * ((bank.d_ffn() + 1) / 2)));
+    }
+    if (bank.packed_quant_any()) {
+      act_q8.reserve(static_cast<std::size_t>(R * kernels::q8_row_bytes(bank.d_ffn())));
     }
   }
 
@@ -87,7 +93,6 @@ struct RoutedExperts {
   void enqueue_in(ProjectionQueue& q, Bank const& bank, ExpertRows rows, kernels::RowSource a,
                   ExpertMode mode) {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
-    Index const half = Bank::Expert::gated ? F : 0;
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
       detail::ExpertJob job;
@@ -95,8 +100,7 @@ struct RoutedExperts {
       job.a = a.from(r0);
       job.rows = n;
       job.depth = D;
-      job.w = weights_for(bank.in_proj(e).data, P, bank.packed_in(e), bank.packed_in_bf16(e), D,
-                          half, !mode.train, n);
+      job.w = in_weights(bank, e, !mode.train, n);
       job.c = act.data() + r0 * F;
       job.ldc = F;
       job.cols = F;
@@ -106,11 +110,17 @@ struct RoutedExperts {
     }
   }
 
-  /// The bf16 pairs of m for the down projections (a null task unless mode.pairs).
+  /// The bf16 pairs and int8 rows of m for the down projections (a null task unless mode.pairs
+  /// or mode.q8).
   template <class Bank>
   detail::PairsTask act_pairs_task(Bank const& bank, Index R) {
     Index const F = bank.d_ffn();
-    return {act.data(), F, R, F, act_pairs.empty() ? nullptr : act_pairs.data()};
+    return {act.data(),
+            F,
+            R,
+            F,
+            act_pairs.empty() ? nullptr : act_pairs.data(),
+            act_q8.empty() ? nullptr : act_q8.data()};
   }
 
   /// Down projections Y = m W_down^T, times scale[r] when `scale` is given (inference: the
@@ -120,17 +130,22 @@ struct RoutedExperts {
   void enqueue_down(ProjectionQueue& q, Bank const& bank, ExpertRows rows, float const* scale,
                     ExpertMode mode) {
     Index const D = bank.d_model(), F = bank.d_ffn(), kpF = (F + 1) / 2;
+    Index const rbF = kernels::q8_row_bytes(F);
     bool const stream =
         rows.total() * D * static_cast<Index>(sizeof(float)) >= detail::kStreamOutputBytes;
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
       detail::ExpertJob job;
-      job.a = {act.data() + r0 * F, F, nullptr,
-               act_pairs.empty() ? nullptr : act_pairs.data() + r0 * kpF, kpF};
+      job.a = {act.data() + r0 * F,
+               F,
+               nullptr,
+               act_pairs.empty() ? nullptr : act_pairs.data() + r0 * kpF,
+               kpF,
+               act_q8.empty() ? nullptr : act_q8.data() + r0 * rbF,
+               rbF};
       job.rows = n;
       job.depth = F;
-      job.w = weights_for(bank.down_proj(e).data, D, bank.packed_down(e), bank.packed_down_bf16(e),
-                          F, 0, !mode.train, n);
+      job.w = down_weights(bank, e, !mode.train, n);
       job.c = out.data() + r0 * D;
       job.ldc = D;
       job.cols = D;

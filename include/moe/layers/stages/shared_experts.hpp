@@ -36,6 +36,7 @@ struct SharedStage {
   std::vector<float> out;                ///< [S, T, D] outputs
   std::vector<float> gate;               ///< [T, S] sigmoid gates (gated only)
   std::vector<std::uint32_t> act_pairs;  ///< [S, T, ceil(F_s / 2)] (inference, bf16 pairs)
+  std::vector<std::byte> act_q8;         ///< [S, T] int8 rows (inference, quantized experts)
   std::vector<float> dy, dx, dhidden;    ///< backward: [S, T, D], [S, T, D], [S, T, P_s]
   std::vector<float> dgate;              ///< [T, S] dL/d(gate logits)
 
@@ -64,6 +65,15 @@ struct SharedStage {
     return false;
   }
 
+  /// Does an inference forward hand the shared projections int8 rows?
+  template <class Shared>
+  static bool uses_q8(Shared const& sh, bool train) {
+    if constexpr (Shared::has_experts) return detail::uses_q8_rows(sh.bank(), !train);
+    (void)sh;
+    (void)train;
+    return false;
+  }
+
   template <class Shared>
   void prepare(Shared const& sh, Index T, ExpertMode mode, Index D) {
     Index const ns = count(sh), Ps = hidden_cols(sh), Fs = ffn(sh);
@@ -72,6 +82,7 @@ struct SharedStage {
     out.resize(static_cast<std::size_t>(ns * T * D));
     gate.resize(static_cast<std::size_t>(Shared::gated ? ns * T : 0));
     act_pairs.resize(static_cast<std::size_t>(mode.pairs ? ns * T * ((Fs + 1) / 2) : 0));
+    act_q8.resize(static_cast<std::size_t>(mode.q8 ? ns * T * kernels::q8_row_bytes(Fs) : 0));
   }
   template <class Shared>
   void reserve(Shared const& sh, Index T, Index D) {
@@ -81,6 +92,9 @@ struct SharedStage {
     gate.reserve(static_cast<std::size_t>(ns * T));
     if (kernels::bf16_dot_products()) {
       act_pairs.reserve(static_cast<std::size_t>(ns * T * ((Fs + 1) / 2)));
+    }
+    if (uses_q8(sh, false)) {
+      act_q8.reserve(static_cast<std::size_t>(ns * T * kernels::q8_row_bytes(Fs)));
     }
   }
 
@@ -117,15 +131,14 @@ struct SharedStage {
                   ExpertMode mode, Index path_rows, Index plane_rows = 0) {
     if constexpr (Shared::has_experts) {
       auto const& sb = sh.bank();
-      Index const ns = count(sh), D = sb.d_model(), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
+      Index const ns = count(sh), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
       for (Index s = 0; s < ns; ++s) {
         detail::ExpertJob job;
         job.kind = detail::ExpertJob::Kind::kSharedHidden;
         job.a = a.from(s * plane_rows);
         job.rows = T;
-        job.depth = D;
-        job.w = weights_for(sb.in_proj(s).data, Ps, sb.packed_in(s), sb.packed_in_bf16(s), D,
-                            Shared::Expert::gated ? Fs : 0, !mode.train, path_rows);
+        job.depth = sb.d_model();
+        job.w = in_weights(sb, s, !mode.train, path_rows);
         job.c = act.data() + s * T * Fs;
         job.ldc = Fs;
         job.cols = Fs;
@@ -141,7 +154,12 @@ struct SharedStage {
   template <class Shared>
   detail::PairsTask act_pairs_task(Shared const& sh, Index T) {
     Index const Fs = ffn(sh);
-    return {act.data(), Fs, count(sh) * T, Fs, act_pairs.empty() ? nullptr : act_pairs.data()};
+    return {act.data(),
+            Fs,
+            count(sh) * T,
+            Fs,
+            act_pairs.empty() ? nullptr : act_pairs.data(),
+            act_q8.empty() ? nullptr : act_q8.data()};
   }
 
   template <class Shared>
@@ -150,14 +168,19 @@ struct SharedStage {
     if constexpr (Shared::has_experts) {
       auto const& sb = sh.bank();
       Index const ns = count(sh), D = sb.d_model(), Fs = sb.d_ffn(), kpFs = (Fs + 1) / 2;
+      Index const rb = kernels::q8_row_bytes(Fs);
       for (Index s = 0; s < ns; ++s) {
         detail::ExpertJob job;
-        job.a = {act.data() + s * T * Fs, Fs, nullptr,
-                 act_pairs.empty() ? nullptr : act_pairs.data() + s * T * kpFs, kpFs};
+        job.a = {act.data() + s * T * Fs,
+                 Fs,
+                 nullptr,
+                 act_pairs.empty() ? nullptr : act_pairs.data() + s * T * kpFs,
+                 kpFs,
+                 act_q8.empty() ? nullptr : act_q8.data() + s * T * rb,
+                 rb};
         job.rows = T;
         job.depth = Fs;
-        job.w = weights_for(sb.down_proj(s).data, D, sb.packed_down(s), sb.packed_down_bf16(s), Fs,
-                            0, !mode.train, path_rows);
+        job.w = down_weights(sb, s, !mode.train, path_rows);
         job.c = out.data() + s * T * D;
         job.ldc = D;
         job.cols = D;

@@ -86,9 +86,27 @@ class ProjectionQueue {
 /// `path_rows` (the rows the single-process layer gives it).
 inline kernels::WeightPanels weights_for(float const* raw, Index rows, float const* packed,
                                          std::uint32_t const* packed_bf16, Index depth, Index half,
-                                         bool use_bf16, Index path_rows) {
+                                         bool use_bf16, Index path_rows,
+                                         kernels::QuantWeights const* quant = nullptr) {
   return detail::expert_weights(raw, rows, packed, packed_bf16, depth, half, use_bf16,
-                                path_rows < kernels::kPanelMinRows);
+                                path_rows < kernels::kPanelMinRows, quant);
+}
+
+/// Expert e's in projection (gate and up) of `bank` as expert_cols reads it: the packed
+/// format of that expert when `inference` (fp32 panels otherwise, or raw weights).
+template <class Bank>
+kernels::WeightPanels in_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
+  Index const half = Bank::Expert::gated ? bank.d_ffn() : 0;
+  auto const q = bank.packed_in_quant(e);
+  return weights_for(bank.in_proj(e).data, bank.hidden_cols(), bank.packed_in(e),
+                     bank.packed_in_bf16(e), bank.d_model(), half, inference, path_rows, q.data());
+}
+/// Expert e's down projection, likewise.
+template <class Bank>
+kernels::WeightPanels down_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
+  auto const q = bank.packed_down_quant(e);
+  return weights_for(bank.down_proj(e).data, bank.d_model(), bank.packed_down(e),
+                     bank.packed_down_bf16(e), bank.d_ffn(), 0, inference, path_rows, q.data());
 }
 
 /// One weight-gradient item: rows [r0, r1) of grad [N, K] += dC[:, r0:r1]^T A, A [n, K],
