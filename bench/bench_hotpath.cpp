@@ -4,11 +4,14 @@
 // The hot path against the machine's limits and against a naive baseline, in one binary run.
 //
 // What it measures (2 threads unless the name says pool:1):
-//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_ReadBandwidth: this machine's fp32 FMA and
-//     AVX512-BF16 dot-product throughput and DRAM read bandwidth (best of 9, printed at start-up
+//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_Int8Dot / BM_Peak_ReadBandwidth: this
+//     machine's fp32 FMA, AVX512-BF16 and AVX512-VNNI dot-product throughput and DRAM read
+//     bandwidth (best of 9, printed at start-up
 //     as the "limits" context).
 //   - BM_Layer_<Shape>_{Forward,ForwardBf16,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE,
-//     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048}, with
+//     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048} (and
+//     _ForwardQ8_0, _ForwardQ4_K, _ForwardQ4_0 at T <= 512: quantized experts, with GOP/s,
+//     bits/weight and vs_bf16 / vs_fp32 against the bf16 and fp32 layers run beside them), with
 //       tokens/s, GFLOP/s,
 //       S-MFU    = achieved FLOP/s / peak FMA FLOP/s                      (MoE-CAP)
 //       S-MBU    = active expert weight bytes per second / read bandwidth (MoE-CAP)
@@ -173,6 +176,48 @@ double measure_bf16_peak(int threads, int reps = 9) {
 #endif
 }
 
+/// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second; 0 without VNNI).
+double measure_int8_peak(int threads, int reps = 9) {
+#if MOE_HAS_AVX512VNNI
+  std::vector<double> per(static_cast<std::size_t>(threads));
+  auto run = [&](Index, int t) {
+    constexpr int kAcc = 16;
+    __m512i acc[kAcc];
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_epi32(i + t);
+    __m512i const a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-1);
+    long const iters = 1 << 22;
+    auto t0 = std::chrono::steady_clock::now();
+    for (long it = 0; it < iters; ++it) {
+      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    }
+    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < kAcc; ++i) sum = _mm512_add_epi32(sum, acc[i]);
+    benchmark::DoNotOptimize(sum);
+    per[static_cast<std::size_t>(t)] = 128.0 * kAcc * static_cast<double>(iters) / s;
+  };
+  moe::ThreadPool p(threads);
+  double best = 0.0;
+  for (int rep = 0; rep < reps; ++rep) {
+    p.parallel_for(threads, run);
+    double total = 0.0;
+    for (double v : per) total += v;
+    best = std::max(best, total);
+  }
+  return best;
+#else
+  (void)threads;
+  (void)reps;
+  return 0.0;
+#endif
+}
+
+/// The int8 peak, measured once (compute peaks barely drift; bandwidth does).
+double int8_peak() {
+  static double const v = measure_int8_peak(kThreads);
+  return v;
+}
+
 struct Limits {
   double fma = 0.0;         // FLOP/s, kThreads threads
   double bandwidth = 0.0;   // bytes/s, kThreads threads
@@ -230,6 +275,20 @@ BENCHMARK(BM_Peak_Bf16Dot)
     ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 
+void BM_Peak_Int8Dot(benchmark::State& state) {
+  int const threads = static_cast<int>(state.range(0));
+  double v = 0.0;
+  for (auto _ : state) v = measure_int8_peak(threads);
+  if (v == 0.0) state.SkipWithError("this build has no AVX512-VNNI (needs -mavx512vnni)");
+  state.counters["GOP/s"] = v / 1e9;
+}
+BENCHMARK(BM_Peak_Int8Dot)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("threads")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+
 void BM_Peak_ReadBandwidth(benchmark::State& state) {
   int const threads = static_cast<int>(state.range(0));
   double v = 0.0;
@@ -281,17 +340,25 @@ std::unique_ptr<Layer> make_layer(Shape const& s) {
   return layer;
 }
 
-/// The layers of one shape at a time, one packed fp32 and one packed bf16 (same weights: same
-/// seeds), so that a bf16 row can time the fp32 layer beside it; both are dropped on a change of
-/// shape (the four shapes' weights plus packs would not fit in 24 GiB together).
+/// The layers of one shape at a time, one per weight format (same weights: same seeds), so that a
+/// bf16 or quantized row can time the fp32 (and bf16) layer beside it; all are dropped on a
+/// change of shape (the four shapes' weights plus packs would not fit in 24 GiB together), and a
+/// quantized layer when another quantized format is asked for (at most fp32, bf16 and one
+/// quantized layer live at once: 11.5 GB for the Qwen3 shape).
 Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightFormat::kF32) {
-  static std::unique_ptr<Layer> layers[2];
+  static std::unique_ptr<Layer> layers[6];
   static Shape const* current = nullptr;
   if (current != &s) {
     for (auto& l : layers) l.reset();
     current = &s;
   }
-  auto& layer = layers[format == experts::WeightFormat::kBf16 ? 1 : 0];
+  auto const f = static_cast<std::size_t>(format);
+  if (experts::is_quantized(format)) {
+    for (std::size_t i = 2; i < 6; ++i) {
+      if (i != f) layers[i].reset();
+    }
+  }
+  auto& layer = layers[f];
   if (!layer) {
     layer = make_layer(s);
     layer->pack_weights(format);
@@ -309,16 +376,18 @@ struct Cost {
   double flop = 0.0;          // forward FLOP
   double weight_bytes = 0.0;  // active expert (+ shared, router) weight bytes
 };
-Cost cost_of(Shape const& s, moe::RoutingPlan const& plan, Index T) {
+/// `expert_bits`: bits per expert weight as the pack stores them (the router stays fp32).
+Cost cost_of(Shape const& s, moe::RoutingPlan const& plan, Index T, double expert_bits = 32.0) {
   Cost c;
   Index active = 0;
   for (Index e = 0; e < s.E; ++e) active += plan.expert_rows(e) > 0;
   double const R = static_cast<double>(plan.num_rows());
   c.flop = 2.0 * T * s.E * s.D + R * 2.0 * s.D * s.F * 3.0 +
            (s.shared_f > 0 ? 2.0 * T * s.D * s.shared_f * 3.0 : 0.0);
-  c.weight_bytes =
-      4.0 * (static_cast<double>(active) * 3.0 * s.D * s.F +
-             (s.shared_f > 0 ? 3.0 * s.D * s.shared_f : 0.0) + static_cast<double>(s.E) * s.D);
+  c.weight_bytes = expert_bits / 8.0 *
+                       (static_cast<double>(active) * 3.0 * s.D * s.F +
+                        (s.shared_f > 0 ? 3.0 * s.D * s.shared_f : 0.0)) +
+                   4.0 * static_cast<double>(s.E) * s.D;
   return c;
 }
 
@@ -343,6 +412,7 @@ struct RowTimes {
   double mean = 0.0, best = 0.0;                // seconds per iteration, ours
   double beside_mean = 0.0, beside_best = 0.0;  // seconds per iteration, beside
   Limits lim;
+  double beside2_mean = 0.0, beside2_best = 0.0;  // a second one beside (quantized rows)
 };
 
 /// The timed loop of a layer row: `ours` is the row's time (manual time); `beside` runs right
@@ -361,6 +431,23 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, bool 
   }
   double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
   return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits(one_thread))};
+}
+
+/// The same with two runs beside ours (each iteration: ours, beside, beside2).
+template <class Ours, class Beside, class Beside2>
+RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, Beside2&& beside2) {
+  Limits const before = measure_limits(false);
+  Timing a, b, c;
+  for (auto _ : state) {
+    double const prev = a.total;
+    a.run(ours);
+    state.SetIterationTime(a.total - prev);
+    b.run(beside);
+    c.run(beside2);
+  }
+  double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits(false)),
+          c.total / n, c.best};
 }
 
 /// The counters of a layer row. tokens/s and GFLOP/s are Google Benchmark rates over the mean
@@ -545,6 +632,52 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
     state.counters["bf16_peak_GFLOP/s"] = r.lim.bf16 / 1e9;
     state.counters["bf16_peak_frac"] = c.flop / r.best / r.lim.bf16;
   }
+}
+
+/// Forward with quantized experts (q8_0, q4_k, q4_0; routed and shared experts alike): S-MBU
+/// counts the bytes the pack stores (ExpertBank::packed_bytes: 8.5, 4.625 and 4.5 bits a
+/// weight), GOP/s the multiply-adds x 2 like GFLOP/s. The bf16 and fp32 layers run beside it in
+/// every iteration: vs_bf16, vs_fp32.
+template <Shape const& S, experts::WeightFormat Format>
+void BM_Layer_ForwardQuant(benchmark::State& state) {
+  Index const T = state.range(0);
+  Layer& f32 = layer_for(S);
+  Layer& bf16 = layer_for(S, experts::WeightFormat::kBf16);
+  Layer& layer = layer_for(S, Format);
+  auto x = input(T, S.D);
+  std::vector<float> y(x.size()), y16(x.size()), y32(x.size());
+  moe::MoeFfnWorkspace ws, ws16, ws32;
+  auto ours = [&] {
+    layer.forward({x.data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
+    benchmark::DoNotOptimize(y.data());
+  };
+  auto run16 = [&] {
+    bf16.forward({x.data(), T, S.D}, {y16.data(), T, S.D}, ws16, {nullptr, &pool()});
+    benchmark::DoNotOptimize(y16.data());
+  };
+  auto run32 = [&] {
+    f32.forward({x.data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
+    benchmark::DoNotOptimize(y32.data());
+  };
+  ours();
+  run16();
+  run32();
+  double const bits = 8.0 * static_cast<double>(layer.experts().packed_bytes(0)) /
+                      (3.0 * static_cast<double>(S.D) * static_cast<double>(S.F));
+  Cost const c = cost_of(S, ws.plan, T, bits);
+  RowTimes const r = timed_rows(state, ours, run16, run32);
+  set_counters(state, T, c, 1.0, r);
+  set_speedup(state, r, "vs_bf16", "bf16");
+  state.counters["GOP/s"] =
+      benchmark::Counter(c.flop / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["bits/weight"] = bits;
+  if (int8_peak() > 0.0) {
+    state.counters["int8_peak_GOP/s"] = int8_peak() / 1e9;
+    state.counters["int8_peak_frac"] = c.flop / r.best / int8_peak();
+  }
+  state.counters["fp32_ms"] = r.beside2_best * 1e3;
+  state.counters["vs_fp32"] = r.beside2_best / r.best;
+  state.counters["vs_fp32_mean"] = r.beside2_mean / r.mean;
 }
 
 template <Shape const& S>
@@ -734,6 +867,18 @@ void BM_Kernel_ExpertIn(benchmark::State& state) {
       ->ArgName("T")->Arg(512)->Unit(benchmark::kMillisecond)->UseManualTime();                   \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardBf16, SHAPE)->Name("BM_Layer_" #NAME "_ForwardBf16")         \
       ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Arg(2048)                     \
+      ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
+  BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ8_0)                  \
+      ->Name("BM_Layer_" #NAME "_ForwardQ8_0")                                                    \
+      ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
+      ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
+  BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ4_K)                  \
+      ->Name("BM_Layer_" #NAME "_ForwardQ4_K")                                                    \
+      ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
+      ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
+  BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ4_0)                  \
+      ->Name("BM_Layer_" #NAME "_ForwardQ4_0")                                                    \
+      ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
       ->Unit(benchmark::kMillisecond)->UseManualTime()
 // clang-format on
 

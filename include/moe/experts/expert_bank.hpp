@@ -391,7 +391,7 @@ class ExpertBank {
   /// Bytes the current pack stores for expert e's projections (what a forward streams).
   Index packed_bytes(Index e) const {
     if (!packed()) return 0;
-    auto part = [&](Slot::Part const& p, Index rows, Index depth, Index f32, Index bf16) -> Index {
+    auto part = [&](Slot::Part const& p, Index rows, Index f32, Index bf16) -> Index {
       if (p.format == WeightFormat::kF32) return f32 * 4;
       if (p.format == WeightFormat::kBf16) return bf16 * 4;
       return (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * p.panel_bytes;
@@ -399,12 +399,12 @@ class ExpertBank {
     Index const np = kernels::panel_width(), P = hidden_cols(), D = d_model_, F = d_ffn_;
     Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
     Slot const& s = slot(e);
-    Index b = part(s.down, D, F, down_panels * F * np, down_panels * ((F + 1) / 2) * np);
+    Index b = part(s.down, D, down_panels * F * np, down_panels * ((F + 1) / 2) * np);
     if (is_quantized(s.in.format)) {
-      b += part(s.in, Expert::gated ? F : P, D, 0, 0);
-      if constexpr (Expert::gated) b += part(s.up, F, D, 0, 0);
+      b += part(s.in, Expert::gated ? F : P, 0, 0);
+      if constexpr (Expert::gated) b += part(s.up, F, 0, 0);
     } else {
-      b += part(s.in, P, D, in_panels * D * np, in_panels * ((D + 1) / 2) * np);
+      b += part(s.in, P, in_panels * D * np, in_panels * ((D + 1) / 2) * np);
     }
     return b;
   }

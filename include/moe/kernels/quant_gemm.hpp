@@ -339,20 +339,70 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
   std::int8_t const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r].a;
   __m512i const nib = _mm512_set1_epi8(0x0F);
+  // Q4_K / Q6_K: the scales (and mins) of a group's sub-blocks, decoded once per group from
+  // the packed header (fp16 super-block scale times the integer sub-block scale, exact).
+  constexpr Index NS = F == Format::kQ4_K ? 8 : (F == Format::kQ6_K ? 16 : 1);
+  constexpr int NM = F == Format::kQ4_K ? 2 : 1;
+  alignas(64) float subs[Ops][2][NM][NS][16];
   for (Index g = 0; g < K / G; ++g) {
     std::byte const* grp[Ops];
     for (int o = 0; o < Ops; ++o) grp[o] = panels[o] + g * GB;
-    if (g + 1 < K / G) {
+    if constexpr (F == Format::kQ4_K || F == Format::kQ6_K) {
       for (int o = 0; o < Ops; ++o) {
-        for (Index l = 0; l < GB; l += 64) MOE_PREFETCH_L2(grp[o] + GB + l);
+        for (int v = 0; v < 2; ++v) {
+          __m512 const d =
+              _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
+          if constexpr (F == Format::kQ4_K) {
+            __m512 const dmin = _mm512_cvtph_ps(
+                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + 64 + v * 32)));
+            auto const* sc = reinterpret_cast<std::uint8_t const*>(grp[o] + 128);
+            for (Index j = 0; j < NS; ++j) {
+              __m128i const s8 =
+                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
+              __m128i const m8 =
+                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + 256 + j * 32 + v * 16));
+              _mm512_store_ps(subs[o][v][0][j],
+                              _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8))));
+              _mm512_store_ps(subs[o][v][NM - 1][j],
+                              _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8))));
+            }
+          } else {
+            auto const* sc = reinterpret_cast<std::int8_t const*>(grp[o] + 64);
+            for (Index j = 0; j < NS; ++j) {
+              __m128i const s8 =
+                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
+              _mm512_store_ps(subs[o][v][0][j],
+                              _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
+            }
+          }
+        }
       }
     }
     for (Index sb = 0; sb < G / SB; ++sb) {
       Index const k0 = g * G + sb * SB;
+      // The next group's bytes, a slice per sub-block (a burst per group stalls the L2 queue).
+      if (g + 1 < K / G) {
+        constexpr Index per = (GB / (G / SB) + 63) / 64 * 64;
+        for (int o = 0; o < Ops; ++o) {
+          for (Index l = sb * per; l < std::min(GB, (sb + 1) * per); l += 64) {
+            MOE_PREFETCH_L2(grp[o] + GB + l);
+          }
+        }
+      }
+      // Offset formats start each sum at -offset * (activation sum): exact, and no subtraction.
+      __m512i start[MR];
+      for (Index r = 0; r < MR; ++r) {
+        if constexpr (F == Format::kQ4_K) {
+          start[r] = _mm512_setzero_si512();
+        } else {
+          std::int32_t const sum = F == Format::kQ6_K ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
+          start[r] = _mm512_set1_epi32(-sum * (1 << quant_offset_shift(F)));
+        }
+      }
       __m512i iacc[Ops][2][MR];
       for (int o = 0; o < Ops; ++o)
         for (int v = 0; v < 2; ++v)
-          for (Index r = 0; r < MR; ++r) iacc[o][v][r] = _mm512_setzero_si512();
+          for (Index r = 0; r < MR; ++r) iacc[o][v][r] = start[r];
       if constexpr (quant_is_4bit(F)) {
         for (Index oct = 0; oct < SB / 8; ++oct) {
           for (int o = 0; o < Ops; ++o) {
@@ -389,48 +439,23 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
       // Fold the block's integer sums into the fp32 accumulators.
       __m512 da[MR];
       for (Index r = 0; r < MR; ++r) da[r] = _mm512_set1_ps(rows[r].d[k0 / 32]);
-      if constexpr (F == Format::kQ4_K) {
-        __m512 ds[MR];
-        for (Index r = 0; r < MR; ++r) ds[r] = _mm512_set1_ps(rows[r].ds[k0 / 32]);
-        for (int o = 0; o < Ops; ++o) {
-          auto const* sc = reinterpret_cast<std::uint8_t const*>(grp[o] + 128);
-          for (int v = 0; v < 2; ++v) {
-            __m512 const d = _mm512_cvtph_ps(
+      for (int o = 0; o < Ops; ++o) {
+        for (int v = 0; v < 2; ++v) {
+          __m512 s;
+          if constexpr (F == Format::kQ4_K || F == Format::kQ6_K) {
+            s = _mm512_load_ps(subs[o][v][0][sb]);
+          } else {
+            s = _mm512_cvtph_ps(
                 _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
-            __m512 const dmin = _mm512_cvtph_ps(
-                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + 64 + v * 32)));
-            __m512 const s = _mm512_mul_ps(
-                d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                       _mm_load_si128(reinterpret_cast<__m128i const*>(sc + sb * 32 + v * 16)))));
-            __m512 const m = _mm512_mul_ps(
-                dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(
-                          reinterpret_cast<__m128i const*>(sc + 256 + sb * 32 + v * 16)))));
-            for (Index r = 0; r < MR; ++r) {
-              __m512 const f = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[o][v][r]), s);
-              acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
-              acc[o][v][r] = _mm512_fnmadd_ps(m, ds[r], acc[o][v][r]);
-            }
           }
-        }
-      } else {
-        __m512i corr[MR];
-        for (Index r = 0; r < MR; ++r) {
-          std::int32_t const s = F == Format::kQ6_K ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
-          corr[r] = _mm512_set1_epi32(s * (1 << quant_offset_shift(F)));
-        }
-        for (int o = 0; o < Ops; ++o) {
-          for (int v = 0; v < 2; ++v) {
-            __m512 s = _mm512_cvtph_ps(
-                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
-            if constexpr (F == Format::kQ6_K) {
-              auto const* sc = reinterpret_cast<std::int8_t const*>(grp[o] + 64);
-              s = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(
-                                       reinterpret_cast<__m128i const*>(sc + sb * 32 + v * 16)))));
-            }
+          for (Index r = 0; r < MR; ++r) {
+            __m512 const f = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[o][v][r]), s);
+            acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
+          }
+          if constexpr (F == Format::kQ4_K) {
+            __m512 const m = _mm512_load_ps(subs[o][v][NM - 1][sb]);
             for (Index r = 0; r < MR; ++r) {
-              __m512 const f =
-                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[o][v][r], corr[r])), s);
-              acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
+              acc[o][v][r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(rows[r].ds[k0 / 32]), acc[o][v][r]);
             }
           }
         }
