@@ -11,6 +11,10 @@
 // Command line (scripts depend on it):
 //   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
+//                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0]
+// --weights packs the loaded experts (routed and shared) once in that format before the forward
+// (ExpertBank::pack; the quantized ones with ggml's reference quantizers, docs/quantization.md):
+// inference only, so it cannot be combined with --grad except as fp32.
 // X holds "x" [T, hidden] (F32, BF16 or F16); DY holds "dy" [T, hidden]. Y gets "y" [T, hidden],
 // "router_logits" [T, E], "topk_ids" [T, k] I64 (-1: empty slot), "topk_weights" [T, k], and with
 // --grad also "dx" [T, hidden] and "grad.<checkpoint name>" per parameter. All floats are F32.
@@ -41,7 +45,7 @@ using moe::detail::fail;
 
 constexpr char kUsage[] =
     "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
-    "[--grad DY.safetensors] [--threads N]";
+    "[--grad DY.safetensors] [--threads N] [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0]";
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo) {
   std::string const& s = args.at(key);
@@ -75,6 +79,15 @@ template <class Layer>
 void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
          moe::ThreadPool* pool) {
   Layer& layer = hf.layer;
+  if (args.count("--weights") != 0) {
+    auto const format = moe::experts::parse_weight_format(args.at("--weights"));
+    if (format != moe::experts::WeightFormat::kF32 && args.count("--grad") != 0) {
+      fail("--weights ", args.at("--weights"),
+           " is for inference, but --grad runs a training forward (fp32 weights); drop one of "
+           "them");
+    }
+    layer.pack_weights(format);
+  }
   Index const D = layer.d_model(), E = layer.num_experts();
   Index T = -1;
   std::vector<float> const x = read_matrix(args.at("--input"), "x", T, D);
@@ -116,8 +129,8 @@ int main_impl(int argc, char** argv) {
       std::printf("%s\n", kUsage);
       std::exit(0);
     }
-    std::string_view const flags[] = {"--model",  "--layer", "--input",
-                                      "--output", "--grad",  "--threads"};
+    std::string_view const flags[] = {"--model", "--layer",   "--input",  "--output",
+                                      "--grad",  "--threads", "--weights"};
     if (std::find(std::begin(flags), std::end(flags), key) == std::end(flags)) {
       fail("unknown argument '", key, "'; ", kUsage);
     }

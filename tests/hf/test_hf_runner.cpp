@@ -153,6 +153,47 @@ TEST_CASE("moe_run_hf_layer: Mixtral with fused experts", "[hf][runner]") {
   check_runner("runner_mixtral_fused", moe::io::hf_config(p), layer, options, Dtype::kF32);
 }
 
+TEST_CASE("moe_run_hf_layer: --weights runs the experts quantized, as the library does",
+          "[hf][runner][quant]") {
+  // Qwen3-MoE with hidden 64 and experts of 32: q8_0 and q4_0 (32-blocks) fit, q4_k does not.
+  presets::Qwen3MoeConfig const p{64, 32, 6, 2, true};
+  presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
+  hftest::randomize(layer, 64);
+  fs::path const dir = iotest::scratch_dir("runner_weights");
+  moe::io::save_hf_layer(dir, moe::io::hf_config(p), 1, layer);
+  moe::Index const T = 9, D = 64;
+  std::vector<float> const x = hftest::random_input(T, D, 65);
+  moe::io::SafetensorsWriter().add_f32("x", {T, D}, x).save(dir / "x.safetensors");
+  auto args = [&](std::string const& weights, bool grad) {
+    return words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x.safetensors"),
+                  "--output", quoted(dir / "y.safetensors"), "--threads 2 --weights", weights,
+                  grad ? std::string("--grad ") + quoted(dir / "x.safetensors") : std::string()});
+  };
+  for (auto const format : {moe::experts::WeightFormat::kQ8_0, moe::experts::WeightFormat::kQ4_0,
+                            moe::experts::WeightFormat::kBf16}) {
+    INFO(moe::experts::name(format));
+    REQUIRE(run_runner(args(moe::experts::name(format), false), dir / "stderr.txt") == 0);
+    presets::Qwen3Moe packed = layer;
+    packed.pack_weights(format);
+    std::vector<float> y(x.size());
+    moe::MoeFfnWorkspace ws;
+    packed.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+    moe::io::SafetensorsFile const out(dir / "y.safetensors");
+    std::vector<float> const got = moe::io::to_float(out.tensor("y"));
+    REQUIRE(got == y);  // the same kernels, bitwise (thread-count invariant)
+  }
+  REQUIRE(run_runner(args("q4_k", false), dir / "stderr.txt") == 1);
+  auto text = [&] {
+    std::vector<std::byte> const err = iotest::read_file(dir / "stderr.txt");
+    return std::string(reinterpret_cast<char const*>(err.data()), err.size());
+  };
+  REQUIRE_THAT(text(), Contains("depth d_model = 64") && Contains("q4_k"));
+  REQUIRE(run_runner(args("q8_0", true), dir / "stderr.txt") == 1);
+  REQUIRE_THAT(text(), Contains("--weights q8_0 is for inference"));
+  REQUIRE(run_runner(args("int3", false), dir / "stderr.txt") == 1);
+  REQUIRE_THAT(text(), Contains("unknown weight format 'int3'"));
+}
+
 TEST_CASE("moe_run_hf_layer: bad input exits 1 with one line on stderr", "[hf][runner]") {
   presets::Qwen3MoeConfig const p{8, 4, 4, 2, true};
   presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
