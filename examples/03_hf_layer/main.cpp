@@ -11,10 +11,12 @@
 // Command line (scripts depend on it):
 //   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
-//                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0]
+//                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|alphaq:<average bits>]
 // --weights packs the loaded experts (routed and shared) once in that format before the forward
 // (ExpertBank::pack; the quantized ones with ggml's reference quantizers, docs/quantization.md):
-// inference only, so it cannot be combined with --grad except as fp32.
+// inference only, so it cannot be combined with --grad except as fp32. alphaq:B chooses a
+// format per expert projection with AlphaQ at B bits a weight on average (the shared expert
+// uniformly). A checkpoint written by moe_quantize loads as it is: packed in its stored formats.
 // X holds "x" [T, hidden] (F32, BF16 or F16); DY holds "dy" [T, hidden]. Y gets "y" [T, hidden],
 // "router_logits" [T, E], "topk_ids" [T, k] I64 (-1: empty slot), "topk_weights" [T, k], and with
 // --grad also "dx" [T, hidden] and "grad.<checkpoint name>" per parameter. All floats are F32.
@@ -36,6 +38,7 @@
 #include <vector>
 
 #include "moe/core/thread_pool.hpp"
+#include "moe/experts/quantize.hpp"
 #include "moe/io/hf.hpp"
 
 namespace {
@@ -45,7 +48,8 @@ using moe::detail::fail;
 
 constexpr char kUsage[] =
     "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
-    "[--grad DY.safetensors] [--threads N] [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0]";
+    "[--grad DY.safetensors] [--threads N] "
+    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|alphaq:<average bits>]";
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo) {
   std::string const& s = args.at(key);
@@ -79,7 +83,31 @@ template <class Layer>
 void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
          moe::ThreadPool* pool) {
   Layer& layer = hf.layer;
-  if (args.count("--weights") != 0) {
+  if (args.count("--weights") != 0 && args.at("--weights").rfind("alphaq:", 0) == 0) {
+    if (args.count("--grad") != 0) {
+      fail("--weights ", args.at("--weights"),
+           " is for inference, but --grad runs a training forward (fp32 weights); drop one of "
+           "them");
+    }
+    std::string const b = args.at("--weights").substr(7);
+    char* end = nullptr;
+    double const bits = std::strtod(b.c_str(), &end);
+    if (b.empty() || *end != '\0' || !(bits > 0 && bits <= 32)) {
+      fail("--weights alphaq:", b, ": the average bits must be a number in (0, 32]");
+    }
+    moe::experts::QuantOptions opt;
+    opt.pool = pool;
+    auto const plan = moe::experts::plan_quantization(layer.experts(), bits,
+                                                      moe::experts::AllocationMethod::kAlphaQ, opt);
+    layer.experts().pack(plan.formats);
+    if constexpr (Layer::Shared::has_experts) {
+      if (layer.shared_experts().count() > 0) {
+        auto const sp = moe::experts::plan_quantization(
+            layer.shared_experts().bank(), bits, moe::experts::AllocationMethod::kUniform, opt);
+        layer.shared_experts().bank().pack(sp.formats);
+      }
+    }
+  } else if (args.count("--weights") != 0) {
     auto const format = moe::experts::parse_weight_format(args.at("--weights"));
     if (format != moe::experts::WeightFormat::kF32 && args.count("--grad") != 0) {
       fail("--weights ", args.at("--weights"),

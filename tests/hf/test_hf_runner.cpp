@@ -3,6 +3,7 @@
 // the runner's forward and --grad outputs compared with the layer's own forward and backward.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstdlib>
@@ -193,6 +194,71 @@ TEST_CASE("moe_run_hf_layer: --weights runs the experts quantized, as the librar
   REQUIRE(run_runner(args("int3", false), dir / "stderr.txt") == 1);
   REQUIRE_THAT(text(), Contains("unknown weight format 'int3'"));
 }
+
+#ifdef MOE_QUANTIZE
+TEST_CASE("moe_quantize: AlphaQ and uniform checkpoints that moe_run_hf_layer runs as they are",
+          "[hf][runner][quant]") {
+  presets::Qwen3MoeConfig const p{64, 32, 6, 2, true};
+  presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
+  hftest::randomize(layer, 71);
+  fs::path const dir = iotest::scratch_dir("quantize_src");
+  moe::io::save_hf_layer(dir, moe::io::hf_config(p), 1, layer);
+  moe::Index const T = 7, D = 64, E = 6;
+  std::vector<float> const x = hftest::random_input(T, D, 72);
+  moe::io::SafetensorsWriter().add_f32("x", {T, D}, x).save(dir / "x.safetensors");
+  auto quantize = [&](std::string const& method, std::string const& bits, fs::path const& out) {
+    std::string command = "'";
+    command.append(MOE_QUANTIZE).append("' ");
+    command.append(
+        words({"--model", quoted(dir), "--layer 1 --bits", bits, "--method", method, "--out",
+               quoted(out), "--threads 2 >/dev/null 2>", quoted(fs::path(out.string() + ".err"))}));
+    int const status = std::system(command.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  for (std::string const method : {"alphaq", "uniform"}) {
+    INFO(method);
+    fs::path const out = iotest::scratch_dir("quantize_" + method);
+    REQUIRE(quantize(method, method == "alphaq" ? "6" : "4.5", out) == 0);
+    // The checkpoint: U8 GGUF blocks for quantized projections, each marked in the metadata.
+    moe::io::SafetensorsFile const file(out / "model.safetensors");
+    std::string const gate0 = "model.layers.1.mlp.experts.0.gate_proj.weight";
+    auto const it = file.metadata().find("moe.quant." + gate0);
+    REQUIRE(it != file.metadata().end());
+    auto const f0 = moe::experts::parse_weight_format(it->second);
+    if (moe::experts::is_quantized(f0)) REQUIRE(file.tensor(gate0).dtype == Dtype::kU8);
+    if (method == "uniform") REQUIRE(f0 == moe::experts::WeightFormat::kQ4_0);
+    // The report: a header and two rows per expert.
+    std::vector<std::byte> const rep = iotest::read_file(out / "quant_report.tsv");
+    std::string const text(reinterpret_cast<char const*>(rep.data()), rep.size());
+    REQUIRE(std::count(text.begin(), text.end(), '\n') == 1 + 2 * E);
+    REQUIRE_THAT(text, Contains("expert\tprojection\talpha\tformat\tbits\trelative_error"));
+    // Loaded back: packed in the stored formats; the runner gives the same bits.
+    auto hf = moe::io::load_hf_layer<presets::Qwen3Moe>(out, 1);
+    REQUIRE(hf.stored_formats.size() == static_cast<std::size_t>(E));
+    REQUIRE(hf.stored_formats[0].in == f0);
+    REQUIRE(hf.layer.experts().packed());
+    std::vector<float> y(x.size());
+    moe::MoeFfnWorkspace ws;
+    hf.layer.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+    std::string const args =
+        words({"--model", quoted(out), "--layer 1 --input", quoted(dir / "x.safetensors"),
+               "--output", quoted(out / "y.safetensors")});
+    REQUIRE(run_runner(args, out / "stderr.txt") == 0);
+    moe::io::SafetensorsFile const yf(out / "y.safetensors");
+    REQUIRE(moe::io::to_float(yf.tensor("y")) == y);
+  }
+  // The runner's own AlphaQ pack, and the tool's errors.
+  std::string const args =
+      words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x.safetensors"), "--output",
+             quoted(dir / "y.safetensors"), "--weights alphaq:6"});
+  REQUIRE(run_runner(args, dir / "stderr.txt") == 0);
+  fs::path const bad = iotest::scratch_dir("quantize_bad");
+  REQUIRE(quantize("alphaq", "3", bad) == 1);
+  std::vector<std::byte> const err = iotest::read_file(bad.string() + ".err");
+  REQUIRE_THAT(std::string(reinterpret_cast<char const*>(err.data()), err.size()),
+               Contains("moe_quantize: ") && Contains("below the smallest candidate"));
+}
+#endif
 
 TEST_CASE("moe_run_hf_layer: bad input exits 1 with one line on stderr", "[hf][runner]") {
   presets::Qwen3MoeConfig const p{8, 4, 4, 2, true};

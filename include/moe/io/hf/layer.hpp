@@ -24,11 +24,13 @@
 
 #include "moe/core/error.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/expert_bank.hpp"
 #include "moe/io/detail/json.hpp"
 #include "moe/io/hf/config.hpp"
 #include "moe/io/hf/names.hpp"
 #include "moe/io/safetensors.hpp"
 #include "moe/layers/presets.hpp"
+#include "moe/quant/blocks.hpp"
 
 namespace moe::io {
 
@@ -165,6 +167,10 @@ struct HfLayer {
   HfLayout layout;                ///< prefix and per-expert / fused experts
   std::vector<HfTensor> tensors;  ///< every tensor read, in hf_layer_tensors() order
   Layer layer;                    ///< the weights
+  /// For a checkpoint written by save_hf_layer_quantized (moe_quantize): the stored format of
+  /// every routed expert, and of the shared expert (the layer is packed in them); else empty.
+  std::vector<experts::ExpertFormat> stored_formats;
+  std::vector<experts::ExpertFormat> stored_shared_formats;
 };
 
 /// A loaded layer of any supported family (load_hf_moe_layer()); config.family tells which
@@ -384,14 +390,44 @@ inline std::string defaulted_note(HfMoeConfig const& c) {
 
 /// Reads tensor `t` as floats, checking presence, dtype and shape; dequantises FP8 blockwise
 /// weights (F8_E4M3 with a "<name>_scale_inv" F32 tensor of [ceil(rows/br), ceil(cols/bc)]).
+/// The metadata key save_hf_layer_quantized records tensor `name`'s stored format under.
+inline std::string quant_key(std::string const& name) { return concat("moe.quant.", name); }
+
 inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor const& t,
                                          HfMoeConfig const& c, Index layer,
-                                         std::string const& prefix) {
+                                         std::string const& prefix,
+                                         experts::WeightFormat* stored = nullptr) {
   std::string const& src = ckpt.source();
   TensorView const* view = ckpt.find(t.name);
   if (view == nullptr) {
     moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " (", shape_string(t.shape),
                       ") is missing; ", missing_tensor_hint(ckpt, c, layer, prefix));
+  }
+  if (std::string const* f = ckpt.shard_metadata(t.name, quant_key(t.name))) {
+    experts::WeightFormat const format = experts::parse_weight_format(*f);
+    if (stored) *stored = format;
+    if (experts::is_quantized(format)) {
+      quant::Format const q = experts::quant_format(format);
+      moe::detail::check(t.shape.size() == 2, "hf: ", src, ": tensor ", printable_name(t.name),
+                         " is marked ", *f, " but only 2-D weights can be quantized");
+      Index const rows = t.shape[0], cols = t.shape[1];
+      moe::detail::check(cols % quant::block_elems(q) == 0, "hf: ", src, ": tensor ",
+                         printable_name(t.name), " is marked ", *f, " but its rows of ", cols,
+                         " weights are not whole ", quant::block_elems(q), "-blocks");
+      std::vector<std::int64_t> const want = {rows, quant::row_bytes(q, cols)};
+      if (view->dtype != Dtype::kU8 || view->shape != want) {
+        moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " is marked ", *f,
+                          " but is ", dtype_name(view->dtype), " ", shape_string(view->shape),
+                          "; a ", *f, " tensor of ", shape_string(t.shape), " is U8 ",
+                          shape_string(want), " (GGUF blocks, row by row)");
+      }
+      std::vector<float> values(static_cast<std::size_t>(rows * cols));
+      std::span<std::byte const> const bytes = view->bytes;
+      for (Index r = 0; r < rows; ++r) {
+        quant::dequantize_row(q, bytes.data() + r * want[1], cols, values.data() + r * cols);
+      }
+      return values;
+    }
   }
   bool const fp8 = view->dtype == Dtype::kF8E4M3;
   bool const float_type =
@@ -501,11 +537,28 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
                      layer,
                      detail::detect_layout(checkpoint, config, layer, options),
                      {},
-                     make_hf_layer<Layer>(config)};
+                     make_hf_layer<Layer>(config),
+                     {},
+                     {}};
   out.tensors = hf_layer_tensors(config, out.layout);
+  Index const E = config.num_experts;
+  std::vector<experts::WeightFormat> gate(static_cast<std::size_t>(E)), up(gate.size()),
+      down(gate.size());
+  experts::WeightFormat shared[3] = {};
+  bool quantized = false;
   for (HfTensor const& t : out.tensors) {
+    experts::WeightFormat stored = experts::WeightFormat::kF32;
+    quantized =
+        quantized || checkpoint.shard_metadata(t.name, detail::quant_key(t.name)) != nullptr;
     std::vector<float> const values =
-        detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix);
+        detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix, &stored);
+    auto const e = static_cast<std::size_t>(t.expert);
+    if (t.part == HfPart::kExpertGate) gate[e] = stored;
+    if (t.part == HfPart::kExpertUp) up[e] = stored;
+    if (t.part == HfPart::kExpertDown) down[e] = stored;
+    if (t.part == HfPart::kSharedGate) shared[0] = stored;
+    if (t.part == HfPart::kSharedUp) shared[1] = stored;
+    if (t.part == HfPart::kSharedDown) shared[2] = stored;
     if (t.part == HfPart::kSelectionBias) {
       for (float const b : values) {
         moe::detail::check(std::isfinite(b), "hf: ", checkpoint.source(), ": tensor ",
@@ -514,6 +567,25 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
       }
     }
     detail::scatter_tensor(t, values, out.layer);
+  }
+  if (quantized) {
+    for (Index e = 0; e < E; ++e) {
+      auto const i = static_cast<std::size_t>(e);
+      moe::detail::check(gate[i] == up[i], "hf: ", checkpoint.source(), ": expert ", e,
+                         "'s gate and up projections are stored as ", experts::name(gate[i]),
+                         " and ", experts::name(up[i]),
+                         "; moe packs them as one in projection, so they must share a format");
+      out.stored_formats.push_back({gate[i], down[i]});
+    }
+    out.layer.experts().pack(out.stored_formats);
+    if constexpr (Layer::Shared::has_experts) {
+      if (out.layer.shared_experts().count() > 0) {
+        moe::detail::check(shared[0] == shared[1], "hf: ", checkpoint.source(),
+                           ": the shared expert's gate and up projections must share a format");
+        out.stored_shared_formats.push_back({shared[0], shared[2]});
+        out.layer.shared_experts().bank().pack(out.stored_shared_formats);
+      }
+    }
   }
   return out;
 }
@@ -721,6 +793,85 @@ void save_hf_layer(std::filesystem::path const& dir, HfMoeConfig const& config, 
   }
   index += "\n  }\n}\n";
   detail::write_text_file(dir / "model.safetensors.index.json", index);
+}
+
+/// Saves `layer` like save_hf_layer() (one model.safetensors, per-expert tensors), with every
+/// routed expert's projections stored in formats[e] and the shared expert's (if any) in
+/// shared_format: a quantized format as a U8 tensor [rows, quant::row_bytes(format, cols)] of
+/// GGUF blocks (quant::quantize_row, row by row), bf16 as BF16, fp32 as F32. Every expert and
+/// shared-expert projection tensor gets the "__metadata__" entry "moe.quant.<tensor name>" =
+/// its format name ("q4_k", "bf16", ...), which load_hf_layer() reads back (dequantizing the
+/// blocks exactly and packing the layer in the stored formats). Router, selection bias and the
+/// shared-expert gate stay F32. Throws as save_hf_layer(), and for formats.size() != E or a
+/// format whose blocks do not divide the projection's input width.
+template <class Layer>
+void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const& config,
+                             Index layer_index, Layer const& layer,
+                             std::vector<experts::ExpertFormat> const& formats,
+                             experts::ExpertFormat shared_format = {}) {
+  std::string const where = dir.string();
+  detail::validate_hf_config(config, where);
+  detail::check_layer_matches(config, layer, where);
+  if (std::string const why = config.dense_reason(layer_index); !why.empty()) {
+    moe::detail::fail("hf: ", where, ": cannot save layer ", layer_index, " as an MoE layer: ", why,
+                      "; pick an MoE layer index");
+  }
+  moe::detail::check(static_cast<Index>(formats.size()) == layer.num_experts(), "hf: ", where, ": ",
+                     formats.size(), " formats for ", layer.num_experts(),
+                     " experts; give one per expert");
+  HfLayout const layout = hf_default_layout(config.family, layer_index, false);
+  std::vector<HfTensor> const tensors = hf_layer_tensors(config, layout);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec)) {
+    moe::detail::fail("hf: cannot create the directory '", where,
+                      "'; check the path and its permissions");
+  }
+  HfMoeConfig saved = config;
+  saved.fp8_block_rows = saved.fp8_block_cols = 0;
+  detail::write_text_file(dir / "config.json", hf_config_json(saved, "float32"));
+  SafetensorsWriter writer;
+  writer.set_metadata("format", "pt");
+  for (HfTensor const& t : tensors) {
+    std::vector<float> const values = hf_tensor_values(layer, t);
+    experts::WeightFormat f = experts::WeightFormat::kF32;
+    bool projection = true;
+    switch (t.part) {
+      case HfPart::kExpertGate:
+      case HfPart::kExpertUp:
+        f = formats[static_cast<std::size_t>(t.expert)].in;
+        break;
+      case HfPart::kExpertDown:
+        f = formats[static_cast<std::size_t>(t.expert)].down;
+        break;
+      case HfPart::kSharedGate:
+      case HfPart::kSharedUp:
+        f = shared_format.in;
+        break;
+      case HfPart::kSharedDown:
+        f = shared_format.down;
+        break;
+      default:
+        projection = false;
+    }
+    if (projection) writer.set_metadata(detail::quant_key(t.name), experts::name(f));
+    if (experts::is_quantized(f)) {
+      quant::Format const q = experts::quant_format(f);
+      Index const rows = t.shape[0], cols = t.shape[1];
+      quant::check_row_length(q, cols, "hf: save_hf_layer_quantized");
+      Index const rb = quant::row_bytes(q, cols);
+      std::vector<std::byte> bytes(static_cast<std::size_t>(rows * rb));
+      for (Index r = 0; r < rows; ++r) {
+        quant::quantize_row(q, values.data() + r * cols, cols, bytes.data() + r * rb);
+      }
+      writer.add(t.name, Dtype::kU8, {rows, rb}, bytes);
+    } else {
+      Dtype const dtype = f == experts::WeightFormat::kBf16 ? Dtype::kBf16 : Dtype::kF32;
+      writer.add(t.name, dtype, t.shape, from_float(values, dtype));
+    }
+  }
+  writer.save(dir / "model.safetensors");
+  std::filesystem::remove(dir / "model.safetensors.index.json", ec);
 }
 
 }  // namespace moe::io

@@ -101,6 +101,21 @@ class ShardedCheckpoint {
     return *shards_[i];
   }
 
+  /// The "__metadata__" value `key` of the shard that holds tensor `tensor`, or null (no such
+  /// tensor or key).
+  std::string const* shard_metadata(std::string_view tensor, std::string const& key) const {
+    TensorView const* t = find(tensor);
+    if (t == nullptr) return nullptr;
+    for (auto const& f : shards_) {
+      for (TensorView const& v : f->tensors()) {
+        if (&v != t) continue;
+        auto const it = f->metadata().find(key);
+        return it == f->metadata().end() ? nullptr : &it->second;
+      }
+    }
+    return nullptr;
+  }
+
   /// The index (or single file) this checkpoint was opened from.
   std::string const& source() const noexcept { return source_; }
 

@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// 05_quantize: quantize the experts of one MoE layer of a Hugging Face checkpoint, uniformly or
+// with AlphaQ (a precision per expert from its weights' spectra, no calibration data).
+//
+// What it shows: moe::experts::plan_quantization() (alpha per projection, the exact bit
+// allocation under a budget, the report), moe::io::save_hf_layer_quantized() (a checkpoint whose
+// expert tensors are GGUF blocks), and that moe_run_hf_layer --model OUT runs it as it is.
+// Command line:
+//   moe_quantize --model DIR --layer L --bits B --method alphaq|uniform --out DIR
+//                [--threads N] [--alpha-power P] [--candidates q4_0,q4_k,q6_k,q8_0,bf16]
+// B: the average bits a weight over the routed experts (e.g. 4.5 = q4_k's). The shared expert
+// (if any) takes the uniform choice at B. Writes OUT/config.json, OUT/model.safetensors (the
+// layer, its expert projections in the chosen formats: docs/quantization.md "Checkpoints") and
+// OUT/quant_report.tsv (expert, projection, alpha, format, bits, relative error), and prints a
+// summary. Exit status 0, or 1 with a one-line message on stderr.
+
+#include <charconv>
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/experts/quantize.hpp"
+#include "moe/io/hf.hpp"
+
+namespace {
+
+using moe::Index;
+using moe::detail::fail;
+namespace experts = moe::experts;
+
+constexpr char kUsage[] =
+    "usage: moe_quantize --model DIR --layer L --bits B --method alphaq|uniform --out DIR "
+    "[--threads N] [--alpha-power P] [--candidates q4_0,q4_k,q6_k,q8_0,bf16]";
+
+double parse_double(std::string const& key, std::string const& s) {
+  double v = 0;
+  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || !(v >= 0) || v > 64) {
+    fail(key, " '", s, "' is not a number in [0, 64]; ", kUsage);
+  }
+  return v;
+}
+
+Index parse_int(std::string const& key, std::string const& s, Index lo, Index hi) {
+  Index v = 0;
+  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
+    fail(key, " '", s, "' is not an integer in [", lo, ", ", hi, "]; ", kUsage);
+  }
+  return v;
+}
+
+template <class Layer>
+void quantize(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
+              moe::ThreadPool* pool) {
+  Layer& layer = hf.layer;
+  double const bits = parse_double("--bits", args.at("--bits"));
+  std::string const& m = args.at("--method");
+  if (m != "alphaq" && m != "uniform") fail("--method '", m, "' is not alphaq or uniform");
+  auto const method =
+      m == "alphaq" ? experts::AllocationMethod::kAlphaQ : experts::AllocationMethod::kUniform;
+  experts::QuantOptions opt;
+  opt.pool = pool;
+  if (args.count("--alpha-power") != 0) {
+    opt.alpha_power = parse_double("--alpha-power", args.at("--alpha-power"));
+  }
+  if (args.count("--candidates") != 0) {
+    opt.candidates.clear();
+    std::string_view list = args.at("--candidates");
+    while (!list.empty()) {
+      std::size_t const comma = list.find(',');
+      opt.candidates.push_back(experts::parse_weight_format(list.substr(0, comma)));
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    }
+  }
+  std::fprintf(stderr, "moe_quantize: %lld experts, spectra and errors of every projection...\n",
+               static_cast<long long>(layer.num_experts()));
+  experts::QuantPlan const plan = experts::plan_quantization(layer.experts(), bits, method, opt);
+  experts::ExpertFormat shared{};
+  experts::QuantPlan shared_plan;
+  if constexpr (Layer::Shared::has_experts) {
+    if (layer.shared_experts().count() > 0) {
+      shared_plan = experts::plan_quantization(layer.shared_experts().bank(), bits,
+                                               experts::AllocationMethod::kUniform, opt);
+      shared = shared_plan.formats[0];
+    }
+  }
+  std::filesystem::path const out = args.at("--out");
+  moe::io::save_hf_layer_quantized(out, hf.config, hf.layer_index, layer, plan.formats, shared);
+  std::string report = "expert\tprojection\talpha\tformat\tbits\trelative_error\n";
+  auto row = [&](std::string const& who, char const* proj, experts::ProjectionReport const& r) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%s\t%s\t%.4f\t%s\t%.4f\t%.6f\n", who.c_str(), proj, r.alpha,
+                  experts::name(r.format), r.bits, r.relative_error);
+    report += buf;
+  };
+  for (std::size_t e = 0; e < plan.experts.size(); ++e) {
+    row(std::to_string(e), "in", plan.experts[e].in);
+    row(std::to_string(e), "down", plan.experts[e].down);
+  }
+  if (!shared_plan.experts.empty()) {
+    row("shared", "in", shared_plan.experts[0].in);
+    row("shared", "down", shared_plan.experts[0].down);
+  }
+  moe::io::detail::write_text_file(out / "quant_report.tsv", report);
+  std::map<std::string, int> count;
+  for (auto const& f : plan.formats) {
+    ++count[experts::name(f.in)];
+    ++count[experts::name(f.down)];
+  }
+  std::printf("moe_quantize: layer %lld, %s at %.4f bits: %.4f bits a weight on average;",
+              static_cast<long long>(hf.layer_index), m.c_str(), bits, plan.average_bits);
+  for (auto const& [name, n] : count) std::printf(" %s x%d", name.c_str(), n);
+  std::printf(" (projections); weighted error %.6g; wrote %s\n", plan.objective,
+              out.string().c_str());
+}
+
+int main_impl(int argc, char** argv) {
+  std::map<std::string, std::string> args;
+  std::string_view const flags[] = {"--model", "--layer",   "--bits",        "--method",
+                                    "--out",   "--threads", "--alpha-power", "--candidates"};
+  for (int i = 1; i < argc; i += 2) {
+    std::string const key = argv[i];
+    if (key == "--help" || key == "-h") {
+      std::printf("%s\n", kUsage);
+      return 0;
+    }
+    bool known = false;
+    for (auto f : flags) known = known || f == key;
+    if (!known) fail("unknown argument '", key, "'; ", kUsage);
+    if (i + 1 >= argc) fail(key, " needs a value; ", kUsage);
+    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kUsage);
+  }
+  for (char const* required : {"--model", "--layer", "--bits", "--method", "--out"}) {
+    if (args.count(required) == 0) fail("missing ", required, "; ", kUsage);
+  }
+  Index const layer = parse_int("--layer", args.at("--layer"), 0, 1 << 20);
+  Index threads = static_cast<Index>(std::max(1u, std::thread::hardware_concurrency()));
+  if (args.count("--threads") != 0) threads = parse_int("--threads", args.at("--threads"), 1, 1024);
+  std::unique_ptr<moe::ThreadPool> pool;
+  if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
+  moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);
+  std::visit([&](auto& loaded) { quantize(loaded, args, pool.get()); }, hf);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string message;
+  try {
+    return main_impl(argc, argv);
+  } catch (std::exception const& e) {
+    message = e.what();
+  }
+  for (char& c : message) c = (c == '\n' || c == '\r') ? ' ' : c;
+  std::fprintf(stderr, "moe_quantize: %s\n", message.c_str());
+  return 1;
+}
