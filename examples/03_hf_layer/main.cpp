@@ -11,7 +11,7 @@
 // Command line (scripts depend on it):
 //   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
-//                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|alphaq:<average bits>]
+//                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]
 // --weights packs the loaded experts (routed and shared) once in that format before the forward
 // (ExpertBank::pack; the quantized ones with ggml's reference quantizers, docs/quantization.md):
 // inference only, so it cannot be combined with --grad except as fp32. alphaq:B chooses a
@@ -49,7 +49,7 @@ using moe::detail::fail;
 constexpr char kUsage[] =
     "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
     "[--grad DY.safetensors] [--threads N] "
-    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|alphaq:<average bits>]";
+    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]";
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo) {
   std::string const& s = args.at(key);

@@ -173,6 +173,8 @@ TEST_CASE("quant kernels: the AVX512-VNNI and portable kernels give the same bit
       if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
       if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
       if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
+      if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
+      if (f == quant::Format::kQ2_K) run.operator()<quant::Format::kQ2_K>();
       std::vector<float> mp(static_cast<std::size_t>(M * N));
       kernels::GluEpilogue<kernels::Activation::kSilu> const pe{mp.data(), N, N};
       using B = moe::kernels::simd::Batch<float>;

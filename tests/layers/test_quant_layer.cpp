@@ -89,17 +89,18 @@ TEST_CASE("Quantized experts: every format's layer is within its error of the fp
   auto const x = test::random_vector(T * D, 102);
   auto const y32 = run(layer, x);
   // Relative RMS error of the layer output (measured with these seeds: q8_0 0.0122, q6_k 0.0255,
-  // q4_k 0.097, q4_0 0.113; uniform weights, whose 4-bit rounding is ~6% a weight; int8
-  // activations in 32-blocks add ~0.01): bounds ~1.35x.
+  // q4_k 0.097, q4_0 0.113, q3_k 0.219, q2_k 0.412; uniform weights, whose 4-bit rounding is
+  // ~6% a weight; int8 activations in 32-blocks add ~0.01): bounds ~1.35x.
   WeightFormat const formats[] = {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K,
-                                  WeightFormat::kQ4_0};
-  double const bound[] = {0.017, 0.035, 0.13, 0.15};
-  double err[4];
-  for (int i = 0; i < 4; ++i) {
+                                  WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K};
+  double const bound[] = {0.017, 0.035, 0.13, 0.15, 0.3, 0.55};
+  double err[6];
+  for (int i = 0; i < 6; ++i) {
     layer.pack_weights(formats[i]);
     REQUIRE(layer.experts().packed_quant_any());
     err[i] = rel_rms(run(layer, x), y32);
     INFO(experts::name(formats[i]) << ": " << err[i]);
+
     CHECK(err[i] < bound[i]);
     CHECK(err[i] > 1e-4);  // it did run quantized
   }
@@ -113,8 +114,8 @@ TEST_CASE("Quantized experts use exactly ggml's dequantized weights", "[layers][
   // differ (measured: 0.0098 for every format, the per-32-block rounding of x and of the
   // heavier-tailed activations m); a weight read wrongly would be off by O(1).
   auto const x = test::random_vector(T * D, 112);
-  for (WeightFormat f :
-       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0}) {
+  for (WeightFormat f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K,
+                         WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     INFO(experts::name(f));
     Layer layer = make_layer(111);
     Layer deq = layer;

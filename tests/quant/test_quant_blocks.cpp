@@ -169,16 +169,62 @@ TEST_CASE("quant: Q6_K decodes a hand-built block", "[quant]") {
   }
 }
 
+TEST_CASE("quant: Q3_K and Q2_K decode hand-built blocks", "[quant]") {
+  // Weight i = 128 h + 32 j + l: low 2 bits in bits 2j of qs[32 h + l]; Q3_K's high bit in bit
+  // 4h + j of hmask[l]. Q3_K scales: 6 bits stored + 32 (low nibbles in scales[0..8), high pairs
+  // in scales[8..12)); Q2_K: scale in the low nibble of scales[i / 16], min in the high one.
+  quant::BlockQ3_K b3;
+  quant::BlockQ2_K b2;
+  std::memset(&b3, 0, sizeof b3);
+  std::memset(&b2, 0, sizeof b2);
+  b3.d = 0x3800;     // 0.5
+  b2.d = 0x3C00;     // 1
+  b2.dmin = 0x3400;  // 0.25
+  for (int j = 0; j < 16; ++j) {
+    int const stored = (7 * j + 5) % 64;  // the scale is stored - 32
+    if (j < 8) {
+      b3.scales[j] = static_cast<std::uint8_t>(b3.scales[j] | (stored & 0xF));
+    } else {
+      b3.scales[j - 8] = static_cast<std::uint8_t>(b3.scales[j - 8] | ((stored & 0xF) << 4));
+    }
+    b3.scales[8 + j % 4] =
+        static_cast<std::uint8_t>(b3.scales[8 + j % 4] | ((stored >> 4) << (2 * (j / 4))));
+    b2.scales[j] = static_cast<std::uint8_t>((j % 16) | (((15 - j) % 16) << 4));
+  }
+  for (int i = 0; i < 256; ++i) {
+    int const h = i / 128, j = (i % 128) / 32, l = i % 32;
+    int const q3 = (5 * i + 3) % 8, q2 = (3 * i + 1) % 4;
+    b3.qs[32 * h + l] = static_cast<std::uint8_t>(b3.qs[32 * h + l] | ((q3 & 3) << (2 * j)));
+    b3.hmask[l] = static_cast<std::uint8_t>(b3.hmask[l] | ((q3 >> 2) << (4 * h + j)));
+    b2.qs[32 * h + l] = static_cast<std::uint8_t>(b2.qs[32 * h + l] | (q2 << (2 * j)));
+  }
+  std::vector<std::byte> bytes3(sizeof b3), bytes2(sizeof b2);
+  std::memcpy(bytes3.data(), &b3, sizeof b3);
+  std::memcpy(bytes2.data(), &b2, sizeof b2);
+  auto const y3 = dequant(Format::kQ3_K, bytes3, 256);
+  auto const y2 = dequant(Format::kQ2_K, bytes2, 256);
+  for (int i = 0; i < 256; ++i) {
+    INFO("weight " << i);
+    int const sub = i / 16;
+    int const sc3 = (7 * sub + 5) % 64 - 32, q3 = (5 * i + 3) % 8;
+    CHECK(y3[static_cast<std::size_t>(i)] ==
+          0.5f * static_cast<float>(sc3) * static_cast<float>(q3 - 4));
+    int const q2 = (3 * i + 1) % 4;
+    CHECK(y2[static_cast<std::size_t>(i)] == static_cast<float>(sub % 16) * static_cast<float>(q2) -
+                                                 0.25f * static_cast<float>((15 - sub) % 16));
+  }
+}
+
 TEST_CASE("quant: every format round-trips within its error, finer formats closer", "[quant]") {
   Index const rows = 16, cols = 1024;
   std::vector<float> w = gaussian(rows * cols, 11);
   moe::ConstMatrixView<float> const wv(w.data(), rows, cols);
   double prev = 0;
   // Relative Frobenius errors on Gaussian weights (measured with this seed: q8_0 0.00525,
-  // q6_k 0.0175, q4_k 0.0706, q4_0 0.0846; a uniform step over 32 samples' range predicts
-  // 0.005, 0.016, 0.08, 0.08); the bounds leave ~20% room.
-  double const bound[] = {0.0063, 0.021, 0.085, 0.1};
-  for (int i = 0; i < 4; ++i) {
+  // q6_k 0.0175, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step over 32
+  // samples' range predicts 0.005, 0.016, 0.08, 0.08); the bounds leave ~20% room.
+  double const bound[] = {0.0063, 0.021, 0.085, 0.1, 0.18, 0.35};
+  for (int i = 0; i < 6; ++i) {
     Format const f = quant::kFormats[i];
     auto const q = quant::QuantMatrix::quantize(wv, f);
     CHECK(static_cast<Index>(q.bytes().size()) == rows * quant::row_bytes(f, cols));

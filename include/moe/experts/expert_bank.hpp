@@ -36,6 +36,8 @@ enum class WeightFormat {
   kQ6_K,  ///< GGUF Q6_K (6.5625 bits; the kernels read 8-bit levels, see kernels/quant_gemm.hpp)
   kQ4_K,  ///< GGUF Q4_K (4.5 bits)
   kQ4_0,  ///< GGUF Q4_0 (4.5 bits)
+  kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernels read 4-bit levels, see kernels/quant_gemm.hpp)
+  kQ2_K,  ///< GGUF Q2_K (2.625 bits; likewise)
 };
 
 /// Is f one of the GGUF block formats (multiplied by the integer kernels)?
@@ -51,11 +53,15 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kQ4_K;
     case WeightFormat::kQ4_0:
       return quant::Format::kQ4_0;
+    case WeightFormat::kQ3_K:
+      return quant::Format::kQ3_K;
+    case WeightFormat::kQ2_K:
+      return quant::Format::kQ2_K;
     default:
       return quant::Format::kQ8_0;
   }
 }
-/// "fp32", "bf16", "q8_0", "q6_k", "q4_k", "q4_0".
+/// "fp32", "bf16", "q8_0", "q6_k", "q4_k", "q4_0", "q3_k", "q2_k".
 constexpr char const* name(WeightFormat f) {
   return f == WeightFormat::kF32    ? "fp32"
          : f == WeightFormat::kBf16 ? "bf16"
@@ -72,7 +78,7 @@ inline WeightFormat parse_weight_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("parse_weight_format: unknown weight format '", s,
-               "'; use one of fp32, bf16, q8_0, q6_k, q4_k, q4_0");
+               "'; use one of fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k, q2_k");
 }
 /// Bits per weight of a format as stored by ExpertBank::pack (scales included).
 constexpr double bits_per_weight(WeightFormat f) {

@@ -55,10 +55,11 @@ struct QuantPlan {
   double objective = 0;
 };
 
-/// The default candidates: q4_0, q4_k, q6_k, q8_0, bf16 (GGUF's common formats and bf16).
+/// The default candidates: q2_k, q3_k, q4_0, q4_k, q6_k, q8_0, bf16 (GGUF's common formats and
+/// bf16).
 inline std::vector<WeightFormat> default_candidates() {
-  return {WeightFormat::kQ4_0, WeightFormat::kQ4_K, WeightFormat::kQ6_K, WeightFormat::kQ8_0,
-          WeightFormat::kBf16};
+  return {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0, WeightFormat::kQ4_K,
+          WeightFormat::kQ6_K, WeightFormat::kQ8_0, WeightFormat::kBf16};
 }
 
 /// Options of plan_quantization.

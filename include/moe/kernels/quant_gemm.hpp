@@ -154,13 +154,25 @@ constexpr Index quant_header_bytes(quant::Format f) {
     case quant::Format::kQ4_K:
       return 640;  // fp16 d[32], fp16 dmin[32], u8 sc[8][32], u8 m[8][32]
     case quant::Format::kQ6_K:
+    case quant::Format::kQ3_K:
       return 576;  // fp16 d[32], i8 sc[16][32]
+    case quant::Format::kQ2_K:
+      return 1152;  // fp16 d[32], fp16 dmin[32], u8 sc[16][32], u8 m[16][32]
   }
   return 0;
 }
+/// Are the levels stored as nibbles (4-bit layout; Q3_K's and Q2_K's levels too, so the kernels
+/// read 4 bits a weight for them: correct, but without their bandwidth saving)?
 constexpr bool quant_is_4bit(quant::Format f) {
-  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
+  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K || f == quant::Format::kQ3_K ||
+         f == quant::Format::kQ2_K;
 }
+/// Does the format have a min per sub-block (w = s u - m) rather than an offset?
+constexpr bool quant_has_min(quant::Format f) {
+  return f == quant::Format::kQ4_K || f == quant::Format::kQ2_K;
+}
+/// Does the format have per-sub-block scales under a super-block scale (the K-quants)?
+constexpr bool quant_has_sub_scales(quant::Format f) { return quant::block_elems(f) == 256; }
 constexpr Index quant_group_bytes(quant::Format f) {
   Index const G = quant::block_elems(f);
   return quant_header_bytes(f) + (quant_is_4bit(f) ? G * 16 : G * 32);
@@ -231,6 +243,29 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             for (Index k = 0; k < 256; ++k) put(k, quant::q4k_level(b, static_cast<int>(k)));
             break;
           }
+          case Format::kQ3_K: {
+            quant::BlockQ3_K b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            auto* sc = reinterpret_cast<std::int8_t*>(grp + 64);
+            for (int j = 0; j < 16; ++j)
+              sc[j * 32 + c] = static_cast<std::int8_t>(quant::q3k_scale(b, j));
+            for (Index k = 0; k < 256; ++k) put(k, quant::q3k_level(b, static_cast<int>(k)));
+            break;
+          }
+          case Format::kQ2_K: {
+            quant::BlockQ2_K b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            d16[32 + c] = b.dmin;
+            auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
+            for (int j = 0; j < 16; ++j) {
+              sc[j * 32 + c] = static_cast<std::uint8_t>(b.scales[j] & 0xF);
+              sc[512 + j * 32 + c] = static_cast<std::uint8_t>(b.scales[j] >> 4);
+            }
+            for (Index k = 0; k < 256; ++k) put(k, quant::q2k_level(b, static_cast<int>(k)));
+            break;
+          }
           case Format::kQ6_K: {
             quant::BlockQ6_K b;
             std::memcpy(&b, blk, sizeof b);
@@ -255,12 +290,35 @@ struct QuantWeights {
 
 namespace detail {
 
-/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8); Q4_K has a min.
+/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8, Q3_K 4); Q4_K and
+/// Q2_K have a min instead.
 constexpr int quant_offset_shift(quant::Format f) {
-  return f == quant::Format::kQ8_0 ? 7 : (f == quant::Format::kQ6_K ? 5 : 3);
+  switch (f) {
+    case quant::Format::kQ8_0:
+      return 7;
+    case quant::Format::kQ6_K:
+      return 5;
+    case quant::Format::kQ3_K:
+      return 2;
+    default:
+      return 3;
+  }
 }
 /// Depth of one integer sum (a scale block of the weights).
-constexpr Index quant_fold_depth(quant::Format f) { return f == quant::Format::kQ6_K ? 16 : 32; }
+constexpr Index quant_fold_depth(quant::Format f) {
+  return f == quant::Format::kQ4_K || f == quant::Format::kQ8_0 || f == quant::Format::kQ4_0 ? 32
+                                                                                             : 16;
+}
+/// Sub-blocks per group, and where their scales and mins start in the group header.
+constexpr Index quant_sub_blocks(quant::Format f) {
+  return quant::block_elems(f) / quant_fold_depth(f);
+}
+constexpr Index quant_scales_at(quant::Format f) { return quant_has_min(f) ? 128 : 64; }
+constexpr Index quant_mins_at(quant::Format f) { return 128 + quant_sub_blocks(f) * 32; }
+/// The activation term the min multiplies: da * (sum of the sub-block's levels).
+inline float quant_min_term(Q8Row const& a, Index k0, Index depth) {
+  return depth == 32 ? a.ds[k0 / 32] : a.d[k0 / 32] * static_cast<float>(a.s16[k0 / 16]);
+}
 
 /// Portable kernel: MR rows x Ops operands x 32 columns, into out[r][o * 32 + c].
 template <quant::Format F, int Ops>
@@ -293,24 +351,24 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
               isum += u * a.a[k0 + kk];
             }
             float const da = a.d[k0 / 32];
-            if constexpr (F == Format::kQ4_K) {
-              float const d = quant::detail::fp32(d16[c]), dmin = quant::detail::fp32(d16[32 + c]);
-              auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + 128);
-              float const s = d * static_cast<float>(sc[sb * 32 + c]);
-              float const m = dmin * static_cast<float>(sc[256 + sb * 32 + c]);
-              acc = std::fma(static_cast<float>(isum) * s, da, acc);
-              acc = std::fma(-m, a.ds[k0 / 32], acc);
-            } else {
-              float s;
-              std::int32_t corr;
-              if constexpr (F == Format::kQ6_K) {
-                auto const* sc = reinterpret_cast<std::int8_t const*>(grp + 64);
-                s = quant::detail::fp32(d16[c]) * static_cast<float>(sc[sb * 32 + c]);
-                corr = a.s16[k0 / 16];
+            float s = quant::detail::fp32(d16[c]);
+            if constexpr (quant_has_sub_scales(F)) {
+              if constexpr (F == Format::kQ6_K || F == Format::kQ3_K) {
+                auto const* sc = reinterpret_cast<std::int8_t const*>(grp + quant_scales_at(F));
+                s = s * static_cast<float>(sc[sb * 32 + c]);
               } else {
-                s = quant::detail::fp32(d16[c]);
-                corr = a.s32[k0 / 32];
+                auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
+                s = s * static_cast<float>(sc[sb * 32 + c]);
               }
+            }
+            if constexpr (quant_has_min(F)) {
+              auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
+              float const m =
+                  quant::detail::fp32(d16[32 + c]) * static_cast<float>(mn[sb * 32 + c]);
+              acc = std::fma(static_cast<float>(isum) * s, da, acc);
+              acc = std::fma(-m, quant_min_term(a, k0, SB), acc);
+            } else {
+              std::int32_t const corr = SB == 16 ? a.s16[k0 / 16] : a.s32[k0 / 32];
               std::int32_t const t = isum - corr * (1 << quant_offset_shift(F));
               acc = std::fma(static_cast<float>(t) * s, da, acc);
             }
@@ -339,40 +397,36 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
   std::int8_t const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r].a;
   __m512i const nib = _mm512_set1_epi8(0x0F);
-  // Q4_K / Q6_K: the scales (and mins) of a group's sub-blocks, decoded once per group from
-  // the packed header (fp16 super-block scale times the integer sub-block scale, exact).
-  constexpr Index NS = F == Format::kQ4_K ? 8 : (F == Format::kQ6_K ? 16 : 1);
-  constexpr int NM = F == Format::kQ4_K ? 2 : 1;
+  // K-quants: the scales (and mins) of a group's sub-blocks, decoded once per group from the
+  // packed header (fp16 super-block scale times the integer sub-block scale, exact).
+  constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
+  constexpr int NM = quant_has_min(F) ? 2 : 1;
   alignas(64) float subs[Ops][2][NM][NS][16];
   for (Index g = 0; g < K / G; ++g) {
     std::byte const* grp[Ops];
     for (int o = 0; o < Ops; ++o) grp[o] = panels[o] + g * GB;
-    if constexpr (F == Format::kQ4_K || F == Format::kQ6_K) {
+    if constexpr (quant_has_sub_scales(F)) {
       for (int o = 0; o < Ops; ++o) {
         for (int v = 0; v < 2; ++v) {
           __m512 const d =
               _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
-          if constexpr (F == Format::kQ4_K) {
+          auto const* sc = reinterpret_cast<std::uint8_t const*>(grp[o] + quant_scales_at(F));
+          for (Index j = 0; j < NS; ++j) {
+            __m128i const s8 =
+                _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
+            __m512i const s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm512_cvtepi8_epi32(s8)
+                                                                         : _mm512_cvtepu8_epi32(s8);
+            _mm512_store_ps(subs[o][v][0][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
+          }
+          if constexpr (quant_has_min(F)) {
             __m512 const dmin = _mm512_cvtph_ps(
                 _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + 64 + v * 32)));
-            auto const* sc = reinterpret_cast<std::uint8_t const*>(grp[o] + 128);
+            auto const* mn = reinterpret_cast<std::uint8_t const*>(grp[o] + quant_mins_at(F));
             for (Index j = 0; j < NS; ++j) {
-              __m128i const s8 =
-                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
               __m128i const m8 =
-                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + 256 + j * 32 + v * 16));
-              _mm512_store_ps(subs[o][v][0][j],
-                              _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8))));
+                  _mm_load_si128(reinterpret_cast<__m128i const*>(mn + j * 32 + v * 16));
               _mm512_store_ps(subs[o][v][NM - 1][j],
                               _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8))));
-            }
-          } else {
-            auto const* sc = reinterpret_cast<std::int8_t const*>(grp[o] + 64);
-            for (Index j = 0; j < NS; ++j) {
-              __m128i const s8 =
-                  _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
-              _mm512_store_ps(subs[o][v][0][j],
-                              _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
             }
           }
         }
@@ -392,10 +446,10 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
       // Offset formats start each sum at -offset * (activation sum): exact, and no subtraction.
       __m512i start[MR];
       for (Index r = 0; r < MR; ++r) {
-        if constexpr (F == Format::kQ4_K) {
+        if constexpr (quant_has_min(F)) {
           start[r] = _mm512_setzero_si512();
         } else {
-          std::int32_t const sum = F == Format::kQ6_K ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
+          std::int32_t const sum = SB == 16 ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
           start[r] = _mm512_set1_epi32(-sum * (1 << quant_offset_shift(F)));
         }
       }
@@ -442,7 +496,7 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
       for (int o = 0; o < Ops; ++o) {
         for (int v = 0; v < 2; ++v) {
           __m512 s;
-          if constexpr (F == Format::kQ4_K || F == Format::kQ6_K) {
+          if constexpr (quant_has_sub_scales(F)) {
             s = _mm512_load_ps(subs[o][v][0][sb]);
           } else {
             s = _mm512_cvtph_ps(
@@ -452,10 +506,11 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
             __m512 const f = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[o][v][r]), s);
             acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
           }
-          if constexpr (F == Format::kQ4_K) {
+          if constexpr (quant_has_min(F)) {
             __m512 const m = _mm512_load_ps(subs[o][v][NM - 1][sb]);
             for (Index r = 0; r < MR; ++r) {
-              acc[o][v][r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(rows[r].ds[k0 / 32]), acc[o][v][r]);
+              acc[o][v][r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(quant_min_term(rows[r], k0, SB)),
+                                              acc[o][v][r]);
             }
           }
         }
@@ -552,6 +607,12 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
           break;
         case quant::Format::kQ4_0:
           run.template operator()<quant::Format::kQ4_0>();
+          break;
+        case quant::Format::kQ3_K:
+          run.template operator()<quant::Format::kQ3_K>();
+          break;
+        case quant::Format::kQ2_K:
+          run.template operator()<quant::Format::kQ2_K>();
           break;
       }
     }

@@ -13,7 +13,8 @@
 /// | 4.5             | d * sc[i / 32] * q4 - dmin * m[i / 32] | | Q4_0   | 32                | 18
 /// | 4.5             | d * (q4 - 8)                           |
 ///
-/// (d, dmin: fp16; sc, m: 6-bit; q6 in [0, 64), q4 in [0, 16).) The quantizers are ggml's
+/// (d, dmin: fp16; sc, m: 6-bit (Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q4 in [0, 16),
+/// q3 in [0, 8), q2 in [0, 4).) The quantizers are ggml's
 /// round-to-nearest references, Q4_K and Q6_K with their scale searches, operation for
 /// operation and without floating-point contraction (each product is rounded before it is
 /// added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on the
@@ -40,10 +41,13 @@ enum class Format : std::uint8_t {
   kQ6_K,  ///< 6-bit, 256-super-blocks of 16 sub-blocks with int8 scales
   kQ4_K,  ///< 4-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins
   kQ4_0,  ///< 4-bit, 32-blocks, one fp16 scale, offset 8
+  kQ3_K,  ///< 3-bit, 256-super-blocks of 16 sub-blocks with 6-bit scales
+  kQ2_K,  ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
 };
 
 /// Every format, in order of falling precision.
-inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ4_K, Format::kQ4_0};
+inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ4_K,
+                                      Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
 struct BlockQ8_0 {
@@ -66,7 +70,20 @@ struct BlockQ6_K {
   std::int8_t scales[16];  ///< int8 scale per 16 weights
   std::uint16_t d;         ///< fp16 super-block scale
 };
+struct BlockQ3_K {
+  std::uint8_t hmask[32];   ///< high bit of each level (bit j of byte l: weight 32 j + l)
+  std::uint8_t qs[64];      ///< low 2 bits, 4 per byte (see q3k_level)
+  std::uint8_t scales[12];  ///< 16 6-bit scales, stored + 32 (see q3k_scale)
+  std::uint16_t d;          ///< fp16 super-block scale
+};
+struct BlockQ2_K {
+  std::uint8_t scales[16];  ///< per 16 weights: scale (low nibble) and min (high nibble)
+  std::uint8_t qs[64];      ///< 2-bit levels, 4 per byte (see q2k_level)
+  std::uint16_t d;          ///< fp16 scale of the scales
+  std::uint16_t dmin;       ///< fp16 scale of the mins
+};
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84);
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
 
 /// Weights per block.
@@ -84,6 +101,10 @@ constexpr Index block_bytes(Format f) {
       return 144;
     case Format::kQ4_0:
       return 18;
+    case Format::kQ3_K:
+      return 110;
+    case Format::kQ2_K:
+      return 84;
   }
   return 0;
 }
@@ -105,6 +126,10 @@ constexpr char const* name(Format f) {
       return "q4_k";
     case Format::kQ4_0:
       return "q4_0";
+    case Format::kQ3_K:
+      return "q3_k";
+    case Format::kQ2_K:
+      return "q2_k";
   }
   return "?";
 }
@@ -117,7 +142,7 @@ inline Format parse_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
-               "'; use one of q8_0, q6_k, q4_k, q4_0");
+               "'; use one of q8_0, q6_k, q4_k, q4_0, q3_k, q2_k");
 }
 
 namespace detail {
@@ -194,12 +219,12 @@ inline float make_qx_quants(int n, int nmax, float const* x, std::int8_t* L) {
   return scale;
 }
 
-/// ggml make_qkx2_quants with use_mad = false: asymmetric levels L in [0, nmax] with a min,
-/// the best of nstep + 1 candidate scales by weighted squared error. Returns the scale, and the
-/// negated min in *the_min.
+/// ggml make_qkx2_quants: asymmetric levels L in [0, nmax] with a min, the best of nstep + 1
+/// candidate scales by weighted squared (or, with use_mad, absolute) error. Returns the scale,
+/// and the negated min in *the_min.
 inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weights,
                               std::uint8_t* L, float* the_min, std::uint8_t* Laux, float rmin,
-                              float rdelta, int nstep) {
+                              float rdelta, int nstep, bool use_mad = false) {
   float min = x[0], max = x[0];
   float sum_w = weights[0];
   float sum_x = mul(sum_w, x[0]);
@@ -224,7 +249,7 @@ inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weig
     int const l = nearest_int(mul(iscale, x[i] - min));
     L[i] = static_cast<std::uint8_t>(clamp_l(l));
     float diff = mul(scale, static_cast<float>(L[i])) + min - x[i];
-    diff = mul(diff, diff);
+    diff = use_mad ? std::fabs(diff) : mul(diff, diff);
     best_error += mul(weights[i], diff);
   }
   if (nstep < 1) {
@@ -253,7 +278,7 @@ inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weig
       float cur_error = 0;
       for (int i = 0; i < n; ++i) {
         float diff = mul(this_scale, static_cast<float>(Laux[i])) + this_min - x[i];
-        diff = mul(diff, diff);
+        diff = use_mad ? std::fabs(diff) : mul(diff, diff);
         cur_error += mul(weights[i], diff);
       }
       if (cur_error < best_error) {
@@ -266,6 +291,57 @@ inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weig
   }
   *the_min = -min;
   return scale;
+}
+
+/// ggml make_q3_quants with do_rmse: symmetric levels L in [0, 2 nmax) refined by up to 5
+/// passes of coordinate descent on the x^2-weighted error. Returns the scale.
+inline float make_q3_quants(int n, int nmax, float const* x, std::int8_t* L) {
+  float max = 0, amax = 0;
+  for (int i = 0; i < n; ++i) {
+    float const ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[i];
+    }
+  }
+  if (amax < kGroupMaxEps) {
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    return 0.f;
+  }
+  auto clamp_l = [nmax](int l) { return l < -nmax ? -nmax : (l > nmax - 1 ? nmax - 1 : l); };
+  float const iscale = -static_cast<float>(nmax) / max;
+  float sumlx = 0, suml2 = 0;
+  for (int i = 0; i < n; ++i) {
+    int const l = clamp_l(nearest_int(iscale * x[i]));
+    L[i] = static_cast<std::int8_t>(l);
+    float const w = mul(x[i], x[i]);
+    sumlx += mul(mul(w, x[i]), static_cast<float>(l));
+    suml2 += mul(mul(w, static_cast<float>(l)), static_cast<float>(l));
+  }
+  for (int itry = 0; itry < 5; ++itry) {
+    int n_changed = 0;
+    for (int i = 0; i < n; ++i) {
+      float const w = mul(x[i], x[i]);
+      float slx = sumlx - mul(mul(w, x[i]), static_cast<float>(L[i]));
+      if (slx > 0) {
+        float sl2 = suml2 - mul(mul(w, static_cast<float>(L[i])), static_cast<float>(L[i]));
+        int const new_l = clamp_l(nearest_int(mul(x[i], sl2) / slx));
+        if (new_l != L[i]) {
+          slx += mul(mul(w, x[i]), static_cast<float>(new_l));
+          sl2 += mul(mul(w, static_cast<float>(new_l)), static_cast<float>(new_l));
+          if (sl2 > 0 && mul(mul(slx, slx), suml2) > mul(mul(sumlx, sumlx), sl2)) {
+            L[i] = static_cast<std::int8_t>(new_l);
+            sumlx = slx;
+            suml2 = sl2;
+            ++n_changed;
+          }
+        }
+      }
+    }
+    if (n_changed == 0) break;
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<std::int8_t>(L[i] + nmax);
+  return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
 }
 
 }  // namespace detail
@@ -412,6 +488,136 @@ inline void quantize_block(float const* x, BlockQ6_K& y) {
   }
 }
 
+/// Q3_K sub-block j's scale, stored + 32 in 6 bits: the signed value in [-32, 32).
+inline int q3k_scale(BlockQ3_K const& b, int j) {
+  int const lo = j < 8 ? b.scales[j] & 0xF : b.scales[j - 8] >> 4;
+  int const hi = (b.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+inline void quantize_block(float const* x, BlockQ3_K& y) {
+  using detail::mul;
+  std::int8_t L[256];
+  float scales[16];
+  float max_scale = 0, amax = 0;
+  for (int j = 0; j < 16; ++j) {
+    scales[j] = detail::make_q3_quants(16, 4, x + 16 * j, L + 16 * j);
+    float const scale = std::fabs(scales[j]);
+    if (scale > amax) {
+      amax = scale;
+      max_scale = scales[j];
+    }
+  }
+  std::memset(y.scales, 0, 12);
+  if (max_scale != 0.0f) {
+    float const iscale = -32.f / max_scale;
+    for (int j = 0; j < 16; ++j) {
+      // ggml: int8_t l = nearest_int(...), clamped to [-32, 31], + 32.
+      int l = static_cast<std::int8_t>(detail::nearest_int(mul(iscale, scales[j])));
+      l = (l < -32 ? -32 : (l > 31 ? 31 : l)) + 32;
+      if (j < 8) {
+        y.scales[j] = static_cast<std::uint8_t>(l & 0xF);
+      } else {
+        y.scales[j - 8] = static_cast<std::uint8_t>(y.scales[j - 8] | ((l & 0xF) << 4));
+      }
+      l >>= 4;
+      y.scales[j % 4 + 8] = static_cast<std::uint8_t>(y.scales[j % 4 + 8] | (l << (2 * (j / 4))));
+    }
+    y.d = detail::fp16(1 / iscale);
+  } else {
+    y.d = detail::fp16(0.f);
+  }
+  for (int j = 0; j < 16; ++j) {
+    float const d = mul(detail::fp32(y.d), static_cast<float>(q3k_scale(y, j)));
+    if (d == 0.0f) continue;
+    for (int ii = 0; ii < 16; ++ii) {
+      int const l = detail::nearest_int(x[16 * j + ii] / d);
+      L[16 * j + ii] = static_cast<std::int8_t>((l < -4 ? -4 : (l > 3 ? 3 : l)) + 4);
+    }
+  }
+  std::memset(y.hmask, 0, 32);
+  int m = 0;
+  std::uint8_t hm = 1;
+  for (int j = 0; j < 256; ++j) {
+    if (L[j] > 3) {
+      y.hmask[m] = static_cast<std::uint8_t>(y.hmask[m] | hm);
+      L[j] = static_cast<std::int8_t>(L[j] - 4);
+    }
+    if (++m == 32) {
+      m = 0;
+      hm = static_cast<std::uint8_t>(hm << 1);
+    }
+  }
+  for (int j = 0; j < 256; j += 128) {
+    for (int l = 0; l < 32; ++l) {
+      y.qs[j / 4 + l] = static_cast<std::uint8_t>(L[j + l] | (L[j + l + 32] << 2) |
+                                                  (L[j + l + 64] << 4) | (L[j + l + 96] << 6));
+    }
+  }
+}
+
+inline void quantize_block(float const* x, BlockQ2_K& y) {
+  using detail::mul;
+  std::uint8_t L[256], Laux[16];
+  float weights[16], mins[16], scales[16];
+  constexpr float q4scale = 15.f;
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 16; ++j) {
+    for (int l = 0; l < 16; ++l) weights[l] = std::fabs(x[16 * j + l]);
+    scales[j] = detail::make_qkx2_quants(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux,
+                                         -0.5f, 0.1f, 15, true);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  if (max_scale > 0) {
+    float const iscale = q4scale / max_scale;
+    for (int j = 0; j < 16; ++j) {
+      y.scales[j] = static_cast<std::uint8_t>(detail::nearest_int(mul(iscale, scales[j])));
+    }
+    y.d = detail::fp16(max_scale / q4scale);
+  } else {
+    for (int j = 0; j < 16; ++j) y.scales[j] = 0;
+    y.d = detail::fp16(0.f);
+  }
+  if (max_min > 0) {
+    float const iscale = q4scale / max_min;
+    for (int j = 0; j < 16; ++j) {
+      int const l = detail::nearest_int(mul(iscale, mins[j]));
+      y.scales[j] = static_cast<std::uint8_t>(y.scales[j] | (l << 4));
+    }
+    y.dmin = detail::fp16(max_min / q4scale);
+  } else {
+    y.dmin = detail::fp16(0.f);
+  }
+  for (int j = 0; j < 16; ++j) {
+    float const d = mul(detail::fp32(y.d), static_cast<float>(y.scales[j] & 0xF));
+    if (d == 0.0f) continue;
+    float const dm = mul(detail::fp32(y.dmin), static_cast<float>(y.scales[j] >> 4));
+    for (int ii = 0; ii < 16; ++ii) {
+      int const l = detail::nearest_int((x[16 * j + ii] + dm) / d);
+      L[16 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > 3 ? 3 : l));
+    }
+  }
+  for (int j = 0; j < 256; j += 128) {
+    for (int l = 0; l < 32; ++l) {
+      y.qs[j / 4 + l] = static_cast<std::uint8_t>(L[j + l] | (L[j + l + 32] << 2) |
+                                                  (L[j + l + 64] << 4) | (L[j + l + 96] << 6));
+    }
+  }
+}
+
+/// The 3-bit level (0..7) of weight i of a Q3_K block and the 2-bit level of a Q2_K block.
+inline int q3k_level(BlockQ3_K const& b, int i) {
+  int const half = i / 128, r = i % 128, j = r / 32, l = r % 32;
+  int const low = (b.qs[32 * half + l] >> (2 * j)) & 3;
+  int const high = (b.hmask[l] >> (4 * half + j)) & 1;
+  return low | (high << 2);
+}
+inline int q2k_level(BlockQ2_K const& b, int i) {
+  int const half = i / 128, r = i % 128, j = r / 32, l = r % 32;
+  return (b.qs[32 * half + l] >> (2 * j)) & 3;
+}
+
 /// One block of each format decoded to block_elems floats (ggml dequantize_row_*).
 inline void dequantize_block(BlockQ8_0 const& b, float* y) {
   float const d = detail::fp32(b.d);
@@ -456,6 +662,25 @@ inline void dequantize_block(BlockQ6_K const& b, float* y) {
       y[l + 64] = mul(mul(d, static_cast<float>(sc[is + 4])), static_cast<float>(q3));
       y[l + 96] = mul(mul(d, static_cast<float>(sc[is + 6])), static_cast<float>(q4));
     }
+  }
+}
+
+inline void dequantize_block(BlockQ3_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d);
+  for (int i = 0; i < 256; ++i) {
+    float const dl = mul(d, static_cast<float>(q3k_scale(b, i / 16)));
+    y[i] = mul(dl, static_cast<float>(q3k_level(b, i) - 4));
+  }
+}
+inline void dequantize_block(BlockQ2_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d), min = detail::fp32(b.dmin);
+  for (int i = 0; i < 256; ++i) {
+    std::uint8_t const sc = b.scales[i / 16];
+    float const dl = mul(d, static_cast<float>(sc & 0xF)),
+                ml = mul(min, static_cast<float>(sc >> 4));
+    y[i] = mul(dl, static_cast<float>(q2k_level(b, i))) - ml;
   }
 }
 
@@ -530,6 +755,10 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockQ4_K>(x, k, out);
     case Format::kQ4_0:
       return detail::quantize_blocks<BlockQ4_0>(x, k, out);
+    case Format::kQ3_K:
+      return detail::quantize_blocks<BlockQ3_K>(x, k, out);
+    case Format::kQ2_K:
+      return detail::quantize_blocks<BlockQ2_K>(x, k, out);
   }
 }
 
@@ -545,6 +774,10 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockQ4_K>(in, k, y);
     case Format::kQ4_0:
       return detail::dequantize_blocks<BlockQ4_0>(in, k, y);
+    case Format::kQ3_K:
+      return detail::dequantize_blocks<BlockQ3_K>(in, k, y);
+    case Format::kQ2_K:
+      return detail::dequantize_blocks<BlockQ2_K>(in, k, y);
   }
 }
 
