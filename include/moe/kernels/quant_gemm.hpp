@@ -112,7 +112,7 @@ inline void quantize_row_q8(float const* x, Index K, std::byte* dst) {
       continue;
     }
     float const db = amax / 127.0f;
-    float const id = db != 0.0f ? 1.0f / db : 0.0f;
+    float const id = quant::detail::inverse(db);  // 0 for an all-zero or subnormal block
 #if MOE_HAS_AVX512VNNI
     // vcvtps2dq rounds to nearest even (the default MXCSR mode), as std::nearbyint does.
     __m512i const q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));

@@ -167,6 +167,13 @@ inline int nearest_int(float v) {
 }
 
 inline std::uint16_t fp16(float v) { return io::float_to_f16(v); }
+
+/// ggml's `d ? 1.0f/d : 0.0f`, and 0 too where 1/d overflows (a block of subnormal weights, whose
+/// fp16 scale is 0 anyway): levels stay finite, never an undefined float-to-int conversion.
+inline float inverse(float d) {
+  float const id = d != 0.0f ? 1.0f / d : 0.0f;
+  return std::isfinite(id) ? id : 0.0f;
+}
 inline float fp32(std::uint16_t h) { return io::f16_to_float(h); }
 
 constexpr float kGroupMaxEps = 1e-15f;
@@ -362,7 +369,7 @@ inline void quantize_block(float const* x, BlockQ8_0& y) {
   float amax = 0.0f;
   for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
   float const d = amax / 127;
-  float const id = d != 0.0f ? 1.0f / d : 0.0f;
+  float const id = detail::inverse(d);
   y.d = detail::fp16(d);
   for (int j = 0; j < 32; ++j) y.qs[j] = static_cast<std::int8_t>(std::round(x[j] * id));
 }
@@ -376,7 +383,7 @@ inline void quantize_block(float const* x, BlockQ4_0& y) {
     }
   }
   float const d = max / -8;
-  float const id = d != 0.0f ? 1.0f / d : 0.0f;
+  float const id = detail::inverse(d);
   y.d = detail::fp16(d);
   for (int j = 0; j < 16; ++j) {
     // ggml: MIN(15, (int8_t)(x * id + 8.5f)); the sum lies in [0.5, 16.5], so the cast is exact.
