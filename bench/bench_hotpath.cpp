@@ -361,7 +361,7 @@ Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightF
   auto& layer = layers[f];
   if (!layer) {
     layer = make_layer(s);
-    layer->pack_weights(format);
+    layer->pack_weights(format, &pool());
   }
   return *layer;
 }

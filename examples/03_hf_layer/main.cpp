@@ -99,12 +99,12 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
     opt.pool = pool;
     auto const plan = moe::experts::plan_quantization(layer.experts(), bits,
                                                       moe::experts::AllocationMethod::kAlphaQ, opt);
-    layer.experts().pack(plan.formats);
+    layer.experts().pack(plan.formats, pool);
     if constexpr (Layer::Shared::has_experts) {
       if (layer.shared_experts().count() > 0) {
         auto const sp = moe::experts::plan_quantization(
             layer.shared_experts().bank(), bits, moe::experts::AllocationMethod::kUniform, opt);
-        layer.shared_experts().bank().pack(sp.formats);
+        layer.shared_experts().bank().pack(sp.formats, pool);
       }
     }
   } else if (args.count("--weights") != 0) {
@@ -114,7 +114,7 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
            " is for inference, but --grad runs a training forward (fp32 weights); drop one of "
            "them");
     }
-    layer.pack_weights(format);
+    layer.pack_weights(format, pool);
   }
   Index const D = layer.d_model(), E = layer.num_experts();
   Index T = -1;

@@ -253,7 +253,7 @@ TEST_CASE("moe_quantize: AlphaQ and uniform checkpoints that moe_run_hf_layer ru
              quoted(dir / "y.safetensors"), "--weights alphaq:6"});
   REQUIRE(run_runner(args, dir / "stderr.txt") == 0);
   fs::path const bad = iotest::scratch_dir("quantize_bad");
-  REQUIRE(quantize("alphaq", "3", bad) == 1);
+  REQUIRE(quantize("alphaq", "2", bad) == 1);
   std::vector<std::byte> const err = iotest::read_file(bad.string() + ".err");
   REQUIRE_THAT(std::string(reinterpret_cast<char const*>(err.data()), err.size()),
                Contains("moe_quantize: ") && Contains("below the smallest candidate"));

@@ -152,6 +152,11 @@ TEST_CASE("Mixed precision: experts of six formats run in one forward", "[layers
   std::vector<float> first(x.begin(), x.begin() + 5 * D);
   auto const y5 = run(layer, first);
   REQUIRE(std::memcmp(y.data(), y5.data(), y5.size() * sizeof(float)) == 0);
+  // Packed in parallel: the same bytes, so the same outputs.
+  Layer par = layer;
+  par.experts().pack(formats, &pool);
+  auto const yp = run(par, x);
+  REQUIRE(std::memcmp(y.data(), yp.data(), y.size() * sizeof(float)) == 0);
   // An edit repacks in the same formats.
   { auto ed = layer.experts().edit(); }
   REQUIRE(layer.experts().packed());

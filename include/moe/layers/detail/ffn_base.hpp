@@ -130,9 +130,11 @@ class FfnLayerBase {
   /// the fp32 weights). Weights written later through an edit scope (ExpertBank::edit, or a
   /// parameters() list while it lives) are seen: the pack is not used while the edit is open
   /// and is rebuilt when it ends. Throws while such an edit is open. Doubles expert memory.
-  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32) {
-    bank_.pack(format);
-    if constexpr (Shared::has_experts) shared_.bank().pack(format);
+  /// Experts are packed in parallel on `pool` when given (same result).
+  void pack_weights(experts::WeightFormat format = experts::WeightFormat::kF32,
+                    ThreadPool* pool = nullptr) {
+    bank_.pack(format, pool);
+    if constexpr (Shared::has_experts) shared_.bank().pack(format, pool);
   }
 
   /// Zero gradients shaped like this layer's parameters.
