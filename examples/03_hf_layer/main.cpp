@@ -83,38 +83,38 @@ template <class Layer>
 void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
          moe::ThreadPool* pool) {
   Layer& layer = hf.layer;
-  if (args.count("--weights") != 0 && args.at("--weights").rfind("alphaq:", 0) == 0) {
-    if (args.count("--grad") != 0) {
-      fail("--weights ", args.at("--weights"),
+  if (args.count("--weights") != 0) {
+    std::string const& w = args.at("--weights");
+    bool const alphaq = w.rfind("alphaq:", 0) == 0;
+    auto const format =
+        alphaq ? moe::experts::WeightFormat::kQ4_K : moe::experts::parse_weight_format(w);
+    if ((alphaq || format != moe::experts::WeightFormat::kF32) && args.count("--grad") != 0) {
+      fail("--weights ", w,
            " is for inference, but --grad runs a training forward (fp32 weights); drop one of "
            "them");
     }
-    std::string const b = args.at("--weights").substr(7);
-    char* end = nullptr;
-    double const bits = std::strtod(b.c_str(), &end);
-    if (b.empty() || *end != '\0' || !(bits > 0 && bits <= 32)) {
-      fail("--weights alphaq:", b, ": the average bits must be a number in (0, 32]");
-    }
-    moe::experts::QuantOptions opt;
-    opt.pool = pool;
-    auto const plan = moe::experts::plan_quantization(layer.experts(), bits,
-                                                      moe::experts::AllocationMethod::kAlphaQ, opt);
-    layer.experts().pack(plan.formats, pool);
-    if constexpr (Layer::Shared::has_experts) {
-      if (layer.shared_experts().count() > 0) {
-        auto const sp = moe::experts::plan_quantization(
-            layer.shared_experts().bank(), bits, moe::experts::AllocationMethod::kUniform, opt);
-        layer.shared_experts().bank().pack(sp.formats, pool);
+    if (alphaq) {
+      std::string const b = w.substr(7);
+      char* end = nullptr;
+      double const bits = std::strtod(b.c_str(), &end);
+      if (b.empty() || *end != '\0' || !(bits > 0 && bits <= 32)) {
+        fail("--weights alphaq:", b, ": the average bits must be a number in (0, 32]");
       }
+      moe::experts::QuantOptions opt;
+      opt.pool = pool;
+      auto const plan = moe::experts::plan_quantization(
+          layer.experts(), bits, moe::experts::AllocationMethod::kAlphaQ, opt);
+      layer.experts().pack(plan.formats, pool);
+      if constexpr (Layer::Shared::has_experts) {
+        if (layer.shared_experts().count() > 0) {
+          auto const sp = moe::experts::plan_quantization(
+              layer.shared_experts().bank(), bits, moe::experts::AllocationMethod::kUniform, opt);
+          layer.shared_experts().bank().pack(sp.formats, pool);
+        }
+      }
+    } else {
+      layer.pack_weights(format, pool);
     }
-  } else if (args.count("--weights") != 0) {
-    auto const format = moe::experts::parse_weight_format(args.at("--weights"));
-    if (format != moe::experts::WeightFormat::kF32 && args.count("--grad") != 0) {
-      fail("--weights ", args.at("--weights"),
-           " is for inference, but --grad runs a training forward (fp32 weights); drop one of "
-           "them");
-    }
-    layer.pack_weights(format, pool);
   }
   Index const D = layer.d_model(), E = layer.num_experts();
   Index T = -1;

@@ -178,18 +178,23 @@ inline float fp32(std::uint16_t h) { return io::f16_to_float(h); }
 
 constexpr float kGroupMaxEps = 1e-15f;
 
-/// ggml make_qx_quants with rmse_type 1 and no importance weights: symmetric levels
-/// L in [0, 2 nmax) for x with the best of 19 candidate scales (weighted by x^2).
-inline float make_qx_quants(int n, int nmax, float const* x, std::int8_t* L) {
+/// The first of the values of largest magnitude (0 for none): ggml's amax / max scan.
+inline float signed_absmax(float const* x, int n) {
   float max = 0, amax = 0;
   for (int i = 0; i < n; ++i) {
-    float const ax = std::fabs(x[i]);
-    if (ax > amax) {
-      amax = ax;
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
       max = x[i];
     }
   }
-  if (amax < kGroupMaxEps) {
+  return max;
+}
+
+/// ggml make_qx_quants with rmse_type 1 and no importance weights: symmetric levels
+/// L in [0, 2 nmax) for x with the best of 19 candidate scales (weighted by x^2).
+inline float make_qx_quants(int n, int nmax, float const* x, std::int8_t* L) {
+  float const max = signed_absmax(x, n);
+  if (std::fabs(max) < kGroupMaxEps) {
     for (int i = 0; i < n; ++i) L[i] = 0;
     return 0.f;
   }
@@ -303,15 +308,8 @@ inline float make_qkx2_quants(int n, int nmax, float const* x, float const* weig
 /// ggml make_q3_quants with do_rmse: symmetric levels L in [0, 2 nmax) refined by up to 5
 /// passes of coordinate descent on the x^2-weighted error. Returns the scale.
 inline float make_q3_quants(int n, int nmax, float const* x, std::int8_t* L) {
-  float max = 0, amax = 0;
-  for (int i = 0; i < n; ++i) {
-    float const ax = std::fabs(x[i]);
-    if (ax > amax) {
-      amax = ax;
-      max = x[i];
-    }
-  }
-  if (amax < kGroupMaxEps) {
+  float const max = signed_absmax(x, n);
+  if (std::fabs(max) < kGroupMaxEps) {
     for (int i = 0; i < n; ++i) L[i] = 0;
     return 0.f;
   }
@@ -375,14 +373,7 @@ inline void quantize_block(float const* x, BlockQ8_0& y) {
 }
 
 inline void quantize_block(float const* x, BlockQ4_0& y) {
-  float amax = 0.0f, max = 0.0f;
-  for (int j = 0; j < 32; ++j) {
-    if (amax < std::fabs(x[j])) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-  }
-  float const d = max / -8;
+  float const d = detail::signed_absmax(x, 32) / -8;
   float const id = detail::inverse(d);
   y.d = detail::fp16(d);
   for (int j = 0; j < 16; ++j) {

@@ -712,6 +712,33 @@ inline char const* torch_dtype_name(Dtype dtype) {
   }
 }
 
+/// The checks every save makes: a valid config, a layer that matches it, an MoE layer index.
+template <class Layer>
+void check_saving(HfMoeConfig const& config, Index layer_index, Layer const& layer,
+                  std::string const& where) {
+  validate_hf_config(config, where);
+  check_layer_matches(config, layer, where);
+  if (std::string const why = config.dense_reason(layer_index); !why.empty()) {
+    moe::detail::fail("hf: ", where, ": cannot save layer ", layer_index, " as an MoE layer: ", why,
+                      "; pick an MoE layer index");
+  }
+}
+
+/// Creates `dir` and writes its config.json (weights are written unquantised by FP8 rules:
+/// fp8 block sizes dropped).
+inline void start_checkpoint_dir(std::filesystem::path const& dir, HfMoeConfig const& config,
+                                 char const* torch_dtype) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec)) {
+    moe::detail::fail("hf: cannot create the directory '", dir.string(),
+                      "'; check the path and its permissions");
+  }
+  HfMoeConfig saved = config;
+  saved.fp8_block_rows = saved.fp8_block_cols = 0;
+  write_text_file(dir / "config.json", hf_config_json(saved, torch_dtype));
+}
+
 }  // namespace detail
 
 /// Saves `layer` as MoE layer `layer_index` of a tiny Hugging Face checkpoint in `dir` (created
@@ -725,12 +752,7 @@ template <class Layer>
 void save_hf_layer(std::filesystem::path const& dir, HfMoeConfig const& config, Index layer_index,
                    Layer const& layer, HfSaveOptions const& options = {}) {
   std::string const where = dir.string();
-  detail::validate_hf_config(config, where);
-  detail::check_layer_matches(config, layer, where);
-  if (std::string const why = config.dense_reason(layer_index); !why.empty()) {
-    moe::detail::fail("hf: ", where, ": cannot save layer ", layer_index, " as an MoE layer: ", why,
-                      "; pick an MoE layer index");
-  }
+  detail::check_saving(config, layer_index, layer, where);
   moe::detail::check(
       options.dtype == Dtype::kF32 || options.dtype == Dtype::kBf16 || options.dtype == Dtype::kF16,
       "hf: ", where, ": cannot save weights as ", dtype_name(options.dtype),
@@ -742,16 +764,8 @@ void save_hf_layer(std::filesystem::path const& dir, HfMoeConfig const& config, 
       "hf: ", where, ": shards = ", options.shards, " must be in [1, ", tensors.size(),
       "] (the layer has ", tensors.size(), " tensors)");
 
+  detail::start_checkpoint_dir(dir, config, detail::torch_dtype_name(options.dtype));
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec || !std::filesystem::is_directory(dir, ec)) {
-    moe::detail::fail("hf: cannot create the directory '", where,
-                      "'; check the path and its permissions");
-  }
-  HfMoeConfig saved = config;
-  saved.fp8_block_rows = saved.fp8_block_cols = 0;  // weights are written unquantised
-  detail::write_text_file(dir / "config.json",
-                          hf_config_json(saved, detail::torch_dtype_name(options.dtype)));
 
   auto const n = static_cast<std::size_t>(options.shards);
   std::vector<std::string> shard_of(tensors.size());
@@ -810,26 +824,14 @@ void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const
                              std::vector<experts::ExpertFormat> const& formats,
                              experts::ExpertFormat shared_format = {}) {
   std::string const where = dir.string();
-  detail::validate_hf_config(config, where);
-  detail::check_layer_matches(config, layer, where);
-  if (std::string const why = config.dense_reason(layer_index); !why.empty()) {
-    moe::detail::fail("hf: ", where, ": cannot save layer ", layer_index, " as an MoE layer: ", why,
-                      "; pick an MoE layer index");
-  }
+  detail::check_saving(config, layer_index, layer, where);
   moe::detail::check(static_cast<Index>(formats.size()) == layer.num_experts(), "hf: ", where, ": ",
                      formats.size(), " formats for ", layer.num_experts(),
                      " experts; give one per expert");
   HfLayout const layout = hf_default_layout(config.family, layer_index, false);
   std::vector<HfTensor> const tensors = hf_layer_tensors(config, layout);
+  detail::start_checkpoint_dir(dir, config, "float32");
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec || !std::filesystem::is_directory(dir, ec)) {
-    moe::detail::fail("hf: cannot create the directory '", where,
-                      "'; check the path and its permissions");
-  }
-  HfMoeConfig saved = config;
-  saved.fp8_block_rows = saved.fp8_block_cols = 0;
-  detail::write_text_file(dir / "config.json", hf_config_json(saved, "float32"));
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");
   for (HfTensor const& t : tensors) {
