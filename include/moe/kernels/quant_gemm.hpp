@@ -382,12 +382,13 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
 
 #if MOE_HAS_AVX512VNNI
 /// AVX512-VNNI kernel: MR rows x Ops operands x 32 columns (2 vectors each), accumulators in
-/// registers over the whole depth, handed to the epilogue as float batches.
-template <quant::Format F, Index MR, int Ops, class Epi>
+/// registers over the whole depth, stored to out[r * 64 + o * 32 + c] (64-byte aligned). Not
+/// templated on the epilogue, which quant_cols applies: one instantiation per format and tile
+/// serves every epilogue.
+template <quant::Format F, Index MR, int Ops>
 MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte const* const* panels,
-                                        Epi const& epi, Index i0, Index p) {
+                                        float* out) {
   using quant::Format;
-  using B = simd::Batch<float, xsimd::avx512bw>;
   constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
   constexpr Index SB = quant_fold_depth(F);
   __m512 acc[Ops][2][MR];
@@ -518,12 +519,10 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
     }
   }
   for (Index r = 0; r < MR; ++r) {
-    B out[2 * Ops];
     for (int o = 0; o < Ops; ++o) {
-      out[2 * o] = B(acc[o][0][r]);
-      out[2 * o + 1] = B(acc[o][1][r]);
+      for (int v = 0; v < 2; ++v)
+        _mm512_store_ps(out + r * 2 * kQuantPanelCols + o * 32 + v * 16, acc[o][v][r]);
     }
-    epi.row(i0 + r, p, out);
   }
 }
 #endif
@@ -577,7 +576,12 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
               mc, [&]<Index MR>(Index, Index, Index i0) {
                 Q8Row rows[MR];
                 for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
-                detail::quant_tile_vnni<F, MR, Ops>(rows, K, panels, epi, c0 + i0, p);
+                detail::quant_tile_vnni<F, MR, Ops>(rows, K, panels, stage[0]);
+                for (Index r = 0; r < MR; ++r) {
+                  B v[2 * Ops];
+                  for (int j = 0; j < 2 * Ops; ++j) v[j] = B::load_aligned(stage[r] + j * L);
+                  epi.row(c0 + i0 + r, p, v);
+                }
               });
           return;
         }
