@@ -51,12 +51,13 @@ constexpr char kUsage[] =
     "[--grad DY.safetensors] [--threads N] "
     "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]";
 
-Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo) {
+Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo,
+                Index hi = INT32_MAX) {
   std::string const& s = args.at(key);
   Index v = -1;
   auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > INT32_MAX) {
-    fail(key, " '", s, "' is not an integer >= ", lo, "; ", kUsage);
+  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
+    fail(key, " '", s, "' is not an integer in [", lo, ", ", hi, "]; ", kUsage);
   }
   return v;
 }
@@ -170,7 +171,8 @@ int main_impl(int argc, char** argv) {
   }
   Index const layer = parse_int(args, "--layer", 0);
   Index threads = static_cast<Index>(std::max(1u, std::thread::hardware_concurrency()));
-  if (args.count("--threads") != 0) threads = parse_int(args, "--threads", 1);
+  if (args.count("--threads") != 0)
+    threads = parse_int(args, "--threads", 1, moe::ThreadPool::kMaxThreads);
   std::unique_ptr<moe::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
 

@@ -145,7 +145,8 @@ int main_impl(int argc, char** argv) {
   }
   Index const layer = parse_int("--layer", args.at("--layer"), 0, 1 << 20);
   Index threads = static_cast<Index>(std::max(1u, std::thread::hardware_concurrency()));
-  if (args.count("--threads") != 0) threads = parse_int("--threads", args.at("--threads"), 1, 1024);
+  if (args.count("--threads") != 0)
+    threads = parse_int("--threads", args.at("--threads"), 1, moe::ThreadPool::kMaxThreads);
   std::unique_ptr<moe::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
   moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);

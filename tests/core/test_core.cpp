@@ -3,10 +3,13 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <new>
 #include <set>
 #include <stdexcept>
+#include <string>
+#include <system_error>
 
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
@@ -88,6 +91,44 @@ TEST_CASE("ThreadPool rethrows the first exception after all items finish", "[co
   pool.parallel_for(
       4, [&](Index, int) { pool.parallel_for(3, [&](Index, int) { inner.fetch_add(1); }); });
   REQUIRE(inner == 12);
+}
+
+namespace {
+// Threads of this process, from /proc/self/status (-1 where that is not available).
+int process_threads() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("ThreadPool: a worker that cannot start makes the constructor join the others and throw",
+          "[core][threads]") {
+  REQUIRE_THROWS_AS(moe::ThreadPool(moe::ThreadPool::kMaxThreads + 1), moe::Error);
+  int const before = process_threads();
+  moe::detail::thread_start_hook = [](int index) {
+    if (index == 3)
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+  };
+  try {
+    moe::ThreadPool pool(6);
+    moe::detail::thread_start_hook = nullptr;
+    FAIL("no throw");
+  } catch (moe::Error const& e) {
+    moe::detail::thread_start_hook = nullptr;
+    std::string const what = e.what();
+    INFO(what);
+    REQUIRE(what.find("could not start worker thread 3 of 5") != std::string::npos);
+    REQUIRE(what.find("ask for fewer threads") != std::string::npos);
+  }
+  REQUIRE(process_threads() == before);  // workers 1 and 2 were stopped and joined
+  moe::ThreadPool pool(3);               // and pools still work afterwards
+  std::atomic<int> n{0};
+  pool.parallel_for(10, [&](Index, int) { n.fetch_add(1); });
+  REQUIRE(n == 10);
 }
 
 TEST_CASE("HugePageAllocator: 64-byte aligned blocks, 2 MiB aligned and padded at 2 MiB and up",

@@ -61,6 +61,7 @@ void write_index(fs::path const& dir, std::string const& weight_map) {
 std::string error_of_index(fs::path const& dir) {
   try {
     ShardedCheckpoint const c = ShardedCheckpoint::open_index(dir / "model.safetensors.index.json");
+    c.verify();  // shards are opened on first use; verify() opens them all
   } catch (moe::Error const& e) {
     return e.what();
   }
@@ -137,6 +138,31 @@ TEST_CASE("index errors: a shard file missing", "[io][sharded]") {
   CHECK_THAT(error_of_index(dir),
              Contains("shard 'model-00002-of-00002.safetensors' (holding tensor "
                       "'model.layers.0.mlp.experts.0.w1.weight') does not exist"));
+}
+
+TEST_CASE("shards are opened only when a tensor they hold is needed", "[io][sharded]") {
+  fs::path const dir = iotest::scratch_dir("sharded_lazy");
+  write_shards(dir);
+  fs::remove(dir / kShard2);  // not downloaded: only the tensors of shard 1 are needed
+  write_index(dir, weight_map_entries());
+  ShardedCheckpoint const ckpt = moe::io::open_checkpoint(dir);
+  CHECK(ckpt.size() == 4);
+  CHECK(ckpt.contains("model.layers.0.mlp.experts.0.w1.weight"));  // from the index
+  CHECK_FALSE(ckpt.shard_opened(0));
+  CHECK_FALSE(ckpt.shard_opened(1));
+  CHECK(moe::io::to_float(ckpt.tensor("model.layers.0.mlp.gate.weight")) == iota(32, 0.0f));
+  CHECK(ckpt.shard_opened(0));
+  CHECK_FALSE(ckpt.shard_opened(1));
+  CHECK(ckpt.shard_path(1) == dir / kShard2);
+  CHECK_THROWS_WITH(ckpt.find("model.layers.0.mlp.experts.0.w2.weight"),
+                    Contains("shard 'model-00002-of-00002.safetensors' (holding tensor "
+                             "'model.layers.0.mlp.experts.0.w1.weight') does not exist"));
+  CHECK_FALSE(ckpt.shard_opened(1));
+  // Once it is there, the same checkpoint object opens it.
+  write_shards(dir);
+  CHECK(moe::io::to_float(ckpt.tensor("model.layers.0.mlp.experts.0.w1.weight")) ==
+        iota(24, -5.0f));
+  CHECK(ckpt.shard_opened(1));
 }
 
 TEST_CASE("index errors: a name in two shards", "[io][sharded]") {

@@ -16,6 +16,13 @@
 
 namespace moe {
 
+namespace detail {
+/// Test hook: when set, called before the ThreadPool constructor starts worker `index` (1-based);
+/// a hook that throws simulates a thread that cannot start. Not for production use; set and reset
+/// it from one thread while no pool is being built.
+inline void (*thread_start_hook)(int index) = nullptr;
+}  // namespace detail
+
 /// A fork-join pool of `num_threads - 1` workers plus the calling thread.
 ///
 /// `parallel_for(n, f)` calls f(item, thread) once for every item in [0, n), hands items out
@@ -28,23 +35,34 @@ namespace moe {
 /// from inside an item run serially on the calling thread.
 class ThreadPool {
  public:
-  /// num_threads >= 1 (1 runs everything on the caller).
+  /// Most threads a pool may have (kMaxThreads, 1024): far above any core count this library
+  /// targets, low enough that a mistyped count fails at once instead of exhausting the system's
+  /// process limit.
+  static constexpr int kMaxThreads = 1024;
+
+  /// 1 <= num_threads <= kMaxThreads (1 runs everything on the caller). Throws moe::Error if a
+  /// worker thread cannot be started (std::thread failed: process or memory limit); the workers
+  /// already started are stopped and joined first, so nothing is left running.
   explicit ThreadPool(int num_threads) {
-    detail::check(num_threads >= 1, "ThreadPool: num_threads = ", num_threads,
-                  "; pass at least 1 (1 runs everything on the calling thread)");
-    workers_.reserve(static_cast<std::size_t>(num_threads - 1));
-    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    detail::check(num_threads >= 1 && num_threads <= kMaxThreads,
+                  "ThreadPool: num_threads = ", num_threads, "; pass 1 to ", kMaxThreads,
+                  " (1 runs everything on the calling thread)");
+    try {
+      workers_.reserve(static_cast<std::size_t>(num_threads - 1));
+      for (int i = 1; i < num_threads; ++i) {
+        if (detail::thread_start_hook) detail::thread_start_hook(i);
+        workers_.emplace_back([this, i] { worker_loop(i); });
+      }
+    } catch (std::exception const& e) {
+      stop_and_join();
+      detail::fail("ThreadPool: could not start worker thread ", workers_.size() + 1, " of ",
+                   num_threads - 1, " (", e.what(),
+                   "); ask for fewer threads or raise the process or memory limit");
+    }
   }
   ThreadPool(ThreadPool const&) = delete;
   ThreadPool& operator=(ThreadPool const&) = delete;
-  ~ThreadPool() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  ~ThreadPool() { stop_and_join(); }
 
   /// Threads taking part in a parallel_for, the caller included.
   int size() const { return static_cast<int>(workers_.size()) + 1; }
@@ -83,6 +101,15 @@ class ThreadPool {
   template <class Fn>
   static void invoke(void* context, Index item, int thread) {
     (*static_cast<Fn*>(context))(item, thread);
+  }
+
+  void stop_and_join() noexcept {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
   }
 
   void run_items(int thread) {

@@ -4,12 +4,14 @@
 /// ShardedCheckpoint: tensors found by name across the shards of a model.safetensors.index.json.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,36 +32,42 @@ namespace moe::io {
 /// "<shard file>", ...}}, next to `model-00001-of-0000N.safetensors` and so on. A checkpoint
 /// of a single file (no index) can be opened the same way (open_single()).
 ///
-/// Construction reads the index, opens (maps and validates) each shard once, and checks:
+/// Construction reads the index only, and checks:
 ///   - the index is JSON with a "weight_map" object of string values ("metadata" and other
 ///     keys are not validated: tools put different things there);
 ///   - no tensor is listed twice in "weight_map";
 ///   - every shard name is a relative path inside the index's directory (no "..", no
-///     absolute path, no NUL), and the file exists;
-///   - every listed tensor is in the shard the index names;
-///   - no tensor name is stored in two shards.
-/// Tensors that a shard holds but the index does not list are ignored, as transformers does.
-/// Every violation throws moe::Error naming the index, the shard and the tensor.
+///     absolute path, no NUL).
+/// A shard is opened (mapped and validated) the first time a tensor it holds is asked for
+/// (find, tensor, shard_metadata), so only the shards a caller needs must be on disk: loading one
+/// layer of a 160-shard DeepSeek-V3 reads the one or two shards that hold it. Opening a shard
+/// checks that the file exists, that it holds every tensor the index lists in it, and that it
+/// holds no tensor the index places in another shard (stored twice). verify() opens every shard
+/// and runs the same checks for the whole checkpoint. Tensors that a shard holds but the index
+/// does not list are ignored, as transformers does. Every violation throws moe::Error naming the
+/// index, the shard and the tensor.
 ///
-/// Thread-safety: const member functions may be called concurrently. Move-only; views stay
-/// valid until the object is destroyed.
+/// Thread-safety: const member functions may be called concurrently (each shard is opened once).
+/// Move-only; views stay valid until the object is destroyed.
 class ShardedCheckpoint {
  public:
-  /// Reads `index_path` (a model.safetensors.index.json) and the shards it lists.
+  /// Reads `index_path` (a model.safetensors.index.json); shards are opened when needed.
   static ShardedCheckpoint open_index(std::filesystem::path const& index_path) {
     ShardedCheckpoint checkpoint;
     checkpoint.load_index(index_path);
     return checkpoint;
   }
 
-  /// A one-file checkpoint (model.safetensors): every tensor of the file.
+  /// A one-file checkpoint (model.safetensors): every tensor of the file (opened at once).
   static ShardedCheckpoint open_single(std::filesystem::path const& path) {
     ShardedCheckpoint checkpoint;
     checkpoint.source_ = path.string();
-    checkpoint.shards_.push_back(std::make_unique<SafetensorsFile>(path));
-    for (TensorView const& t : checkpoint.shards_.back()->tensors()) {
-      checkpoint.by_name_.emplace(t.name, &t);
-    }
+    auto shard = std::make_unique<Shard>();
+    shard->name = path.filename().string();
+    shard->path = path;
+    checkpoint.shards_.push_back(std::move(shard));
+    SafetensorsFile const& file = checkpoint.open_shard(0);
+    for (TensorView const& t : file.tensors()) checkpoint.by_name_.emplace(t.name, 0);
     return checkpoint;
   }
 
@@ -69,12 +77,15 @@ class ShardedCheckpoint {
   ShardedCheckpoint& operator=(ShardedCheckpoint const&) = delete;
   ~ShardedCheckpoint() = default;
 
-  /// The tensor named `name`, or nullptr.
+  /// The tensor named `name`, or nullptr (opens its shard on first use; throws moe::Error if
+  /// that shard is missing or does not match the index).
   TensorView const* find(std::string_view name) const {
     auto const it = by_name_.find(name);
-    return it == by_name_.end() ? nullptr : it->second;
+    if (it == by_name_.end()) return nullptr;
+    return open_shard(it->second).find(name);
   }
-  bool contains(std::string_view name) const { return find(name) != nullptr; }
+  /// Whether the index (or single file) lists `name`; opens nothing.
+  bool contains(std::string_view name) const { return by_name_.find(name) != by_name_.end(); }
 
   /// The tensor named `name`; throws moe::Error when the checkpoint has none.
   TensorView const& tensor(std::string_view name) const {
@@ -84,43 +95,108 @@ class ShardedCheckpoint {
                       " tensors); check the name against names()");
   }
 
-  /// Every tensor name, sorted.
+  /// Every tensor name, sorted (from the index; opens nothing).
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     out.reserve(by_name_.size());
-    for (auto const& [name, view] : by_name_) out.push_back(name);
+    for (auto const& [name, shard] : by_name_) out.push_back(name);
     return out;
   }
   std::size_t size() const noexcept { return by_name_.size(); }
 
-  /// The opened shards, in the order of their first appearance in the index.
+  /// The shards, in the order of their first appearance in the index.
   std::size_t num_shards() const noexcept { return shards_.size(); }
+  /// Shard i, opened if it was not yet.
   SafetensorsFile const& shard(std::size_t i) const {
     moe::detail::check(i < shards_.size(), "safetensors: ", source_, ": shard index ", i,
                        " is out of range; the checkpoint has ", shards_.size(), " shards");
-    return *shards_[i];
+    return open_shard(i);
+  }
+  /// The path of shard i (opens nothing).
+  std::filesystem::path const& shard_path(std::size_t i) const {
+    moe::detail::check(i < shards_.size(), "safetensors: ", source_, ": shard index ", i,
+                       " is out of range; the checkpoint has ", shards_.size(), " shards");
+    return shards_[i]->path;
+  }
+  /// Whether shard i has been opened.
+  bool shard_opened(std::size_t i) const {
+    return i < shards_.size() && shards_[i]->opened.load(std::memory_order_acquire);
   }
 
   /// The "__metadata__" value `key` of the shard that holds tensor `tensor`, or null (no such
   /// tensor or key).
   std::string const* shard_metadata(std::string_view tensor, std::string const& key) const {
-    TensorView const* t = find(tensor);
-    if (t == nullptr) return nullptr;
-    for (auto const& f : shards_) {
-      for (TensorView const& v : f->tensors()) {
-        if (&v != t) continue;
-        auto const it = f->metadata().find(key);
-        return it == f->metadata().end() ? nullptr : &it->second;
-      }
-    }
-    return nullptr;
+    auto const it = by_name_.find(tensor);
+    if (it == by_name_.end()) return nullptr;
+    SafetensorsFile const& f = open_shard(it->second);
+    auto const m = f.metadata().find(key);
+    return m == f.metadata().end() ? nullptr : &m->second;
+  }
+
+  /// Opens every shard and checks the whole checkpoint against its index (what construction
+  /// did before shards were opened lazily); throws moe::Error on the first problem.
+  void verify() const {
+    for (std::size_t i = 0; i < shards_.size(); ++i) open_shard(i);
   }
 
   /// The index (or single file) this checkpoint was opened from.
   std::string const& source() const noexcept { return source_; }
 
  private:
+  struct Shard {
+    std::string name;             // as the index spells it
+    std::filesystem::path path;   // index directory / name
+    std::string first_tensor;     // the first tensor the index lists in it
+    mutable std::once_flag once;  // opened exactly once, even from several threads
+    mutable std::atomic<bool> opened{false};
+    mutable std::unique_ptr<SafetensorsFile> file;
+  };
+
   ShardedCheckpoint() = default;
+
+  SafetensorsFile const& open_shard(std::size_t i) const {
+    Shard const& shard = *shards_[i];
+    std::call_once(shard.once, [&] {
+      shard.file = load_shard(i);
+      shard.opened.store(true, std::memory_order_release);
+    });
+    return *shard.file;
+  }
+
+  // Opens shard i and checks it against the index.
+  std::unique_ptr<SafetensorsFile> load_shard(std::size_t i) const {
+    Shard const& shard = *shards_[i];
+    std::error_code ec;
+    if (!shard.first_tensor.empty() && !std::filesystem::exists(shard.path, ec)) {
+      moe::detail::fail("safetensors: ", source_, ": shard ", detail::printable_name(shard.name),
+                        " (holding tensor ", detail::printable_name(shard.first_tensor),
+                        ") does not exist at '", shard.path.string(),
+                        "'; download it (every shard that holds a tensor you load must be on "
+                        "disk)");
+    }
+    auto file = std::make_unique<SafetensorsFile>(shard.path);
+    if (shard.first_tensor.empty()) return file;  // open_single: no index to check against
+    for (auto const& [tensor, s] : by_name_) {
+      if (s == i && file->find(tensor) == nullptr) {
+        moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
+                          " is listed in shard ", detail::printable_name(shard.name),
+                          " but that file does not contain it; the index and the shards come "
+                          "from different saves, re-download the checkpoint");
+      }
+    }
+    for (TensorView const& t : file->tensors()) {
+      auto const it = by_name_.find(t.name);
+      if (it != by_name_.end() && it->second != i) {
+        moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(t.name),
+                          " is stored in two shards: the index places it in ",
+                          detail::printable_name(shards_[it->second]->name), " but ",
+                          detail::printable_name(file->display_name()),
+                          " holds it too; the shards come from different saves, re-download "
+                          "the checkpoint");
+      }
+    }
+    return file;
+  }
 
   // A shard file name from the index must stay inside the index's directory.
   void check_shard_name(std::string const& shard, std::string const& tensor) const {
@@ -209,55 +285,25 @@ class ShardedCheckpoint {
       moe::detail::fail("safetensors: ", source_, ": the index has no \"weight_map\"; ", hint);
     }
 
-    // Open each shard once, in order of first appearance.
+    // Shards in order of first appearance; opened on first use (open_shard).
     std::filesystem::path const dir = index_path.parent_path();
     std::map<std::string, std::size_t, std::less<>> shard_index;
     for (auto const& [tensor, shard] : weight_map) {
-      if (shard_index.count(shard) != 0) continue;
-      std::filesystem::path const shard_path = dir / shard;
-      std::error_code ec;
-      if (!std::filesystem::exists(shard_path, ec)) {
-        moe::detail::fail("safetensors: ", source_, ": shard ", detail::printable_name(shard),
-                          " (holding tensor ", detail::printable_name(tensor),
-                          ") does not exist at '", shard_path.string(),
-                          "'; download every shard the index lists");
+      auto const [it, inserted] = shard_index.emplace(shard, shards_.size());
+      if (inserted) {
+        auto s = std::make_unique<Shard>();
+        s->name = shard;
+        s->path = dir / shard;
+        s->first_tensor = tensor;
+        shards_.push_back(std::move(s));
       }
-      shard_index.emplace(shard, shards_.size());
-      shards_.push_back(std::make_unique<SafetensorsFile>(shard_path));
-    }
-
-    // No tensor stored in two shards (whether or not the index lists it there).
-    std::map<std::string_view, std::size_t, std::less<>> stored_in;
-    for (std::size_t s = 0; s < shards_.size(); ++s) {
-      for (TensorView const& t : shards_[s]->tensors()) {
-        auto const [it, inserted] = stored_in.emplace(t.name, s);
-        if (!inserted) {
-          moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(t.name),
-                            " is stored in two shards, ",
-                            detail::printable_name(shards_[it->second]->display_name()), " and ",
-                            detail::printable_name(shards_[s]->display_name()),
-                            "; the shards come from different saves, re-download the checkpoint");
-        }
-      }
-    }
-
-    // Every listed tensor is in its shard.
-    for (auto const& [tensor, shard] : weight_map) {
-      SafetensorsFile const& file_of = *shards_[shard_index.find(shard)->second];
-      TensorView const* t = file_of.find(tensor);
-      if (t == nullptr) {
-        moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
-                          " is listed in shard ", detail::printable_name(shard),
-                          " but that file does not contain it; the index and the shards come "
-                          "from different saves, re-download the checkpoint");
-      }
-      by_name_.emplace(tensor, t);
+      by_name_.emplace(tensor, it->second);
     }
   }
 
   std::string source_;
-  std::vector<std::unique_ptr<SafetensorsFile>> shards_;
-  std::map<std::string, TensorView const*, std::less<>> by_name_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::map<std::string, std::size_t, std::less<>> by_name_;  // tensor -> shard
 };
 
 /// Opens a Hugging Face model directory: `model.safetensors` when it exists, otherwise
