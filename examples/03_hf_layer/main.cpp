@@ -12,6 +12,9 @@
 //   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
 //                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]
+//                    [--strict] [--allow-nonfinite]
+// Without --weights the forward runs on packed fp32 weights, so a token's output is bitwise the
+// same whatever batch it comes in (with --grad the training forward reads the unpacked weights).
 // --weights packs the loaded experts (routed and shared) once in that format before the forward
 // (ExpertBank::pack; the quantized ones with ggml's reference quantizers, docs/quantization.md):
 // inference only, so it cannot be combined with --grad except as fp32. alphaq:B chooses a
@@ -20,19 +23,30 @@
 // X holds "x" [T, hidden] (F32, BF16 or F16); DY holds "dy" [T, hidden]. Y gets "y" [T, hidden],
 // "router_logits" [T, E], "topk_ids" [T, k] I64 (-1: empty slot), "topk_weights" [T, k], and with
 // --grad also "dx" [T, hidden] and "grad.<checkpoint name>" per parameter. All floats are F32.
+// Loader warnings (config.json keys transformers does not know or that took defaults, tensors of
+// the layer's module that are not read, e.g. a 9th expert when config.json says 8) go to stderr
+// as "moe_run_hf_layer: warning: ..." lines; --strict makes them an error. A non-finite value in
+// y, router_logits, dx or a gradient is an error (count and first position; nothing written)
+// unless --allow-nonfinite. The output may not be one of the inputs (--input, --grad, a file of
+// --model; by device and inode) nor an existing non-regular file (directory, link, FIFO, device).
+// --threads is at most moe::ThreadPool::kMaxThreads (1024).
 // Exit status: 0 on success; 1 with a one-line message on stderr for any bad input or error.
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <iterator>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -49,7 +63,8 @@ using moe::detail::fail;
 constexpr char kUsage[] =
     "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
     "[--grad DY.safetensors] [--threads N] "
-    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]";
+    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>] [--strict] "
+    "[--allow-nonfinite]";
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo,
                 Index hi = INT32_MAX) {
@@ -62,22 +77,45 @@ Index parse_int(std::map<std::string, std::string> const& args, std::string cons
   return v;
 }
 
-// The float matrix `name` [rows, cols] of a safetensors file (rows < 0: any).
-std::vector<float> read_matrix(std::string const& path, char const* name, Index& rows, Index cols) {
+// The float matrix `name` [rows, cols] of a safetensors file (rows < 0: any; else the T rows of
+// `rows_from`).
+std::vector<float> read_matrix(std::string const& path, char const* name, Index& rows, Index cols,
+                               char const* rows_from = nullptr) {
   moe::io::SafetensorsFile const file(path);
   moe::io::TensorView const* t = file.find(name);
   if (t == nullptr) fail(path, ": no tensor '", name, "'; the file must hold \"", name, "\"");
   using moe::io::Dtype;
   if (t->dtype != Dtype::kF32 && t->dtype != Dtype::kBf16 && t->dtype != Dtype::kF16) {
-    fail(path, ": tensor '", name, "' is ", moe::io::dtype_name(t->dtype), "; use F32 or BF16");
+    fail(path, ": tensor '", name, "' is ", moe::io::dtype_name(t->dtype),
+         "; use F32, BF16 or F16");
   }
-  if (t->shape.size() != 2 || t->shape[1] != cols || (rows >= 0 && t->shape[0] != rows)) {
+  if (t->shape.size() != 2 || t->shape[1] != cols) {
     fail(path, ": tensor '", name, "' has shape ", moe::io::detail::shape_string(t->shape),
          " but must be [", rows >= 0 ? std::to_string(rows) : std::string("T"), ", ", cols,
-         "] (hidden_size of the model)");
+         "]: ", cols, " columns, the hidden_size of the model");
+  }
+  if (rows >= 0 && t->shape[0] != rows) {
+    fail(path, ": tensor '", name, "' has ", t->shape[0], " rows but must have ", rows,
+         ", one per token of ", rows_from, "; use the same T");
   }
   rows = static_cast<Index>(t->shape[0]);
   return moe::io::to_float(*t);
+}
+
+// Throws unless every value of `values` [rows, cols] is finite (or --allow-nonfinite).
+void check_finite(std::map<std::string, std::string> const& args, std::string const& name,
+                  std::span<float const> values, Index cols) {
+  if (args.count("--allow-nonfinite") != 0) return;
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]) && bad++ == 0) first = i;
+  }
+  if (bad == 0) return;
+  auto const c = static_cast<std::size_t>(cols);
+  fail("output '", name, "' has ", bad, " non-finite value(s), the first at [", first / c, ", ",
+       first % c, "] (", values[first],
+       "); the input or the weights overflow float. Nothing was written; pass --allow-nonfinite "
+       "to write them anyway");
 }
 
 template <class Layer>
@@ -116,6 +154,10 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
     } else {
       layer.pack_weights(format, pool);
     }
+  } else if (args.count("--grad") == 0 && !layer.experts().packed()) {
+    // Packed fp32 weights: the same kernels for every batch, so a token's output does not
+    // depend on the batch it came in (docs/hf.md).
+    layer.pack_weights(moe::experts::WeightFormat::kF32, pool);
   }
   Index const D = layer.d_model(), E = layer.num_experts();
   Index T = -1;
@@ -128,14 +170,22 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
   if (args.count("--grad") == 0) {
     layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
   } else {
-    std::vector<float> const dy = read_matrix(args.at("--grad"), "dy", T, D);
+    std::vector<float> const dy = read_matrix(args.at("--grad"), "dy", T, D, "--input's x");
     layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, opt);
     auto grads = layer.make_gradients();
     std::vector<float> dx(x.size());
     layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, pool);
+    check_finite(args, "dx", dx, D);
+    for (moe::io::HfTensor const& t : hf.tensors) {
+      if (!t.is_parameter()) continue;
+      check_finite(args, moe::io::detail::concat("grad.", t.name),
+                   moe::io::hf_gradient_values(grads, t), t.shape.empty() ? 1 : t.shape.back());
+    }
     out.add_f32("dx", {T, D}, dx);
     moe::io::add_hf_gradients(out, hf, grads);
   }
+  check_finite(args, "y", y, D);
+  check_finite(args, "router_logits", ws.logits, E);
   moe::Selection const& sel = ws.selection;
   Index const K = sel.slots;
   std::vector<std::byte> ids(static_cast<std::size_t>(T * K) * 8);
@@ -158,6 +208,11 @@ int main_impl(int argc, char** argv) {
       std::printf("%s\n", kUsage);
       std::exit(0);
     }
+    if (key == "--strict" || key == "--allow-nonfinite") {  // switches: no value
+      if (!args.emplace(key, "").second) fail(key, " is given twice; ", kUsage);
+      --i;
+      continue;
+    }
     std::string_view const flags[] = {"--model", "--layer",   "--input",  "--output",
                                       "--grad",  "--threads", "--weights"};
     if (std::find(std::begin(flags), std::end(flags), key) == std::end(flags)) {
@@ -176,7 +231,32 @@ int main_impl(int argc, char** argv) {
   std::unique_ptr<moe::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
 
-  moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);
+  // The output must not be an input (by device and inode: hard and symbolic links included) nor
+  // an existing non-regular file; checked before the work, so a refused run writes nothing.
+  std::filesystem::path const model = args.at("--model");
+  std::vector<std::filesystem::path> inputs = {args.at("--input")};
+  if (args.count("--grad") != 0) inputs.emplace_back(args.at("--grad"));
+  std::error_code ec;
+  inputs.push_back(model / "config.json");
+  if (std::filesystem::is_directory(model, ec)) {
+    // model.safetensors, or the index and every shard it names (opens only the index).
+    moe::io::ShardedCheckpoint const files = moe::io::open_checkpoint(model);
+    inputs.emplace_back(files.source());
+    for (std::size_t i = 0; i < files.num_shards(); ++i) inputs.push_back(files.shard_path(i));
+  }
+  moe::io::check_output_file(args.at("--output"), inputs, "--output");
+
+  moe::io::HfLoadOptions options;
+  options.strict = args.count("--strict") != 0;
+  moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(model, layer, options);
+  std::visit(
+      [](auto const& loaded) {
+        for (std::string const& w : loaded.warnings) {
+          std::fprintf(stderr, "moe_run_hf_layer: warning: %s (--strict makes this an error)\n",
+                       w.c_str());
+        }
+      },
+      hf);
   std::visit([&](auto& loaded) { run(loaded, args, pool.get()); }, hf);
   return 0;
 }

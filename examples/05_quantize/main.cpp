@@ -149,6 +149,11 @@ int main_impl(int argc, char** argv) {
     threads = parse_int("--threads", args.at("--threads"), 1, moe::ThreadPool::kMaxThreads);
   std::unique_ptr<moe::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
+  if (moe::io::same_file(args.at("--out"), args.at("--model"))) {
+    fail("--out '", args.at("--out"),
+         "' is the --model directory; writing there would replace the ",
+         "model's config.json and weights, pass a new directory");
+  }
   moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);
   std::visit([&](auto& loaded) { quantize(loaded, args, pool.get()); }, hf);
   return 0;

@@ -43,6 +43,7 @@ TEST_CASE("config.json of Mixtral-8x7B", "[hf][config]") {
   REQUIRE(c.num_hidden_layers == 32);
   REQUIRE(c.shared_intermediate_size() == 0);
   REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.unknown_keys.empty());  // every key of the real config.json is known
   REQUIRE(c.is_moe_layer(0));
   REQUIRE(c.is_moe_layer(31));
   REQUIRE_FALSE(c.is_moe_layer(32));
@@ -198,6 +199,7 @@ TEST_CASE("hf_config_json round-trips through parse_hf_config", "[hf][config]") 
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}})");
   HfMoeConfig const back = parse_hf_config(moe::io::hf_config_json(c, "bfloat16"));
   REQUIRE(back.defaulted_keys.empty());
+  REQUIRE(back.unknown_keys.empty());
   for (HfMoeConfig const* x : {static_cast<HfMoeConfig const*>(&c), &back}) {
     REQUIRE(x->hidden_size == 64);
     REQUIRE(x->expert_intermediate_size == 16);
@@ -233,4 +235,23 @@ TEST_CASE("hf_config_json round-trips through parse_hf_config", "[hf][config]") 
     REQUIRE(b.norm_topk_prob == a.norm_topk_prob);
     REQUIRE(b.num_experts_per_tok == 1);
   }
+}
+
+TEST_CASE("config.json keys transformers does not know are listed (a misspelt key)",
+          "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({"model_type": "qwen3_moe", "hidden_size": 64,
+    "moe_intermediate_size": 16, "num_experts": 8, "num_expert_per_tok": 4,
+    "norm_topk_probs": true, "vocab_size": 100, "rope_theta": 1e6, "head_dim": 8})");
+  REQUIRE(c.unknown_keys == std::vector<std::string>{"num_expert_per_tok", "norm_topk_probs"});
+  REQUIRE(defaulted(c, "num_experts_per_tok"));  // what the typo cost: the default 8 ...
+  REQUIRE(c.num_experts_per_tok == 8);
+  REQUIRE(defaulted(c, "norm_topk_prob"));  // ... and false
+  // Keys of another family are unknown to this one.
+  REQUIRE(parse_hf_config(R"({"model_type": "mixtral", "n_group": 2})").unknown_keys ==
+          std::vector<std::string>{"n_group"});
+  // DeepSeek-V3's Hub config.json keys (remote code included) are all known.
+  REQUIRE(parse_hf_config(R"({"model_type": "deepseek_v3", "ep_size": 1, "kv_lora_rank": 512,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "auto_map": {}, "rope_scaling": {}})")
+              .unknown_keys.empty());
 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // moe_run_hf_layer (examples/03_hf_layer) end to end: a tiny checkpoint written by the library,
 // the runner's forward and --grad outputs compared with the layer's own forward and backward.
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -277,6 +279,187 @@ TEST_CASE("moe_run_hf_layer: bad input exits 1 with one line on stderr", "[hf][r
                          Contains("tensor 'x' has shape [3, 5] but must be [T, 8]"));
   REQUIRE(text.find('\n') == text.size() - 1);
   REQUIRE_FALSE(fs::exists(dir / "y.safetensors"));
+}
+
+namespace {
+
+std::string text_of(fs::path const& path) {
+  std::vector<std::byte> const bytes = iotest::read_file(path);
+  return std::string(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+}
+
+// A tiny Qwen3-MoE checkpoint (layer 1) with x [3, 8] in x.safetensors, in scratch dir `name`.
+fs::path tiny_runner_model(std::string const& name) {
+  presets::Qwen3MoeConfig const p{8, 4, 4, 2, true};
+  presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
+  hftest::randomize(layer, 71);
+  fs::path const dir = iotest::scratch_dir(name);
+  moe::io::save_hf_layer(dir, moe::io::hf_config(p), 1, layer);
+  moe::io::SafetensorsWriter()
+      .add_f32("x", {3, 8}, hftest::random_input(3, 8, 72))
+      .save(dir / "x.safetensors");
+  return dir;
+}
+
+std::string runner_args(fs::path const& dir, fs::path const& output,
+                        std::string const& extra = {}) {
+  return words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x.safetensors"),
+                "--output", quoted(output), extra});
+}
+
+}  // namespace
+
+TEST_CASE("moe_run_hf_layer: --threads above the limit is refused at once", "[hf][runner]") {
+  fs::path const dir = tiny_runner_model("runner_threads");
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--threads 100000"),
+                     dir / "stderr.txt") == 1);
+  REQUIRE_THAT(text_of(dir / "stderr.txt"),
+               Contains("--threads '100000' is not an integer in [1, 1024]"));
+  REQUIRE_FALSE(fs::exists(dir / "y.safetensors"));
+}
+
+TEST_CASE("moe_run_hf_layer: an output that is an input or not a regular file is refused",
+          "[hf][runner]") {
+  fs::path const dir = tiny_runner_model("runner_outputs");
+  std::vector<std::byte> const x_before = iotest::read_file(dir / "x.safetensors");
+  std::vector<std::byte> const w_before = iotest::read_file(dir / "model.safetensors");
+  auto refused = [&](fs::path const& output, std::string const& extra, std::string const& why) {
+    INFO(output.string() << " " << extra);
+    REQUIRE(run_runner(runner_args(dir, output, extra), dir / "stderr.txt") == 1);
+    std::string const err = text_of(dir / "stderr.txt");
+    REQUIRE_THAT(err, Contains("moe_run_hf_layer: moe: --output: the output ") && Contains(why));
+    REQUIRE(err.find('\n') == err.size() - 1);
+  };
+  refused(dir / "x.safetensors", "", "is the input");
+  refused(dir / "model.safetensors", "", "is the input");
+  refused(dir / "config.json", "", "is the input");
+  moe::io::SafetensorsWriter()
+      .add_f32("dy", {3, 8}, std::vector<float>(24, 1.0f))
+      .save(dir / "dy.safetensors");
+  refused(dir / "dy.safetensors", words({"--grad", quoted(dir / "dy.safetensors")}),
+          "is the input");
+  fs::create_hard_link(dir / "x.safetensors", dir / "x_link.safetensors");
+  refused(dir / "x_link.safetensors", "", "is the input");  // same inode, another name
+  fs::create_directory(dir / "out_dir");
+  refused(dir / "out_dir", "", "exists and is a directory");
+  fs::create_symlink(dir / "elsewhere.safetensors", dir / "link.safetensors");
+  refused(dir / "link.safetensors", "", "exists and is a symbolic link");
+  REQUIRE(::mkfifo((dir / "fifo").c_str(), 0600) == 0);
+  refused(dir / "fifo", "", "exists and is a FIFO");
+  REQUIRE(iotest::read_file(dir / "x.safetensors") == x_before);
+  REQUIRE(iotest::read_file(dir / "model.safetensors") == w_before);
+  REQUIRE(fs::is_fifo(dir / "fifo"));
+  REQUIRE(fs::is_symlink(dir / "link.safetensors"));
+  // An existing regular output is replaced.
+  iotest::write_text(dir / "y.safetensors", "old");
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors"), dir / "stderr.txt") == 0);
+  REQUIRE(moe::io::SafetensorsFile(dir / "y.safetensors").contains("y"));
+}
+
+TEST_CASE("moe_run_hf_layer: messages name the real cause", "[hf][runner]") {
+  fs::path const dir = tiny_runner_model("runner_messages");
+  auto error_of = [&](std::string const& args) {
+    INFO(args);
+    REQUIRE(run_runner(args, dir / "stderr.txt") == 1);
+    return text_of(dir / "stderr.txt");
+  };
+  std::vector<std::byte> ints(3 * 8 * 4);
+  moe::io::SafetensorsWriter().add("x", Dtype::kI32, {3, 8}, ints).save(dir / "xi.safetensors");
+  CHECK_THAT(
+      error_of(words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "xi.safetensors"),
+                      "--output", quoted(dir / "y.safetensors")})),
+      Contains("tensor 'x' is I32; use F32, BF16 or F16"));
+  moe::io::SafetensorsWriter()
+      .add_f32("dy", {4, 8}, std::vector<float>(32, 0.5f))
+      .save(dir / "dy.safetensors");
+  CHECK_THAT(error_of(runner_args(dir, dir / "y.safetensors",
+                                  words({"--grad", quoted(dir / "dy.safetensors")}))),
+             Contains("tensor 'dy' has 4 rows but must have 3, one per token of --input's x"));
+  CHECK_THAT(
+      error_of(words({"--model", quoted(dir / "config.json"), "--layer 1 --input",
+                      quoted(dir / "x.safetensors"), "--output", quoted(dir / "y.safetensors")})),
+      Contains("config.json' is a file; pass the model's directory"));
+  CHECK_THAT(error_of(runner_args(dir, dir / "y.safetensors", "--strict --strict")),
+             Contains("--strict is given twice"));
+  REQUIRE_FALSE(fs::exists(dir / "y.safetensors"));
+}
+
+TEST_CASE("moe_run_hf_layer: extra expert tensors and unknown config keys warn; --strict fails",
+          "[hf][runner]") {
+  fs::path const dir = tiny_runner_model("runner_strict");
+  // Clean checkpoint: no warning at all, --strict passes.
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--strict"), dir / "stderr.txt") == 0);
+  REQUIRE(text_of(dir / "stderr.txt").empty());
+
+  // A 5th expert although config.json says 4.
+  {
+    moe::io::SafetensorsFile const in(dir / "model.safetensors");
+    moe::io::SafetensorsWriter w;
+    for (moe::io::TensorView const& t : in.tensors()) w.add(t.name, t.dtype, t.shape, t.bytes);
+    w.add_f32("model.layers.1.mlp.experts.4.gate_proj.weight", {4, 8},
+              std::vector<float>(32, 0.25f));
+    w.save(dir / "model2.safetensors");
+  }
+  fs::rename(dir / "model2.safetensors", dir / "model.safetensors");
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors"), dir / "stderr.txt") == 0);
+  std::string const warned = text_of(dir / "stderr.txt");
+  REQUIRE_THAT(warned, Contains("moe_run_hf_layer: warning: the checkpoint has 1 tensor(s) under "
+                                "'model.layers.1.mlp.' that this layer does not read (first: "
+                                "'model.layers.1.mlp.experts.4.gate_proj.weight'); config.json "
+                                "describes 4 routed experts"));
+  REQUIRE(run_runner(runner_args(dir, dir / "y2.safetensors", "--strict"), dir / "stderr.txt") ==
+          1);
+  REQUIRE_THAT(text_of(dir / "stderr.txt"),
+               Contains("experts.4.gate_proj.weight") && Contains("strict loading"));
+  REQUIRE_FALSE(fs::exists(dir / "y2.safetensors"));
+
+  // A misspelt key: transformers would ignore it, so does moe, but it says so.
+  std::string config = text_of(dir / "config.json");
+  config.insert(config.find('{') + 1, "\n  \"num_expert_per_tok\": 3,");
+  iotest::write_text(dir / "config.json", config);
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors"), dir / "stderr.txt") == 0);
+  REQUIRE_THAT(text_of(dir / "stderr.txt"),
+               Contains("warning: config.json has key(s) 'num_expert_per_tok' that transformers' "
+                        "configuration of qwen3_moe does not know"));
+}
+
+TEST_CASE("moe_run_hf_layer: non-finite outputs fail unless --allow-nonfinite", "[hf][runner]") {
+  fs::path const dir = tiny_runner_model("runner_nonfinite");
+  std::vector<float> x(3 * 8, 0.5f);
+  x[8 + 2] = 3e38f;  // finite, but the router logits and the experts overflow
+  moe::io::SafetensorsWriter().add_f32("x", {3, 8}, x).save(dir / "x.safetensors");
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors"), dir / "stderr.txt") == 1);
+  REQUIRE_THAT(text_of(dir / "stderr.txt"),
+               Contains("non-finite value(s), the first at [1, ") && Contains("--allow-nonfinite"));
+  REQUIRE_FALSE(fs::exists(dir / "y.safetensors"));
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--allow-nonfinite"),
+                     dir / "stderr.txt") == 0);
+  REQUIRE(fs::exists(dir / "y.safetensors"));
+}
+
+TEST_CASE("moe_run_hf_layer: a token's output does not depend on its batch (packed weights)",
+          "[hf][runner]") {
+  presets::Qwen3MoeConfig const p{64, 32, 8, 2, true};
+  presets::Qwen3Moe layer = presets::make_qwen3_moe(p);
+  hftest::randomize(layer, 73);
+  fs::path const dir = iotest::scratch_dir("runner_batch");
+  moe::io::save_hf_layer(dir, moe::io::hf_config(p), 1, layer);
+  moe::Index const T = 40, D = 64;
+  std::vector<float> const x = hftest::random_input(T, D, 74);
+  moe::io::SafetensorsWriter().add_f32("x", {T, D}, x).save(dir / "x.safetensors");
+  moe::io::SafetensorsWriter()
+      .add_f32("x", {1, D}, std::span<float const>(x.data() + 5 * D, D))
+      .save(dir / "x1.safetensors");
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--threads 2"), dir / "err") == 0);
+  REQUIRE(
+      run_runner(words({"--model", quoted(dir), "--layer 1 --input", quoted(dir / "x1.safetensors"),
+                        "--output", quoted(dir / "y1.safetensors"), "--threads 1"}),
+                 dir / "err") == 0);
+  std::vector<float> const all =
+      moe::io::to_float(moe::io::SafetensorsFile(dir / "y.safetensors").tensor("y"));
+  std::vector<float> const one =
+      moe::io::to_float(moe::io::SafetensorsFile(dir / "y1.safetensors").tensor("y"));
+  REQUIRE(one == std::vector<float>(all.begin() + 5 * D, all.begin() + 6 * D));  // bitwise
 }
 
 #endif  // MOE_RUN_HF_LAYER

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // safetensors writer and reader: round trips for every dtype, byte-exact output against the
 // reference writer's layout, reader API, whitespace, metadata and unaligned data.
+#include <sys/stat.h>
+
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +14,7 @@
 
 namespace {
 
+using Catch::Contains;
 using moe::io::Dtype;
 using moe::io::SafetensorsFile;
 using moe::io::TensorView;
@@ -160,7 +163,9 @@ TEST_CASE("save_safetensors writes the serialized bytes; SafetensorsFile maps th
       .set_metadata("format", "pt");
   writer.save(dir / "model.safetensors");
   CHECK(text(iotest::read_file(dir / "model.safetensors")) == text(writer.serialize()));
-  CHECK_FALSE(std::filesystem::exists(dir / "model.safetensors.tmp"));
+  std::size_t files = 0;  // no temporary left behind
+  for (auto const& entry : std::filesystem::directory_iterator(dir)) files += entry.exists();
+  CHECK(files == 1);
 
   SafetensorsFile const file(dir / "model.safetensors");
   CHECK(file.display_name() == (dir / "model.safetensors").string());
@@ -173,6 +178,50 @@ TEST_CASE("save_safetensors writes the serialized bytes; SafetensorsFile maps th
     CHECK(w2[i] == Approx(router[i]).epsilon(1.0 / 2048));
   }
   CHECK(file.tensor("experts.0.w1").shape == std::vector<std::int64_t>{3, 2});
+}
+
+TEST_CASE("save_safetensors replaces only regular files, and its errors carry errno's text",
+          "[io][safetensors]") {
+  namespace fs = std::filesystem;
+  fs::path const dir = iotest::scratch_dir("save_outputs");
+  moe::io::SafetensorsWriter writer;
+  writer.add_f32("w", {2}, std::vector<float>{1.0f, 2.0f});
+  auto error_of = [&](fs::path const& path) {
+    try {
+      writer.save(path);
+    } catch (moe::Error const& e) {
+      return std::string(e.what());
+    }
+    return std::string("(saved)");
+  };
+  fs::create_directory(dir / "a_dir");
+  CHECK_THAT(error_of(dir / "a_dir"), Contains("exists and is a directory") &&
+                                          Contains("will not replace it, pass another path"));
+  iotest::write_text(dir / "target", "keep me");
+  fs::create_symlink(dir / "target", dir / "link");
+  CHECK_THAT(error_of(dir / "link"), Contains("exists and is a symbolic link"));
+  CHECK(fs::is_symlink(dir / "link"));
+  REQUIRE(::mkfifo((dir / "fifo").c_str(), 0600) == 0);
+  CHECK_THAT(error_of(dir / "fifo"), Contains("exists and is a FIFO"));
+  CHECK(fs::is_fifo(dir / "fifo"));
+  CHECK_THAT(error_of("/dev/null"), Contains("exists and is a character device"));
+  CHECK_THAT(error_of(dir / "missing_dir" / "w.safetensors"),
+             Contains("cannot create") && Contains("No such file or directory"));
+  CHECK(error_of(dir / "target") == "(saved)");  // a regular file is replaced
+  CHECK(SafetensorsFile(dir / "target").contains("w"));
+  std::size_t files = 0;  // and no temporary is left behind by any of the failures
+  for (auto const& entry : fs::directory_iterator(dir))
+    files += entry.is_regular_file() && !entry.is_symlink();
+  CHECK(files == 1);
+
+  // check_output_file: the same file by device and inode, whatever the name.
+  fs::create_hard_link(dir / "target", dir / "hard");
+  fs::path const inputs[] = {dir / "target"};
+  CHECK_THROWS_WITH(moe::io::check_output_file(dir / "hard", inputs, "out"),
+                    Contains("out: the output") && Contains("is the input"));
+  CHECK_NOTHROW(moe::io::check_output_file(dir / "new.safetensors", inputs, "out"));
+  CHECK(moe::io::same_file(dir / "link", dir / "target"));
+  CHECK_FALSE(moe::io::same_file(dir / "target", dir / "nothing"));
 }
 
 TEST_CASE("the writer rejects inconsistent or unrepresentable tensors", "[io][safetensors]") {
@@ -191,7 +240,7 @@ TEST_CASE("the writer rejects inconsistent or unrepresentable tensors", "[io][sa
   std::vector<TensorView> const bad_utf8 = {{"\xff", Dtype::kU8, {12}, twelve}};
   CHECK_THROWS_WITH(moe::io::serialize_safetensors(bad_utf8), Catch::Contains("not valid UTF-8"));
   CHECK_THROWS_WITH(moe::io::save_safetensors("/nonexistent-dir/x.safetensors", {}),
-                    Catch::Contains("cannot create '/nonexistent-dir/x.safetensors.tmp'"));
+                    Catch::Contains("cannot create '/nonexistent-dir/x.safetensors.tmp."));
 }
 
 TEST_CASE("JSON whitespace around the header is accepted, other padding is not",

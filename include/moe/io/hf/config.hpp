@@ -113,8 +113,13 @@ struct HfMoeConfig {
   Index fp8_block_rows = 0;
   Index fp8_block_cols = 0;
 
-  /// Keys that config.json lacked and that took the family's default (for error messages).
+  /// Keys that config.json lacked and that took the family's default (reported by the loader,
+  /// an error under HfLoadOptions::strict).
   std::vector<std::string> defaulted_keys;
+  /// Top-level keys of config.json that transformers' configuration class of the family does
+  /// not know (detail::hf_known_keys): most often a misspelt key whose setting then silently
+  /// took its default. Reported like defaulted_keys.
+  std::vector<std::string> unknown_keys;
 
   /// The config.json "model_type".
   char const* model_type() const noexcept { return hf_model_type(family); }
@@ -241,6 +246,147 @@ inline JsonValue parse_json_value(JsonCursor& cur) {
       break;
   }
   return v;
+}
+
+/// Whether `key` is a top-level config.json key that transformers knows for `family`: the
+/// keys every PretrainedConfig reads or writes (v4 and v5, legacy generation parameters,
+/// quantization_config, auto_map, rope settings) and the family's configuration class
+/// (configuration_<family>.py, v4.36 to v5; DeepSeek-V3 also its Hub remote code).
+inline bool hf_known_key(HfFamily family, std::string_view key) {
+  static constexpr std::string_view kCommon[] = {"_attn_implementation_autoset",
+                                                 "_commit_hash",
+                                                 "_name_or_path",
+                                                 "add_cross_attention",
+                                                 "architectures",
+                                                 "attn_implementation",
+                                                 "auto_map",
+                                                 "bad_words_ids",
+                                                 "begin_suppress_tokens",
+                                                 "bos_token_id",
+                                                 "chunk_size_feed_forward",
+                                                 "cross_attention_hidden_size",
+                                                 "decoder_start_token_id",
+                                                 "diversity_penalty",
+                                                 "do_sample",
+                                                 "dtype",
+                                                 "early_stopping",
+                                                 "encoder_no_repeat_ngram_size",
+                                                 "eos_token_id",
+                                                 "experts_implementation",
+                                                 "exponential_decay_length_penalty",
+                                                 "finetuning_task",
+                                                 "forced_bos_token_id",
+                                                 "forced_eos_token_id",
+                                                 "gradient_checkpointing",
+                                                 "id2label",
+                                                 "is_decoder",
+                                                 "is_encoder_decoder",
+                                                 "label2id",
+                                                 "length_penalty",
+                                                 "max_length",
+                                                 "min_length",
+                                                 "model_type",
+                                                 "name_or_path",
+                                                 "no_repeat_ngram_size",
+                                                 "num_beam_groups",
+                                                 "num_beams",
+                                                 "num_labels",
+                                                 "num_return_sequences",
+                                                 "output_attentions",
+                                                 "output_hidden_states",
+                                                 "output_scores",
+                                                 "pad_token_id",
+                                                 "per_layer_config",
+                                                 "prefix",
+                                                 "problem_type",
+                                                 "pruned_heads",
+                                                 "quantization_config",
+                                                 "remove_invalid_values",
+                                                 "repetition_penalty",
+                                                 "return_dict",
+                                                 "return_dict_in_generate",
+                                                 "rope_parameters",
+                                                 "rope_scaling",
+                                                 "rope_theta",
+                                                 "sep_token_id",
+                                                 "suppress_tokens",
+                                                 "task_specific_params",
+                                                 "temperature",
+                                                 "tf_legacy_loss",
+                                                 "tie_encoder_decoder",
+                                                 "tie_word_embeddings",
+                                                 "tokenizer_class",
+                                                 "top_k",
+                                                 "top_p",
+                                                 "torch_dtype",
+                                                 "torchscript",
+                                                 "transformers_version",
+                                                 "typical_p",
+                                                 "use_bfloat16",
+                                                 "use_cache"};
+  // Model keys shared by the five families' configuration classes.
+  static constexpr std::string_view kDecoder[] = {
+      "attention_bias",      "attention_dropout",   "head_dim",          "hidden_act",
+      "hidden_size",         "initializer_range",   "intermediate_size", "max_position_embeddings",
+      "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+      "rms_norm_eps",        "vocab_size"};
+  static constexpr std::string_view kMixtral[] = {"num_experts",          "num_local_experts",
+                                                  "output_router_logits", "router_aux_loss_coef",
+                                                  "router_jitter_noise",  "sliding_window"};
+  static constexpr std::string_view kQwen[] = {
+      "decoder_sparse_step",   "layer_types",
+      "max_window_layers",     "mlp_only_layers",
+      "moe_intermediate_size", "norm_topk_prob",
+      "num_experts",           "num_local_experts",
+      "output_router_logits",  "qkv_bias",
+      "router_aux_loss_coef",  "shared_expert_intermediate_size",
+      "sliding_window",        "use_sliding_window"};
+  static constexpr std::string_view kDeepseek[] = {"aux_loss_alpha",
+                                                   "ep_size",
+                                                   "first_k_dense_replace",
+                                                   "kv_lora_rank",
+                                                   "moe_intermediate_size",
+                                                   "moe_layer_freq",
+                                                   "n_group",
+                                                   "n_routed_experts",
+                                                   "n_shared_experts",
+                                                   "norm_topk_prob",
+                                                   "num_local_experts",
+                                                   "num_nextn_predict_layers",
+                                                   "pretraining_tp",
+                                                   "q_lora_rank",
+                                                   "qk_head_dim",
+                                                   "qk_nope_head_dim",
+                                                   "qk_rope_head_dim",
+                                                   "rope_interleave",
+                                                   "routed_scaling_factor",
+                                                   "scoring_func",
+                                                   "seq_aux",
+                                                   "topk_group",
+                                                   "topk_method",
+                                                   "v_head_dim"};
+  static constexpr std::string_view kOlmoe[] = {
+      "clip_qkv",          "norm_topk_prob",       "num_experts",
+      "num_local_experts", "output_router_logits", "router_aux_loss_coef"};
+  auto in = [&](auto const& list) {
+    for (std::string_view const k : list) {
+      if (k == key) return true;
+    }
+    return false;
+  };
+  if (in(kCommon) || in(kDecoder)) return true;
+  switch (family) {
+    case HfFamily::kMixtral:
+      return in(kMixtral);
+    case HfFamily::kQwen2Moe:
+    case HfFamily::kQwen3Moe:
+      return in(kQwen);
+    case HfFamily::kDeepseekV3:
+      return in(kDeepseek);
+    case HfFamily::kOlmoe:
+      return in(kOlmoe);
+  }
+  return false;
 }
 
 /// Typed access to the top-level keys of a config.json, with defaults and aliases. A key whose
@@ -530,6 +676,9 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   }
   if (detail::JsonValue const* n = r.find("num_hidden_layers")) {
     c.num_hidden_layers = r.integer("num_hidden_layers", *n, 1);
+  }
+  for (detail::JsonMember const& m : root.members) {
+    if (!detail::hf_known_key(c.family, m.key)) c.unknown_keys.push_back(m.key);
   }
   detail::validate_hf_config(c, source);
   return c;

@@ -26,6 +26,7 @@
 #include "moe/core/views.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/io/detail/json.hpp"
+#include "moe/io/detail/output_file.hpp"
 #include "moe/io/hf/config.hpp"
 #include "moe/io/hf/names.hpp"
 #include "moe/io/safetensors.hpp"
@@ -171,6 +172,11 @@ struct HfLayer {
   /// every routed expert, and of the shared expert (the layer is packed in them); else empty.
   std::vector<experts::ExpertFormat> stored_formats;
   std::vector<experts::ExpertFormat> stored_shared_formats;
+  /// What the loader accepted but a user should hear about (hf_load_warnings()): config.json
+  /// keys transformers does not know, keys that took defaults, and checkpoint tensors of the
+  /// layer's module that config.json does not account for (e.g. a 9th expert when it says 8).
+  /// Empty when everything matched; HfLoadOptions::strict turns them into an error.
+  std::vector<std::string> warnings;
 };
 
 /// A loaded layer of any supported family (load_hf_moe_layer()); config.family tells which
@@ -344,6 +350,9 @@ struct HfLoadOptions {
   /// checkpoint that nests the text model. Empty: "model.layers.L.block_sparse_moe." or
   /// "model.layers.L.mlp." (Mixtral), "model.layers.L.mlp." (the other families).
   std::string prefix;
+  /// Throw moe::Error instead of returning HfLayer::warnings (unknown or defaulted config.json
+  /// keys, tensors of the layer's module that are not read).
+  bool strict = false;
 };
 
 namespace detail {
@@ -376,6 +385,52 @@ inline std::string missing_tensor_hint(ShardedCheckpoint const& ckpt, HfMoeConfi
   if (c.shared_intermediate_size() > 0) hint += ", a shared expert";
   hint += ") and the checkpoint do not agree; check that they come from the same model";
   return hint;
+}
+
+/// The loader's warnings for `config` and the checkpoint tensors under `prefix` that `read`
+/// does not list (see HfLayer::warnings).
+inline std::vector<std::string> hf_load_warnings(HfMoeConfig const& c,
+                                                 ShardedCheckpoint const& ckpt,
+                                                 std::string const& prefix,
+                                                 std::vector<HfTensor> const& read) {
+  std::vector<std::string> out;
+  auto join = [](std::vector<std::string> const& keys) {
+    std::string list;
+    for (std::string const& k : keys) list += concat(list.empty() ? "" : ", ", printable_name(k));
+    return list;
+  };
+  if (!c.unknown_keys.empty()) {
+    out.push_back(concat("config.json has key(s) ", join(c.unknown_keys),
+                         " that transformers' configuration of ", c.model_type(),
+                         " does not know; they are ignored (misspelt?)"));
+  }
+  if (!c.defaulted_keys.empty()) {
+    out.push_back(concat("config.json lacks ", join(c.defaulted_keys),
+                         ", which took their transformers defaults"));
+  }
+  std::vector<std::string> used;
+  used.reserve(read.size());
+  for (HfTensor const& t : read) used.push_back(t.name);
+  std::sort(used.begin(), used.end());
+  std::size_t unused = 0;
+  std::string first;
+  for (std::string const& name : ckpt.names()) {
+    if (!starts_with(name, prefix)) continue;
+    std::string base = name;
+    if (std::string_view const suffix = "_scale_inv";
+        base.size() > suffix.size() && base.ends_with(suffix)) {
+      base.resize(base.size() - suffix.size());  // FP8 block scales of a weight read
+    }
+    if (std::binary_search(used.begin(), used.end(), base)) continue;
+    if (unused++ == 0) first = name;
+  }
+  if (unused > 0) {
+    out.push_back(concat("the checkpoint has ", unused, " tensor(s) under '", prefix,
+                         "' that this layer does not read (first: ", printable_name(first),
+                         "); config.json describes ", c.num_experts,
+                         " routed experts, check that it belongs to these weights"));
+  }
+  return out;
 }
 
 inline std::string defaulted_note(HfMoeConfig const& c) {
@@ -539,8 +594,16 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
                      {},
                      make_hf_layer<Layer>(config),
                      {},
+                     {},
                      {}};
   out.tensors = hf_layer_tensors(config, out.layout);
+  out.warnings = detail::hf_load_warnings(config, checkpoint, out.layout.prefix, out.tensors);
+  if (options.strict && !out.warnings.empty()) {
+    std::string all;
+    for (std::string const& w : out.warnings) all += detail::concat(all.empty() ? "" : "; ", w);
+    moe::detail::fail("hf: ", checkpoint.source(), ": ", all,
+                      " (strict loading; fix the checkpoint or load without strict)");
+  }
   Index const E = config.num_experts;
   std::vector<experts::WeightFormat> gate(static_cast<std::size_t>(E)), up(gate.size()),
       down(gate.size());
@@ -590,11 +653,30 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
   return out;
 }
 
+namespace detail {
+/// Throws unless `model_dir` is a directory (a path to config.json or to a .safetensors file is
+/// a common slip: say so, instead of failing later on the wrong file).
+inline void check_model_dir(std::filesystem::path const& model_dir) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(model_dir, ec)) return;
+  if (std::filesystem::exists(model_dir, ec)) {
+    moe::detail::fail("hf: '", model_dir.string(),
+                      "' is a file; pass the model's directory (the one holding config.json and "
+                      "the safetensors weights), e.g. '",
+                      model_dir.has_parent_path() ? model_dir.parent_path().string() : ".", "'");
+  }
+  moe::detail::fail("hf: the model directory '", model_dir.string(),
+                    "' does not exist; pass the directory of a Hugging Face model (it holds "
+                    "config.json and the safetensors weights)");
+}
+}  // namespace detail
+
 /// load_hf_layer() from a model directory: `model_dir`/config.json plus model.safetensors or
 /// model.safetensors.index.json and its shards.
 template <class Layer>
 HfLayer<Layer> load_hf_layer(std::filesystem::path const& model_dir, Index layer,
                              HfLoadOptions const& options = {}) {
+  detail::check_model_dir(model_dir);
   HfMoeConfig const config = read_hf_config(model_dir);
   moe::detail::check(hf_family_matches<Layer>(config.family), "hf: ", model_dir.string(),
                      ": the model is a ", config.model_type(),
@@ -612,6 +694,7 @@ HfLayer<Layer> load_hf_layer(std::filesystem::path const& model_dir, Index layer
 /// model_type calls for (see load_hf_layer()).
 inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Index layer,
                                     HfLoadOptions const& options = {}) {
+  detail::check_model_dir(model_dir);
   HfMoeConfig const config = read_hf_config(model_dir);
   if (std::string const why = config.dense_reason(layer); !why.empty()) {
     moe::detail::fail("hf: ", model_dir.string(), ": cannot load layer ", layer, " of this ",
@@ -651,22 +734,9 @@ struct HfSaveOptions {
 namespace detail {
 
 inline void write_text_file(std::filesystem::path const& path, std::string_view text) {
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    moe::detail::fail("hf: cannot create '", tmp.string(), "': ", std::strerror(errno),
-                      "; check that the directory exists and is writable");
-  }
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fclose(f) == 0 && ok;
-  std::error_code ec;
-  if (ok) std::filesystem::rename(tmp, path, ec);
-  if (!ok || ec) {
-    std::filesystem::remove(tmp, ec);
-    moe::detail::fail("hf: writing '", path.string(),
-                      "' failed; check free disk space and permissions");
-  }
+  write_file_atomically(path, "hf", [&](std::FILE* f) {
+    return std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  });
 }
 
 /// Throws unless `layer` has the sizes and routing that `c` describes.
@@ -732,7 +802,8 @@ inline void start_checkpoint_dir(std::filesystem::path const& dir, HfMoeConfig c
   std::filesystem::create_directories(dir, ec);
   if (ec || !std::filesystem::is_directory(dir, ec)) {
     moe::detail::fail("hf: cannot create the directory '", dir.string(),
-                      "'; check the path and its permissions");
+                      "': ", ec ? ec.message() : std::string("a file of that name exists"),
+                      "; check the path and its permissions");
   }
   HfMoeConfig saved = config;
   saved.fp8_block_rows = saved.fp8_block_cols = 0;

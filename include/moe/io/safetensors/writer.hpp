@@ -23,6 +23,7 @@
 
 #include "moe/core/error.hpp"
 #include "moe/io/detail/json.hpp"
+#include "moe/io/detail/output_file.hpp"
 #include "moe/io/safetensors/dtype.hpp"
 #include "moe/io/safetensors/file.hpp"
 #include "moe/io/safetensors/tensor_view.hpp"
@@ -145,38 +146,26 @@ inline std::vector<std::byte> serialize_safetensors(std::span<TensorView const> 
 
 /// Writes serialize_safetensors(tensors, metadata) to `path`, streaming the tensor data. The
 /// file is written under a temporary name next to `path` and renamed over it at the end, so a
-/// failed write never leaves a truncated checkpoint behind.
+/// failed write never leaves a truncated checkpoint behind. An existing `path` must be a regular
+/// file (check_output_path: a directory, symbolic link, FIFO or device is refused); errors carry
+/// the errno text.
 inline void save_safetensors(std::filesystem::path const& path, std::span<TensorView const> tensors,
                              Metadata const& metadata = {}) {
   std::string const where = detail::concat("safetensors: ", path.string());
   detail::PreparedHeader const prepared = detail::prepare_header(tensors, metadata, where);
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    moe::detail::fail(where, ": cannot create '", tmp.string(), "': ", std::strerror(errno),
-                      "; check that the directory exists and is writable");
-  }
-  std::byte length[8];
-  detail::store_le<std::uint64_t>(length, prepared.header.size());
-  bool ok =
-      std::fwrite(length, 1, 8, f) == 8 &&
-      std::fwrite(prepared.header.data(), 1, prepared.header.size(), f) == prepared.header.size();
-  for (std::size_t const i : prepared.order) {
-    std::span<std::byte const> const bytes = tensors[i].bytes;
-    if (!ok) break;
-    ok = bytes.empty() || std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  }
-  int const write_errno = errno;
-  ok = (std::fclose(f) == 0) && ok;
-  std::error_code ec;
-  if (ok) std::filesystem::rename(tmp, path, ec);
-  if (!ok || ec) {
-    std::filesystem::remove(tmp, ec);
-    moe::detail::fail(where,
-                      ": writing failed: ", ok ? "rename failed" : std::strerror(write_errno),
-                      "; check free disk space and permissions");
-  }
+  detail::write_file_atomically(path, where, [&](std::FILE* f) {
+    std::byte length[8];
+    detail::store_le<std::uint64_t>(length, prepared.header.size());
+    bool ok =
+        std::fwrite(length, 1, 8, f) == 8 &&
+        std::fwrite(prepared.header.data(), 1, prepared.header.size(), f) == prepared.header.size();
+    for (std::size_t const i : prepared.order) {
+      std::span<std::byte const> const bytes = tensors[i].bytes;
+      if (!ok) break;
+      ok = bytes.empty() || std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    }
+    return ok;
+  });
 }
 
 /// Collects named tensors (copying their data) and writes them as one safetensors file.
