@@ -300,6 +300,16 @@ TEST_CASE("With packed weights a token's output does not depend on its batch (fp
       layer.forward({x.data() + t0 * D, B, D}, {parts.data() + t0 * D, B, D}, ws);
     }
     REQUIRE(std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float)) == 0);
+    // Batches below kernels::kPanelMinRows (decode steps): the router takes the same kernel.
+    for (Index t0 : {Index{0}, Index{5}, Index{1234}}) {
+      for (Index b : {Index{1}, Index{3}}) {
+        INFO("tokens " << t0 << " + " << b);
+        std::vector<float> small(static_cast<std::size_t>(b * D));
+        layer.forward({x.data() + t0 * D, b, D}, {small.data(), b, D}, ws);
+        REQUIRE(std::memcmp(small.data(), whole.data() + t0 * D, small.size() * sizeof(float)) ==
+                0);
+      }
+    }
   }
 }
 

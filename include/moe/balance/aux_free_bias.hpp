@@ -22,6 +22,11 @@ namespace moe::balance {
 /// created with zeros on the first update).
 struct AuxFreeBias {
   float rate = 1e-3f;
+  /// Throws moe::Error unless rate is finite and >= 0 (0 freezes the bias).
+  void validate() const {
+    ::moe::detail::check(rate >= 0.0f && rate <= 1e6f, "AuxFreeBias: rate = ", rate,
+                         "; it must be a number in [0, 1e6] (0 freezes the bias)");
+  }
   std::vector<double> counts;  ///< [E] assignments accumulated over the current step
 
   double aux_loss(BalanceInputs const&) const { return 0.0; }

@@ -22,6 +22,19 @@ struct Compose {
     return std::get<I>(parts);
   }
 
+  /// Validates every part that has a validate().
+  void validate() const {
+    std::apply(
+        [](auto const&... p) {
+          (
+              [](auto const& q) {
+                if constexpr (requires { q.validate(); }) q.validate();
+              }(p),
+              ...);
+        },
+        parts);
+  }
+
   double aux_loss(BalanceInputs const& in) const {
     return std::apply(
         [&](auto const&... p) { return (0.0 + ... + static_cast<double>(p.aux_loss(in))); }, parts);

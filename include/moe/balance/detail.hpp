@@ -8,8 +8,20 @@
 #include <vector>
 
 #include "moe/core/concepts.hpp"
+#include "moe/core/error.hpp"
 
 namespace moe::balance::detail {
+
+/// Largest loss coefficient a balance policy accepts: far above any published value (1e-4 to
+/// 1e-1), low enough that coef times a loss of order E stays finite in float gradients.
+inline constexpr double kMaxCoefficient = 1e6;
+
+/// Throws moe::Error unless 0 <= value <= kMaxCoefficient (NaN and +-inf rejected; 0 turns the
+/// term off; denormals are accepted and give a vanishing term).
+inline void check_coefficient(char const* who, char const* name, double value) {
+  ::moe::detail::check(value >= 0.0 && value <= kMaxCoefficient, who, ": ", name, " = ", value,
+                       "; it must be a number in [0, ", kMaxCoefficient, "] (0 turns it off)");
+}
 
 /// Is token t a real token (no mask, or mask[t] != 0)?
 inline bool real(BalanceInputs const& in, Index t) {

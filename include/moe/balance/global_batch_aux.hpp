@@ -19,6 +19,8 @@ namespace moe::balance {
 /// With one micro-batch per step this is the ordinary (micro-batch) balance loss.
 struct GlobalBatchAux {
   double coef = 1e-3;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("GlobalBatchAux", "coef", coef); }
   std::vector<double> counts;  ///< [E] routed rows accumulated over the step
   double tokens = 0.0;         ///< real tokens accumulated over the step
   std::vector<double> fbar;    ///< f̄ of the last observed micro-batch (used by backward)

@@ -22,6 +22,8 @@ namespace moe::balance {
 struct HfLoadBalancing {
   Index top_k = 2;
   double coef = 1e-3;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("HfLoadBalancing", "coef", coef); }
 
   double aux_loss(BalanceInputs const& in) const {
     Stats st = stats(in);

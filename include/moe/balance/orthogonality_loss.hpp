@@ -25,6 +25,8 @@ namespace moe::balance {
 /// ALGORITHMS.md 4.6); this policy uses the intended grouping, one token's experts.
 struct OrthogonalityLoss {
   double coef = 1e-4;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("OrthogonalityLoss", "coef", coef); }
   static constexpr double kEps = 1e-6;
 
   double aux_loss(BalanceInputs const& in) const {

@@ -31,14 +31,24 @@ struct RobustExpertWeighting {
   std::vector<double> ema;  ///< [E] Lbar
   std::vector<double> q;    ///< [E] current expert weights
 
+  /// Throws moe::Error unless 0 <= beta < 1, tau in (0, 1e6] and eps in [0, 1] (NaN and inf
+  /// rejected).
+  void validate() const {
+    ::moe::detail::check(beta >= 0.0 && beta < 1.0, "RobustExpertWeighting: beta = ", beta,
+                         "; it must be in [0, 1)");
+    ::moe::detail::check(tau > 0.0 && tau <= 1e6, "RobustExpertWeighting: tau = ", tau,
+                         "; it must be in (0, 1e6]");
+    ::moe::detail::check(eps >= 0.0 && eps <= 1.0, "RobustExpertWeighting: eps = ", eps,
+                         "; it must be in [0, 1]");
+  }
+
   /// Updates the EMA from per-token losses [T] and recomputes q.
   void update(RoutingPlan const& plan, std::span<float const> token_loss) {
     Index const E = plan.num_experts;
     ::moe::detail::check(static_cast<Index>(token_loss.size()) == plan.num_tokens,
                          "RobustExpertWeighting: ", token_loss.size(), " token losses for ",
                          plan.num_tokens, " tokens");
-    ::moe::detail::check(tau > 0.0 && beta >= 0.0 && beta < 1.0,
-                         "RobustExpertWeighting: need tau > 0 and 0 <= beta < 1");
+    validate();
     if (static_cast<Index>(ema.size()) != E) ema.assign(static_cast<std::size_t>(E), 0.0);
     for (Index e = 0; e < E; ++e) {
       double num = 0.0, den = 0.0;

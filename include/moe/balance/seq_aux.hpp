@@ -19,6 +19,8 @@ namespace moe::balance {
 /// Padding tokens (mask 0) are left out of T_s and f. Default alpha 1e-4 (DeepSeek-V3).
 struct SeqAux {
   double alpha = 1e-4;
+  /// Throws moe::Error unless alpha is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("SeqAux", "alpha", alpha); }
   Index seq_len = 0;
 
   double aux_loss(BalanceInputs const& in) const {

@@ -16,6 +16,8 @@ namespace moe::balance {
 /// Uniform routing with top-1 gives L = coef. Defaults: coef 1e-2 (paper; HF uses 1e-3).
 struct SwitchAux {
   double coef = 1e-2;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("SwitchAux", "coef", coef); }
 
   double aux_loss(BalanceInputs const& in) const {
     Index const E = in.plan.num_experts, T = detail::real_tokens(in);

@@ -17,6 +17,8 @@ namespace moe::balance {
 /// (reference target 1e-3). Requires E >= 2 (0 otherwise).
 struct VarianceLoss {
   double coef = 1e-3;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("VarianceLoss", "coef", coef); }
 
   /// V, the mean unbiased variance (without coefficient or sign).
   static double variance(BalanceInputs const& in) {

@@ -13,6 +13,8 @@ namespace moe::balance {
 /// over the T' real tokens. Zero logits give L = coef * (log E)^2. Default coef 1e-3.
 struct ZLoss {
   double coef = 1e-3;
+  /// Throws moe::Error unless coef is in [0, detail::kMaxCoefficient].
+  void validate() const { detail::check_coefficient("ZLoss", "coef", coef); }
 
   double aux_loss(BalanceInputs const& in) const {
     Index const T = detail::real_tokens(in);

@@ -461,9 +461,11 @@ class ExpertParallelMoeFfn
   /// path MoeFfn takes for `total_tokens` rows.
   void route(ConstMatrixView<float> x, ExpertParallelWorkspace& ws, ForwardOptions const& opt,
              Index total_tokens) const {
+    this->check_policies();
     Index const T = x.rows, E = num_experts();
-    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, total_tokens, ws.logits,
-                                           ws.queue, opt.pool);
+    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
+                                           stages::router_path_rows(total_tokens, bank_.packed()),
+                                           ws.logits, ws.queue, opt.pool);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"ExpertParallelMoeFfn", comm_.rank(), ws.token_offset});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan,

@@ -54,11 +54,11 @@ struct GatedAttentionConfig {
   Index head_dim = 0;      ///< d_h
   GateLayout gate_layout = GateLayout::kSeparate;
   QkNorm qk_norm = QkNorm::kNone;
-  float norm_eps = 1e-6f;
+  float norm_eps = 1e-6f;       ///< finite, > 0 (with qk_norm)
   bool rope = false;            ///< rotate-half RoPE on q and k
-  float rope_theta = 10000.0f;  ///< RoPE base
+  float rope_theta = 10000.0f;  ///< RoPE base: finite, >= 1
   Index rotary_dim = 0;         ///< rotated dims per head (even); 0 = head_dim (Qwen3-Next: 64)
-  float scale = 0.0f;           ///< softmax scale; 0 = 1 / sqrt(head_dim)
+  float scale = 0.0f;           ///< softmax scale, finite and > 0; 0 = 1 / sqrt(head_dim)
   bool causal = true;
 };
 
@@ -182,13 +182,14 @@ class GatedAttention {
                   "; grouped-query attention needs num_heads = G * num_kv_heads (e.g. 16 query "
                   "heads over 2 KV heads)");
     if (c_.rotary_dim == 0) c_.rotary_dim = c.head_dim;
-    detail::check(!c.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim <= c.head_dim &&
-                              c_.rotary_dim > 0 && c.rope_theta > 0.0f),
-                  "GatedAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c.rope_theta,
-                  "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
-                  "] and theta > 0");
-    detail::check(c.qk_norm == QkNorm::kNone || c.norm_eps > 0.0f,
-                  "GatedAttention: norm_eps = ", c.norm_eps, "; it must be > 0");
+    detail::check(
+        !c.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim <= c.head_dim && c_.rotary_dim > 0 &&
+                    c.rope_theta >= 1.0f && std::isfinite(c.rope_theta)),
+        "GatedAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c.rope_theta,
+        "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
+        "] and a finite theta >= 1 (a tiny theta overflows the frequencies)");
+    detail::check(c.qk_norm == QkNorm::kNone || (c.norm_eps > 0.0f && std::isfinite(c.norm_eps)),
+                  "GatedAttention: norm_eps = ", c.norm_eps, "; it must be finite and > 0");
     if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "GatedAttention: scale = ", c_.scale,
                   "; pass a finite positive scale or 0 for 1/sqrt(head_dim)");

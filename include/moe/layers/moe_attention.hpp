@@ -47,9 +47,9 @@ struct MoeAttentionConfig {
   Index q_rank = 0;             ///< per-expert query rank r (UMoE q_lora_rank 36); 0 = full rank
   bool residual_query = false;  ///< UMoE res_query_lora: a shared q_res(x) added to every query
   bool rope = false;            ///< rotate-half RoPE on queries and the key
-  float rope_theta = 10000.0f;
-  Index rotary_dim = 0;  ///< even, <= qk_dim; 0 = qk_dim
-  float scale = 0.0f;    ///< 0 = 1 / sqrt(qk_dim)
+  float rope_theta = 10000.0f;  ///< RoPE base: finite, >= 1
+  Index rotary_dim = 0;         ///< even, <= qk_dim; 0 = qk_dim
+  float scale = 0.0f;           ///< 0 = 1 / sqrt(qk_dim)
   bool causal = true;
 };
 
@@ -188,11 +188,12 @@ class MoeAttention {
                   ", qk_dim = ", c_.qk_dim, ", q_rank = ", c_.q_rank,
                   "; d_model and qk_dim must be >= 1, q_rank >= 0 (0 = full-rank queries)");
     if (c_.rotary_dim == 0) c_.rotary_dim = c_.qk_dim;
-    detail::check(!c_.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim > 0 &&
-                               c_.rotary_dim <= c_.qk_dim && c_.rope_theta > 0.0f),
-                  "MoeAttention: rotary_dim = ", c_.rotary_dim,
-                  "; RoPE needs an even rotary_dim in [2, qk_dim = ", c_.qk_dim,
-                  "] and rope_theta > 0");
+    detail::check(
+        !c_.rope || (c_.rotary_dim % 2 == 0 && c_.rotary_dim > 0 && c_.rotary_dim <= c_.qk_dim &&
+                     c_.rope_theta >= 1.0f && std::isfinite(c_.rope_theta)),
+        "MoeAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c_.rope_theta,
+        "; RoPE needs an even rotary_dim in [2, qk_dim = ", c_.qk_dim,
+        "] and a finite rope_theta >= 1 (a tiny theta overflows the frequencies)");
     if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c_.qk_dim));
     detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "MoeAttention: scale = ", c_.scale,
                   "; pass a finite positive scale or 0 for 1/sqrt(qk_dim)");
@@ -501,9 +502,11 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   Index const S = T / B;
   Bank const& bank = *bank_;
 
-  // 1. Route on each token's own hidden state.
-  stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, T, ws.logits, ws.expert_queue,
-                                         pool);
+  // 1. Route on each token's own hidden state (router() is mutable: validated per call).
+  router_.validate();
+  stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
+                                         stages::router_path_rows(T, bank.packed()), ws.logits,
+                                         ws.expert_queue, pool);
   MatrixView<float> logits(ws.logits.data(), T, E);
   stages::check_finite_logits(logits, {"MoeAttention"});
   stages::select_and_plan(router_, logits, nullptr, ws.selection, ws.plan, "MoeAttention");

@@ -48,6 +48,7 @@ struct ForwardOptions {
 ///   dL/dp_{t,i} += <dy_t, d_i> for unselected i;  d gets no gradient, experts none through D.
 /// After each training forward: d_i <- decay d_i + (1 - decay) mean_{rows of i} E_i(x) for every
 /// expert with at least one row; an expert with no rows keeps its d_i. No effect at inference.
+/// Precondition (checked by forward_train when enabled): 0 <= decay <= 1.
 /// (ALGORITHMS.md section 1; the defaults follow the precursor code: kGradOnly; decay 0.95 as in
 /// the LibMoE reimplementation, since the paper's value was not available.)
 struct DefaultMoe {
@@ -186,9 +187,11 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
   void route(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt = {}) const {
     check_input(x);
+    this->check_policies();
     Index const T = x.rows, E = num_experts();
-    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, T, ws.logits, ws.queue,
-                                           opt.pool);
+    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
+                                           stages::router_path_rows(T, bank_.packed()), ws.logits,
+                                           ws.queue, opt.pool);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"MoeFfn"});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan, "MoeFfn");
@@ -238,6 +241,9 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
                   "MoeFfn::forward_train: routing weight multipliers are an inference-time "
                   "control; train without them");
     Index const T = x.rows, D = d_model_;
+    detail::check(
+        !default_moe_.enabled || (default_moe_.decay >= 0.0f && default_moe_.decay <= 1.0f),
+        "MoeFfn: default_moe().decay = ", default_moe_.decay, "; the EMA decay must be in [0, 1]");
     ws.train.stamp = {};
     ws.train.x.resize(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.train.x.data() + t * D);

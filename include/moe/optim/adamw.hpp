@@ -71,8 +71,9 @@ class AdamW {
                   "; betas must be in [0, 1)");
     detail::check(beta2 >= 0.0 && beta2 < 1.0, "optim::AdamW: beta2 = ", beta2,
                   "; betas must be in [0, 1)");
-    detail::check(std::isfinite(eps) && eps >= 0.0, "optim::AdamW: eps = ", eps,
-                  "; eps must be finite and >= 0 (1e-8 is the usual value)");
+    detail::check(std::isfinite(eps) && eps > 0.0, "optim::AdamW: eps = ", eps,
+                  "; eps must be finite and > 0 (1e-8 is the usual value; 0 divides 0 by 0 where a "
+                  "gradient is 0)");
     detail::check(std::isfinite(weight_decay) && weight_decay >= 0.0,
                   "optim::AdamW: weight_decay = ", weight_decay,
                   "; weight decay must be finite and >= 0");

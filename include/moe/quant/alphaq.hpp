@@ -140,9 +140,9 @@ inline Allocation allocate_bits(std::vector<AllocationUnit> const& units,
   std::vector<Index> cost(static_cast<std::size_t>(F));
   for (Index f = 0; f < F; ++f) {
     double const c = bits[static_cast<std::size_t>(f)] * 32.0;
-    moe::detail::check(c > 0 && std::fabs(c - std::round(c)) < 1e-9,
+    moe::detail::check(c >= 1.0 - 1e-9 && c <= 64.0 * 32.0 && std::fabs(c - std::round(c)) < 1e-9,
                        "quant::allocate_bits: ", bits[static_cast<std::size_t>(f)],
-                       " bits is not a positive multiple of 1/32");
+                       " bits is not a positive multiple of 1/32 of at most 64 bits");
     cost[static_cast<std::size_t>(f)] = static_cast<Index>(std::llround(c));
   }
   Index g = 0;
@@ -160,8 +160,9 @@ inline Allocation allocate_bits(std::vector<AllocationUnit> const& units,
   }
   moe::detail::check(std::isfinite(budget_bits) && budget_bits > 0, "quant::allocate_bits: budget ",
                      budget_bits, " bits a weight must be positive and finite");
-  Index const cap =
-      static_cast<Index>(std::floor(budget_bits * 32.0 * static_cast<double>(total) + 1e-6));
+  // A budget above 64 bits a weight buys every candidate: clamped there before the integer cast.
+  Index const cap = static_cast<Index>(
+      std::floor(std::min(budget_bits, 64.0) * 32.0 * static_cast<double>(total) + 1e-6));
   Index const min_cost = *std::min_element(cost.begin(), cost.end());
   moe::detail::check(min_cost * total <= cap, "quant::allocate_bits: a budget of ", budget_bits,
                      " bits a weight is below the smallest candidate (",

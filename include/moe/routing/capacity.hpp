@@ -23,7 +23,10 @@ namespace moe::routing {
 /// are visited by descending slot-0 weight instead of token order (ties: lower token first).
 /// Note: C scales with T / E as in flaxformer, not with T * k / E; raise capacity_factor by k
 /// for the GShard convention.
-/// Shapes: as Inner. Preconditions: capacity_factor > 0, min_capacity >= 0, Inner::validate.
+/// A factor so large that C >= T (FLT_MAX, +inf) means no limit: C is computed in double and
+/// clamped to T before it becomes an integer (no expert can receive more than T tokens).
+/// Shapes: as Inner. Preconditions: capacity_factor > 0 (not NaN; +inf allowed),
+/// min_capacity >= 0, Inner::validate.
 template <class Inner>
 struct WithCapacity {
   Inner inner;
@@ -34,16 +37,12 @@ struct WithCapacity {
   Index expert_count() const { return inner.expert_count(); }
   Index slots_per_token() const { return inner.slots_per_token(); }
   Index capacity(Index num_tokens) const {
-    auto const c = static_cast<Index>(
-        std::nearbyint(static_cast<double>(capacity_factor) * static_cast<double>(num_tokens) /
-                       static_cast<double>(inner.expert_count())));
-    return std::max(c, min_capacity);
+    return detail::capacity_of(capacity_factor, num_tokens, inner.expert_count(), min_capacity);
   }
   void validate() const {
     inner.validate();
-    detail::check(capacity_factor > 0.0f && std::isfinite(capacity_factor),
-                  "WithCapacity: capacity_factor = ", capacity_factor,
-                  "; it must be a positive number");
+    detail::check(capacity_factor > 0.0f, "WithCapacity: capacity_factor = ", capacity_factor,
+                  "; it must be a positive number (+inf: no limit)");
     detail::check(min_capacity >= 0, "WithCapacity: min_capacity = ", min_capacity, " is negative");
   }
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds

@@ -22,7 +22,9 @@ namespace moe::routing {
 /// Not causal: a token's experts depend on the other tokens of the batch, so it does not fit
 /// autoregressive decoding (as the paper says).
 /// Shapes: logits [T, E]; slots = E, slot e holds expert e (or -1), ascending expert order.
-/// Preconditions: num_experts >= 1, capacity_factor > 0, min_capacity >= 0.
+/// Preconditions: num_experts >= 1, capacity_factor > 0 (not NaN; a factor with C >= T, +inf
+/// included, gives every expert every token: C is clamped to T before the integer cast),
+/// min_capacity >= 0.
 struct ExpertChoice {
   Index num_experts = 8;
   float capacity_factor = 1.0f;
@@ -32,16 +34,14 @@ struct ExpertChoice {
   Index slots_per_token() const { return num_experts; }
   /// Tokens each expert processes for a batch of num_tokens tokens.
   Index capacity(Index num_tokens) const {
-    auto const c = static_cast<Index>(
-        std::nearbyint(static_cast<double>(capacity_factor) * static_cast<double>(num_tokens) /
-                       static_cast<double>(num_experts)));
-    return std::min(num_tokens, std::max(c, min_capacity));
+    return std::min(num_tokens,
+                    detail::capacity_of(capacity_factor, num_tokens, num_experts, min_capacity));
   }
   void validate() const {
     using detail::check;
     check(num_experts >= 1, "ExpertChoice: num_experts = ", num_experts, "; need at least 1");
-    check(capacity_factor > 0.0f && std::isfinite(capacity_factor),
-          "ExpertChoice: capacity_factor = ", capacity_factor, "; it must be a positive number");
+    check(capacity_factor > 0.0f, "ExpertChoice: capacity_factor = ", capacity_factor,
+          "; it must be a positive number (+inf: every expert takes every token)");
     check(min_capacity >= 0, "ExpertChoice: min_capacity = ", min_capacity, " is negative");
   }
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds

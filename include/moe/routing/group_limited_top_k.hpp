@@ -34,7 +34,7 @@ enum class GroupScore {
 ///
 /// Shapes: logits [T, E], bias [E] or empty; slots = top_k.
 /// Preconditions: n_group divides num_experts, 1 <= topk_group <= n_group,
-/// 1 <= top_k <= topk_group * (num_experts / n_group), bias finite, scale finite.
+/// 1 <= top_k <= topk_group * (num_experts / n_group), bias finite, 0 < scale <= 1e6.
 struct GroupLimitedTopK {
   Index num_experts = 256;
   Index top_k = 8;
@@ -63,7 +63,7 @@ struct GroupLimitedTopK {
           "GroupLimitedTopK: bias has ", bias.size(), " entries; give one per expert (",
           num_experts, ") or none");
     for (float b : bias) check(std::isfinite(b), "GroupLimitedTopK: bias holds a non-finite value");
-    check(std::isfinite(scale), "GroupLimitedTopK: scale is not finite");
+    detail::check_scale("GroupLimitedTopK", scale);
   }
 
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds

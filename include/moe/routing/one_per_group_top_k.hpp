@@ -21,7 +21,7 @@ namespace moe::routing {
 /// Ties go to the lower index; experts with logit -inf are never selected; a group with no
 /// available expert has no winner.
 /// Shapes: logits [T, E]; slots = top_k. Preconditions: n_group divides num_experts,
-/// 1 <= top_k <= n_group.
+/// 1 <= top_k <= n_group, 0 < scale <= 1e6.
 struct OnePerGroupTopK {
   Index num_experts = 8;
   Index top_k = 2;
@@ -39,7 +39,7 @@ struct OnePerGroupTopK {
           " does not divide num_experts = ", num_experts, "; pick n_group among its divisors");
     check(top_k <= n_group, "OnePerGroupTopK: top_k = ", top_k, " exceeds n_group = ", n_group,
           "; at most one expert per group can be chosen");
-    check(std::isfinite(scale), "OnePerGroupTopK: scale is not finite");
+    detail::check_scale("OnePerGroupTopK", scale);
   }
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
   /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.

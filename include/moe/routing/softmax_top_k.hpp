@@ -20,7 +20,7 @@ namespace moe::routing {
 /// Selection is made on the logits (softmax is monotone, and logits do not underflow to equal
 /// probabilities); ties go to the lower expert index. Experts with logit -inf are never selected.
 /// Shapes: logits [T, E]; Selection slots = top_k, in descending score order.
-/// Preconditions: 1 <= top_k <= num_experts; scale finite.
+/// Preconditions: 1 <= top_k <= num_experts; 0 < scale <= 1e6.
 struct SoftmaxTopK {
   Index num_experts = 8;
   Index top_k = 2;
@@ -31,7 +31,7 @@ struct SoftmaxTopK {
   Index slots_per_token() const { return top_k; }
   void validate() const {
     detail::check_top_k("SoftmaxTopK", num_experts, top_k);
-    detail::check(std::isfinite(scale), "SoftmaxTopK: scale is not finite");
+    detail::check_scale("SoftmaxTopK", scale);
   }
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
   /// extra dL/dscores on entry and is accumulated into; dlogits [T, E] is overwritten.

@@ -144,11 +144,19 @@ class FfnLayerBase {
 
  protected:
   FfnLayerBase() = default;
+  /// The router's and the balance policy's validate(): at construction and on every call, since
+  /// router() and balance() hand out mutable references (a parameter changed between calls is
+  /// checked before it is used). O(E).
+  void check_policies() const {
+    router_.validate();
+    if constexpr (requires { balance_.validate(); }) balance_.validate();
+  }
   /// Validates and takes the policies; `bank_experts` routed experts of D -> F -> D held here
   /// (-1: all of the router's).
   void init(Index d_model, Index d_ffn, Index bank_experts, Router router, Shared shared,
             Balance balance, char const* who) {
     router.validate();
+    if constexpr (requires { balance.validate(); }) balance.validate();
     check(d_model >= 1 && d_ffn >= 1, who, ": d_model = ", d_model, ", d_ffn = ", d_ffn,
           "; both must be >= 1");
     if constexpr (Shared::has_experts) {

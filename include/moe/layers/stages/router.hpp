@@ -6,6 +6,7 @@
 /// balance terms on the logits, the router weight's gradient and its term of dx. Not public API.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -38,8 +39,16 @@ struct LogitOrigin {
   Index token_offset = 0;  ///< global index of the first token (expert parallelism)
 };
 
+/// Rows that choose the router projection's kernel path for a batch of `rows` tokens: with packed
+/// expert weights (an inference layer that promises batch invariance) always the panel path, so
+/// a token's logits do not depend on how many tokens came with it; otherwise `rows` (fewer than
+/// kPanelMinRows take the dot-product path, faster at tiny batches).
+inline Index router_path_rows(Index rows, bool packed) {
+  return packed ? std::max(rows, kernels::kPanelMinRows) : rows;
+}
+
 /// logits [T, E] = x W_r^T (W_r [E, D]) on `queue`; raw weights take the dot-product path when
-/// the single-process layer has fewer than kPanelMinRows tokens (`path_rows`).
+/// `path_rows` (router_path_rows) is below kPanelMinRows.
 template <class RoutedX, class SharedX>
 void router_logits(ConstMatrixView<float> x, float const* weight, Index E, Index path_rows,
                    std::vector<float>& logits, ProjectionQueue& queue, ThreadPool* pool) {

@@ -4,6 +4,7 @@
 /// Pieces shared by the routing policies (not public API).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "moe/core/concepts.hpp"
@@ -135,6 +136,26 @@ inline void renormalized_softmax_backward(Selection const& sel, Index k, float s
       if (e >= 0) dz[e] += scale * (p[e] / sum) * (u[s] - dot);
     }
   }
+}
+
+/// max(round_half_even(factor * T / E), min_capacity), the product taken in double and clamped
+/// to [0, T] before the integer conversion (a huge or infinite factor means no limit, never an
+/// out-of-range cast). factor > 0 and not NaN (validated by the policies).
+inline Index capacity_of(float factor, Index num_tokens, Index num_experts, Index min_capacity) {
+  double const c = static_cast<double>(factor) * static_cast<double>(num_tokens) /
+                   static_cast<double>(num_experts);
+  double r = std::nearbyint(c);
+  if (!(r > 0.0)) r = 0.0;  // NaN too
+  if (r > static_cast<double>(num_tokens)) r = static_cast<double>(num_tokens);
+  return std::max(static_cast<Index>(r), min_capacity);
+}
+
+/// Throws unless the routed scaling factor is in (0, 1e6]: NaN, +-inf, 0 and negative values are
+/// rejected (a weight of 0 or below is not a routing weight), and the bound keeps
+/// scale * weight far from float overflow. Denormal scales are accepted.
+inline void check_scale(char const* who, float scale) {
+  check(scale > 0.0f && scale <= 1e6f, who, ": scale = ", scale,
+        "; the routed scaling factor must be in (0, 1e6] (1 = unscaled)");
 }
 
 inline void check_top_k(char const* who, Index num_experts, Index top_k) {
