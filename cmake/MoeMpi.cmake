@@ -2,6 +2,7 @@
 # Expert parallelism over MPI (include/moe/dist/): the INTERFACE target moe::dist (moe::moe +
 # MPI::MPI_CXX + the dist/ headers), built when MOE_WITH_MPI is ON. Included by the top
 # CMakeLists.txt after the moe target, whose header set must leave out include/moe/dist/.
+# Installed, it is the package component dist: find_package(moe COMPONENTS dist).
 find_package(MPI COMPONENTS CXX QUIET)
 if(MPI_CXX_FOUND)
   set(_moe_mpi_default ON)
@@ -28,7 +29,9 @@ if(MOE_WITH_MPI)
     set_target_properties(moe_dist PROPERTIES VERIFY_INTERFACE_HEADER_SETS ON)
   endif()
   if(MOE_INSTALL)
-    install(TARGETS moe_dist EXPORT moeTargets FILE_SET HEADERS)
+    # Its own export set (moeDistTargets.cmake, NAMESPACE moe::, installed by the top
+    # CMakeLists.txt): moeConfig.cmake loads it, and finds MPI, only for COMPONENTS dist.
+    install(TARGETS moe_dist EXPORT moeDistTargets FILE_SET HEADERS)
   endif()
   # How moe's tests, examples and benches launch MPI programs: Open MPI needs --oversubscribe for
   # more ranks than cores (CI has 2 cores, the tests use 4 ranks) and refuses to run as root

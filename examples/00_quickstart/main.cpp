@@ -16,10 +16,18 @@
 //
 // Command line:
 //   cmake --preset release && cmake --build build/release --target moe_quickstart
-//   ./build/release/examples/moe_quickstart            # Qwen3 shape, 512 tokens (2.4 GB weights)
+//   ./build/release/examples/moe_quickstart            # Qwen3 shape, 512 tokens
 //   ./build/release/examples/moe_quickstart --small    # D 64, F 32, E 8, K 2, 16 tokens (ctest)
+// Memory: the Qwen3 shape peaks at about 4.9 GB (printed at the end, getrusage ru_maxrss): 2.42 GB
+// of fp32 expert weights, their 2.42 GB fp32 panel copy from pack_weights (the layer keeps the
+// [out, in] weights for reads, edits and training; forward streams the panels), and about 60 MB
+// of router weights, activations and workspace. The run takes 10-25 s on a shared 2-core
+// machine, most of it the kernel handing out fresh pages while the weights are zeroed, filled and
+// packed; progress lines say which phase it is in.
 // Exit status: 0 on success, 1 if the output has a non-finite value or moe reports an error,
 // 2 on a bad argument.
+
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -38,6 +46,40 @@
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// "2.42 GB" (10^9 bytes) or "1.3 MB".
+void print_bytes(double bytes) {
+  if (bytes >= 1e9) {
+    std::printf("%.2f GB", bytes * 1e-9);
+  } else {
+    std::printf("%.1f MB", bytes * 1e-6);
+  }
+}
+
+/// The process's peak resident set so far, in bytes (Linux reports ru_maxrss in KiB).
+double peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) * 1024.0;
+}
+
+/// fill_uniform(out, lo, hi, seed) in ten slices with a progress line; the same values as one
+/// call, since SplitMix64's state after i values is seed + i * its increment.
+void fill_uniform_with_progress(std::span<float> out, float lo, float hi, std::uint64_t seed) {
+  std::size_t const n = out.size(), slices = 10;
+  for (std::size_t s = 0; s < slices; ++s) {
+    std::size_t const b = n * s / slices, e = n * (s + 1) / slices;
+    moe::fill_uniform(out.subspan(b, e - b), lo, hi, seed + b * 0x9E3779B97F4A7C15ull);
+    std::printf(" %zu%%", 100 * (s + 1) / slices);
+    std::fflush(stdout);
+  }
+}
+
 int run(bool small) {
   moe::presets::Qwen3MoeConfig config;  // Qwen3-30B-A3B: D 2048, F 768, E 128, K 8
   moe::Index T = 512;
@@ -50,21 +92,46 @@ int run(bool small) {
   }
   moe::Index const D = config.hidden_size, F = config.moe_intermediate_size;
   moe::Index const E = config.num_experts, K = config.num_experts_per_tok;
+  int const threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::printf(
+      "moe quickstart: Qwen3-MoE layer D %td, F %td, E %td, top-%td, %td tokens, %d "
+      "thread(s)\n",
+      D, F, E, K, T, threads);
 
   // Random weights, uniform in [-1/sqrt(D), 1/sqrt(D)), from fixed seeds.
-  moe::presets::Qwen3Moe layer = moe::presets::make_qwen3_moe(config);
+  double const weight_bytes =  // per expert: gate|up [2F, D], down [D, F]
+      static_cast<double>(E * 3 * F * D) * static_cast<double>(sizeof(float));
+  std::printf("weights:      ");
+  print_bytes(weight_bytes);
+  std::printf(" of fp32 expert weights: allocating,");
+  std::fflush(stdout);
+  auto t = Clock::now();
+  moe::presets::Qwen3Moe layer = moe::presets::make_qwen3_moe(config);  // zeroed weights
+  std::printf(" filling:");
+  std::fflush(stdout);
   float const bound = 1.0f / std::sqrt(static_cast<float>(D));
   moe::MatrixView<float> const w_r = layer.router_weight();  // [E, D]
   moe::fill_uniform(std::span<float>(w_r.data, static_cast<std::size_t>(E * D)), -bound, bound, 1);
-  moe::fill_uniform(layer.experts().edit().parameters(), -bound, bound, 2);
-  layer.pack_weights();  // once, after the weights are set: the micro-kernel's panel layout
+  fill_uniform_with_progress(layer.experts().edit().parameters(), -bound, bound, 2);
+  std::printf("  (%.1f s)\n", seconds_since(t));
+
+  moe::ThreadPool pool(threads);
+  std::printf("pack:         fp32 panels for the micro-kernel ...");
+  std::fflush(stdout);
+  t = Clock::now();
+  layer.pack_weights(moe::experts::WeightFormat::kF32, &pool);  // once, after the weights are set
+  double packed_bytes = 0.0;
+  for (moe::Index e = 0; e < E; ++e) {
+    packed_bytes += static_cast<double>(layer.experts().packed_bytes(e));
+  }
+  std::printf(" ");
+  print_bytes(packed_bytes);
+  std::printf(" more (%.1f s)\n", seconds_since(t));
 
   std::vector<float> x(static_cast<std::size_t>(T * D));  // [T, D] activations
   std::vector<float> y(x.size());                         // [T, D] layer output
   moe::fill_uniform(x, -1.0f, 1.0f, 3);
 
-  int const threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  moe::ThreadPool pool(threads);
   moe::MoeFfnWorkspace ws;
   layer.reserve(ws, T, threads);
   moe::ForwardOptions opt;
@@ -73,15 +140,9 @@ int run(bool small) {
   moe::ConstMatrixView<float> const xv(x.data(), T, D);
   moe::MatrixView<float> const yv(y.data(), T, D);
   layer.forward(xv, yv, ws, opt);  // warm-up (first touch of the workspace and the weights)
-  auto const t0 = std::chrono::steady_clock::now();
+  auto const t0 = Clock::now();
   layer.forward(xv, yv, ws, opt);
-  auto const t1 = std::chrono::steady_clock::now();
-  double const seconds = std::chrono::duration<double>(t1 - t0).count();
-
-  std::printf(
-      "moe quickstart: Qwen3-MoE layer D %td, F %td, E %td, top-%td, %td tokens, %d "
-      "thread(s)\n",
-      D, F, E, K, T, threads);
+  double const seconds = seconds_since(t0);
 
   moe::routing::RoutingStats const st = moe::routing::routing_stats(ws.plan, ws.selection);
   std::printf("expert load:  min %td  max %td  mean %.2f rows  imbalance (max/mean) %.3f\n",
@@ -108,6 +169,13 @@ int run(bool small) {
   for (float v : y) sum_sq += static_cast<double>(v) * static_cast<double>(v);
   std::printf("output:       all %zu values finite, rms %.4g\n", y.size(),
               std::sqrt(sum_sq / static_cast<double>(y.size())));
+  std::printf("peak memory:  ");
+  print_bytes(peak_rss_bytes());
+  std::printf(" resident (getrusage ru_maxrss) = fp32 weights ");
+  print_bytes(weight_bytes);
+  std::printf(" + packed panels ");
+  print_bytes(packed_bytes);
+  std::printf(" + router, activations, workspace\n");
   return 0;
 }
 

@@ -17,8 +17,10 @@
 //                 auxiliary-loss-free balancing through a selection-only bias;
 //   - routing_stats per step: imbalance = max / mean tokens per expert (1 = balanced).
 // Output: a progress line every few steps, DIR/train_load.csv (variant, step, loss, imbalance,
-// load share of each expert), DIR/train_load.svg (heatmap: steps x experts, colour = load share),
-// and a summary table.
+// load share of each expert), DIR/train_load.svg (one heatmap per variant on a white background:
+// x = training step, y = expert, with ticks and axis labels; colour = load share x E on a log
+// scale, explained by a colour bar with its scale and the run's min and max), and a summary table
+// whose legend says what each column is (final = mean over the last 10% of the steps).
 //
 // Command line:
 //   cmake --preset release && cmake --build build/release --target moe_train_example
@@ -147,32 +149,133 @@ double mean_tail(std::vector<double> const& v) {  // mean over the last 10% of t
   return s / static_cast<double>(n);
 }
 
-/// Heatmap, one panel per variant: x = step, y = expert, colour = v = share * E on a log scale:
-/// white at v = 1 (balanced), blue towards v = 0 (idle), red towards v = E / k (every token).
-void write_svg(std::string const& path, std::vector<History const*> const& hs, Index E, Index k) {
-  int const steps = static_cast<int>(hs[0]->loss.size()), cw = std::max(1, 900 / steps), ch = 12;
-  int const panel = static_cast<int>(E) * ch + 30;
-  double const top = std::log(std::max(2.0, static_cast<double>(E) / static_cast<double>(k)));
-  std::ofstream f(path);
-  f << "<svg xmlns='http://www.w3.org/2000/svg' width='" << steps * cw + 20 << "' height='"
-    << panel * static_cast<int>(hs.size()) + 20 << "' font-family='sans-serif' font-size='11'>\n";
-  for (std::size_t p = 0; p < hs.size(); ++p) {
-    int const y0 = static_cast<int>(p) * panel + 20;
-    f << "<text x='10' y='" << y0 - 5 << "'>" << hs[p]->name << ": load share x E of experts 0-"
-      << E - 1 << " (rows) over steps 0-" << steps - 1 << " (columns); white 1, blue 0, red "
-      << E / k << "</text>\n";
-    for (int s = 0; s < steps; ++s) {
-      for (Index e = 0; e < E; ++e) {
-        double const v = hs[p]->share[s * E + e] * static_cast<double>(E);
-        double const a = v <= 0.0 ? 1.0 : std::min(1.0, std::fabs(std::log(v)) / top);
-        int const fade = static_cast<int>(255.0 * (1.0 - a));
-        f << "<rect x='" << 10 + s * cw << "' y='" << y0 + e * ch << "' width='" << cw
-          << "' height='" << ch << "' fill='rgb(" << (v < 1.0 ? fade : 255) << ',' << fade << ','
-          << (v < 1.0 ? 255 : fade) << ")'/>\n";
-      }
+/// The heatmap's colour of v = share * E on a log scale: white at v = 1 (balanced), blue towards
+/// v = 0 (idle), red towards v = E / k (every token); |log v| >= top is fully saturated.
+struct LoadColour {
+  double top;  // log of the saturating ratio, log(max(2, E / k))
+  void write(std::ostream& f, double v) const {
+    double const a = v <= 0.0 ? 1.0 : std::min(1.0, std::fabs(std::log(v)) / top);
+    int const fade = static_cast<int>(255.0 * (1.0 - a));
+    f << "rgb(" << (v < 1.0 ? fade : 255) << ',' << fade << ',' << (v < 1.0 ? 255 : fade) << ')';
+  }
+};
+
+/// printf-formats one number.
+std::string number(char const* format, double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+/// Step between x tick labels: 1, 2, 5, 10, 20, 50, ... giving at most 10 ticks over `steps`.
+int tick_step(int steps) {
+  for (int base = 1;; base *= 10) {
+    for (int m : {1, 2, 5}) {
+      if (steps <= 10 * m * base) return m * base;
     }
   }
-  f << "</svg>\n";
+}
+
+/// Heatmap, one panel per variant: x = training step, y = expert, colour = v = share * E (see
+/// LoadColour), on a white background with a title, axes, ticks, axis labels and a colour bar
+/// whose ticks give the scale (and the smallest and largest v of the run).
+void write_svg(std::string const& path, std::vector<History const*> const& hs, Index E, Index k) {
+  int const steps = static_cast<int>(hs[0]->loss.size()), cw = std::max(1, 600 / steps);
+  int const ch = 14, rows = static_cast<int>(E) * ch, left = 70, top_margin = 40;
+  int const panel = rows + 70;  // panel title, heatmap, x ticks and axis label
+  int const width = left + steps * cw, bar_x = width + 40, bar_h = std::max(rows, 120);
+  int const svg_w = bar_x + 200, svg_h = top_margin + panel * static_cast<int>(hs.size()) + 10;
+  LoadColour const colour{std::log(std::max(2.0, static_cast<double>(E) / static_cast<double>(k)))};
+  double v_min = 1e300, v_max = 0.0;
+  for (auto* h : hs) {
+    for (double share : h->share) {
+      v_min = std::min(v_min, share * static_cast<double>(E));
+      v_max = std::max(v_max, share * static_cast<double>(E));
+    }
+  }
+  std::ofstream f(path);
+  f << "<?xml version='1.0' encoding='UTF-8'?>\n"
+    << "<svg xmlns='http://www.w3.org/2000/svg' width='" << svg_w << "' height='" << svg_h
+    << "' viewBox='0 0 " << svg_w << ' ' << svg_h << "' font-family='sans-serif' font-size='11'>\n"
+    << "<rect id='background' x='0' y='0' width='" << svg_w << "' height='" << svg_h
+    << "' fill='white'/>\n"
+    << "<text id='title' x='" << svg_w / 2 << "' y='20' text-anchor='middle' font-size='14'>"
+    << "Expert load during training (E = " << E << ", top-" << k << "): load share x E per "
+    << "step</text>\n";
+  int const dx = tick_step(steps), de = std::max<Index>(1, (E + 15) / 16);
+  for (std::size_t p = 0; p < hs.size(); ++p) {
+    int const y0 = top_margin + static_cast<int>(p) * panel + 16;  // heatmap top
+    f << "<text class='panel-title' x='" << left << "' y='" << y0 - 5 << "' font-weight='bold'>"
+      << hs[p]->name << "</text>\n<g class='heatmap'>\n";
+    for (int s = 0; s < steps; ++s) {
+      for (Index e = 0; e < E; ++e) {
+        f << "<rect x='" << left + s * cw << "' y='" << y0 + e * ch << "' width='" << cw
+          << "' height='" << ch << "' fill='";
+        colour.write(f, hs[p]->share[s * E + e] * static_cast<double>(E));
+        f << "'/>\n";
+      }
+    }
+    f << "</g>\n<g class='axes' stroke='black' fill='none'>\n"
+      << "<rect x='" << left << "' y='" << y0 << "' width='" << steps * cw << "' height='" << rows
+      << "'/>\n";
+    for (int s = 0; s < steps; s += dx) {
+      int const x = left + s * cw + cw / 2;
+      f << "<line x1='" << x << "' y1='" << y0 + rows << "' x2='" << x << "' y2='" << y0 + rows + 4
+        << "'/>\n";
+    }
+    for (Index e = 0; e < E; e += de) {
+      int const y = static_cast<int>(y0 + e * ch + ch / 2);
+      f << "<line x1='" << left - 4 << "' y1='" << y << "' x2='" << left << "' y2='" << y
+        << "'/>\n";
+    }
+    f << "</g>\n<g class='tick-labels'>\n";
+    for (int s = 0; s < steps; s += dx) {
+      f << "<text class='x-tick' x='" << left + s * cw + cw / 2 << "' y='" << y0 + rows + 16
+        << "' text-anchor='middle'>" << s << "</text>\n";
+    }
+    for (Index e = 0; e < E; e += de) {
+      f << "<text class='y-tick' x='" << left - 7 << "' y='" << y0 + e * ch + ch / 2 + 4
+        << "' text-anchor='end'>" << e << "</text>\n";
+    }
+    f << "</g>\n<text class='x-label' x='" << left + steps * cw / 2 << "' y='" << y0 + rows + 32
+      << "' text-anchor='middle'>training step</text>\n"
+      << "<text class='y-label' x='" << left - 38 << "' y='" << y0 + rows / 2
+      << "' text-anchor='middle' transform='rotate(-90 " << left - 38 << ' ' << y0 + rows / 2
+      << ")'>expert</text>\n";
+  }
+  // Colour bar: v on a log scale from exp(-top) (bottom, blue; smaller v are as blue) to
+  // exp(top) (top, red), 1 (white) in the middle.
+  int const bar_y = top_margin + 16, slices = 64;
+  f << "<g class='colour-bar'>\n";
+  for (int i = 0; i < slices; ++i) {
+    double const lv = colour.top * (1.0 - 2.0 * (i + 0.5) / slices);
+    f << "<rect x='" << bar_x << "' y='" << bar_y + i * bar_h / slices << "' width='16' height='"
+      << bar_h / slices + 1 << "' fill='";
+    colour.write(f, std::exp(lv));
+    f << "'/>\n";
+  }
+  f << "<rect x='" << bar_x << "' y='" << bar_y << "' width='16' height='" << bar_h
+    << "' fill='none' stroke='black'/>\n";
+  double const hi = std::exp(colour.top);  // max(2, E / k); E / k: an expert takes every token
+  struct Tick {
+    double frac;  // 0 = top of the bar
+    std::string text;
+  };
+  bool const full = hi == static_cast<double>(E) / static_cast<double>(k);
+  std::vector<Tick> const ticks{{0.0, number("%.3g", hi) + (full ? " (every token)" : "")},
+                                {0.5, "1 (balanced)"},
+                                {1.0, "&lt;= " + number("%.3g", 1.0 / hi) + " (0: idle)"}};
+  for (Tick const& t : ticks) {
+    int const y = bar_y + static_cast<int>(t.frac * bar_h);
+    f << "<line x1='" << bar_x + 16 << "' y1='" << y << "' x2='" << bar_x + 20 << "' y2='" << y
+      << "' stroke='black'/>\n<text class='bar-tick' x='" << bar_x + 23 << "' y='" << y + 4 << "'>"
+      << t.text << "</text>\n";
+  }
+  f << "<text class='bar-label' x='" << bar_x << "' y='" << bar_y + bar_h + 18
+    << "'>load share x E (log scale)</text>\n<text class='bar-range' x='" << bar_x << "' y='"
+    << bar_y + bar_h + 32 << "'>this run: min " << number("%.2f", v_min) << ", max "
+    << number("%.2f", v_max) << "</text>\n</g>\n"
+    << "</svg>\n";
 }
 
 int run(bool small, std::string const& dir) {
@@ -226,12 +329,19 @@ int run(bool small, std::string const& dir) {
   write_svg(dir + "/train_load.svg", hs, z.E, k);
   std::printf("wrote %s/train_load.csv and %s/train_load.svg\n\n", dir.c_str(), dir.c_str());
 
-  std::printf("%-10s %12s %12s %14s %26s\n", "variant", "initial loss", "final loss",
-              "final/initial", "imbalance (last 10% mean)");
+  int const tail = static_cast<int>(std::max<std::size_t>(1, plain.h.loss.size() / 10));
+  std::printf(
+      "Columns: initial loss = MSE at step 0; final loss = mean loss over the last 10%% of steps "
+      "(steps %d-%d);\n"
+      "final/initial = their ratio (pass: below %.2f); imbalance = max / mean tokens per expert "
+      "(1 = balanced),\nmean over the same last 10%% of steps.\n",
+      z.steps - tail, z.steps - 1, kMaxLossRatio);
+  std::printf("%-10s %12s %22s %14s %22s\n", "variant", "initial loss", "final loss (last 10%)",
+              "final/initial", "imbalance (last 10%)");
   bool ok = true;
   for (auto* h : hs) {
     double const first = h->loss.front(), last = mean_tail(h->loss);
-    std::printf("%-10s %12.4f %12.4f %14.3f %26.3f\n", h->name.c_str(), first, last, last / first,
+    std::printf("%-10s %12.4f %22.4f %14.3f %22.3f\n", h->name.c_str(), first, last, last / first,
                 mean_tail(h->imbalance));
     ok = ok && std::isfinite(last) && last < kMaxLossRatio * first;
   }

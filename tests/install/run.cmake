@@ -3,6 +3,11 @@
 #   MODE=find_package:     install moe to a prefix, build tests/install/consumer against it.
 #   MODE=add_subdirectory: build the consumer with moe pulled in through add_subdirectory.
 # Then run the consumer, which checks a small layer's output.
+#   MODE=components:       the component dist (tests/install/components, configure only but for
+#     one small MPI program): find_package(moe) works with MPI unfindable; with WITH_MPI ON,
+#     COMPONENTS dist gives moe::dist (and fails, saying why, with MPI unfindable); a moe
+#     installed with MOE_WITH_MPI=OFF fails COMPONENTS dist and says why, and leaves
+#     moe_dist_FOUND false for OPTIONAL_COMPONENTS dist.
 file(REMOVE_RECURSE "${WORK_DIR}")
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -11,7 +16,52 @@ function(run)
   endif()
   message(STATUS "${out}")
 endfunction()
+# A command that must fail with `regex` in its output.
+function(run_fails regex)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "${regex}")
+    message(FATAL_ERROR "command should have failed with '${regex}' (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  message(STATUS "failed as it should:\n${err}")
+endfunction()
+function(install_moe prefix with_mpi)
+  set(skip_mpi "")
+  if(NOT with_mpi)  # do not even look (FindMPI takes seconds)
+    set(skip_mpi -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON)
+  endif()
+  run(${CMAKE_COMMAND} -S "${MOE_SOURCE_DIR}" -B "${prefix}-build" -DMOE_BUILD_TESTS=OFF
+      -DMOE_BUILD_BENCHMARKS=OFF -DMOE_BUILD_EXAMPLES=OFF -DMOE_INSTALL=ON -DMOE_VERIFY_HEADERS=OFF
+      -DMOE_WITH_MPI=${with_mpi} ${skip_mpi} "-DCMAKE_INSTALL_PREFIX=${prefix}")
+  run(${CMAKE_COMMAND} --install "${prefix}-build")
+endfunction()
 set(consumer "${MOE_SOURCE_DIR}/tests/install/consumer")
+if(MODE STREQUAL "components")
+  set(components "${MOE_SOURCE_DIR}/tests/install/components")
+  set(no_mpi -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON)
+  install_moe("${WORK_DIR}/prefix" ${WITH_MPI})
+  run(${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/none" -DCASE=none ${no_mpi}
+      "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+  if(WITH_MPI)
+    run(${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/dist" -DCASE=dist
+        "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+    run(${CMAKE_COMMAND} --build "${WORK_DIR}/dist")
+    run("${WORK_DIR}/dist/dist_consumer")
+    run_fails("Component[ \n]+dist[ \n]+needs[ \n]+MPI" ${CMAKE_COMMAND} -S "${components}"
+              -B "${WORK_DIR}/dist-no-mpi" -DCASE=dist ${no_mpi}
+              "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+  endif()
+  install_moe("${WORK_DIR}/prefix-without-mpi" OFF)
+  run_fails("built[ \n]+without[ \n]+MPI" ${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/dist-without"
+            -DCASE=dist "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix-without-mpi")
+  execute_process(COMMAND ${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/optional-without"
+                          -DCASE=optional_dist "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix-without-mpi"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "moe_dist_FOUND=(FALSE|0|OFF|), no moe::dist")
+    message(FATAL_ERROR "OPTIONAL_COMPONENTS dist on a moe without MPI: want moe found, "
+                        "moe_dist_FOUND false and no moe::dist (${rc}):\n${out}\n${err}")
+  endif()
+  return()
+endif()
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} -S "${MOE_SOURCE_DIR}" -B "${WORK_DIR}/moe-build" -DMOE_BUILD_TESTS=OFF
       -DMOE_BUILD_BENCHMARKS=OFF -DMOE_BUILD_EXAMPLES=OFF -DMOE_INSTALL=ON -DMOE_VERIFY_HEADERS=OFF
