@@ -92,7 +92,8 @@ int run(bool small) {
   }
   moe::Index const D = config.hidden_size, F = config.moe_intermediate_size;
   moe::Index const E = config.num_experts, K = config.num_experts_per_tok;
-  int const threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int const threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1,
+                                 moe::ThreadPool::kMaxThreads);
   std::printf(
       "moe quickstart: Qwen3-MoE layer D %td, F %td, E %td, top-%td, %td tokens, %d "
       "thread(s)\n",

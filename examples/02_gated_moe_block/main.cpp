@@ -86,7 +86,8 @@ int run(bool small) {
 
   std::vector<float> x(static_cast<std::size_t>(T * D)), normed(x.size()), h(x.size()), y(x.size());
   moe::fill_uniform(x, -1.0f, 1.0f, 20);
-  int const threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int const threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1,
+                                 moe::ThreadPool::kMaxThreads);
   moe::ThreadPool pool(threads);
   moe::GatedAttentionWorkspace aws;
   moe::MoeFfnWorkspace fws;

@@ -225,7 +225,8 @@ int main_impl(int argc, char** argv) {
     if (args.count(required) == 0) fail("missing ", required, "; ", kUsage);
   }
   Index const layer = parse_int(args, "--layer", 0);
-  Index threads = static_cast<Index>(std::max(1u, std::thread::hardware_concurrency()));
+  Index threads = std::clamp(static_cast<Index>(std::thread::hardware_concurrency()), Index{1},
+                             Index{moe::ThreadPool::kMaxThreads});
   if (args.count("--threads") != 0)
     threads = parse_int(args, "--threads", 1, moe::ThreadPool::kMaxThreads);
   std::unique_ptr<moe::ThreadPool> pool;

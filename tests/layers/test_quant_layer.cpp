@@ -186,5 +186,11 @@ TEST_CASE("Quantized packs of shapes their blocks do not divide are errors", "[l
   std::vector<experts::ExpertFormat> const three(3);
   CHECK_THROWS_WITH(layer.experts().pack(three), Catch::Contains("3 formats for 4 experts"));
   CHECK(experts::parse_weight_format("Q4_K") == WeightFormat::kQ4_K);
+  for (WeightFormat f :
+       {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kQ6_K,
+        WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+    INFO(experts::name(f));
+    CHECK(experts::parse_weight_format(experts::name(f)) == f);  // every format's name parses
+  }
   CHECK_THROWS_WITH(experts::parse_weight_format("int4"), Catch::Contains("fp32, bf16, q8_0"));
 }

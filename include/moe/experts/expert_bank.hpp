@@ -75,8 +75,8 @@ inline WeightFormat parse_weight_format(std::string_view s) {
   for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
   if (lower == "bf16") return WeightFormat::kBf16;
-  for (auto f :
-       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0}) {
+  for (auto f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
+                 WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     if (lower == name(f)) return f;
   }
   detail::fail("parse_weight_format: unknown weight format '", s,

@@ -28,9 +28,9 @@ namespace moe::routing {
 /// Preconditions (checked by `validate`): sizes E, finite offsets and multipliers, and at least
 /// one available expert (the layer also requires at least top_k of them for token choice).
 struct RoutingControls {
-  std::span<float const> logit_offset;
-  std::span<float const> weight_multiplier;
-  std::span<std::uint8_t const> expert_mask;
+  std::span<float const> logit_offset = {};
+  std::span<float const> weight_multiplier = {};
+  std::span<std::uint8_t const> expert_mask = {};
 
   bool empty() const {
     return logit_offset.empty() && weight_multiplier.empty() && expert_mask.empty();

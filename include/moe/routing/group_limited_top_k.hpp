@@ -44,7 +44,7 @@ struct GroupLimitedTopK {
   float scale = 1.0f;     ///< routed_scaling_factor
   ScoreFunction scoring = ScoreFunction::kSigmoid;
   GroupScore group_score = GroupScore::kTopTwoSum;
-  std::vector<float> bias;  ///< [E] selection-only bias (e_score_correction_bias), or empty
+  std::vector<float> bias = {};  ///< [E] selection-only bias (e_score_correction_bias), or empty
 
   Index expert_count() const { return num_experts; }
   Index slots_per_token() const { return top_k; }
