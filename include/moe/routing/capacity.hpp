@@ -34,10 +34,13 @@ struct WithCapacity {
   Index expert_count() const { return inner.expert_count(); }
   Index slots_per_token() const { return inner.slots_per_token(); }
   Index capacity(Index num_tokens) const {
-    auto const c = static_cast<Index>(
+    double const c =
         std::nearbyint(static_cast<double>(capacity_factor) * static_cast<double>(num_tokens) /
-                       static_cast<double>(inner.expert_count())));
-    return std::max(c, min_capacity);
+                       static_cast<double>(inner.expert_count()));
+    // Converting a value beyond Index is undefined behaviour (capacity_factor = 1e30 is valid):
+    // saturate at 2^62, more tokens than any batch has.
+    Index const capped = c < 0x1p62 ? static_cast<Index>(c) : Index{1} << 62;
+    return std::max(capped, min_capacity);
   }
   void validate() const {
     inner.validate();

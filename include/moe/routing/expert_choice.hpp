@@ -32,10 +32,13 @@ struct ExpertChoice {
   Index slots_per_token() const { return num_experts; }
   /// Tokens each expert processes for a batch of num_tokens tokens.
   Index capacity(Index num_tokens) const {
-    auto const c = static_cast<Index>(
+    double const c =
         std::nearbyint(static_cast<double>(capacity_factor) * static_cast<double>(num_tokens) /
-                       static_cast<double>(num_experts)));
-    return std::min(num_tokens, std::max(c, min_capacity));
+                       static_cast<double>(num_experts));
+    // Converting a value beyond Index is undefined behaviour (capacity_factor = 1e30 is valid):
+    // saturate at 2^62, more tokens than any batch has.
+    Index const capped = c < 0x1p62 ? static_cast<Index>(c) : Index{1} << 62;
+    return std::min(num_tokens, std::max(capped, min_capacity));
   }
   void validate() const {
     using detail::check;
