@@ -116,7 +116,7 @@ enum class Kind : std::uint8_t {
 /// Everything the input decodes into.
 struct Config {
   Kind kind = Kind::kSoftmaxTopK;
-  int variant = 0;  // 0: SwiGlu, no shared; 1: GeluMlp + gated SwiGlu shared; 2: SwiGlu + ungated
+  int variant = 0;  // SoftmaxTopK only: 0 no shared experts, 1 gated ones, 2 ungated ones
   Index E = 0, k = 0, n_group = 0, topk_group = 0, min_capacity = 0, max_experts = 0;
   bool normalize = false, sigmoid = true, top_two_sum = true, prioritized = false;
   float scale = 1.0f, threshold = 0.5f, capacity_factor = 1.0f;
@@ -253,12 +253,11 @@ Router make_router(Config const& c) {
   }
 }
 
-/// C of ExpertChoice / WithCapacity, from their documentation.
+/// C of ExpertChoice / WithCapacity, from their documentation (saturating at 2^62).
 Index capacity(Config const& c, bool at_most_t) {
-  auto const v =
-      static_cast<Index>(std::nearbyint(static_cast<double>(c.capacity_factor) *
-                                        static_cast<double>(c.T) / static_cast<double>(c.E)));
-  Index const cap = std::max(v, c.min_capacity);
+  double const v = std::nearbyint(static_cast<double>(c.capacity_factor) *
+                                  static_cast<double>(c.T) / static_cast<double>(c.E));
+  Index const cap = std::max(v < 0x1p62 ? static_cast<Index>(v) : Index{1} << 62, c.min_capacity);
   return at_most_t ? std::min(c.T, cap) : cap;
 }
 
@@ -468,43 +467,38 @@ int run(Config const& c) {
   return 1;
 }
 
-template <class Router>
-int run_variant(Config const& c) {
-  switch (c.variant) {
-    case 1:
-      return run<Router, experts::GeluMlp, experts::GatedSharedExperts<experts::SwiGlu>>(c);
-    case 2:
-      return run<Router, experts::SwiGlu, experts::UngatedSharedExperts<experts::SwiGlu>>(c);
-    default:
-      return run<Router, experts::SwiGlu, experts::NoSharedExperts>(c);
-  }
-}
+using SwiGlu = experts::SwiGlu;
+using Gated = experts::GatedSharedExperts<experts::SwiGlu>;
+using Ungated = experts::UngatedSharedExperts<experts::SwiGlu>;
 
 }  // namespace
 
 /// Decodes `data` into a layer and checks it; returns 1 if the configuration was valid (and
-/// ran), 0 if it was rejected.
+/// ran), 0 if it was rejected. Every MoeFfn type costs seconds of compile time, so only
+/// SoftmaxTopK comes with each shared-expert kind; each other policy with one of them (the
+/// shared experts do not depend on the routing).
 extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size) {
   Bytes in(data, size);
   Config const c = decode_config(in);
   switch (c.kind) {
     case Kind::kSoftmaxTopK:
-      return run_variant<routing::SoftmaxTopK>(c);
+      if (c.variant == 1) return run<routing::SoftmaxTopK, experts::GeluMlp, Gated>(c);
+      if (c.variant == 2) return run<routing::SoftmaxTopK, SwiGlu, Ungated>(c);
+      return run<routing::SoftmaxTopK, SwiGlu, experts::NoSharedExperts>(c);
     case Kind::kTopKSoftmax:
-      return run_variant<routing::TopKSoftmax>(c);
+      return run<routing::TopKSoftmax, SwiGlu, experts::NoSharedExperts>(c);
     case Kind::kGroupLimited:
-      return run_variant<routing::GroupLimitedTopK>(c);
+      return run<routing::GroupLimitedTopK, SwiGlu, Ungated>(c);
     case Kind::kOnePerGroup:
-      return run_variant<routing::OnePerGroupTopK>(c);
+      return run<routing::OnePerGroupTopK, experts::GeluMlp, Gated>(c);
     case Kind::kExpertChoice:
-      return run_variant<routing::ExpertChoice>(c);
+      return run<routing::ExpertChoice, SwiGlu, Ungated>(c);
     case Kind::kTopP:
-      return run_variant<routing::TopP>(c);
+      return run<routing::TopP, experts::GeluMlp, Gated>(c);
     default:
-      return run_variant<routing::WithCapacity<routing::SoftmaxTopK>>(c);
+      return run<routing::WithCapacity<routing::SoftmaxTopK>, SwiGlu, experts::NoSharedExperts>(c);
   }
 }
-
 extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size) {
   (void)moe_fuzz_one(data, size);
   return 0;
