@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -46,10 +47,13 @@ using moe::MatrixView;
 namespace routing = moe::routing;
 namespace experts = moe::experts;
 
-// A broken invariant: abort, so that libFuzzer and the sanitizers record the input.
-void require(bool ok) {
-  if (!ok) std::abort();
+// A broken invariant: say which, and abort, so that libFuzzer and the sanitizers record the
+// input.
+[[noreturn]] void fail(char const* what, int line) {
+  std::fprintf(stderr, "fuzz_moe_ffn.cpp:%d: %s does not hold\n", line, what);
+  std::abort();
 }
+#define MOE_FUZZ_REQUIRE(...) ((__VA_ARGS__) ? void() : fail(#__VA_ARGS__, __LINE__))
 
 struct SplitMix64 {
   std::uint64_t state;
@@ -80,8 +84,9 @@ class Bytes {
 };
 
 // A float parameter from one byte: code < 250 maps linearly onto [lo, lo + 250 * step), the
-// rest are the special values that validate() must catch or cope with.
-float decode(std::uint8_t code, float lo, float step) {
+// rest are the special values that validate() must catch or cope with. `huge` is what the
+// routing weights can take without overflowing when scale and a multiplier are both huge.
+float decode(std::uint8_t code, float lo, float step, float huge = 1e30f) {
   switch (code) {
     case 250:
       return std::numeric_limits<float>::quiet_NaN();
@@ -92,7 +97,7 @@ float decode(std::uint8_t code, float lo, float step) {
     case 253:
       return 0.0f;
     case 254:
-      return 1e30f;
+      return huge;
     case 255:
       return -0.0f;
     default:
@@ -145,7 +150,7 @@ Config decode_config(Bytes& in) {
   c.prioritized = (flags & 8) != 0;
   c.grid = (flags & 16) != 0;
   c.format = (flags >> 5) % 3;
-  c.scale = decode(in.next(), -1.0f, 1.0f / 64);
+  c.scale = decode(in.next(), -1.0f, 1.0f / 64, 1e15f);
   c.threshold = decode(in.next(), -0.1f, 1.0f / 200);
   c.capacity_factor = decode(in.next(), -0.5f, 1.0f / 64);
   c.min_capacity = in.below(8) - 1;
@@ -171,7 +176,8 @@ Config decode_config(Bytes& in) {
   c.seed = in.u64();
   for (Index e = 0; e < n_bias; ++e) c.bias.push_back(decode(in.next(), -2.0f, 1.0f / 64));
   for (Index e = 0; e < n_offset; ++e) c.offset.push_back(decode(in.next(), -4.0f, 1.0f / 32));
-  for (Index e = 0; e < n_mult; ++e) c.multiplier.push_back(decode(in.next(), -1.0f, 1.0f / 64));
+  for (Index e = 0; e < n_mult; ++e)
+    c.multiplier.push_back(decode(in.next(), -1.0f, 1.0f / 64, 1e15f));
   for (Index e = 0; e < n_mask; ++e) c.mask.push_back(in.below(4) == 0 ? 0 : 1);
   return c;
 }
@@ -319,15 +325,12 @@ ref::Routing reference_routing(Config const& c, ConstMatrixView<double> z,
 }
 
 /// Same experts in the same slot order; weights within tol (relative to max(1, |w|)).
-bool same_routing(ref::Routing const& got, ref::Routing const& want, double tol) {
+bool same_token(ref::TokenChoice const& got, ref::TokenChoice const& want, double tol) {
   if (got.size() != want.size()) return false;
-  for (std::size_t t = 0; t < got.size(); ++t) {
-    if (got[t].size() != want[t].size()) return false;
-    for (std::size_t s = 0; s < got[t].size(); ++s) {
-      if (got[t][s].first != want[t][s].first) return false;
-      double const w = want[t][s].second;
-      if (!(std::fabs(got[t][s].second - w) <= tol * std::max(1.0, std::fabs(w)))) return false;
-    }
+  for (std::size_t s = 0; s < got.size(); ++s) {
+    if (got[s].first != want[s].first) return false;
+    double const w = want[s].second;
+    if (!(std::fabs(got[s].second - w) <= tol * std::max(1.0, std::fabs(w)))) return false;
   }
   return true;
 }
@@ -335,21 +338,42 @@ bool same_routing(ref::Routing const& got, ref::Routing const& want, double tol)
 /// Does the reference, run on the layer's logits or on a tiny perturbation of them (and of the
 /// bias and threshold), give the layer's routing? Perturbations of 1e-5 decide the near-ties
 /// that float and double arithmetic may break differently; they cannot explain a real error.
+/// Each perturbation is a function of the value it perturbs, so exact ties (which both sides
+/// break by index) stay ties.
+/// Routers that decide each token alone are matched token by token (each token's near-ties
+/// by any perturbation); expert choice and capacity couple the tokens, so one perturbation must
+/// explain the whole batch.
 bool routing_matches(Config const& c, std::vector<float> const& logits, ref::Routing const& got) {
-  std::size_t const n = logits.size();
+  bool const coupled = c.kind == Kind::kExpertChoice || c.kind == Kind::kCapacity;
   std::vector<double> z(logits.begin(), logits.end());
   ConstMatrixView<double> zv(z.data(), c.T, c.E);
-  if (same_routing(got, reference_routing(c, zv, c.bias, c.threshold), 1e-5)) return true;
-  SplitMix64 rng{c.seed ^ 0x5eed};
+  std::vector<bool> matched(got.size(), false);
+  auto match = [&](ref::Routing const& want, double tol) {
+    if (want.size() != got.size()) return false;
+    bool all = true;
+    for (std::size_t t = 0; t < got.size(); ++t) {
+      bool const same = same_token(got[t], want[t], tol);
+      all = all && same;
+      if (!coupled && same) matched[t] = true;
+    }
+    return all || std::all_of(matched.begin(), matched.end(), [](bool m) { return m; });
+  };
+  if (match(reference_routing(c, zv, c.bias, c.threshold), 1e-5)) return true;
   constexpr double kEps = 1e-5;
-  for (int trial = 0; trial < 64; ++trial) {
-    auto jitter = [&] { return kEps * (static_cast<double>(rng.next() >> 11) * 0x1p-52 - 1.0); };
-    for (std::size_t i = 0; i < n; ++i) {
-      z[i] = logits[i] == -INFINITY ? logits[i] : logits[i] * (1.0 + jitter()) + jitter();
+  for (std::uint64_t trial = 1; trial <= 64; ++trial) {
+    auto jitter = [&](float v) {  // in [-kEps, kEps), the same for equal values
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, &v, sizeof bits);
+      SplitMix64 h{(trial << 32 | bits) ^ c.seed};
+      return kEps * (static_cast<double>(h.next() >> 11) * 0x1p-52 - 1.0);
+    };
+    for (std::size_t i = 0; i < z.size(); ++i) {
+      z[i] = logits[i] == -INFINITY ? z[i] : logits[i] * (1.0 + jitter(logits[i]));
+      if (logits[i] == 0.0f) z[i] = jitter(1e-30f);
     }
     std::vector<float> bias = c.bias;
-    for (float& b : bias) b += static_cast<float>(jitter());
-    if (same_routing(got, reference_routing(c, zv, bias, c.threshold + jitter()), 1e-3)) {
+    for (float& b : bias) b += static_cast<float>(jitter(b));
+    if (match(reference_routing(c, zv, bias, c.threshold + jitter(c.threshold)), 1e-3)) {
       return true;
     }
   }
@@ -420,50 +444,73 @@ int run(Config const& c) {
     if (c.format == 2) layer.pack_weights(experts::WeightFormat::kBf16);
     layer.forward(xv, {y1.data(), T, D}, ws1, {&controls, nullptr});
   } catch (moe::Error const&) {
-    require(!ok);  // a valid configuration was refused
+    MOE_FUZZ_REQUIRE(!ok);  // a valid configuration was refused
     return 0;
   }
-  require(ok);  // an invalid configuration ran
+  MOE_FUZZ_REQUIRE(ok);  // an invalid configuration ran
   layer.forward(xv, {y2.data(), T, D}, ws2, {&controls, &pool()});
   layer.forward(xv, {y3.data(), T, D}, ws2, {&controls, nullptr});
-  require(x.empty() || std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0);
-  require(x.empty() || std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)) == 0);
+  MOE_FUZZ_REQUIRE(x.empty() || std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0);
+  MOE_FUZZ_REQUIRE(x.empty() || std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)) == 0);
 
   // Logits: x W_r^T, then the controls.
   std::vector<float> want_logits = ref::logits(xv, std::as_const(layer).router_weight());
-  require(ws1.logits.size() == want_logits.size());
+  MOE_FUZZ_REQUIRE(ws1.logits.size() == want_logits.size());
   for (std::size_t i = 0; i < want_logits.size(); ++i) {
     auto const e = static_cast<std::size_t>(static_cast<Index>(i) % E);
     float want = want_logits[i] + (c.offset.empty() ? 0.0f : c.offset[e]);
     if (!c.mask.empty() && c.mask[e] == 0) want = -INFINITY;
     float const got = ws1.logits[i];
-    require(want == -INFINITY ? got == -INFINITY : std::fabs(got - want) <= 1e-4f);
+    MOE_FUZZ_REQUIRE(want == -INFINITY ? got == -INFINITY : std::fabs(got - want) <= 1e-4f);
   }
 
   // Routing: the reference on the layer's own logits.
   ref::Routing got(static_cast<std::size_t>(T));
   moe::Selection const& sel = ws1.selection;
-  require(sel.num_tokens == T && sel.num_experts == E);
+  MOE_FUZZ_REQUIRE(sel.num_tokens == T && sel.num_experts == E);
   for (Index t = 0; t < T; ++t) {
     for (Index s = 0; s < sel.slots; ++s) {
       moe::ExpertId const e = sel.expert[static_cast<std::size_t>(t * sel.slots + s)];
-      require(e >= -1 && e < E);
+      MOE_FUZZ_REQUIRE(e >= -1 && e < E);
       if (e >= 0) got[t].emplace_back(e, sel.weight[static_cast<std::size_t>(t * sel.slots + s)]);
     }
   }
-  require(routing_matches(c, ws1.logits, got));
+  MOE_FUZZ_REQUIRE(routing_matches(c, ws1.logits, got));
 
-  // Output: the double forward of that routing.
+  // Output: the double forward of that routing, within fp32 (bf16) rounding of the terms that
+  // make each element: `bound` is the same forward with |x|, |weights| and |routing weights|,
+  // at least the sum of the terms' magnitudes (the activations are monotone and |act(v)| <=
+  // act(|v|)), so cancellation in y cannot fail an exact result.
   bool const bf16 = c.format == 2;
   ref::Bf16Rounding const rounding{bf16, bf16 && moe::kernels::bf16_dot_products()};
   std::vector<double> const want = ref::layer_forward(std::as_const(layer), xv, got, rounding);
-  double scale = 1.0, diff = 0.0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    require(std::isfinite(y1[i]));
-    scale = std::max(scale, std::fabs(want[i]));
-    diff = std::max(diff, std::fabs(y1[i] - want[i]));
+  Layer magnitude = layer;
+  auto absolute = [](std::span<float> v) {
+    for (float& f : v) f = std::fabs(f);
+  };
+  absolute(magnitude.experts().edit().parameters());
+  if constexpr (Shared::has_experts) {
+    absolute(magnitude.shared_experts().bank().edit().parameters());
+    if constexpr (Shared::gated) {
+      auto g = magnitude.shared_experts().gate_weight();
+      absolute(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)));
+    }
   }
-  require(diff <= (bf16 ? 1e-2 : 2e-5) * scale);
+  std::vector<float> x_abs(x);
+  absolute(x_abs);
+  ref::Routing got_abs = got;
+  for (auto& token : got_abs) {
+    for (auto& [e, w] : token) w = std::fabs(w);
+  }
+  std::vector<double> const bound = ref::layer_forward(
+      std::as_const(magnitude), ConstMatrixView<float>(x_abs.data(), T, D), got_abs);
+  double scale = 1.0;
+  for (double v : want) scale = std::max(scale, std::fabs(v));
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    MOE_FUZZ_REQUIRE(std::isfinite(y1[i]));
+    double const tol = bf16 ? 2e-2 * bound[i] + 2e-5 * scale : 1e-5 * bound[i] + 2e-5 * scale;
+    MOE_FUZZ_REQUIRE(std::fabs(y1[i] - want[i]) <= tol);
+  }
   return 1;
 }
 

@@ -10,7 +10,11 @@
 // --length-prefix: inputs start with a little-endian u64 length (safetensors), which one kind
 // of mutation rewrites.
 // Files named valid-* must be accepted and invalid-* rejected; exit status 1 otherwise.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +30,26 @@
 extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size);
 
 namespace {
+
+// The input being run, written to ./moe_fuzz_replay-crash when the target aborts (a mutation
+// exists nowhere else), for replaying it with this binary or the libFuzzer one.
+std::vector<std::uint8_t> const* g_current = nullptr;
+
+extern "C" void save_current(int sig) {
+  if (g_current != nullptr) {
+    int const fd = ::open("moe_fuzz_replay-crash", O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      ssize_t const n = ::write(fd, g_current->data(), g_current->size());
+      (void)n;
+      ::close(fd);
+      static constexpr char kMsg[] = "moe_fuzz_replay: input saved to ./moe_fuzz_replay-crash\n";
+      ssize_t const m = ::write(2, kMsg, sizeof kMsg - 1);
+      (void)m;
+    }
+  }
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
 
 struct SplitMix64 {
   std::uint64_t state;
@@ -183,6 +207,8 @@ int main(int argc, char** argv) {
     }
   }
   std::sort(files.begin(), files.end());
+  std::signal(SIGABRT, save_current);
+  std::signal(SIGSEGV, save_current);
   if (files.empty()) {
     std::fprintf(stderr, "moe_fuzz_replay: no input files\n");
     return 1;
@@ -190,6 +216,7 @@ int main(int argc, char** argv) {
   std::size_t accepted = 0, mutated_accepted = 0, wrong = 0;
   for (std::filesystem::path const& path : files) {
     std::vector<std::uint8_t> const bytes = read_all(path);
+    g_current = &bytes;
     bool const ok = moe_fuzz_one(bytes.data(), bytes.size()) != 0;
     accepted += ok ? 1 : 0;
     std::string const name = path.filename().string();
@@ -202,6 +229,7 @@ int main(int argc, char** argv) {
     for (std::size_t m = 0; m < mutations; ++m) {
       std::vector<std::uint8_t> copy = bytes;
       mutate(copy, rng, dict, length_prefix);
+      g_current = &copy;
       mutated_accepted += moe_fuzz_one(copy.data(), copy.size()) != 0 ? 1 : 0;
     }
   }
