@@ -270,7 +270,8 @@ Index capacity(Config const& c, bool at_most_t) {
 /// The reference routing of `z` ([T, E], after the controls) for the layer `c` describes.
 /// `bias` and `threshold` are passed separately so that the caller can perturb them.
 ref::Routing reference_routing(Config const& c, ConstMatrixView<double> z,
-                               std::vector<float> const& bias, double threshold) {
+                               std::vector<float> const& bias, double threshold,
+                               std::vector<float> const& priority = {}) {
   ref::Routing r;
   switch (c.kind) {
     case Kind::kSoftmaxTopK:
@@ -308,9 +309,23 @@ ref::Routing reference_routing(Config const& c, ConstMatrixView<double> z,
       break;
     }
     case Kind::kCapacity: {
+      // `priority`: the layer's own float slot-0 weights, which order the tokens of a batch-
+      // prioritized capacity (tokens whose weights tie in exact arithmetic are ordered by float
+      // rounding). The reference orders by them, then gets its own weights back.
       Index dropped = 0;
-      r = ref::with_capacity(ref::softmax_top_k(z, static_cast<int>(c.k), c.normalize, c.scale),
-                             c.E, capacity(c, false), c.prioritized, &dropped);
+      r = ref::softmax_top_k(z, static_cast<int>(c.k), c.normalize, c.scale);
+      ref::Routing const own = r;
+      for (std::size_t t = 0; t < priority.size() && t < r.size(); ++t) {
+        if (!r[t].empty()) r[t][0].second = priority[t];
+      }
+      r = ref::with_capacity(r, c.E, capacity(c, false), c.prioritized, &dropped);
+      for (std::size_t t = 0; t < r.size(); ++t) {
+        for (auto& [e, w] : r[t]) {
+          for (auto const& [oe, ow] : own[t]) {
+            if (oe == e) w = ow;
+          }
+        }
+      }
       break;
     }
     case Kind::kCount:
@@ -358,7 +373,13 @@ bool routing_matches(Config const& c, std::vector<float> const& logits, ref::Rou
     }
     return all || std::all_of(matched.begin(), matched.end(), [](bool m) { return m; });
   };
-  if (match(reference_routing(c, zv, c.bias, c.threshold), 1e-5)) return true;
+  std::vector<float> priority;
+  if (c.kind == Kind::kCapacity && c.prioritized) {
+    moe::Selection inner;
+    softmax_top_k(c).select(ConstMatrixView<float>(logits.data(), c.T, c.E), inner);
+    for (Index t = 0; t < c.T; ++t) priority.push_back(inner.weight_row(t)[0]);
+  }
+  if (match(reference_routing(c, zv, c.bias, c.threshold, priority), 1e-5)) return true;
   constexpr double kEps = 1e-5;
   for (std::uint64_t trial = 1; trial <= 64; ++trial) {
     auto jitter = [&](float v) {  // in [-kEps, kEps), the same for equal values
@@ -373,7 +394,7 @@ bool routing_matches(Config const& c, std::vector<float> const& logits, ref::Rou
     }
     std::vector<float> bias = c.bias;
     for (float& b : bias) b += static_cast<float>(jitter(b));
-    if (match(reference_routing(c, zv, bias, c.threshold + jitter(c.threshold)), 1e-3)) {
+    if (match(reference_routing(c, zv, bias, c.threshold + jitter(c.threshold), priority), 1e-3)) {
       return true;
     }
   }
