@@ -24,7 +24,7 @@ void require(bool ok) {
 }  // namespace
 
 /// Parses `data` as a safetensors file; returns 1 if it was accepted, 0 if it was rejected.
-extern "C" int moe_fuzz_safetensors_one(std::uint8_t const* data, std::size_t size) {
+extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size) {
   std::span<std::byte const> const bytes(reinterpret_cast<std::byte const*>(data), size);
   std::vector<std::byte> rewritten;
   try {
@@ -60,6 +60,6 @@ extern "C" int moe_fuzz_safetensors_one(std::uint8_t const* data, std::size_t si
 }
 
 extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size) {
-  (void)moe_fuzz_safetensors_one(data, size);
+  (void)moe_fuzz_one(data, size);
   return 0;
 }

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-# The "fuzz: libFuzzer" test: builds tests/fuzz/fuzz_safetensors.cpp with clang
-# (-fsanitize=fuzzer,address,undefined) unless FUZZER names a prebuilt binary, then fuzzes a
-# fresh copy of the seed corpus for SECONDS seconds. Fails on any crash, leak, sanitizer report
-# or timeout; prints "MOE_FUZZ_SKIPPED" (which ctest reports as skipped) when clang or its
-# libFuzzer runtime is missing.
+# The "fuzz: <name> libFuzzer" tests (tests/fuzz/CMakeLists.txt): builds SOURCE (a
+# tests/fuzz/fuzz_<name>.cpp) with clang (-fsanitize=fuzzer,address,undefined, plus FLAGS, a
+# '|'-separated list) unless FUZZER names a prebuilt binary, then fuzzes a fresh copy of the
+# seed corpus for SECONDS seconds. Fails on any crash, leak, sanitizer report or timeout;
+# prints "MOE_FUZZ_SKIPPED" (which ctest reports as skipped) when clang or its libFuzzer
+# runtime is missing.
 #
-# cmake -DCLANGXX=... -DSOURCE=... -DINCLUDE_DIR=... -DCORPUS=... -DDICT=... -DWORK_DIR=...
-#       -DSECONDS=60 [-DFUZZER=<binary>] -P run_libfuzzer.cmake
-foreach(var SOURCE INCLUDE_DIR CORPUS WORK_DIR SECONDS)
+# cmake -DNAME=... -DCLANGXX=... -DSOURCE=... -DINCLUDE_DIR=... [-DFLAGS=...] -DCORPUS=...
+#       -DDICT=... -DWORK_DIR=... -DSECONDS=30 [-DFUZZER=<binary>] -P run_libfuzzer.cmake
+foreach(var NAME SOURCE INCLUDE_DIR CORPUS WORK_DIR SECONDS)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "run_libfuzzer.cmake: -D${var}=... is required")
   endif()
@@ -28,10 +29,12 @@ if(NOT FUZZER)
             "install libclang-rt-14-dev (Debian)")
     return()
   endif()
-  # Rebuild only when the target or a header is newer than the binary.
-  set(FUZZER "${WORK_DIR}/fuzz_safetensors")
-  file(GLOB_RECURSE inputs "${INCLUDE_DIR}/moe/io/*.hpp" "${INCLUDE_DIR}/moe/core/error.hpp")
+  # Rebuild only when the target, a header or this script is newer than the binary.
+  set(FUZZER "${WORK_DIR}/fuzz_${NAME}")
+  get_filename_component(tests_dir "${CMAKE_CURRENT_LIST_DIR}" DIRECTORY)
+  file(GLOB_RECURSE inputs "${INCLUDE_DIR}/moe/*.hpp" "${tests_dir}/support/*.hpp")
   list(APPEND inputs "${SOURCE}" "${CMAKE_CURRENT_LIST_FILE}")
+  string(REPLACE "|" ";" flags "${FLAGS}")
   set(stale FALSE)
   foreach(input IN LISTS inputs)
     if(NOT EXISTS "${FUZZER}" OR "${input}" IS_NEWER_THAN "${FUZZER}")
@@ -43,7 +46,7 @@ if(NOT FUZZER)
     execute_process(
       COMMAND "${CLANGXX}" -std=c++20 -O1 -g -fno-omit-frame-pointer
               -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
-              -Wall -Wextra -Werror -I "${INCLUDE_DIR}" "${SOURCE}" -o "${FUZZER}.new"
+              -Wall -Wextra -Werror ${flags} -I "${INCLUDE_DIR}" "${SOURCE}" -o "${FUZZER}.new"
       RESULT_VARIABLE rc)
     if(NOT rc EQUAL 0)
       message(FATAL_ERROR "building the libFuzzer target failed (exit ${rc})")

@@ -211,6 +211,15 @@ TEST_CASE("TopP reproduces the hand cases of ALGORITHMS.md", "[routing][top_p]")
   for (auto const& c : test::routing_of(sel)) REQUIRE(c.size() <= 3);
 }
 
+TEST_CASE("A huge capacity_factor saturates the capacity instead of overflowing",
+          "[routing][capacity]") {
+  // Found by tests/fuzz/fuzz_moe_ffn.cpp: 1e30 * T / E converted to Index was undefined
+  // behaviour (UBSan; on x86 it gave INT64_MIN, so C fell back to min_capacity).
+  REQUIRE(routing::ExpertChoice{4, 1e30f, 4}.capacity(12) == 12);
+  routing::WithCapacity<routing::SoftmaxTopK> const r{{4, 2, false, 1.0f}, 1e30f, 4, false};
+  REQUIRE(r.capacity(12) >= 12);
+}
+
 TEST_CASE("WithCapacity drops top-1 choices before top-2, in token order", "[routing][capacity]") {
   // 6 tokens, 2 experts, k = 2, C = max(round(cf * 6 / 2), 0) = 3 with cf = 1.
   // Tokens 0..3 prefer expert 0, tokens 4, 5 prefer expert 1.

@@ -276,7 +276,7 @@ class ExpertBank {
     std::vector<Slot> slots(static_cast<std::size_t>(num_experts_));
     Index n_f32 = 0, n_bf16 = 0, n_q = 0;
     auto place = [&](WeightFormat f, Index rows, Index depth, Index f32, Index bf16,
-                     Slot::Part& part) {
+                     typename Slot::Part& part) {
       part.format = f;
       if (f == WeightFormat::kF32) {
         part.offset = n_f32;
@@ -321,7 +321,8 @@ class ExpertBank {
       if (is_quantized(sl.in.format)) scan(in_ptr(e), P * D, "in");
       if (is_quantized(sl.down.format)) scan(down_ptr(e), D * F, "down");
     }
-    auto pack_quant = [&](float const* w, Index rows, Index depth, Slot::Part const& part) {
+    auto pack_quant = [&](float const* w, Index rows, Index depth,
+                          typename Slot::Part const& part) {
       quant::Format const qf = quant_format(part.format);
       Index const rb = quant::row_bytes(qf, depth);
       std::vector<std::byte> rows_q(static_cast<std::size_t>(rows * rb));
@@ -413,7 +414,7 @@ class ExpertBank {
   /// Bytes the current pack stores for expert e's projections (what a forward streams).
   Index packed_bytes(Index e) const {
     if (!packed()) return 0;
-    auto part = [&](Slot::Part const& p, Index rows, Index f32, Index bf16) -> Index {
+    auto part = [&](typename Slot::Part const& p, Index rows, Index f32, Index bf16) -> Index {
       if (p.format == WeightFormat::kF32) return f32 * 4;
       if (p.format == WeightFormat::kBf16) return bf16 * 4;
       return (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * p.panel_bytes;
@@ -458,10 +459,10 @@ class ExpertBank {
     Part in, up, down;
   };
   Slot const& slot(Index e) const { return slots_[static_cast<std::size_t>(e)]; }
-  bool part_is(Index e, Slot::Part Slot::*part, WeightFormat f) const {
+  bool part_is(Index e, typename Slot::Part Slot::*part, WeightFormat f) const {
     return packed() && e < static_cast<Index>(slots_.size()) && (slot(e).*part).format == f;
   }
-  kernels::QuantWeights quant_weights(Slot::Part const& p) const {
+  kernels::QuantWeights quant_weights(typename Slot::Part const& p) const {
     return {packed_q_.data() + p.offset, quant_format(p.format), p.panel_bytes};
   }
 
