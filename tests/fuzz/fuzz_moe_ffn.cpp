@@ -183,13 +183,16 @@ Config decode_config(Bytes& in) {
 }
 
 /// The documented preconditions (the routers' validate(), RoutingControls::validate()).
+// The routed scaling factor the routers accept (routing::detail::check_scale).
+bool scale_ok(float s) { return s > 0.0f && s <= 1e6f; }
+
 bool valid(Config const& c) {
   bool const token_choice = c.kind != Kind::kExpertChoice && c.kind != Kind::kTopP;
   if (c.E < 1) return false;
   if (token_choice && (c.k < 1 || c.k > c.E)) return false;
   switch (c.kind) {
     case Kind::kSoftmaxTopK:
-      if (!finite(c.scale)) return false;
+      if (!scale_ok(c.scale)) return false;
       break;
     case Kind::kTopKSoftmax:
       break;
@@ -198,18 +201,17 @@ bool valid(Config const& c) {
       if (c.topk_group < 1 || c.topk_group > c.n_group) return false;
       if (c.k > c.topk_group * (c.E / c.n_group)) return false;
       if (!c.bias.empty() && static_cast<Index>(c.bias.size()) != c.E) return false;
-      if (!std::all_of(c.bias.begin(), c.bias.end(), finite) || !finite(c.scale)) return false;
+      if (!std::all_of(c.bias.begin(), c.bias.end(), finite) || !scale_ok(c.scale)) return false;
       break;
     case Kind::kOnePerGroup:
       if (c.n_group < 1 || c.E % c.n_group != 0 || c.k > c.n_group) return false;
-      if (!finite(c.scale)) return false;
+      if (!scale_ok(c.scale)) return false;
       break;
     case Kind::kExpertChoice:
     case Kind::kCapacity:
-      if (!(c.capacity_factor > 0.0f) || !finite(c.capacity_factor) || c.min_capacity < 0) {
-        return false;
-      }
-      if (c.kind == Kind::kCapacity && !finite(c.scale)) return false;
+      // +inf (or any factor with C >= T) means no limit.
+      if (!(c.capacity_factor > 0.0f) || c.min_capacity < 0) return false;
+      if (c.kind == Kind::kCapacity && !scale_ok(c.scale)) return false;
       break;
     case Kind::kTopP:
       if (!(c.threshold >= 0.0f && c.threshold <= 1.0f)) return false;
