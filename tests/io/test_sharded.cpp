@@ -128,6 +128,12 @@ TEST_CASE("index errors: a listed tensor missing from its shard", "[io][sharded]
   CHECK_THAT(error_of_index(dir),
              Contains("tensor 'lm_head.weight' is listed in shard "
                       "'model-00002-of-00002.safetensors' but that file does not contain it"));
+  // A tensor with an empty name (found by the index fuzzer: it was taken for "no index").
+  write_index(dir, std::string(R"("": ")") + kShard1 + "\"");
+  ShardedCheckpoint const c = moe::io::open_checkpoint(dir);
+  CHECK_THROWS_WITH(c.find(""), Contains("tensor '' is listed in shard "
+                                         "'model-00001-of-00002.safetensors' but that file does "
+                                         "not contain it"));
 }
 
 TEST_CASE("index errors: a shard file missing", "[io][sharded]") {

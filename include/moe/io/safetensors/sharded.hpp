@@ -147,6 +147,7 @@ class ShardedCheckpoint {
     std::string name;             // as the index spells it
     std::filesystem::path path;   // index directory / name
     std::string first_tensor;     // the first tensor the index lists in it
+    bool indexed = false;         // listed by an index (false: open_single)
     mutable std::once_flag once;  // opened exactly once, even from several threads
     mutable std::atomic<bool> opened{false};
     mutable std::unique_ptr<SafetensorsFile> file;
@@ -167,7 +168,7 @@ class ShardedCheckpoint {
   std::unique_ptr<SafetensorsFile> load_shard(std::size_t i) const {
     Shard const& shard = *shards_[i];
     std::error_code ec;
-    if (!shard.first_tensor.empty() && !std::filesystem::exists(shard.path, ec)) {
+    if (shard.indexed && !std::filesystem::exists(shard.path, ec)) {
       moe::detail::fail("safetensors: ", source_, ": shard ", detail::printable_name(shard.name),
                         " (holding tensor ", detail::printable_name(shard.first_tensor),
                         ") does not exist at '", shard.path.string(),
@@ -175,7 +176,7 @@ class ShardedCheckpoint {
                         "disk)");
     }
     auto file = std::make_unique<SafetensorsFile>(shard.path);
-    if (shard.first_tensor.empty()) return file;  // open_single: no index to check against
+    if (!shard.indexed) return file;  // open_single: no index to check against
     for (auto const& [tensor, s] : by_name_) {
       if (s == i && file->find(tensor) == nullptr) {
         moe::detail::fail("safetensors: ", source_, ": tensor ", detail::printable_name(tensor),
@@ -295,6 +296,7 @@ class ShardedCheckpoint {
         s->name = shard;
         s->path = dir / shard;
         s->first_tensor = tensor;
+        s->indexed = true;
         shards_.push_back(std::move(s));
       }
       by_name_.emplace(tensor, it->second);
