@@ -457,15 +457,14 @@ class ExpertParallelMoeFfn
                          ws.token_mask};
   }
 
-  /// Routing of this rank's tokens, as MoeFfn::route; the router projection takes the kernel
-  /// path MoeFfn takes for `total_tokens` rows.
-  void route(ConstMatrixView<float> x, ExpertParallelWorkspace& ws, ForwardOptions const& opt,
-             Index total_tokens) const {
+  /// Routing of this rank's tokens, as MoeFfn::route (the router's dot products give each token
+  /// the logits MoeFfn gives it, whatever the batch).
+  void route(ConstMatrixView<float> x, ExpertParallelWorkspace& ws,
+             ForwardOptions const& opt) const {
     this->check_policies();
     Index const T = x.rows, E = num_experts();
-    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
-                                           stages::router_path_rows(total_tokens, bank_.packed()),
-                                           ws.logits, ws.queue, opt.pool);
+    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.queue,
+                                           opt.pool);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"ExpertParallelMoeFfn", comm_.rank(), ws.token_offset});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan,
@@ -520,7 +519,7 @@ class ExpertParallelMoeFfn
     std::int64_t status = 0;
     std::string route_error;
     try {
-      route(xin, ws, opt, ws.total_tokens);
+      route(xin, ws, opt);
     } catch (std::exception const& e) {
       status = 1;
       route_error = e.what();

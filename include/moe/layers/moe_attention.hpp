@@ -504,9 +504,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
 
   // 1. Route on each token's own hidden state (router() is mutable: validated per call).
   router_.validate();
-  stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
-                                         stages::router_path_rows(T, bank.packed()), ws.logits,
-                                         ws.expert_queue, pool);
+  stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.expert_queue,
+                                         pool);
   MatrixView<float> logits(ws.logits.data(), T, E);
   stages::check_finite_logits(logits, {"MoeAttention"});
   stages::select_and_plan(router_, logits, nullptr, ws.selection, ws.plan, "MoeAttention");

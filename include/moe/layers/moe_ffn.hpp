@@ -189,9 +189,8 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     check_input(x);
     this->check_policies();
     Index const T = x.rows, E = num_experts();
-    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E,
-                                           stages::router_path_rows(T, bank_.packed()), ws.logits,
-                                           ws.queue, opt.pool);
+    stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.queue,
+                                           opt.pool);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"MoeFfn"});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan, "MoeFfn");

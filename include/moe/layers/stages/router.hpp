@@ -39,25 +39,20 @@ struct LogitOrigin {
   Index token_offset = 0;  ///< global index of the first token (expert parallelism)
 };
 
-/// Rows that choose the router projection's kernel path for a batch of `rows` tokens: with packed
-/// expert weights (an inference layer that promises batch invariance) always the panel path, so
-/// a token's logits do not depend on how many tokens came with it; otherwise `rows` (fewer than
-/// kPanelMinRows take the dot-product path, faster at tiny batches).
-inline Index router_path_rows(Index rows, bool packed) {
-  return packed ? std::max(rows, kernels::kPanelMinRows) : rows;
-}
-
-/// logits [T, E] = x W_r^T (W_r [E, D]) on `queue`; raw weights take the dot-product path when
-/// `path_rows` (router_path_rows) is below kPanelMinRows.
+/// logits [T, E] = x W_r^T (W_r [E, D]) on `queue`, always as dot products (kernels::gemm_nt on
+/// the raw weights): each logit depends only on its token's row and W_r, never on T, on packing
+/// or on threads, so the routing of a token never depends on the batch it came in (the panel
+/// path, faster only at large T, would change the last bits with T; the router is under 1% of a
+/// layer's work). This is also the fast path for decode-sized batches.
 template <class RoutedX, class SharedX>
-void router_logits(ConstMatrixView<float> x, float const* weight, Index E, Index path_rows,
+void router_logits(ConstMatrixView<float> x, float const* weight, Index E,
                    std::vector<float>& logits, ProjectionQueue& queue, ThreadPool* pool) {
   logits.resize(static_cast<std::size_t>(x.rows * E));
   detail::ExpertJob job;
   job.a = {x.data, x.row_stride, nullptr};
   job.rows = x.rows;
   job.depth = x.cols;
-  job.w = weights_for(weight, E, nullptr, nullptr, x.cols, 0, false, path_rows);
+  job.w = weights_for(weight, E, nullptr, nullptr, x.cols, 0, false, /*path_rows=*/0);
   job.c = logits.data();
   job.ldc = E;
   job.cols = E;
