@@ -176,13 +176,15 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
     std::vector<float> dx(x.size());
     layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, pool);
     check_finite(args, "dx", dx, D);
+    out.add_f32("dx", {T, D}, dx);
+    // add_hf_gradients, with each gradient checked as it is converted (converted once).
     for (moe::io::HfTensor const& t : hf.tensors) {
       if (!t.is_parameter()) continue;
-      check_finite(args, moe::io::detail::concat("grad.", t.name),
-                   moe::io::hf_gradient_values(grads, t), t.shape.empty() ? 1 : t.shape.back());
+      std::string const name = moe::io::detail::concat("grad.", t.name);
+      std::vector<float> const g = moe::io::hf_gradient_values(grads, t);
+      check_finite(args, name, g, t.shape.empty() ? 1 : t.shape.back());
+      out.add_f32(name, t.shape, g);
     }
-    out.add_f32("dx", {T, D}, dx);
-    moe::io::add_hf_gradients(out, hf, grads);
   }
   check_finite(args, "y", y, D);
   check_finite(args, "router_logits", ws.logits, E);
