@@ -2,7 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
 // 03_hf_layer: run one MoE layer of a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE,
-// DeepSeek-V3, OLMoE) on activations from a file, optionally with its backward pass.
+// DeepSeek-V3, OLMoE, Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5) on activations
+// from a file, optionally with its backward pass.
 //
 // What it shows: moe::io::load_hf_moe_layer() (config.json + model.safetensors or index and
 // shards -> the family's preset MoeFfn), forward or forward_train + backward, and

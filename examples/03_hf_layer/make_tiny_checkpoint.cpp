@@ -5,14 +5,16 @@
 //
 // What it shows: moe::io::save_hf_layer() writing config.json + model.safetensors (or shards and
 // model.safetensors.index.json) for one MoE layer with random weights, in the checkpoint's own
-// tensor names. Layer 1 of a 2-layer model is the MoE layer (for qwen2_moe, qwen3_moe and
-// deepseek_v3 layer 0 is dense). It also writes x.safetensors ("x" [5, 16] F32) and
+// tensor names. Layer 1 of a 2-layer model is the MoE layer (layer 0 is dense for every family
+// with dense layers: qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, glm4_moe, deepseek_v2 and
+// ernie4_5_moe). It also writes x.safetensors ("x" [5, 16] F32) and
 // dy.safetensors ("dy" [5, 16] F32) next to them.
 // Why: the ctest of 03_hf_layer runs the runner end to end on it; no real model is needed.
 //
 // Command line:
 //   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--shards N] [--bf16] [--fused]
-// MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 or olmoe.
+// MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, qwen3_next, glm4_moe,
+// deepseek_v2 (group_limited_greedy), minimax_m2 or ernie4_5_moe.
 // Exit status: 0 on success, 1 with a message on stderr otherwise.
 
 #include <cstdio>
@@ -72,8 +74,9 @@ int run(int argc, char** argv) {
       return 1;
     }
   }
-  // A config.json with only model_type takes the family's (large) defaults: set tiny sizes.
-  std::string json = "{\"model_type\": \"";
+  // A config.json with only model_type (and top-k: deepseek_v2 has no default) takes the
+  // family's (large) defaults: set tiny sizes.
+  std::string json = "{\"num_experts_per_tok\": 2, \"model_type\": \"";
   json.append(type).append("\"}");
   moe::io::HfMoeConfig c = moe::io::parse_hf_config(json);
   c.hidden_size = 16;
@@ -85,7 +88,11 @@ int run(int argc, char** argv) {
   c.decoder_sparse_step = 2;  // Qwen: layer 1 is MoE, layer 0 dense
   c.n_group = 4;
   c.topk_group = 2;
-  c.first_k_dense_replace = 1;  // DeepSeek: layer 0 dense
+  c.first_k_dense_replace = 1;  // DeepSeek, GLM: layer 0 dense (ERNIE: moe_layer_start_index 1)
+  if (c.family == moe::io::HfFamily::kDeepseekV2) c.topk_method = "group_limited_greedy";
+  if (c.family == moe::io::HfFamily::kGlm4Moe || c.family == moe::io::HfFamily::kDeepseekV2) {
+    c.routed_scaling_factor = 1.5f;
+  }
   c.defaulted_keys.clear();
   using namespace moe::presets;
   switch (c.family) {
@@ -93,6 +100,7 @@ int run(int argc, char** argv) {
       write<MixtralMoe>(dir, c, options);
       break;
     case moe::io::HfFamily::kQwen2Moe:
+    case moe::io::HfFamily::kQwen3Next:
       write<Qwen2Moe>(dir, c, options);
       break;
     case moe::io::HfFamily::kQwen3Moe:
@@ -100,6 +108,10 @@ int run(int argc, char** argv) {
       write<Qwen3Moe>(dir, c, options);
       break;
     case moe::io::HfFamily::kDeepseekV3:
+    case moe::io::HfFamily::kGlm4Moe:
+    case moe::io::HfFamily::kDeepseekV2:
+    case moe::io::HfFamily::kMinimaxM2:
+    case moe::io::HfFamily::kErnie45Moe:
       write<DeepseekV3Moe>(dir, c, options);
       break;
   }

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// Presets: the MoE FFN layer of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and OLMoE.
+/// Presets: the MoE FFN layer of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and OLMoE, and of
+/// the families that reuse their layer types: Qwen3-Next (Qwen2-MoE's), GLM-4.5, DeepSeek-V2,
+/// MiniMax-M2 and ERNIE 4.5 (DeepSeek-V3's).
 #pragma once
 
 #include "moe/experts/expert_types.hpp"
@@ -111,6 +113,114 @@ inline OlmoeMoe make_olmoe(OlmoeConfig const& c = {}) {
   return OlmoeMoe(
       c.hidden_size, c.intermediate_size,
       routing::SoftmaxTopK{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, 1.0f});
+}
+
+/// Qwen3-Next (HF Qwen3NextSparseMoeBlock): Qwen2-MoE's block (softmax over all experts,
+/// top-k, renormalised when norm_topk_prob, one shared expert scaled by sigmoid(w_g . x)), in the
+/// Qwen2Moe layer type. Defaults: HF Qwen3NextConfig (Qwen3-Next-80B-A3B).
+struct Qwen3NextConfig {
+  Index hidden_size = 2048;
+  Index moe_intermediate_size = 512;
+  Index shared_expert_intermediate_size = 512;
+  Index num_experts = 512;
+  Index num_experts_per_tok = 10;
+  bool norm_topk_prob = true;
+};
+using Qwen3NextMoe = Qwen2Moe;
+inline Qwen3NextMoe make_qwen3_next(Qwen3NextConfig const& c = {}) {
+  return make_qwen2_moe({c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size,
+                         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob});
+}
+
+/// GLM-4.5 (HF Glm4MoeMoE + Glm4MoeTopkRouter): DeepSeek-V3's router (sigmoid, selection-only
+/// e_score_correction_bias, top-2-sum group scores, renormalised with + 1e-20 when
+/// norm_topk_prob, then times routed_scaling_factor) and n_shared_experts ungated shared experts
+/// as one of width n_shared_experts * moe_intermediate_size. Defaults: HF Glm4MoeConfig
+/// (GLM-4.5-Air).
+struct Glm4MoeConfig {
+  Index hidden_size = 4096;
+  Index moe_intermediate_size = 1408;
+  Index n_routed_experts = 128;
+  Index num_experts_per_tok = 8;
+  Index n_group = 1;
+  Index topk_group = 1;
+  float routed_scaling_factor = 1.0f;
+  Index n_shared_experts = 1;
+  bool norm_topk_prob = true;
+};
+using Glm4Moe = DeepseekV3Moe;
+inline Glm4Moe make_glm4_moe(Glm4MoeConfig const& c = {}) {
+  return make_deepseek_v3({c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
+                           c.num_experts_per_tok, c.n_group, c.topk_group, c.routed_scaling_factor,
+                           c.n_shared_experts, c.norm_topk_prob});
+}
+
+/// DeepSeek-V2 (HF DeepseekV2Moe): softmax over all experts, no selection bias; topk_method
+/// "greedy" (n_group = topk_group = 1) or "group_limited_greedy" (groups scored by their best
+/// probability, topk_group kept); weights = probabilities * routed_scaling_factor, never
+/// renormalised (transformers reads no norm_topk_prob for this family); n_shared_experts ungated
+/// shared experts as one. Defaults: DeepSeek-V2 (236B) config.json.
+struct DeepseekV2Config {
+  Index hidden_size = 5120;
+  Index moe_intermediate_size = 1536;
+  Index n_routed_experts = 160;
+  Index num_experts_per_tok = 6;
+  Index n_group = 8;  ///< 1 for topk_method "greedy"
+  Index topk_group = 3;
+  float routed_scaling_factor = 16.0f;
+  Index n_shared_experts = 2;
+};
+using DeepseekV2Moe = DeepseekV3Moe;
+inline DeepseekV2Moe make_deepseek_v2(DeepseekV2Config const& c = {}) {
+  DeepseekV2Moe layer = make_deepseek_v3(
+      {c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok, c.n_group,
+       c.topk_group, c.routed_scaling_factor, c.n_shared_experts, false});
+  routing::GroupLimitedTopK& r = layer.router();
+  r.scoring = routing::ScoreFunction::kSoftmax;
+  r.group_score = routing::GroupScore::kMax;
+  r.bias.clear();
+  return layer;
+}
+
+/// MiniMax-M2 (HF MiniMaxM2SparseMoeBlock): sigmoid scores, selection-only
+/// e_score_correction_bias, top-k, weights always renormalised (no epsilon), unscaled, no
+/// groups, no shared expert. Defaults: HF MiniMaxM2Config (MiniMax-M2).
+struct MinimaxM2Config {
+  Index hidden_size = 3072;
+  Index intermediate_size = 1536;
+  Index num_local_experts = 256;
+  Index num_experts_per_tok = 8;
+};
+using MinimaxM2Moe = DeepseekV3Moe;
+inline MinimaxM2Moe make_minimax_m2(MinimaxM2Config const& c = {}) {
+  MinimaxM2Moe layer = make_deepseek_v3({c.hidden_size, c.intermediate_size, c.num_local_experts,
+                                         c.num_experts_per_tok, 1, 1, 1.0f, 0, true});
+  layer.router().norm_epsilon = 0.0f;
+  return layer;
+}
+
+/// ERNIE 4.5 MoE (HF Ernie4_5_MoeSparseMoeBlock): softmax over all experts; the selection-only
+/// bias moe_statics.e_score_correction_bias is added to the probabilities; weights = the chosen
+/// probabilities / max(their sum, moe_norm_min); unscaled; moe_num_shared_experts ungated shared
+/// experts as one of width moe_num_shared_experts * moe_intermediate_size. Defaults: HF
+/// Ernie4_5_MoeConfig (ERNIE-4.5-21B-A3B).
+struct Ernie45MoeConfig {
+  Index hidden_size = 2560;
+  Index moe_intermediate_size = 1536;
+  Index moe_num_experts = 64;
+  Index moe_k = 6;
+  Index moe_num_shared_experts = 2;
+  float moe_norm_min = 1e-12f;
+};
+using Ernie45Moe = DeepseekV3Moe;
+inline Ernie45Moe make_ernie4_5_moe(Ernie45MoeConfig const& c = {}) {
+  Ernie45Moe layer = make_deepseek_v3({c.hidden_size, c.moe_intermediate_size, c.moe_num_experts,
+                                       c.moe_k, 1, 1, 1.0f, c.moe_num_shared_experts, true});
+  routing::GroupLimitedTopK& r = layer.router();
+  r.scoring = routing::ScoreFunction::kSoftmax;
+  r.norm_epsilon = 0.0f;
+  r.norm_min = c.moe_norm_min;
+  return layer;
 }
 
 }  // namespace moe::presets

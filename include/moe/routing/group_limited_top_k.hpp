@@ -24,8 +24,12 @@ enum class GroupScore {
 ///   sb  = s + b                   (b = e_score_correction_bias: used for SELECTION only)
 ///   group score g_j = sum of the top-2 sb in group j (or max), j < n_group
 ///   keep the topk_group best groups; every expert of another group is masked with -inf
-///   A_t = top-k(masked sb);  w_i = s_i (unbiased);  if normalize: w_i /= (sum_A s + 1e-20)
+///   A_t = top-k(masked sb);  w_i = s_i (unbiased);
+///   if normalize: w_i /= max(sum_A s + norm_epsilon, norm_min)   (DeepSeek: + 1e-20)
 ///   w_i *= scale              (routed_scaling_factor, 2.5 for DeepSeek-V3)
+/// The same type routes GLM-4.5 (as DeepSeek-V3), DeepSeek-V2 (softmax, no bias, group max, no
+/// renormalisation), MiniMax-M2 (sigmoid, bias, one group, norm_epsilon 0) and ERNIE 4.5
+/// (softmax, bias added to the probabilities, norm_epsilon 0, norm_min = moe_norm_min).
 /// Masked groups get -inf as in the official code (HF uses 0.0, which can beat a negative s + b;
 /// on inputs where every s + b > 0 the two agree). With n_group = topk_group = 1 this is plain
 /// sigmoid top-k. Ties (groups and experts) go to the lower index. Experts with logit -inf are
@@ -34,7 +38,8 @@ enum class GroupScore {
 ///
 /// Shapes: logits [T, E], bias [E] or empty; slots = top_k.
 /// Preconditions: n_group divides num_experts, 1 <= topk_group <= n_group,
-/// 1 <= top_k <= topk_group * (num_experts / n_group), bias finite, 0 < scale <= 1e6.
+/// 1 <= top_k <= topk_group * (num_experts / n_group), bias finite, 0 < scale <= 1e6,
+/// norm_epsilon and norm_min in [0, 1].
 struct GroupLimitedTopK {
   Index num_experts = 256;
   Index top_k = 8;
@@ -45,6 +50,8 @@ struct GroupLimitedTopK {
   ScoreFunction scoring = ScoreFunction::kSigmoid;
   GroupScore group_score = GroupScore::kTopTwoSum;
   std::vector<float> bias = {};  ///< [E] selection-only bias (e_score_correction_bias), or empty
+  float norm_epsilon = 1e-20f;   ///< added to the sum before renormalising (DeepSeek's 1e-20)
+  float norm_min = 0.0f;         ///< the sum is clamped to at least this (ERNIE's moe_norm_min)
 
   Index expert_count() const { return num_experts; }
   Index slots_per_token() const { return top_k; }
@@ -64,6 +71,11 @@ struct GroupLimitedTopK {
           num_experts, ") or none");
     for (float b : bias) check(std::isfinite(b), "GroupLimitedTopK: bias holds a non-finite value");
     detail::check_scale("GroupLimitedTopK", scale);
+    check(norm_epsilon >= 0.0f && norm_epsilon <= 1.0f,
+          "GroupLimitedTopK: norm_epsilon = ", norm_epsilon,
+          "; it must be in [0, 1] (DeepSeek uses 1e-20)");
+    check(norm_min >= 0.0f && norm_min <= 1.0f, "GroupLimitedTopK: norm_min = ", norm_min,
+          "; it must be in [0, 1] (ERNIE 4.5 uses 1e-12)");
   }
 
   /// Backward (see TrainableRouterPolicy): dweight [T, S] = dL/dw per slot; dscores [T, E] holds
@@ -71,8 +83,8 @@ struct GroupLimitedTopK {
   void backward(ConstMatrixView<float> logits, Selection const& sel, float const* dweight,
                 MatrixView<float> dscores, MatrixView<float> dlogits) const {
     (void)logits;
-    detail::weights_from_scores_backward(sel, top_k, normalize, normalize ? 1e-20f : 0.0f, scale,
-                                         dweight, dscores);
+    detail::weights_from_scores_backward(sel, top_k, normalize, norm_epsilon, scale, dweight,
+                                         dscores, norm_min);
     detail::score_backward(scoring, sel, dscores, dlogits);  // the bias gets no gradient
   }
   void select(ConstMatrixView<float> logits, Selection& sel) const {
@@ -121,7 +133,7 @@ struct GroupLimitedTopK {
       }
     }
     kernels::top_k_rows(key, E, T, E, top_k, sel.expert.data(), vals);
-    detail::weights_from_scores(sel, top_k, normalize, normalize ? 1e-20f : 0.0f, scale);
+    detail::weights_from_scores(sel, top_k, normalize, norm_epsilon, scale, norm_min);
   }
 };
 

@@ -2,7 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// HfMoeConfig: the MoE part of a Hugging Face config.json (Mixtral, Qwen2-MoE, Qwen3-MoE,
-/// DeepSeek-V3, OLMoE), its defaults, which layers are MoE layers, and its JSON form.
+/// DeepSeek-V3, OLMoE, Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5), its defaults,
+/// which layers are MoE layers, and its JSON form.
 #pragma once
 
 #include <algorithm>
@@ -33,7 +34,18 @@ enum class HfFamily : std::uint8_t {
   kQwen3Moe,    ///< "qwen3_moe": routed experts only
   kDeepseekV3,  ///< "deepseek_v3": sigmoid, selection bias, groups, ungated shared experts
   kOlmoe,       ///< "olmoe": routed experts only, expert width is intermediate_size
+  kQwen3Next,   ///< "qwen3_next": the Qwen2-MoE block (sigmoid-gated shared expert)
+  kGlm4Moe,     ///< "glm4_moe": DeepSeek-V3's router and ungated shared experts
+  kDeepseekV2,  ///< "deepseek_v2": softmax, greedy / group-limited (group max), scaled
+  kMinimaxM2,   ///< "minimax_m2": sigmoid + selection bias, renormalised; Mixtral names
+  kErnie45Moe,  ///< "ernie4_5_moe": softmax + selection bias on probabilities, shared experts
 };
+
+/// Every family, in HfFamily order.
+inline constexpr HfFamily kHfFamilies[] = {
+    HfFamily::kMixtral,   HfFamily::kQwen2Moe,  HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
+    HfFamily::kOlmoe,     HfFamily::kQwen3Next, HfFamily::kGlm4Moe,  HfFamily::kDeepseekV2,
+    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe};
 
 /// The config.json "model_type" of a family ("mixtral", "qwen2_moe", ...).
 inline char const* hf_model_type(HfFamily family) noexcept {
@@ -48,6 +60,16 @@ inline char const* hf_model_type(HfFamily family) noexcept {
       return "deepseek_v3";
     case HfFamily::kOlmoe:
       return "olmoe";
+    case HfFamily::kQwen3Next:
+      return "qwen3_next";
+    case HfFamily::kGlm4Moe:
+      return "glm4_moe";
+    case HfFamily::kDeepseekV2:
+      return "deepseek_v2";
+    case HfFamily::kMinimaxM2:
+      return "minimax_m2";
+    case HfFamily::kErnie45Moe:
+      return "ernie4_5_moe";
   }
   return "?";
 }
@@ -66,8 +88,57 @@ inline char const* hf_architecture(HfFamily family) noexcept {
       return "DeepseekV3ForCausalLM";
     case HfFamily::kOlmoe:
       return "OlmoeForCausalLM";
+    case HfFamily::kQwen3Next:
+      return "Qwen3NextForCausalLM";
+    case HfFamily::kGlm4Moe:
+      return "Glm4MoeForCausalLM";
+    case HfFamily::kDeepseekV2:
+      return "DeepseekV2ForCausalLM";
+    case HfFamily::kMinimaxM2:
+      return "MiniMaxM2ForCausalLM";
+    case HfFamily::kErnie45Moe:
+      return "Ernie4_5_MoeForCausalLM";
   }
   return "?";
+}
+
+/// The config.json key of the number of routed experts ("num_local_experts" for Mixtral,
+/// "n_routed_experts" for DeepSeek and GLM, "moe_num_experts" for ERNIE, ...).
+inline char const* hf_experts_key(HfFamily family) noexcept {
+  switch (family) {
+    case HfFamily::kMixtral:
+    case HfFamily::kMinimaxM2:
+      return "num_local_experts";
+    case HfFamily::kDeepseekV3:
+    case HfFamily::kGlm4Moe:
+    case HfFamily::kDeepseekV2:
+      return "n_routed_experts";
+    case HfFamily::kErnie45Moe:
+      return "moe_num_experts";
+    default:
+      return "num_experts";
+  }
+}
+
+/// The config.json key of a routed expert's width: "intermediate_size" (Mixtral, OLMoE,
+/// MiniMax-M2) or "moe_intermediate_size" (the others).
+inline char const* hf_width_key(HfFamily family) noexcept {
+  return family == HfFamily::kMixtral || family == HfFamily::kOlmoe ||
+                 family == HfFamily::kMinimaxM2
+             ? "intermediate_size"
+             : "moe_intermediate_size";
+}
+
+/// The supported model types as a list for messages: "\"mixtral\", \"qwen2_moe\", ... and
+/// \"ernie4_5_moe\"".
+inline std::string hf_model_type_list() {
+  std::string out;
+  std::size_t const n = sizeof kHfFamilies / sizeof kHfFamilies[0];
+  for (std::size_t i = 0; i < n; ++i) {
+    out += i == 0 ? "" : i + 1 == n ? " and " : ", ";
+    out += std::string("\"") + hf_model_type(kHfFamilies[i]) + "\"";
+  }
+  return out;
 }
 
 /// The MoE-relevant part of a Hugging Face config.json, with the family's transformers defaults
@@ -76,13 +147,18 @@ inline char const* hf_architecture(HfFamily family) noexcept {
 ///
 /// | field                           | config.json key(s)                                       |
 /// |---------------------------------|----------------------------------------------------------|
-/// | num_experts (E)                 | num_local_experts / num_experts / n_routed_experts       |
-/// | expert_intermediate_size (I)    | moe_intermediate_size (Qwen, DeepSeek) or                 |
-/// |                                 | intermediate_size (Mixtral, OLMoE)                       |
-/// | shared_expert_intermediate_size | shared_expert_intermediate_size (Qwen2-MoE)              |
-/// | n_shared_experts                | n_shared_experts (DeepSeek: width n * I)                 |
+/// | num_experts (E)                 | num_local_experts / num_experts / n_routed_experts /     |
+/// |                                 | moe_num_experts (ERNIE)                                  |
+/// | num_experts_per_tok (k)         | num_experts_per_tok / moe_k (ERNIE)                      |
+/// | expert_intermediate_size (I)    | moe_intermediate_size (Qwen, DeepSeek, GLM, ERNIE) or    |
+/// |                                 | intermediate_size (Mixtral, OLMoE, MiniMax-M2)           |
+/// | shared_expert_intermediate_size | shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next)  |
+/// | n_shared_experts                | n_shared_experts (DeepSeek, GLM) / moe_num_shared_experts |
+/// |                                 | (ERNIE): one shared expert of width n * I                |
 /// | which layers are MoE            | decoder_sparse_step, mlp_only_layers (Qwen);             |
-/// |                                 | first_k_dense_replace, moe_layer_freq (DeepSeek)         |
+/// |                                 | first_k_dense_replace, moe_layer_freq (DeepSeek-V3);     |
+/// |                                 | first_k_dense_replace (GLM, DeepSeek-V2);                |
+/// |                                 | moe_layer_start_index / _end_index / _interval (ERNIE)   |
 struct HfMoeConfig {
   HfFamily family = HfFamily::kMixtral;
   Index hidden_size = 0;               ///< H
@@ -98,7 +174,7 @@ struct HfMoeConfig {
   Index decoder_sparse_step = 1;              ///< MoE iff (L + 1) % step == 0
   std::vector<Index> mlp_only_layers;         ///< layers forced dense
 
-  // DeepSeek-V3.
+  // DeepSeek-V3 (and GLM-4.5, DeepSeek-V2, ERNIE 4.5).
   Index n_shared_experts = 0;          ///< one shared expert of width n * I (0: none)
   Index n_group = 1;                   ///< expert groups
   Index topk_group = 1;                ///< groups kept per token
@@ -107,6 +183,12 @@ struct HfMoeConfig {
   std::string topk_method = "noaux_tc";
   Index first_k_dense_replace = 0;  ///< layers [0, first_k_dense_replace) are dense
   Index moe_layer_freq = 1;         ///< MoE iff L >= first_k_dense_replace and L % freq == 0
+
+  // ERNIE 4.5: MoE iff (L + 1) % interval == 0 and start <= L <= end (end -1: the last layer).
+  Index moe_layer_start_index = 1;
+  Index moe_layer_end_index = -1;
+  Index moe_layer_interval = 1;
+  float moe_norm_min = 1e-12f;  ///< the weights' sum is clamped to at least this
 
   // FP8 block quantisation ("quantization_config" with quant_method "fp8", as DeepSeek-V3 and
   // the Qwen3 FP8 releases have it), 0 when absent.
@@ -120,22 +202,52 @@ struct HfMoeConfig {
   /// not know (detail::hf_known_keys): most often a misspelt key whose setting then silently
   /// took its default. Reported like defaulted_keys.
   std::vector<std::string> unknown_keys;
+  /// Keys that config.json sets to a value transformers' modeling code of the family ignores
+  /// although it would change the layer (e.g. DeepSeek-V2's norm_topk_prob true, MiniMax-M2's
+  /// scoring_func): moe follows transformers, and the loader reports each like unknown_keys.
+  std::vector<std::string> ignored_settings;
 
   /// The config.json "model_type".
   char const* model_type() const noexcept { return hf_model_type(family); }
 
-  /// Width of the shared expert: shared_expert_intermediate_size (Qwen2-MoE),
-  /// n_shared_experts * expert_intermediate_size (DeepSeek-V3), 0 for the other families.
+  /// Width of the shared expert: shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next),
+  /// n_shared_experts * expert_intermediate_size (DeepSeek-V3, GLM-4.5, DeepSeek-V2, ERNIE 4.5),
+  /// 0 for the other families.
   Index shared_intermediate_size() const noexcept {
-    if (family == HfFamily::kQwen2Moe) return shared_expert_intermediate_size;
-    if (family == HfFamily::kDeepseekV3) return n_shared_experts * expert_intermediate_size;
-    return 0;
+    switch (family) {
+      case HfFamily::kQwen2Moe:
+      case HfFamily::kQwen3Next:
+        return shared_expert_intermediate_size;
+      case HfFamily::kDeepseekV3:
+      case HfFamily::kGlm4Moe:
+      case HfFamily::kDeepseekV2:
+      case HfFamily::kErnie45Moe:
+        return n_shared_experts * expert_intermediate_size;
+      default:
+        return 0;
+    }
   }
 
-  /// Is decoder layer `layer` an MoE layer (as transformers decides it)? Mixtral and OLMoE:
-  /// every layer. Qwen2/3-MoE: layer not in mlp_only_layers, E > 0 and (layer + 1) %
-  /// decoder_sparse_step == 0. DeepSeek-V3: layer >= first_k_dense_replace and layer %
-  /// moe_layer_freq == 0. Layers outside [0, num_hidden_layers) are not layers at all.
+  /// Does the shared expert have a sigmoid gate (shared_expert_gate.weight)? Qwen2-MoE and
+  /// Qwen3-Next.
+  bool has_shared_expert_gate() const noexcept {
+    return family == HfFamily::kQwen2Moe || family == HfFamily::kQwen3Next;
+  }
+
+  /// Does the router have a selection-only bias (e_score_correction_bias)? DeepSeek-V3,
+  /// GLM-4.5, MiniMax-M2, ERNIE 4.5.
+  bool has_selection_bias() const noexcept {
+    return family == HfFamily::kDeepseekV3 || family == HfFamily::kGlm4Moe ||
+           family == HfFamily::kMinimaxM2 || family == HfFamily::kErnie45Moe;
+  }
+
+  /// Is decoder layer `layer` an MoE layer (as transformers decides it)? Mixtral, OLMoE and
+  /// MiniMax-M2: every layer. Qwen2/3-MoE and Qwen3-Next: layer not in mlp_only_layers, E > 0
+  /// and (layer + 1) % decoder_sparse_step == 0. DeepSeek-V3: layer >= first_k_dense_replace
+  /// and layer % moe_layer_freq == 0. GLM-4.5 and DeepSeek-V2: layer >= first_k_dense_replace
+  /// (transformers reads no moe_layer_freq for them). ERNIE 4.5: (layer + 1) %
+  /// moe_layer_interval == 0 and moe_layer_start_index <= layer <= moe_layer_end_index (-1: the
+  /// last layer). Layers outside [0, num_hidden_layers) are not layers at all.
   bool is_moe_layer(Index layer) const { return dense_reason(layer).empty(); }
 
   /// Empty for an MoE layer; otherwise why `layer` is not one (for error messages).
@@ -149,9 +261,11 @@ struct HfMoeConfig {
     switch (family) {
       case HfFamily::kMixtral:
       case HfFamily::kOlmoe:
+      case HfFamily::kMinimaxM2:
         return {};
       case HfFamily::kQwen2Moe:
       case HfFamily::kQwen3Moe:
+      case HfFamily::kQwen3Next:
         if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) !=
             mlp_only_layers.end()) {
           return concat("layer ", layer, " is a dense MLP layer: it is listed in mlp_only_layers");
@@ -174,6 +288,35 @@ struct HfMoeConfig {
                         " makes layer L an MoE layer only when L % ", moe_layer_freq, " == 0");
         }
         return {};
+      case HfFamily::kGlm4Moe:
+      case HfFamily::kDeepseekV2:
+        if (layer < first_k_dense_replace) {
+          return concat("layer ", layer,
+                        " is a dense MLP layer: first_k_dense_replace = ", first_k_dense_replace,
+                        " makes layers 0 to ", first_k_dense_replace - 1, " dense");
+        }
+        return {};
+      case HfFamily::kErnie45Moe: {
+        if (layer < moe_layer_start_index) {
+          return concat("layer ", layer,
+                        " is a dense MLP layer: moe_layer_start_index = ", moe_layer_start_index,
+                        " makes layers 0 to ", moe_layer_start_index - 1, " dense");
+        }
+        Index const end = moe_layer_end_index == -1 ? num_hidden_layers - 1 : moe_layer_end_index;
+        if (moe_layer_end_index != -1 || num_hidden_layers >= 0) {
+          if (layer > end) {
+            return concat("layer ", layer,
+                          " is a dense MLP layer: moe_layer_end_index = ", moe_layer_end_index,
+                          " makes the layers after ", end, " dense");
+          }
+        }
+        if ((layer + 1) % moe_layer_interval != 0) {
+          return concat(
+              "layer ", layer, " is a dense MLP layer: moe_layer_interval = ", moe_layer_interval,
+              " makes layer L an MoE layer only when (L + 1) % ", moe_layer_interval, " == 0");
+        }
+        return {};
+      }
     }
     return {};
   }
@@ -368,6 +511,47 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
   static constexpr std::string_view kOlmoe[] = {
       "clip_qkv",          "norm_topk_prob",       "num_experts",
       "num_local_experts", "output_router_logits", "router_aux_loss_coef"};
+  // Qwen3-Next: the Qwen keys, its linear-attention (Gated DeltaNet) and rotary keys.
+  static constexpr std::string_view kQwen3Next[] = {
+      "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+      "linear_num_key_heads",    "linear_num_value_heads", "linear_value_head_dim",
+      "partial_rotary_factor"};
+  static constexpr std::string_view kGlm4Moe[] = {"first_k_dense_replace",
+                                                  "moe_intermediate_size",
+                                                  "n_group",
+                                                  "n_routed_experts",
+                                                  "n_shared_experts",
+                                                  "norm_topk_prob",
+                                                  "num_local_experts",
+                                                  "num_mtp_layers",
+                                                  "num_nextn_predict_layers",
+                                                  "partial_rotary_factor",
+                                                  "routed_scaling_factor",
+                                                  "topk_group",
+                                                  "use_qk_norm"};
+  static constexpr std::string_view kDeepseekV2[] = {"mlp_bias", "num_experts"};  // + kDeepseek
+  // MiniMax-M2: the Mixtral keys and the keys of its Hub config.json (remote code).
+  static constexpr std::string_view kMinimaxM2[] = {"attn_type_list",  "mtp_transformer_layers",
+                                                    "num_mtp_modules", "partial_rotary_factor",
+                                                    "qk_norm_type",    "rotary_dim",
+                                                    "scoring_func",    "shared_intermediate_size",
+                                                    "use_mtp",         "use_qk_norm",
+                                                    "use_routing_bias"};
+  static constexpr std::string_view kErnie45Moe[] = {"moe_capacity",
+                                                     "moe_gate",
+                                                     "moe_intermediate_size",
+                                                     "moe_k",
+                                                     "moe_layer_end_index",
+                                                     "moe_layer_interval",
+                                                     "moe_layer_start_index",
+                                                     "moe_norm_min",
+                                                     "moe_num_experts",
+                                                     "moe_num_shared_experts",
+                                                     "moe_use_aux_free",
+                                                     "num_experts",
+                                                     "output_router_logits",
+                                                     "router_aux_loss_coef",
+                                                     "use_bias"};
   auto in = [&](auto const& list) {
     for (std::string_view const k : list) {
       if (k == key) return true;
@@ -385,6 +569,16 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
       return in(kDeepseek);
     case HfFamily::kOlmoe:
       return in(kOlmoe);
+    case HfFamily::kQwen3Next:
+      return in(kQwen) || in(kQwen3Next);
+    case HfFamily::kGlm4Moe:
+      return in(kGlm4Moe);
+    case HfFamily::kDeepseekV2:
+      return in(kDeepseek) || in(kDeepseekV2);
+    case HfFamily::kMinimaxM2:
+      return in(kMixtral) || in(kMinimaxM2);
+    case HfFamily::kErnie45Moe:
+      return in(kErnie45Moe);
   }
   return false;
 }
@@ -479,6 +673,35 @@ class HfConfigReader {
     return v->text;
   }
 
+  /// Throws unless `key` is present (and not null): for keys whose transformers default (None)
+  /// the layer cannot run with; `why` says so.
+  void require(std::string_view key, std::string_view why) const {
+    if (find(key) == nullptr) {
+      moe::detail::fail("hf: ", source_, ": config.json lacks \"", key, "\" (", why,
+                        "); set it in config.json");
+    }
+  }
+
+  /// An integer that may be negative (>= min_value), or `fallback` when absent.
+  Index signed_integer(std::string_view key, Index fallback, Index min_value) {
+    JsonValue const* v = find(key);
+    if (v == nullptr) {
+      out_.defaulted_keys.emplace_back(key);
+      return fallback;
+    }
+    if (v->kind == JsonKind::kNumber && !v->number.is_u64 && !v->text.empty() &&
+        v->text[0] == '-') {
+      Index value = 0;
+      auto const [end, ec] =
+          std::from_chars(v->text.data(), v->text.data() + v->text.size(), value);
+      if (ec == std::errc() && end == v->text.data() + v->text.size() && value >= min_value) {
+        return value;
+      }
+      bad(key, *v, detail::concat("an integer >= ", min_value).c_str());
+    }
+    return integer(key, *v, min_value < 0 ? 0 : min_value);
+  }
+
   std::vector<Index> integer_list(std::string_view key) {
     JsonValue const* v = find(key);
     std::vector<Index> out;
@@ -502,32 +725,32 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
   auto fail_if = [&](bool bad, auto const&... parts) {
     if (bad) moe::detail::fail("hf: ", where, ": ", parts..., "; fix config.json");
   };
-  char const* experts_key = c.family == HfFamily::kMixtral      ? "num_local_experts"
-                            : c.family == HfFamily::kDeepseekV3 ? "n_routed_experts"
-                                                                : "num_experts";
-  char const* width_key = c.family == HfFamily::kMixtral || c.family == HfFamily::kOlmoe
-                              ? "intermediate_size"
-                              : "moe_intermediate_size";
+  char const* const experts_key = hf_experts_key(c.family);
+  char const* const width_key = hf_width_key(c.family);
+  char const* const k_key = c.family == HfFamily::kErnie45Moe ? "moe_k" : "num_experts_per_tok";
   fail_if(c.hidden_size < 1, "hidden_size = ", c.hidden_size, " must be >= 1");
   fail_if(c.expert_intermediate_size < 1, width_key, " = ", c.expert_intermediate_size,
           " must be >= 1");
-  bool const may_be_dense = c.family == HfFamily::kQwen2Moe || c.family == HfFamily::kQwen3Moe;
+  bool const may_be_dense = c.family == HfFamily::kQwen2Moe || c.family == HfFamily::kQwen3Moe ||
+                            c.family == HfFamily::kQwen3Next;
   fail_if(c.num_experts < (may_be_dense ? 0 : 1), experts_key, " = ", c.num_experts,
           " must be >= 1");
   fail_if(c.num_experts > 0 && (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts),
-          "num_experts_per_tok = ", c.num_experts_per_tok, " must be in [1, ", experts_key, " = ",
+          k_key, " = ", c.num_experts_per_tok, " must be in [1, ", experts_key, " = ",
           c.num_experts, "]");
   fail_if(c.hidden_act != "silu" && c.hidden_act != "swish", "hidden_act ",
           printable_name(c.hidden_act),
           " is not supported: moe's preset layers have SwiGLU experts, which need \"silu\"");
-  if (c.family == HfFamily::kQwen2Moe) {
+  if (c.family == HfFamily::kQwen2Moe || c.family == HfFamily::kQwen3Next) {
     fail_if(c.shared_expert_intermediate_size < 1,
             "shared_expert_intermediate_size = ", c.shared_expert_intermediate_size,
-            " must be >= 1 (Qwen2-MoE has a shared expert)");
+            " must be >= 1 (", c.model_type(), " has a shared expert)");
   }
   fail_if(c.decoder_sparse_step < 1, "decoder_sparse_step = ", c.decoder_sparse_step,
           " must be >= 1");
-  if (c.family == HfFamily::kDeepseekV3) {
+  bool const grouped = c.family == HfFamily::kDeepseekV3 || c.family == HfFamily::kGlm4Moe ||
+                       c.family == HfFamily::kDeepseekV2;
+  if (grouped) {
     fail_if(c.moe_layer_freq < 1, "moe_layer_freq = ", c.moe_layer_freq, " must be >= 1");
     fail_if(c.n_group < 1 || c.num_experts % c.n_group != 0, "n_group = ", c.n_group,
             " must divide n_routed_experts = ", c.num_experts);
@@ -536,7 +759,31 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
     fail_if(c.num_experts_per_tok > c.topk_group * (c.num_experts / c.n_group),
             "num_experts_per_tok = ", c.num_experts_per_tok, " exceeds the ",
             c.topk_group * (c.num_experts / c.n_group), " experts of the topk_group kept groups");
-    fail_if(!std::isfinite(c.routed_scaling_factor), "routed_scaling_factor is not finite");
+    fail_if(!(c.routed_scaling_factor > 0.0f && c.routed_scaling_factor <= 1e6f),
+            "routed_scaling_factor = ", c.routed_scaling_factor, " must be in (0, 1e6]");
+  }
+  if (c.family == HfFamily::kDeepseekV2) {
+    fail_if(c.scoring_func != "softmax", "scoring_func ", printable_name(c.scoring_func),
+            " is not supported: DeepSeek-V2's gate scores with \"softmax\"");
+    fail_if(c.topk_method != "greedy" && c.topk_method != "group_limited_greedy", "topk_method ",
+            printable_name(c.topk_method),
+            " is not supported: DeepSeek-V2's gate implements \"greedy\" and "
+            "\"group_limited_greedy\"");
+    fail_if(c.topk_method == "greedy" && (c.n_group != 1 || c.topk_group != 1),
+            "topk_method \"greedy\" routes without groups, but n_group = ", c.n_group,
+            " and topk_group = ", c.topk_group, " (moe keeps them 1 for greedy)");
+  }
+  if (c.family == HfFamily::kErnie45Moe) {
+    fail_if(c.moe_layer_start_index < 0, "moe_layer_start_index = ", c.moe_layer_start_index,
+            " must be >= 0");
+    fail_if(c.moe_layer_end_index < -1, "moe_layer_end_index = ", c.moe_layer_end_index,
+            " must be >= 0 (or -1: the last layer)");
+    fail_if(c.moe_layer_interval < 1, "moe_layer_interval = ", c.moe_layer_interval,
+            " must be >= 1");
+    fail_if(!(c.moe_norm_min >= 0.0f && c.moe_norm_min <= 1.0f), "moe_norm_min = ", c.moe_norm_min,
+            " must be in [0, 1]");
+  }
+  if (c.family == HfFamily::kDeepseekV3) {
     fail_if(c.scoring_func != "sigmoid", "scoring_func ", printable_name(c.scoring_func),
             " is not supported: DeepSeek-V3's gate (and moe's DeepseekV3Moe) scores with "
             "\"sigmoid\"");
@@ -549,7 +796,7 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
 }  // namespace detail
 
 /// Parses the text of a config.json. `source` names it in error messages. Reads "model_type"
-/// (required: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3" or "olmoe") and the family's
+/// (required: one of hf_model_type_list()) and the family's
 /// MoE keys; an absent (or null) key takes the default of the family's transformers config
 /// class and is listed in defaulted_keys. Throws moe::Error for invalid JSON, a missing or
 /// unsupported model_type, a key of the wrong JSON type, an unsupported hidden_act /
@@ -584,21 +831,18 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   detail::JsonValue const* type = r.find("model_type");
   if (type == nullptr) {
     moe::detail::fail("hf: ", source,
-                      ": config.json has no \"model_type\"; it must name the model family "
-                      "(\"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek_v3\" or \"olmoe\")");
+                      ": config.json has no \"model_type\"; it must name the model family (",
+                      hf_model_type_list(), ")");
   }
   if (type->kind != JsonKind::kString) r.bad("model_type", *type, "a string");
-  static constexpr HfFamily kFamilies[] = {HfFamily::kMixtral, HfFamily::kQwen2Moe,
-                                           HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
-                                           HfFamily::kOlmoe};
   bool known = false;
-  for (HfFamily const f : kFamilies) {
+  for (HfFamily const f : kHfFamilies) {
     if (type->text == hf_model_type(f)) c.family = f, known = true;
   }
   if (!known) {
     moe::detail::fail("hf: ", source, ": model_type ", detail::printable_name(type->text),
-                      " is not supported; moe loads the MoE layers of \"mixtral\", \"qwen2_moe\", "
-                      "\"qwen3_moe\", \"deepseek_v3\" and \"olmoe\" models");
+                      " is not supported; moe loads the MoE layers of ", hf_model_type_list(),
+                      " models");
   }
 
   // Defaults of the transformers configuration classes.
@@ -651,6 +895,115 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
       c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
       c.norm_topk_prob = r.boolean("norm_topk_prob", false);
       break;
+    case HfFamily::kQwen3Next:
+      c.hidden_size = r.integer({"hidden_size"}, 2048, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 512, 1);
+      c.shared_expert_intermediate_size = r.integer({"shared_expert_intermediate_size"}, 512, 1);
+      c.num_experts = r.integer({"num_experts"}, 512, 0);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 10, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+      c.decoder_sparse_step = r.integer({"decoder_sparse_step"}, 1, 1);
+      c.mlp_only_layers = r.integer_list("mlp_only_layers");
+      break;
+    case HfFamily::kGlm4Moe:
+      c.hidden_size = r.integer({"hidden_size"}, 4096, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1408, 1);
+      c.num_experts = r.integer({"n_routed_experts", "num_local_experts"}, 128, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
+      c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+      c.n_shared_experts = r.integer({"n_shared_experts"}, 1, 0);
+      c.n_group = r.integer({"n_group"}, 1, 1);
+      c.topk_group = r.integer({"topk_group"}, 1, 1);
+      c.routed_scaling_factor = static_cast<float>(r.number("routed_scaling_factor", 1.0));
+      c.first_k_dense_replace = r.integer({"first_k_dense_replace"}, 1, 0);
+      break;
+    case HfFamily::kDeepseekV2: {
+      c.hidden_size = r.integer({"hidden_size"}, 4096, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1407, 1);
+      c.num_experts = r.integer({"n_routed_experts", "num_experts"}, 64, 1);
+      r.require("num_experts_per_tok", "transformers' DeepseekV2Config defaults it to None");
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 0, 1);
+      c.n_shared_experts = r.integer({"n_shared_experts"}, 2, 0);
+      c.routed_scaling_factor = static_cast<float>(r.number("routed_scaling_factor", 1.0));
+      c.topk_method = r.string("topk_method", "greedy");
+      if (c.topk_method == "gready") c.topk_method = "greedy";  // DeepSeek's remote spelling
+      if (c.topk_method == "group_limited_greedy") {
+        r.require("n_group", "topk_method \"group_limited_greedy\" needs it");
+        r.require("topk_group", "topk_method \"group_limited_greedy\" needs it");
+        c.n_group = r.integer({"n_group"}, 1, 1);
+        c.topk_group = r.integer({"topk_group"}, 1, 1);
+      }
+      c.scoring_func = "softmax";
+      if (r.find("scoring_func") != nullptr) c.scoring_func = r.string("scoring_func", "softmax");
+      c.first_k_dense_replace = r.integer({"first_k_dense_replace"}, 0, 0);
+      c.norm_topk_prob = false;  // transformers' DeepseekV2 never renormalises
+      if (detail::JsonValue const* v = r.find("norm_topk_prob")) {
+        if (v->kind != JsonKind::kBool) r.bad("norm_topk_prob", *v, "true or false");
+        if (v->boolean && c.num_experts_per_tok > 1) {
+          c.ignored_settings.push_back(
+              "norm_topk_prob = true (transformers' DeepSeek-V2 never renormalises the top-k "
+              "weights and always multiplies them by routed_scaling_factor; DeepSeek's remote "
+              "code would renormalise instead of scaling)");
+        }
+      }
+      if (detail::JsonValue const* v = r.find("moe_layer_freq")) {
+        if (Index const freq = r.integer("moe_layer_freq", *v, 1); freq != 1) {
+          c.ignored_settings.push_back(detail::concat(
+              "moe_layer_freq = ", freq,
+              " (transformers' DeepSeek-V2 makes every layer from first_k_dense_replace on an "
+              "MoE layer; DeepSeek's remote code would make only every ",
+              freq, "th one)"));
+        }
+      }
+      break;
+    }
+    case HfFamily::kMinimaxM2:
+      c.hidden_size = r.integer({"hidden_size"}, 3072, 1);
+      c.expert_intermediate_size = r.integer({"intermediate_size"}, 1536, 1);
+      c.num_experts = r.integer({"num_local_experts", "num_experts"}, 256, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 8, 1);
+      c.norm_topk_prob = true;  // MiniMaxM2SparseMoeBlock always renormalises
+      if (detail::JsonValue const* v = r.find("scoring_func");
+          v != nullptr && !(v->kind == JsonKind::kString && v->text == "sigmoid")) {
+        c.ignored_settings.push_back(
+            detail::concat("scoring_func = ",
+                           v->kind == JsonKind::kString ? detail::printable_name(v->text)
+                                                        : std::string("(not a string)"),
+                           " (transformers' MiniMax-M2 always scores with sigmoid)"));
+      }
+      if (detail::JsonValue const* v = r.find("use_routing_bias");
+          v != nullptr && !(v->kind == JsonKind::kBool && v->boolean)) {
+        c.ignored_settings.push_back(
+            "use_routing_bias = false (transformers' MiniMax-M2 always adds "
+            "e_score_correction_bias for the selection)");
+      }
+      if (detail::JsonValue const* v = r.find("shared_intermediate_size");
+          v != nullptr && !(v->kind == JsonKind::kNumber && v->text == "0")) {
+        c.ignored_settings.push_back(
+            detail::concat("shared_intermediate_size = ", v->text,
+                           " (transformers' MiniMax-M2 has no shared expert)"));
+      }
+      break;
+    case HfFamily::kErnie45Moe: {
+      c.hidden_size = r.integer({"hidden_size"}, 2560, 1);
+      c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1536, 1);
+      c.num_experts = r.integer({"moe_num_experts", "num_experts"}, 64, 1);
+      c.num_experts_per_tok = r.integer({"moe_k", "num_experts_per_tok"}, 6, 1);
+      c.n_shared_experts = r.integer({"moe_num_shared_experts"}, 2, 0);
+      c.moe_layer_start_index = r.integer({"moe_layer_start_index"}, 1, 0);
+      c.moe_layer_end_index = r.signed_integer("moe_layer_end_index", -1, -1);
+      c.moe_layer_interval = r.integer({"moe_layer_interval"}, 1, 1);
+      c.moe_norm_min = static_cast<float>(r.number("moe_norm_min", 1e-12));
+      c.norm_topk_prob = true;  // the weights are always renormalised (clamped sum)
+      c.scoring_func = "softmax";
+      if (r.boolean("use_bias", false)) {
+        moe::detail::fail("hf: ", source,
+                          ": use_bias = true (biases in the experts and the shared experts) is "
+                          "not supported yet for ernie4_5_moe; moe loads the published ERNIE 4.5 "
+                          "checkpoints, which have use_bias = false");
+      }
+      break;
+    }
   }
   c.hidden_act = r.string("hidden_act", "silu");
   if (detail::JsonValue const* q = r.find("quantization_config")) {
@@ -745,7 +1098,11 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
   int_key("hidden_size", c.hidden_size);
   string_key("hidden_act", c.hidden_act);
   if (c.num_hidden_layers >= 0) int_key("num_hidden_layers", c.num_hidden_layers);
-  int_key("num_experts_per_tok", c.num_experts_per_tok);
+  auto float_key = [&](std::string_view key, float value) {
+    append_json_key(out, key);
+    out += detail::json_float(value);
+  };
+  if (c.family != HfFamily::kErnie45Moe) int_key("num_experts_per_tok", c.num_experts_per_tok);
   switch (c.family) {
     case HfFamily::kMixtral:
       int_key("intermediate_size", c.expert_intermediate_size);
@@ -753,8 +1110,9 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       break;
     case HfFamily::kQwen2Moe:
     case HfFamily::kQwen3Moe:
+    case HfFamily::kQwen3Next:
       int_key("moe_intermediate_size", c.expert_intermediate_size);
-      if (c.family == HfFamily::kQwen2Moe) {
+      if (c.family != HfFamily::kQwen3Moe) {
         int_key("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
       }
       int_key("num_experts", c.num_experts);
@@ -774,8 +1132,7 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       int_key("n_shared_experts", c.n_shared_experts);
       int_key("n_group", c.n_group);
       int_key("topk_group", c.topk_group);
-      append_json_key(out, "routed_scaling_factor");
-      out += detail::json_float(c.routed_scaling_factor);
+      float_key("routed_scaling_factor", c.routed_scaling_factor);
       bool_key("norm_topk_prob", c.norm_topk_prob);
       string_key("scoring_func", c.scoring_func);
       string_key("topk_method", c.topk_method);
@@ -786,6 +1143,46 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       int_key("intermediate_size", c.expert_intermediate_size);
       int_key("num_experts", c.num_experts);
       bool_key("norm_topk_prob", c.norm_topk_prob);
+      break;
+    case HfFamily::kGlm4Moe:
+      int_key("moe_intermediate_size", c.expert_intermediate_size);
+      int_key("n_routed_experts", c.num_experts);
+      int_key("n_shared_experts", c.n_shared_experts);
+      int_key("n_group", c.n_group);
+      int_key("topk_group", c.topk_group);
+      float_key("routed_scaling_factor", c.routed_scaling_factor);
+      bool_key("norm_topk_prob", c.norm_topk_prob);
+      int_key("first_k_dense_replace", c.first_k_dense_replace);
+      break;
+    case HfFamily::kDeepseekV2:
+      int_key("moe_intermediate_size", c.expert_intermediate_size);
+      int_key("n_routed_experts", c.num_experts);
+      int_key("n_shared_experts", c.n_shared_experts);
+      string_key("topk_method", c.topk_method);
+      if (c.topk_method == "group_limited_greedy") {
+        int_key("n_group", c.n_group);
+        int_key("topk_group", c.topk_group);
+      }
+      float_key("routed_scaling_factor", c.routed_scaling_factor);
+      bool_key("norm_topk_prob", false);
+      string_key("scoring_func", c.scoring_func);
+      int_key("first_k_dense_replace", c.first_k_dense_replace);
+      break;
+    case HfFamily::kMinimaxM2:
+      int_key("intermediate_size", c.expert_intermediate_size);
+      int_key("num_local_experts", c.num_experts);
+      break;
+    case HfFamily::kErnie45Moe:
+      int_key("moe_intermediate_size", c.expert_intermediate_size);
+      int_key("moe_num_experts", c.num_experts);
+      int_key("moe_k", c.num_experts_per_tok);
+      int_key("moe_num_shared_experts", c.n_shared_experts);
+      int_key("moe_layer_start_index", c.moe_layer_start_index);
+      int_key("moe_layer_end_index", c.moe_layer_end_index);
+      int_key("moe_layer_interval", c.moe_layer_interval);
+      append_json_key(out, "moe_norm_min");
+      out += detail::json_float(c.moe_norm_min);
+      bool_key("use_bias", false);
       break;
   }
   if (c.fp8_block_rows > 0) {

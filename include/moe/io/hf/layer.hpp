@@ -97,33 +97,128 @@ inline HfMoeConfig hf_config(presets::OlmoeConfig const& p) {
   return c;
 }
 
+inline HfMoeConfig hf_config(presets::Qwen3NextConfig const& p) {
+  HfMoeConfig c = hf_config(presets::Qwen2MoeConfig{
+      p.hidden_size, p.moe_intermediate_size, p.shared_expert_intermediate_size, p.num_experts,
+      p.num_experts_per_tok, p.norm_topk_prob});
+  c.family = HfFamily::kQwen3Next;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::Glm4MoeConfig const& p) {
+  HfMoeConfig c = hf_config(presets::DeepseekV3Config{
+      p.hidden_size, p.moe_intermediate_size, p.n_routed_experts, p.num_experts_per_tok, p.n_group,
+      p.topk_group, p.routed_scaling_factor, p.n_shared_experts, p.norm_topk_prob});
+  c.family = HfFamily::kGlm4Moe;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::DeepseekV2Config const& p) {
+  HfMoeConfig c = hf_config(presets::DeepseekV3Config{
+      p.hidden_size, p.moe_intermediate_size, p.n_routed_experts, p.num_experts_per_tok, p.n_group,
+      p.topk_group, p.routed_scaling_factor, p.n_shared_experts, false});
+  c.family = HfFamily::kDeepseekV2;
+  c.scoring_func = "softmax";
+  c.topk_method = p.n_group == 1 && p.topk_group == 1 ? "greedy" : "group_limited_greedy";
+  return c;
+}
+inline HfMoeConfig hf_config(presets::MinimaxM2Config const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kMinimaxM2;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.intermediate_size;
+  c.num_experts = p.num_local_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = true;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::Ernie45MoeConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kErnie45Moe;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.moe_intermediate_size;
+  c.num_experts = p.moe_num_experts;
+  c.num_experts_per_tok = p.moe_k;
+  c.n_shared_experts = p.moe_num_shared_experts;
+  c.moe_layer_start_index = 0;  // every layer an MoE layer, as the other preset configs
+  c.moe_norm_min = p.moe_norm_min;
+  c.norm_topk_prob = true;
+  c.scoring_func = "softmax";
+  return c;
+}
+
 // Qwen3-MoE and OLMoE share one C++ type; HfAnyLayer relies on the four types below differing.
 static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
               "moe::io::HfAnyLayer holds Qwen3-MoE and OLMoE layers in one alternative; give "
               "OlmoeMoe its own alternative if the presets ever make them different types");
 
-/// Does the preset layer type `Layer` hold layers of `family`? (Qwen3Moe == OlmoeMoe holds both
-/// qwen3_moe and olmoe.)
+/// Does the preset layer type `Layer` hold layers of `family`? Four types hold the ten
+/// families: MixtralMoe (mixtral); Qwen2Moe (qwen2_moe, qwen3_next); Qwen3Moe == OlmoeMoe
+/// (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3, glm4_moe, deepseek_v2, minimax_m2,
+/// ernie4_5_moe: GroupLimitedTopK with the family's scores, bias, groups and normalisation).
 template <class Layer>
 constexpr bool hf_family_matches(HfFamily family) noexcept {
   switch (family) {
     case HfFamily::kMixtral:
       return std::is_same_v<Layer, presets::MixtralMoe>;
     case HfFamily::kQwen2Moe:
+    case HfFamily::kQwen3Next:
       return std::is_same_v<Layer, presets::Qwen2Moe>;
     case HfFamily::kQwen3Moe:
+    case HfFamily::kOlmoe:
       return std::is_same_v<Layer, presets::Qwen3Moe>;
     case HfFamily::kDeepseekV3:
+    case HfFamily::kGlm4Moe:
+    case HfFamily::kDeepseekV2:
+    case HfFamily::kMinimaxM2:
+    case HfFamily::kErnie45Moe:
       return std::is_same_v<Layer, presets::DeepseekV3Moe>;
-    case HfFamily::kOlmoe:
-      return std::is_same_v<Layer, presets::OlmoeMoe>;
   }
   return false;
 }
 
+namespace detail {
+/// The router of a DeepseekV3Moe-type layer for config `c` (GLM-4.5, DeepSeek-V2, MiniMax-M2
+/// and ERNIE 4.5 differ from DeepSeek-V3 in scores, groups, bias and normalisation only).
+inline routing::GroupLimitedTopK hf_group_router(HfMoeConfig const& c) {
+  routing::GroupLimitedTopK r;
+  r.num_experts = c.num_experts;
+  r.top_k = c.num_experts_per_tok;
+  r.n_group = c.n_group;
+  r.topk_group = c.topk_group;
+  r.normalize = c.norm_topk_prob;
+  r.scale = c.routed_scaling_factor;
+  if (c.has_selection_bias()) r.bias.assign(static_cast<std::size_t>(c.num_experts), 0.0f);
+  switch (c.family) {
+    case HfFamily::kDeepseekV2:
+      r.scoring = routing::ScoreFunction::kSoftmax;
+      r.group_score = routing::GroupScore::kMax;
+      r.normalize = false;
+      break;
+    case HfFamily::kMinimaxM2:
+      r.n_group = r.topk_group = 1;
+      r.normalize = true;
+      r.norm_epsilon = 0.0f;
+      r.scale = 1.0f;
+      break;
+    case HfFamily::kErnie45Moe:
+      r.n_group = r.topk_group = 1;
+      r.scoring = routing::ScoreFunction::kSoftmax;
+      r.normalize = true;
+      r.norm_epsilon = 0.0f;
+      r.norm_min = c.moe_norm_min;
+      r.scale = 1.0f;
+      break;
+    default:  // DeepSeek-V3, GLM-4.5
+      break;
+  }
+  return r;
+}
+}  // namespace detail
+
 /// A layer of type `Layer` with zero weights, shaped and routed as config `c` says:
 /// make_mixtral / make_qwen2_moe / make_qwen3_moe / make_deepseek_v3 / make_olmoe with the
-/// config's sizes, top-k, norm_topk_prob, groups, routed_scaling_factor and shared experts.
+/// config's sizes, top-k, norm_topk_prob, groups, routed_scaling_factor and shared experts
+/// (Qwen3-Next in the Qwen2Moe type; GLM-4.5, DeepSeek-V2, MiniMax-M2 and ERNIE 4.5 in the
+/// DeepseekV3Moe type, with their routers as detail::hf_group_router sets them).
 /// Throws moe::Error when `Layer` is not the preset type of c.family.
 template <class Layer>
 Layer make_hf_layer(HfMoeConfig const& c) {
@@ -142,17 +237,11 @@ Layer make_hf_layer(HfMoeConfig const& c) {
                                     c.num_experts_per_tok, c.norm_topk_prob});
   } else {
     static_assert(std::is_same_v<Layer, presets::DeepseekV3Moe>, "not a preset MoE layer type");
-    presets::DeepseekV3Config p;
-    p.hidden_size = c.hidden_size;
-    p.moe_intermediate_size = c.expert_intermediate_size;
-    p.n_routed_experts = c.num_experts;
-    p.num_experts_per_tok = c.num_experts_per_tok;
-    p.n_group = c.n_group;
-    p.topk_group = c.topk_group;
-    p.routed_scaling_factor = c.routed_scaling_factor;
-    p.n_shared_experts = c.n_shared_experts;
-    p.norm_topk_prob = c.norm_topk_prob;
-    return presets::make_deepseek_v3(p);
+    Index const shared = c.shared_intermediate_size();
+    return presets::DeepseekV3Moe(
+        c.hidden_size, c.expert_intermediate_size, detail::hf_group_router(c),
+        experts::UngatedSharedExperts<experts::SwiGlu>(shared > 0 ? 1 : 0, c.hidden_size,
+                                                       std::max<Index>(1, shared)));
   }
 }
 
@@ -180,7 +269,7 @@ struct HfLayer {
 };
 
 /// A loaded layer of any supported family (load_hf_moe_layer()); config.family tells which
-/// (Qwen3-MoE and OLMoE share the third alternative). Use std::visit.
+/// (see hf_family_matches() for the families each alternative holds). Use std::visit.
 using HfAnyLayer = std::variant<HfLayer<presets::MixtralMoe>, HfLayer<presets::Qwen2Moe>,
                                 HfLayer<presets::Qwen3Moe>, HfLayer<presets::DeepseekV3Moe>>;
 
@@ -408,6 +497,9 @@ inline std::vector<std::string> hf_load_warnings(HfMoeConfig const& c,
     out.push_back(concat("config.json lacks ", join(c.defaulted_keys),
                          ", which took their transformers defaults"));
   }
+  for (std::string const& setting : c.ignored_settings) {
+    out.push_back(concat("config.json sets ", setting, "; moe follows transformers"));
+  }
   std::vector<std::string> used;
   used.reserve(read.size());
   for (HfTensor const& t : read) used.push_back(t.name);
@@ -540,7 +632,7 @@ inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& 
   if (!options.prefix.empty()) {
     candidates.push_back(options.prefix);
   } else {
-    if (c.family == HfFamily::kMixtral) {
+    if (hf_mixtral_names(c.family)) {
       candidates.push_back(concat("model.layers.", layer, ".block_sparse_moe."));
     }
     candidates.push_back(concat("model.layers.", layer, ".mlp."));
@@ -557,7 +649,7 @@ inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& 
   layout.fused_experts = ckpt.contains(gate_up);
   std::string const first_expert =
       concat(layout.prefix,
-             c.family == HfFamily::kMixtral ? "experts.0.w1.weight" : "experts.0.gate_proj.weight");
+             hf_mixtral_names(c.family) ? "experts.0.w1.weight" : "experts.0.gate_proj.weight");
   if (layout.fused_experts && ckpt.contains(first_expert)) {
     moe::detail::fail("hf: ", ckpt.source(), ": layer ", layer, " has both fused (",
                       printable_name(gate_up), ") and per-expert (", printable_name(first_expert),
@@ -705,11 +797,16 @@ inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Inde
     case HfFamily::kMixtral:
       return load_hf_layer<presets::MixtralMoe>(config, checkpoint, layer, options);
     case HfFamily::kQwen2Moe:
+    case HfFamily::kQwen3Next:
       return load_hf_layer<presets::Qwen2Moe>(config, checkpoint, layer, options);
     case HfFamily::kQwen3Moe:
     case HfFamily::kOlmoe:
       return load_hf_layer<presets::Qwen3Moe>(config, checkpoint, layer, options);
     case HfFamily::kDeepseekV3:
+    case HfFamily::kGlm4Moe:
+    case HfFamily::kDeepseekV2:
+    case HfFamily::kMinimaxM2:
+    case HfFamily::kErnie45Moe:
       return load_hf_layer<presets::DeepseekV3Moe>(config, checkpoint, layer, options);
   }
   moe::detail::fail("hf: ", model_dir.string(), ": unknown model family");
@@ -748,9 +845,11 @@ void check_layer_matches(HfMoeConfig const& c, Layer const& layer, std::string c
             r.top_k == c.num_experts_per_tok;
   if constexpr (requires { r.normalize; }) ok = ok && r.normalize == c.norm_topk_prob;
   if constexpr (requires { r.n_group; }) {
-    ok = ok && r.n_group == c.n_group && r.topk_group == c.topk_group &&
-         r.scale == c.routed_scaling_factor && r.scoring == routing::ScoreFunction::kSigmoid &&
-         r.group_score == routing::GroupScore::kTopTwoSum;
+    routing::GroupLimitedTopK const want = hf_group_router(c);
+    ok = ok && r.n_group == want.n_group && r.topk_group == want.topk_group &&
+         r.normalize == want.normalize && r.scale == want.scale && r.scoring == want.scoring &&
+         r.group_score == want.group_score && r.norm_epsilon == want.norm_epsilon &&
+         r.norm_min == want.norm_min && r.bias.size() == want.bias.size();
   } else if constexpr (requires { r.scale; }) {
     ok = ok && r.scale == 1.0f;
   }

@@ -18,7 +18,9 @@ namespace moe::io {
 /// What a checkpoint tensor of an MoE layer holds (I: expert width, Is: shared expert width).
 enum class HfPart : std::uint8_t {
   kRouter,            ///< gate.weight [E, H]
-  kSelectionBias,     ///< gate.e_score_correction_bias [E] (DeepSeek-V3; a buffer, not trained)
+  kSelectionBias,     ///< gate.e_score_correction_bias [E] (DeepSeek-V3, GLM-4.5),
+                      ///< e_score_correction_bias [E] (MiniMax-M2) or
+                      ///< moe_statics.e_score_correction_bias [1, E] (ERNIE 4.5); a buffer
   kExpertGate,        ///< experts.j.w1 / gate_proj .weight [I, H]
   kExpertUp,          ///< experts.j.w3 / up_proj .weight [I, H]
   kExpertDown,        ///< experts.j.w2 / down_proj .weight [H, I]
@@ -27,7 +29,7 @@ enum class HfPart : std::uint8_t {
   kSharedGate,        ///< shared_expert(s).gate_proj.weight [Is, H]
   kSharedUp,          ///< shared_expert(s).up_proj.weight [Is, H]
   kSharedDown,        ///< shared_expert(s).down_proj.weight [H, Is]
-  kSharedExpertGate,  ///< shared_expert_gate.weight [1, H] (Qwen2-MoE)
+  kSharedExpertGate,  ///< shared_expert_gate.weight [1, H] (Qwen2-MoE, Qwen3-Next)
 };
 
 /// One tensor of an MoE layer as the checkpoint stores it.
@@ -47,10 +49,17 @@ struct HfTensor {
   }
 };
 
+/// Does the family name its experts' projections w1 (gate), w3 (up), w2 (down) under a
+/// "block_sparse_moe." module, as Mixtral does (Mixtral, MiniMax-M2)?
+inline bool hf_mixtral_names(HfFamily family) noexcept {
+  return family == HfFamily::kMixtral || family == HfFamily::kMinimaxM2;
+}
+
 /// Where a layer's tensors live in the checkpoint.
 struct HfLayout {
-  /// Module prefix ending in '.': "model.layers.L.block_sparse_moe." (Mixtral, v4 names) or
-  /// "model.layers.L.mlp." (every other family; Mixtral in the transformers v5 naming).
+  /// Module prefix ending in '.': "model.layers.L.block_sparse_moe." (Mixtral and MiniMax-M2,
+  /// v4 names) or "model.layers.L.mlp." (every other family; Mixtral in the transformers v5
+  /// naming).
   std::string prefix;
   /// Experts stored fused as experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
   /// (transformers v5 in-memory layout) instead of one tensor per expert and projection.
@@ -63,7 +72,7 @@ struct HfLayout {
 inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_experts = false) {
   HfLayout layout;
   layout.fused_experts = fused_experts;
-  bool const mixtral_v4 = family == HfFamily::kMixtral && !fused_experts;
+  bool const mixtral_v4 = hf_mixtral_names(family) && !fused_experts;
   layout.prefix =
       detail::concat("model.layers.", layer, mixtral_v4 ? ".block_sparse_moe." : ".mlp.");
   return layout;
@@ -78,6 +87,12 @@ inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_exper
 ///   Qwen3-MoE, OLMoE: gate.weight, experts.j.{gate,up,down}_proj.weight
 ///   DeepSeek-V3: gate.weight, gate.e_score_correction_bias, experts.j.{gate,up,down}_proj.weight,
 ///                shared_experts.{gate,up,down}_proj.weight (when n_shared_experts > 0)
+///   Qwen3-Next:  as Qwen2-MoE
+///   GLM-4.5:     as DeepSeek-V3
+///   DeepSeek-V2: as DeepSeek-V3 without the correction bias
+///   MiniMax-M2:  gate.weight, e_score_correction_bias, experts.j.{w1,w3,w2}.weight
+///   ERNIE 4.5:   gate.weight, moe_statics.e_score_correction_bias [1, E],
+///                experts.j.{gate,up,down}_proj.weight, shared_experts.{gate,up,down}_proj.weight
 inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout const& layout) {
   std::vector<HfTensor> out;
   std::int64_t const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size;
@@ -86,14 +101,18 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
     out.push_back(HfTensor{std::move(name), part, expert, std::move(shape)});
   };
   add(p + "gate.weight", HfPart::kRouter, -1, {E, H});
-  if (c.family == HfFamily::kDeepseekV3) {
+  if (c.family == HfFamily::kMinimaxM2) {
+    add(p + "e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
+  } else if (c.family == HfFamily::kErnie45Moe) {
+    add(p + "moe_statics.e_score_correction_bias", HfPart::kSelectionBias, -1, {1, E});
+  } else if (c.has_selection_bias()) {
     add(p + "gate.e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
   }
   if (layout.fused_experts) {
     add(p + "experts.gate_up_proj", HfPart::kExpertsGateUp, -1, {E, 2 * I, H});
     add(p + "experts.down_proj", HfPart::kExpertsDown, -1, {E, H, I});
   } else {
-    bool const mixtral = c.family == HfFamily::kMixtral;
+    bool const mixtral = hf_mixtral_names(c.family);
     for (Index e = 0; e < E; ++e) {
       std::string const base = detail::concat(p, "experts.", e, ".");
       add(base + (mixtral ? "w1.weight" : "gate_proj.weight"), HfPart::kExpertGate, e, {I, H});
@@ -103,13 +122,12 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
   }
   std::int64_t const Is = c.shared_intermediate_size();
   if (Is > 0) {
-    std::string const s =
-        p + (c.family == HfFamily::kDeepseekV3 ? "shared_experts." : "shared_expert.");
+    std::string const s = p + (c.has_shared_expert_gate() ? "shared_expert." : "shared_experts.");
     add(s + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
     add(s + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
     add(s + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});
   }
-  if (c.family == HfFamily::kQwen2Moe) {
+  if (c.has_shared_expert_gate()) {
     add(p + "shared_expert_gate.weight", HfPart::kSharedExpertGate, -1, {1, H});
   }
   return out;

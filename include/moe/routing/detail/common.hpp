@@ -38,8 +38,10 @@ inline void compute_scores(ScoreFunction f, ConstMatrixView<float> logits, Selec
 }
 
 /// weight[t, s] = scores[t, expert[t, s]] for the first `k` slots; then, if normalize,
-/// w /= (sum_s w + eps); then w *= scale. Empty slots keep weight 0.
-inline void weights_from_scores(Selection& sel, Index k, bool normalize, float eps, float scale) {
+/// w /= max(sum_s w + eps, norm_min); then w *= scale. Empty slots keep weight 0. (eps: the
+/// 1e-20 of DeepSeek's gates; norm_min: ERNIE 4.5's clamp(sum, min=moe_norm_min).)
+inline void weights_from_scores(Selection& sel, Index k, bool normalize, float eps, float scale,
+                                float norm_min = 0.0f) {
   for (Index t = 0; t < sel.num_tokens; ++t) {
     ExpertId const* ids = sel.expert_row(t);
     float* w = sel.weight_row(t);
@@ -50,7 +52,8 @@ inline void weights_from_scores(Selection& sel, Index k, bool normalize, float e
       sum += w[s];
     }
     if (normalize) {
-      for (Index s = 0; s < k; ++s) w[s] = w[s] / (sum + eps);
+      float const denom = std::max(sum + eps, norm_min);
+      for (Index s = 0; s < k; ++s) w[s] = w[s] / denom;
     }
     if (scale != 1.0f) {
       for (Index s = 0; s < k; ++s) w[s] *= scale;
@@ -59,12 +62,15 @@ inline void weights_from_scores(Selection& sel, Index k, bool normalize, float e
 }
 
 /// Backward of weights_from_scores: with u = dweight [T, S] (dL/dw per slot) and
-/// w_j = c s_j / (S + eps) (normalize) or c s_j, adds dL/ds to dscores [T, E]:
-///   normalize: ds_j += c (u_j - sum_i u_i s_i / (S + eps)) / (S + eps);  else ds_j += c u_j.
+/// w_j = c s_j / d, d = max(S + eps, norm_min) (normalize), or w_j = c s_j, adds dL/ds to
+/// dscores [T, E]:
+///   normalize, d = S + eps: ds_j += c (u_j - sum_i u_i s_i / d) / d;
+///   normalize, d = norm_min (the clamp is active: d does not depend on s): ds_j += c u_j / d;
+///   else ds_j += c u_j.
 /// Slots dropped by a capacity limit still count in S (with u = 0), as they did in the forward.
 inline void weights_from_scores_backward(Selection const& sel, Index k, bool normalize, float eps,
                                          float scale, float const* dweight,
-                                         MatrixView<float> dscores) {
+                                         MatrixView<float> dscores, float norm_min = 0.0f) {
   Index const S = sel.slots, E = sel.num_experts;
   for (Index t = 0; t < sel.num_tokens; ++t) {
     float const* p = sel.scores.data() + t * E;
@@ -84,8 +90,9 @@ inline void weights_from_scores_backward(Selection const& sel, Index k, bool nor
       sum += p[e];
       dot += u[s] * p[e];
     }
-    float const denom = sum + eps;
-    float const mean = dot / denom;
+    bool const clamped = sum + eps < norm_min;
+    float const denom = clamped ? norm_min : sum + eps;
+    float const mean = clamped ? 0.0f : dot / denom;
     for (Index s = 0; s < k; ++s) {
       ExpertId const e = sel.chosen_expert(t * S + s);
       if (e >= 0) ds[e] += scale * (u[s] - mean) / denom;

@@ -1,0 +1,329 @@
+// SPDX-License-Identifier: Apache-2.0
+// The families that reuse the Qwen2-MoE and DeepSeek-V3 layer types (Qwen3-Next, GLM-4.5,
+// DeepSeek-V2, MiniMax-M2, ERNIE 4.5): a checkpoint written by save_hf_layer(), read back tensor
+// by tensor under the names transformers loads, and run through an independent double-precision
+// transcription of each family's transformers forward (modeling_<family>.py); the layer that
+// load_hf_moe_layer() builds must pick the same experts and give the same output.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "hf/hf_test_support.hpp"
+#include "io/io_test_support.hpp"
+#include "moe/io/hf.hpp"
+
+namespace {
+
+using moe::Index;
+using moe::io::HfFamily;
+using moe::io::HfMoeConfig;
+namespace fs = std::filesystem;
+
+/// The tensors of a checkpoint by name, as doubles, with their shapes checked.
+class Checkpoint {
+ public:
+  explicit Checkpoint(fs::path const& file) : file_(file) {}
+  std::vector<double> get(std::string const& name, std::vector<std::int64_t> const& shape) const {
+    INFO("tensor " << name);
+    moe::io::TensorView const* t = file_.find(name);
+    REQUIRE(t != nullptr);
+    REQUIRE(t->shape == shape);
+    std::vector<float> const f = moe::io::to_float(*t);
+    return {f.begin(), f.end()};
+  }
+  bool has(std::string const& name) const { return file_.find(name) != nullptr; }
+
+ private:
+  moe::io::SafetensorsFile file_;
+};
+
+double dot(double const* a, double const* b, Index n) {
+  double s = 0.0;
+  for (Index i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+double silu(double z) { return z * sigmoid(z); }
+
+/// nn.Linear-style MLP: down(silu(gate x) * up x), weights [I, H], [I, H], [H, I].
+std::vector<double> mlp(std::vector<double> const& gate, std::vector<double> const& up,
+                        std::vector<double> const& down, double const* x, Index H, Index I) {
+  std::vector<double> m(static_cast<std::size_t>(I)), y(static_cast<std::size_t>(H));
+  for (Index i = 0; i < I; ++i) m[i] = silu(dot(&gate[i * H], x, H)) * dot(&up[i * H], x, H);
+  for (Index h = 0; h < H; ++h) y[h] = dot(&down[h * I], m.data(), I);
+  return y;
+}
+
+/// Indices of the k largest values (torch.topk; the inputs here have no ties).
+std::vector<int> topk(std::vector<double> const& v, Index k) {
+  std::vector<int> idx(v.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[a] > v[b]; });
+  idx.resize(static_cast<std::size_t>(k));
+  return idx;
+}
+
+std::vector<double> softmax(std::vector<double> z) {
+  double const m = *std::max_element(z.begin(), z.end());
+  double s = 0.0;
+  for (double& v : z) s += (v = std::exp(v - m));
+  for (double& v : z) v /= s;
+  return z;
+}
+
+/// Keeps the topk_group best groups of `key` (scored by `score` of each group's values) and
+/// sets every other expert to `fill`, as the DeepSeek / GLM gates do.
+void mask_groups(std::vector<double>& key, Index n_group, Index topk_group, double fill,
+                 std::function<double(std::vector<double>)> const& score) {
+  Index const gs = static_cast<Index>(key.size()) / n_group;
+  std::vector<double> gscore(static_cast<std::size_t>(n_group));
+  for (Index g = 0; g < n_group; ++g) {
+    gscore[g] = score(std::vector<double>(key.begin() + g * gs, key.begin() + (g + 1) * gs));
+  }
+  std::vector<int> const keep = topk(gscore, topk_group);
+  for (Index g = 0; g < n_group; ++g) {
+    if (std::find(keep.begin(), keep.end(), g) != keep.end()) continue;
+    for (Index e = g * gs; e < (g + 1) * gs; ++e) key[e] = fill;
+  }
+}
+
+double top_two_sum(std::vector<double> v) {
+  std::sort(v.begin(), v.end(), std::greater<>());
+  return v[0] + v[1];
+}
+double group_max(std::vector<double> v) { return *std::max_element(v.begin(), v.end()); }
+
+struct Reference {
+  std::vector<double> y;                 // [T, H]
+  std::vector<std::vector<int>> chosen;  // [T][k], in torch.topk order
+};
+
+/// The transformers forward of one MoE block of `c` on x [T, H], from the checkpoint's tensors
+/// under `prefix` (per-expert layout).
+Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string const& p,
+                     std::vector<float> const& xf) {
+  Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
+              k = c.num_experts_per_tok;
+  Index const T = static_cast<Index>(xf.size()) / H;
+  bool const mixtral_names = c.family == HfFamily::kMinimaxM2;
+  std::vector<double> const wr = ck.get(p + "gate.weight", {E, H});
+  std::vector<double> bias;
+  if (c.family == HfFamily::kGlm4Moe) bias = ck.get(p + "gate.e_score_correction_bias", {E});
+  if (c.family == HfFamily::kMinimaxM2) bias = ck.get(p + "e_score_correction_bias", {E});
+  if (c.family == HfFamily::kErnie45Moe) {
+    bias = ck.get(p + "moe_statics.e_score_correction_bias", {1, E});
+  }
+  std::vector<std::vector<double>> gate(E), up(E), down(E);
+  for (Index e = 0; e < E; ++e) {
+    std::string const b = moe::io::detail::concat(p, "experts.", e, ".");
+    gate[e] = ck.get(b + (mixtral_names ? "w1.weight" : "gate_proj.weight"), {I, H});
+    up[e] = ck.get(b + (mixtral_names ? "w3.weight" : "up_proj.weight"), {I, H});
+    down[e] = ck.get(b + (mixtral_names ? "w2.weight" : "down_proj.weight"), {H, I});
+  }
+  Reference out;
+  out.y.assign(static_cast<std::size_t>(T * H), 0.0);
+  for (Index t = 0; t < T; ++t) {
+    std::vector<double> const x(xf.begin() + t * H, xf.begin() + (t + 1) * H);
+    std::vector<double> logits(static_cast<std::size_t>(E));
+    for (Index e = 0; e < E; ++e) logits[e] = dot(&wr[e * H], x.data(), H);
+    std::vector<int> idx;
+    std::vector<double> w;
+    switch (c.family) {
+      case HfFamily::kQwen3Next: {  // Qwen3NextTopKRouter
+        std::vector<double> const prob = softmax(logits);
+        idx = topk(prob, k);
+        for (int e : idx) w.push_back(prob[e]);
+        double const sum = std::accumulate(w.begin(), w.end(), 0.0);
+        if (c.norm_topk_prob) {
+          for (double& v : w) v /= sum;
+        }
+        break;
+      }
+      case HfFamily::kGlm4Moe: {  // Glm4MoeTopkRouter (newest: -inf fill)
+        std::vector<double> s(logits.size()), key(logits.size());
+        for (Index e = 0; e < E; ++e) key[e] = (s[e] = sigmoid(logits[e])) + bias[e];
+        mask_groups(key, c.n_group, c.topk_group, -INFINITY, top_two_sum);
+        idx = topk(key, k);
+        for (int e : idx) w.push_back(s[e]);
+        double const sum = std::accumulate(w.begin(), w.end(), 0.0) + 1e-20;
+        for (double& v : w) v = (c.norm_topk_prob ? v / sum : v) * c.routed_scaling_factor;
+        break;
+      }
+      case HfFamily::kDeepseekV2: {  // DeepseekV2Moe.route_tokens_to_experts
+        std::vector<double> const prob = softmax(logits);
+        std::vector<double> key = prob;
+        if (c.topk_method == "group_limited_greedy") {
+          mask_groups(key, c.n_group, c.topk_group, 0.0, group_max);
+        }
+        idx = topk(key, k);
+        for (int e : idx) w.push_back(key[e] * c.routed_scaling_factor);
+        break;
+      }
+      case HfFamily::kMinimaxM2: {  // MiniMaxM2TopKRouter
+        std::vector<double> s(logits.size()), key(logits.size());
+        for (Index e = 0; e < E; ++e) key[e] = (s[e] = sigmoid(logits[e])) + bias[e];
+        idx = topk(key, k);
+        for (int e : idx) w.push_back(s[e]);
+        double const sum = std::accumulate(w.begin(), w.end(), 0.0);
+        for (double& v : w) v /= sum;
+        break;
+      }
+      case HfFamily::kErnie45Moe: {  // Ernie4_5_MoeTopKRouter + Ernie4_5_MoeStatics
+        std::vector<double> const prob = softmax(logits);
+        std::vector<double> key(prob.size());
+        for (Index e = 0; e < E; ++e) key[e] = prob[e] + bias[e];
+        idx = topk(key, k);
+        for (int e : idx) w.push_back(prob[e]);
+        double const sum = std::accumulate(w.begin(), w.end(), 0.0);
+        for (double& v : w) v /= std::max(sum, static_cast<double>(c.moe_norm_min));
+        break;
+      }
+      default:
+        FAIL("not a family of this test");
+    }
+    out.chosen.push_back(idx);
+    double* y = &out.y[static_cast<std::size_t>(t * H)];
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      std::vector<double> const ye = mlp(gate[idx[j]], up[idx[j]], down[idx[j]], x.data(), H, I);
+      for (Index h = 0; h < H; ++h) y[h] += w[j] * ye[h];
+    }
+    Index const Is = c.shared_intermediate_size();
+    if (Is > 0) {
+      std::string const s =
+          p + (c.family == HfFamily::kQwen3Next ? "shared_expert." : "shared_experts.");
+      std::vector<double> const ys =
+          mlp(ck.get(s + "gate_proj.weight", {Is, H}), ck.get(s + "up_proj.weight", {Is, H}),
+              ck.get(s + "down_proj.weight", {H, Is}), x.data(), H, Is);
+      double g = 1.0;
+      if (c.family == HfFamily::kQwen3Next) {
+        g = sigmoid(dot(ck.get(p + "shared_expert_gate.weight", {1, H}).data(), x.data(), H));
+      }
+      for (Index h = 0; h < H; ++h) y[h] += g * ys[h];
+    }
+  }
+  return out;
+}
+
+/// A tiny config of `family` (parsed from config.json text, then shrunk), MoE layer 1.
+HfMoeConfig tiny(std::string const& type) {
+  HfMoeConfig c = moe::io::parse_hf_config(
+      moe::io::detail::concat("{\"model_type\": \"", type, "\", \"num_experts_per_tok\": 3}"));
+  c.hidden_size = 12;
+  c.expert_intermediate_size = 6;
+  c.num_experts = 8;
+  c.shared_expert_intermediate_size = 10;
+  c.n_shared_experts = 2;
+  c.num_hidden_layers = 3;
+  c.decoder_sparse_step = 1;
+  c.first_k_dense_replace = 1;
+  c.routed_scaling_factor = 1.5f;
+  if (c.family == HfFamily::kGlm4Moe) c.n_group = 4, c.topk_group = 2;
+  if (c.family == HfFamily::kDeepseekV2) {
+    c.topk_method = "group_limited_greedy";
+    c.n_group = 4;
+    c.topk_group = 2;
+  }
+  c.defaulted_keys.clear();
+  return c;
+}
+
+/// save_hf_layer(random layer of `c`), load_hf_moe_layer, forward; compares with hf_forward().
+void check_family(HfMoeConfig const& c, std::string const& prefix, std::uint64_t seed) {
+  INFO(c.model_type());
+  using Layer = moe::presets::DeepseekV3Moe;
+  fs::path const dir = iotest::scratch_dir(moe::io::detail::concat("family_", c.model_type()));
+  auto save = [&](auto layer) {
+    hftest::randomize(layer, seed);
+    if constexpr (requires { layer.router().bias; }) {
+      // Biases comparable to the score differences, so that they change the selection.
+      if (!layer.router().bias.empty()) {
+        moe::fill_uniform(layer.router().bias, -0.2f, 0.2f, seed + 9);
+      }
+    }
+    moe::io::save_hf_layer(dir, c, 1, layer);
+  };
+  if (c.family == HfFamily::kQwen3Next) {
+    save(moe::io::make_hf_layer<moe::presets::Qwen2Moe>(c));
+  } else {
+    save(moe::io::make_hf_layer<Layer>(c));
+  }
+  Checkpoint const ck(dir / "model.safetensors");
+  REQUIRE_FALSE(ck.has(prefix + "gate.bias"));
+  Index const T = 29, H = c.hidden_size, k = c.num_experts_per_tok;
+  std::vector<float> const x = hftest::random_input(T, H, seed + 5);
+  Reference const want = hf_forward(c, ck, prefix, x);
+
+  moe::io::HfAnyLayer any = moe::io::load_hf_moe_layer(dir, 1, {prefix, true});
+  std::visit(
+      [&](auto const& hf) {
+        REQUIRE(hf.config.family == c.family);
+        REQUIRE(hf.layout.prefix == prefix);
+        REQUIRE(hf.warnings.empty());
+        std::vector<float> y(x.size());
+        moe::MoeFfnWorkspace ws;
+        hf.layer.forward({x.data(), T, H}, {y.data(), T, H}, ws);
+        for (Index t = 0; t < T; ++t) {
+          INFO("token " << t);
+          for (Index j = 0; j < k; ++j) {
+            REQUIRE(ws.selection.expert[t * k + j] == want.chosen[t][j]);
+          }
+        }
+        double scale = 0.0, diff = 0.0;
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          scale = std::max(scale, std::fabs(want.y[i]));
+          diff = std::max(diff, std::fabs(y[i] - want.y[i]));
+        }
+        REQUIRE(scale > 0.01);  // not a vacuous comparison
+        REQUIRE(diff / scale < 2e-6);
+      },
+      any);
+}
+
+}  // namespace
+
+TEST_CASE("Qwen3-Next: softmax top-k, renormalised, sigmoid-gated shared expert",
+          "[hf][families]") {
+  HfMoeConfig c = tiny("qwen3_next");
+  for (bool const norm : {true, false}) {
+    c.norm_topk_prob = norm;
+    check_family(c, "model.layers.1.mlp.", 101);
+  }
+}
+
+TEST_CASE("GLM-4.5: sigmoid, selection bias, top-2-sum groups, scaled, shared experts",
+          "[hf][families]") {
+  HfMoeConfig c = tiny("glm4_moe");
+  for (bool const norm : {true, false}) {
+    c.norm_topk_prob = norm;
+    check_family(c, "model.layers.1.mlp.", 102);
+  }
+}
+
+TEST_CASE("DeepSeek-V2: softmax, group max, scaled and never renormalised", "[hf][families]") {
+  HfMoeConfig c = tiny("deepseek_v2");
+  check_family(c, "model.layers.1.mlp.", 103);
+  c.topk_method = "greedy";
+  c.n_group = c.topk_group = 1;
+  check_family(c, "model.layers.1.mlp.", 104);
+}
+
+TEST_CASE("MiniMax-M2: block_sparse_moe, w1/w3/w2, bias on the block, renormalised",
+          "[hf][families]") {
+  check_family(tiny("minimax_m2"), "model.layers.1.block_sparse_moe.", 105);
+}
+
+TEST_CASE("ERNIE 4.5: bias added to the probabilities, clamped renormalisation, shared experts",
+          "[hf][families]") {
+  HfMoeConfig c = tiny("ernie4_5_moe");
+  check_family(c, "model.layers.1.mlp.", 106);
+  // A moe_norm_min above the weights' sum: the sum is clamped (weights no longer sum to 1).
+  c.moe_norm_min = 0.9f;
+  check_family(c, "model.layers.1.mlp.", 107);
+}
