@@ -25,9 +25,6 @@ if(MOE_WITH_MPI)
   set_target_properties(moe_dist PROPERTIES EXPORT_NAME dist)
   target_sources(moe_dist INTERFACE FILE_SET HEADERS BASE_DIRS include FILES ${MOE_DIST_HEADERS})
   target_link_libraries(moe_dist INTERFACE moe MPI::MPI_CXX)
-  if(MOE_VERIFY_HEADERS)
-    set_target_properties(moe_dist PROPERTIES VERIFY_INTERFACE_HEADER_SETS ON)
-  endif()
   if(MOE_INSTALL)
     # Its own export set (moeDistTargets.cmake, NAMESPACE moe::, installed by the top
     # CMakeLists.txt): moeConfig.cmake loads it, and finds MPI, only for COMPONENTS dist.

@@ -35,7 +35,10 @@ bool same(moe::io::HfMoeConfig const& a, moe::io::HfMoeConfig const& b) {
          a.scoring_func == b.scoring_func && a.topk_method == b.topk_method &&
          a.first_k_dense_replace == b.first_k_dense_replace &&
          a.moe_layer_freq == b.moe_layer_freq && a.fp8_block_rows == b.fp8_block_rows &&
-         a.fp8_block_cols == b.fp8_block_cols;
+         a.fp8_block_cols == b.fp8_block_cols &&
+         a.moe_layer_start_index == b.moe_layer_start_index &&
+         a.moe_layer_end_index == b.moe_layer_end_index &&
+         a.moe_layer_interval == b.moe_layer_interval && a.moe_norm_min == b.moe_norm_min;
 }
 
 }  // namespace
@@ -59,8 +62,12 @@ extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size) {
   require((c.fp8_block_rows == 0) == (c.fp8_block_cols == 0));
   require(c.num_hidden_layers == -1 || c.num_hidden_layers >= 1);
   require(c.shared_intermediate_size() >= 0);
-  if (c.family == moe::io::HfFamily::kDeepseekV3) {
+  require(c.moe_layer_interval >= 1 && c.moe_layer_end_index >= -1);
+  require(c.moe_norm_min >= 0.0f && c.moe_norm_min <= 1.0f);
+  if (c.family == moe::io::HfFamily::kDeepseekV3 || c.family == moe::io::HfFamily::kGlm4Moe ||
+      c.family == moe::io::HfFamily::kDeepseekV2) {
     require(c.num_experts % c.n_group == 0 && c.topk_group <= c.n_group);
+    require(c.routed_scaling_factor > 0.0f && c.routed_scaling_factor <= 1e6f);
     require(c.num_experts_per_tok <= c.topk_group * (c.num_experts / c.n_group));
   }
   // Every layer question has an answer (no division by zero, no overflow in the messages).

@@ -255,3 +255,254 @@ TEST_CASE("config.json keys transformers does not know are listed (a misspelt ke
     "qk_rope_head_dim": 64, "v_head_dim": 128, "auto_map": {}, "rope_scaling": {}})")
               .unknown_keys.empty());
 }
+
+TEST_CASE("config.json of Qwen3-Next-80B-A3B (qwen3_next)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+    "mlp_only_layers": [], "model_type": "qwen3_next", "moe_intermediate_size": 512,
+    "norm_topk_prob": true, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+    "output_router_logits": false, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+    "rope_scaling": null, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936})");
+  REQUIRE(c.family == HfFamily::kQwen3Next);
+  REQUIRE(c.num_experts == 512);
+  REQUIRE(c.num_experts_per_tok == 10);
+  REQUIRE(c.expert_intermediate_size == 512);
+  REQUIRE(c.shared_intermediate_size() == 512);
+  REQUIRE(c.has_shared_expert_gate());
+  REQUIRE_FALSE(c.has_selection_bias());
+  REQUIRE(c.norm_topk_prob);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.unknown_keys.empty());
+  // layer_types picks the attention (linear / full), not the MLP: every layer is MoE.
+  REQUIRE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(3));
+  REQUIRE(c.is_moe_layer(47));
+  HfMoeConfig const d = parse_hf_config(R"({"model_type": "qwen3_next"})");
+  REQUIRE(d.norm_topk_prob);  // Qwen3NextConfig's default, unlike Qwen3MoeConfig's
+  REQUIRE(d.num_experts_per_tok == 10);
+  HfMoeConfig const m = parse_hf_config(
+      R"({"model_type": "qwen3_next", "mlp_only_layers": [1], "decoder_sparse_step": 2})");
+  REQUIRE_FALSE(m.is_moe_layer(0));
+  REQUIRE_FALSE(m.is_moe_layer(1));
+  REQUIRE_THAT(m.dense_reason(1), Contains("mlp_only_layers"));
+  REQUIRE(m.is_moe_layer(3));
+}
+
+TEST_CASE("config.json of GLM-4.5 (glm4_moe)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": true,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0", "use_cache": true, "use_qk_norm": true,
+    "vocab_size": 151552})");
+  REQUIRE(c.family == HfFamily::kGlm4Moe);
+  REQUIRE(c.num_experts == 160);
+  REQUIRE(c.expert_intermediate_size == 1536);
+  REQUIRE(c.shared_intermediate_size() == 1536);
+  REQUIRE_FALSE(c.has_shared_expert_gate());
+  REQUIRE(c.has_selection_bias());
+  REQUIRE(c.routed_scaling_factor == 2.5f);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE_FALSE(c.is_moe_layer(2));
+  REQUIRE_THAT(c.dense_reason(2), Contains("first_k_dense_replace = 3"));
+  REQUIRE(c.is_moe_layer(3));
+  REQUIRE(c.is_moe_layer(91));
+  REQUIRE_FALSE(c.is_moe_layer(92));  // the MTP layer is not a decoder layer
+  HfMoeConfig const d = parse_hf_config(R"({"model_type": "glm4_moe"})");  // GLM-4.5-Air
+  REQUIRE(d.num_experts == 128);
+  REQUIRE(d.expert_intermediate_size == 1408);
+  REQUIRE(d.first_k_dense_replace == 1);
+  REQUIRE(d.routed_scaling_factor == 1.0f);
+  REQUIRE(d.n_group == 1);
+  // GLM has no moe_layer_freq: every layer from first_k_dense_replace on is MoE.
+  HfMoeConfig const f = parse_hf_config(R"({"model_type": "glm4_moe", "moe_layer_freq": 2})");
+  REQUIRE(f.unknown_keys == std::vector<std::string>{"moe_layer_freq"});
+  REQUIRE(f.is_moe_layer(3));
+}
+
+TEST_CASE("config.json of DeepSeek-V2 and V2-Lite (deepseek_v2)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false,
+    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001,
+    "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 5120,
+    "initializer_range": 0.02, "intermediate_size": 12288, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1536,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 160, "n_shared_experts": 2,
+    "norm_topk_prob": false, "num_attention_heads": 128, "num_experts_per_tok": 6,
+    "num_hidden_layers": 60, "num_key_value_heads": 128, "pretraining_tp": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "routed_scaling_factor": 16.0, "scoring_func": "softmax",
+    "seq_aux": true, "tie_word_embeddings": false, "topk_group": 3,
+    "topk_method": "group_limited_greedy", "torch_dtype": "bfloat16", "use_cache": true,
+    "v_head_dim": 128, "vocab_size": 102400})");
+  REQUIRE(c.family == HfFamily::kDeepseekV2);
+  REQUIRE(c.num_experts == 160);
+  REQUIRE(c.num_experts_per_tok == 6);
+  REQUIRE(c.n_group == 8);
+  REQUIRE(c.topk_group == 3);
+  REQUIRE(c.topk_method == "group_limited_greedy");
+  REQUIRE(c.routed_scaling_factor == 16.0f);
+  REQUIRE(c.shared_intermediate_size() == 2 * 1536);
+  REQUIRE_FALSE(c.has_selection_bias());
+  REQUIRE_FALSE(c.norm_topk_prob);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE(c.ignored_settings.empty());
+  REQUIRE_FALSE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(1));
+  // V2-Lite: greedy (DeepSeek's remote code spells it "gready"), no groups.
+  HfMoeConfig const lite = parse_hf_config(R"({"model_type": "deepseek_v2",
+    "n_routed_experts": 64, "num_experts_per_tok": 6, "topk_method": "gready", "n_group": 1,
+    "topk_group": 1, "moe_intermediate_size": 1408})");
+  REQUIRE(lite.topk_method == "greedy");
+  REQUIRE(lite.n_group == 1);
+  // Settings transformers ignores for this family are reported, not applied.
+  HfMoeConfig const odd = parse_hf_config(R"({"model_type": "deepseek_v2",
+    "num_experts_per_tok": 6, "norm_topk_prob": true, "moe_layer_freq": 2})");
+  REQUIRE_FALSE(odd.norm_topk_prob);
+  REQUIRE(odd.ignored_settings.size() == 2);
+  REQUIRE_THAT(odd.ignored_settings[0], Contains("norm_topk_prob = true"));
+  REQUIRE_THAT(odd.ignored_settings[1], Contains("moe_layer_freq = 2"));
+  REQUIRE(odd.is_moe_layer(1));  // transformers: every layer from first_k_dense_replace on
+  // transformers' defaults for top-k and the groups are None: required.
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "deepseek_v2"})"),
+                      Contains("lacks \"num_experts_per_tok\"") && Contains("None"));
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 2,
+    "topk_method": "group_limited_greedy", "topk_group": 2})"),
+                      Contains("lacks \"n_group\""));
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 2,
+    "topk_method": "noaux_tc"})"),
+                      Contains("topk_method 'noaux_tc' is not supported"));
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 2,
+    "scoring_func": "sigmoid"})"),
+                      Contains("scoring_func 'sigmoid' is not supported"));
+}
+
+TEST_CASE("config.json of MiniMax-M2 (minimax_m2)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["MiniMaxM2ForCausalLM"], "attn_type_list": [1, 1, 1],
+    "auto_map": {"AutoConfig": "configuration_minimax_m2.MiniMaxM2Config"},
+    "bos_token_id": null, "eos_token_id": null, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+    "model_type": "minimax_m2", "mtp_transformer_layers": 1, "num_attention_heads": 48,
+    "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+    "num_local_experts": 256, "num_mtp_modules": 3, "output_router_logits": false,
+    "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06, "rope_theta": 5000000,
+    "rotary_dim": 64, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+    "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": false,
+    "transformers_version": "4.46.1", "use_cache": true, "use_mtp": true, "use_qk_norm": true,
+    "use_routing_bias": true, "vocab_size": 200064})");
+  REQUIRE(c.family == HfFamily::kMinimaxM2);
+  REQUIRE(c.num_experts == 256);
+  REQUIRE(c.expert_intermediate_size == 1536);
+  REQUIRE(c.num_experts_per_tok == 8);
+  REQUIRE(c.norm_topk_prob);
+  REQUIRE(c.has_selection_bias());
+  REQUIRE(c.shared_intermediate_size() == 0);
+  REQUIRE(c.defaulted_keys.empty());
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE(c.ignored_settings.empty());
+  REQUIRE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(61));
+  HfMoeConfig const odd = parse_hf_config(R"({"model_type": "minimax_m2",
+    "scoring_func": "softmax", "use_routing_bias": false, "shared_intermediate_size": 512})");
+  REQUIRE(odd.ignored_settings.size() == 3);
+  REQUIRE_THAT(odd.ignored_settings[0], Contains("always scores with sigmoid"));
+}
+
+TEST_CASE("config.json of ERNIE-4.5-21B-A3B (ernie4_5_moe)", "[hf][config]") {
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["Ernie4_5_MoeForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 12288,
+    "max_position_embeddings": 131072, "model_type": "ernie4_5_moe", "num_attention_heads": 20,
+    "num_key_value_heads": 4, "num_hidden_layers": 28, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+    "use_cache": false, "vocab_size": 103424, "rope_theta": 500000, "use_bias": false,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "moe_num_experts": 64,
+    "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_intermediate_size": 1536,
+    "moe_capacity": [64, 64, 64], "moe_gate": "topk", "moe_k": 6, "moe_layer_interval": 1,
+    "moe_use_aux_free": true, "head_dim": 128})");
+  REQUIRE(c.family == HfFamily::kErnie45Moe);
+  REQUIRE(c.num_experts == 64);
+  REQUIRE(c.num_experts_per_tok == 6);
+  REQUIRE(c.expert_intermediate_size == 1536);
+  REQUIRE(c.shared_intermediate_size() == 2 * 1536);
+  REQUIRE(c.has_selection_bias());
+  REQUIRE(c.moe_norm_min == 1e-12f);
+  REQUIRE(c.moe_layer_end_index == -1);
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE_FALSE(c.is_moe_layer(0));
+  REQUIRE_THAT(c.dense_reason(0), Contains("moe_layer_start_index = 1"));
+  REQUIRE(c.is_moe_layer(1));
+  REQUIRE(c.is_moe_layer(27));
+  REQUIRE_FALSE(c.is_moe_layer(28));
+  HfMoeConfig const r = parse_hf_config(R"({"model_type": "ernie4_5_moe", "num_hidden_layers": 12,
+    "moe_layer_start_index": 2, "moe_layer_end_index": 9, "moe_layer_interval": 2})");
+  for (moe::Index L = 0; L < 12; ++L) {
+    INFO("layer " << L);
+    REQUIRE(r.is_moe_layer(L) == (L >= 2 && L <= 9 && (L + 1) % 2 == 0));
+  }
+  REQUIRE_THAT(r.dense_reason(11), Contains("moe_layer_end_index = 9"));
+  REQUIRE_THAT(r.dense_reason(4), Contains("moe_layer_interval = 2"));
+  // Aliases (attribute_map): num_experts, num_experts_per_tok.
+  HfMoeConfig const a = parse_hf_config(
+      R"({"model_type": "ernie4_5_moe", "num_experts": 16, "num_experts_per_tok": 2})");
+  REQUIRE(a.num_experts == 16);
+  REQUIRE(a.num_experts_per_tok == 2);
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "ernie4_5_moe", "use_bias": true})"),
+                      Contains("use_bias = true") && Contains("not supported yet"));
+  REQUIRE_THROWS_WITH(
+      parse_hf_config(R"({"model_type": "ernie4_5_moe", "moe_layer_end_index": -2})"),
+      Contains("moe_layer_end_index"));
+}
+
+TEST_CASE("hf_config_json round-trips every family", "[hf][config]") {
+  for (HfFamily const family : moe::io::kHfFamilies) {
+    INFO(moe::io::hf_model_type(family));
+    std::string json = R"({"model_type": ")";
+    json.append(moe::io::hf_model_type(family))
+        .append(R"(", "hidden_size": 32, "num_experts_per_tok": 2, "num_hidden_layers": 6})");
+    HfMoeConfig a = parse_hf_config(json);
+    a.routed_scaling_factor =
+        a.family == HfFamily::kMinimaxM2 || a.family == HfFamily::kErnie45Moe ? 1.0f : 1.25f;
+    a.moe_norm_min = 1e-9f;
+    HfMoeConfig const b = parse_hf_config(moe::io::hf_config_json(a));
+    REQUIRE(b.family == a.family);
+    REQUIRE(b.defaulted_keys.empty());
+    REQUIRE(b.unknown_keys.empty());
+    REQUIRE(b.hidden_size == 32);
+    REQUIRE(b.num_experts == a.num_experts);
+    REQUIRE(b.num_experts_per_tok == 2);
+    REQUIRE(b.expert_intermediate_size == a.expert_intermediate_size);
+    REQUIRE(b.shared_intermediate_size() == a.shared_intermediate_size());
+    REQUIRE(b.norm_topk_prob == a.norm_topk_prob);
+    REQUIRE(b.n_group == a.n_group);
+    REQUIRE(b.topk_group == a.topk_group);
+    REQUIRE(b.topk_method == a.topk_method);
+    if (a.family == HfFamily::kErnie45Moe) {
+      REQUIRE(b.moe_norm_min == 1e-9f);
+      REQUIRE(b.moe_layer_end_index == -1);
+    }
+    if (a.family == HfFamily::kDeepseekV3 || a.family == HfFamily::kGlm4Moe ||
+        a.family == HfFamily::kDeepseekV2) {
+      REQUIRE(b.routed_scaling_factor == 1.25f);
+    }
+    for (moe::Index L = 0; L < 6; ++L) REQUIRE(b.is_moe_layer(L) == a.is_moe_layer(L));
+  }
+}

@@ -156,6 +156,32 @@ TEST_CASE("moe_run_hf_layer: Mixtral with fused experts", "[hf][runner]") {
   check_runner("runner_mixtral_fused", moe::io::hf_config(p), layer, options, Dtype::kF32);
 }
 
+TEST_CASE(
+    "moe_run_hf_layer: Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5 forward and "
+    "--grad match the layer",
+    "[hf][runner]") {
+  for (char const* type : {"qwen3_next", "glm4_moe", "deepseek_v2", "minimax_m2", "ernie4_5_moe"}) {
+    INFO(type);
+    moe::io::HfMoeConfig c = moe::io::parse_hf_config(moe::io::detail::concat(
+        "{\"model_type\": \"", type, "\", \"num_experts_per_tok\": 3, \"hidden_size\": 16, ",
+        "\"moe_intermediate_size\": 8, \"intermediate_size\": 8, \"num_experts\": 8, ",
+        "\"shared_expert_intermediate_size\": 12, \"n_routed_experts\": 8, ",
+        "\"num_local_experts\": 8, \"moe_num_experts\": 8, \"first_k_dense_replace\": 1, ",
+        "\"routed_scaling_factor\": 1.5}"));
+    moe::io::HfSaveOptions options;
+    options.fused_experts = c.family == moe::io::HfFamily::kDeepseekV2;
+    if (c.family == moe::io::HfFamily::kQwen3Next) {
+      auto layer = moe::io::make_hf_layer<presets::Qwen2Moe>(c);
+      hftest::randomize(layer, 64);
+      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+    } else {
+      auto layer = moe::io::make_hf_layer<presets::DeepseekV3Moe>(c);
+      hftest::randomize(layer, 65);
+      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+    }
+  }
+}
+
 TEST_CASE("moe_run_hf_layer: --weights runs the experts quantized, as the library does",
           "[hf][runner][quant]") {
   // Qwen3-MoE with hidden 64 and experts of 32: q8_0 and q4_0 (32-blocks) fit, q4_k does not.

@@ -163,6 +163,56 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
         [bias](auto z) { return ref::group_limited(z, 3, 4, 2, true, 2.5, true, bias, true); },
         true);
   }
+  SECTION("softmax, group max, unnormalised, scaled (DeepSeek-V2)") {
+    routing::GroupLimitedTopK r;
+    r.num_experts = 8;
+    r.top_k = 3;
+    r.n_group = 4;
+    r.topk_group = 2;
+    r.normalize = false;
+    r.scale = 1.5f;
+    r.scoring = routing::ScoreFunction::kSoftmax;
+    r.group_score = routing::GroupScore::kMax;
+    moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
+    randomize(layer, 11);
+    check_gradients(layer, T, [](auto z) {
+      return ref::group_limited(z, 3, 4, 2, false, 1.5, false, {}, false);
+    });
+  }
+  SECTION("sigmoid, bias, renormalised without epsilon (MiniMax-M2)") {
+    routing::GroupLimitedTopK r;
+    r.num_experts = 8;
+    r.top_k = 3;
+    r.norm_epsilon = 0.0f;
+    r.bias = test::random_vector(8, 12, -0.3f, 0.3f);
+    auto bias = r.bias;
+    moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
+    randomize(layer, 12);
+    check_gradients(
+        layer, T,
+        [bias](auto z) { return ref::group_limited(z, 3, 1, 1, true, 1.0, true, bias, true, 0.0); },
+        true);
+  }
+  for (float const norm_min : {1e-12f, 0.95f}) {
+    // ERNIE 4.5: softmax, bias added to the probabilities, the sum clamped to >= norm_min (0.95:
+    // above the top-3 sum of most tokens, so the clamped branch is differentiated too).
+    DYNAMIC_SECTION("softmax, bias on probabilities, clamped renormalisation, norm_min "
+                    << norm_min) {
+      routing::GroupLimitedTopK r;
+      r.num_experts = 8;
+      r.top_k = 3;
+      r.scoring = routing::ScoreFunction::kSoftmax;
+      r.norm_epsilon = 0.0f;
+      r.norm_min = norm_min;
+      r.bias = test::random_vector(8, 13, -0.05f, 0.05f);
+      auto bias = r.bias;
+      moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
+      randomize(layer, 13);
+      check_gradients(layer, T, [bias, norm_min](auto z) {
+        return ref::group_limited(z, 3, 1, 1, true, 1.0, false, bias, true, 0.0, norm_min);
+      });
+    }
+  }
   SECTION("at most one expert per group") {
     moe::MoeFfn<routing::OnePerGroupTopK, experts::SwiGlu> layer(
         D, F, {8, 2, 4, true, 1.0f, routing::ScoreFunction::kSoftmax});

@@ -108,3 +108,59 @@ TEST_CASE("OLMoE preset matches the reference", "[layers][presets]") {
   auto layer = presets::make_olmoe({16, 12, 16, 8, false});
   check(layer, [](auto z) { return ref::softmax_top_k(z, 8, false, 1.0); });
 }
+
+TEST_CASE("The 2026 presets carry their families' defaults and route as their families",
+          "[layers][presets]") {
+  presets::Qwen3NextConfig const qn;
+  REQUIRE(qn.num_experts == 512);
+  REQUIRE(qn.num_experts_per_tok == 10);
+  REQUIRE(qn.norm_topk_prob);
+  presets::Glm4MoeConfig const glm;
+  REQUIRE(glm.n_routed_experts == 128);
+  REQUIRE(glm.moe_intermediate_size == 1408);
+  presets::DeepseekV2Config const v2;
+  REQUIRE(v2.routed_scaling_factor == 16.0f);
+  REQUIRE(v2.num_experts_per_tok == 6);
+  presets::MinimaxM2Config const mm;
+  REQUIRE(mm.num_local_experts == 256);
+  presets::Ernie45MoeConfig const er;
+  REQUIRE(er.moe_k == 6);
+  REQUIRE(er.moe_norm_min == 1e-12f);
+
+  SECTION("Qwen3-Next: as Qwen2-MoE") {
+    auto layer = presets::make_qwen3_next({16, 12, 20, 16, 4, true});
+    REQUIRE(layer.shared_experts().bank().d_ffn() == 20);
+    check(layer, [](auto z) { return ref::softmax_top_k(z, 4, true, 1.0); });
+  }
+  SECTION("GLM-4.5: as DeepSeek-V3") {
+    auto layer = presets::make_glm4_moe({16, 8, 16, 4, 4, 2, 1.5f, 2, true});
+    REQUIRE(layer.shared_experts().bank().d_ffn() == 16);
+    layer.router().bias = test::random_vector(16, 4, -0.1f, 0.1f);
+    auto bias = layer.router().bias;
+    check(layer,
+          [&](auto z) { return ref::group_limited(z, 4, 4, 2, true, 1.5, true, bias, true); });
+  }
+  SECTION("DeepSeek-V2: softmax, group max, scaled, not renormalised, no bias") {
+    auto layer = presets::make_deepseek_v2({16, 8, 16, 4, 4, 2, 16.0f, 2});
+    REQUIRE(layer.router().bias.empty());
+    check(layer,
+          [](auto z) { return ref::group_limited(z, 4, 4, 2, false, 16.0, false, {}, false); });
+  }
+  SECTION("MiniMax-M2: sigmoid, bias, renormalised without epsilon, no shared expert") {
+    auto layer = presets::make_minimax_m2({16, 8, 16, 4});
+    REQUIRE(layer.shared_experts().count() == 0);
+    layer.router().bias = test::random_vector(16, 5, -0.1f, 0.1f);
+    auto bias = layer.router().bias;
+    check(layer,
+          [&](auto z) { return ref::group_limited(z, 4, 1, 1, true, 1.0, true, bias, true, 0.0); });
+  }
+  SECTION("ERNIE 4.5: softmax, bias on the probabilities, clamped renormalisation") {
+    auto layer = presets::make_ernie4_5_moe({16, 8, 16, 4, 2, 0.6f});
+    REQUIRE(layer.shared_experts().bank().d_ffn() == 16);
+    layer.router().bias = test::random_vector(16, 6, -0.02f, 0.02f);
+    auto bias = layer.router().bias;
+    check(layer, [&](auto z) {
+      return ref::group_limited(z, 4, 1, 1, true, 1.0, false, bias, true, 0.0, 0.6);
+    });
+  }
+}

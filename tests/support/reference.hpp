@@ -75,11 +75,13 @@ Routing softmax_top_k(moe::ConstMatrixView<V> logits, int k, bool normalize, dou
 }
 
 /// DeepSeek-V3 official Gate: sigmoid (or softmax), bias for selection, top-2-sum (or max) group
-/// scores, -inf masking of the groups not kept, weights from unbiased scores.
+/// scores, -inf masking of the groups not kept, weights from unbiased scores, renormalised by
+/// max(sum + eps, norm_min).
 template <class V>
 Routing group_limited(moe::ConstMatrixView<V> logits, int k, int n_group, int topk_group,
                       bool normalize, double scale, bool sigmoid_scores,
-                      std::vector<float> const& bias, bool top_two_sum) {
+                      std::vector<float> const& bias, bool top_two_sum, double eps = 1e-20,
+                      double norm_min = 0.0) {
   Routing out;
   Index const E = logits.cols;
   Index const gs = E / n_group;
@@ -114,7 +116,8 @@ Routing group_limited(moe::ConstMatrixView<V> logits, int k, int n_group, int to
     double sum = 0.0;
     for (int e : idx) sum += s[e];
     TokenChoice c;
-    for (int e : idx) c.emplace_back(e, (normalize ? s[e] / (sum + 1e-20) : s[e]) * scale);
+    double const denom = std::max(sum + eps, norm_min);
+    for (int e : idx) c.emplace_back(e, (normalize ? s[e] / denom : s[e]) * scale);
     out.push_back(c);
   }
   return out;
