@@ -232,6 +232,8 @@ class GatedAttention {
   ConstMatrixView<float> o_proj() const { return {p_.o_proj.data(), c_.d_model, q_dim()}; }
   std::span<float> q_norm() { return p_.q_norm; }
   std::span<float> k_norm() { return p_.k_norm; }
+  std::span<float const> q_norm() const { return p_.q_norm; }
+  std::span<float const> k_norm() const { return p_.k_norm; }
 
   /// Column of head h's query in the [T, P] output of q_proj (+ gate_proj), and of its gate
   /// logits (see GateLayout).
