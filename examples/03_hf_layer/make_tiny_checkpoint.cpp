@@ -14,7 +14,8 @@
 // Command line:
 //   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--shards N] [--bf16] [--fused]
 // MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, qwen3_next, glm4_moe,
-// deepseek_v2 (group_limited_greedy), minimax_m2 or ernie4_5_moe.
+// deepseek_v2 (group_limited_greedy), minimax_m2, ernie4_5_moe or llama4_text (layer 1 of
+// interleave_moe_layer_step 2).
 // Exit status: 0 on success, 1 with a message on stderr otherwise.
 
 #include <cstdio>
@@ -90,6 +91,7 @@ int run(int argc, char** argv) {
   c.topk_group = 2;
   c.first_k_dense_replace = 1;  // DeepSeek, GLM: layer 0 dense (ERNIE: moe_layer_start_index 1)
   if (c.family == moe::io::HfFamily::kDeepseekV2) c.topk_method = "group_limited_greedy";
+  c.interleave_moe_layer_step = 2;  // Llama 4: layer 1 is MoE, layer 0 dense
   if (c.family == moe::io::HfFamily::kGlm4Moe || c.family == moe::io::HfFamily::kDeepseekV2) {
     c.routed_scaling_factor = 1.5f;
   }
@@ -113,6 +115,9 @@ int run(int argc, char** argv) {
     case moe::io::HfFamily::kMinimaxM2:
     case moe::io::HfFamily::kErnie45Moe:
       write<DeepseekV3Moe>(dir, c, options);
+      break;
+    case moe::io::HfFamily::kLlama4:
+      write<Llama4Moe>(dir, c, options);
       break;
   }
   std::vector<float> x(5 * 16), dy(5 * 16);

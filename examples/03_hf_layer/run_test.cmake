@@ -19,7 +19,7 @@ endfunction()
 if(MODE STREQUAL "ok")
   set(cases "mixtral --fused" "qwen2_moe --shards 2" "qwen3_moe" "deepseek_v3 --bf16" "olmoe"
             "qwen3_next" "glm4_moe --shards 3" "deepseek_v2 --fused" "minimax_m2 --bf16"
-            "ernie4_5_moe")
+            "ernie4_5_moe" "llama4_text")
   foreach(case IN LISTS cases)
     separate_arguments(args UNIX_COMMAND "${case}")
     list(GET args 0 type)

@@ -65,5 +65,6 @@
 #include "moe/routing/one_per_group_top_k.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 #include "moe/routing/stats.hpp"
+#include "moe/routing/top_k_sigmoid.hpp"
 #include "moe/routing/top_k_softmax.hpp"
 #include "moe/routing/top_p.hpp"

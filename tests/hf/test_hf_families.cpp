@@ -327,3 +327,123 @@ TEST_CASE("ERNIE 4.5: bias added to the probabilities, clamped renormalisation, 
   c.moe_norm_min = 0.9f;
   check_family(c, "model.layers.1.mlp.", 107);
 }
+
+TEST_CASE("Llama 4: top-k of the logits, sigmoid scales the expert input, fused [E, H, 2I]",
+          "[hf][families]") {
+  for (bool const nested : {false, true}) {
+    INFO((nested ? "multimodal checkpoint (language_model.)" : "text-only checkpoint"));
+    HfMoeConfig c = moe::io::parse_hf_config(
+        R"({"model_type": "llama4_text", "hidden_size": 12, "intermediate_size": 6,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+            "interleave_moe_layer_step": 2})");
+    REQUIRE_FALSE(c.is_moe_layer(0));
+    REQUIRE(c.is_moe_layer(1));
+    REQUIRE(c.shared_intermediate_size() == 6);
+    auto layer = moe::io::make_hf_layer<moe::presets::Llama4Moe>(c);
+    hftest::randomize(layer, 111);
+    fs::path const dir = iotest::scratch_dir(nested ? "family_llama4_vlm" : "family_llama4");
+    moe::io::save_hf_layer(dir, c, 1, layer);
+    std::string prefix = "model.layers.1.feed_forward.";
+    if (nested) {  // rename every tensor as Llama4ForConditionalGeneration stores it
+      hftest::rewrite_checkpoint(dir, [](auto& tensors, auto&) {
+        for (auto& t : tensors) t.name = "language_model." + t.name;
+      });
+      prefix = "language_model." + prefix;
+    }
+    Index const H = 12, I = 6, E = 8, k = 2, T = 23;
+    Checkpoint const ck(dir / "model.safetensors");
+    std::vector<double> const wr = ck.get(prefix + "router.weight", {E, H});
+    std::vector<double> const gu = ck.get(prefix + "experts.gate_up_proj", {E, H, 2 * I});
+    std::vector<double> const dn = ck.get(prefix + "experts.down_proj", {E, I, H});
+    std::string const s = prefix + "shared_expert.";
+    std::vector<double> const sg = ck.get(s + "gate_proj.weight", {I, H}),
+                              su = ck.get(s + "up_proj.weight", {I, H}),
+                              sd = ck.get(s + "down_proj.weight", {H, I});
+    std::vector<float> const x = hftest::random_input(T, H, 112);
+    // Llama4TextMoe.forward: routed_in = x * sigmoid(chosen logit); bmm with gate_up (x @ W,
+    // gate = first I columns, up = the rest); (up * silu(gate)) @ down; + shared_expert(x).
+    std::vector<double> want(static_cast<std::size_t>(T * H), 0.0);
+    std::vector<std::vector<int>> chosen;
+    for (Index t = 0; t < T; ++t) {
+      std::vector<double> z(static_cast<std::size_t>(E));
+      for (Index e = 0; e < E; ++e) {
+        z[e] = 0.0;
+        for (Index h = 0; h < H; ++h) z[e] += wr[e * H + h] * x[t * H + h];
+      }
+      std::vector<int> const idx = topk(z, k);
+      chosen.push_back(idx);
+      for (int e : idx) {
+        double const score = sigmoid(z[e]);
+        std::vector<double> m(static_cast<std::size_t>(I));
+        for (Index i = 0; i < I; ++i) {
+          double g = 0.0, u = 0.0;
+          for (Index h = 0; h < H; ++h) {
+            double const xin = x[t * H + h] * score;
+            g += xin * gu[(e * H + h) * 2 * I + i];
+            u += xin * gu[(e * H + h) * 2 * I + I + i];
+          }
+          m[i] = u * silu(g);
+        }
+        for (Index h = 0; h < H; ++h) {
+          for (Index i = 0; i < I; ++i) want[t * H + h] += m[i] * dn[(e * I + i) * H + h];
+        }
+      }
+      std::vector<double> const xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+      std::vector<double> const ys = mlp(sg, su, sd, xt.data(), H, I);
+      for (Index h = 0; h < H; ++h) want[t * H + h] += ys[h];
+    }
+    moe::io::HfAnyLayer any = moe::io::load_hf_moe_layer(dir, 1, {{}, true});
+    REQUIRE(std::holds_alternative<moe::io::HfLayer<moe::presets::Llama4Moe>>(any));
+    auto const& hf = std::get<moe::io::HfLayer<moe::presets::Llama4Moe>>(any);
+    REQUIRE(hf.layout.prefix == prefix);
+    std::vector<float> y(x.size());
+    moe::MoeFfnWorkspace ws;
+    hf.layer.forward({x.data(), T, H}, {y.data(), T, H}, ws);
+    for (Index t = 0; t < T; ++t) {
+      for (Index j = 0; j < k; ++j) REQUIRE(ws.selection.expert[t * k + j] == chosen[t][j]);
+    }
+    double scale = 0.0, diff = 0.0;
+    for (std::size_t i = 0; i < y.size(); ++i) {
+      scale = std::max(scale, std::fabs(want[i]));
+      diff = std::max(diff, std::fabs(y[i] - want[i]));
+    }
+    REQUIRE(scale > 0.01);
+    REQUIRE(diff / scale < 2e-6);
+  }
+}
+
+TEST_CASE("config.json of Llama-4-Scout and of the multimodal llama4 (text_config)",
+          "[hf][families][config]") {
+  HfMoeConfig const c = moe::io::parse_hf_config(R"({"architectures":
+    ["Llama4ForConditionalGeneration"], "model_type": "llama4", "boi_token_index": 200080,
+    "text_config": {"model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+      "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+      "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
+      "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": true,
+      "no_rope_layers": [], "attention_chunk_size": 8192, "rope_theta": 500000.0,
+      "rms_norm_eps": 1e-05, "vocab_size": 202048, "router_aux_loss_coef": 0.001},
+    "vision_config": {}})");
+  REQUIRE(c.family == HfFamily::kLlama4);
+  REQUIRE(c.num_experts == 16);
+  REQUIRE(c.num_experts_per_tok == 1);
+  REQUIRE(c.expert_intermediate_size == 8192);
+  REQUIRE(c.shared_intermediate_size() == 8192);
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(47));
+  // Maverick interleaves: every second layer (1, 3, ...) is MoE; moe_layers overrides the step.
+  HfMoeConfig const m = moe::io::parse_hf_config(
+      R"({"model_type": "llama4_text", "num_local_experts": 128, "interleave_moe_layer_step": 2})");
+  REQUIRE_FALSE(m.is_moe_layer(0));
+  REQUIRE(m.is_moe_layer(1));
+  REQUIRE_THAT(m.dense_reason(2), Catch::Contains("interleave_moe_layer_step = 2"));
+  HfMoeConfig const l =
+      moe::io::parse_hf_config(R"({"model_type": "llama4_text", "moe_layers": [0, 5]})");
+  REQUIRE(l.is_moe_layer(5));
+  REQUIRE_FALSE(l.is_moe_layer(1));
+  REQUIRE_THAT(l.dense_reason(1), Catch::Contains("not listed in moe_layers"));
+  HfMoeConfig const back = moe::io::parse_hf_config(moe::io::hf_config_json(l));
+  REQUIRE(back.moe_layers == std::vector<Index>{0, 5});
+  REQUIRE_THROWS_WITH(moe::io::parse_hf_config(R"({"model_type": "llama4"})"),
+                      Catch::Contains("text_config"));
+}

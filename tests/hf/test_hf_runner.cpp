@@ -160,7 +160,8 @@ TEST_CASE(
     "moe_run_hf_layer: Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5 forward and "
     "--grad match the layer",
     "[hf][runner]") {
-  for (char const* type : {"qwen3_next", "glm4_moe", "deepseek_v2", "minimax_m2", "ernie4_5_moe"}) {
+  for (char const* type :
+       {"qwen3_next", "glm4_moe", "deepseek_v2", "minimax_m2", "ernie4_5_moe", "llama4_text"}) {
     INFO(type);
     moe::io::HfMoeConfig c = moe::io::parse_hf_config(moe::io::detail::concat(
         "{\"model_type\": \"", type, "\", \"num_experts_per_tok\": 3, \"hidden_size\": 16, ",
@@ -170,7 +171,11 @@ TEST_CASE(
         "\"routed_scaling_factor\": 1.5}"));
     moe::io::HfSaveOptions options;
     options.fused_experts = c.family == moe::io::HfFamily::kDeepseekV2;
-    if (c.family == moe::io::HfFamily::kQwen3Next) {
+    if (c.family == moe::io::HfFamily::kLlama4) {
+      auto layer = moe::io::make_hf_layer<presets::Llama4Moe>(c);
+      hftest::randomize(layer, 66);
+      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+    } else if (c.family == moe::io::HfFamily::kQwen3Next) {
       auto layer = moe::io::make_hf_layer<presets::Qwen2Moe>(c);
       hftest::randomize(layer, 64);
       check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);

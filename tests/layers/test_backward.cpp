@@ -12,6 +12,7 @@
 #include "moe/routing/group_limited_top_k.hpp"
 #include "moe/routing/one_per_group_top_k.hpp"
 #include "moe/routing/softmax_top_k.hpp"
+#include "moe/routing/top_k_sigmoid.hpp"
 #include "moe/routing/top_k_softmax.hpp"
 #include "moe/routing/top_p.hpp"
 #include "support/double_model.hpp"
@@ -92,6 +93,7 @@ void check_gradients(Layer& layer, Index T, RouteFn route, bool sigmoid = false,
   }
   m.route = std::move(route);
   m.scores = sigmoid ? sigmoid_scores : softmax_scores;
+  m.scale_input = moe::routing::detail::scales_input(layer.router());
 
   std::vector<float> y(xf.size()), dx(xf.size());
   moe::MoeFfnWorkspace ws;
@@ -211,6 +213,38 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
       check_gradients(layer, T, [bias, norm_min](auto z) {
         return ref::group_limited(z, 3, 1, 1, true, 1.0, false, bias, true, 0.0, norm_min);
       });
+    }
+  }
+  for (bool const scale_input : {true, false}) {
+    DYNAMIC_SECTION("top-k of the logits, sigmoid weights "
+                    << (scale_input ? "on the experts' inputs (Llama 4)" : "on the outputs")) {
+      moe::MoeFfn<routing::TopKSigmoid, experts::SwiGlu> layer(D, F, {8, 2, scale_input});
+      randomize(layer, 14);
+      auto const route = [](auto z) {
+        return ref::group_limited(z, 2, 1, 1, false, 1.0, true, {}, true);
+      };
+      check_gradients(layer, T, route, true);
+      // The value too: sum_t <dy_t, y_t> of the inference forward against the double twin.
+      auto xf = test::random_vector(T * D, 601, -1.0f, 1.0f);
+      auto dyf = test::random_vector(T * D, 602, -1.0f, 1.0f);
+      std::vector<float> y(xf.size());
+      moe::MoeFfnWorkspace ws;
+      layer.forward({xf.data(), T, D}, {y.data(), T, D}, ws);
+      ref::DoubleModel m;
+      m.D = D;
+      m.E = 8;
+      auto wr = layer.router_weight();
+      m.router.assign(wr.data, wr.data + wr.rows * wr.cols);
+      m.experts = ref::to_double(layer.experts());
+      m.route = route;
+      m.scale_input = scale_input;
+      double got = 0.0;
+      for (std::size_t i = 0; i < y.size(); ++i) got += static_cast<double>(dyf[i]) * y[i];
+      std::vector<double> const x(xf.begin(), xf.end()), dy(dyf.begin(), dyf.end());
+      double const want = m.objective(x, dy, T);
+      REQUIRE(got == Approx(want).epsilon(1e-5));
+      m.scale_input = !scale_input;  // the other form is a different function
+      REQUIRE(std::fabs(m.objective(x, dy, T) - want) > 1e-3 * std::fabs(want));
     }
   }
   SECTION("at most one expert per group") {

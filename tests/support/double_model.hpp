@@ -60,6 +60,7 @@ struct DoubleModel {
   std::vector<double> gate;      // [S, D] (empty: ungated)
   std::vector<double> defaults;  // [E, D] Default-MoE outputs (empty: off)
   bool default_forward = false;
+  bool scale_input = false;  ///< y_t = sum E_i(w_i x_t) (Llama 4) instead of sum w_i E_i(x_t)
   /// Routing from double logits [T, E] (row-major) and, for scores, the router's score function.
   std::function<Routing(moe::ConstMatrixView<double>)> route;
   std::function<std::vector<double>(std::vector<double> const&)> scores;  // z_t -> p_t
@@ -79,6 +80,13 @@ struct DoubleModel {
       std::vector<bool> chosen(static_cast<std::size_t>(E), false);
       for (auto [e, w] : r[t]) {
         chosen[e] = true;
+        if (scale_input) {
+          std::vector<double> xs(x.begin() + t * D, x.begin() + (t + 1) * D);
+          for (double& v : xs) v *= w;
+          auto o = experts.run(e, xs.data());
+          for (Index d = 0; d < D; ++d) y[d] += o[d];
+          continue;
+        }
         auto o = experts.run(e, x.data() + t * D);
         for (Index d = 0; d < D; ++d) y[d] += w * o[d];
       }

@@ -30,6 +30,7 @@
 #include "moe/layers/stages/shared_experts.hpp"
 #include "moe/layers/stages/work.hpp"
 #include "moe/routing/controls.hpp"
+#include "moe/routing/top_k_sigmoid.hpp"
 
 namespace moe {
 
@@ -98,6 +99,8 @@ struct MoeFfnWorkspace : stages::RoutingResults {
 ///   z_t = W_r x_t                                   router logits [T, E]
 ///   (A_t, w_t) = Router(z_t)                        chosen experts and their weights
 ///   y_t = sum_{i in A_t} w_{t,i} E_i(x_t)  +  shared experts (optionally sigmoid-gated)
+///   (a router with scale_input set, as TopKSigmoid for Llama 4: y_t = sum_i E_i(w_{t,i} x_t) +
+///   ...)
 ///
 /// \tparam Router_  a RouterPolicy (SoftmaxTopK, TopKSoftmax, GroupLimitedTopK, ExpertChoice, ...)
 /// \tparam Expert_  an ExpertPolicy (SwiGlu, GeGlu, ReluMlp, ...), used by every routed expert
@@ -340,7 +343,8 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train),
                                     stages::SharedStage::uses_q8(shared_, train)};
     stages::ExpertRows const rows = rows_of(plan);
-    ws.routed.prepare(bank_, R, routed, train);
+    bool const scaled = routing::detail::scales_input(router_);
+    ws.routed.prepare(bank_, R, routed, train || scaled);
     ws.shared.prepare(shared_, T, shared, D);
     bool const x_pairs = routed.pairs || shared.pairs, x_q8 = routed.q8 || shared.q8;
     Index const rbD = kernels::q8_row_bytes(D);
@@ -348,21 +352,24 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     ws.x_q8.resize(static_cast<std::size_t>(x_q8 ? T * rbD : 0));
     std::uint32_t const* pairs = x_pairs ? ws.x_pairs.data() : nullptr;
     std::byte const* q8 = x_q8 ? ws.x_q8.data() : nullptr;
-    // 1. Dispatch (training gathers the rows), shared-expert gates, x as bf16 pairs / int8 rows.
-    if (train) ws.routed.gather(x, plan.row_token.data(), R, pool);
+    // 1. Dispatch (training, and input-scaled routing, gather the rows; the latter scales them by
+    // their routing weights), shared-expert gates, x as bf16 pairs / int8 rows.
+    if (train || scaled) ws.routed.gather(x, plan.row_token.data(), R, pool);
+    if (scaled) ws.routed.scale_inputs(plan.row_weight.data(), R, D, pool);
     ws.shared.gates(shared_, x, pool);
     detail::run_pairs_tasks(
         pool, {detail::PairsTask{x.data, x.row_stride, T, D, x_pairs ? ws.x_pairs.data() : nullptr,
                                  x_q8 ? ws.x_q8.data() : nullptr}});
     // 2. In projections with the activation in the epilogue: m = act(x W_gate^T) * (x W_up^T).
-    kernels::RowSource const in = train ? kernels::RowSource{ws.routed.x_rows.data(), D, nullptr}
-                                        : kernels::RowSource{x.data,
-                                                             x.row_stride,
-                                                             plan.row_token.data(),
-                                                             routed.pairs ? pairs : nullptr,
-                                                             kpD,
-                                                             routed.q8 ? q8 : nullptr,
-                                                             rbD};
+    kernels::RowSource const in = train || scaled
+                                      ? kernels::RowSource{ws.routed.x_rows.data(), D, nullptr}
+                                      : kernels::RowSource{x.data,
+                                                           x.row_stride,
+                                                           plan.row_token.data(),
+                                                           routed.pairs ? pairs : nullptr,
+                                                           kpD,
+                                                           routed.q8 ? q8 : nullptr,
+                                                           rbD};
     ws.routed.enqueue_in(ws.queue, bank_, rows, in, routed);
     ws.shared.enqueue_in(ws.queue, shared_,
                          {x.data, x.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
@@ -371,12 +378,13 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     run_queue(ws, pool);
     detail::run_pairs_tasks(
         pool, {ws.routed.act_pairs_task(bank_, R), ws.shared.act_pairs_task(shared_, T)});
-    // 3. Down projections, times the routing weight in inference.
-    ws.routed.enqueue_down(ws.queue, bank_, rows, train ? nullptr : plan.row_weight.data(), routed);
+    // 3. Down projections, times the routing weight in inference (unless it scaled the inputs).
+    ws.routed.enqueue_down(ws.queue, bank_, rows,
+                           train || scaled ? nullptr : plan.row_weight.data(), routed);
     ws.shared.enqueue_down(ws.queue, shared_, T, shared, T);
     run_queue(ws, pool);
     // 4. Combine: each token's rows in slot order, then the shared experts.
-    stages::combine(combine_source(ws, plan, train), y, pool);
+    stages::combine(combine_source(ws, plan, train && !scaled), y, pool);
   }
 
   void run_queue(MoeFfnWorkspace& ws, ThreadPool* pool) const {
@@ -466,7 +474,8 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     // 1. Combine VJP: dY_r = w_r dy[t]; dL/dw of each slot = <dy[t], Y_r>; shared experts.
     stages::CombineGrads cg{ws.routed.d_out.data(), ws.router_grads.dweight.data()};
     ws.shared.add_to(cg);
-    stages::combine_backward(dy, combine_source(ws, plan, true), ws.selection, cg, pool);
+    bool const scaled = routing::detail::scales_input(router_);
+    stages::combine_backward(dy, combine_source(ws, plan, !scaled), ws.selection, cg, pool);
     // 2. Default-MoE score terms; balance gradients.
     if (!ws.train.defaults.empty()) default_score_grads(ws, dy, pool);
     BalanceGradients bg{MatrixView<float>(ws.router_grads.dscores.data(), T, E),
@@ -476,6 +485,10 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     // 3. Expert VJPs, row phase: m, dh and dx of the routed and the shared experts.
     ws.routed.backward_rows(bank_, rows, pool, ws.scratch);
     ws.shared.backward_rows(shared_, T, pool, ws.scratch);
+    // Input-scaled routing: row r's input was w_r x_t, so dL/dw_r = <dX_r, x_t> and
+    // dL/dx_t gets w_r dX_r.
+    if (scaled)
+      ws.routed.scaled_input_grads(x, plan, ws.selection, ws.router_grads.dweight.data(), pool);
     // 4. Router VJP: dweight (+ Default-MoE / balance score terms) -> dlogits.
     ws.router_grads.vjp(router_, ws.logits_view(), ws.selection);
     // 5. Weight gradients, each item one block of one gradient's rows.

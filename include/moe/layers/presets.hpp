@@ -11,6 +11,7 @@
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/group_limited_top_k.hpp"
 #include "moe/routing/softmax_top_k.hpp"
+#include "moe/routing/top_k_sigmoid.hpp"
 #include "moe/routing/top_k_softmax.hpp"
 
 namespace moe::presets {
@@ -221,6 +222,26 @@ inline Ernie45Moe make_ernie4_5_moe(Ernie45MoeConfig const& c = {}) {
   r.norm_epsilon = 0.0f;
   r.norm_min = c.moe_norm_min;
   return layer;
+}
+
+/// Llama 4 text MoE (HF Llama4TextMoe): top-k of the router logits, the sigmoid of each chosen
+/// logit scales that expert's *input* (routing::TopKSigmoid with scale_input), SwiGLU experts,
+/// plus one ungated SwiGLU shared expert of the experts' width:
+///   y_t = sum_{i in A_t} E_i(sigmoid(z_i) x_t) + S(x_t).
+/// Defaults: Llama-4-Scout-17B-16E (HF Llama4TextConfig).
+struct Llama4Config {
+  Index hidden_size = 5120;
+  Index intermediate_size = 8192;
+  Index num_local_experts = 16;
+  Index num_experts_per_tok = 1;
+};
+using Llama4Moe =
+    MoeFfn<routing::TopKSigmoid, experts::SwiGlu, experts::UngatedSharedExperts<experts::SwiGlu>>;
+inline Llama4Moe make_llama4(Llama4Config const& c = {}) {
+  return Llama4Moe(
+      c.hidden_size, c.intermediate_size,
+      routing::TopKSigmoid{c.num_local_experts, c.num_experts_per_tok, true},
+      experts::UngatedSharedExperts<experts::SwiGlu>(1, c.hidden_size, c.intermediate_size));
 }
 
 }  // namespace moe::presets

@@ -39,13 +39,14 @@ enum class HfFamily : std::uint8_t {
   kDeepseekV2,  ///< "deepseek_v2": softmax, greedy / group-limited (group max), scaled
   kMinimaxM2,   ///< "minimax_m2": sigmoid + selection bias, renormalised; Mixtral names
   kErnie45Moe,  ///< "ernie4_5_moe": softmax + selection bias on probabilities, shared experts
+  kLlama4,      ///< "llama4_text" (or "llama4"'s text_config): sigmoid-scaled expert inputs
 };
 
 /// Every family, in HfFamily order.
 inline constexpr HfFamily kHfFamilies[] = {
-    HfFamily::kMixtral,   HfFamily::kQwen2Moe,  HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
-    HfFamily::kOlmoe,     HfFamily::kQwen3Next, HfFamily::kGlm4Moe,  HfFamily::kDeepseekV2,
-    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe};
+    HfFamily::kMixtral,   HfFamily::kQwen2Moe,   HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
+    HfFamily::kOlmoe,     HfFamily::kQwen3Next,  HfFamily::kGlm4Moe,  HfFamily::kDeepseekV2,
+    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe, HfFamily::kLlama4};
 
 /// The config.json "model_type" of a family ("mixtral", "qwen2_moe", ...).
 inline char const* hf_model_type(HfFamily family) noexcept {
@@ -70,6 +71,8 @@ inline char const* hf_model_type(HfFamily family) noexcept {
       return "minimax_m2";
     case HfFamily::kErnie45Moe:
       return "ernie4_5_moe";
+    case HfFamily::kLlama4:
+      return "llama4_text";
   }
   return "?";
 }
@@ -98,6 +101,8 @@ inline char const* hf_architecture(HfFamily family) noexcept {
       return "MiniMaxM2ForCausalLM";
     case HfFamily::kErnie45Moe:
       return "Ernie4_5_MoeForCausalLM";
+    case HfFamily::kLlama4:
+      return "Llama4ForCausalLM";
   }
   return "?";
 }
@@ -108,6 +113,7 @@ inline char const* hf_experts_key(HfFamily family) noexcept {
   switch (family) {
     case HfFamily::kMixtral:
     case HfFamily::kMinimaxM2:
+    case HfFamily::kLlama4:
       return "num_local_experts";
     case HfFamily::kDeepseekV3:
     case HfFamily::kGlm4Moe:
@@ -124,7 +130,7 @@ inline char const* hf_experts_key(HfFamily family) noexcept {
 /// MiniMax-M2) or "moe_intermediate_size" (the others).
 inline char const* hf_width_key(HfFamily family) noexcept {
   return family == HfFamily::kMixtral || family == HfFamily::kOlmoe ||
-                 family == HfFamily::kMinimaxM2
+                 family == HfFamily::kMinimaxM2 || family == HfFamily::kLlama4
              ? "intermediate_size"
              : "moe_intermediate_size";
 }
@@ -190,6 +196,11 @@ struct HfMoeConfig {
   Index moe_layer_interval = 1;
   float moe_norm_min = 1e-12f;  ///< the weights' sum is clamped to at least this
 
+  // Llama 4: MoE iff L in moe_layers, or (without it) (L + 1) % interleave_moe_layer_step == 0.
+  Index interleave_moe_layer_step = 1;
+  std::vector<Index> moe_layers;  ///< explicit MoE layer indices (moe_layers_given)
+  bool moe_layers_given = false;  ///< config.json has a non-null moe_layers
+
   // FP8 block quantisation ("quantization_config" with quant_method "fp8", as DeepSeek-V3 and
   // the Qwen3 FP8 releases have it), 0 when absent.
   Index fp8_block_rows = 0;
@@ -223,6 +234,8 @@ struct HfMoeConfig {
       case HfFamily::kDeepseekV2:
       case HfFamily::kErnie45Moe:
         return n_shared_experts * expert_intermediate_size;
+      case HfFamily::kLlama4:
+        return expert_intermediate_size;  // one shared expert of the experts' width
       default:
         return 0;
     }
@@ -262,6 +275,20 @@ struct HfMoeConfig {
       case HfFamily::kMixtral:
       case HfFamily::kOlmoe:
       case HfFamily::kMinimaxM2:
+        return {};
+      case HfFamily::kLlama4:
+        if (moe_layers_given) {
+          if (std::find(moe_layers.begin(), moe_layers.end(), layer) == moe_layers.end()) {
+            return concat("layer ", layer, " is a dense MLP layer: it is not listed in moe_layers");
+          }
+          return {};
+        }
+        if ((layer + 1) % interleave_moe_layer_step != 0) {
+          return concat("layer ", layer, " is a dense MLP layer: interleave_moe_layer_step = ",
+                        interleave_moe_layer_step,
+                        " makes layer L an MoE layer only when (L + 1) % ",
+                        interleave_moe_layer_step, " == 0");
+        }
         return {};
       case HfFamily::kQwen2Moe:
       case HfFamily::kQwen3Moe:
@@ -537,6 +564,22 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
                                                     "scoring_func",    "shared_intermediate_size",
                                                     "use_mtp",         "use_qk_norm",
                                                     "use_routing_bias"};
+  static constexpr std::string_view kLlama4[] = {"attention_chunk_size",
+                                                 "attn_scale",
+                                                 "attn_temperature_tuning",
+                                                 "cache_implementation",
+                                                 "floor_scale",
+                                                 "interleave_moe_layer_step",
+                                                 "intermediate_size_mlp",
+                                                 "layer_types",
+                                                 "moe_layers",
+                                                 "no_rope_layer_interval",
+                                                 "no_rope_layers",
+                                                 "num_local_experts",
+                                                 "output_router_logits",
+                                                 "router_aux_loss_coef",
+                                                 "router_jitter_noise",
+                                                 "use_qk_norm"};
   static constexpr std::string_view kErnie45Moe[] = {"moe_capacity",
                                                      "moe_gate",
                                                      "moe_intermediate_size",
@@ -579,6 +622,8 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
       return in(kMixtral) || in(kMinimaxM2);
     case HfFamily::kErnie45Moe:
       return in(kErnie45Moe);
+    case HfFamily::kLlama4:
+      return in(kLlama4);
   }
   return false;
 }
@@ -827,8 +872,19 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   }
 
   HfMoeConfig c;
-  detail::HfConfigReader r(root, source, c);
-  detail::JsonValue const* type = r.find("model_type");
+  // Llama 4's multimodal config.json ("llama4") nests the text model's keys in text_config.
+  detail::JsonValue const* keys = &root;
+  if (detail::JsonValue const* t = root.member("model_type");
+      t != nullptr && t->kind == JsonKind::kString && t->text == "llama4") {
+    keys = root.member("text_config");
+    if (keys == nullptr || keys->kind != JsonKind::kObject) {
+      moe::detail::fail("hf: ", source,
+                        ": model_type \"llama4\" needs a \"text_config\" object with the text "
+                        "model's keys; fix config.json");
+    }
+  }
+  detail::HfConfigReader r(*keys, source, c);
+  detail::JsonValue const* type = keys == &root ? r.find("model_type") : root.member("model_type");
   if (type == nullptr) {
     moe::detail::fail("hf: ", source,
                       ": config.json has no \"model_type\"; it must name the model family (",
@@ -839,6 +895,7 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   for (HfFamily const f : kHfFamilies) {
     if (type->text == hf_model_type(f)) c.family = f, known = true;
   }
+  if (type->text == "llama4") c.family = HfFamily::kLlama4, known = true;
   if (!known) {
     moe::detail::fail("hf: ", source, ": model_type ", detail::printable_name(type->text),
                       " is not supported; moe loads the MoE layers of ", hf_model_type_list(),
@@ -984,6 +1041,17 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
                            " (transformers' MiniMax-M2 has no shared expert)"));
       }
       break;
+    case HfFamily::kLlama4:
+      c.hidden_size = r.integer({"hidden_size"}, 5120, 1);
+      c.expert_intermediate_size = r.integer({"intermediate_size"}, 8192, 1);
+      c.num_experts = r.integer({"num_local_experts"}, 16, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok"}, 1, 1);
+      c.interleave_moe_layer_step = r.integer({"interleave_moe_layer_step"}, 1, 1);
+      if (r.find("moe_layers") != nullptr) {
+        c.moe_layers = r.integer_list("moe_layers");
+        c.moe_layers_given = true;
+      }
+      break;
     case HfFamily::kErnie45Moe: {
       c.hidden_size = r.integer({"hidden_size"}, 2560, 1);
       c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1536, 1);
@@ -1030,7 +1098,7 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   if (detail::JsonValue const* n = r.find("num_hidden_layers")) {
     c.num_hidden_layers = r.integer("num_hidden_layers", *n, 1);
   }
-  for (detail::JsonMember const& m : root.members) {
+  for (detail::JsonMember const& m : keys->members) {
     if (!detail::hf_known_key(c.family, m.key)) c.unknown_keys.push_back(m.key);
   }
   detail::validate_hf_config(c, source);
@@ -1171,6 +1239,19 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
     case HfFamily::kMinimaxM2:
       int_key("intermediate_size", c.expert_intermediate_size);
       int_key("num_local_experts", c.num_experts);
+      break;
+    case HfFamily::kLlama4:
+      int_key("intermediate_size", c.expert_intermediate_size);
+      int_key("num_local_experts", c.num_experts);
+      int_key("interleave_moe_layer_step", c.interleave_moe_layer_step);
+      if (c.moe_layers_given) {
+        append_json_key(out, "moe_layers");
+        out += "[";
+        for (std::size_t i = 0; i < c.moe_layers.size(); ++i) {
+          out += detail::concat(i > 0 ? ", " : "", c.moe_layers[i]);
+        }
+        out += "]";
+      }
       break;
     case HfFamily::kErnie45Moe:
       int_key("moe_intermediate_size", c.expert_intermediate_size);

@@ -130,6 +130,15 @@ inline HfMoeConfig hf_config(presets::MinimaxM2Config const& p) {
   c.norm_topk_prob = true;
   return c;
 }
+inline HfMoeConfig hf_config(presets::Llama4Config const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kLlama4;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.intermediate_size;
+  c.num_experts = p.num_local_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  return c;
+}
 inline HfMoeConfig hf_config(presets::Ernie45MoeConfig const& p) {
   HfMoeConfig c;
   c.family = HfFamily::kErnie45Moe;
@@ -150,10 +159,11 @@ static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
               "moe::io::HfAnyLayer holds Qwen3-MoE and OLMoE layers in one alternative; give "
               "OlmoeMoe its own alternative if the presets ever make them different types");
 
-/// Does the preset layer type `Layer` hold layers of `family`? Four types hold the ten
-/// families: MixtralMoe (mixtral); Qwen2Moe (qwen2_moe, qwen3_next); Qwen3Moe == OlmoeMoe
-/// (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3, glm4_moe, deepseek_v2, minimax_m2,
-/// ernie4_5_moe: GroupLimitedTopK with the family's scores, bias, groups and normalisation).
+/// Does the preset layer type `Layer` hold layers of `family`? Five types hold the eleven
+/// families: MixtralMoe (mixtral); Llama4Moe (llama4_text); Qwen2Moe (qwen2_moe, qwen3_next);
+/// Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3, glm4_moe, deepseek_v2,
+/// minimax_m2, ernie4_5_moe: GroupLimitedTopK with the family's scores, bias, groups and
+/// normalisation).
 template <class Layer>
 constexpr bool hf_family_matches(HfFamily family) noexcept {
   switch (family) {
@@ -171,6 +181,8 @@ constexpr bool hf_family_matches(HfFamily family) noexcept {
     case HfFamily::kMinimaxM2:
     case HfFamily::kErnie45Moe:
       return std::is_same_v<Layer, presets::DeepseekV3Moe>;
+    case HfFamily::kLlama4:
+      return std::is_same_v<Layer, presets::Llama4Moe>;
   }
   return false;
 }
@@ -232,6 +244,9 @@ Layer make_hf_layer(HfMoeConfig const& c) {
     return presets::make_qwen2_moe({c.hidden_size, c.expert_intermediate_size,
                                     c.shared_expert_intermediate_size, c.num_experts,
                                     c.num_experts_per_tok, c.norm_topk_prob});
+  } else if constexpr (std::is_same_v<Layer, presets::Llama4Moe>) {
+    return presets::make_llama4(
+        {c.hidden_size, c.expert_intermediate_size, c.num_experts, c.num_experts_per_tok});
   } else if constexpr (std::is_same_v<Layer, presets::Qwen3Moe>) {
     return presets::make_qwen3_moe({c.hidden_size, c.expert_intermediate_size, c.num_experts,
                                     c.num_experts_per_tok, c.norm_topk_prob});
@@ -271,7 +286,8 @@ struct HfLayer {
 /// A loaded layer of any supported family (load_hf_moe_layer()); config.family tells which
 /// (see hf_family_matches() for the families each alternative holds). Use std::visit.
 using HfAnyLayer = std::variant<HfLayer<presets::MixtralMoe>, HfLayer<presets::Qwen2Moe>,
-                                HfLayer<presets::Qwen3Moe>, HfLayer<presets::DeepseekV3Moe>>;
+                                HfLayer<presets::Qwen3Moe>, HfLayer<presets::DeepseekV3Moe>,
+                                HfLayer<presets::Llama4Moe>>;
 
 // ---------------------------------------------------------------------------------------------
 // Moving values between checkpoint tensors and layers.
@@ -280,6 +296,21 @@ namespace detail {
 
 inline void append_view(std::vector<float>& out, ConstMatrixView<float> v) {
   for (Index r = 0; r < v.rows; ++r) out.insert(out.end(), v.row(r), v.row(r) + v.cols);
+}
+
+/// v^T appended row by row ([cols, rows]): the x @ W layouts of Llama 4's fused experts.
+inline void append_transposed(std::vector<float>& out, ConstMatrixView<float> v) {
+  for (Index c = 0; c < v.cols; ++c) {
+    for (Index r = 0; r < v.rows; ++r) out.push_back(v(r, c));
+  }
+}
+
+/// The inverse of append_transposed: v = src^T for src [v.cols, v.rows]; returns src's end.
+inline float const* copy_transposed_into_view(float const* src, MatrixView<float> v) {
+  for (Index c = 0; c < v.cols; ++c) {
+    for (Index r = 0; r < v.rows; ++r) v(r, c) = *src++;
+  }
+  return src;
 }
 
 inline float const* copy_into_view(float const* src, MatrixView<float> v) {
@@ -322,6 +353,12 @@ std::vector<float> gather_tensor(HfTensor const& t, float const* router,
       break;
     case HfPart::kExpertsDown:
       for (Index e = 0; e < E; ++e) append_view(out, bank.down_proj(e));
+      break;
+    case HfPart::kExpertsGateUpT:
+      for (Index e = 0; e < E; ++e) append_transposed(out, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsDownT:
+      for (Index e = 0; e < E; ++e) append_transposed(out, bank.down_proj(e));
       break;
     case HfPart::kSharedGate:
     case HfPart::kSharedUp:
@@ -371,6 +408,12 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
       break;
     case HfPart::kExpertsDown:
       for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.down_proj(e));
+      break;
+    case HfPart::kExpertsGateUpT:
+      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsDownT:
+      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.down_proj(e));
       break;
     case HfPart::kSharedGate:
     case HfPart::kSharedUp:
@@ -629,6 +672,19 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
 inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
                               HfLoadOptions const& options) {
   std::vector<std::string> candidates;
+  if (c.family == HfFamily::kLlama4) {
+    // Text-only checkpoints: model.layers.L.feed_forward.; the multimodal Llama4ForConditional-
+    // Generation nests them under language_model. (or a prefix given by the caller).
+    HfLayout layout = hf_default_layout(c.family, layer);
+    if (!options.prefix.empty()) {
+      layout.prefix = options.prefix;
+    } else if (std::string const nested = concat("language_model.", layout.prefix);
+               !ckpt.contains(concat(layout.prefix, "router.weight")) &&
+               ckpt.contains(concat(nested, "router.weight"))) {
+      layout.prefix = nested;
+    }
+    return layout;
+  }
   if (!options.prefix.empty()) {
     candidates.push_back(options.prefix);
   } else {
@@ -808,6 +864,8 @@ inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Inde
     case HfFamily::kMinimaxM2:
     case HfFamily::kErnie45Moe:
       return load_hf_layer<presets::DeepseekV3Moe>(config, checkpoint, layer, options);
+    case HfFamily::kLlama4:
+      return load_hf_layer<presets::Llama4Moe>(config, checkpoint, layer, options);
   }
   moe::detail::fail("hf: ", model_dir.string(), ": unknown model family");
 }
@@ -844,6 +902,7 @@ void check_layer_matches(HfMoeConfig const& c, Layer const& layer, std::string c
             layer.num_experts() == c.num_experts && layer.d_ffn() == c.expert_intermediate_size &&
             r.top_k == c.num_experts_per_tok;
   if constexpr (requires { r.normalize; }) ok = ok && r.normalize == c.norm_topk_prob;
+  if constexpr (requires { r.scale_input; }) ok = ok && r.scale_input;
   if constexpr (requires { r.n_group; }) {
     routing::GroupLimitedTopK const want = hf_group_router(c);
     ok = ok && r.n_group == want.n_group && r.topk_group == want.topk_group &&
@@ -998,6 +1057,10 @@ void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const
   moe::detail::check(static_cast<Index>(formats.size()) == layer.num_experts(), "hf: ", where, ": ",
                      formats.size(), " formats for ", layer.num_experts(),
                      " experts; give one per expert");
+  moe::detail::check(config.family != HfFamily::kLlama4, "hf: ", where,
+                     ": Llama 4 stores its experts fused ([E, H, 2I]), which quantized checkpoints "
+                     "(one tensor per expert and projection) do not support yet; quantize the "
+                     "loaded layer with pack_weights instead");
   HfLayout const layout = hf_default_layout(config.family, layer_index, false);
   std::vector<HfTensor> const tensors = hf_layer_tensors(config, layout);
   detail::start_checkpoint_dir(dir, config, "float32");

@@ -17,7 +17,7 @@ namespace moe::io {
 
 /// What a checkpoint tensor of an MoE layer holds (I: expert width, Is: shared expert width).
 enum class HfPart : std::uint8_t {
-  kRouter,            ///< gate.weight [E, H]
+  kRouter,            ///< gate.weight [E, H] (Llama 4: router.weight)
   kSelectionBias,     ///< gate.e_score_correction_bias [E] (DeepSeek-V3, GLM-4.5),
                       ///< e_score_correction_bias [E] (MiniMax-M2) or
                       ///< moe_statics.e_score_correction_bias [1, E] (ERNIE 4.5); a buffer
@@ -26,6 +26,8 @@ enum class HfPart : std::uint8_t {
   kExpertDown,        ///< experts.j.w2 / down_proj .weight [H, I]
   kExpertsGateUp,     ///< experts.gate_up_proj [E, 2I, H] (fused: gate rows, then up rows)
   kExpertsDown,       ///< experts.down_proj [E, H, I] (fused)
+  kExpertsGateUpT,    ///< experts.gate_up_proj [E, H, 2I] (Llama 4: x @ W; gate columns, then up)
+  kExpertsDownT,      ///< experts.down_proj [E, I, H] (Llama 4: h @ W)
   kSharedGate,        ///< shared_expert(s).gate_proj.weight [Is, H]
   kSharedUp,          ///< shared_expert(s).up_proj.weight [Is, H]
   kSharedDown,        ///< shared_expert(s).down_proj.weight [H, Is]
@@ -71,6 +73,11 @@ struct HfLayout {
 /// v5 names "model.layers.L.mlp.").
 inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_experts = false) {
   HfLayout layout;
+  if (family == HfFamily::kLlama4) {  // always fused, under feed_forward.
+    layout.fused_experts = true;
+    layout.prefix = detail::concat("model.layers.", layer, ".feed_forward.");
+    return layout;
+  }
   layout.fused_experts = fused_experts;
   bool const mixtral_v4 = hf_mixtral_names(family) && !fused_experts;
   layout.prefix =
@@ -93,6 +100,8 @@ inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_exper
 ///   MiniMax-M2:  gate.weight, e_score_correction_bias, experts.j.{w1,w3,w2}.weight
 ///   ERNIE 4.5:   gate.weight, moe_statics.e_score_correction_bias [1, E],
 ///                experts.j.{gate,up,down}_proj.weight, shared_experts.{gate,up,down}_proj.weight
+///   Llama 4:     router.weight, experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]
+///                (always fused, transposed), shared_expert.{gate,up,down}_proj.weight
 inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout const& layout) {
   std::vector<HfTensor> out;
   std::int64_t const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size;
@@ -100,7 +109,8 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
   auto add = [&](std::string name, HfPart part, Index expert, std::vector<std::int64_t> shape) {
     out.push_back(HfTensor{std::move(name), part, expert, std::move(shape)});
   };
-  add(p + "gate.weight", HfPart::kRouter, -1, {E, H});
+  bool const llama4 = c.family == HfFamily::kLlama4;
+  add(p + (llama4 ? "router.weight" : "gate.weight"), HfPart::kRouter, -1, {E, H});
   if (c.family == HfFamily::kMinimaxM2) {
     add(p + "e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
   } else if (c.family == HfFamily::kErnie45Moe) {
@@ -108,7 +118,10 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
   } else if (c.has_selection_bias()) {
     add(p + "gate.e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
   }
-  if (layout.fused_experts) {
+  if (llama4) {
+    add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpT, -1, {E, H, 2 * I});
+    add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
+  } else if (layout.fused_experts) {
     add(p + "experts.gate_up_proj", HfPart::kExpertsGateUp, -1, {E, 2 * I, H});
     add(p + "experts.down_proj", HfPart::kExpertsDown, -1, {E, H, I});
   } else {
@@ -122,7 +135,8 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
   }
   std::int64_t const Is = c.shared_intermediate_size();
   if (Is > 0) {
-    std::string const s = p + (c.has_shared_expert_gate() ? "shared_expert." : "shared_experts.");
+    std::string const s =
+        p + (c.has_shared_expert_gate() || llama4 ? "shared_expert." : "shared_experts.");
     add(s + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
     add(s + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
     add(s + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});

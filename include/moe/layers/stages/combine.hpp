@@ -79,7 +79,8 @@ struct CombineGrads {
 };
 
 /// The combine VJP for upstream gradient dy [T, D] of a combine of unweighted rows `src.rows`
-/// with weights `src.row_weight` (training keeps the rows unweighted).
+/// with weights `src.row_weight` (training keeps the rows unweighted; null: weights 1, as for
+/// input-scaled routing).
 inline void combine_backward(ConstMatrixView<float> dy, CombineSource const& src,
                              Selection const& sel, CombineGrads const& g, ThreadPool* pool) {
   Index const T = dy.rows, D = dy.cols, S = sel.slots, ns = src.num_shared;
@@ -92,8 +93,8 @@ inline void combine_backward(ConstMatrixView<float> dy, CombineSource const& src
       for (Index s = 0; s < S; ++s) {
         if (sel.expert[static_cast<std::size_t>(t * S + s)] < 0) continue;
         Index const r = plan.token_rows[j++];
-        g.dweight[t * S + s] =
-            kernels::scale_dot(gy, src.rows + r * D, plan.row_weight[r], g.d_rows + r * D, D);
+        g.dweight[t * S + s] = kernels::scale_dot(
+            gy, src.rows + r * D, src.row_weight ? src.row_weight[r] : 1.0f, g.d_rows + r * D, D);
       }
       for (Index s = 0; s < ns; ++s) {
         float const gate = src.shared_gate ? src.shared_gate[t * ns + s] : 1.0f;

@@ -11,10 +11,13 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "moe/core/memory.hpp"
+#include "moe/core/routing_plan.hpp"
+#include "moe/core/selection.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/layers/detail/row_chunks.hpp"
@@ -84,6 +87,38 @@ struct RoutedExperts {
     parallel_for(pool, (R + 63) / 64, [&](Index i, int) {
       Index const r0 = i * 64, n = std::min<Index>(64, R - r0);
       kernels::gather_rows(x.data, x.row_stride, row_token + r0, n, D, x_rows.data() + r0 * D, D);
+    });
+  }
+
+  /// x_rows[r] *= weight[r] (input-scaled routing: the experts see w_r x_t).
+  void scale_inputs(float const* weight, Index R, Index D, ThreadPool* pool) {
+    parallel_for(pool, (R + 63) / 64, [&](Index i, int) {
+      for (Index r = i * 64; r < std::min<Index>(R, i * 64 + 64); ++r) {
+        float* row = x_rows.data() + r * D;
+        for (Index c = 0; c < D; ++c) row[c] *= weight[r];
+      }
+    });
+  }
+
+  /// Backward of scale_inputs, after backward_rows: dweight[t, s] = <dx_rows[r], x[t]> for the
+  /// row r of each chosen slot (overwriting the combine's), then dx_rows[r] *= weight[r].
+  void scaled_input_grads(ConstMatrixView<float> x, RoutingPlan const& plan, Selection const& sel,
+                          float* dweight, ThreadPool* pool) {
+    Index const T = x.rows, D = x.cols, S = sel.slots;
+    parallel_for(pool, (T + 63) / 64, [&](Index i, int) {
+      for (Index t = i * 64; t < std::min<Index>(T, i * 64 + 64); ++t) {
+        Index j = plan.token_offsets[t];
+        for (Index s = 0; s < S; ++s) {
+          if (sel.expert[static_cast<std::size_t>(t * S + s)] < 0) continue;
+          Index const r = plan.token_rows[j++];
+          float* g = dx_rows.data() + r * D;
+          float dot = 0.0f;
+          for (Index c = 0; c < D; ++c) dot = std::fma(g[c], x(t, c), dot);
+          dweight[t * S + s] = dot;
+          float const w = plan.row_weight[r];
+          for (Index c = 0; c < D; ++c) g[c] *= w;
+        }
+      }
     });
   }
 
