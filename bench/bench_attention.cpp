@@ -37,6 +37,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/expert_bank.hpp"
@@ -327,6 +328,8 @@ BENCHMARK(BM_Layer_MoeAttention_Train)
 
 bool add_context() {
   benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());
+  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext("kernels", moe::compiled_kernels());
   benchmark::AddCustomContext("pool", "layers: moe::ThreadPool of 2 threads; kernels: 1 thread");
   benchmark::AddCustomContext("flops", "see the comment at the top of bench_attention.cpp");
   return true;

@@ -37,8 +37,10 @@
 //     reading expert 0's weights (from cache): what streaming the weights costs the kernel.
 // FLOP counts: router 2*T*E*D; each routed row 2*D*F*3 (gate, up, down); shared experts
 // 2*T*D*F_s*3. Forward+backward counts 3x the forward (dX and dW each cost a forward).
-// Weights: every shape's active set at T = 1 exceeds the assumed last-level cache, so one layer
-// copy is used (the binary prints the copies it would rotate through: 1).
+// Weights: one layer copy per shape. The header prints the last-level cache the CPU reports
+// (moe::cpu_features: sysfs, else CPUID) and each layer row its w/LLC = active weight bytes /
+// LLC: below 2 the weights can stay partly cached between iterations, and S-MBU and the
+// bandwidth roofline overstate the fraction of DRAM bandwidth reached.
 // Run: ./moe_bench_hotpath --benchmark_counters_tabular=true [--benchmark_out=r.json
 //      --benchmark_out_format=json]   (bench/plot_roofline.py draws the roofline from the JSON)
 #include <benchmark/benchmark.h>
@@ -98,15 +100,23 @@ double measure_fma_peak(int threads, int reps = 9) {
   return best;
 }
 
-/// DRAM read bandwidth: each thread sums its half of a 512 MiB buffer (2 MiB pages, like the
-/// weights) as 4 streams, each prefetched 2 KiB ahead. A plain loop of loads (the hardware
-/// prefetcher alone) measured 35-36 GB/s on this host while the same loop with 4 prefetched
-/// streams measured 51 (and the layers, which prefetch, streamed 47 GB/s at T = 1): with other
-/// VMs on the memory controller the plain loop does not show what the machine gives a reader
-/// that keeps enough requests in flight. On a quiet host both reach 50-52 GB/s.
+/// The last-level cache in bytes (moe::cpu_features), or 32 MiB when the CPU reports none.
+double llc_bytes() {
+  std::int64_t const b = moe::cpu_features().llc_bytes;
+  return b > 0 ? static_cast<double>(b) : 32.0 * 1024 * 1024;
+}
+
+/// DRAM read bandwidth: each thread sums its half of a buffer of at least 512 MiB and 4x the
+/// last-level cache (2 MiB pages, like the weights) as 4 streams, each prefetched 2 KiB ahead. A
+/// plain loop of loads (the hardware prefetcher alone) measured 35-36 GB/s on this host while the
+/// same loop with 4 prefetched streams measured 51 (and the layers, which prefetch, streamed 47
+/// GB/s at T = 1): with other VMs on the memory controller the plain loop does not show what the
+/// machine gives a reader that keeps enough requests in flight. On a quiet host both reach 50-52
+/// GB/s.
 double measure_read_bandwidth(int threads, int reps = 9) {
   using B = xsimd::batch<float>;
-  Index const n = Index{1} << 27;  // 512 MiB of floats: 16x the assumed last-level cache
+  Index n = Index{1} << 27;  // 512 MiB of floats, at least 4x the last-level cache
+  while (static_cast<double>(n) < llc_bytes()) n *= 2;
   static moe::HugePageVector<float> buf(static_cast<std::size_t>(n), 1.0f);
   moe::ThreadPool p(threads);
   double best = 0.0;
@@ -470,6 +480,7 @@ void set_counters(benchmark::State& state, Index T, Cost c, double flop_factor, 
   state.counters["bw_GB/s"] = lim.bandwidth / 1e9;
   state.counters["S-MFU"] = achieved / lim.fma;
   state.counters["S-MBU"] = c.weight_bytes / r.best / lim.bandwidth;
+  state.counters["w/LLC"] = c.weight_bytes / llc_bytes();
   state.counters["roofline"] = achieved / std::min(lim.fma, ai * lim.bandwidth);
   state.counters["FLOP/B"] = ai;
 }
@@ -889,12 +900,16 @@ MOE_LAYER_BENCH(kDeepSeek, DeepSeekV3);
 
 bool add_context() {
   benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());
+  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext("kernels", moe::compiled_kernels());
   benchmark::AddCustomContext("threads", std::to_string(kThreads));
   benchmark::AddCustomContext(
       "weights",
-      "packed once (MoeFfn::pack_weights); 1 layer copy per shape: the active weights at T = 1 "
-      "(88 MB Mixtral ... 151 MB Qwen3) exceed the last-level cache (this VM reports none; 32 MiB "
-      "assumed), so rotating copies would change nothing");
+      "packed once (MoeFfn::pack_weights); 1 layer copy per shape (active weights at T = 1: 88 MB "
+      "Mixtral ... 151 MB Qwen3). w/LLC = active weight bytes / last-level cache (" +
+          std::to_string(static_cast<long long>(llc_bytes() / (1024 * 1024))) + " MiB here" +
+          (moe::cpu_features().llc_bytes > 0 ? "" : ", assumed: none reported") +
+          "): rows below 2 may read weights partly from cache");
   benchmark::AddCustomContext(
       "baseline", "HF loop port: per expert gather copy + Eigen GEMMs + index_add, serial");
   return true;

@@ -36,6 +36,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -277,13 +278,14 @@ BENCHMARK(BM_Kernel_CombineRows)->Arg(kKernelTokens)->ArgName("T")->Unit(benchma
 // AddCustomContext only inserts into a map that the run reads later.
 bool add_context() {
   benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());
+  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext("kernels", moe::compiled_kernels());
   benchmark::AddCustomContext(
       "weights",
       "one fp32 copy per shape, not rotated through copies. The weights an iteration touches are "
       ">= 88 MB (Mixtral T=1: 2 experts; Qwen3 T=1: 8 experts = 151 MB; T>=8: most or all "
-      "experts, up to 2.4 GB for Qwen3), more than the last-level cache as far as it can be known "
-      "here (this VM reports no cache sizes), so they come mostly from DRAM in every iteration; "
-      "only the router weight (Qwen3 1 MB) and the activations stay cached");
+      "experts, up to 2.4 GB for Qwen3); compare with the last-level cache in the cpu line: "
+      "where they exceed twice it they come mostly from DRAM in every iteration");
   benchmark::AddCustomContext("expert_gemm",
                               "moe panel kernels on weights packed once (MoeFfn::pack_weights), "
                               "one work item per (expert, 32-column panel)");

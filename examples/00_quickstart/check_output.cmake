@@ -9,6 +9,8 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "moe_quickstart --small failed (${rc}):\n${out}\n${err}")
 endif()
 set(expected
+    "cpu: +[^\n]*; L1d [0-9]+ KiB, L2 [0-9]+ KiB, L[0-9] [0-9]+ KiB \\((sysfs|cpuid|none)\\)\n"
+    "kernels: +[a-z0-9]+ \\("
     "weights: +[0-9.]+ [MG]B of fp32 expert weights: allocating, filling: 10% 20%[^\n]* 100%  \\([0-9.]+ s\\)\n"
     "pack: +fp32 panels [^\n]* [0-9.]+ [MG]B more \\([0-9.]+ s\\)\n"
     "forward: +[0-9.]+ ms"

@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/layers/presets.hpp"
@@ -98,6 +99,8 @@ int run(bool small) {
       "moe quickstart: Qwen3-MoE layer D %td, F %td, E %td, top-%td, %td tokens, %d "
       "thread(s)\n",
       D, F, E, K, T, threads);
+  std::printf("cpu:          %s\nkernels:      %s\n", moe::cpu_features().describe().c_str(),
+              moe::compiled_kernels().c_str());
 
   // Random weights, uniform in [-1/sqrt(D), 1/sqrt(D)), from fixed seeds.
   double const weight_bytes =  // per expert: gate|up [2F, D], down [D, F]

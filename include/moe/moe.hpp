@@ -17,6 +17,7 @@
 #include "moe/balance/z_loss.hpp"
 #include "moe/core/concepts.hpp"
 #include "moe/core/config.hpp"
+#include "moe/core/cpu.hpp"
 #include "moe/core/eigen_interop.hpp"
 #include "moe/core/error.hpp"
 #include "moe/core/memory.hpp"

@@ -175,6 +175,9 @@ TEST_CASE("Qwen3-Next attention config: layer types, RoPE keys, defaults, errors
   REQUIRE_THROWS_WITH(
       parse_hf_attention_config(R"({"model_type": "qwen3_next", "attention_bias": true})"),
       Contains("attention_bias = true"));
+  REQUIRE_THROWS_WITH(
+      parse_hf_attention_config(R"({"model_type": "qwen3_next", "head_dim": 8, "head_dim": 16})"),
+      Contains("appears twice"));
   REQUIRE_THROWS_WITH(parse_hf_attention_config(
                           R"({"model_type": "qwen3_next", "rope_scaling": {"rope_type": "yarn"}})"),
                       Contains("'yarn' is not supported"));

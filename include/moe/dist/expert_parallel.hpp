@@ -462,10 +462,10 @@ class ExpertParallelMoeFfn
   void route(ConstMatrixView<float> x, ExpertParallelWorkspace& ws,
              ForwardOptions const& opt) const {
     this->check_policies();
-    detail::check(!routing::detail::scales_input(router_),
-                  "ExpertParallelMoeFfn: the router scales the experts' inputs (scale_input, "
-                  "Llama 4), which expert parallelism does not support yet; use MoeFfn or a "
-                  "router that weighs the outputs");
+    moe::detail::check(!routing::detail::scales_input(router_),
+                       "ExpertParallelMoeFfn: the router scales the experts' inputs (scale_input, "
+                       "Llama 4), which expert parallelism does not support yet; use MoeFfn or a "
+                       "router that weighs the outputs");
     Index const T = x.rows, E = num_experts();
     stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.queue,
                                            opt.pool);

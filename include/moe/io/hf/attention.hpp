@@ -107,18 +107,7 @@ using Qwen3NextAttention = GatedAttention<gating::ElementwiseGate>;
 inline HfAttentionConfig parse_hf_attention_config(std::string_view text,
                                                    std::string const& source = "config.json") {
   using detail::JsonKind;
-  std::string const hint = "fix config.json (it must be the model's JSON configuration)";
-  if (std::size_t const bad = detail::find_invalid_utf8(text); bad != std::string_view::npos) {
-    moe::detail::fail("hf: ", source, ": config.json is not valid UTF-8 (at byte ", bad, "); ",
-                      hint);
-  }
-  detail::JsonCursor cur(text, detail::concat("hf: ", source), "config.json", hint);
-  if (JsonKind const kind = cur.peek(); kind != JsonKind::kObject) {
-    moe::detail::fail("hf: ", source, ": config.json must be a JSON object, but it is ",
-                      detail::json_kind_name(kind), "; ", hint);
-  }
-  detail::JsonValue const root = detail::parse_json_value(cur);
-  cur.finish();
+  detail::JsonValue const root = detail::parse_config_object(text, source);
   HfMoeConfig keys;  // collects the defaulted keys
   detail::HfConfigReader r(root, source, keys);
   detail::JsonValue const* type = r.find("model_type");
@@ -228,18 +217,9 @@ inline HfAttentionConfig parse_hf_attention_config(std::string_view text,
 
 /// Reads `path`: a config.json, or a model directory holding one.
 inline HfAttentionConfig read_hf_attention_config(std::filesystem::path const& path) {
-  std::error_code ec;
-  std::filesystem::path const file =
-      std::filesystem::is_directory(path, ec) ? path / "config.json" : path;
-  if (!std::filesystem::exists(file, ec)) {
-    moe::detail::fail("hf: '", file.string(),
-                      "' does not exist; pass the directory of a Hugging Face model (it holds "
-                      "config.json and the safetensors weights)");
-  }
-  detail::MappedFile const mapped(file, "hf");
-  std::string_view const text(reinterpret_cast<char const*>(mapped.bytes().data()),
-                              mapped.bytes().size());
-  return parse_hf_attention_config(text, file.string());
+  return detail::parse_config_file(path, [](std::string_view text, std::string const& source) {
+    return parse_hf_attention_config(text, source);
+  });
 }
 
 /// One tensor of a Qwen3-Next attention layer.

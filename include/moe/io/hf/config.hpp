@@ -840,6 +840,55 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// The top-level JSON object of a config.json's text (`source` names it in errors). Throws
+/// moe::Error unless it is valid UTF-8, valid JSON, an object, and names no key twice (Python's
+/// json module would keep the last one silently).
+inline JsonValue parse_config_object(std::string_view text, std::string const& source) {
+  std::string const hint = "fix config.json (it must be the model's JSON configuration)";
+  if (std::size_t const bad = find_invalid_utf8(text); bad != std::string_view::npos) {
+    moe::detail::fail("hf: ", source, ": config.json is not valid UTF-8 (at byte ", bad, "); ",
+                      hint);
+  }
+  JsonCursor cur(text, concat("hf: ", source), "config.json", hint);
+  if (JsonKind const kind = cur.peek(); kind != JsonKind::kObject) {
+    moe::detail::fail("hf: ", source, ": config.json must be a JSON object, but it is ",
+                      json_kind_name(kind), "; ", hint);
+  }
+  JsonValue root = parse_json_value(cur);
+  cur.finish();
+  for (std::size_t i = 0; i < root.members.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (root.members[i].key == root.members[j].key) {
+        moe::detail::fail("hf: ", source, ": key ", printable_name(root.members[i].key),
+                          " appears twice in config.json; keep one of them");
+      }
+    }
+  }
+  return root;
+}
+
+/// parse(text, source) of the config.json at `path`: the file itself, or `path`/config.json
+/// when `path` is a directory (a model directory).
+template <class Parse>
+auto parse_config_file(std::filesystem::path const& path, Parse parse) {
+  std::error_code ec;
+  std::filesystem::path const file =
+      std::filesystem::is_directory(path, ec) ? path / "config.json" : path;
+  if (!std::filesystem::exists(file, ec)) {
+    moe::detail::fail("hf: '", file.string(),
+                      "' does not exist; pass the directory of a Hugging Face model (it holds "
+                      "config.json and the safetensors weights)");
+  }
+  MappedFile const mapped(file, "hf");
+  std::string_view const text(reinterpret_cast<char const*>(mapped.bytes().data()),
+                              mapped.bytes().size());
+  return parse(text, file.string());
+}
+
+}  // namespace detail
+
 /// Parses the text of a config.json. `source` names it in error messages. Reads "model_type"
 /// (required: one of hf_model_type_list()) and the family's
 /// MoE keys; an absent (or null) key takes the default of the family's transformers config
@@ -850,26 +899,7 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
 inline HfMoeConfig parse_hf_config(std::string_view text,
                                    std::string const& source = "config.json") {
   using detail::JsonKind;
-  std::string const hint = "fix config.json (it must be the model's JSON configuration)";
-  if (std::size_t const bad = detail::find_invalid_utf8(text); bad != std::string_view::npos) {
-    moe::detail::fail("hf: ", source, ": config.json is not valid UTF-8 (at byte ", bad, "); ",
-                      hint);
-  }
-  detail::JsonCursor cur(text, detail::concat("hf: ", source), "config.json", hint);
-  if (JsonKind const kind = cur.peek(); kind != JsonKind::kObject) {
-    moe::detail::fail("hf: ", source, ": config.json must be a JSON object, but it is ",
-                      detail::json_kind_name(kind), "; ", hint);
-  }
-  detail::JsonValue const root = detail::parse_json_value(cur);
-  cur.finish();
-  for (std::size_t i = 0; i < root.members.size(); ++i) {
-    for (std::size_t j = 0; j < i; ++j) {
-      if (root.members[i].key == root.members[j].key) {
-        moe::detail::fail("hf: ", source, ": key ", detail::printable_name(root.members[i].key),
-                          " appears twice in config.json; keep one of them");
-      }
-    }
-  }
+  detail::JsonValue const root = detail::parse_config_object(text, source);
 
   HfMoeConfig c;
   // Llama 4's multimodal config.json ("llama4") nests the text model's keys in text_config.
@@ -1107,18 +1137,9 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
 
 /// Reads and parses `path`: a config.json, or a model directory holding one.
 inline HfMoeConfig read_hf_config(std::filesystem::path const& path) {
-  std::error_code ec;
-  std::filesystem::path const file =
-      std::filesystem::is_directory(path, ec) ? path / "config.json" : path;
-  if (!std::filesystem::exists(file, ec)) {
-    moe::detail::fail("hf: '", file.string(),
-                      "' does not exist; pass the directory of a Hugging Face model (it holds "
-                      "config.json and the safetensors weights)");
-  }
-  detail::MappedFile const mapped(file, "hf");
-  std::string_view const text(reinterpret_cast<char const*>(mapped.bytes().data()),
-                              mapped.bytes().size());
-  return parse_hf_config(text, file.string());
+  return detail::parse_config_file(path, [](std::string_view text, std::string const& source) {
+    return parse_hf_config(text, source);
+  });
 }
 
 namespace detail {

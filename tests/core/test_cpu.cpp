@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: Apache-2.0
+// moe::cpu_features against the kernel's own view of the CPU (/proc/cpuinfo: the flags Linux
+// reports are the ones CPUID and XCR0 enable for user space) and glibc's cache sizes.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "moe/core/cpu.hpp"
+
+namespace {
+
+/// The value of the first "key : value" line of /proc/cpuinfo, or empty.
+std::string cpuinfo(std::string const& key) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::size_t const colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string k = line.substr(0, colon);
+    while (!k.empty() && (k.back() == ' ' || k.back() == '\t')) k.pop_back();
+    if (k == key) return colon + 2 <= line.size() ? line.substr(colon + 2) : std::string();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("cpu_features: the units Linux reports in /proc/cpuinfo", "[core][cpu]") {
+  moe::CpuFeatures const& f = moe::cpu_features();
+  INFO(f.describe());
+  std::string const flags_line = cpuinfo("flags");
+  if (flags_line.empty()) {
+    WARN("no /proc/cpuinfo flags on this system: the comparison is skipped");
+    return;
+  }
+  std::set<std::string> flags;
+  std::istringstream words(flags_line);
+  for (std::string w; words >> w;) flags.insert(w);
+  auto has = [&](char const* name) { return flags.count(name) > 0; };
+  CHECK(f.avx2 == has("avx2"));
+  CHECK(f.fma == has("fma"));
+  CHECK(f.f16c == has("f16c"));
+  CHECK(f.avx512f == has("avx512f"));
+  CHECK(f.avx512bw == has("avx512bw"));
+  CHECK(f.avx512vl == has("avx512vl"));
+  CHECK(f.avx512dq == has("avx512dq"));
+  CHECK(f.avx512_bf16 == has("avx512_bf16"));
+  CHECK(f.avx512_vnni == has("avx512_vnni"));
+  CHECK(f.avx_vnni == has("avx_vnni"));
+  CHECK(f.amx_tile == has("amx_tile"));
+  CHECK(f.amx_bf16 == has("amx_bf16"));
+  CHECK(f.amx_int8 == has("amx_int8"));
+  CHECK(f.vendor == cpuinfo("vendor_id"));
+  CHECK(std::to_string(f.family) == cpuinfo("cpu family"));
+  CHECK(std::to_string(f.model) == cpuinfo("model"));
+  CHECK(f.brand == cpuinfo("model name"));
+  // AMX needs the per-process permission before use; without AMX it is refused.
+  if (!f.amx_tile) CHECK_FALSE(moe::request_amx());
+  if (f.amx_tile) CHECK(moe::request_amx());
+}
+
+TEST_CASE("cpu_features: cache sizes", "[core][cpu]") {
+  moe::CpuFeatures const& f = moe::cpu_features();
+  INFO(f.describe());
+  if (f.llc_bytes == 0) {
+    WARN("this machine reports no cache sizes (sysfs and CPUID)");
+    return;
+  }
+  CHECK(f.l1d_bytes > 0);
+  CHECK(f.l2_bytes >= f.l1d_bytes);
+  CHECK(f.llc_bytes >= f.l2_bytes);
+  CHECK(f.llc_level >= 2);
+  // glibc reads L1d and L2 from CPUID: they agree with sysfs (the last level need not: a VM's
+  // CPUID may describe the host's whole L3).
+  long const l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (l1 > 0) CHECK(f.l1d_bytes == l1);
+  if (l2 > 0) CHECK(f.l2_bytes == l2);
+  CHECK(moe::detail::read_cache_size("/nonexistent") == 0);
+}
+
+TEST_CASE("compiled_kernels names the build's SIMD width", "[core][cpu]") {
+  std::string const k = moe::compiled_kernels();
+  CHECK((k.rfind("avx512", 0) == 0 || k.rfind("avx2", 0) == 0 || k.rfind("sse2", 0) == 0 ||
+         k.rfind("scalar", 0) == 0));
+#if defined(__AVX512F__)
+  CHECK(moe::cpu_features().avx512f);  // a build for AVX-512 runs on a CPU that has it
+#endif
+}
