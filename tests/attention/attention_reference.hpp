@@ -23,20 +23,25 @@ struct Sdpa {
   double scale = 1.0;
   bool causal = false;
   Index causal_offset = 0;
-  std::vector<Index> q_pos;            // empty: i + causal_offset
-  std::vector<std::uint8_t> key_mask;  // empty: all keys
+  std::vector<Index> q_pos;                                // empty: i + causal_offset
+  std::vector<std::uint8_t> key_mask;                      // empty: all keys
+  Index window = 0;                                        // keys j > pos - window; 0: all
+  double sink = -std::numeric_limits<double>::infinity();  // extra denominator term exp(sink)
 
   bool visible(Index i, Index j) const {
     Index const pos = q_pos.empty() ? i + causal_offset : q_pos[i];
     if (causal && j > pos) return false;
+    if (window > 0 && j <= pos - window) return false;
     return key_mask.empty() || key_mask[j] != 0;
   }
 
-  /// P [Tq, Tk] (rows with no visible key are all 0).
-  Vec probabilities(Vec const& q, Vec const& k) const {
+  /// P [Tq, Tk] (rows with no visible key are all 0). With a sink the row sums to
+  /// 1 - sink_probability(i).
+  Vec probabilities(Vec const& q, Vec const& k, Vec* sink_p = nullptr) const {
     Vec p(static_cast<std::size_t>(Tq * Tk), 0.0);
+    if (sink_p) sink_p->assign(static_cast<std::size_t>(Tq), 0.0);
     for (Index i = 0; i < Tq; ++i) {
-      double m = -std::numeric_limits<double>::infinity();
+      double m = sink;
       for (Index j = 0; j < Tk; ++j) {
         if (!visible(i, j)) continue;
         double s = 0.0;
@@ -44,13 +49,15 @@ struct Sdpa {
         p[i * Tk + j] = s * scale;
         m = std::max(m, s * scale);
       }
-      double sum = 0.0;
+      bool const has_sink = sink > -std::numeric_limits<double>::infinity();
+      double sum = has_sink ? std::exp(sink - m) : 0.0;
       for (Index j = 0; j < Tk; ++j) {
         if (!visible(i, j)) continue;
         p[i * Tk + j] = std::exp(p[i * Tk + j] - m);
         sum += p[i * Tk + j];
       }
       for (Index j = 0; j < Tk; ++j) p[i * Tk + j] = visible(i, j) ? p[i * Tk + j] / sum : 0.0;
+      if (sink_p && has_sink) (*sink_p)[i] = std::exp(sink - m) / sum;
     }
     return p;
   }
@@ -66,10 +73,12 @@ struct Sdpa {
     return o;
   }
 
-  /// dq, dk, dv of sum(o * dout).
+  /// dq, dk, dv (and, with a sink, *dsink) of sum(o * dout).
   void backward(Vec const& q, Vec const& k, Vec const& v, Vec const& dout, Vec& dq, Vec& dk,
-                Vec& dvv) const {
-    Vec p = probabilities(q, k);
+                Vec& dvv, double* dsink = nullptr) const {
+    Vec ps;
+    Vec p = probabilities(q, k, &ps);
+    if (dsink) *dsink = 0.0;
     dq.assign(static_cast<std::size_t>(Tq * d), 0.0);
     dk.assign(static_cast<std::size_t>(Tk * d), 0.0);
     dvv.assign(static_cast<std::size_t>(Tk * dv), 0.0);
@@ -80,6 +89,7 @@ struct Sdpa {
         for (Index c = 0; c < dv; ++c) dp[j] += dout[i * dv + c] * v[j * dv + c];
         dot += p[i * Tk + j] * dp[j];
       }
+      if (dsink) *dsink -= ps[i] * dot;  // the sink's value is 0: dS = P_sink (0 - dot)
       for (Index j = 0; j < Tk; ++j) {
         double const ds = p[i * Tk + j] * (dp[j] - dot) * scale;
         for (Index c = 0; c < d; ++c) {

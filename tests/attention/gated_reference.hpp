@@ -25,10 +25,11 @@ struct DoubleGatedAttention {
   Index rd = 0;
   double scale = 1.0;
   bool causal = true;
+  Index window = 0;  // sliding window (causal)
   Index batch = 1;
   std::vector<Index> positions;        // empty: index in sequence
   std::vector<std::uint8_t> key_mask;  // empty: none
-  Vec q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+  Vec q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
 
   static Vec matvec(Vec const& W, Index rows, Index cols, double const* x) {
     Vec y(static_cast<std::size_t>(rows), 0.0);
@@ -113,6 +114,8 @@ struct DoubleGatedAttention {
         sd.d = sd.dv = dh;
         sd.scale = scale;
         sd.causal = causal;
+        sd.window = window;
+        if (!sinks.empty()) sd.sink = sinks[static_cast<std::size_t>(h)];
         if (!key_mask.empty())
           sd.key_mask.assign(key_mask.begin() + b * S, key_mask.begin() + (b + 1) * S);
         Vec qh(static_cast<std::size_t>(S * dh)), kh(qh.size()), vh(qh.size());

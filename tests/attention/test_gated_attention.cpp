@@ -57,6 +57,7 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.rd = c.rotary_dim;
   m.scale = c.scale;
   m.causal = c.causal;
+  m.window = c.sliding_window;
   m.batch = batch;
   auto copy = [](auto src) { return aref::Vec(src.begin(), src.end()); };
   for (auto const& p : layer.parameters()) {
@@ -67,6 +68,7 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
     if (p.name == "o_proj.weight") m.o_proj = copy(p.values);
     if (p.name == "q_norm.weight") m.q_norm = copy(p.values);
     if (p.name == "k_norm.weight") m.k_norm = copy(p.values);
+    if (p.name == "sinks") m.sinks = copy(p.values);
   }
   return m;
 }
@@ -78,6 +80,7 @@ aref::Vec* twin_buffer(aref::DoubleGatedAttention& m, std::string_view name) {
   if (name == "v_proj.weight") return &m.v_proj;
   if (name == "o_proj.weight") return &m.o_proj;
   if (name == "q_norm.weight") return &m.q_norm;
+  if (name == "sinks") return &m.sinks;
   return &m.k_norm;
 }
 
@@ -159,6 +162,25 @@ TEST_CASE("GatedAttention gradients match finite differences (elementwise, Qwen3
   moe::GatedAttention<gating::ElementwiseGate> layer(c);
   randomize(layer, 11);
   check_layer(layer, 7, {});
+}
+
+TEST_CASE("GatedAttention with sinks and a sliding window (gpt-oss): twin and finite differences",
+          "[attention][gated][grad]") {
+  for (Index const window : {Index{0}, Index{3}}) {
+    DYNAMIC_SECTION("sliding_window " << window) {
+      auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+      c.rope = true;
+      c.sinks = true;
+      c.sliding_window = window;
+      moe::GatedAttention<gating::NoGate> layer(c);
+      randomize(layer, 15);
+      REQUIRE(layer.sinks().size() == 4);
+      check_layer(layer, 9, {});
+      moe::AttentionOptions opt;  // two sequences: the window restarts with each
+      opt.batch = 2;
+      check_layer(layer, 10, opt);
+    }
+  }
 }
 
 TEST_CASE("GatedAttention gradients match finite differences (headwise, per-KV-group packing)",

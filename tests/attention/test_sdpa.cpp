@@ -33,6 +33,8 @@ struct Case {
   bool positions = false;
   float magnitude = 1.0f;
   std::uint64_t seed = 1;
+  Index window = 0;
+  float sink = -std::numeric_limits<float>::infinity();
 };
 
 struct Data {
@@ -53,6 +55,8 @@ struct Data {
     ref.scale = 1.0 / std::sqrt(static_cast<double>(c.d));
     ref.causal = c.causal;
     ref.causal_offset = c.causal_offset;
+    ref.window = c.window;
+    ref.sink = c.sink;
     if (c.padding) {  // every third key and the first two are padding
       mask.assign(static_cast<std::size_t>(c.Tk), 1);
       for (Index j = 0; j < c.Tk; ++j) mask[j] = (j % 3 == 1 || j < 2) ? 0 : 1;
@@ -81,6 +85,8 @@ struct Data {
     p.causal_offset = c.causal_offset;
     p.q_pos = pos.empty() ? nullptr : pos.data();
     p.key_mask = mask.empty() ? nullptr : mask.data();
+    p.window = c.window;
+    p.sink = c.sink;
     return p;
   }
 };
@@ -110,10 +116,12 @@ void check_forward(Case const& c) {
       s.push_back(dot * data.ref.scale);
       m = std::max(m, s.back());
     }
+    if (c.sink != -std::numeric_limits<float>::infinity()) s.push_back(c.sink);  // + exp(sink)
     if (s.empty()) {
       REQUIRE(lse[i] == -std::numeric_limits<float>::infinity());
       continue;
     }
+    m = std::max(m, s.back());
     double sum = 0.0;
     for (double v : s) sum += std::exp(v - m);
     REQUIRE(lse[i] == Approx(m + std::log(sum)).epsilon(1e-5).margin(1e-5));
@@ -253,6 +261,87 @@ TEST_CASE("SDPA backward matches the analytic double reference; the split is bit
     Index const half = c.Tq / 2;
     kernels::sdpa_backward_dq(p, g, 0, half, scratch.data());
     kernels::sdpa_backward_dq(p, g, half, c.Tq, scratch.data());
+    Index const nkb = (c.Tk + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
+    for (Index kb = 0; kb < nkb; ++kb) kernels::sdpa_backward_dkv(p, g, kb, kb + 1, scratch.data());
+    REQUIRE(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(dk.data(), dk2.data(), dk.size() * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(dv.data(), dv2.data(), dv.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("SDPA with a sliding window and an attention sink (gpt-oss): forward, lse, backward",
+          "[attention][sdpa][grad]") {
+  // Windows shorter and longer than a key block, with and without a sink, with padding, and a
+  // decode offset (queries at positions 100.. over 150 keys: blocks before the window skipped).
+  std::vector<Case> cases;
+  for (Index const window : {Index{0}, Index{5}, Index{70}}) {
+    for (float const sink : {-std::numeric_limits<float>::infinity(), 0.7f, -3.0f}) {
+      if (window == 0 && sink == -std::numeric_limits<float>::infinity()) continue;
+      Case c;
+      c.Tq = c.Tk = 150;
+      c.d = c.dv = 16;
+      c.causal = true;
+      c.window = window;
+      c.sink = sink;
+      c.padding = window == 5;
+      c.seed = static_cast<std::uint64_t>(window) + 7;
+      cases.push_back(c);
+    }
+  }
+  Case decode;
+  decode.Tq = 20;
+  decode.Tk = 150;
+  decode.causal = true;
+  decode.causal_offset = 130;
+  decode.window = 40;
+  decode.sink = 0.3f;
+  cases.push_back(decode);
+  for (Case const& c : cases) {
+    INFO("window " << c.window << " sink " << c.sink << " padding " << c.padding << " Tq " << c.Tq);
+    check_forward(c);
+    Data data(c);
+    auto const p = data.params();
+    auto scratch = scratch_for(c);
+    std::vector<float> o(static_cast<std::size_t>(c.Tq * c.dv)),
+        lse(static_cast<std::size_t>(c.Tq)), delta(lse.size());
+    kernels::sdpa_forward(p, o.data(), c.dv, lse.data(), 0, c.Tq, scratch.data());
+    auto dout = random_vector(c.Tq * c.dv, c.seed + 9);
+    std::vector<float> dq(static_cast<std::size_t>(c.Tq * c.d), 0.0f),
+        dk(static_cast<std::size_t>(c.Tk * c.d), 0.0f),
+        dv(static_cast<std::size_t>(c.Tk * c.dv), 0.0f);
+    kernels::SdpaGrads g;
+    g.o = o.data();
+    g.ldo = c.dv;
+    g.dout = dout.data();
+    g.lddo = c.dv;
+    g.lse = lse.data();
+    g.delta = delta.data();
+    g.dq = dq.data();
+    g.lddq = c.d;
+    g.dk = dk.data();
+    g.lddk = c.d;
+    g.dv = dv.data();
+    g.lddv = c.dv;
+    kernels::sdpa_backward_delta(g, c.dv, 0, c.Tq, delta.data());
+    kernels::sdpa_backward(p, g, scratch.data());
+    aref::Vec rq, rk, rv;
+    double rsink = 0.0;
+    data.ref.backward(to_double(data.q), to_double(data.k), to_double(data.v), to_double(dout), rq,
+                      rk, rv, &rsink);
+    CHECK(aref::rel_err(dq.data(), rq) < 1e-4);
+    CHECK(aref::rel_err(dk.data(), rk) < 1e-4);
+    CHECK(aref::rel_err(dv.data(), rv) < 1e-4);
+    if (c.sink != -std::numeric_limits<float>::infinity()) {
+      float const dsink = kernels::sdpa_sink_grad(c.sink, lse.data(), delta.data(), c.Tq);
+      CHECK(dsink == Approx(rsink).epsilon(1e-4).margin(1e-5));
+    }
+    // The split over rows and key blocks gives the same bits.
+    std::vector<float> dq2(dq.size(), 0.0f), dk2(dk.size(), 0.0f), dv2(dv.size(), 0.0f);
+    g.dq = dq2.data();
+    g.dk = dk2.data();
+    g.dv = dv2.data();
+    kernels::sdpa_backward_dq(p, g, 0, c.Tq / 3, scratch.data());
+    kernels::sdpa_backward_dq(p, g, c.Tq / 3, c.Tq, scratch.data());
     Index const nkb = (c.Tk + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
     for (Index kb = 0; kb < nkb; ++kb) kernels::sdpa_backward_dkv(p, g, kb, kb + 1, scratch.data());
     REQUIRE(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof(float)) == 0);

@@ -2,7 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// Scaled-dot-product attention over one head, blocked over keys with an online softmax
-/// (running max and sum), and its backward; causal and padding (key) masks.
+/// (running max and sum), and its backward; causal, sliding-window and padding (key) masks and
+/// an attention sink (gpt-oss).
 #pragma once
 
 #include <algorithm>
@@ -35,7 +36,10 @@ inline constexpr Index kSdpaKeyBlock = 64;
 /// | q_pos    | [Tq] or null   | position of each query row; null: row i is at i + causal_offset |
 /// | key_mask | [Tk] or null   | 1 = attend, 0 = padding (never attended); null: all keys      |
 ///
-/// Key j is visible to query row i iff (!causal || j <= pos_i) && (!key_mask || key_mask[j]).
+/// Key j is visible to query row i iff (!causal || j <= pos_i) && (window == 0 || j > pos_i -
+/// window) && (!key_mask || key_mask[j]). With a finite `sink` logit z the softmax of every row
+/// gets one more term in its denominator: P_ij = exp(s_ij) / (exp(z) + sum_j exp(s_ij)) (a key
+/// with logit z and a zero value; gpt-oss's per-head sinks).
 struct SdpaParams {
   float const* q = nullptr;
   Index ldq = 0;
@@ -52,6 +56,8 @@ struct SdpaParams {
   Index causal_offset = 0;                 ///< pos_i = i + causal_offset when q_pos is null
   Index const* q_pos = nullptr;            ///< [Tq] query positions (causal only), or null
   std::uint8_t const* key_mask = nullptr;  ///< [Tk] 1 = real key, 0 = padding, or null
+  Index window = 0;                        ///< sliding window: the last `window` positions; 0: all
+  float sink = -std::numeric_limits<float>::infinity();  ///< sink logit (unscaled); -inf: none
 };
 
 /// What the backward reads and writes, besides SdpaParams. The gradients are accumulated (+=):
@@ -219,7 +225,15 @@ inline Index query_pos(SdpaParams const& p, Index i) {
   return p.q_pos ? p.q_pos[i] : i + p.causal_offset;
 }
 
-/// Key blocks a block of query rows [i0, i1) can see: [0, result).
+/// Key blocks a block of query rows [i0, i1) can see: [first_key_block(...), key_blocks_for(...)).
+/// With a sliding window the blocks wholly before every row's window are skipped.
+inline Index first_key_block(SdpaParams const& p, Index i0, Index i1) {
+  if (p.window <= 0 || i1 <= i0) return 0;
+  Index minpos = std::numeric_limits<Index>::max();
+  for (Index i = i0; i < i1; ++i) minpos = std::min(minpos, query_pos(p, i));
+  Index const first_key = minpos - p.window + 1;
+  return first_key <= 0 ? 0 : first_key / kSdpaKeyBlock;
+}
 inline Index key_blocks_for(SdpaParams const& p, Index i0, Index i1) {
   Index const nkb = (p.kv_rows + kSdpaKeyBlock - 1) / kSdpaKeyBlock;
   if (!p.causal || i1 <= i0) return nkb;
@@ -272,6 +286,10 @@ MOE_ALWAYS_INLINE void mask_row(SdpaParams const& p, float* s, float const* bias
   if (p.causal) {
     Index const lim = std::max<Index>(0, std::min(kw, pos - j0 + 1));
     std::fill(s + lim, s + kw, -std::numeric_limits<float>::infinity());
+  }
+  if (p.window > 0) {  // keys at or before pos - window are out of the window
+    Index const lim = std::max<Index>(0, std::min(kw, pos - p.window + 1 - j0));
+    std::fill(s, s + lim, -std::numeric_limits<float>::infinity());
   }
 }
 
@@ -353,6 +371,7 @@ void backward_pair(SdpaParams const& p, SdpaGrads const& g, SdpaScratch const& w
 ///
 ///   s_ij = scale * <q_i, k_j>  for visible keys j (see SdpaParams), -inf otherwise
 ///   o_i  = sum_j softmax_j(s_i)_j v_j,        lse_i = log sum_j exp(s_ij)
+///   (with a sink z: the softmax and lse_i also sum exp(z); o_i has no term for it)
 ///
 /// computed FlashAttention-style: keys in blocks of kSdpaKeyBlock, a running max m_i and sum l_i
 /// per row (m' = max(m, max_j s_ij); l' = l e^{m - m'} + sum_j e^{s_ij - m'};
@@ -361,7 +380,8 @@ void backward_pair(SdpaParams const& p, SdpaGrads const& g, SdpaScratch const& w
 /// matrix). Causal: key blocks after the last visible key of a query block are skipped.
 ///
 /// A row that sees no key at all (every key padding, or causal with pos_i < 0) gets o_i = 0 and
-/// lse_i = -inf. `lse` may be null (inference); training keeps it for sdpa_backward.
+/// lse_i = -inf (with a sink: o_i = 0, lse_i = z). `lse` may be null (inference); training keeps
+/// it for sdpa_backward. Sliding window: key blocks before every row's window are skipped.
 /// Outputs: o [Tq, dv] (ldo), rows [q_begin, q_end) overwritten; lse [Tq] likewise.
 /// Bitwise reproducible: a row's result depends only on its query, its position and K, V, never
 /// on q_begin/q_end or on other rows. Single-threaded; calls on disjoint rows may run in parallel.
@@ -373,13 +393,15 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
   detail::SdpaScratch const w = detail::carve<Arch>(scratch, d, dv);
   for (Index i0 = q_begin; i0 < q_end; i0 += kSdpaQueryBlock) {
     Index const nq = std::min(kSdpaQueryBlock, q_end - i0);
+    // The sink is the first term of the online softmax: m = z, l = exp(z - z) = 1, o = 0.
+    bool const sink = p.sink != ninf;
     for (Index r = 0; r < nq; ++r) {
       std::fill(o + (i0 + r) * ldo, o + (i0 + r) * ldo + dv, 0.0f);
-      w.m[r] = ninf;
-      w.l[r] = 0.0f;
+      w.m[r] = sink ? p.sink : ninf;
+      w.l[r] = sink ? 1.0f : 0.0f;
     }
     Index const nkb = detail::key_blocks_for(p, i0, i0 + nq);
-    for (Index kb = 0; kb < nkb; ++kb) {
+    for (Index kb = detail::first_key_block(p, i0, i0 + nq); kb < nkb; ++kb) {
       Index const j0 = kb * kSdpaKeyBlock, kc = std::min(kSdpaKeyBlock, p.kv_rows - j0);
       Index const kw = detail::pack_block<Arch>(p.k, p.ldk, j0, kc, d, w.panels);
       detail::block_scores<Arch>(p.q + i0 * p.ldq, p.ldq, nq, d, w.panels, kw, w.s);
@@ -428,6 +450,18 @@ inline void sdpa_backward_delta(SdpaGrads const& g, Index value_dim, Index q_beg
   }
 }
 
+/// dL/dz of the sink logit z of one head from its rows' lse and delta (sdpa_backward_delta):
+///   dz = -sum_i exp(z - lse_i) delta_i   (the sink is a key whose value is 0: dP = 0, so
+///   dS_i,sink = P_i,sink (0 - delta_i)), rows with lse = -inf skipped, in ascending i.
+inline float sdpa_sink_grad(float sink, float const* lse, float const* delta, Index rows) {
+  float acc = 0.0f;
+  for (Index i = 0; i < rows; ++i) {
+    if (lse[i] == -std::numeric_limits<float>::infinity()) continue;
+    acc -= std::exp(sink - lse[i]) * delta[i];
+  }
+  return acc;
+}
+
 /// Backward of sdpa_forward over all rows, accumulating into g.dq, g.dk and g.dv:
 ///
 ///   P_ij = exp(s_ij - lse_i);  dP_ij = <dout_i, v_j>;  dS_ij = P_ij (dP_ij - delta_i)
@@ -443,7 +477,7 @@ void sdpa_backward(SdpaParams const& p, SdpaGrads const& g, float* scratch) {
   for (Index i0 = 0; i0 < p.q_rows; i0 += kSdpaQueryBlock) {
     Index const nq = std::min(kSdpaQueryBlock, p.q_rows - i0);
     Index const nkb = detail::key_blocks_for(p, i0, i0 + nq);
-    for (Index kb = 0; kb < nkb; ++kb) {
+    for (Index kb = detail::first_key_block(p, i0, i0 + nq); kb < nkb; ++kb) {
       detail::backward_pair<Arch>(p, g, w, i0, nq, kb * kSdpaKeyBlock, true, true);
     }
   }
@@ -458,7 +492,7 @@ void sdpa_backward_dq(SdpaParams const& p, SdpaGrads const& g, Index q_begin, In
   for (Index i0 = q_begin; i0 < q_end; i0 += kSdpaQueryBlock) {
     Index const nq = std::min(kSdpaQueryBlock, q_end - i0);
     Index const nkb = detail::key_blocks_for(p, i0, i0 + nq);
-    for (Index kb = 0; kb < nkb; ++kb) {
+    for (Index kb = detail::first_key_block(p, i0, i0 + nq); kb < nkb; ++kb) {
       detail::backward_pair<Arch>(p, g, w, i0, nq, kb * kSdpaKeyBlock, true, false);
     }
   }
@@ -475,7 +509,10 @@ void sdpa_backward_dkv(SdpaParams const& p, SdpaGrads const& g, Index kb_begin, 
     Index const j0 = kb * kSdpaKeyBlock;
     for (Index i0 = 0; i0 < p.q_rows; i0 += kSdpaQueryBlock) {
       Index const nq = std::min(kSdpaQueryBlock, p.q_rows - i0);
-      if (kb >= detail::key_blocks_for(p, i0, i0 + nq)) continue;
+      if (kb >= detail::key_blocks_for(p, i0, i0 + nq) ||
+          kb < detail::first_key_block(p, i0, i0 + nq)) {
+        continue;
+      }
       detail::backward_pair<Arch>(p, g, w, i0, nq, j0, false, true);
     }
   }

@@ -60,6 +60,12 @@ struct GatedAttentionConfig {
   Index rotary_dim = 0;         ///< rotated dims per head (even); 0 = head_dim (Qwen3-Next: 64)
   float scale = 0.0f;           ///< softmax scale, finite and > 0; 0 = 1 / sqrt(head_dim)
   bool causal = true;
+  /// Sliding-window attention (causal only): a query sees the last `sliding_window` positions,
+  /// itself included (gpt-oss: 128 on its sliding layers). 0: the whole causal prefix.
+  Index sliding_window = 0;
+  /// A learned sink logit per head, added to every softmax's denominator (gpt-oss
+  /// self_attn.sinks [H]; parameter "sinks", initialised to 0).
+  bool sinks = false;
 };
 
 /// What a GatedAttention call writes besides its output, and what forward_train keeps for
@@ -99,6 +105,7 @@ struct GatedAttentionWorkspace {
   std::vector<float> dk_raw;        ///< [T, KV d_h]
   std::vector<float> delta;         ///< [batch, H, S]
   std::vector<float> norm_partial;  ///< [token tiles, 2 d_h] q/k norm weight gradients
+  std::vector<float> sink_partial;  ///< [batch, H] dL/d(sink) per sequence and head
   bool trained = false;
 };
 
@@ -107,6 +114,8 @@ struct GatedAttentionWorkspace {
 ///   [Q | gamma] = x W_q^T (packed) or Q = x W_q^T, gamma = x W_g^T (separate)
 ///   K = x W_k^T, V = x W_v^T;   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) per head (optional)
 ///   A_h = softmax(Q_h K_{g(h)}^T * scale + mask) V_{g(h)},   g(h) = h / (H / KV)
+///         (mask: causal, padding, and with sliding_window W the keys before pos - W + 1; with
+///         sinks the softmax denominator also sums exp(z_h), z_h the head's sink logit)
 ///   O = A * sigmoid(gamma)   (per head: broadcast headwise, elementwise; O = A without a gate)
 ///   y = O W_o^T
 ///
@@ -119,6 +128,7 @@ struct GatedAttentionWorkspace {
 /// | k_proj(), v_proj()| [KV d_h, D]                    | k_proj.weight, v_proj.weight |
 /// | o_proj()          | [D, H d_h]                     | o_proj.weight             |
 /// | q_norm(), k_norm()| [d_h] (with qk_norm)           | q_norm.weight, k_norm.weight |
+/// | sinks()           | [H] (with sinks)               | sinks (gpt-oss)           |
 ///
 /// No biases (Qwen3 / Qwen3-Next attention_bias = false). Inputs x, y [T, D] row-major holding
 /// `opt.batch` sequences (see AttentionOptions for masks and positions); y may be x.
@@ -146,7 +156,7 @@ class GatedAttention {
 
   /// Every trainable buffer of the layer (and, as Gradients, of its gradient).
   struct Parameters {
-    std::vector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+    std::vector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
     /// The named buffers in parameters() order; empty ones (no separate gate, no norm) omitted.
     ParameterList groups() {
       ParameterList list;
@@ -160,6 +170,7 @@ class GatedAttention {
       add("o_proj.weight", o_proj);
       add("q_norm.weight", q_norm);
       add("k_norm.weight", k_norm);
+      add("sinks", sinks);
       return list;
     }
     void zero() {
@@ -188,6 +199,9 @@ class GatedAttention {
         "GatedAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c.rope_theta,
         "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
         "] and a finite theta >= 1 (a tiny theta overflows the frequencies)");
+    detail::check(c.sliding_window >= 0 && (c.sliding_window == 0 || c.causal),
+                  "GatedAttention: sliding_window = ", c.sliding_window,
+                  "; it must be >= 0 (0: none), and a window needs causal attention");
     detail::check(c.qk_norm == QkNorm::kNone || (c.norm_eps > 0.0f && std::isfinite(c.norm_eps)),
                   "GatedAttention: norm_eps = ", c.norm_eps, "; it must be finite and > 0");
     if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
@@ -205,6 +219,7 @@ class GatedAttention {
       p_.q_norm.assign(static_cast<std::size_t>(c.head_dim), init);
       p_.k_norm.assign(static_cast<std::size_t>(c.head_dim), init);
     }
+    if (c.sinks) p_.sinks.assign(static_cast<std::size_t>(c.num_heads), 0.0f);
   }
 
   GatedAttentionConfig const& config() const { return c_; }
@@ -234,6 +249,9 @@ class GatedAttention {
   std::span<float> k_norm() { return p_.k_norm; }
   std::span<float const> q_norm() const { return p_.q_norm; }
   std::span<float const> k_norm() const { return p_.k_norm; }
+  /// [H] sink logits (with config().sinks; empty otherwise).
+  std::span<float> sinks() { return p_.sinks; }
+  std::span<float const> sinks() const { return p_.sinks; }
 
   /// Column of head h's query in the [T, P] output of q_proj (+ gate_proj), and of its gate
   /// logits (see GateLayout).
@@ -311,7 +329,7 @@ class GatedAttention {
         grads.q_proj.size() == p_.q_proj.size() && grads.gate_proj.size() == p_.gate_proj.size() &&
         grads.k_proj.size() == p_.k_proj.size() && grads.v_proj.size() == p_.v_proj.size() &&
         grads.o_proj.size() == p_.o_proj.size() && grads.q_norm.size() == p_.q_norm.size() &&
-        grads.k_norm.size() == p_.k_norm.size();
+        grads.k_norm.size() == p_.k_norm.size() && grads.sinks.size() == p_.sinks.size();
     detail::check(same,
                   "GatedAttention::backward: gradients do not match this layer; use "
                   "make_gradients()");
@@ -373,6 +391,8 @@ class GatedAttention {
     p.scale = c_.scale;
     p.causal = c_.causal;
     p.key_mask = mask ? mask + b * S : nullptr;
+    p.window = c_.sliding_window;
+    if (!p_.sinks.empty()) p.sink = p_.sinks[static_cast<std::size_t>(h)];
     return p;
   }
 
@@ -498,6 +518,7 @@ class GatedAttention {
     zeroed(ws.dv_heads, G > 1 ? T * HD : 0);
     sized(ws.dk_raw, T * KD);
     sized(ws.delta, T * H);
+    sized(ws.sink_partial, p_.sinks.empty() ? 0 : B * H);
     Index const tiles = (T + kTileRows - 1) / kTileRows;
     zeroed(ws.norm_partial, has_norm() ? tiles * 2 * dh : 0);
     Index const per = scratch_floats();
@@ -543,7 +564,14 @@ class GatedAttention {
       }
       kernels::sdpa_backward_delta(gr, dh, 0, S, ws.delta.data() + (b * H + h) * S);
       kernels::sdpa_backward(p, gr, ws.scratch.data() + thread * per);
+      if (!p_.sinks.empty()) {
+        ws.sink_partial[static_cast<std::size_t>(b * H + h)] =
+            kernels::sdpa_sink_grad(p.sink, gr.lse, gr.delta, S);
+      }
     });
+    for (Index h = 0; h < static_cast<Index>(grads.sinks.size()); ++h) {  // sequences in order
+      for (Index b = 0; b < B; ++b) grads.sinks[h] += ws.sink_partial[b * H + h];
+    }
 
     // 3. Per token: sum dK, dV over the heads of each group (ascending), RoPE and norm VJPs,
     //    gate logits scattered back into dqg.
