@@ -257,6 +257,18 @@ void check_against_reference(Layer ref, Case const& c) {
     }
     CHECK(out_of_bound(g.router_weight.data(), gref.router_weight.data(), rscale, T, P,
                        "router grad") == 0);
+    REQUIRE(g.router_bias.size() == gref.router_bias.size());
+    if (!gref.router_bias.empty()) {  // projection bias: sum over tokens of |dlogits|
+      std::vector<double> bscale(static_cast<std::size_t>(E), 0.0);
+      for (Index t = 0; t < T; ++t) {
+        for (Index e = 0; e < E; ++e) {
+          bscale[static_cast<std::size_t>(e)] +=
+              std::fabs(rws.router_grads.dlogits[static_cast<std::size_t>(t * E + e)]);
+        }
+      }
+      CHECK(out_of_bound(g.router_bias.data(), gref.router_bias.data(), bscale, T, P,
+                         "router bias grad") == 0);
+    }
     if constexpr (Layer::Shared::has_experts) {
       auto const& sb = ref.shared_experts().bank();
       Index const ns = sb.num_experts(), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
@@ -381,6 +393,12 @@ TEST_CASE("dist: placement", "[dist]") {
 TEST_CASE("dist: forward and backward equal MoeFfn", "[dist]") {
   int const P = world_size();
   SECTION("softmax top-2 of 8, SwiGLU, even split") { check_against_reference(make_plain(), {}); }
+  SECTION("router projection bias (gpt-oss's router.bias)") {
+    auto layer = make_plain();
+    layer.enable_router_bias();
+    moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, 77);
+    check_against_reference(std::move(layer), {});
+  }
   SECTION("uneven split, one rank without tokens, 2 threads") {
     Case c;
     c.total_tokens = 133;

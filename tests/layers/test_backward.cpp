@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/capacity.hpp"
@@ -79,6 +80,7 @@ void check_gradients(Layer& layer, Index T, RouteFn route, bool sigmoid = false,
   m.E = layer.num_experts();
   auto wr = layer.router_weight();
   m.router.assign(wr.data, wr.data + wr.rows * wr.cols);
+  m.router_bias.assign(layer.router_bias().begin(), layer.router_bias().end());
   m.experts = ref::to_double(layer.experts());
   if constexpr (Layer::Shared::has_experts) {
     m.shared = ref::to_double(layer.shared_experts().bank());
@@ -110,6 +112,10 @@ void check_gradients(Layer& layer, Index T, RouteFn route, bool sigmoid = false,
   std::vector<double> x(xf.begin(), xf.end()), dy(dyf.begin(), dyf.end());
   for (Index i = 0; i < static_cast<Index>(m.router.size()); ++i) {
     require_close(grads.router_weight[i], central(m, m.router, i, x, dy, T), "router.weight", i);
+  }
+  REQUIRE(grads.router_bias.size() == m.router_bias.size());
+  for (Index i = 0; i < static_cast<Index>(m.router_bias.size()); ++i) {
+    require_close(grads.router_bias[i], central(m, m.router_bias, i, x, dy, T), "router.bias", i);
   }
   auto ge = grads.experts.parameters();
   for (Index i = 0; i < static_cast<Index>(ge.size()); ++i) {
@@ -143,6 +149,21 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, true, 1.7f});
     randomize(layer, 2);
     check_gradients(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.7); });
+  }
+  SECTION("top-k of the biased logits then softmax (gpt-oss router with its bias)") {
+    moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu> layer(D, F, {E, 2});
+    randomize(layer, 16);
+    REQUIRE_FALSE(layer.has_router_bias());
+    layer.enable_router_bias();
+    auto const names = [&] {
+      std::vector<std::string> n;
+      for (auto const& p : layer.parameters()) n.emplace_back(p.name);
+      return n;
+    }();
+    REQUIRE(names.size() >= 3);
+    REQUIRE(names[1] == "router.bias");
+    moe::fill_uniform(layer.router_bias(), -0.8f, 0.8f, 17);
+    check_gradients(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
   }
   SECTION("top-k then softmax (Mixtral)") {
     moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu> layer(D, F, {E, 2});

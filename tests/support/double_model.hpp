@@ -54,7 +54,8 @@ DoubleBank to_double(Bank const& bank) {
 /// y = routed experts (+ shared experts, + Default-MoE forward term) in double.
 struct DoubleModel {
   Index D = 0, E = 0;
-  std::vector<double> router;  // [E, D]
+  std::vector<double> router;       // [E, D]
+  std::vector<double> router_bias;  // [E] or empty
   DoubleBank experts;
   DoubleBank shared;             // E = number of shared experts (0: none)
   std::vector<double> gate;      // [S, D] (empty: ungated)
@@ -71,6 +72,7 @@ struct DoubleModel {
     for (Index t = 0; t < T; ++t) {
       for (Index e = 0; e < E; ++e) {
         for (Index d = 0; d < D; ++d) z[t * E + e] += router[e * D + d] * x[t * D + d];
+        if (!router_bias.empty()) z[t * E + e] += router_bias[e];
       }
     }
     Routing r = route(moe::ConstMatrixView<double>(z.data(), T, E));

@@ -250,6 +250,7 @@ class ExpertParallelMoeFfn
                             layer.shared_experts(), layer.balance(), std::move(options));
     auto const w = layer.router_weight();
     std::copy(w.data, w.data + w.rows * w.cols, ep.router_weight_.begin());
+    ep.router_bias_.assign(layer.router_bias().begin(), layer.router_bias().end());
     auto const ids = ep.local_expert_ids();
     {
       auto const edit = ep.bank_.edit();
@@ -323,8 +324,8 @@ class ExpertParallelMoeFfn
       ::moe::detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
                            "ExpertParallelMoeFfn::backward: dy and dx must be [", T, ", ", D,
                            "] like the forward's x");
-      ::moe::detail::check_ffn_gradients(grads, router_weight_.size(), bank_, shared_,
-                                         "ExpertParallelMoeFfn");
+      ::moe::detail::check_ffn_gradients(grads, router_weight_.size(), router_bias_.size(), bank_,
+                                         shared_, "ExpertParallelMoeFfn");
     } catch (std::exception const& e) {
       rec.failed = 1;
       detail::copy_text(rec.message, e.what());
@@ -345,12 +346,15 @@ class ExpertParallelMoeFfn
     if constexpr (requires(Balance & b, Router & r) { b.end_step(r); }) balance_.end_step(router_);
   }
 
-  /// Checks (collective) that the replicated parameters — router weight, router bias if the
-  /// router has one, shared experts and their gate — are bitwise equal on every rank, by
+  /// Checks (collective) that the replicated parameters — router weight (and projection bias),
+  /// router selection bias if the router has one, shared experts and their gate — are bitwise
+  /// equal on every rank, by
   /// comparing 64-bit hashes. Throws moe::Error on every rank otherwise.
   void verify_replicas() {
     CallRecord rec = record(CallKind::kVerifyReplicas);
-    std::uint64_t const hr = detail::fnv1a(router_weight_.data(), router_weight_.size() * 4);
+    std::uint64_t const hr =
+        detail::fnv1a(router_bias_.data(), router_bias_.size() * 4,
+                      detail::fnv1a(router_weight_.data(), router_weight_.size() * 4));
     std::uint64_t hb = 0, hs = 0;
     if constexpr (requires(Router const& r) { r.bias.data(); }) {
       hb = detail::fnv1a(router_.bias.data(), router_.bias.size() * sizeof(float));
@@ -388,6 +392,12 @@ class ExpertParallelMoeFfn
                         "MPI_Bcast");
     };
     bcast(router_weight_.data(), router_weight_.size());
+    {  // the projection bias: root's (present or not) everywhere
+      std::int64_t n = static_cast<std::int64_t>(router_bias_.size());
+      detail::mpi_check(MPI_Bcast(&n, 1, MPI_INT64_T, root, comm_.get()), "MPI_Bcast");
+      router_bias_.resize(static_cast<std::size_t>(n));
+      bcast(router_bias_.data(), router_bias_.size());
+    }
     if constexpr (requires(Router & r) { r.bias.data(); }) {
       std::int64_t n = static_cast<std::int64_t>(router_.bias.size());
       detail::mpi_check(MPI_Bcast(&n, 1, MPI_INT64_T, root, comm_.get()), "MPI_Bcast");
@@ -403,8 +413,8 @@ class ExpertParallelMoeFfn
   }
 
  private:
-  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_weight_,
-      Base::shared_;
+  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_bias_,
+      Base::router_weight_, Base::shared_;
   using SharedX = typename ::moe::detail::SharedExpertOr<Shared, Expert>::type;
 
   stages::Stamp stamp(Index tokens) const {
@@ -469,6 +479,7 @@ class ExpertParallelMoeFfn
     Index const T = x.rows, E = num_experts();
     stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.queue,
                                            opt.pool);
+    stages::add_router_bias(ws.logits, router_bias_);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"ExpertParallelMoeFfn", comm_.rank(), ws.token_offset});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan,
@@ -713,9 +724,9 @@ class ExpertParallelMoeFfn
     ws.router_grads.vjp(router_, ws.logits_view(), ws.selection);
     ws.shared.backward_rows(shared_, T, pool, ws.scratch);
     // 7. Weight gradients: routed experts into grads (they stay here), replicated parameters
-    //    into this rank's partial sums, laid out [router.weight | shared bank parameters() |
-    //    gate].
-    Index const n_router = E * D;
+    //    into this rank's partial sums, laid out [router.weight | router.bias | shared bank
+    //    parameters() | gate].
+    Index const n_router = E * D + static_cast<Index>(router_bias_.size());
     Index n_shared = 0, n_gate = 0;
     if constexpr (Shared::has_experts) {
       n_shared = static_cast<Index>(shared_.bank().parameters().size());
@@ -730,6 +741,7 @@ class ExpertParallelMoeFfn
     ws.shared.add_weight_grads(ws.grad_tasks, shared_, x,
                                {partial + n_router, partial + n_router + n_shared});
     ws.router_grads.add_weight_grad(ws.grad_tasks, x, E, partial);
+    if (!router_bias_.empty()) ws.router_grads.add_bias_grad(T, E, partial + E * D);
     ws.grad_tasks.run(pool, ws.scratch);
     // 8. dx = combine(dX rows, shared dx) + dlogits W_r + dgate W_g.
     stages::CombineSource src;
@@ -743,8 +755,12 @@ class ExpertParallelMoeFfn
                     [&](Index t0, Index n) { stages::add_dx_terms(terms, t0, n, dx); });
     // 9. Sum the replicated parameters' gradients over ranks; accumulate into grads.
     detail::sum_over_ranks(comm_.get(), ws.partial, reduction_, ws.reduce_scratch, ws.stats);
-    for (Index i = 0; i < n_router; ++i) {
+    for (Index i = 0; i < E * D; ++i) {
       grads.router_weight[static_cast<std::size_t>(i)] += ws.partial[static_cast<std::size_t>(i)];
+    }
+    for (Index i = E * D; i < n_router; ++i) {
+      grads.router_bias[static_cast<std::size_t>(i - E * D)] +=
+          ws.partial[static_cast<std::size_t>(i)];
     }
     if constexpr (Shared::has_experts) {
       auto const edit = grads.shared.bank().edit();

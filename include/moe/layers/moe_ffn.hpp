@@ -110,7 +110,8 @@ struct MoeFfnWorkspace : stages::RoutingResults {
 /// | tensor            | shape   |                                                    |
 /// |-------------------|---------|----------------------------------------------------|
 /// | x, y              | [T, D]  | row-major; y may be x (in-place)                   |
-/// | router_weight()   | [E, D]  | HF `gate.weight`, no bias                          |
+/// | router_weight()   | [E, D]  | HF `gate.weight`                                   |
+/// | router_bias()     | [E]     | after enable_router_bias() (gpt-oss `router.bias`) |
 /// | experts()         | E experts of D -> F -> D                             |
 ///
 /// Preconditions (checked, moe::Error otherwise): x.cols == y.cols == d_model, x.rows == y.rows,
@@ -194,6 +195,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     Index const T = x.rows, E = num_experts();
     stages::router_logits<Expert, SharedX>(x, router_weight_.data(), E, ws.logits, ws.queue,
                                            opt.pool);
+    stages::add_router_bias(ws.logits, router_bias_);
     MatrixView<float> logits(ws.logits.data(), T, E);
     stages::check_finite_logits(logits, {"MoeFfn"});
     stages::select_and_plan(router_, logits, opt.controls, ws.selection, ws.plan, "MoeFfn");
@@ -288,14 +290,15 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
                   "pass the workspace of this layer's forward_train");
     detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
                   "MoeFfn::backward: dy and dx must be [", T, ", ", D, "] like the forward's x");
-    detail::check_ffn_gradients(grads, router_weight_.size(), bank_, shared_, "MoeFfn");
+    detail::check_ffn_gradients(grads, router_weight_.size(), router_bias_.size(), bank_, shared_,
+                                "MoeFfn");
     ws.train.stamp = {};
     backward_impl(ws, dy, dx, grads, pool);
   }
 
  private:
-  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_weight_,
-      Base::shared_;
+  using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_bias_,
+      Base::router_weight_, Base::shared_;
   using SharedX = typename detail::SharedExpertOr<Shared, Expert>::type;
 
   stages::Stamp stamp(Index tokens) const {
@@ -498,6 +501,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     ws.routed.add_weight_grads(ws.grad_tasks, bank_, rows, ws.routed.x_rows.data(), expert_grads);
     ws.shared.add_weight_grads(ws.grad_tasks, shared_, x, shared_grads.target());
     ws.router_grads.add_weight_grad(ws.grad_tasks, x, E, grads.router_weight.data());
+    if (!router_bias_.empty()) ws.router_grads.add_bias_grad(T, E, grads.router_bias.data());
     ws.grad_tasks.run(pool, ws.scratch);
     // 6. dx = the token's expert-input gradients (slot order) + shared + router + gate terms.
     input_gradient(ws, dx, pool);

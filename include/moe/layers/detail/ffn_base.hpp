@@ -27,13 +27,14 @@ typename Bank::Edit const& open_edit(ParameterList& list, Bank& bank) {
   return *edit;
 }
 
-/// "router.weight", "experts" (every in_proj block, then every down_proj block) and, with
-/// shared experts, "shared_experts" and "shared_experts.gate".
+/// "router.weight", "router.bias" (when the layer has one), "experts" (every in_proj block, then
+/// every down_proj block) and, with shared experts, "shared_experts" and "shared_experts.gate".
 /// The list keeps the banks' edit scopes open (ParameterList::keep) while it lives.
 template <class V, class Bank, class Shared>
-ParameterList ffn_parameters(V& router_weight, Bank& bank, Shared& shared) {
+ParameterList ffn_parameters(V& router_weight, V& router_bias, Bank& bank, Shared& shared) {
   ParameterList list;
   list.push_back({"router.weight", std::span<float>(router_weight)});
+  if (!router_bias.empty()) list.push_back({"router.bias", std::span<float>(router_bias)});
   list.push_back({"experts", open_edit(list, bank).parameters()});
   if constexpr (Shared::has_experts) {
     list.push_back({"shared_experts", open_edit(list, shared.bank()).parameters()});
@@ -49,19 +50,22 @@ ParameterList ffn_parameters(V& router_weight, Bank& bank, Shared& shared) {
 template <class Bank, class Shared>
 struct FfnGradients {
   std::vector<float> router_weight;  ///< [E, D]
+  std::vector<float> router_bias;    ///< [E] with a router bias, else empty
   Bank experts;                      ///< same shapes as the layer's (routed, local) experts
   Shared shared;                     ///< same shapes as the layer's shared experts
   void zero() {
     for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
   }
-  ParameterList groups() { return ffn_parameters(router_weight, experts, shared); }
+  ParameterList groups() { return ffn_parameters(router_weight, router_bias, experts, shared); }
 };
 
-/// Zero gradients shaped like (router_weight, bank, shared).
+/// Zero gradients shaped like (router_weight, router_bias, bank, shared).
 template <class Grads, class Bank, class Shared>
-Grads make_ffn_gradients(std::size_t router_size, Bank const& bank, Shared const& shared) {
+Grads make_ffn_gradients(std::size_t router_size, std::size_t bias_size, Bank const& bank,
+                         Shared const& shared) {
   Grads g;
   g.router_weight.assign(router_size, 0.0f);
+  g.router_bias.assign(bias_size, 0.0f);
   g.experts = Bank(bank.num_experts(), bank.d_model(), bank.d_ffn());
   if constexpr (Shared::has_experts) {
     g.shared = Shared(shared.count(), shared.bank().d_model(), shared.bank().d_ffn());
@@ -71,9 +75,9 @@ Grads make_ffn_gradients(std::size_t router_size, Bank const& bank, Shared const
 
 /// Throws moe::Error (who: the layer's name) unless `g` is shaped like the layer's parameters.
 template <class Grads, class Bank, class Shared>
-void check_ffn_gradients(Grads const& g, std::size_t router_size, Bank const& bank,
-                         Shared const& shared, char const* who) {
-  bool ok = g.router_weight.size() == router_size &&
+void check_ffn_gradients(Grads const& g, std::size_t router_size, std::size_t bias_size,
+                         Bank const& bank, Shared const& shared, char const* who) {
+  bool ok = g.router_weight.size() == router_size && g.router_bias.size() == bias_size &&
             g.experts.num_experts() == bank.num_experts() &&
             g.experts.d_model() == bank.d_model() && g.experts.d_ffn() == bank.d_ffn();
   if constexpr (Shared::has_experts) {
@@ -112,18 +116,29 @@ class FfnLayerBase {
   Shared const& shared_experts() const { return shared_; }
   Balance& balance() { return balance_; }
   Balance const& balance() const { return balance_; }
-  /// [E, D] router projection, logits = x W_r^T.
+  /// [E, D] router projection, logits = x W_r^T (+ b with a router bias).
   MatrixView<float> router_weight() { return {router_weight_.data(), num_experts(), d_model_}; }
   ConstMatrixView<float> router_weight() const {
     return {router_weight_.data(), num_experts(), d_model_};
   }
+  /// Gives the router projection a trainable bias b [E] (gpt-oss router.bias), zero to start:
+  /// logits = x W_r^T + b, dL/db = sum_t dL/dz_t. A parameter ("router.bias", after
+  /// "router.weight"); no effect on a layer that never calls it.
+  void enable_router_bias() { router_bias_.assign(static_cast<std::size_t>(num_experts()), 0.0f); }
+  bool has_router_bias() const { return !router_bias_.empty(); }
+  /// [E] router bias (empty without enable_router_bias()).
+  std::span<float> router_bias() { return router_bias_; }
+  std::span<float const> router_bias() const { return router_bias_; }
 
-  /// Every trainable parameter as named flat buffers: "router.weight", "experts" (all in_proj
+  /// Every trainable parameter as named flat buffers: "router.weight", "router.bias" (with one),
+  /// "experts" (all in_proj
   /// blocks then all down_proj blocks, see ExpertBank), and with shared experts
   /// "shared_experts" and "shared_experts.gate". Biases for selection and Default-MoE state are
   /// buffers, not parameters. The list holds the banks' edit scopes open while it lives (writes
   /// through it are seen; a pack is rebuilt when it goes): keep it for one optimizer step.
-  ParameterList parameters() { return ffn_parameters(router_weight_, bank_, shared_); }
+  ParameterList parameters() {
+    return ffn_parameters(router_weight_, router_bias_, bank_, shared_);
+  }
 
   /// Packs the routed and shared experts' weights into the micro-kernel's panel layout once
   /// (ExpertBank::pack): fp32 panels, or bf16 panels for inference (training forwards then use
@@ -139,7 +154,8 @@ class FfnLayerBase {
 
   /// Zero gradients shaped like this layer's parameters.
   Gradients make_gradients() const {
-    return make_ffn_gradients<Gradients>(router_weight_.size(), bank_, shared_);
+    return make_ffn_gradients<Gradients>(router_weight_.size(), router_bias_.size(), bank_,
+                                         shared_);
   }
 
  protected:
@@ -190,6 +206,7 @@ class FfnLayerBase {
   Balance balance_{};
   Index d_model_ = 0;
   std::vector<float> router_weight_;
+  std::vector<float> router_bias_;  ///< [E] or empty (no router bias)
 };
 
 }  // namespace moe::detail

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <vector>
 
 #include "moe/core/error.hpp"
@@ -58,6 +59,13 @@ void router_logits(ConstMatrixView<float> x, float const* weight, Index E,
   job.cols = E;
   queue.add(job);
   queue.run<RoutedX, SharedX>(pool);
+}
+
+/// logits [T, E] += bias [E] (a router bias; nothing when `bias` is empty).
+inline void add_router_bias(std::vector<float>& logits, std::span<float const> bias) {
+  auto const E = bias.size();
+  if (E == 0) return;
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] += bias[i % E];
 }
 
 /// Throws moe::Error naming the first non-finite logit (NaN or Inf in x or in W_r).
@@ -140,6 +148,12 @@ struct RouterGrads {
     if (!logit_terms) return;
     for (Index i = 0; i < T * E; ++i) {
       dlogits[static_cast<std::size_t>(i)] += dlogits_extra[static_cast<std::size_t>(i)];
+    }
+  }
+  /// bias_grad [E] += sum_t dlogits[t] (tokens in ascending order), for a router bias.
+  void add_bias_grad(Index T, Index E, float* bias_grad) const {
+    for (Index t = 0; t < T; ++t) {
+      for (Index e = 0; e < E; ++e) bias_grad[e] += dlogits[static_cast<std::size_t>(t * E + e)];
     }
   }
   /// grad [E, D] += dlogits^T x, in items of 64 rows of the gradient.
