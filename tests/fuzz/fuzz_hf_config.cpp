@@ -38,7 +38,9 @@ bool same(moe::io::HfMoeConfig const& a, moe::io::HfMoeConfig const& b) {
          a.fp8_block_cols == b.fp8_block_cols &&
          a.moe_layer_start_index == b.moe_layer_start_index &&
          a.moe_layer_end_index == b.moe_layer_end_index &&
-         a.moe_layer_interval == b.moe_layer_interval && a.moe_norm_min == b.moe_norm_min;
+         a.moe_layer_interval == b.moe_layer_interval && a.moe_norm_min == b.moe_norm_min &&
+         a.interleave_moe_layer_step == b.interleave_moe_layer_step &&
+         a.moe_layers_given == b.moe_layers_given && a.moe_layers == b.moe_layers;
 }
 
 }  // namespace
