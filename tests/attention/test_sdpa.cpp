@@ -128,6 +128,59 @@ void check_forward(Case const& c) {
   }
 }
 
+/// Backward against the double reference (dq, dk, dv, and dsink with a sink), then the parallel
+/// split (dq over rows [0, split) and [split, Tq), dk/dv one key block at a time) bitwise equal.
+void check_backward(Case const& c, Index split) {
+  Data data(c);
+  auto const p = data.params();
+  auto scratch = scratch_for(c);
+  std::vector<float> o(static_cast<std::size_t>(c.Tq * c.dv)), lse(static_cast<std::size_t>(c.Tq)),
+      delta(lse.size());
+  kernels::sdpa_forward(p, o.data(), c.dv, lse.data(), 0, c.Tq, scratch.data());
+  auto dout = random_vector(c.Tq * c.dv, c.seed + 9);
+  std::vector<float> dq(static_cast<std::size_t>(c.Tq * c.d), 0.0f),
+      dk(static_cast<std::size_t>(c.Tk * c.d), 0.0f),
+      dv(static_cast<std::size_t>(c.Tk * c.dv), 0.0f);
+  kernels::SdpaGrads g;
+  g.o = o.data();
+  g.ldo = c.dv;
+  g.dout = dout.data();
+  g.lddo = c.dv;
+  g.lse = lse.data();
+  g.delta = delta.data();
+  g.dq = dq.data();
+  g.lddq = c.d;
+  g.dk = dk.data();
+  g.lddk = c.d;
+  g.dv = dv.data();
+  g.lddv = c.dv;
+  kernels::sdpa_backward_delta(g, c.dv, 0, c.Tq, delta.data());
+  kernels::sdpa_backward(p, g, scratch.data());
+  aref::Vec rq, rk, rv;
+  double rsink = 0.0;
+  data.ref.backward(to_double(data.q), to_double(data.k), to_double(data.v), to_double(dout), rq,
+                    rk, rv, &rsink);
+  CHECK(aref::rel_err(dq.data(), rq) < 1e-4);
+  CHECK(aref::rel_err(dk.data(), rk) < 1e-4);
+  CHECK(aref::rel_err(dv.data(), rv) < 1e-4);
+  if (c.sink != -std::numeric_limits<float>::infinity()) {
+    float const dsink = kernels::sdpa_sink_grad(c.sink, lse.data(), delta.data(), c.Tq);
+    CHECK(dsink == Approx(rsink).epsilon(1e-4).margin(1e-5));
+  }
+  // The split over rows and key blocks gives the same bits.
+  std::vector<float> dq2(dq.size(), 0.0f), dk2(dk.size(), 0.0f), dv2(dv.size(), 0.0f);
+  g.dq = dq2.data();
+  g.dk = dk2.data();
+  g.dv = dv2.data();
+  kernels::sdpa_backward_dq(p, g, 0, split, scratch.data());
+  kernels::sdpa_backward_dq(p, g, split, c.Tq, scratch.data());
+  Index const nkb = (c.Tk + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
+  for (Index kb = 0; kb < nkb; ++kb) kernels::sdpa_backward_dkv(p, g, kb, kb + 1, scratch.data());
+  REQUIRE(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof(float)) == 0);
+  REQUIRE(std::memcmp(dk.data(), dk2.data(), dk.size() * sizeof(float)) == 0);
+  REQUIRE(std::memcmp(dv.data(), dv2.data(), dv.size() * sizeof(float)) == 0);
+}
+
 }  // namespace
 
 TEST_CASE("SDPA forward matches softmax(QK^T/sqrt(d))V, tails in T, d and dv",
@@ -222,50 +275,7 @@ TEST_CASE("SDPA backward matches the analytic double reference; the split is bit
   }
   for (Case const& c : cases) {
     INFO("T " << c.Tq << " d " << c.d << " dv " << c.dv << " causal " << c.causal);
-    Data data(c);
-    auto const p = data.params();
-    auto scratch = scratch_for(c);
-    std::vector<float> o(static_cast<std::size_t>(c.Tq * c.dv)),
-        lse(static_cast<std::size_t>(c.Tq)), delta(lse.size());
-    kernels::sdpa_forward(p, o.data(), c.dv, lse.data(), 0, c.Tq, scratch.data());
-    auto dout = random_vector(c.Tq * c.dv, c.seed + 9);
-    std::vector<float> dq(static_cast<std::size_t>(c.Tq * c.d), 0.0f),
-        dk(static_cast<std::size_t>(c.Tk * c.d), 0.0f),
-        dv(static_cast<std::size_t>(c.Tk * c.dv), 0.0f);
-    kernels::SdpaGrads g;
-    g.o = o.data();
-    g.ldo = c.dv;
-    g.dout = dout.data();
-    g.lddo = c.dv;
-    g.lse = lse.data();
-    g.delta = delta.data();
-    g.dq = dq.data();
-    g.lddq = c.d;
-    g.dk = dk.data();
-    g.lddk = c.d;
-    g.dv = dv.data();
-    g.lddv = c.dv;
-    kernels::sdpa_backward_delta(g, c.dv, 0, c.Tq, delta.data());
-    kernels::sdpa_backward(p, g, scratch.data());
-    aref::Vec rq, rk, rv;
-    data.ref.backward(to_double(data.q), to_double(data.k), to_double(data.v), to_double(dout), rq,
-                      rk, rv);
-    CHECK(aref::rel_err(dq.data(), rq) < 1e-4);
-    CHECK(aref::rel_err(dk.data(), rk) < 1e-4);
-    CHECK(aref::rel_err(dv.data(), rv) < 1e-4);
-    // The parallel split: dq over row ranges, dk/dv over key blocks, in any grouping.
-    std::vector<float> dq2(dq.size(), 0.0f), dk2(dk.size(), 0.0f), dv2(dv.size(), 0.0f);
-    g.dq = dq2.data();
-    g.dk = dk2.data();
-    g.dv = dv2.data();
-    Index const half = c.Tq / 2;
-    kernels::sdpa_backward_dq(p, g, 0, half, scratch.data());
-    kernels::sdpa_backward_dq(p, g, half, c.Tq, scratch.data());
-    Index const nkb = (c.Tk + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
-    for (Index kb = 0; kb < nkb; ++kb) kernels::sdpa_backward_dkv(p, g, kb, kb + 1, scratch.data());
-    REQUIRE(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(dk.data(), dk2.data(), dk.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(dv.data(), dv2.data(), dv.size() * sizeof(float)) == 0);
+    check_backward(c, c.Tq / 2);
   }
 }
 
@@ -299,53 +309,6 @@ TEST_CASE("SDPA with a sliding window and an attention sink (gpt-oss): forward, 
   for (Case const& c : cases) {
     INFO("window " << c.window << " sink " << c.sink << " padding " << c.padding << " Tq " << c.Tq);
     check_forward(c);
-    Data data(c);
-    auto const p = data.params();
-    auto scratch = scratch_for(c);
-    std::vector<float> o(static_cast<std::size_t>(c.Tq * c.dv)),
-        lse(static_cast<std::size_t>(c.Tq)), delta(lse.size());
-    kernels::sdpa_forward(p, o.data(), c.dv, lse.data(), 0, c.Tq, scratch.data());
-    auto dout = random_vector(c.Tq * c.dv, c.seed + 9);
-    std::vector<float> dq(static_cast<std::size_t>(c.Tq * c.d), 0.0f),
-        dk(static_cast<std::size_t>(c.Tk * c.d), 0.0f),
-        dv(static_cast<std::size_t>(c.Tk * c.dv), 0.0f);
-    kernels::SdpaGrads g;
-    g.o = o.data();
-    g.ldo = c.dv;
-    g.dout = dout.data();
-    g.lddo = c.dv;
-    g.lse = lse.data();
-    g.delta = delta.data();
-    g.dq = dq.data();
-    g.lddq = c.d;
-    g.dk = dk.data();
-    g.lddk = c.d;
-    g.dv = dv.data();
-    g.lddv = c.dv;
-    kernels::sdpa_backward_delta(g, c.dv, 0, c.Tq, delta.data());
-    kernels::sdpa_backward(p, g, scratch.data());
-    aref::Vec rq, rk, rv;
-    double rsink = 0.0;
-    data.ref.backward(to_double(data.q), to_double(data.k), to_double(data.v), to_double(dout), rq,
-                      rk, rv, &rsink);
-    CHECK(aref::rel_err(dq.data(), rq) < 1e-4);
-    CHECK(aref::rel_err(dk.data(), rk) < 1e-4);
-    CHECK(aref::rel_err(dv.data(), rv) < 1e-4);
-    if (c.sink != -std::numeric_limits<float>::infinity()) {
-      float const dsink = kernels::sdpa_sink_grad(c.sink, lse.data(), delta.data(), c.Tq);
-      CHECK(dsink == Approx(rsink).epsilon(1e-4).margin(1e-5));
-    }
-    // The split over rows and key blocks gives the same bits.
-    std::vector<float> dq2(dq.size(), 0.0f), dk2(dk.size(), 0.0f), dv2(dv.size(), 0.0f);
-    g.dq = dq2.data();
-    g.dk = dk2.data();
-    g.dv = dv2.data();
-    kernels::sdpa_backward_dq(p, g, 0, c.Tq / 3, scratch.data());
-    kernels::sdpa_backward_dq(p, g, c.Tq / 3, c.Tq, scratch.data());
-    Index const nkb = (c.Tk + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
-    for (Index kb = 0; kb < nkb; ++kb) kernels::sdpa_backward_dkv(p, g, kb, kb + 1, scratch.data());
-    REQUIRE(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(dk.data(), dk2.data(), dk.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(dv.data(), dv2.data(), dv.size() * sizeof(float)) == 0);
+    check_backward(c, c.Tq / 3);
   }
 }

@@ -1216,6 +1216,7 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       out += "]";
       break;
     case HfFamily::kDeepseekV3:
+    case HfFamily::kGlm4Moe:  // DeepSeek-V3's keys without scoring_func, topk_method, freq
       int_key("moe_intermediate_size", c.expert_intermediate_size);
       int_key("n_routed_experts", c.num_experts);
       int_key("n_shared_experts", c.n_shared_experts);
@@ -1223,25 +1224,17 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       int_key("topk_group", c.topk_group);
       float_key("routed_scaling_factor", c.routed_scaling_factor);
       bool_key("norm_topk_prob", c.norm_topk_prob);
-      string_key("scoring_func", c.scoring_func);
-      string_key("topk_method", c.topk_method);
+      if (c.family == HfFamily::kDeepseekV3) {
+        string_key("scoring_func", c.scoring_func);
+        string_key("topk_method", c.topk_method);
+        int_key("moe_layer_freq", c.moe_layer_freq);
+      }
       int_key("first_k_dense_replace", c.first_k_dense_replace);
-      int_key("moe_layer_freq", c.moe_layer_freq);
       break;
     case HfFamily::kOlmoe:
       int_key("intermediate_size", c.expert_intermediate_size);
       int_key("num_experts", c.num_experts);
       bool_key("norm_topk_prob", c.norm_topk_prob);
-      break;
-    case HfFamily::kGlm4Moe:
-      int_key("moe_intermediate_size", c.expert_intermediate_size);
-      int_key("n_routed_experts", c.num_experts);
-      int_key("n_shared_experts", c.n_shared_experts);
-      int_key("n_group", c.n_group);
-      int_key("topk_group", c.topk_group);
-      float_key("routed_scaling_factor", c.routed_scaling_factor);
-      bool_key("norm_topk_prob", c.norm_topk_prob);
-      int_key("first_k_dense_replace", c.first_k_dense_replace);
       break;
     case HfFamily::kDeepseekV2:
       int_key("moe_intermediate_size", c.expert_intermediate_size);

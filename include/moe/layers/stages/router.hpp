@@ -63,9 +63,10 @@ void router_logits(ConstMatrixView<float> x, float const* weight, Index E,
 
 /// logits [T, E] += bias [E] (a router bias; nothing when `bias` is empty).
 inline void add_router_bias(std::vector<float>& logits, std::span<float const> bias) {
-  auto const E = bias.size();
-  if (E == 0) return;
-  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] += bias[i % E];
+  std::size_t const E = bias.size();
+  for (std::size_t r = 0; E > 0 && r < logits.size(); r += E) {
+    for (std::size_t e = 0; e < E; ++e) logits[r + e] += bias[e];
+  }
 }
 
 /// Throws moe::Error naming the first non-finite logit (NaN or Inf in x or in W_r).
