@@ -345,6 +345,40 @@ TEST_CASE("Backward matches finite differences with shared experts", "[training]
   }
 }
 
+TEST_CASE("Backward matches finite differences with expert biases and the clamped GLU",
+          "[training][grad][gpt_oss]") {
+  auto biased = [](auto& bank, std::uint64_t seed) {
+    bank.enable_biases();
+    moe::fill_uniform(bank.edit().parameters(), -0.5f, 0.5f, seed);
+  };
+  SECTION("gpt-oss: router bias, biased clamped experts (limit inside the values' range)") {
+    // D 6, F 5 (a partial panel), top-2 of 4 with softmax over the two logits; limit 0.3 so some
+    // gates and ups are clamped on both sides and some are not.
+    moe::MoeFfn<routing::TopKSoftmax, experts::ClampedSwiGlu> layer(6, 5, {4, 2});
+    randomize(layer, 61);
+    layer.enable_router_bias();
+    moe::fill_uniform(layer.router_bias(), -0.8f, 0.8f, 62);
+    biased(layer.experts(), 63);
+    layer.experts().set_glu_clamp({1.702f, 0.3f});
+    moe::ThreadPool pool(2);
+    check_gradients(
+        layer, 9, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); }, false, &pool);
+  }
+  SECTION("biased routed and shared experts (ERNIE 4.5 use_bias), a plain MLP too") {
+    using Sh = experts::UngatedSharedExperts<experts::SwiGlu>;
+    moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(6, 5, {4, 2, true, 1.0f},
+                                                                 Sh(2, 6, 3));
+    randomize(layer, 64);
+    biased(layer.experts(), 65);
+    biased(layer.shared_experts().bank(), 66);
+    check_gradients(layer, 7, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
+    moe::MoeFfn<routing::SoftmaxTopK, experts::GeluMlp> mlp(5, 7, {4, 2, false, 1.0f});
+    randomize(mlp, 67);
+    biased(mlp.experts(), 68);
+    check_gradients(mlp, 6, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+  }
+}
+
 TEST_CASE("Default MoE: dense router gradient, both modes, EMA update", "[training][default_moe]") {
   Index const D = 6, F = 5, E = 4, T = 7;
   for (auto mode : {moe::DefaultMoe::Mode::kGradOnly, moe::DefaultMoe::Mode::kForward}) {

@@ -4,34 +4,49 @@
 // function evaluated on double logits.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <vector>
 
+#include "moe/experts/expert_types.hpp"
 #include "moe/kernels/activations.hpp"
 #include "support/reference.hpp"
 
 namespace ref {
 
 struct DoubleBank {
-  std::vector<double> params;  // ExpertBank layout: all in_proj [P, D] blocks, then down [D, F]
+  // ExpertBank layout: all in_proj [P, D] blocks, then down [D, F], then (biases) all in_bias
+  // [P], then all down_bias [D].
+  std::vector<double> params;
   Index E = 0, D = 0, F = 0;
   bool gated = true;
   moe::kernels::Activation act = moe::kernels::Activation::kSilu;
+  bool biases = false;
+  bool clamped = false;  // gpt-oss: min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1)
+  double alpha = 1.702, limit = 7.0;
 
   Index P() const { return gated ? 2 * F : F; }
   std::vector<double> run(Index e, double const* x) const {
     double const* in = params.data() + e * P() * D;
     double const* down = params.data() + E * P() * D + e * D * F;
+    double const* bin = biases ? params.data() + E * (P() + F) * D + e * P() : nullptr;
+    double const* bdown = biases ? params.data() + E * (P() + F) * D + E * P() + e * D : nullptr;
     std::vector<double> m(static_cast<std::size_t>(F)), y(static_cast<std::size_t>(D), 0.0);
     for (Index f = 0; f < F; ++f) {
-      double g = 0.0, u = 0.0;
+      double g = bin ? bin[f] : 0.0, u = bin && gated ? bin[F + f] : 0.0;
       for (Index d = 0; d < D; ++d) {
         g += in[f * D + d] * x[d];
         if (gated) u += in[(F + f) * D + d] * x[d];
       }
-      m[f] = gated ? activate(act, g) * u : activate(act, g);
+      if (clamped) {
+        double const gc = std::min(g, limit), uc = std::clamp(u, -limit, limit);
+        m[f] = gc * sigmoid(alpha * gc) * (uc + 1.0);
+      } else {
+        m[f] = gated ? activate(act, g) * u : activate(act, g);
+      }
     }
     for (Index d = 0; d < D; ++d) {
+      if (bdown) y[d] = bdown[d];
       for (Index f = 0; f < F; ++f) y[d] += down[d * F + f] * m[f];
     }
     return y;
@@ -48,6 +63,10 @@ DoubleBank to_double(Bank const& bank) {
   b.F = bank.d_ffn();
   b.gated = Bank::Expert::gated;
   b.act = Bank::Expert::activation;
+  b.biases = bank.has_biases();
+  b.clamped = moe::experts::is_clamped_glu<typename Bank::Expert>;
+  b.alpha = bank.glu_clamp().alpha;
+  b.limit = bank.glu_clamp().limit;
   return b;
 }
 

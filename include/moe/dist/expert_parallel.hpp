@@ -252,6 +252,8 @@ class ExpertParallelMoeFfn
     std::copy(w.data, w.data + w.rows * w.cols, ep.router_weight_.begin());
     ep.router_bias_.assign(layer.router_bias().begin(), layer.router_bias().end());
     auto const ids = ep.local_expert_ids();
+    if (layer.experts().has_biases()) ep.bank_.enable_biases();
+    ep.bank_.set_glu_clamp(layer.experts().glu_clamp());
     {
       auto const edit = ep.bank_.edit();
       for (std::size_t j = 0; j < ids.size(); ++j) {
@@ -261,6 +263,9 @@ class ExpertParallelMoeFfn
         auto dst_down = edit.down_proj(static_cast<Index>(j));
         std::copy(src_in.data, src_in.data + src_in.rows * src_in.cols, dst_in.data);
         std::copy(src_down.data, src_down.data + src_down.rows * src_down.cols, dst_down.data);
+        auto const bi = layer.experts().in_bias(ids[j]), bd = layer.experts().down_bias(ids[j]);
+        std::copy(bi.begin(), bi.end(), edit.in_bias(static_cast<Index>(j)).begin());
+        std::copy(bd.begin(), bd.end(), edit.down_bias(static_cast<Index>(j)).begin());
       }
     }
     if (layer.experts().packed()) {
@@ -438,7 +443,7 @@ class ExpertParallelMoeFfn
         "E=" + std::to_string(num_experts()) + " D=" + std::to_string(d_model_) +
         " F=" + std::to_string(bank_.d_ffn()) +
         " slots=" + std::to_string(router_.slots_per_token()) +
-        " expert=" + (Expert::gated ? "glu/" : "mlp/") + kernels::to_string(Expert::activation) +
+        " expert=" + experts::expert_kind_name<Expert>() +
         " shared=" + std::to_string(shared_.count()) + "x" + std::to_string(Fs) +
         (Shared::gated ? " gated" : "") + " placement=" + placement_.describe() + " reduction=" +
         (reduction_ == GradientReduction::kRankOrdered ? "rank-ordered" : "allreduce") +

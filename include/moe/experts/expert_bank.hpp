@@ -21,6 +21,7 @@
 #include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/expert_types.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
@@ -107,11 +108,18 @@ struct ExpertFormat {
 /// | up_proj(e)     | [F, D]  | rows [P - F, P) of in_proj(e)                                  |
 /// | down_proj(e)   | [D, F]  |                                                              |
 ///
+/// With biases (enable_biases(); gpt-oss, ERNIE 4.5 with use_bias) expert e also has
+///
+/// | in_bias(e)     | [P]     | added to in_proj's outputs: gate biases [0, F), up [F, 2F)     |
+/// | down_bias(e)   | [D]     | added to down_proj's outputs, before the routing weight        |
+///
 /// `parameters()` is every weight as one flat array (all in_proj blocks, then all down_proj
-/// blocks), for optimizers and loaders. A bank is a value type: copying it copies the weights.
-/// The layers run its experts through the routed-experts engine (moe/layers/stages/); the
-/// backward's row phase (backward_rows) runs on kernels::gemm_strided: in place,
-/// allocation-free, const and thread-safe for distinct output buffers.
+/// blocks, then with biases all in_bias blocks and all down_bias blocks), for optimizers and
+/// loaders. A ClampedSwiGlu bank also holds its run-time GluClamp (glu_clamp()). A bank is a value
+/// type: copying it copies the weights. The layers run its experts through the routed-experts
+/// engine (moe/layers/stages/); the backward's row phase (backward_rows) runs on
+/// kernels::gemm_strided: in place, allocation-free, const and thread-safe for distinct output
+/// buffers.
 template <ExpertPolicy Expert_>
 class ExpertBank {
  public:
@@ -131,6 +139,45 @@ class ExpertBank {
   Index num_experts() const { return num_experts_; }
   Index d_model() const { return d_model_; }
   Index d_ffn() const { return d_ffn_; }
+
+  /// Gives every expert trainable biases (in_bias [P], down_bias [D]), zero to start: the in
+  /// projection computes x W_in^T + b_in, the down projection m W_down^T + b_down (a routed
+  /// expert's output is weighted after its bias, as in gpt-oss). Idempotent; throws while an
+  /// edit scope is open (the flat parameters grow).
+  void enable_biases() {
+    detail::check(!editing(),
+                  "ExpertBank::enable_biases: the weights are open for writing (an Edit or a "
+                  "layer's parameters() list is alive); enable biases before taking them");
+    if (biases_) return;
+    biases_ = true;
+    params_.resize(
+        params_.size() + static_cast<std::size_t>(num_experts_ * (hidden_cols() + d_model_)), 0.0f);
+  }
+  /// Do the experts have biases (enable_biases())?
+  bool has_biases() const { return biases_; }
+  /// Expert e's in-projection bias [P] (gate then up) and down-projection bias [D]; empty
+  /// without biases.
+  std::span<float const> in_bias(Index e) const {
+    return biases_ ? std::span<float const>(in_bias_ptr(e), static_cast<std::size_t>(hidden_cols()))
+                   : std::span<float const>();
+  }
+  std::span<float const> down_bias(Index e) const {
+    return biases_ ? std::span<float const>(down_bias_ptr(e), static_cast<std::size_t>(d_model_))
+                   : std::span<float const>();
+  }
+  /// The biases as the kernels read them: null without biases.
+  float const* in_bias_data(Index e) const { return biases_ ? in_bias_ptr(e) : nullptr; }
+  float const* down_bias_data(Index e) const { return biases_ ? down_bias_ptr(e) : nullptr; }
+
+  /// The clamped GLU's alpha and limit (ClampedSwiGlu banks; kernels::GluClamp).
+  kernels::GluClamp glu_clamp() const { return clamp_; }
+  /// Sets them; throws moe::Error unless alpha is finite and > 0 and limit > 0 (+inf allowed).
+  void set_glu_clamp(kernels::GluClamp c) {
+    detail::check(std::isfinite(c.alpha) && c.alpha > 0.0f && c.limit > 0.0f,
+                  "ExpertBank::set_glu_clamp: alpha = ", c.alpha, ", limit = ", c.limit,
+                  "; alpha must be finite and > 0, limit > 0 (gpt-oss: 1.702 and swiglu_limit 7)");
+    clamp_ = c;
+  }
 
   /// Reads: const views, which never touch a packed copy.
   ConstMatrixView<float> in_proj(Index e) const {
@@ -176,6 +223,17 @@ class ExpertBank {
       return {bank_->down_ptr(e), bank_->d_model_, bank_->d_ffn_};
     }
     std::span<float> parameters() const { return bank_->params_; }
+    /// Expert e's biases (empty without biases; see ExpertBank::in_bias).
+    std::span<float> in_bias(Index e) const {
+      return bank_->biases_ ? std::span<float>(bank_->in_bias_ptr(e),
+                                               static_cast<std::size_t>(bank_->hidden_cols()))
+                            : std::span<float>();
+    }
+    std::span<float> down_bias(Index e) const {
+      return bank_->biases_ ? std::span<float>(bank_->down_bias_ptr(e),
+                                               static_cast<std::size_t>(bank_->d_model_))
+                            : std::span<float>();
+    }
 
    private:
     ExpertBank* bank_;
@@ -205,7 +263,10 @@ class ExpertBank {
                           dm.data, dm.row_stride, false, gemm_scratch);
     for (Index i = 0; i < n; ++i) {
       float const* hi = h.row(i);
-      if constexpr (Expert::gated) {
+      if constexpr (is_clamped_glu<Expert>) {
+        kernels::clamped_glu_backward(hi, hi + F, dm.row(i), m.row(i), dh.row(i), dh.row(i) + F, F,
+                                      clamp_);
+      } else if constexpr (Expert::gated) {
         kernels::glu_backward<Expert::activation>(hi, hi + F, dm.row(i), m.row(i), dh.row(i),
                                                   dh.row(i) + F, F);
       } else {
@@ -474,10 +535,23 @@ class ExpertBank {
   float const* down_ptr(Index e) const {
     return params_.data() + num_experts_ * kInFactor * d_ffn_ * d_model_ + e * d_model_ * d_ffn_;
   }
+  Index bias_base() const { return num_experts_ * (kInFactor + 1) * d_ffn_ * d_model_; }
+  float* in_bias_ptr(Index e) { return params_.data() + bias_base() + e * hidden_cols(); }
+  float const* in_bias_ptr(Index e) const {
+    return params_.data() + bias_base() + e * hidden_cols();
+  }
+  float* down_bias_ptr(Index e) {
+    return params_.data() + bias_base() + num_experts_ * hidden_cols() + e * d_model_;
+  }
+  float const* down_bias_ptr(Index e) const {
+    return params_.data() + bias_base() + num_experts_ * hidden_cols() + e * d_model_;
+  }
 
   Index num_experts_ = 0;
   Index d_model_ = 0;
   Index d_ffn_ = 0;
+  bool biases_ = false;
+  kernels::GluClamp clamp_{};
   HugePageVector<float> params_;
   /// Open edit scopes; a copy of the bank starts with none.
   struct EditCount {

@@ -37,12 +37,38 @@ constexpr char const* to_string(Activation a) {
   return "?";
 }
 
+/// The run-time parameters of the clamped GLU of gpt-oss (transformers' GptOssExperts,
+/// llama.cpp's swiglu_oai), per hidden unit:
+///   g' = min(g, limit),   u' = clamp(u, -limit, limit),   m = g' sigmoid(alpha g') (u' + 1)
+/// Backward: dg = dm (u' + 1) s (1 + alpha g' (1 - s)) where g <= limit (0 above),
+/// du = dm g' s where |u| <= limit (0 outside), s = sigmoid(alpha g'); the clamps pass their
+/// bounds' gradient through as torch.clamp does. NaN stays NaN (the clamps keep it).
+/// Preconditions: alpha finite and > 0, limit > 0 (+inf: no clamp).
+struct GluClamp {
+  float alpha = 1.702f;  ///< transformers hard-codes 1.702 for gpt-oss
+  float limit = 7.0f;    ///< config.json swiglu_limit (gpt-oss: 7.0)
+  bool operator==(GluClamp const&) const = default;
+};
+
 namespace detail {
 
 inline constexpr float kSqrtHalf = 0.70710678118654752440f;
 inline constexpr float kSqrtTwoOverPi = 0.79788456080286535588f;
 inline constexpr float kGeluCubic = 0.044715f;
 inline constexpr float kInvSqrtTwoPi = 0.39894228040143267794f;
+
+/// The clamped GLU product (GluClamp) on one batch: select keeps NaN where min/max would not.
+template <class B>
+MOE_ALWAYS_INLINE B clamped_glu(B g, B u, B alpha, B limit) {
+  g = xsimd::select(g > limit, limit, g);
+  u = xsimd::select(u > limit, limit, xsimd::select(u < -limit, -limit, u));
+  return g / (B(1.0f) + xsimd::exp(-(alpha * g))) * (u + B(1.0f));
+}
+inline float clamped_glu_scalar(float g, float u, float alpha, float limit) {
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  return g / (1.0f + std::exp(-(alpha * g))) * (u + 1.0f);
+}
 
 /// act(x) on one batch. SiLU is x / (1 + exp(-x)): overflow-safe (exp(-x) = inf gives -0).
 template <Activation A, class B>
@@ -180,6 +206,57 @@ void glu_backward(float const* g, float const* u, float const* dm, float* m, flo
     if (m) m[i] = act * u[i];
     dg[i] = dm[i] * u[i] * detail::activate_grad_scalar<A>(g[i]);
     du[i] = dm[i] * act;
+  }
+}
+
+/// out[i] = the clamped GLU (GluClamp) of gate[i] and up[i] for i in [0, n); out may alias
+/// gate or up.
+template <class Arch = simd::DefaultArch>
+void clamped_glu(float const* gate, float const* up, float* out, Index n, GluClamp c) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  B const alpha(c.alpha), limit(c.limit);
+  Index i = 0;
+  for (; i + L <= n; i += L) {
+    detail::clamped_glu(B::load_unaligned(gate + i), B::load_unaligned(up + i), alpha, limit)
+        .store_unaligned(out + i);
+  }
+  for (; i < n; ++i) out[i] = detail::clamped_glu_scalar(gate[i], up[i], c.alpha, c.limit);
+}
+
+/// Backward of clamped_glu (formulas at GluClamp): m (when not null; the forward's values, the
+/// same batch arithmetic), dg and du from g, u, dm. dg, du and m must not alias each other or
+/// the inputs.
+template <class Arch = simd::DefaultArch>
+void clamped_glu_backward(float const* g, float const* u, float const* dm, float* m, float* dg,
+                          float* du, Index n, GluClamp c) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  B const alpha(c.alpha), limit(c.limit), one(1.0f), zero(0.0f);
+  Index i = 0;
+  for (; i + L <= n; i += L) {
+    B const x = B::load_unaligned(g + i), y = B::load_unaligned(u + i);
+    B const d = B::load_unaligned(dm + i);
+    auto const g_in = !(x > limit);
+    auto const u_in = (y >= -limit) && (y <= limit);
+    B const gc = xsimd::select(g_in, x, limit);
+    B const uc = xsimd::select(y > limit, limit, xsimd::select(y < -limit, -limit, y));
+    if (m) detail::clamped_glu(x, y, alpha, limit).store_unaligned(m + i);
+    B const s = one / (one + xsimd::exp(-(alpha * gc)));
+    B const ds = s * (one + alpha * gc * (one - s));
+    xsimd::select(g_in, d * (uc + one) * ds, zero).store_unaligned(dg + i);
+    xsimd::select(u_in, d * (gc * s), zero).store_unaligned(du + i);
+  }
+  for (; i < n; ++i) {
+    bool const g_in = !(g[i] > c.limit);
+    bool const u_in = u[i] >= -c.limit && u[i] <= c.limit;
+    float const gc = g_in ? g[i] : c.limit;
+    float const uc = u[i] > c.limit ? c.limit : (u[i] < -c.limit ? -c.limit : u[i]);
+    if (m) m[i] = detail::clamped_glu_scalar(g[i], u[i], c.alpha, c.limit);
+    float const s = 1.0f / (1.0f + std::exp(-(c.alpha * gc)));
+    float const ds = s * (1.0f + c.alpha * gc * (1.0f - s));
+    dg[i] = g_in ? dm[i] * (uc + 1.0f) * ds : 0.0f;
+    du[i] = u_in ? dm[i] * (gc * s) : 0.0f;
   }
 }
 

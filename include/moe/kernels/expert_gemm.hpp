@@ -4,9 +4,11 @@
 /// The expert GEMM of the hot path: rows of activations read in place through an index (the
 /// dispatch gather fused into the GEMM's reads) times packed weight panels, with the rest of the
 /// expert applied in the epilogue while the tile is in registers:
-///   - GLU in projection: gate and up panels in one pass, m = act(g) * u stored (GluEpilogue);
+///   - GLU in projection: gate and up panels in one pass, m = act(g) * u (or gpt-oss's clamped
+///     GLU) stored, with the biases of biased experts (GluEpilogue);
 ///   - MLP in projection: m = act(h) (ActEpilogue);
-///   - down projection: the routing weight of each row applied before the store (StoreEpilogue).
+///   - down projection: the output bias and the routing weight of each row applied before the
+///     store (StoreEpilogue).
 /// Weight panels come packed ahead of time (fp32 or bf16, ExpertBank::pack) or are packed per
 /// call into scratch (fp32). While one panel is multiplied, the next one of the same work item is
 /// prefetched into L2 in slices spread over the row tiles, so DRAM streaming overlaps the FMAs.
@@ -40,22 +42,47 @@
 
 namespace moe::kernels {
 
-/// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * acc (scale null: 1), for the
-/// columns c < N - p*NP that exist. With `stream`, full panels at 64-byte aligned addresses are
-/// written with non-temporal stores (simd::store_stream: no read of the line first, no cache
-/// displaced), for outputs too large to stay cached until they are read; the caller then calls
-/// simd::stream_fence() before another thread reads C. Same values either way.
+namespace detail {
+/// Columns [c0, c0 + nc) of `bias` (null: zeros) as NB batches, zero past nc.
+template <class B, int NB>
+MOE_ALWAYS_INLINE void load_bias(float const* bias, Index c0, Index nc, B (&out)[NB]) {
+  constexpr Index L = static_cast<Index>(B::size);
+  if (nc == NB * L) {
+    for (int j = 0; j < NB; ++j) out[j] = B::load_unaligned(bias + c0 + j * L);
+    return;
+  }
+  alignas(64) float tmp[NB * L] = {};
+  std::copy(bias + c0, bias + c0 + nc, tmp);
+  for (int j = 0; j < NB; ++j) out[j] = B::load_aligned(tmp + j * L);
+}
+}  // namespace detail
+
+/// Epilogue of a plain projection: C[i, p*NP + c] = scale[i] * (acc + bias[p*NP + c]) (scale
+/// null: 1, bias null: 0), for the columns c < N - p*NP that exist. With `stream`, full panels at
+/// 64-byte aligned addresses are written with non-temporal stores (simd::store_stream: no read of
+/// the line first, no cache displaced), for outputs too large to stay cached until they are
+/// read; the caller then calls simd::stream_fence() before another thread reads C. Same values
+/// either way.
 struct StoreEpilogue {
   float* c;                      ///< output [M, N] (ldc)
   Index ldc;                     ///< row stride of c
   Index cols;                    ///< N
   float const* scale = nullptr;  ///< [M] per-row factors (routing weights) or null
   bool stream = false;           ///< non-temporal stores where possible
+  float const* bias = nullptr;   ///< [N] added before the scale (expert output biases) or null
   static constexpr int kOperands = 1;
   template <class B, int NB>
-  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&acc)[NB]) const {
     constexpr Index L = static_cast<Index>(B::size);
     Index const c0 = p * NB * L, nc = std::min(NB * L, cols - c0);
+    B v[NB];
+    if (bias) {
+      B b[NB];
+      detail::load_bias<B, NB>(bias, c0, nc, b);
+      for (int j = 0; j < NB; ++j) v[j] = acc[j] + b[j];
+    } else {
+      for (int j = 0; j < NB; ++j) v[j] = acc[j];
+    }
     float* dst = c + i * ldc + c0;
     B s(1.0f);
     if (scale) s = B(scale[i]);
@@ -78,25 +105,46 @@ struct StoreEpilogue {
 };
 
 /// Epilogue of a gated (GLU) in projection over hidden units [p*NP, p*NP + NP): operand 0 is the
-/// gate panel, operand 1 the up panel; m = act(g) * u (kernels::glu's batch arithmetic). With h
-/// set, the pre-activations are kept for the backward: g at h[i, j], u at h[i, F + j].
-template <Activation A>
+/// gate panel, operand 1 the up panel, each plus its bias when `bias` is set (g += bias[j],
+/// u += bias[F + j]); m = act(g) * u (kernels::glu's batch arithmetic), or with Clamped the
+/// clamped GLU of `clamp` (kernels::clamped_glu). With h set, the pre-activations (biases
+/// included) are kept for the backward: g at h[i, j], u at h[i, F + j].
+template <Activation A, bool Clamped = false>
 struct GluEpilogue {
   float* m;            ///< [M, F] (ldm)
   Index ldm;           ///< row stride of m
   Index units;         ///< F
   float* h = nullptr;  ///< [M, 2F] (ldh) pre-activations, or null
   Index ldh = 0;
+  float const* bias = nullptr;  ///< [2F] gate then up biases, or null
+  GluClamp clamp{};             ///< Clamped only
   static constexpr int kOperands = 2;
   template <class B, int NB>
-  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&acc)[NB]) const {
     constexpr Index L = static_cast<Index>(B::size);
     constexpr int H = NB / 2;  // batches per operand
     Index const j0 = p * H * L, nc = std::min(H * L, units - j0);
+    B v[NB];
+    if (bias) {
+      B bg[H], bu[H];
+      detail::load_bias<B, H>(bias, j0, nc, bg);
+      detail::load_bias<B, H>(bias + units, j0, nc, bu);
+      for (int j = 0; j < H; ++j) {
+        v[j] = acc[j] + bg[j];
+        v[H + j] = acc[H + j] + bu[j];
+      }
+    } else {
+      for (int j = 0; j < NB; ++j) v[j] = acc[j];
+    }
     alignas(64) float tmp[3][H * L];
     bool const full = nc == H * L;
     for (int j = 0; j < H; ++j) {
-      B const out = detail::activate<A>(v[j]) * v[H + j];
+      B out;
+      if constexpr (Clamped) {
+        out = detail::clamped_glu(v[j], v[H + j], B(clamp.alpha), B(clamp.limit));
+      } else {
+        out = detail::activate<A>(v[j]) * v[H + j];
+      }
       if (full) {
         out.store_unaligned(m + i * ldm + j0 + j * L);
         if (h) {
@@ -119,7 +167,8 @@ struct GluEpilogue {
   }
 };
 
-/// Epilogue of an ungated (MLP) in projection: m = act(h); with h set the pre-activations too.
+/// Epilogue of an ungated (MLP) in projection: h = acc (+ bias[j] when set), m = act(h); with h
+/// set the pre-activations too.
 template <Activation A>
 struct ActEpilogue {
   float* m;            ///< [M, F] (ldm)
@@ -127,11 +176,20 @@ struct ActEpilogue {
   Index units;         ///< F
   float* h = nullptr;  ///< [M, F] (ldh) pre-activations, or null
   Index ldh = 0;
+  float const* bias = nullptr;  ///< [F] or null
   static constexpr int kOperands = 1;
   template <class B, int NB>
-  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&v)[NB]) const {
+  MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&acc)[NB]) const {
     constexpr Index L = static_cast<Index>(B::size);
     Index const j0 = p * NB * L, nc = std::min(NB * L, units - j0);
+    B v[NB];
+    if (bias) {
+      B b[NB];
+      detail::load_bias<B, NB>(bias, j0, nc, b);
+      for (int j = 0; j < NB; ++j) v[j] = acc[j] + b[j];
+    } else {
+      for (int j = 0; j < NB; ++j) v[j] = acc[j];
+    }
     alignas(64) float tmp[2][NB * L];
     for (int j = 0; j < NB; ++j) {
       detail::activate<A>(v[j]).store_aligned(tmp[0] + j * L);

@@ -15,6 +15,7 @@
 
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
+#include "moe/experts/expert_types.hpp"
 #include "moe/kernels/expert_gemm.hpp"
 
 namespace moe::detail {
@@ -37,6 +38,8 @@ struct ExpertJob {
   bool stream = false;           ///< kStore: non-temporal stores (an output far larger than L2)
   float* h = nullptr;            ///< hidden kinds: pre-activations [rows, P] (training) or null
   Index ldh = 0;
+  float const* bias = nullptr;  ///< biased experts: [cols] (kStore) or [P] (hidden kinds)
+  kernels::GluClamp clamp{};    ///< hidden kinds of a clamped GLU expert
 };
 
 /// Routed expert outputs of at least this many bytes (about the last-level cache) are written
@@ -177,10 +180,11 @@ void run_hidden_item(ExpertJob const& job, kernels::RowSource a, Index M, Expert
   float* m = job.c + item.r0 * job.ldc;
   float* h = job.h ? job.h + item.r0 * job.ldh : nullptr;
   if constexpr (X::gated) {
-    kernels::GluEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
+    kernels::GluEpilogue<X::activation, experts::is_clamped_glu<X>> const epi{
+        m, job.ldc, job.cols, h, job.ldh, job.bias, job.clamp};
     kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch, 0, after);
   } else {
-    kernels::ActEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh};
+    kernels::ActEpilogue<X::activation> const epi{m, job.ldc, job.cols, h, job.ldh, job.bias};
     kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, scratch, 0, after);
   }
 }
@@ -200,8 +204,12 @@ void run_expert_item(std::vector<ExpertJob> const& jobs, ExpertItem const& item,
   Index const M = item.r1 - item.r0;
   switch (job.kind) {
     case ExpertJob::Kind::kStore: {
-      kernels::StoreEpilogue const epi{job.c + item.r0 * job.ldc, job.ldc, job.cols,
-                                       job.scale ? job.scale + item.r0 : nullptr, job.stream};
+      kernels::StoreEpilogue const epi{job.c + item.r0 * job.ldc,
+                                       job.ldc,
+                                       job.cols,
+                                       job.scale ? job.scale + item.r0 : nullptr,
+                                       job.stream,
+                                       job.bias};
       kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, s, 0, after);
       if (job.stream) kernels::simd::stream_fence();
       break;

@@ -67,8 +67,10 @@ Grads make_ffn_gradients(std::size_t router_size, std::size_t bias_size, Bank co
   g.router_weight.assign(router_size, 0.0f);
   g.router_bias.assign(bias_size, 0.0f);
   g.experts = Bank(bank.num_experts(), bank.d_model(), bank.d_ffn());
+  if (bank.has_biases()) g.experts.enable_biases();
   if constexpr (Shared::has_experts) {
     g.shared = Shared(shared.count(), shared.bank().d_model(), shared.bank().d_ffn());
+    if (shared.bank().has_biases()) g.shared.bank().enable_biases();
   }
   return g;
 }
@@ -79,11 +81,13 @@ void check_ffn_gradients(Grads const& g, std::size_t router_size, std::size_t bi
                          Bank const& bank, Shared const& shared, char const* who) {
   bool ok = g.router_weight.size() == router_size && g.router_bias.size() == bias_size &&
             g.experts.num_experts() == bank.num_experts() &&
-            g.experts.d_model() == bank.d_model() && g.experts.d_ffn() == bank.d_ffn();
+            g.experts.d_model() == bank.d_model() && g.experts.d_ffn() == bank.d_ffn() &&
+            g.experts.has_biases() == bank.has_biases();
   if constexpr (Shared::has_experts) {
     ok = ok && g.shared.count() == shared.count() &&
          g.shared.bank().d_ffn() == shared.bank().d_ffn() &&
          g.shared.bank().d_model() == shared.bank().d_model() &&
+         g.shared.bank().has_biases() == shared.bank().has_biases() &&
          g.shared.gate_weight().rows == shared.gate_weight().rows;
   }
   check(ok, who,

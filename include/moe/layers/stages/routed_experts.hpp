@@ -141,6 +141,8 @@ struct RoutedExperts {
       job.cols = F;
       job.h = mode.train ? hidden.data() + r0 * P : nullptr;
       job.ldh = P;
+      job.bias = bank.in_bias_data(e);
+      job.clamp = bank.glu_clamp();
       q.add(job);
     }
   }
@@ -186,6 +188,7 @@ struct RoutedExperts {
       job.cols = D;
       job.scale = scale ? scale + r0 : nullptr;
       job.stream = stream;
+      job.bias = bank.down_bias_data(e);
       q.add(job);
     }
   }
@@ -216,8 +219,8 @@ struct RoutedExperts {
   }
 
   /// Weight gradients of every expert with rows, into grads (an edit of a bank shaped like the
-  /// experts):
-  /// in_proj += dH^T X (X: `inputs` [R, D]), down_proj += dY^T m, in items of 256 rows.
+  /// experts): in_proj += dH^T X (X: `inputs` [R, D]), down_proj += dY^T m, in items of 256
+  /// rows; with biases in_bias += the column sums of dH, down_bias += those of dY (rows in order).
   template <class Bank>
   void add_weight_grads(GradTasks& tasks, Bank const& bank, ExpertRows rows, float const* inputs,
                         typename Bank::Edit const& grads) const {
@@ -230,6 +233,10 @@ struct RoutedExperts {
                 ConstMatrixView<float>(dhidden.data() + r0 * P, n, P), grads.in_proj(e), kBlock);
       tasks.add(ConstMatrixView<float>(act.data() + r0 * F, n, F),
                 ConstMatrixView<float>(d_out.data() + r0 * D, n, D), grads.down_proj(e), kBlock);
+      if (bank.has_biases()) {
+        tasks.add_bias(ConstMatrixView<float>(dhidden.data() + r0 * P, n, P), grads.in_bias(e));
+        tasks.add_bias(ConstMatrixView<float>(d_out.data() + r0 * D, n, D), grads.down_bias(e));
+      }
     }
   }
 };

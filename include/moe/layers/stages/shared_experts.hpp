@@ -144,6 +144,8 @@ struct SharedStage {
         job.cols = Fs;
         job.h = mode.train ? hidden.data() + s * T * Ps : nullptr;
         job.ldh = Ps;
+        job.bias = sb.in_bias_data(s);
+        job.clamp = sb.glu_clamp();
         q.add(job);
       }
     } else {
@@ -184,6 +186,7 @@ struct SharedStage {
         job.c = out.data() + s * T * D;
         job.ldc = D;
         job.cols = D;
+        job.bias = sb.down_bias_data(s);
         q.add(job);
       }
     } else {
@@ -260,6 +263,13 @@ struct SharedStage {
         tasks.add(ConstMatrixView<float>(act.data() + s * T * Fs, T, Fs),
                   ConstMatrixView<float>(dy.data() + s * T * D, T, D),
                   MatrixView<float>(target.params + ns * Ps * D + s * D * Fs, D, Fs), kBlock);
+        if (sb.has_biases()) {  // the flat layout of ExpertBank::parameters()
+          float* const b = target.params + ns * (Ps * D + D * Fs);
+          tasks.add_bias(ConstMatrixView<float>(dhidden.data() + s * T * Ps, T, Ps),
+                         std::span<float>(b + s * Ps, static_cast<std::size_t>(Ps)));
+          tasks.add_bias(ConstMatrixView<float>(dy.data() + s * T * D, T, D),
+                         std::span<float>(b + ns * Ps + s * D, static_cast<std::size_t>(D)));
+        }
       }
       if (Shared::gated && ns > 0) {
         tasks.add(x, ConstMatrixView<float>(dgate.data(), T, ns),

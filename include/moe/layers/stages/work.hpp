@@ -132,6 +132,13 @@ class GradTasks {
       tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block)});
     }
   }
+  /// bias += the column sums of dc [n, N] (the gradient of b in C = A W^T + b), one item per 64
+  /// columns: dc^T times a column of ones (a one-float matrix of row stride 0).
+  void add_bias(ConstMatrixView<float> dc, std::span<float> bias) {
+    static constexpr float kOne = 1.0f;
+    add(ConstMatrixView<float>(&kOne, dc.rows, 1, 0), dc,
+        MatrixView<float>(bias.data(), static_cast<Index>(bias.size()), 1));
+  }
   /// Runs every item (scratch: kernels::kGemmStridedScratchFloats per thread, or more).
   void run(ThreadPool* pool, ThreadScratch& scratch) {
     float* const base = scratch.grow(pool, kernels::kGemmStridedScratchFloats);
