@@ -7,21 +7,29 @@
 // model.safetensors.index.json) for one MoE layer with random weights, in the checkpoint's own
 // tensor names. Layer 1 of a 2-layer model is the MoE layer (layer 0 is dense for every family
 // with dense layers: qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, glm4_moe, deepseek_v2 and
-// ernie4_5_moe). It also writes x.safetensors ("x" [5, 16] F32) and
-// dy.safetensors ("dy" [5, 16] F32) next to them.
+// ernie4_5_moe). It also writes x.safetensors ("x" [5, H] F32, H = 16; gpt_oss 32) and
+// dy.safetensors ("dy" [5, H] F32) next to them.
 // Why: the ctest of 03_hf_layer runs the runner end to end on it; no real model is needed.
 //
 // Command line:
-//   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--shards N] [--bf16] [--fused]
+//   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--shards N] [--bf16] [--fused] [--use-bias]
+//                               [--mxfp4]
 // MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, qwen3_next, glm4_moe,
-// deepseek_v2 (group_limited_greedy), minimax_m2, ernie4_5_moe or llama4_text (layer 1 of
-// interleave_moe_layer_step 2).
+// deepseek_v2 (group_limited_greedy), minimax_m2, ernie4_5_moe, llama4_text (layer 1 of
+// interleave_moe_layer_step 2) or gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite).
+// --use-bias: ERNIE 4.5 with use_bias (biased experts and shared expert). --mxfp4: gpt-oss with
+// its experts in MXFP4 blocks (the weights rounded to MXFP4 first; quantization_config in
+// config.json), as the published gpt-oss checkpoints store them.
 // Exit status: 0 on success, 1 with a message on stderr otherwise.
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,6 +53,93 @@ void randomize(Layer& layer, std::uint64_t seed) {
   if constexpr (requires { layer.router().bias; }) {
     moe::fill_uniform(layer.router().bias, -0.1f, 0.1f, seed + 4);
   }
+  moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, seed + 5);  // empty unless gpt-oss
+}
+
+/// MXFP4 of one 32-block: scale 2^(e - 127) with the smallest e whose 6 * 2^(e - 127) covers
+/// max |w|, each weight rounded to the nearest FP4 E2M1 value (ties to the lower magnitude).
+void mxfp4_block(float const* w, std::uint8_t* bytes, std::uint8_t& scale) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(w[i]));
+  int e = 127 - 20;
+  while (e < 254 && 6.0f * std::ldexp(1.0f, e - 127) < amax) ++e;
+  scale = static_cast<std::uint8_t>(e);
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  auto code = [&](float v) {
+    float const a = std::fabs(v) / std::ldexp(1.0f, e - 127);
+    int best = 0;
+    for (int k = 1; k < 8; ++k) {
+      if (std::fabs(kMag[k] - a) < std::fabs(kMag[best] - a)) best = k;
+    }
+    return static_cast<std::uint8_t>(best | (v < 0.0f && best > 0 ? 8 : 0));
+  };
+  for (int i = 0; i < 16; ++i) {
+    bytes[i] = static_cast<std::uint8_t>(code(w[2 * i]) | (code(w[2 * i + 1]) << 4));
+  }
+}
+
+/// Writes a gpt-oss layer with MXFP4 experts: the weights are rounded to MXFP4 in place (so the
+/// layer is what the checkpoint holds), then every tensor of hf_layer_tensors() is written, the
+/// blocks and scales as U8.
+void write_gpt_oss_mxfp4(std::string const& dir, moe::io::HfMoeConfig c) {
+  using moe::Index;
+  using moe::io::HfPart;
+  c.mxfp4 = true;
+  moe::presets::GptOssMoe layer = moe::io::make_hf_layer<moe::presets::GptOssMoe>(c);
+  randomize(layer, 11);
+  Index const E = c.num_experts, H = c.hidden_size, I = c.expert_intermediate_size;
+  // [E, out, in] rows as the blocks store them: gate_up rows interleaved (2j gate, 2j + 1 up).
+  std::vector<std::uint8_t> gu_blocks, gu_scales, d_blocks, d_scales;
+  {
+    auto edit = layer.experts().edit();
+    auto encode = [](float* row, Index n, std::vector<std::uint8_t>& blocks,
+                     std::vector<std::uint8_t>& scales) {
+      for (Index g = 0; g < n / 32; ++g) {
+        std::uint8_t b[16], s = 0;
+        mxfp4_block(row + g * 32, b, s);
+        blocks.insert(blocks.end(), b, b + 16);
+        scales.push_back(s);
+        for (int i = 0; i < 16; ++i) {  // the block's values, as a loader decodes them
+          row[g * 32 + 2 * i] = moe::io::hf_mxfp4_value(b[i] & 0x0Fu, s);
+          row[g * 32 + 2 * i + 1] =
+              moe::io::hf_mxfp4_value(static_cast<std::uint8_t>(b[i] >> 4), s);
+        }
+      }
+    };
+    for (Index e = 0; e < E; ++e) {
+      auto const in = edit.in_proj(e);
+      for (Index r = 0; r < 2 * I; ++r) {
+        encode(in.row(r % 2 == 0 ? r / 2 : I + r / 2), H, gu_blocks, gu_scales);
+      }
+    }
+    for (Index e = 0; e < E; ++e) {
+      auto const down = edit.down_proj(e);
+      for (Index r = 0; r < H; ++r) encode(down.row(r), I, d_blocks, d_scales);
+    }
+  }
+  std::filesystem::create_directories(dir);
+  moe::io::SafetensorsWriter writer;
+  writer.set_metadata("format", "pt");
+  auto const layout = moe::io::hf_default_layout(c.family, 1);
+  for (moe::io::HfTensor const& t : moe::io::hf_layer_tensors(c, layout)) {
+    std::vector<std::uint8_t> const* u8 = t.part == HfPart::kExpertsGateUpBlocks   ? &gu_blocks
+                                          : t.part == HfPart::kExpertsGateUpScales ? &gu_scales
+                                          : t.part == HfPart::kExpertsDownBlocks   ? &d_blocks
+                                          : t.part == HfPart::kExpertsDownScales   ? &d_scales
+                                                                                   : nullptr;
+    if (u8) {
+      auto const* p = reinterpret_cast<std::byte const*>(u8->data());
+      writer.add(t.name, moe::io::Dtype::kU8, t.shape, std::vector<std::byte>(p, p + u8->size()));
+    } else {
+      writer.add_f32(t.name, t.shape, moe::io::hf_tensor_values(layer, t));
+    }
+  }
+  writer.save(std::filesystem::path(dir) / "model.safetensors");
+  std::FILE* f = std::fopen((std::filesystem::path(dir) / "config.json").string().c_str(), "wb");
+  if (f == nullptr) throw std::runtime_error("cannot write " + dir + "/config.json");
+  std::string const json = moe::io::hf_config_json(c, "bfloat16");
+  std::fwrite(json.data(), 1, json.size(), f);
+  std::fclose(f);
 }
 
 template <class Layer>
@@ -57,14 +152,22 @@ void write(std::string const& dir, moe::io::HfMoeConfig const& config,
 
 int run(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s DIR MODEL_TYPE [--shards N] [--bf16] [--fused]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s DIR MODEL_TYPE [--shards N] [--bf16] [--fused] [--use-bias] "
+                 "[--mxfp4]\n",
+                 argv[0]);
     return 1;
   }
   std::string const dir = argv[1], type = argv[2];
   moe::io::HfSaveOptions options;
+  bool use_bias = false, mxfp4 = false;
   for (int i = 3; i < argc; ++i) {
     std::string const arg = argv[i];
-    if (arg == "--bf16") {
+    if (arg == "--use-bias") {
+      use_bias = true;
+    } else if (arg == "--mxfp4") {
+      mxfp4 = true;
+    } else if (arg == "--bf16") {
       options.dtype = moe::io::Dtype::kBf16;
     } else if (arg == "--fused") {
       options.fused_experts = true;
@@ -95,6 +198,20 @@ int run(int argc, char** argv) {
   if (c.family == moe::io::HfFamily::kGlm4Moe || c.family == moe::io::HfFamily::kDeepseekV2) {
     c.routed_scaling_factor = 1.5f;
   }
+  if (c.family == moe::io::HfFamily::kGptOss) {
+    c.hidden_size = 32;  // MXFP4 blocks are 32 wide: H and I multiples of 32
+    c.expert_intermediate_size = 32;
+    c.swiglu_limit = 0.4f;  // small weights: a small limit, so that both clamps take effect
+  }
+  if (use_bias && c.family != moe::io::HfFamily::kErnie45Moe) {
+    std::fprintf(stderr, "--use-bias is for ernie4_5_moe (gpt_oss always has biases)\n");
+    return 1;
+  }
+  if (mxfp4 && c.family != moe::io::HfFamily::kGptOss) {
+    std::fprintf(stderr, "--mxfp4 is for gpt_oss\n");
+    return 1;
+  }
+  c.use_bias = use_bias;
   c.defaulted_keys.clear();
   using namespace moe::presets;
   switch (c.family) {
@@ -119,15 +236,23 @@ int run(int argc, char** argv) {
     case moe::io::HfFamily::kLlama4:
       write<Llama4Moe>(dir, c, options);
       break;
+    case moe::io::HfFamily::kGptOss:
+      if (mxfp4) {
+        write_gpt_oss_mxfp4(dir, c);
+      } else {
+        write<GptOssMoe>(dir, c, options);
+      }
+      break;
   }
-  std::vector<float> x(5 * 16), dy(5 * 16);
+  std::int64_t const H = c.hidden_size;
+  std::vector<float> x(static_cast<std::size_t>(5 * H)), dy(x.size());
   moe::fill_uniform(x, -1.0f, 1.0f, 21);
   moe::fill_uniform(dy, -1.0f, 1.0f, 22);
   moe::io::SafetensorsWriter()
-      .add_f32("x", {5, 16}, x)
+      .add_f32("x", {5, H}, x)
       .save(std::filesystem::path(dir) / "x.safetensors");
   moe::io::SafetensorsWriter()
-      .add_f32("dy", {5, 16}, dy)
+      .add_f32("dy", {5, H}, dy)
       .save(std::filesystem::path(dir) / "dy.safetensors");
   return 0;
 }

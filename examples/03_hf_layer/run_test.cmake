@@ -19,11 +19,13 @@ endfunction()
 if(MODE STREQUAL "ok")
   set(cases "mixtral --fused" "qwen2_moe --shards 2" "qwen3_moe" "deepseek_v3 --bf16" "olmoe"
             "qwen3_next" "glm4_moe --shards 3" "deepseek_v2 --fused" "minimax_m2 --bf16"
-            "ernie4_5_moe" "llama4_text")
+            "ernie4_5_moe" "ernie4_5_moe --use-bias" "llama4_text" "gpt_oss --bf16"
+            "gpt_oss --mxfp4")
   foreach(case IN LISTS cases)
     separate_arguments(args UNIX_COMMAND "${case}")
     list(GET args 0 type)
-    set(dir "${WORK_DIR}/${type}")
+    string(REPLACE " " "" dir_name "${case}")
+    set(dir "${WORK_DIR}/${dir_name}")
     make_checkpoint("${dir}" ${args})
     foreach(grad IN ITEMS "" "--grad;${dir}/dy.safetensors;--threads;2")
       file(REMOVE "${dir}/y.safetensors")

@@ -247,6 +247,15 @@ void check_against_reference(Layer ref, Case const& c) {
                            "expert in_proj grad") == 0);
       CHECK(bit_mismatches(gd.data, gref.experts.down_proj(ids[j]).data, gd.rows * gd.cols,
                            "expert down_proj grad") == 0);
+      REQUIRE(g.experts.has_biases() == ref.experts().has_biases());
+      if (ref.experts().has_biases()) {
+        auto const bi = g.experts.in_bias(static_cast<Index>(j));
+        auto const bd = g.experts.down_bias(static_cast<Index>(j));
+        CHECK(bit_mismatches(bi.data(), gref.experts.in_bias(ids[j]).data(),
+                             static_cast<Index>(bi.size()), "expert in_bias grad") == 0);
+        CHECK(bit_mismatches(bd.data(), gref.experts.down_bias(ids[j]).data(),
+                             static_cast<Index>(bd.size()), "expert down_bias grad") == 0);
+      }
     }
     // Replicated parameters: summation-order bound (bitwise with one rank).
     auto const rscale =
@@ -398,6 +407,19 @@ TEST_CASE("dist: forward and backward equal MoeFfn", "[dist]") {
     layer.enable_router_bias();
     moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, 77);
     check_against_reference(std::move(layer), {});
+  }
+  SECTION("gpt-oss-like: router bias, biased clamped experts (ClampedSwiGlu), 2 threads") {
+    using GptOssLike = moe::MoeFfn<routing::TopKSoftmax, experts::ClampedSwiGlu>;
+    GptOssLike layer(16, 24, routing::TopKSoftmax{8, 2});
+    layer.enable_router_bias();
+    layer.experts().enable_biases();
+    layer.experts().set_glu_clamp({1.702f, 0.3f});
+    randomize(layer, 78);
+    moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, 79);
+    Case c;
+    c.total_tokens = 57;
+    c.threads = 2;
+    check_against_reference(std::move(layer), c);
   }
   SECTION("uneven split, one rank without tokens, 2 threads") {
     Case c;

@@ -6,6 +6,7 @@
 // sanitizer report, another exception, a broken invariant) is a bug. Built with clang
 // -fsanitize=fuzzer,address,undefined by the "fuzz: hf_config libFuzzer" test, and with the
 // normal compiler into moe_fuzz_replay_hf_config (tests/fuzz/replay_main.cpp).
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -40,7 +41,9 @@ bool same(moe::io::HfMoeConfig const& a, moe::io::HfMoeConfig const& b) {
          a.moe_layer_end_index == b.moe_layer_end_index &&
          a.moe_layer_interval == b.moe_layer_interval && a.moe_norm_min == b.moe_norm_min &&
          a.interleave_moe_layer_step == b.interleave_moe_layer_step &&
-         a.moe_layers_given == b.moe_layers_given && a.moe_layers == b.moe_layers;
+         a.moe_layers_given == b.moe_layers_given && a.moe_layers == b.moe_layers &&
+         a.swiglu_limit == b.swiglu_limit && a.swiglu_alpha == b.swiglu_alpha &&
+         a.mxfp4 == b.mxfp4 && a.use_bias == b.use_bias;
 }
 
 }  // namespace
@@ -66,6 +69,10 @@ extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size) {
   require(c.shared_intermediate_size() >= 0);
   require(c.moe_layer_interval >= 1 && c.moe_layer_end_index >= -1);
   require(c.moe_norm_min >= 0.0f && c.moe_norm_min <= 1.0f);
+  require(std::isfinite(c.swiglu_limit) && c.swiglu_limit > 0.0f);
+  require(std::isfinite(c.swiglu_alpha) && c.swiglu_alpha > 0.0f);
+  require(!c.mxfp4 || (c.family == moe::io::HfFamily::kGptOss && c.hidden_size % 32 == 0 &&
+                       c.expert_intermediate_size % 32 == 0));
   if (c.family == moe::io::HfFamily::kDeepseekV3 || c.family == moe::io::HfFamily::kGlm4Moe ||
       c.family == moe::io::HfFamily::kDeepseekV2) {
     require(c.num_experts % c.n_group == 0 && c.topk_group <= c.n_group);

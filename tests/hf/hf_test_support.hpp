@@ -37,6 +37,7 @@ void randomize(Layer& layer, std::uint64_t seed) {
   if constexpr (requires { layer.router().bias; }) {
     moe::fill_uniform(layer.router().bias, -0.1f, 0.1f, seed + 4);
   }
+  moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, seed + 5);  // gpt-oss only (else empty)
 }
 
 inline std::vector<float> random_input(Index rows, Index cols, std::uint64_t seed) {

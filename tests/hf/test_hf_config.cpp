@@ -465,11 +465,64 @@ TEST_CASE("config.json of ERNIE-4.5-21B-A3B (ernie4_5_moe)", "[hf][config]") {
       R"({"model_type": "ernie4_5_moe", "num_experts": 16, "num_experts_per_tok": 2})");
   REQUIRE(a.num_experts == 16);
   REQUIRE(a.num_experts_per_tok == 2);
-  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "ernie4_5_moe", "use_bias": true})"),
-                      Contains("use_bias = true") && Contains("not supported yet"));
+  REQUIRE_FALSE(a.use_bias);
+  REQUIRE_FALSE(a.has_expert_biases());
+  HfMoeConfig const biased = parse_hf_config(R"({"model_type": "ernie4_5_moe", "use_bias": true})");
+  REQUIRE(biased.use_bias);
+  REQUIRE(biased.has_expert_biases());
+  REQUIRE_FALSE(biased.has_router_bias());
   REQUIRE_THROWS_WITH(
       parse_hf_config(R"({"model_type": "ernie4_5_moe", "moe_layer_end_index": -2})"),
       Contains("moe_layer_end_index"));
+}
+
+TEST_CASE("config.json of gpt-oss-20b (gpt_oss, MXFP4 experts)", "[hf][config]") {
+  // openai/gpt-oss-20b config.json (layer_types shortened to its pattern's first four).
+  HfMoeConfig const c = parse_hf_config(R"({
+    "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+      "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+      "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.55.0.dev0", "use_cache": true, "vocab_size": 201088})");
+  REQUIRE(c.family == HfFamily::kGptOss);
+  REQUIRE(c.unknown_keys.empty());
+  REQUIRE(c.hidden_size == 2880);
+  REQUIRE(c.expert_intermediate_size == 2880);
+  REQUIRE(c.num_experts == 32);
+  REQUIRE(c.num_experts_per_tok == 4);
+  REQUIRE(c.swiglu_limit == 7.0f);
+  REQUIRE(c.swiglu_alpha == 1.702f);  // transformers' hard-coded alpha (v5: swiglu_alpha)
+  REQUIRE(c.mxfp4);
+  REQUIRE(c.has_router_bias());
+  REQUIRE(c.has_expert_biases());
+  REQUIRE(c.shared_intermediate_size() == 0);
+  for (moe::Index L = 0; L < 24; ++L) REQUIRE(c.is_moe_layer(L));
+  REQUIRE_FALSE(c.is_moe_layer(24));
+  // gpt-oss-120b's sizes, and the defaults of GptOssConfig.
+  HfMoeConfig const d = parse_hf_config(R"({"model_type": "gpt_oss"})");
+  REQUIRE(d.num_experts == 128);
+  REQUIRE(d.num_experts_per_tok == 4);
+  REQUIRE(d.hidden_size == 2880);
+  REQUIRE_FALSE(d.mxfp4);
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "gpt_oss", "swiglu_limit": 0})"),
+                      Contains("swiglu_limit"));
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "gpt_oss", "hidden_size": 48,
+                          "quantization_config": {"quant_method": "mxfp4"}})"),
+                      Contains("multiples of 32"));
+  REQUIRE_THROWS_WITH(
+      parse_hf_config(
+          R"({"model_type": "mixtral", "quantization_config": {"quant_method": "mxfp4"}})"),
+      Contains("mxfp4") && Contains("not supported"));
 }
 
 TEST_CASE("hf_config_json round-trips every family", "[hf][config]") {
@@ -499,6 +552,8 @@ TEST_CASE("hf_config_json round-trips every family", "[hf][config]") {
       REQUIRE(b.moe_norm_min == 1e-9f);
       REQUIRE(b.moe_layer_end_index == -1);
     }
+    REQUIRE(b.swiglu_limit == a.swiglu_limit);
+    REQUIRE(b.has_expert_biases() == a.has_expert_biases());
     if (a.family == HfFamily::kDeepseekV3 || a.family == HfFamily::kGlm4Moe ||
         a.family == HfFamily::kDeepseekV2) {
       REQUIRE(b.routed_scaling_factor == 1.25f);

@@ -48,9 +48,9 @@ TEST_CASE("Invalid config.json: JSON, model_type, key types, values", "[hf][erro
   REQUIRE_THROWS_WITH(parse_hf_config("[1]"), Contains("must be a JSON object"));
   REQUIRE_THROWS_WITH(parse_hf_config(R"({"hidden_size": 8})"),
                       Contains("no \"model_type\"") && Contains("\"mixtral\""));
-  REQUIRE_THROWS_WITH(
-      parse_hf_config(R"({"model_type": "gpt_oss"})"),
-      Contains("model_type 'gpt_oss' is not supported") && Contains("\"deepseek_v3\""));
+  REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "dbrx"})"),
+                      Contains("model_type 'dbrx' is not supported") &&
+                          Contains("\"deepseek_v3\"") && Contains("\"gpt_oss\""));
   REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": 3})"),
                       Contains("\"model_type\" is a number (3) but must be a string"));
   REQUIRE_THROWS_WITH(parse_hf_config(R"({"model_type": "mixtral", "hidden_size": "8"})"),

@@ -52,12 +52,19 @@ double dot(double const* a, double const* b, Index n) {
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 double silu(double z) { return z * sigmoid(z); }
 
-/// nn.Linear-style MLP: down(silu(gate x) * up x), weights [I, H], [I, H], [H, I].
+/// nn.Linear-style MLP: down(silu(gate x + bg) * (up x + bu)) + bd, weights [I, H], [I, H],
+/// [H, I], biases (empty: none) [I], [I], [H].
 std::vector<double> mlp(std::vector<double> const& gate, std::vector<double> const& up,
-                        std::vector<double> const& down, double const* x, Index H, Index I) {
+                        std::vector<double> const& down, double const* x, Index H, Index I,
+                        std::vector<double> const* biases = nullptr) {
   std::vector<double> m(static_cast<std::size_t>(I)), y(static_cast<std::size_t>(H));
-  for (Index i = 0; i < I; ++i) m[i] = silu(dot(&gate[i * H], x, H)) * dot(&up[i * H], x, H);
-  for (Index h = 0; h < H; ++h) y[h] = dot(&down[h * I], m.data(), I);
+  for (Index i = 0; i < I; ++i) {
+    double const g = dot(&gate[i * H], x, H) + (biases ? biases[0][i] : 0.0);
+    double const u = dot(&up[i * H], x, H) + (biases ? biases[1][i] : 0.0);
+    m[i] = silu(g) * u;
+  }
+  for (Index h = 0; h < H; ++h)
+    y[h] = dot(&down[h * I], m.data(), I) + (biases ? biases[2][h] : 0.0);
   return y;
 }
 
@@ -121,11 +128,18 @@ Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string con
     bias = ck.get(p + "moe_statics.e_score_correction_bias", {1, E});
   }
   std::vector<std::vector<double>> gate(E), up(E), down(E);
+  std::vector<std::array<std::vector<double>, 3>> biases(static_cast<std::size_t>(E));
   for (Index e = 0; e < E; ++e) {
     std::string const b = moe::io::detail::concat(p, "experts.", e, ".");
     gate[e] = ck.get(b + (mixtral_names ? "w1.weight" : "gate_proj.weight"), {I, H});
     up[e] = ck.get(b + (mixtral_names ? "w3.weight" : "up_proj.weight"), {I, H});
     down[e] = ck.get(b + (mixtral_names ? "w2.weight" : "down_proj.weight"), {H, I});
+    if (c.use_bias) {  // ERNIE 4.5: nn.Linear(..., bias=config.use_bias)
+      biases[e] = {ck.get(b + "gate_proj.bias", {I}), ck.get(b + "up_proj.bias", {I}),
+                   ck.get(b + "down_proj.bias", {H})};
+    } else {
+      REQUIRE_FALSE(ck.has(b + "gate_proj.bias"));
+    }
   }
   Reference out;
   out.y.assign(static_cast<std::size_t>(T * H), 0.0);
@@ -191,16 +205,23 @@ Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string con
     out.chosen.push_back(idx);
     double* y = &out.y[static_cast<std::size_t>(t * H)];
     for (std::size_t j = 0; j < idx.size(); ++j) {
-      std::vector<double> const ye = mlp(gate[idx[j]], up[idx[j]], down[idx[j]], x.data(), H, I);
+      std::vector<double> const ye = mlp(gate[idx[j]], up[idx[j]], down[idx[j]], x.data(), H, I,
+                                         c.use_bias ? biases[idx[j]].data() : nullptr);
       for (Index h = 0; h < H; ++h) y[h] += w[j] * ye[h];
     }
     Index const Is = c.shared_intermediate_size();
     if (Is > 0) {
       std::string const s =
           p + (c.family == HfFamily::kQwen3Next ? "shared_expert." : "shared_experts.");
+      std::vector<double> sb[3];
+      if (c.use_bias) {
+        sb[0] = ck.get(s + "gate_proj.bias", {Is});
+        sb[1] = ck.get(s + "up_proj.bias", {Is});
+        sb[2] = ck.get(s + "down_proj.bias", {H});
+      }
       std::vector<double> const ys =
           mlp(ck.get(s + "gate_proj.weight", {Is, H}), ck.get(s + "up_proj.weight", {Is, H}),
-              ck.get(s + "down_proj.weight", {H, Is}), x.data(), H, Is);
+              ck.get(s + "down_proj.weight", {H, Is}), x.data(), H, Is, c.use_bias ? sb : nullptr);
       double g = 1.0;
       if (c.family == HfFamily::kQwen3Next) {
         g = sigmoid(dot(ck.get(p + "shared_expert_gate.weight", {1, H}).data(), x.data(), H));
@@ -326,6 +347,191 @@ TEST_CASE("ERNIE 4.5: bias added to the probabilities, clamped renormalisation, 
   // A moe_norm_min above the weights' sum: the sum is clamped (weights no longer sum to 1).
   c.moe_norm_min = 0.9f;
   check_family(c, "model.layers.1.mlp.", 107);
+  // use_bias: every routed and shared expert projection has a bias.
+  c.moe_norm_min = 1e-12f;
+  c.use_bias = true;
+  check_family(c, "model.layers.1.mlp.", 108);
+}
+
+namespace {
+
+/// GptOssMLP.forward (transformers v4.5x CPU/training branch of GptOssExperts) on x [T, H]:
+/// logits = x W_r^T + b_r; top-k of them, softmax over the k; per chosen expert gate_up = x @
+/// gate_up_proj[e] + gate_up_proj_bias[e] (gate = even columns, up = odd), gate.clamp(max=L),
+/// up.clamp(-L, L), glu = gate sigmoid(alpha gate), out = ((up + 1) glu) @ down_proj[e] +
+/// down_proj_bias[e], y += w out. gate_up [E, H, 2I] and down [E, I, H] in the x @ W layout.
+Reference gpt_oss_forward(HfMoeConfig const& c, std::vector<double> const& wr,
+                          std::vector<double> const& br, std::vector<double> const& gu,
+                          std::vector<double> const& gub, std::vector<double> const& dn,
+                          std::vector<double> const& dnb, std::vector<float> const& x) {
+  Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
+              k = c.num_experts_per_tok, T = static_cast<Index>(x.size()) / H;
+  double const L = c.swiglu_limit, alpha = c.swiglu_alpha;
+  Reference out;
+  out.y.assign(static_cast<std::size_t>(T * H), 0.0);
+  for (Index t = 0; t < T; ++t) {
+    std::vector<double> z(static_cast<std::size_t>(E));
+    for (Index e = 0; e < E; ++e) {
+      z[e] = br[e];
+      for (Index h = 0; h < H; ++h) z[e] += wr[e * H + h] * x[t * H + h];
+    }
+    std::vector<int> const idx = topk(z, k);
+    std::vector<double> top;
+    for (int e : idx) top.push_back(z[e]);
+    std::vector<double> const w = softmax(top);
+    out.chosen.push_back(idx);
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      Index const e = idx[j];
+      std::vector<double> m(static_cast<std::size_t>(I));
+      for (Index i = 0; i < I; ++i) {
+        double g = gub[e * 2 * I + 2 * i], u = gub[e * 2 * I + 2 * i + 1];
+        for (Index h = 0; h < H; ++h) {
+          g += x[t * H + h] * gu[(e * H + h) * 2 * I + 2 * i];
+          u += x[t * H + h] * gu[(e * H + h) * 2 * I + 2 * i + 1];
+        }
+        g = std::min(g, L);
+        u = std::clamp(u, -L, L);
+        m[i] = (u + 1.0) * (g * sigmoid(g * alpha));
+      }
+      for (Index h = 0; h < H; ++h) {
+        double o = dnb[e * H + h];
+        for (Index i = 0; i < I; ++i) o += m[i] * dn[(e * I + i) * H + h];
+        out.y[t * H + h] += w[j] * o;
+      }
+    }
+  }
+  return out;
+}
+
+/// Loads layer 1 of `dir` and compares its forward with `want` (routing equal, y within 2e-6).
+void check_gpt_oss_layer(fs::path const& dir, Reference const& want, std::vector<float> const& x,
+                         Index H, Index k) {
+  moe::io::HfAnyLayer any = moe::io::load_hf_moe_layer(dir, 1, {{}, true});
+  REQUIRE(std::holds_alternative<moe::io::HfLayer<moe::presets::GptOssMoe>>(any));
+  auto const& hf = std::get<moe::io::HfLayer<moe::presets::GptOssMoe>>(any);
+  REQUIRE(hf.layout.prefix == "model.layers.1.mlp.");
+  REQUIRE(hf.warnings.empty());
+  Index const T = static_cast<Index>(x.size()) / H;
+  std::vector<float> y(x.size());
+  moe::MoeFfnWorkspace ws;
+  hf.layer.forward({x.data(), T, H}, {y.data(), T, H}, ws);
+  for (Index t = 0; t < T; ++t) {
+    for (Index j = 0; j < k; ++j) REQUIRE(ws.selection.expert[t * k + j] == want.chosen[t][j]);
+  }
+  double scale = 0.0, diff = 0.0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    scale = std::max(scale, std::fabs(want.y[i]));
+    diff = std::max(diff, std::fabs(y[i] - want.y[i]));
+  }
+  REQUIRE(scale > 0.01);
+  REQUIRE(diff / scale < 2e-6);
+}
+
+}  // namespace
+
+TEST_CASE("gpt-oss: biased router and experts, interleaved gate_up, clamped GLU, MXFP4",
+          "[hf][families][gpt_oss]") {
+  HfMoeConfig c = moe::io::parse_hf_config(
+      R"({"model_type": "gpt_oss", "hidden_size": 32, "intermediate_size": 32,
+          "num_local_experts": 8, "num_experts_per_tok": 3, "num_hidden_layers": 2,
+          "swiglu_limit": 0.5})");
+  REQUIRE(c.family == HfFamily::kGptOss);
+  REQUIRE(c.is_moe_layer(0));
+  REQUIRE(c.is_moe_layer(1));
+  REQUIRE(c.swiglu_limit == 0.5f);
+  REQUIRE(c.swiglu_alpha == 1.702f);
+  Index const H = 32, I = 32, E = 8, k = 3, T = 21;
+  std::vector<float> const x = hftest::random_input(T, H, 122);
+  std::string const p = "model.layers.1.mlp.";
+  SECTION("bf16 weights (save_hf_layer)") {
+    auto layer = moe::io::make_hf_layer<moe::presets::GptOssMoe>(c);
+    hftest::randomize(layer, 121);
+    fs::path const dir = iotest::scratch_dir("family_gpt_oss");
+    moe::io::HfSaveOptions options;
+    options.dtype = moe::io::Dtype::kBf16;
+    moe::io::save_hf_layer(dir, c, 1, layer, options);
+    Checkpoint const ck(dir / "model.safetensors");
+    Reference const want =
+        gpt_oss_forward(c, ck.get(p + "router.weight", {E, H}), ck.get(p + "router.bias", {E}),
+                        ck.get(p + "experts.gate_up_proj", {E, H, 2 * I}),
+                        ck.get(p + "experts.gate_up_proj_bias", {E, 2 * I}),
+                        ck.get(p + "experts.down_proj", {E, I, H}),
+                        ck.get(p + "experts.down_proj_bias", {E, H}), x);
+    // The clamps take effect (the test would not see them otherwise).
+    check_gpt_oss_layer(dir, want, x, H, k);
+  }
+  SECTION("MXFP4 experts (gate_up_proj_blocks / _scales, down_proj_blocks / _scales)") {
+    // Random FP4 nibbles and E8M0 scales around 2^-4, decoded here with the FP4_VALUES table of
+    // transformers/integrations/mxfp4.py (low nibble first, ldexp(value, scale - 127)), then
+    // transposed from [E, out, in] to the x @ W layout.
+    c.mxfp4 = true;
+    std::vector<std::byte> gu_blocks(static_cast<std::size_t>(E * 2 * I * H / 2)),
+        gu_scales(static_cast<std::size_t>(E * 2 * I * H / 32)),
+        dn_blocks(static_cast<std::size_t>(E * H * I / 2)),
+        dn_scales(static_cast<std::size_t>(E * H * I / 32));
+    std::uint64_t state = 123;
+    auto next = [&] {  // a 64-bit LCG: any bytes do
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<unsigned>(state >> 33);
+    };
+    for (auto& b : gu_blocks) b = static_cast<std::byte>(next() & 0xFFu);
+    for (auto& b : dn_blocks) b = static_cast<std::byte>(next() & 0xFFu);
+    for (auto& b : gu_scales) b = static_cast<std::byte>(121u + next() % 4u);
+    for (auto& b : dn_scales) b = static_cast<std::byte>(121u + next() % 4u);
+    static constexpr double kFp4[16] = {0.0,  0.5,  1.0,  1.5,  2.0,  3.0,  4.0,  6.0,
+                                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
+    auto decode = [&](std::vector<std::byte> const& blocks, std::vector<std::byte> const& scales,
+                      Index rows, Index cols) {  // [E, rows, cols] -> x @ W: [E, cols, rows]
+      std::vector<double> w(static_cast<std::size_t>(E * rows * cols));
+      for (Index e = 0; e < E; ++e) {
+        for (Index r = 0; r < rows; ++r) {
+          for (Index col = 0; col < cols; ++col) {
+            Index const flat = (e * rows + r) * cols + col;
+            auto const byte = static_cast<unsigned>(blocks[static_cast<std::size_t>(flat / 2)]);
+            unsigned const nib = col % 2 == 0 ? byte & 0xFu : byte >> 4;
+            int const sc = static_cast<int>(scales[static_cast<std::size_t>(flat / 32)]) - 127;
+            w[(e * cols + col) * rows + r] = std::ldexp(kFp4[nib], sc);
+          }
+        }
+      }
+      return w;
+    };
+    std::vector<float> wr(static_cast<std::size_t>(E * H)), br(static_cast<std::size_t>(E)),
+        gub(static_cast<std::size_t>(E * 2 * I)), dnb(static_cast<std::size_t>(E * H));
+    moe::fill_uniform(wr, -0.5f, 0.5f, 124);
+    moe::fill_uniform(br, -0.5f, 0.5f, 125);
+    moe::fill_uniform(gub, -0.3f, 0.3f, 126);
+    moe::fill_uniform(dnb, -0.3f, 0.3f, 127);
+    fs::path const dir = iotest::scratch_dir("family_gpt_oss_mxfp4");
+    auto write = [&] {
+      moe::io::SafetensorsWriter()
+          .add_f32(p + "router.weight", {E, H}, wr)
+          .add_f32(p + "router.bias", {E}, br)
+          .add(p + "experts.gate_up_proj_blocks", moe::io::Dtype::kU8, {E, 2 * I, H / 32, 16},
+               gu_blocks)
+          .add(p + "experts.gate_up_proj_scales", moe::io::Dtype::kU8, {E, 2 * I, H / 32},
+               gu_scales)
+          .add_f32(p + "experts.gate_up_proj_bias", {E, 2 * I}, gub)
+          .add(p + "experts.down_proj_blocks", moe::io::Dtype::kU8, {E, H, I / 32, 16}, dn_blocks)
+          .add(p + "experts.down_proj_scales", moe::io::Dtype::kU8, {E, H, I / 32}, dn_scales)
+          .add_f32(p + "experts.down_proj_bias", {E, H}, dnb)
+          .save(dir / "model.safetensors");
+    };
+    write();
+    std::string const json = moe::io::hf_config_json(c);
+    REQUIRE_THAT(json, Catch::Contains("\"quant_method\": \"mxfp4\""));
+    REQUIRE(moe::io::parse_hf_config(json).mxfp4);
+    iotest::write_text(dir / "config.json", json);
+    Reference const want = gpt_oss_forward(
+        c, {wr.begin(), wr.end()}, {br.begin(), br.end()}, decode(gu_blocks, gu_scales, 2 * I, H),
+        {gub.begin(), gub.end()}, decode(dn_blocks, dn_scales, H, I), {dnb.begin(), dnb.end()}, x);
+    check_gpt_oss_layer(dir, want, x, H, k);
+    // A NaN scale (E8M0 255) is an error naming the tensor.
+    gu_scales[5] = std::byte{255};
+    write();
+    REQUIRE_THROWS_WITH(moe::io::load_hf_moe_layer(dir, 1),
+                        Catch::Contains("gate_up_proj_scales") && Catch::Contains("255"));
+  }
 }
 
 TEST_CASE("Llama 4: top-k of the logits, sigmoid scales the expert input, fused [E, H, 2I]",

@@ -157,32 +157,41 @@ TEST_CASE("moe_run_hf_layer: Mixtral with fused experts", "[hf][runner]") {
 }
 
 TEST_CASE(
-    "moe_run_hf_layer: Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5 forward and "
-    "--grad match the layer",
+    "moe_run_hf_layer: Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5, Llama 4, gpt-oss "
+    "forward and --grad match the layer",
     "[hf][runner]") {
-  for (char const* type :
-       {"qwen3_next", "glm4_moe", "deepseek_v2", "minimax_m2", "ernie4_5_moe", "llama4_text"}) {
+  for (std::string type : {"qwen3_next", "glm4_moe", "deepseek_v2", "minimax_m2", "ernie4_5_moe",
+                           "ernie4_5_moe+use_bias", "llama4_text", "gpt_oss"}) {
     INFO(type);
+    bool const use_bias = type.ends_with("+use_bias");
+    if (use_bias) type.resize(type.size() - 9);
     moe::io::HfMoeConfig c = moe::io::parse_hf_config(moe::io::detail::concat(
         "{\"model_type\": \"", type, "\", \"num_experts_per_tok\": 3, \"hidden_size\": 16, ",
         "\"moe_intermediate_size\": 8, \"intermediate_size\": 8, \"num_experts\": 8, ",
         "\"shared_expert_intermediate_size\": 12, \"n_routed_experts\": 8, ",
         "\"num_local_experts\": 8, \"moe_num_experts\": 8, \"first_k_dense_replace\": 1, ",
         "\"routed_scaling_factor\": 1.5}"));
+    c.use_bias = use_bias;
+    c.swiglu_limit = 0.5f;  // gpt-oss: a limit the pre-activations cross
+    std::string const dir_name = moe::io::detail::concat("runner_", type, use_bias ? "_bias" : "");
     moe::io::HfSaveOptions options;
     options.fused_experts = c.family == moe::io::HfFamily::kDeepseekV2;
     if (c.family == moe::io::HfFamily::kLlama4) {
       auto layer = moe::io::make_hf_layer<presets::Llama4Moe>(c);
       hftest::randomize(layer, 66);
-      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+      check_runner(dir_name, c, layer, options, Dtype::kF32);
+    } else if (c.family == moe::io::HfFamily::kGptOss) {
+      auto layer = moe::io::make_hf_layer<presets::GptOssMoe>(c);
+      hftest::randomize(layer, 67);
+      check_runner(dir_name, c, layer, options, Dtype::kF32);
     } else if (c.family == moe::io::HfFamily::kQwen3Next) {
       auto layer = moe::io::make_hf_layer<presets::Qwen2Moe>(c);
       hftest::randomize(layer, 64);
-      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+      check_runner(dir_name, c, layer, options, Dtype::kF32);
     } else {
       auto layer = moe::io::make_hf_layer<presets::DeepseekV3Moe>(c);
       hftest::randomize(layer, 65);
-      check_runner(moe::io::detail::concat("runner_", type), c, layer, options, Dtype::kF32);
+      check_runner(dir_name, c, layer, options, Dtype::kF32);
     }
   }
 }

@@ -11,6 +11,7 @@
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/quant/matrix.hpp"
 #include "moe/routing/softmax_top_k.hpp"
+#include "moe/routing/top_k_softmax.hpp"
 #include "support/helpers.hpp"
 
 using moe::Index;
@@ -38,7 +39,8 @@ Layer make_layer(std::uint64_t seed) {
   return layer;
 }
 
-std::vector<float> run(Layer const& layer, std::vector<float> const& x,
+template <class L>
+std::vector<float> run(L const& layer, std::vector<float> const& x,
                        moe::ThreadPool* pool = nullptr) {
   Index const n = static_cast<Index>(x.size()) / D;
   std::vector<float> y(x.size());
@@ -193,4 +195,49 @@ TEST_CASE("Quantized packs of shapes their blocks do not divide are errors", "[l
     CHECK(experts::parse_weight_format(experts::name(f)) == f);  // every format's name parses
   }
   CHECK_THROWS_WITH(experts::parse_weight_format("int4"), Catch::Contains("fp32, bf16, q8_0"));
+}
+
+TEST_CASE("Quantized gpt-oss-style experts: biases and the clamped GLU in the integer kernels",
+          "[layers][quant][gpt_oss]") {
+  // The epilogues add the biases and apply the clamp on every kernel path: against an fp32
+  // layer holding the dequantized weights only the int8 activations differ (as above); biases
+  // of +-0.3 (as large as the outputs) or a missing clamp would be off by O(1).
+  using GptOss = moe::MoeFfn<routing::TopKSoftmax, experts::ClampedSwiGlu>;
+  auto const x = test::random_vector(T * D, 132);
+  for (WeightFormat f : {WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kBf16}) {
+    INFO(experts::name(f));
+    GptOss layer(D, F, {E, 2});
+    layer.enable_router_bias();
+    layer.experts().enable_biases();
+    layer.experts().set_glu_clamp({1.702f, 0.2f});
+    moe::fill_uniform(layer.experts().edit().parameters(), -0.1f, 0.1f, 133);
+    {
+      auto ed = layer.experts().edit();
+      for (Index e = 0; e < E; ++e) {
+        moe::fill_uniform(ed.in_bias(e), -0.3f, 0.3f, 134 + static_cast<std::uint64_t>(e));
+        moe::fill_uniform(ed.down_bias(e), -0.3f, 0.3f, 150 + static_cast<std::uint64_t>(e));
+      }
+    }
+    auto wr = layer.router_weight();
+    moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
+                      0.5f, 135);
+    moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, 136);
+    GptOss deq = layer;
+    dequantize_bank(deq.experts(), std::vector<experts::ExpertFormat>(E, {f, f}));
+    layer.pack_weights(f);
+    std::vector<float> const want = run(deq, x);
+    double const e = rel_rms(run(layer, x), want);
+    INFO("relative RMS difference " << e);
+    CHECK(e < 1.3e-2);
+    // Without the expert biases the output is far off: the comparison sees them.
+    GptOss unbiased = deq;
+    {
+      auto ed = unbiased.experts().edit();
+      for (Index j = 0; j < E; ++j) {
+        std::fill(ed.in_bias(j).begin(), ed.in_bias(j).end(), 0.0f);
+        std::fill(ed.down_bias(j).begin(), ed.down_bias(j).end(), 0.0f);
+      }
+    }
+    CHECK(rel_rms(run(unbiased, x), want) > 0.3);
+  }
 }

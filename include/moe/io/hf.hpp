@@ -2,8 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// Hugging Face checkpoints: one MoE layer of a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3,
-/// OLMoE, Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5 or Llama 4 model, loaded into
-/// moe's preset layers (and saved back as a tiny checkpoint). Qwen3-Next's attention layers:
+/// OLMoE, Qwen3-Next, GLM-4.5, DeepSeek-V2, MiniMax-M2, ERNIE 4.5, Llama 4 or gpt-oss model, loaded
+/// into moe's preset layers (and saved back as a tiny checkpoint). Qwen3-Next's attention layers:
 /// moe/io/hf/attention.hpp (not included here: it pulls in the attention layer).
 ///
 ///   moe::io::HfMoeConfig          config.json: parse_hf_config(), read_hf_config()

@@ -3,7 +3,7 @@
 /// \file
 /// Presets: the MoE FFN layer of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and OLMoE, and of
 /// the families that reuse their layer types: Qwen3-Next (Qwen2-MoE's), GLM-4.5, DeepSeek-V2,
-/// MiniMax-M2 and ERNIE 4.5 (DeepSeek-V3's).
+/// MiniMax-M2 and ERNIE 4.5 (DeepSeek-V3's); Llama 4 and gpt-oss.
 #pragma once
 
 #include "moe/experts/expert_types.hpp"
@@ -203,8 +203,9 @@ inline MinimaxM2Moe make_minimax_m2(MinimaxM2Config const& c = {}) {
 /// ERNIE 4.5 MoE (HF Ernie4_5_MoeSparseMoeBlock): softmax over all experts; the selection-only
 /// bias moe_statics.e_score_correction_bias is added to the probabilities; weights = the chosen
 /// probabilities / max(their sum, moe_norm_min); unscaled; moe_num_shared_experts ungated shared
-/// experts as one of width moe_num_shared_experts * moe_intermediate_size. Defaults: HF
-/// Ernie4_5_MoeConfig (ERNIE-4.5-21B-A3B).
+/// experts as one of width moe_num_shared_experts * moe_intermediate_size; with use_bias every
+/// routed and shared expert projection has a bias (ExpertBank::enable_biases; the router has
+/// none). Defaults: HF Ernie4_5_MoeConfig (ERNIE-4.5-21B-A3B).
 struct Ernie45MoeConfig {
   Index hidden_size = 2560;
   Index moe_intermediate_size = 1536;
@@ -212,6 +213,7 @@ struct Ernie45MoeConfig {
   Index moe_k = 6;
   Index moe_num_shared_experts = 2;
   float moe_norm_min = 1e-12f;
+  bool use_bias = false;
 };
 using Ernie45Moe = DeepseekV3Moe;
 inline Ernie45Moe make_ernie4_5_moe(Ernie45MoeConfig const& c = {}) {
@@ -221,6 +223,10 @@ inline Ernie45Moe make_ernie4_5_moe(Ernie45MoeConfig const& c = {}) {
   r.scoring = routing::ScoreFunction::kSoftmax;
   r.norm_epsilon = 0.0f;
   r.norm_min = c.moe_norm_min;
+  if (c.use_bias) {
+    layer.experts().enable_biases();
+    layer.shared_experts().bank().enable_biases();
+  }
   return layer;
 }
 
@@ -242,6 +248,30 @@ inline Llama4Moe make_llama4(Llama4Config const& c = {}) {
       c.hidden_size, c.intermediate_size,
       routing::TopKSigmoid{c.num_local_experts, c.num_experts_per_tok, true},
       experts::UngatedSharedExperts<experts::SwiGlu>(1, c.hidden_size, c.intermediate_size));
+}
+
+/// gpt-oss (HF GptOssMLP): router logits x W_r^T + b_r (router.bias), top-k of them, softmax
+/// over the k; experts::ClampedSwiGlu experts with biases, each output (bias included) times its
+/// routing weight; no shared expert:
+///   y_t = sum_{i in A_t} w_i (W_down,i m_i + b_down,i),
+///   m_i = min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + 1),  g, u = W x + b.
+/// Defaults: HF GptOssConfig (gpt-oss-120b: 128 experts, top-4; gpt-oss-20b has 32).
+struct GptOssConfig {
+  Index hidden_size = 2880;
+  Index intermediate_size = 2880;
+  Index num_local_experts = 128;
+  Index num_experts_per_tok = 4;
+  float swiglu_limit = 7.0f;
+  float swiglu_alpha = 1.702f;
+};
+using GptOssMoe = MoeFfn<routing::TopKSoftmax, experts::ClampedSwiGlu>;
+inline GptOssMoe make_gpt_oss(GptOssConfig const& c = {}) {
+  GptOssMoe layer(c.hidden_size, c.intermediate_size,
+                  routing::TopKSoftmax{c.num_local_experts, c.num_experts_per_tok});
+  layer.enable_router_bias();
+  layer.experts().enable_biases();
+  layer.experts().set_glu_clamp({c.swiglu_alpha, c.swiglu_limit});
+  return layer;
 }
 
 }  // namespace moe::presets

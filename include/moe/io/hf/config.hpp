@@ -40,13 +40,14 @@ enum class HfFamily : std::uint8_t {
   kMinimaxM2,   ///< "minimax_m2": sigmoid + selection bias, renormalised; Mixtral names
   kErnie45Moe,  ///< "ernie4_5_moe": softmax + selection bias on probabilities, shared experts
   kLlama4,      ///< "llama4_text" (or "llama4"'s text_config): sigmoid-scaled expert inputs
+  kGptOss,      ///< "gpt_oss": biased router and experts, clamped GLU, MXFP4 checkpoints
 };
 
 /// Every family, in HfFamily order.
 inline constexpr HfFamily kHfFamilies[] = {
     HfFamily::kMixtral,   HfFamily::kQwen2Moe,   HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
     HfFamily::kOlmoe,     HfFamily::kQwen3Next,  HfFamily::kGlm4Moe,  HfFamily::kDeepseekV2,
-    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe, HfFamily::kLlama4};
+    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe, HfFamily::kLlama4,   HfFamily::kGptOss};
 
 /// The config.json "model_type" of a family ("mixtral", "qwen2_moe", ...).
 inline char const* hf_model_type(HfFamily family) noexcept {
@@ -73,6 +74,8 @@ inline char const* hf_model_type(HfFamily family) noexcept {
       return "ernie4_5_moe";
     case HfFamily::kLlama4:
       return "llama4_text";
+    case HfFamily::kGptOss:
+      return "gpt_oss";
   }
   return "?";
 }
@@ -103,6 +106,8 @@ inline char const* hf_architecture(HfFamily family) noexcept {
       return "Ernie4_5_MoeForCausalLM";
     case HfFamily::kLlama4:
       return "Llama4ForCausalLM";
+    case HfFamily::kGptOss:
+      return "GptOssForCausalLM";
   }
   return "?";
 }
@@ -114,6 +119,7 @@ inline char const* hf_experts_key(HfFamily family) noexcept {
     case HfFamily::kMixtral:
     case HfFamily::kMinimaxM2:
     case HfFamily::kLlama4:
+    case HfFamily::kGptOss:
       return "num_local_experts";
     case HfFamily::kDeepseekV3:
     case HfFamily::kGlm4Moe:
@@ -130,7 +136,8 @@ inline char const* hf_experts_key(HfFamily family) noexcept {
 /// MiniMax-M2) or "moe_intermediate_size" (the others).
 inline char const* hf_width_key(HfFamily family) noexcept {
   return family == HfFamily::kMixtral || family == HfFamily::kOlmoe ||
-                 family == HfFamily::kMinimaxM2 || family == HfFamily::kLlama4
+                 family == HfFamily::kMinimaxM2 || family == HfFamily::kLlama4 ||
+                 family == HfFamily::kGptOss
              ? "intermediate_size"
              : "moe_intermediate_size";
 }
@@ -201,6 +208,16 @@ struct HfMoeConfig {
   std::vector<Index> moe_layers;  ///< explicit MoE layer indices (moe_layers_given)
   bool moe_layers_given = false;  ///< config.json has a non-null moe_layers
 
+  // gpt-oss: the clamped GLU (experts::ClampedSwiGlu) and MXFP4 expert weights.
+  float swiglu_limit = 7.0f;    ///< clamp of gate (above) and up (both sides)
+  float swiglu_alpha = 1.702f;  ///< the sigmoid's slope (transformers v5 "swiglu_alpha")
+  /// quantization_config.quant_method "mxfp4": the experts' weights are stored as
+  /// *_blocks / *_scales (FP4 E2M1 values in 32-blocks with an E8M0 scale), dequantised on load.
+  bool mxfp4 = false;
+
+  // ERNIE 4.5 use_bias: biases in the routed and shared experts' projections.
+  bool use_bias = false;
+
   // FP8 block quantisation ("quantization_config" with quant_method "fp8", as DeepSeek-V3 and
   // the Qwen3 FP8 releases have it), 0 when absent.
   Index fp8_block_rows = 0;
@@ -220,6 +237,13 @@ struct HfMoeConfig {
 
   /// The config.json "model_type".
   char const* model_type() const noexcept { return hf_model_type(family); }
+
+  /// Do the experts' projections have biases (gpt-oss always; ERNIE 4.5 with use_bias)?
+  bool has_expert_biases() const noexcept {
+    return family == HfFamily::kGptOss || (family == HfFamily::kErnie45Moe && use_bias);
+  }
+  /// Does the router projection have a bias (gpt-oss router.bias)?
+  bool has_router_bias() const noexcept { return family == HfFamily::kGptOss; }
 
   /// Width of the shared expert: shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next),
   /// n_shared_experts * expert_intermediate_size (DeepSeek-V3, GLM-4.5, DeepSeek-V2, ERNIE 4.5),
@@ -275,6 +299,7 @@ struct HfMoeConfig {
       case HfFamily::kMixtral:
       case HfFamily::kOlmoe:
       case HfFamily::kMinimaxM2:
+      case HfFamily::kGptOss:
         return {};
       case HfFamily::kLlama4:
         if (moe_layers_given) {
@@ -595,6 +620,11 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
                                                      "output_router_logits",
                                                      "router_aux_loss_coef",
                                                      "use_bias"};
+  // gpt-oss: GptOssConfig (v4.55 to v5) and the keys of the published config.json files.
+  static constexpr std::string_view kGptOss[] = {
+      "experts_per_token", "initial_context_length", "layer_types",
+      "num_local_experts", "output_router_logits",   "router_aux_loss_coef",
+      "sliding_window",    "swiglu_alpha",           "swiglu_limit"};
   auto in = [&](auto const& list) {
     for (std::string_view const k : list) {
       if (k == key) return true;
@@ -624,6 +654,8 @@ inline bool hf_known_key(HfFamily family, std::string_view key) {
       return in(kErnie45Moe);
     case HfFamily::kLlama4:
       return in(kLlama4);
+    case HfFamily::kGptOss:
+      return in(kGptOss);
   }
   return false;
 }
@@ -827,6 +859,16 @@ inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
             " must be >= 1");
     fail_if(!(c.moe_norm_min >= 0.0f && c.moe_norm_min <= 1.0f), "moe_norm_min = ", c.moe_norm_min,
             " must be in [0, 1]");
+  }
+  if (c.family == HfFamily::kGptOss) {
+    fail_if(!(c.swiglu_limit > 0.0f && std::isfinite(c.swiglu_limit)),
+            "swiglu_limit = ", c.swiglu_limit, " must be finite and > 0 (gpt-oss: 7.0)");
+    fail_if(!(c.swiglu_alpha > 0.0f && std::isfinite(c.swiglu_alpha)),
+            "swiglu_alpha = ", c.swiglu_alpha, " must be finite and > 0 (gpt-oss: 1.702)");
+    fail_if(c.mxfp4 && (c.hidden_size % 32 != 0 || c.expert_intermediate_size % 32 != 0),
+            "MXFP4 experts need hidden_size = ", c.hidden_size,
+            " and intermediate_size = ", c.expert_intermediate_size,
+            " to be multiples of 32 (the blocks' size)");
   }
   if (c.family == HfFamily::kDeepseekV3) {
     fail_if(c.scoring_func != "sigmoid", "scoring_func ", printable_name(c.scoring_func),
@@ -1082,6 +1124,17 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
         c.moe_layers_given = true;
       }
       break;
+    case HfFamily::kGptOss:
+      c.hidden_size = r.integer({"hidden_size"}, 2880, 1);
+      c.expert_intermediate_size = r.integer({"intermediate_size"}, 2880, 1);
+      c.num_experts = r.integer({"num_local_experts"}, 128, 1);
+      c.num_experts_per_tok = r.integer({"num_experts_per_tok", "experts_per_token"}, 4, 1);
+      c.norm_topk_prob = true;  // softmax over the k chosen logits
+      // transformers v4.5x reads swiglu_limit from the config only in its MXFP4 kernels and
+      // hard-codes 7.0 and 1.702 in GptOssExperts; v5 has both as config fields.
+      c.swiglu_limit = static_cast<float>(r.number("swiglu_limit", 7.0));
+      c.swiglu_alpha = static_cast<float>(r.number("swiglu_alpha", 1.702));
+      break;
     case HfFamily::kErnie45Moe: {
       c.hidden_size = r.integer({"hidden_size"}, 2560, 1);
       c.expert_intermediate_size = r.integer({"moe_intermediate_size"}, 1536, 1);
@@ -1094,12 +1147,7 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
       c.moe_norm_min = static_cast<float>(r.number("moe_norm_min", 1e-12));
       c.norm_topk_prob = true;  // the weights are always renormalised (clamped sum)
       c.scoring_func = "softmax";
-      if (r.boolean("use_bias", false)) {
-        moe::detail::fail("hf: ", source,
-                          ": use_bias = true (biases in the experts and the shared experts) is "
-                          "not supported yet for ernie4_5_moe; moe loads the published ERNIE 4.5 "
-                          "checkpoints, which have use_bias = false");
-      }
+      c.use_bias = r.boolean("use_bias", false);
       break;
     }
   }
@@ -1109,15 +1157,18 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
     detail::JsonValue const* method = q->member("quant_method");
     std::string const name =
         method != nullptr && method->kind == JsonKind::kString ? method->text : std::string("?");
-    if (name != "fp8") {
+    if (name == "mxfp4" && c.family == HfFamily::kGptOss) {
+      c.mxfp4 = true;
+    } else if (name != "fp8") {
       moe::detail::fail("hf: ", source, ": quantization_config.quant_method ",
                         detail::printable_name(name),
-                        " is not supported: moe reads F32, BF16 and F16 weights and FP8 "
-                        "(quant_method \"fp8\") block-quantised ones; use such a checkpoint");
+                        " is not supported: moe reads F32, BF16 and F16 weights, FP8 "
+                        "(quant_method \"fp8\") block-quantised ones and gpt-oss's MXFP4 "
+                        "experts; use such a checkpoint");
     }
-    c.fp8_block_rows = c.fp8_block_cols = 128;
+    if (!c.mxfp4) c.fp8_block_rows = c.fp8_block_cols = 128;
     if (detail::JsonValue const* block = q->member("weight_block_size");
-        block != nullptr && block->kind != JsonKind::kNull) {
+        !c.mxfp4 && block != nullptr && block->kind != JsonKind::kNull) {
       if (block->kind != JsonKind::kArray || block->items.size() != 2) {
         r.bad("quantization_config.weight_block_size", *block, "an array of two integers");
       }
@@ -1267,6 +1318,12 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
         out += "]";
       }
       break;
+    case HfFamily::kGptOss:
+      int_key("intermediate_size", c.expert_intermediate_size);
+      int_key("num_local_experts", c.num_experts);
+      float_key("swiglu_limit", c.swiglu_limit);
+      float_key("swiglu_alpha", c.swiglu_alpha);
+      break;
     case HfFamily::kErnie45Moe:
       int_key("moe_intermediate_size", c.expert_intermediate_size);
       int_key("moe_num_experts", c.num_experts);
@@ -1277,10 +1334,16 @@ inline std::string hf_config_json(HfMoeConfig const& c, std::string_view torch_d
       int_key("moe_layer_interval", c.moe_layer_interval);
       append_json_key(out, "moe_norm_min");
       out += detail::json_float(c.moe_norm_min);
-      bool_key("use_bias", false);
+      bool_key("use_bias", c.use_bias);
       break;
   }
-  if (c.fp8_block_rows > 0) {
+  if (c.mxfp4) {
+    append_json_key(out, "quantization_config");
+    out +=
+        "{\"modules_to_not_convert\": [\"model.layers.*.self_attn\", "
+        "\"model.layers.*.mlp.router\", \"model.embed_tokens\", \"lm_head\"], "
+        "\"quant_method\": \"mxfp4\"}";
+  } else if (c.fp8_block_rows > 0) {
     append_json_key(out, "quantization_config");
     out += detail::concat("{\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", ",
                           "\"quant_method\": \"fp8\", \"weight_block_size\": [", c.fp8_block_rows,

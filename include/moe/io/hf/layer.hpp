@@ -151,6 +151,19 @@ inline HfMoeConfig hf_config(presets::Ernie45MoeConfig const& p) {
   c.moe_norm_min = p.moe_norm_min;
   c.norm_topk_prob = true;
   c.scoring_func = "softmax";
+  c.use_bias = p.use_bias;
+  return c;
+}
+inline HfMoeConfig hf_config(presets::GptOssConfig const& p) {
+  HfMoeConfig c;
+  c.family = HfFamily::kGptOss;
+  c.hidden_size = p.hidden_size;
+  c.expert_intermediate_size = p.intermediate_size;
+  c.num_experts = p.num_local_experts;
+  c.num_experts_per_tok = p.num_experts_per_tok;
+  c.norm_topk_prob = true;
+  c.swiglu_limit = p.swiglu_limit;
+  c.swiglu_alpha = p.swiglu_alpha;
   return c;
 }
 
@@ -159,11 +172,11 @@ static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
               "moe::io::HfAnyLayer holds Qwen3-MoE and OLMoE layers in one alternative; give "
               "OlmoeMoe its own alternative if the presets ever make them different types");
 
-/// Does the preset layer type `Layer` hold layers of `family`? Five types hold the eleven
-/// families: MixtralMoe (mixtral); Llama4Moe (llama4_text); Qwen2Moe (qwen2_moe, qwen3_next);
-/// Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3, glm4_moe, deepseek_v2,
-/// minimax_m2, ernie4_5_moe: GroupLimitedTopK with the family's scores, bias, groups and
-/// normalisation).
+/// Does the preset layer type `Layer` hold layers of `family`? Six types hold the twelve
+/// families: MixtralMoe (mixtral); Llama4Moe (llama4_text); GptOssMoe (gpt_oss); Qwen2Moe
+/// (qwen2_moe, qwen3_next); Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3,
+/// glm4_moe, deepseek_v2, minimax_m2, ernie4_5_moe: GroupLimitedTopK with the family's scores,
+/// bias, groups and normalisation).
 template <class Layer>
 constexpr bool hf_family_matches(HfFamily family) noexcept {
   switch (family) {
@@ -183,6 +196,8 @@ constexpr bool hf_family_matches(HfFamily family) noexcept {
       return std::is_same_v<Layer, presets::DeepseekV3Moe>;
     case HfFamily::kLlama4:
       return std::is_same_v<Layer, presets::Llama4Moe>;
+    case HfFamily::kGptOss:
+      return std::is_same_v<Layer, presets::GptOssMoe>;
   }
   return false;
 }
@@ -230,7 +245,8 @@ inline routing::GroupLimitedTopK hf_group_router(HfMoeConfig const& c) {
 /// make_mixtral / make_qwen2_moe / make_qwen3_moe / make_deepseek_v3 / make_olmoe with the
 /// config's sizes, top-k, norm_topk_prob, groups, routed_scaling_factor and shared experts
 /// (Qwen3-Next in the Qwen2Moe type; GLM-4.5, DeepSeek-V2, MiniMax-M2 and ERNIE 4.5 in the
-/// DeepseekV3Moe type, with their routers as detail::hf_group_router sets them).
+/// DeepseekV3Moe type, with their routers as detail::hf_group_router sets them, and ERNIE's
+/// expert biases with use_bias; gpt-oss with its router bias, expert biases and clamp).
 /// Throws moe::Error when `Layer` is not the preset type of c.family.
 template <class Layer>
 Layer make_hf_layer(HfMoeConfig const& c) {
@@ -247,16 +263,24 @@ Layer make_hf_layer(HfMoeConfig const& c) {
   } else if constexpr (std::is_same_v<Layer, presets::Llama4Moe>) {
     return presets::make_llama4(
         {c.hidden_size, c.expert_intermediate_size, c.num_experts, c.num_experts_per_tok});
+  } else if constexpr (std::is_same_v<Layer, presets::GptOssMoe>) {
+    return presets::make_gpt_oss({c.hidden_size, c.expert_intermediate_size, c.num_experts,
+                                  c.num_experts_per_tok, c.swiglu_limit, c.swiglu_alpha});
   } else if constexpr (std::is_same_v<Layer, presets::Qwen3Moe>) {
     return presets::make_qwen3_moe({c.hidden_size, c.expert_intermediate_size, c.num_experts,
                                     c.num_experts_per_tok, c.norm_topk_prob});
   } else {
     static_assert(std::is_same_v<Layer, presets::DeepseekV3Moe>, "not a preset MoE layer type");
     Index const shared = c.shared_intermediate_size();
-    return presets::DeepseekV3Moe(
+    presets::DeepseekV3Moe layer(
         c.hidden_size, c.expert_intermediate_size, detail::hf_group_router(c),
         experts::UngatedSharedExperts<experts::SwiGlu>(shared > 0 ? 1 : 0, c.hidden_size,
                                                        std::max<Index>(1, shared)));
+    if (c.has_expert_biases()) {  // ERNIE 4.5 use_bias
+      layer.experts().enable_biases();
+      layer.shared_experts().bank().enable_biases();
+    }
+    return layer;
   }
 }
 
@@ -287,7 +311,7 @@ struct HfLayer {
 /// (see hf_family_matches() for the families each alternative holds). Use std::visit.
 using HfAnyLayer = std::variant<HfLayer<presets::MixtralMoe>, HfLayer<presets::Qwen2Moe>,
                                 HfLayer<presets::Qwen3Moe>, HfLayer<presets::DeepseekV3Moe>,
-                                HfLayer<presets::Llama4Moe>>;
+                                HfLayer<presets::Llama4Moe>, HfLayer<presets::GptOssMoe>>;
 
 // ---------------------------------------------------------------------------------------------
 // Moving values between checkpoint tensors and layers.
@@ -326,12 +350,75 @@ inline float const* copy_into_view(float const* src, MatrixView<float> v) {
 /// bank and the shared experts. Works on a layer and on its Gradients alike.
 template <class Bank, class Shared>
 std::vector<float> gather_tensor(HfTensor const& t, float const* router,
-                                 std::span<float const> bias, Bank const& bank,
-                                 Shared const& shared) {
+                                 std::span<float const> bias, std::span<float const> router_bias,
+                                 Bank const& bank, Shared const& shared) {
   std::vector<float> out;
   out.reserve(static_cast<std::size_t>(t.num_elements()));
-  Index const E = bank.num_experts(), H = bank.d_model();
+  Index const E = bank.num_experts(), H = bank.d_model(), I = bank.d_ffn();
+  auto append_span = [&](std::span<float const> v, std::size_t from, std::size_t n) {
+    moe::detail::check(v.size() >= from + n, "hf: tensor ", printable_name(t.name),
+                       " is a bias the layer does not have; the layer and its config disagree");
+    out.insert(out.end(), v.begin() + static_cast<std::ptrdiff_t>(from),
+               v.begin() + static_cast<std::ptrdiff_t>(from + n));
+  };
   switch (t.part) {
+    case HfPart::kRouterBias:
+      append_span(router_bias, 0, static_cast<std::size_t>(E));
+      break;
+    case HfPart::kExpertsGateUpI:  // [H, 2I]: column 2j gate row j, 2j + 1 up row j
+      for (Index e = 0; e < E; ++e) {
+        auto const w = bank.in_proj(e);
+        for (Index h = 0; h < H; ++h) {
+          for (Index j = 0; j < I; ++j) {
+            out.push_back(w(j, h));
+            out.push_back(w(I + j, h));
+          }
+        }
+      }
+      break;
+    case HfPart::kExpertsGateUpBias:
+      for (Index e = 0; e < E; ++e) {
+        auto const b = bank.in_bias(e);
+        moe::detail::check(!b.empty(), "hf: tensor ", printable_name(t.name),
+                           " is a bias the layer does not have; the layer and its config disagree");
+        for (Index j = 0; j < I; ++j) {
+          out.push_back(b[static_cast<std::size_t>(j)]);
+          out.push_back(b[static_cast<std::size_t>(I + j)]);
+        }
+      }
+      break;
+    case HfPart::kExpertsDownBias:
+      for (Index e = 0; e < E; ++e) append_span(bank.down_bias(e), 0, static_cast<std::size_t>(H));
+      break;
+    case HfPart::kExpertGateBias:
+      append_span(bank.in_bias(t.expert), 0, static_cast<std::size_t>(I));
+      break;
+    case HfPart::kExpertUpBias:
+      append_span(bank.in_bias(t.expert), static_cast<std::size_t>(I), static_cast<std::size_t>(I));
+      break;
+    case HfPart::kExpertDownBias:
+      append_span(bank.down_bias(t.expert), 0, static_cast<std::size_t>(H));
+      break;
+    case HfPart::kSharedGateBias:
+    case HfPart::kSharedUpBias:
+    case HfPart::kSharedDownBias:
+      if constexpr (Shared::has_experts) {
+        auto const& sb = shared.bank();
+        auto const Is = static_cast<std::size_t>(sb.d_ffn());
+        if (t.part == HfPart::kSharedGateBias) append_span(sb.in_bias(0), 0, Is);
+        if (t.part == HfPart::kSharedUpBias) append_span(sb.in_bias(0), Is, Is);
+        if (t.part == HfPart::kSharedDownBias) {
+          append_span(sb.down_bias(0), 0, static_cast<std::size_t>(H));
+        }
+      }
+      break;
+    case HfPart::kExpertsGateUpBlocks:
+    case HfPart::kExpertsGateUpScales:
+    case HfPart::kExpertsDownBlocks:
+    case HfPart::kExpertsDownScales:
+      moe::detail::fail("hf: tensor ", printable_name(t.name),
+                        " is MXFP4 storage (U8 blocks or scales), which moe reads but does not "
+                        "write; its values are the dequantised gate_up_proj / down_proj");
     case HfPart::kRouter:
       out.assign(router, router + E * H);
       break;
@@ -380,13 +467,92 @@ std::vector<float> gather_tensor(HfTensor const& t, float const* router,
   return out;
 }
 
-/// Writes the values of tensor `t` into `layer` (the inverse of gather_tensor()).
+/// Writes the values of tensor `t` into `layer` (the inverse of gather_tensor()). The MXFP4
+/// block tensors take their dequantised values in the on-disk [E, out, in] order (gate_up rows
+/// interleaved), the scale tensors nothing (read with the blocks).
 template <class Layer>
 void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
   auto const bank = layer.experts().edit();
-  Index const E = layer.experts().num_experts();
+  Index const E = layer.experts().num_experts(), H = layer.experts().d_model(),
+              I = layer.experts().d_ffn();
   float const* src = v.data();
+  auto to_span = [&](std::span<float> dst, std::size_t n) {
+    moe::detail::check(dst.size() >= n, "hf: tensor ", printable_name(t.name),
+                       " is a bias the layer does not have; build the layer from its config");
+    std::copy(src, src + n, dst.begin());
+    src += n;
+  };
   switch (t.part) {
+    case HfPart::kRouterBias:
+      if constexpr (requires { layer.router_bias(); }) {
+        to_span(layer.router_bias(), static_cast<std::size_t>(E));
+      }
+      break;
+    case HfPart::kExpertsGateUpI:
+      for (Index e = 0; e < E; ++e) {
+        auto const w = bank.in_proj(e);
+        for (Index h = 0; h < H; ++h) {
+          for (Index j = 0; j < I; ++j) {
+            w(j, h) = *src++;
+            w(I + j, h) = *src++;
+          }
+        }
+      }
+      break;
+    case HfPart::kExpertsGateUpBlocks:  // [E, 2I, H], rows interleaved
+      for (Index e = 0; e < E; ++e) {
+        auto const w = bank.in_proj(e);
+        for (Index r = 0; r < 2 * I; ++r) {
+          float* dst = w.row(r % 2 == 0 ? r / 2 : I + r / 2);
+          std::copy(src, src + H, dst);
+          src += H;
+        }
+      }
+      break;
+    case HfPart::kExpertsDownBlocks:  // [E, H, I]
+      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.down_proj(e));
+      break;
+    case HfPart::kExpertsGateUpScales:
+    case HfPart::kExpertsDownScales:
+      break;
+    case HfPart::kExpertsGateUpBias:
+      for (Index e = 0; e < E; ++e) {
+        std::span<float> const b = bank.in_bias(e);
+        moe::detail::check(!b.empty(), "hf: tensor ", printable_name(t.name),
+                           " is a bias the layer does not have; build the layer from its config");
+        for (Index j = 0; j < I; ++j) {
+          b[static_cast<std::size_t>(j)] = *src++;
+          b[static_cast<std::size_t>(I + j)] = *src++;
+        }
+      }
+      break;
+    case HfPart::kExpertsDownBias:
+      for (Index e = 0; e < E; ++e) to_span(bank.down_bias(e), static_cast<std::size_t>(H));
+      break;
+    case HfPart::kExpertGateBias:
+      to_span(bank.in_bias(t.expert), static_cast<std::size_t>(I));
+      break;
+    case HfPart::kExpertUpBias: {
+      std::span<float> const b = bank.in_bias(t.expert);
+      to_span(b.empty() ? b : b.subspan(static_cast<std::size_t>(I)), static_cast<std::size_t>(I));
+      break;
+    }
+    case HfPart::kExpertDownBias:
+      to_span(bank.down_bias(t.expert), static_cast<std::size_t>(H));
+      break;
+    case HfPart::kSharedGateBias:
+    case HfPart::kSharedUpBias:
+    case HfPart::kSharedDownBias:
+      if constexpr (Layer::Shared::has_experts) {
+        auto const sb = layer.shared_experts().bank().edit();
+        auto const Is = static_cast<std::size_t>(layer.shared_experts().bank().d_ffn());
+        std::span<float> const b = sb.in_bias(0);
+        if (t.part == HfPart::kSharedGateBias) to_span(b, Is);
+        if (t.part == HfPart::kSharedUpBias) to_span(b.empty() ? b : b.subspan(Is), Is);
+        if (t.part == HfPart::kSharedDownBias)
+          to_span(sb.down_bias(0), static_cast<std::size_t>(H));
+      }
+      break;
     case HfPart::kRouter:
       copy_into_view(src, layer.router_weight());
       break;
@@ -448,7 +614,7 @@ std::span<float const> selection_bias(Layer const& layer) {
 template <class Layer>
 std::vector<float> hf_tensor_values(Layer const& layer, HfTensor const& t) {
   return detail::gather_tensor(t, layer.router_weight().data, detail::selection_bias(layer),
-                               layer.experts(), layer.shared_experts());
+                               layer.router_bias(), layer.experts(), layer.shared_experts());
 }
 
 /// The gradient of checkpoint tensor `t` (a parameter: t.is_parameter()) from a layer's
@@ -456,8 +622,10 @@ std::vector<float> hf_tensor_values(Layer const& layer, HfTensor const& t) {
 template <class Gradients>
 std::vector<float> hf_gradient_values(Gradients const& grads, HfTensor const& t) {
   moe::detail::check(t.is_parameter(), "hf: tensor ", detail::printable_name(t.name),
-                     " is a buffer (the selection bias), not a parameter; it has no gradient");
-  return detail::gather_tensor(t, grads.router_weight.data(), {}, grads.experts, grads.shared);
+                     " is a buffer (the selection bias) or MXFP4 storage, not a parameter; it has "
+                     "no gradient");
+  return detail::gather_tensor(t, grads.router_weight.data(), {}, grads.router_bias, grads.experts,
+                               grads.shared);
 }
 
 /// Adds the gradient of every parameter of `hf` to `out` as F32 tensors named
@@ -668,10 +836,60 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
   return values;
 }
 
+/// Reads the MXFP4 pair of `blocks` (U8 [E, R, G, 16]) and its scales tensor (the next one in
+/// hf_layer_tensors() order, U8 [E, R, G]) as floats [E, R, 32 G]: element 2i of block g is the
+/// low nibble of byte i, 2i + 1 the high one, times 2^(scale - 127) (hf_mxfp4_value()).
+inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor const& blocks,
+                                     HfTensor const& scales, HfMoeConfig const& c, Index layer,
+                                     std::string const& prefix) {
+  std::string const& src = ckpt.source();
+  TensorView const* bv = ckpt.find(blocks.name);
+  TensorView const* sv = ckpt.find(scales.name);
+  for (auto [view, t] : {std::pair{bv, &blocks}, std::pair{sv, &scales}}) {
+    if (view == nullptr) {
+      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t->name), " (U8 ",
+                        shape_string(t->shape),
+                        ") is missing; config.json says the experts are "
+                        "MXFP4 (quantization_config.quant_method \"mxfp4\"); ",
+                        missing_tensor_hint(ckpt, c, layer, prefix));
+    }
+    if (view->dtype != Dtype::kU8 || view->shape != t->shape) {
+      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t->name), " is ",
+                        dtype_name(view->dtype), " ", shape_string(view->shape), " but MXFP4 ",
+                        "storage of these experts is U8 ", shape_string(t->shape), " (hidden_size ",
+                        c.hidden_size, ", ", c.num_experts, " experts of width ",
+                        c.expert_intermediate_size, defaulted_note(c),
+                        "); check that config.json belongs to these weights");
+    }
+  }
+  std::size_t const groups = static_cast<std::size_t>(scales.num_elements());
+  auto const* b = reinterpret_cast<std::uint8_t const*>(bv->bytes.data());
+  auto const* e8 = reinterpret_cast<std::uint8_t const*>(sv->bytes.data());
+  std::vector<float> out(groups * 32);
+  for (std::size_t g = 0; g < groups; ++g) {
+    if (e8[g] == 255) {
+      moe::detail::fail("hf: ", src, ": tensor ", printable_name(scales.name),
+                        " holds the E8M0 scale 255 (NaN in the OCP MX format) at flat index ", g,
+                        "; the checkpoint is corrupt");
+    }
+    for (std::size_t i = 0; i < 16; ++i) {
+      std::uint8_t const byte = b[g * 16 + i];
+      out[g * 32 + 2 * i] = hf_mxfp4_value(byte & 0x0Fu, e8[g]);
+      out[g * 32 + 2 * i + 1] = hf_mxfp4_value(static_cast<std::uint8_t>(byte >> 4), e8[g]);
+    }
+  }
+  return out;
+}
+
 /// Finds the layer's module prefix and whether its experts are fused.
 inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
                               HfLoadOptions const& options) {
   std::vector<std::string> candidates;
+  if (c.family == HfFamily::kGptOss) {
+    HfLayout layout = hf_default_layout(c.family, layer);
+    if (!options.prefix.empty()) layout.prefix = options.prefix;
+    return layout;
+  }
   if (c.family == HfFamily::kLlama4) {
     // Text-only checkpoints: model.layers.L.feed_forward.; the multimodal Llama4ForConditional-
     // Generation nests them under language_model. (or a prefix given by the caller).
@@ -757,7 +975,20 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
       down(gate.size());
   experts::WeightFormat shared[3] = {};
   bool quantized = false;
-  for (HfTensor const& t : out.tensors) {
+  moe::detail::check(!(config.has_expert_biases() && out.layout.fused_experts &&
+                       config.family == HfFamily::kErnie45Moe),
+                     "hf: ", checkpoint.source(), ": layer ", layer,
+                     " stores its ERNIE 4.5 experts fused (experts.gate_up_proj), which has no "
+                     "biases, but config.json sets use_bias = true; use a per-expert checkpoint");
+  for (std::size_t ti = 0; ti < out.tensors.size(); ++ti) {
+    HfTensor const& t = out.tensors[ti];
+    if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
+    if (t.part == HfPart::kExpertsGateUpBlocks || t.part == HfPart::kExpertsDownBlocks) {
+      std::vector<float> const values = detail::read_mxfp4(checkpoint, t, out.tensors.at(ti + 1),
+                                                           config, layer, out.layout.prefix);
+      detail::scatter_tensor(t, values, out.layer);
+      continue;
+    }
     experts::WeightFormat stored = experts::WeightFormat::kF32;
     quantized =
         quantized || checkpoint.shard_metadata(t.name, detail::quant_key(t.name)) != nullptr;
@@ -866,6 +1097,8 @@ inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Inde
       return load_hf_layer<presets::DeepseekV3Moe>(config, checkpoint, layer, options);
     case HfFamily::kLlama4:
       return load_hf_layer<presets::Llama4Moe>(config, checkpoint, layer, options);
+    case HfFamily::kGptOss:
+      return load_hf_layer<presets::GptOssMoe>(config, checkpoint, layer, options);
   }
   moe::detail::fail("hf: ", model_dir.string(), ": unknown model family");
 }
@@ -917,6 +1150,12 @@ void check_layer_matches(HfMoeConfig const& c, Layer const& layer, std::string c
     Index const width = count > 0 ? layer.shared_experts().bank().d_ffn() : 0;
     ok = ok && count == (c.shared_intermediate_size() > 0 ? 1 : 0) &&
          width == c.shared_intermediate_size();
+    ok = ok && (count == 0 || layer.shared_experts().bank().has_biases() == c.has_expert_biases());
+  }
+  ok = ok && layer.experts().has_biases() == c.has_expert_biases() &&
+       layer.has_router_bias() == c.has_router_bias();
+  if constexpr (experts::is_clamped_glu<typename Layer::Expert>) {
+    ok = ok && layer.experts().glu_clamp() == kernels::GluClamp{c.swiglu_alpha, c.swiglu_limit};
   }
   if (!ok) {
     moe::detail::fail("hf: ", where, ": the layer (d_model ", layer.d_model(), ", ",
@@ -924,7 +1163,7 @@ void check_layer_matches(HfMoeConfig const& c, Layer const& layer, std::string c
                       ") does not match the ", c.model_type(), " config (hidden_size ",
                       c.hidden_size, ", ", c.num_experts, " experts of width ",
                       c.expert_intermediate_size, ", top-", c.num_experts_per_tok,
-                      ", and its routing and shared-expert settings); build the layer with "
+                      ", and its routing, bias and shared-expert settings); build the layer with "
                       "make_hf_layer(config) or pass the config it was built from");
   }
 }
@@ -965,14 +1204,16 @@ inline void start_checkpoint_dir(std::filesystem::path const& dir, HfMoeConfig c
   }
   HfMoeConfig saved = config;
   saved.fp8_block_rows = saved.fp8_block_cols = 0;
+  saved.mxfp4 = false;  // gpt-oss experts are written dequantised
   write_text_file(dir / "config.json", hf_config_json(saved, torch_dtype));
 }
 
 }  // namespace detail
 
 /// Saves `layer` as MoE layer `layer_index` of a tiny Hugging Face checkpoint in `dir` (created
-/// if needed): config.json (hf_config_json(config)) and model.safetensors, or with
-/// options.shards > 1 the shards and model.safetensors.index.json. Only this layer's tensors
+/// if needed): config.json (hf_config_json(config); an MXFP4 gpt-oss config is saved without
+/// its quantization_config, the experts as their dequantised weights) and model.safetensors, or
+/// with options.shards > 1 the shards and model.safetensors.index.json. Only this layer's tensors
 /// are written (hf_layer_tensors(); names as the real checkpoints have them). A stale
 /// model.safetensors or index of the other form is removed, so that load_hf_layer() reads
 /// what was written. Throws moe::Error when the layer does not match `config`, layer_index is
@@ -987,7 +1228,9 @@ void save_hf_layer(std::filesystem::path const& dir, HfMoeConfig const& config, 
       "hf: ", where, ": cannot save weights as ", dtype_name(options.dtype),
       "; use F32, BF16 or F16");
   HfLayout const layout = hf_default_layout(config.family, layer_index, options.fused_experts);
-  std::vector<HfTensor> const tensors = hf_layer_tensors(config, layout);
+  HfMoeConfig plain = config;
+  plain.mxfp4 = false;  // MXFP4 experts are written as the dequantised weights
+  std::vector<HfTensor> const tensors = hf_layer_tensors(plain, layout);
   moe::detail::check(
       options.shards >= 1 && static_cast<std::size_t>(options.shards) <= tensors.size(),
       "hf: ", where, ": shards = ", options.shards, " must be in [1, ", tensors.size(),
@@ -1057,8 +1300,9 @@ void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const
   moe::detail::check(static_cast<Index>(formats.size()) == layer.num_experts(), "hf: ", where, ": ",
                      formats.size(), " formats for ", layer.num_experts(),
                      " experts; give one per expert");
-  moe::detail::check(config.family != HfFamily::kLlama4, "hf: ", where,
-                     ": Llama 4 stores its experts fused ([E, H, 2I]), which quantized checkpoints "
+  moe::detail::check(config.family != HfFamily::kLlama4 && config.family != HfFamily::kGptOss,
+                     "hf: ", where, ": ", config.model_type(),
+                     " stores its experts fused ([E, H, 2I]), which quantized checkpoints "
                      "(one tensor per expert and projection) do not support yet; quantize the "
                      "loaded layer with pack_weights instead");
   HfLayout const layout = hf_default_layout(config.family, layer_index, false);

@@ -4,6 +4,7 @@
 /// The checkpoint tensors of one Hugging Face MoE layer: names, shapes, and what each one is.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -17,22 +18,55 @@ namespace moe::io {
 
 /// What a checkpoint tensor of an MoE layer holds (I: expert width, Is: shared expert width).
 enum class HfPart : std::uint8_t {
-  kRouter,            ///< gate.weight [E, H] (Llama 4: router.weight)
-  kSelectionBias,     ///< gate.e_score_correction_bias [E] (DeepSeek-V3, GLM-4.5),
-                      ///< e_score_correction_bias [E] (MiniMax-M2) or
-                      ///< moe_statics.e_score_correction_bias [1, E] (ERNIE 4.5); a buffer
-  kExpertGate,        ///< experts.j.w1 / gate_proj .weight [I, H]
-  kExpertUp,          ///< experts.j.w3 / up_proj .weight [I, H]
-  kExpertDown,        ///< experts.j.w2 / down_proj .weight [H, I]
-  kExpertsGateUp,     ///< experts.gate_up_proj [E, 2I, H] (fused: gate rows, then up rows)
-  kExpertsDown,       ///< experts.down_proj [E, H, I] (fused)
-  kExpertsGateUpT,    ///< experts.gate_up_proj [E, H, 2I] (Llama 4: x @ W; gate columns, then up)
-  kExpertsDownT,      ///< experts.down_proj [E, I, H] (Llama 4: h @ W)
-  kSharedGate,        ///< shared_expert(s).gate_proj.weight [Is, H]
-  kSharedUp,          ///< shared_expert(s).up_proj.weight [Is, H]
-  kSharedDown,        ///< shared_expert(s).down_proj.weight [H, Is]
-  kSharedExpertGate,  ///< shared_expert_gate.weight [1, H] (Qwen2-MoE, Qwen3-Next)
+  kRouter,             ///< gate.weight [E, H] (Llama 4: router.weight)
+  kSelectionBias,      ///< gate.e_score_correction_bias [E] (DeepSeek-V3, GLM-4.5),
+                       ///< e_score_correction_bias [E] (MiniMax-M2) or
+                       ///< moe_statics.e_score_correction_bias [1, E] (ERNIE 4.5); a buffer
+  kExpertGate,         ///< experts.j.w1 / gate_proj .weight [I, H]
+  kExpertUp,           ///< experts.j.w3 / up_proj .weight [I, H]
+  kExpertDown,         ///< experts.j.w2 / down_proj .weight [H, I]
+  kExpertsGateUp,      ///< experts.gate_up_proj [E, 2I, H] (fused: gate rows, then up rows)
+  kExpertsDown,        ///< experts.down_proj [E, H, I] (fused)
+  kExpertsGateUpT,     ///< experts.gate_up_proj [E, H, 2I] (Llama 4: x @ W; gate columns, then up)
+  kExpertsDownT,       ///< experts.down_proj [E, I, H] (Llama 4: h @ W)
+  kSharedGate,         ///< shared_expert(s).gate_proj.weight [Is, H]
+  kSharedUp,           ///< shared_expert(s).up_proj.weight [Is, H]
+  kSharedDown,         ///< shared_expert(s).down_proj.weight [H, Is]
+  kSharedExpertGate,   ///< shared_expert_gate.weight [1, H] (Qwen2-MoE, Qwen3-Next)
+  kRouterBias,         ///< router.bias [E] (gpt-oss)
+  kExpertsGateUpI,     ///< experts.gate_up_proj [E, H, 2I] (gpt-oss: x @ W, column 2j is gate j,
+                       ///< 2j + 1 up j)
+  kExpertsGateUpBias,  ///< experts.gate_up_proj_bias [E, 2I] (gpt-oss, interleaved likewise)
+  kExpertsDownBias,    ///< experts.down_proj_bias [E, H] (gpt-oss)
+  /// gpt-oss MXFP4 (quantization_config.quant_method "mxfp4"): U8 [E, 2I, H/32, 16] FP4 E2M1
+  /// pairs (low nibble first) of the [E, 2I, H] (out, in; rows interleaved as above) weights,
+  /// and their U8 E8M0 scales [E, 2I, H/32]; read together, dequantised (hf_mxfp4_value()).
+  kExpertsGateUpBlocks,
+  kExpertsGateUpScales,
+  kExpertsDownBlocks,  ///< U8 [E, H, I/32, 16] of the [E, H, I] down weights
+  kExpertsDownScales,  ///< U8 [E, H, I/32]
+  kExpertGateBias,     ///< experts.j.gate_proj.bias [I] (ERNIE 4.5 use_bias)
+  kExpertUpBias,       ///< experts.j.up_proj.bias [I]
+  kExpertDownBias,     ///< experts.j.down_proj.bias [H]
+  kSharedGateBias,     ///< shared_experts.gate_proj.bias [Is] (ERNIE 4.5 use_bias)
+  kSharedUpBias,       ///< shared_experts.up_proj.bias [Is]
+  kSharedDownBias,     ///< shared_experts.down_proj.bias [H]
 };
+
+/// Is `part` one of the MXFP4 block or scale tensors (U8; read, never written or trained)?
+constexpr bool hf_is_mxfp4(HfPart part) noexcept {
+  return part == HfPart::kExpertsGateUpBlocks || part == HfPart::kExpertsGateUpScales ||
+         part == HfPart::kExpertsDownBlocks || part == HfPart::kExpertsDownScales;
+}
+
+/// The FP4 E2M1 value of a nibble (bit 3 sign, then 2 exponent and 1 mantissa bits) times
+/// 2^(scale - 127) for an E8M0 scale byte, as transformers' integrations/mxfp4.py decodes it
+/// (FP4_VALUES, torch.ldexp). Exact in float for scale < 255 (255 is NaN in the OCP MX spec).
+inline float hf_mxfp4_value(std::uint8_t nibble, std::uint8_t scale) noexcept {
+  static constexpr float kFp4[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  return std::ldexp(kFp4[nibble & 0x0Fu], static_cast<int>(scale) - 127);
+}
 
 /// One tensor of an MoE layer as the checkpoint stores it.
 struct HfTensor {
@@ -41,8 +75,11 @@ struct HfTensor {
   Index expert = -1;                ///< routed expert of a per-expert tensor, else -1
   std::vector<std::int64_t> shape;  ///< shape on disk
 
-  /// Is it a trainable parameter of the layer (everything but the selection bias)?
-  bool is_parameter() const noexcept { return part != HfPart::kSelectionBias; }
+  /// Is it a trainable parameter of the layer (everything but the selection bias and the MXFP4
+  /// blocks and scales, which are read-only storage)?
+  bool is_parameter() const noexcept {
+    return part != HfPart::kSelectionBias && !hf_is_mxfp4(part);
+  }
   /// Number of elements.
   std::int64_t num_elements() const noexcept {
     std::int64_t n = 1;
@@ -73,6 +110,11 @@ struct HfLayout {
 /// v5 names "model.layers.L.mlp.").
 inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_experts = false) {
   HfLayout layout;
+  if (family == HfFamily::kGptOss) {  // always fused, under mlp.
+    layout.fused_experts = true;
+    layout.prefix = detail::concat("model.layers.", layer, ".mlp.");
+    return layout;
+  }
   if (family == HfFamily::kLlama4) {  // always fused, under feed_forward.
     layout.fused_experts = true;
     layout.prefix = detail::concat("model.layers.", layer, ".feed_forward.");
@@ -102,6 +144,12 @@ inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_exper
 ///                experts.j.{gate,up,down}_proj.weight, shared_experts.{gate,up,down}_proj.weight
 ///   Llama 4:     router.weight, experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]
 ///                (always fused, transposed), shared_expert.{gate,up,down}_proj.weight
+///   gpt-oss:     router.weight, router.bias, experts.gate_up_proj [E, H, 2I] (interleaved),
+///                experts.gate_up_proj_bias [E, 2I], experts.down_proj [E, I, H],
+///                experts.down_proj_bias [E, H]; with MXFP4 experts.gate_up_proj_blocks /
+///                _scales and experts.down_proj_blocks / _scales instead of the two weights
+///   ERNIE 4.5 with use_bias: also experts.j.{gate,up,down}_proj.bias and
+///                shared_experts.{gate,up,down}_proj.bias (per-expert layout only)
 inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout const& layout) {
   std::vector<HfTensor> out;
   std::int64_t const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size;
@@ -110,6 +158,26 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
     out.push_back(HfTensor{std::move(name), part, expert, std::move(shape)});
   };
   bool const llama4 = c.family == HfFamily::kLlama4;
+  if (c.family == HfFamily::kGptOss) {
+    add(p + "router.weight", HfPart::kRouter, -1, {E, H});
+    add(p + "router.bias", HfPart::kRouterBias, -1, {E});
+    if (c.mxfp4) {
+      add(p + "experts.gate_up_proj_blocks", HfPart::kExpertsGateUpBlocks, -1,
+          {E, 2 * I, H / 32, 16});
+      add(p + "experts.gate_up_proj_scales", HfPart::kExpertsGateUpScales, -1, {E, 2 * I, H / 32});
+    } else {
+      add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpI, -1, {E, H, 2 * I});
+    }
+    add(p + "experts.gate_up_proj_bias", HfPart::kExpertsGateUpBias, -1, {E, 2 * I});
+    if (c.mxfp4) {
+      add(p + "experts.down_proj_blocks", HfPart::kExpertsDownBlocks, -1, {E, H, I / 32, 16});
+      add(p + "experts.down_proj_scales", HfPart::kExpertsDownScales, -1, {E, H, I / 32});
+    } else {
+      add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
+    }
+    add(p + "experts.down_proj_bias", HfPart::kExpertsDownBias, -1, {E, H});
+    return out;
+  }
   add(p + (llama4 ? "router.weight" : "gate.weight"), HfPart::kRouter, -1, {E, H});
   if (c.family == HfFamily::kMinimaxM2) {
     add(p + "e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
@@ -131,6 +199,11 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
       add(base + (mixtral ? "w1.weight" : "gate_proj.weight"), HfPart::kExpertGate, e, {I, H});
       add(base + (mixtral ? "w3.weight" : "up_proj.weight"), HfPart::kExpertUp, e, {I, H});
       add(base + (mixtral ? "w2.weight" : "down_proj.weight"), HfPart::kExpertDown, e, {H, I});
+      if (c.has_expert_biases()) {
+        add(base + "gate_proj.bias", HfPart::kExpertGateBias, e, {I});
+        add(base + "up_proj.bias", HfPart::kExpertUpBias, e, {I});
+        add(base + "down_proj.bias", HfPart::kExpertDownBias, e, {H});
+      }
     }
   }
   std::int64_t const Is = c.shared_intermediate_size();
@@ -140,6 +213,11 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
     add(s + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
     add(s + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
     add(s + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});
+    if (c.has_expert_biases()) {
+      add(s + "gate_proj.bias", HfPart::kSharedGateBias, -1, {Is});
+      add(s + "up_proj.bias", HfPart::kSharedUpBias, -1, {Is});
+      add(s + "down_proj.bias", HfPart::kSharedDownBias, -1, {H});
+    }
   }
   if (c.has_shared_expert_gate()) {
     add(p + "shared_expert_gate.weight", HfPart::kSharedExpertGate, -1, {1, H});
