@@ -550,3 +550,112 @@ TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[a
   REQUIRE_THROWS_WITH(empty.forward({x.data(), 10, 6}, {y.data(), 10, 6}, ws),
                       Catch::Contains("default-constructed"));
 }
+
+namespace {
+
+/// Prefill then decode steps through a KvCache for three sequences of different lengths (one
+/// starts empty and joins later), against forward() over each whole sequence (batch 1).
+template <class Layer>
+void check_cached(Layer const& layer, moe::ThreadPool* pool) {
+  Index const D = layer.d_model();
+  Index const S = 3;
+  // Per call, the new tokens of each sequence: a prefill (7, 12, 0 tokens), 1-token steps, a
+  // 3-token chunk, and sequence 2's own prefill in the middle.
+  std::vector<std::vector<Index>> const calls = {{7, 12, 0}, {1, 1, 0}, {1, 1, 9}, {3, 0, 1},
+                                                 {1, 1, 1},  {0, 1, 1}, {1, 1, 1}};
+  std::vector<std::vector<float>> seq(S);  // every token of each sequence so far
+  moe::KvCache cache(S, layer.num_kv_heads() * layer.head_dim(), 4);
+  moe::GatedAttentionWorkspace ws, full_ws;
+  std::uint64_t seed = 900;
+  for (std::size_t c = 0; c < calls.size(); ++c) {
+    INFO("call " << c);
+    std::vector<float> x;
+    for (Index s = 0; s < S; ++s) {
+      auto const part = random_vector(calls[c][s] * D, seed++);
+      x.insert(x.end(), part.begin(), part.end());
+      seq[s].insert(seq[s].end(), part.begin(), part.end());
+    }
+    Index const T = static_cast<Index>(x.size()) / D;
+    std::vector<float> y(x.size());
+    layer.forward_cached({x.data(), T, D}, {y.data(), T, D}, cache, calls[c], ws, pool);
+    Index row = 0;
+    for (Index s = 0; s < S; ++s) {
+      Index const n = calls[c][s], len = static_cast<Index>(seq[s].size()) / D;
+      REQUIRE(cache.length(s) == len);
+      if (n == 0) continue;
+      std::vector<float> yf(seq[s].size());
+      layer.forward({seq[s].data(), len, D}, {yf.data(), len, D}, full_ws, {pool});
+      double scale = 0.0, diff = 0.0;
+      for (Index i = 0; i < n * D; ++i) {
+        double const want = yf[static_cast<std::size_t>((len - n) * D + i)];
+        scale = std::max(scale, std::fabs(want));
+        diff = std::max(diff, std::fabs(y[static_cast<std::size_t>(row * D + i)] - want));
+      }
+      INFO("sequence " << s << ": max |diff| " << diff << " of max |y| " << scale);
+      REQUIRE(scale > 1e-3);
+      REQUIRE(diff <= 1e-5 * scale);
+      row += n;
+    }
+  }
+  REQUIRE(cache.capacity() >= 16);  // grew from 4
+  REQUIRE(cache.bytes_per_token() ==
+          2 * sizeof(float) * static_cast<std::size_t>(layer.num_kv_heads() * layer.head_dim()));
+}
+
+}  // namespace
+
+TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[attention][cache]") {
+  SECTION("GQA, q/k RMSNorm, RoPE (Qwen3-MoE attention), no gate") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.qk_norm = moe::QkNorm::kRmsNorm;
+    c.rope = true;
+    c.rope_theta = 1000.0f;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 31);
+    check_cached(layer, nullptr);
+  }
+  SECTION("sliding window 5 and sinks (gpt-oss), two threads") {
+    auto c = small_config(4, 1, moe::GateLayout::kSeparate);
+    c.rope = true;
+    c.sinks = true;
+    c.sliding_window = 5;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 32);
+    moe::ThreadPool pool(2);
+    check_cached(layer, &pool);
+  }
+  SECTION("elementwise gate packed per head (Qwen3-Next), partial RoPE, (1 + w) norms") {
+    auto c = small_config(2, 2, moe::GateLayout::kPackedPerHead);
+    c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+    c.rope = true;
+    c.rotary_dim = 2;
+    moe::GatedAttention<gating::ElementwiseGate> layer(c);
+    randomize(layer, 33);
+    check_cached(layer, nullptr);
+  }
+}
+
+TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
+  auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+  moe::GatedAttention<gating::NoGate> layer(c);
+  std::vector<float> x(3 * 6, 0.1f), y(x.size());
+  moe::GatedAttentionWorkspace ws;
+  moe::KvCache wrong(2, 5);
+  std::vector<Index> const counts = {2, 1};
+  REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, wrong, counts, ws),
+                      Catch::Contains("kv_dim") || Catch::Contains("KvCache(sequences, 8)"));
+  moe::KvCache cache(2, 8);
+  std::vector<Index> const short_counts = {3};
+  REQUIRE_THROWS_WITH(
+      layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, cache, short_counts, ws),
+      Catch::Contains("one count per sequence"));
+  std::vector<Index> const bad_sum = {1, 1};
+  REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, cache, bad_sum, ws),
+                      Catch::Contains("sum to 2") && Catch::Contains("3 rows"));
+  REQUIRE_THROWS_WITH(cache.truncate(0, 1), Catch::Contains("between 0 and its length"));
+  auto nc = c;
+  nc.causal = false;
+  moe::GatedAttention<gating::NoGate> bidir(nc);
+  REQUIRE_THROWS_WITH(bidir.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, cache, counts, ws),
+                      Catch::Contains("not causal"));
+}
