@@ -1,0 +1,223 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// Decoding benchmarks (docs/decoding.md, docs/performance.md): a synthetic decoder of
+// Qwen3-30B-A3B's shapes with random weights (moe::models::Decoder<presets::Qwen3Moe>):
+// hidden 2048, 32 query heads over 4 KV heads of head_dim 128, q/k RMSNorm, RoPE; 128 experts of
+// width 768, top-8 (experts packed as bf16: 2 bytes a weight); vocabulary 151936 with an untied
+// LM head; kLayers layers (2, not the model's 48: the fp32 master copy of 4 layers' experts
+// would not fit this machine next to the packs). Two threads.
+//
+//   BM_Decoder_Prefill/T:512        one prompt of 512 tokens through a fresh cache
+//   BM_Decoder_Decode/ctx:C         one decode step after a cached context of C tokens
+//                                   (C = 0, 1024, 4096; the step's token is rolled back after
+//                                   every iteration, so the context stays C)
+//
+// Counters: tokens/s; for decode also the bytes one step must read (every layer's attention
+// weights (fp32) and the KV cache of the context, the 8 active experts' bf16 weights and the
+// router, the LM head (fp32) and the token's embedding row), that over the time as GB/s, and
+// roofline = that / the machine's read bandwidth (measured here: a sum over 4x the last-level
+// cache, best of 3), plus the step's split: attn%, ffn%, other% (DecoderState::profile).
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "moe/core/cpu.hpp"
+#include "moe/core/random.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/models/decoder.hpp"
+
+namespace {
+
+using moe::Index;
+using Decoder = moe::models::Decoder<moe::presets::Qwen3Moe>;
+constexpr int kThreads = 2;
+constexpr Index kLayers = 2, kH = 2048, kHeads = 32, kKv = 4, kDh = 128, kE = 128, kI = 768,
+                kTopK = 8, kVocab = 151936;
+
+moe::ThreadPool& pool() {
+  static moe::ThreadPool p(kThreads);
+  return p;
+}
+
+void fill(std::span<float> v, float bound, std::uint64_t seed) {
+  moe::fill_uniform(v, -bound, bound, seed);
+}
+
+Decoder const& decoder() {
+  static Decoder const d = [] {
+    Decoder dec;
+    moe::models::DecoderConfig& c = dec.config;
+    c.moe.family = moe::io::HfFamily::kQwen3Moe;
+    c.moe.hidden_size = kH;
+    c.moe.num_experts = kE;
+    c.moe.num_experts_per_tok = kTopK;
+    c.moe.expert_intermediate_size = kI;
+    c.moe.norm_topk_prob = true;
+    c.moe.num_hidden_layers = kLayers;
+    c.vocab_size = kVocab;
+    c.num_hidden_layers = kLayers;
+    c.num_attention_heads = kHeads;
+    c.num_key_value_heads = kKv;
+    c.head_dim = kDh;
+    c.rope_theta = 1e6f;
+    c.rms_norm_eps = 1e-6f;
+    c.qk_norm = true;
+    dec.embed.resize(static_cast<std::size_t>(kVocab * kH));
+    fill(dec.embed, 1.0f, 1);
+    dec.lm_head.resize(dec.embed.size());
+    fill(dec.lm_head, 0.02f, 2);
+    dec.norm.assign(static_cast<std::size_t>(kH), 1.0f);
+    moe::GatedAttentionConfig ac;
+    ac.d_model = kH;
+    ac.num_heads = kHeads;
+    ac.num_kv_heads = kKv;
+    ac.head_dim = kDh;
+    ac.qk_norm = moe::QkNorm::kRmsNorm;
+    ac.rope = true;
+    ac.rope_theta = 1e6f;
+    for (Index L = 0; L < kLayers; ++L) {
+      Decoder::Block b{moe::GatedAttention<moe::gating::NoGate>(ac), {}, {}, std::nullopt, {}};
+      std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
+      for (auto const& p : b.attention.parameters()) {
+        if (std::string_view(p.name).find("norm") == std::string_view::npos) {
+          fill(p.values, 0.02f, seed++);
+        }
+      }
+      b.input_norm.assign(static_cast<std::size_t>(kH), 1.0f);
+      b.post_norm.assign(static_cast<std::size_t>(kH), 1.0f);
+      b.moe.emplace(moe::presets::make_qwen3_moe({kH, kI, kE, kTopK, true}));
+      fill(b.moe->experts().edit().parameters(), 0.02f, seed++);
+      auto w = b.moe->router_weight();
+      fill({w.data, static_cast<std::size_t>(w.rows * w.cols)}, 0.05f, seed++);
+      b.moe->pack_weights(moe::experts::WeightFormat::kBf16, &pool());
+      dec.blocks.push_back(std::move(b));
+    }
+    return dec;
+  }();
+  return d;
+}
+
+std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
+  std::vector<std::int64_t> t(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    t[static_cast<std::size_t>(i)] = static_cast<std::int64_t>((seed >> 33) % kVocab);
+  }
+  return t;
+}
+
+/// Best-of-3 read bandwidth over 4x the last-level cache, bytes/s (two threads).
+double read_bandwidth() {
+  static double const bw = [] {
+    std::size_t const llc = std::max<std::size_t>(
+        static_cast<std::size_t>(moe::cpu_features().llc_bytes), std::size_t{32} << 20);
+    std::vector<float> buf(4 * llc / sizeof(float), 1.0f);
+    double best = 0.0;
+    for (int rep = 0; rep < 3; ++rep) {
+      auto const t0 = std::chrono::steady_clock::now();
+      std::vector<double> part(kThreads, 0.0);
+      moe::parallel_for(&pool(), kThreads, [&](Index i, int) {
+        std::size_t const n = buf.size() / kThreads, b = static_cast<std::size_t>(i) * n;
+        float acc[16] = {};
+        for (std::size_t j = b; j + 16 <= b + n; j += 16) {
+          for (int k = 0; k < 16; ++k) acc[k] += buf[j + static_cast<std::size_t>(k)];
+        }
+        double s = 0.0;
+        for (float a : acc) s += a;
+        part[static_cast<std::size_t>(i)] = s;
+      });
+      double const dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      benchmark::DoNotOptimize(part.data());
+      best = std::max(best, static_cast<double>(buf.size() * sizeof(float)) / dt);
+    }
+    return best;
+  }();
+  return bw;
+}
+
+void BM_Decoder_Prefill(benchmark::State& state) {
+  Decoder const& dec = decoder();
+  Index const T = state.range(0);
+  auto const ids = tokens(T, 7);
+  std::vector<float> logits(static_cast<std::size_t>(kVocab));
+  std::vector<Index> const n = {T};
+  auto st = dec.make_state(1, T);
+  st.profile = true;
+  for (auto _ : state) {
+    for (auto& c : st.caches) c.clear();
+    dec.forward(ids, n, st, {logits.data(), 1, kVocab}, &pool());
+    benchmark::DoNotOptimize(logits.data());
+  }
+  double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["attn%"] = 100.0 * st.attention_seconds / total;
+  state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
+  state.counters["other%"] = 100.0 * st.other_seconds / total;
+}
+BENCHMARK(BM_Decoder_Prefill)->ArgName("T")->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+void BM_Decoder_Decode(benchmark::State& state) {
+  Decoder const& dec = decoder();
+  Index const ctx = state.range(0);
+  std::vector<float> logits(static_cast<std::size_t>(kVocab));
+  auto st = dec.make_state(1, ctx + 1);
+  if (ctx > 0) {
+    auto const prompt = tokens(ctx, 9);
+    std::vector<Index> const n = {ctx};
+    dec.forward(prompt, n, st, {logits.data(), 1, kVocab}, &pool());
+  }
+  std::vector<std::int64_t> const one = {42};
+  std::vector<Index> const n1 = {1};
+  st.profile = true;
+  st.attention_seconds = st.ffn_seconds = st.other_seconds = 0.0;
+  auto const t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    dec.forward(one, n1, st, {logits.data(), 1, kVocab}, &pool());
+    benchmark::DoNotOptimize(logits.data());
+    for (auto& c : st.caches) c.truncate(0, ctx);
+  }
+  double const elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double const attn_weights =
+      4.0 * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
+  double const kv = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * 4.0;
+  double const experts = static_cast<double>(kTopK) * 3.0 * kH * kI * 2.0 + 4.0 * kE * kH;
+  double const bytes = kLayers * (attn_weights + kv + experts) + 4.0 * kVocab * kH + 4.0 * kH;
+  double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
+  state.counters["tokens/s"] =
+      benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["MB/step"] = bytes * 1e-6;
+  state.counters["bw GB/s"] = read_bandwidth() * 1e-9;
+  state.counters["roofline"] =
+      bytes * static_cast<double>(state.iterations()) / elapsed / read_bandwidth();
+  state.counters["attn%"] = 100.0 * st.attention_seconds / total;
+  state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
+  state.counters["other%"] = 100.0 * st.other_seconds / total;
+}
+BENCHMARK(BM_Decoder_Decode)
+    ->ArgName("ctx")
+    ->Arg(0)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, 2 layers, bf16 experts");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
