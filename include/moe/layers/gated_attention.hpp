@@ -110,9 +110,10 @@ struct GatedAttentionWorkspace {
   bool trained = false;
 
   // forward_cached only.
-  std::vector<Index> row_seq;   ///< [T] sequence of each new row
-  std::vector<Index> row_pos;   ///< [T] its position in that sequence
-  std::vector<Index> seq_row0;  ///< [sequences + 1] first new row of each sequence
+  std::vector<Index> row_seq;    ///< [T] sequence of each new row
+  std::vector<Index> row_pos;    ///< [T] its position in that sequence
+  std::vector<Index> seq_row0;   ///< [sequences + 1] first new row of each sequence
+  std::vector<Index> group_pos;  ///< [sequences, G] the position of a 1-token step, per head
 };
 
 /// Multi-head / grouped-query attention with a head-specific sigmoid output gate:
@@ -634,46 +635,66 @@ class GatedAttention {
       }
     });
 
-    // SDPA per (sequence, head, chunk of its new rows) over the cached prefix + new rows.
-    Index const chunk_rows = kTileRows;
+    // SDPA over the cached prefix + new rows. Work items: a sequence with one new token and no
+    // sinks takes one item per KV group, its G query heads as G rows against the group's keys
+    // (the key blocks packed once for all of them); otherwise one item per (head, chunk of 64
+    // new rows). A row's result does not depend on the rows it is computed with.
+    Index const chunk_rows = kTileRows, G = group(), KVh = c_.num_kv_heads;
+    bool const grouped_ok = p_.sinks.empty() && G > 1;
+    ws.group_pos.resize(static_cast<std::size_t>(B * G));
+    auto items_of = [&](Index s) {
+      Index const n = new_tokens[static_cast<std::size_t>(s)];
+      return n == 1 && grouped_ok ? KVh : H * ((n + chunk_rows - 1) / chunk_rows);
+    };
     Index items = 0;
     for (Index s = 0; s < B; ++s) {
-      Index const n = new_tokens[static_cast<std::size_t>(s)];
-      items += H * ((n + chunk_rows - 1) / chunk_rows);
+      items += items_of(s);
+      std::fill(ws.group_pos.begin() + s * G, ws.group_pos.begin() + (s + 1) * G, cache.length(s));
     }
     parallel_for(pool, items, [&](Index item, int thread) {
       Index s = 0, base = 0;
       for (;; ++s) {
-        Index const n = new_tokens[static_cast<std::size_t>(s)];
-        Index const here = H * ((n + chunk_rows - 1) / chunk_rows);
+        Index const here = items_of(s);
         if (item < base + here) break;
         base += here;
       }
       Index const n = new_tokens[static_cast<std::size_t>(s)];
-      Index const chunks = (n + chunk_rows - 1) / chunk_rows;
-      Index const h = (item - base) / chunks, ch = (item - base) % chunks;
-      Index const r0 = ch * chunk_rows, r1 = std::min(n, r0 + chunk_rows);
       Index const row0 = ws.seq_row0[static_cast<std::size_t>(s)];
       Index const len = cache.length(s);  // before this call's tokens
-      Index const g = h / group();
       kernels::SdpaParams p;
-      p.q = ws.q.data() + row0 * HD + h * dh;
-      p.ldq = HD;
-      p.k = cache.key_data(s) + g * dh;
       p.ldk = KD;
-      p.v = cache.value_data(s) + g * dh;
       p.ldv = KD;
-      p.q_rows = n;
       p.kv_rows = len + n;
       p.head_dim = dh;
       p.value_dim = dh;
       p.scale = c_.scale;
       p.causal = true;
-      p.causal_offset = len;
       p.window = c_.sliding_window;
+      float* const scratch = ws.scratch.data() + thread * per;
+      if (n == 1 && grouped_ok) {
+        Index const g = item - base;
+        p.q = ws.q.data() + row0 * HD + g * G * dh;
+        p.ldq = dh;  // the G heads of one token, side by side
+        p.k = cache.key_data(s) + g * dh;
+        p.v = cache.value_data(s) + g * dh;
+        p.q_rows = G;
+        p.q_pos = ws.group_pos.data() + s * G;
+        kernels::sdpa_forward(p, ws.attn.data() + row0 * HD + g * G * dh, dh, nullptr, 0, G,
+                              scratch);
+        return;
+      }
+      Index const chunks = (n + chunk_rows - 1) / chunk_rows;
+      Index const h = (item - base) / chunks, ch = (item - base) % chunks;
+      Index const r0 = ch * chunk_rows, r1 = std::min(n, r0 + chunk_rows);
+      Index const g = h / G;
+      p.q = ws.q.data() + row0 * HD + h * dh;
+      p.ldq = HD;
+      p.k = cache.key_data(s) + g * dh;
+      p.v = cache.value_data(s) + g * dh;
+      p.q_rows = n;
+      p.causal_offset = len;
       if (!p_.sinks.empty()) p.sink = p_.sinks[static_cast<std::size_t>(h)];
-      kernels::sdpa_forward(p, ws.attn.data() + row0 * HD + h * dh, HD, nullptr, r0, r1,
-                            ws.scratch.data() + thread * per);
+      kernels::sdpa_forward(p, ws.attn.data() + row0 * HD + h * dh, HD, nullptr, r0, r1, scratch);
     });
     for (Index s = 0; s < B; ++s) cache.advance(s, new_tokens[static_cast<std::size_t>(s)]);
 
