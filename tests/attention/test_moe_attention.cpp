@@ -376,3 +376,67 @@ TEST_CASE("MoeAttention reports bad input clearly", "[attention][umoe]") {
                       Catch::Contains("filled by another layer"));
   REQUIRE_NOTHROW(layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g, eg));
 }
+
+TEST_CASE("MoeAttention KV cache: prefill and decode steps equal the full recompute",
+          "[attention][umoe][cache]") {
+  // UMoE config with every part: low-rank + residual queries, RoPE, a gated shared expert with
+  // its own query, a headwise gate; three sequences of different lengths, one joining later.
+  Index const D = 8, F = 6;
+  experts::ExpertBank<experts::SiluMlp> bank(4, D, F);
+  moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 91);
+  using Sh = experts::GatedSharedExperts<experts::SiluMlp>;
+  moe::MoeAttentionConfig c;
+  c.d_model = D;
+  c.qk_dim = 4;
+  c.q_rank = 3;
+  c.residual_query = true;
+  c.rope = true;
+  c.rope_theta = 50.0f;
+  moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> layer(
+      c, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
+  randomize(layer, 92);
+  moe::ThreadPool pool(2);
+  Index const S = 3;
+  std::vector<std::vector<Index>> const calls = {{6, 11, 0}, {1, 1, 0}, {1, 1, 8},
+                                                 {2, 0, 1},  {1, 1, 1}, {0, 1, 1}};
+  std::vector<std::vector<float>> seq(S);
+  auto cache = moe::KvCache::with_widths(S, c.qk_dim, D, 2);
+  REQUIRE(cache.bytes_per_token() == (4 + 8) * sizeof(float));
+  moe::MoeAttentionWorkspace ws, full_ws;
+  std::uint64_t seed = 950;
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    INFO("call " << k);
+    std::vector<float> x;
+    for (Index s = 0; s < S; ++s) {
+      auto const part = random_vector(calls[k][s] * D, seed++);
+      x.insert(x.end(), part.begin(), part.end());
+      seq[s].insert(seq[s].end(), part.begin(), part.end());
+    }
+    Index const T = static_cast<Index>(x.size()) / D;
+    std::vector<float> y(x.size());
+    layer.forward_cached({x.data(), T, D}, {y.data(), T, D}, cache, calls[k], ws, &pool);
+    Index row = 0;
+    for (Index s = 0; s < S; ++s) {
+      Index const n = calls[k][s], len = static_cast<Index>(seq[s].size()) / D;
+      REQUIRE(cache.length(s) == len);
+      if (n == 0) continue;
+      std::vector<float> yf(seq[s].size());
+      layer.forward({seq[s].data(), len, D}, {yf.data(), len, D}, full_ws, {&pool});
+      double scale = 0.0, diff = 0.0;
+      for (Index i = 0; i < n * D; ++i) {
+        double const want = yf[static_cast<std::size_t>((len - n) * D + i)];
+        scale = std::max(scale, std::fabs(want));
+        diff = std::max(diff, std::fabs(y[static_cast<std::size_t>(row * D + i)] - want));
+      }
+      INFO("sequence " << s << ": max |diff| " << diff << " of max |y| " << scale);
+      REQUIRE(scale > 1e-3);
+      REQUIRE(diff <= 1e-5 * scale);
+      row += n;
+    }
+  }
+  moe::KvCache wrong(S, 4);
+  std::vector<float> x(static_cast<std::size_t>(D)), y(x.size());
+  std::vector<Index> const one = {1, 0, 0};
+  REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, wrong, one, ws),
+                      Catch::Contains("with_widths"));
+}

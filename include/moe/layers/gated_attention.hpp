@@ -339,7 +339,7 @@ class GatedAttention {
     detail::check(c_.causal,
                   "GatedAttention::forward_cached: the layer is not causal; a KV cache serves "
                   "causal decoding only");
-    detail::check(cache.kv_dim() == kv_dim(),
+    detail::check(cache.key_dim() == kv_dim() && cache.value_dim() == kv_dim(),
                   "GatedAttention::forward_cached: the cache holds "
                   "rows of ",
                   cache.kv_dim(),

@@ -31,6 +31,7 @@
 #include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/layers/detail/ffn_base.hpp"
 #include "moe/layers/detail/projections.hpp"
+#include "moe/layers/kv_cache.hpp"
 #include "moe/layers/stages/combine.hpp"
 #include "moe/layers/stages/routed_experts.hpp"
 #include "moe/layers/stages/router.hpp"
@@ -108,6 +109,11 @@ struct MoeAttentionWorkspace {
   std::vector<float> dmixed_tok, dmixed_sh, delta_tok, delta_sh;
   std::vector<float> dq_tok, dq_sh, dq_rows, dq_low, dq_res, dk, dv, dx_rows;
   stages::Stamp stamp;  ///< the layer and shapes of the training forward (or none)
+
+  // forward_cached only.
+  std::vector<Index> cache_pos;   ///< [T] position of each new token in its sequence
+  std::vector<Index> cache_seq;   ///< [T] its sequence
+  std::vector<Index> cache_row0;  ///< [sequences + 1] first new token of each sequence
 };
 
 /// UMoE pre-mixing attention experts (ALGORITHMS.md section 3): attention is token mixing
@@ -284,6 +290,60 @@ class MoeAttention {
     check_call(x, y, opt);
     ws.stamp = {};
     run_forward(x, y, ws, opt, false);
+  }
+
+  /// Decoding with a KvCache made by KvCache::with_widths(sequences, qk_dim, d_model) (keys after
+  /// RoPE, values = the hidden states): x [T, D] holds new_tokens[s] new tokens of each
+  /// sequence s in order (sum = T), at positions length(s) onwards. Every routed and shared
+  /// expert query of a new token attends causally to its sequence's cached keys and the new
+  /// ones up to itself; the shared key and hidden state of each new token are appended. The
+  /// routing, experts and combine are those of forward(). Equals the last rows of forward()
+  /// over each whole sequence up to float rounding of the projections (few-row vs panel paths,
+  /// as GatedAttention::forward_cached; tested within 1e-5). Inference only; needs causal
+  /// attention. Throws moe::Error for a cache of other widths, counts that do not match.
+  void forward_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
+                      std::span<Index const> new_tokens, MoeAttentionWorkspace& ws,
+                      ThreadPool* pool = nullptr) const {
+    AttentionOptions o;
+    o.pool = pool;
+    check_call(x, y, o);
+    detail::check(c_.causal,
+                  "MoeAttention::forward_cached: the layer is not causal; a KV cache "
+                  "serves causal decoding only");
+    detail::check(cache.key_dim() == c_.qk_dim && cache.value_dim() == c_.d_model,
+                  "MoeAttention::forward_cached: the cache holds keys of ", cache.key_dim(),
+                  " and values of ", cache.value_dim(),
+                  " floats but the layer needs qk_dim = ", c_.qk_dim, " and d_model = ", c_.d_model,
+                  "; make it with KvCache::with_widths(sequences, qk_dim, d_model)");
+    detail::check(static_cast<Index>(new_tokens.size()) == cache.sequences(),
+                  "MoeAttention::forward_cached: new_tokens has ", new_tokens.size(),
+                  " entries for a cache of ", cache.sequences(),
+                  " sequences; give one count per sequence (0 for none)");
+    Index total = 0;
+    for (Index const n : new_tokens) {
+      detail::check(n >= 0, "MoeAttention::forward_cached: a negative token count (", n, ")");
+      total += n;
+    }
+    detail::check(total == x.rows, "MoeAttention::forward_cached: new_tokens sum to ", total,
+                  " but x has ", x.rows,
+                  " rows; x holds the new tokens of every sequence in order");
+    Index const B = cache.sequences();
+    ws.cache_pos.resize(static_cast<std::size_t>(x.rows));
+    ws.cache_seq.resize(static_cast<std::size_t>(x.rows));
+    ws.cache_row0.assign(static_cast<std::size_t>(B + 1), 0);
+    for (Index s = 0, t = 0; s < B; ++s) {
+      Index const n = new_tokens[static_cast<std::size_t>(s)];
+      cache.make_room(s, n);
+      ws.cache_row0[static_cast<std::size_t>(s + 1)] =
+          ws.cache_row0[static_cast<std::size_t>(s)] + n;
+      for (Index i = 0; i < n; ++i, ++t) {
+        ws.cache_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
+        ws.cache_seq[static_cast<std::size_t>(t)] = s;
+      }
+    }
+    o.positions = ws.cache_pos;
+    ws.stamp = {};
+    run_forward(x, y, ws, o, false, &cache, new_tokens);
   }
 
   /// forward() keeping in `ws` what backward needs.
@@ -474,7 +534,8 @@ class MoeAttention {
   }
 
   void run_forward(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
-                   AttentionOptions const& opt, bool train) const;
+                   AttentionOptions const& opt, bool train, KvCache* cache = nullptr,
+                   std::span<Index const> new_tokens = {}) const;
   void run_backward(MoeAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                     Gradients& grads, Bank& expert_grads, ThreadPool* pool) const;
 
@@ -488,7 +549,9 @@ class MoeAttention {
 template <RouterPolicy Rt, ExpertPolicy Xp, SharedExpertPolicy Sh, gating::SdpaGatePolicy Gt>
 void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixView<float> y,
                                                MoeAttentionWorkspace& ws,
-                                               AttentionOptions const& opt, bool train) const {
+                                               AttentionOptions const& opt, bool train,
+                                               KvCache* cache,
+                                               std::span<Index const> new_tokens) const {
   Index const T = x.rows, D = c_.d_model, E = num_experts(), dk = c_.qk_dim, rk = c_.q_rank;
   Index const ns = shared_.count(), w = gate_width(), B = opt.batch, hr = half_rot();
   ThreadPool* pool = opt.pool;
@@ -516,7 +579,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   for (Index j = 0; j < R; ++j) {
     Index const r = plan.token_rows[j];
     ws.tok_index[r] = j;
-    ws.tok_pos[j] = plan.row_token[r] % S;
+    Index const t = plan.row_token[r];
+    ws.tok_pos[j] = cache ? ws.cache_pos[static_cast<std::size_t>(t)] : t % S;
   }
   Index const row_tiles = (R + kTileRows - 1) / kTileRows;
   Index const token_tiles = (T + kTileRows - 1) / kTileRows;
@@ -616,15 +680,73 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   grow(ws.lse_sh, train ? ns * T : 0);
   std::uint8_t const* mask = opt.key_mask.empty() ? nullptr : opt.key_mask.data();
   auto& items = ws.sdpa_items;
-  sdpa_items(ws, B, S, items);
-  parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
-    SdpaItem const& it = items[i];
-    Index const row0 = item_row0(ws, T, S, it);
-    float* o = (it.s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
-    float* lse = train ? (it.s < 0 ? ws.lse_tok.data() : ws.lse_sh.data()) + row0 : nullptr;
-    kernels::sdpa_forward(sdpa_params(ws, x, S, it.b, it.s, mask), o, D, lse, it.r0, it.r1,
-                          ws.scratch.data() + thread * per);
-  });
+  if (cache) {
+    // Decoding: append the new tokens' keys and hidden states, then attend over the cache.
+    parallel_for(pool, token_tiles, [&](Index i, int) {
+      for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
+        Index const sq = ws.cache_seq[static_cast<std::size_t>(t)];
+        Index const pos = ws.cache_pos[static_cast<std::size_t>(t)];
+        std::copy(ws.k.data() + t * dk, ws.k.data() + (t + 1) * dk, cache->key_row(sq, pos));
+        std::copy(x.row(t), x.row(t) + D, cache->value_row(sq, pos));
+      }
+    });
+    Index const Bc = cache->sequences();
+    items.clear();
+    for (Index b = 0; b < Bc; ++b) {
+      Index const t0 = ws.cache_row0[static_cast<std::size_t>(b)];
+      Index const n = new_tokens[static_cast<std::size_t>(b)];
+      Index const rows = plan.token_offsets[t0 + n] - plan.token_offsets[t0];
+      for (Index r = 0; r < rows; r += kTileRows) {
+        items.push_back({b, -1, r, std::min(rows, r + kTileRows)});
+      }
+      for (Index s = 0; s < ns; ++s) {
+        for (Index r = 0; r < n; r += kTileRows)
+          items.push_back({b, s, r, std::min(n, r + kTileRows)});
+      }
+    }
+    parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
+      SdpaItem const& it = items[i];
+      Index const t0 = ws.cache_row0[static_cast<std::size_t>(it.b)];
+      Index const n = new_tokens[static_cast<std::size_t>(it.b)];
+      Index const len = cache->length(it.b);  // before this call's tokens
+      kernels::SdpaParams p;
+      Index row0 = 0;
+      if (it.s < 0) {
+        row0 = plan.token_offsets[t0];
+        p.q = ws.q_tok.data() + row0 * dk;
+        p.q_rows = plan.token_offsets[t0 + n] - row0;
+        p.q_pos = ws.tok_pos.data() + row0;
+      } else {
+        row0 = it.s * T + t0;
+        p.q = ws.q_sh.data() + row0 * dk;
+        p.q_rows = n;
+        p.causal_offset = len;
+      }
+      p.ldq = dk;
+      p.k = cache->key_data(it.b);
+      p.ldk = dk;
+      p.v = cache->value_data(it.b);
+      p.ldv = D;
+      p.kv_rows = len + n;
+      p.head_dim = dk;
+      p.value_dim = D;
+      p.scale = c_.scale;
+      p.causal = true;
+      float* o = (it.s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
+      kernels::sdpa_forward(p, o, D, nullptr, it.r0, it.r1, ws.scratch.data() + thread * per);
+    });
+    for (Index b = 0; b < Bc; ++b) cache->advance(b, new_tokens[static_cast<std::size_t>(b)]);
+  } else {
+    sdpa_items(ws, B, S, items);
+    parallel_for(pool, static_cast<Index>(items.size()), [&](Index i, int thread) {
+      SdpaItem const& it = items[i];
+      Index const row0 = item_row0(ws, T, S, it);
+      float* o = (it.s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
+      float* lse = train ? (it.s < 0 ? ws.lse_tok.data() : ws.lse_sh.data()) + row0 : nullptr;
+      kernels::sdpa_forward(sdpa_params(ws, x, S, it.b, it.s, mask), o, D, lse, it.r0, it.r1,
+                            ws.scratch.data() + thread * per);
+    });
+  }
 
   // 5. Output gate; expert inputs back in expert-major order.
   grow(ws.routed.x_rows, R * D);
