@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "moe/core/cpu.hpp"
@@ -36,7 +37,7 @@ namespace {
 using moe::Index;
 using Decoder = moe::models::Decoder<moe::presets::Qwen3Moe>;
 constexpr int kThreads = 2;
-constexpr Index kLayers = 2, kH = 2048, kHeads = 32, kKv = 4, kDh = 128, kE = 128, kI = 768,
+constexpr Index kLayers = 4, kH = 2048, kHeads = 32, kKv = 4, kDh = 128, kE = 128, kI = 768,
                 kTopK = 8, kVocab = 151936;
 
 moe::ThreadPool& pool() {
@@ -216,7 +217,8 @@ BENCHMARK(BM_Decoder_Decode)
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
-  benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, 2 layers, bf16 experts");
+  benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, " +
+                                             std::to_string(kLayers) + " layers, bf16 experts");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

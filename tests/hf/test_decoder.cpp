@@ -267,6 +267,11 @@ void check_generation(Tiny const& t, std::string const& name) {
   std::visit(
       [&](auto const& dec) {
         REQUIRE(dec.blocks.size() == static_cast<std::size_t>(t.L));
+        // F32 checkpoint: the embedding (and LM head) are read in place from the mapped file.
+        REQUIRE(dec.embed_view != nullptr);
+        REQUIRE(dec.embed.empty());
+        REQUIRE(dec.mapped != nullptr);
+        REQUIRE((dec.lm_head_view != nullptr) == !t.tie);
         for (Index l = 0; l < t.L; ++l) REQUIRE(dec.blocks[l].moe.has_value() == !is_dense(t, l));
         std::vector<std::int64_t> ids = {3, 17, 5, 9, 30};
         auto st = dec.make_state(1);

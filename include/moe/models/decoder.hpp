@@ -6,10 +6,12 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -196,8 +198,9 @@ struct DecoderState {
 /// Attention: GatedAttention<NoGate> (GQA, RoPE at absolute positions, causal; Qwen3-MoE's q/k
 /// RMSNorm; Mixtral's sliding_window). RMSNorm: x / sqrt(mean x^2 + eps) * w.
 ///
-/// Weights are copied out of the checkpoint into the layers (converted to fp32); the MoE layers
-/// are packed as fp32 panels, so an FFN row never depends on the batch it runs in.
+/// The layers' weights are copied out of the checkpoint (converted to fp32); an F32
+/// checkpoint's embedding and LM head are read in place from the mapped file (`mapped`). The MoE
+/// layers are packed as fp32 panels, so an FFN row never depends on the batch it runs in.
 template <class Moe>
 class Decoder {
  public:
@@ -209,14 +212,26 @@ class Decoder {
   };
 
   DecoderConfig config;
-  std::vector<float> embed;    ///< [V, H] model.embed_tokens.weight
-  std::vector<Block> blocks;   ///< model.layers.L
-  std::vector<float> norm;     ///< [H] model.norm.weight
-  std::vector<float> lm_head;  ///< [V, H] lm_head.weight (empty when tied: embed is used)
+  /// [V, H] model.embed_tokens.weight (empty when read in place: see mapped).
+  std::vector<float> embed;
+  std::vector<Block> blocks;  ///< model.layers.L
+  std::vector<float> norm;    ///< [H] model.norm.weight
+  /// [V, H] lm_head.weight (empty when tied, then the embedding is used, or read in place).
+  std::vector<float> lm_head;
+  /// An F32 checkpoint's embedding and LM head are used where they lie in the mapped file (no
+  /// copy; 4-byte aligned data): the checkpoint stays open while a copy of the decoder lives,
+  /// and embed_view / lm_head_view point into it. Null: the vectors above hold them.
+  std::shared_ptr<io::ShardedCheckpoint const> mapped;
+  float const* embed_view = nullptr;
+  float const* lm_head_view = nullptr;
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
-  float const* lm_head_data() const { return lm_head.empty() ? embed.data() : lm_head.data(); }
+  float const* embed_data() const { return embed_view ? embed_view : embed.data(); }
+  float const* lm_head_data() const {
+    if (lm_head_view) return lm_head_view;
+    return lm_head.empty() ? embed_data() : lm_head.data();
+  }
 
   /// A state for `sequences` sequences with room for `capacity` tokens each (it grows).
   DecoderState make_state(Index sequences, Index capacity = 0) const {
@@ -265,7 +280,7 @@ class Decoder {
     size(st.normed, T * H);
     size(st.tmp, T * H);
     for (Index t = 0; t < T; ++t) {
-      float const* e = embed.data() + tokens[static_cast<std::size_t>(t)] * H;
+      float const* e = embed_data() + tokens[static_cast<std::size_t>(t)] * H;
       std::copy(e, e + H, st.h.data() + t * H);
     }
     MatrixView<float> h(st.h.data(), T, H), normed(st.normed.data(), T, H),
@@ -369,9 +384,24 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
   return io::to_float(*t);
 }
 
+/// Tensor `name` as F32 data in place in the mapped file, or null when it is another dtype or
+/// not 4-byte aligned (then read_tensor copies it). Checks the shape like read_tensor.
+inline float const* in_place_f32(io::ShardedCheckpoint const& ckpt, std::string const& name,
+                                 std::vector<std::int64_t> const& shape) {
+  io::TensorView const* t = ckpt.find(name);
+  if (t == nullptr || t->shape != shape || t->dtype != io::Dtype::kF32) return nullptr;
+  auto const* p = reinterpret_cast<float const*>(t->bytes.data());
+  return reinterpret_cast<std::uintptr_t>(p) % alignof(float) == 0 &&
+                 std::endian::native == std::endian::little
+             ? p
+             : nullptr;
+}
+
 template <class Moe>
-Decoder<Moe> load_decoder(DecoderConfig const& c, io::ShardedCheckpoint const& ckpt,
+Decoder<Moe> load_decoder(DecoderConfig const& c,
+                          std::shared_ptr<io::ShardedCheckpoint const> const& mapped,
                           ThreadPool* pool) {
+  io::ShardedCheckpoint const& ckpt = *mapped;
   Decoder<Moe> d;
   d.config = c;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
@@ -379,12 +409,18 @@ Decoder<Moe> load_decoder(DecoderConfig const& c, io::ShardedCheckpoint const& c
   std::string const why =
       "a decoder checkpoint holds the embedding, every layer, the final "
       "norm and (untied) lm_head";
-  d.embed = read_tensor(ckpt, "model.embed_tokens.weight", {V, H}, why);
+  d.embed_view = in_place_f32(ckpt, "model.embed_tokens.weight", {V, H});
+  if (d.embed_view == nullptr)
+    d.embed = read_tensor(ckpt, "model.embed_tokens.weight", {V, H}, why);
   d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
   if (!c.tie_word_embeddings) {
-    d.lm_head = read_tensor(ckpt, "lm_head.weight", {V, H},
-                            "tie_word_embeddings is false, so lm_head.weight is needed");
+    d.lm_head_view = in_place_f32(ckpt, "lm_head.weight", {V, H});
+    if (d.lm_head_view == nullptr) {
+      d.lm_head = read_tensor(ckpt, "lm_head.weight", {V, H},
+                              "tie_word_embeddings is false, so lm_head.weight is needed");
+    }
   }
+  if (d.embed_view || d.lm_head_view) d.mapped = mapped;
   GatedAttentionConfig ac;
   ac.d_model = H;
   ac.num_heads = nh;
@@ -446,7 +482,7 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
                                   ThreadPool* pool = nullptr) {
   io::detail::check_model_dir(model_dir);
   DecoderConfig const c = read_decoder_config(model_dir);
-  io::ShardedCheckpoint const ckpt = io::open_checkpoint(model_dir);
+  auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
   if (c.moe.family == io::HfFamily::kQwen3Moe) {
     return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, pool);
   }
