@@ -653,3 +653,39 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
 }  // namespace moe::kernels
 
 #include "moe/kernels/detail/diagnostics_pop.hpp"
+
+// A build may compile the expert kernels of the common epilogues once, in one translation unit
+// that instantiates them explicitly (tests/support/expert_kernels.cpp does for the test binaries),
+// instead of in every translation unit that runs a layer: define MOE_EXTERN_EXPERT_KERNELS in
+// every TU built with the same flags and link that one. Nothing changes without the macro.
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+namespace moe::kernels {
+extern template void expert_cols<StoreEpilogue>(RowSource, Index, Index, WeightPanels const&, Index,
+                                                Index, StoreEpilogue const&, float*, Index,
+                                                NextPanel);
+extern template void expert_cols<GluEpilogue<Activation::kSilu, false>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    GluEpilogue<Activation::kSilu, false> const&, float*, Index, NextPanel);
+extern template void expert_cols<GluEpilogue<Activation::kSilu, true>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    GluEpilogue<Activation::kSilu, true> const&, float*, Index, NextPanel);
+extern template void expert_cols<GluEpilogue<Activation::kGeluTanh, false>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    GluEpilogue<Activation::kGeluTanh, false> const&, float*, Index, NextPanel);
+extern template void expert_cols<GluEpilogue<Activation::kGeluErf, false>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    GluEpilogue<Activation::kGeluErf, false> const&, float*, Index, NextPanel);
+extern template void expert_cols<ActEpilogue<Activation::kSilu>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    ActEpilogue<Activation::kSilu> const&, float*, Index, NextPanel);
+extern template void expert_cols<ActEpilogue<Activation::kRelu>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    ActEpilogue<Activation::kRelu> const&, float*, Index, NextPanel);
+extern template void expert_cols<ActEpilogue<Activation::kGeluErf>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    ActEpilogue<Activation::kGeluErf> const&, float*, Index, NextPanel);
+extern template void expert_cols<ActEpilogue<Activation::kGeluTanh>>(
+    RowSource, Index, Index, WeightPanels const&, Index, Index,
+    ActEpilogue<Activation::kGeluTanh> const&, float*, Index, NextPanel);
+}  // namespace moe::kernels
+#endif

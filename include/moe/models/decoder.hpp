@@ -145,14 +145,14 @@ class DenseMlp {
   MatrixView<float> down() { return {down_.data(), H_, I_}; }
   Index intermediate() const { return I_; }
 
-  /// y [T, H] = MLP(x [T, H]); `m` is scratch.
+  /// y [T, H] = MLP(x [T, H]); `m`, `scratch` and `q` are reused buffers.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, std::vector<float>& m,
-               std::vector<float>& scratch, ThreadPool* pool) const {
+               std::vector<float>& scratch, moe::detail::ProjectionQueue& q,
+               ThreadPool* pool) const {
     Index const T = x.rows;
     m.resize(static_cast<std::size_t>(T * 2 * I_));
     Index const per = kernels::panel_scratch_size(std::max(H_, I_));
     scratch.resize(static_cast<std::size_t>((pool ? pool->size() : 1) * per));
-    moe::detail::ProjectionQueue q;
     q.add({x.data, x.row_stride, T, gate_up_.data(), H_, m.data(), 2 * I_}, 2 * I_);
     q.run(pool, scratch.data(), per);
     for (Index t = 0; t < T; ++t) {
@@ -175,6 +175,8 @@ struct DecoderState {
   GatedAttentionWorkspace attention;
   MoeFfnWorkspace ffn;
   std::vector<float> h, normed, tmp, mlp_hidden, scratch, last;
+  std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
+  moe::detail::ProjectionQueue queue;       ///< dense MLP and LM-head projections
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
   /// LM head).
@@ -299,14 +301,16 @@ class Decoder {
         opt.pool = pool;
         b.moe->forward(normed, tmp, st.ffn, opt);
       } else {
-        b.mlp.forward(normed, tmp, st.mlp_hidden, st.scratch, pool);
+        b.mlp.forward(normed, tmp, st.mlp_hidden, st.scratch, st.queue, pool);
       }
       lap(ffn);
       add_rows(h, tmp, pool);
     }
     // The last new token of each sequence with one: final norm, LM head.
-    std::vector<Index> last_rows;
-    std::vector<Index> seqs;
+    std::vector<Index>& last_rows = st.last_rows;
+    std::vector<Index>& seqs = st.last_seqs;
+    last_rows.clear();
+    seqs.clear();
     for (Index s = 0, row = 0; s < B; ++s) {
       row += new_tokens[static_cast<std::size_t>(s)];
       if (new_tokens[static_cast<std::size_t>(s)] > 0) {
@@ -323,9 +327,8 @@ class Decoder {
     size(st.tmp, std::max(T * H, n * V));
     Index const per = kernels::panel_scratch_size(H);
     size(st.scratch, (pool ? pool->size() : 1) * per);
-    moe::detail::ProjectionQueue q;
-    q.add({st.last.data(), H, n, lm_head_data(), H, st.tmp.data(), V}, V);
-    q.run(pool, st.scratch.data(), per);
+    st.queue.add({st.last.data(), H, n, lm_head_data(), H, st.tmp.data(), V}, V);
+    st.queue.run(pool, st.scratch.data(), per);
     for (Index i = 0; i < n; ++i) {
       std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
                 logits.row(seqs[static_cast<std::size_t>(i)]));
