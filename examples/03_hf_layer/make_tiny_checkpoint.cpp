@@ -29,7 +29,6 @@
 #include <exception>
 #include <filesystem>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -135,11 +134,8 @@ void write_gpt_oss_mxfp4(std::string const& dir, moe::io::HfMoeConfig c) {
     }
   }
   writer.save(std::filesystem::path(dir) / "model.safetensors");
-  std::FILE* f = std::fopen((std::filesystem::path(dir) / "config.json").string().c_str(), "wb");
-  if (f == nullptr) throw std::runtime_error("cannot write " + dir + "/config.json");
-  std::string const json = moe::io::hf_config_json(c, "bfloat16");
-  std::fwrite(json.data(), 1, json.size(), f);
-  std::fclose(f);
+  moe::io::detail::write_text_file(std::filesystem::path(dir) / "config.json",
+                                   moe::io::hf_config_json(c, "bfloat16"));
 }
 
 template <class Layer>

@@ -346,18 +346,7 @@ class GatedAttention {
                   " floats but the layer's keys have num_kv_heads * "
                   "head_dim = ",
                   kv_dim(), "; make it with KvCache(sequences, ", kv_dim(), ")");
-    detail::check(static_cast<Index>(new_tokens.size()) == cache.sequences(),
-                  "GatedAttention::forward_cached: new_tokens has ", new_tokens.size(),
-                  " entries for a cache of ", cache.sequences(),
-                  " sequences; give one count per sequence (0 for none)");
-    Index total = 0;
-    for (Index const n : new_tokens) {
-      detail::check(n >= 0, "GatedAttention::forward_cached: a negative token count (", n, ")");
-      total += n;
-    }
-    detail::check(total == x.rows, "GatedAttention::forward_cached: new_tokens sum to ", total,
-                  " but x has ", x.rows,
-                  " rows; x holds the new tokens of every sequence in order");
+    detail::check_new_tokens(cache, new_tokens, x.rows, "GatedAttention");
     run_cached(x, y, cache, new_tokens, ws, pool);
     ws.trained = false;
   }
@@ -471,52 +460,17 @@ class GatedAttention {
     if (T == 0) return;
 
     // 1. Projections: [Q | gamma] (or Q and gamma), K, V.
-    ws.queue.add({x.data, x.row_stride, T, p_.q_proj.data(), D, ws.qg.data(), P}, q_proj_rows());
-    if (separate_gate()) {
-      ws.queue.add({x.data, x.row_stride, T, p_.gate_proj.data(), D, ws.qg.data() + HD, P},
-                   gate_cols());
-    }
-    ws.queue.add({x.data, x.row_stride, T, p_.k_proj.data(), D, ws.k_raw.data(), KD}, KD);
-    ws.queue.add({x.data, x.row_stride, T, p_.v_proj.data(), D, ws.v.data(), KD}, KD);
+    enqueue_qkv(x, ws);
     ws.queue.run(pool, ws.scratch.data(), per);
 
-    // 2. Per token: RoPE angles, q/k norm and RoPE, gate logits gathered and squashed.
+    // 2. Per token: RoPE angles, q/k norm and RoPE, gate logits gathered.
     Index const tiles = (T + kTileRows - 1) / kTileRows;
     parallel_for(pool, tiles, [&](Index i, int) {
-      Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
-      for (Index t = t0; t < t1; ++t) {
-        float const* cs = ws.rope_cos.data() + t * hr;
-        float const* sn = ws.rope_sin.data() + t * hr;
-        if (c_.rope) {
-          Index const pos = opt.positions.empty() ? t % S : opt.positions[t];
-          kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, ws.rope_cos.data() + t * hr,
-                               ws.rope_sin.data() + t * hr);
-        }
-        float const* qg = ws.qg.data() + t * P;
-        for (Index h = 0; h < H; ++h) {
-          float* q = ws.q.data() + t * HD + h * dh;
-          if (has_norm()) {
-            ws.rstd_q[t * H + h] = kernels::rms_norm(qg + query_col(h), p_.q_norm.data(),
-                                                     one_plus(), c_.norm_eps, dh, q);
-          } else {
-            std::copy(qg + query_col(h), qg + query_col(h) + dh, q);
-          }
-          if (c_.rope) kernels::rope_apply(q, cs, sn, c_.rotary_dim);
-          if constexpr (gated) {
-            std::copy(qg + gate_col(h), qg + gate_col(h) + w, ws.gate.data() + (t * H + h) * w);
-          }
-        }
-        for (Index g = 0; g < KV; ++g) {
-          float const* kr = ws.k_raw.data() + t * KD + g * dh;
-          float* k = ws.k.data() + t * KD + g * dh;
-          if (has_norm()) {
-            ws.rstd_k[t * KV + g] =
-                kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
-          } else {
-            std::copy(kr, kr + dh, k);
-          }
-          if (c_.rope) kernels::rope_apply(k, cs, sn, c_.rotary_dim);
-        }
+      for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
+        Index const pos = opt.positions.empty() ? t % S : opt.positions[t];
+        prepare_row(ws, t, pos, ws.q.data() + t * HD, ws.k.data() + t * KD, nullptr,
+                    has_norm() ? ws.rstd_q.data() + t * H : nullptr,
+                    has_norm() ? ws.rstd_k.data() + t * KV : nullptr);
       }
     });
 
@@ -548,10 +502,24 @@ class GatedAttention {
     ws.queue.run(pool, ws.scratch.data(), per);
   }
 
-  /// q (norm, RoPE) of row t into `q`, its key (norm, RoPE) into `k` and value into `v`, at
-  /// position pos; the gate logits into ws.gate.
+  /// [Q | gamma] (or Q and gamma), K and V of every row of x, queued on ws.queue.
+  void enqueue_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws) const {
+    Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
+    ws.queue.add({x.data, x.row_stride, T, p_.q_proj.data(), D, ws.qg.data(), P}, q_proj_rows());
+    if (separate_gate()) {
+      ws.queue.add({x.data, x.row_stride, T, p_.gate_proj.data(), D, ws.qg.data() + HD, P},
+                   gate_cols());
+    }
+    ws.queue.add({x.data, x.row_stride, T, p_.k_proj.data(), D, ws.k_raw.data(), KD}, KD);
+    ws.queue.add({x.data, x.row_stride, T, p_.v_proj.data(), D, ws.v.data(), KD}, KD);
+  }
+
+  /// Row t at position pos: RoPE angles into ws.rope_cos / rope_sin, its queries (norm, RoPE)
+  /// into q_out [H d_h], key (norm, RoPE) into k_out [KV d_h], value into v_out (null: kept in
+  /// ws.v), the RMSNorm factors into rstd_q [H] / rstd_k [KV] (null: not kept), the gate logits
+  /// into ws.gate.
   void prepare_row(GatedAttentionWorkspace& ws, Index t, Index pos, float* q_out, float* k_out,
-                   float* v_out) const {
+                   float* v_out, float* rstd_q = nullptr, float* rstd_k = nullptr) const {
     Index const H = c_.num_heads, KV = c_.num_kv_heads, dh = c_.head_dim, w = gate_width();
     Index const P = qg_cols(), KD = kv_dim(), hr = half_rot();
     float* cs = ws.rope_cos.data() + t * hr;
@@ -561,7 +529,9 @@ class GatedAttention {
     for (Index h = 0; h < H; ++h) {
       float* q = q_out + h * dh;
       if (has_norm()) {
-        kernels::rms_norm(qg + query_col(h), p_.q_norm.data(), one_plus(), c_.norm_eps, dh, q);
+        float const r =
+            kernels::rms_norm(qg + query_col(h), p_.q_norm.data(), one_plus(), c_.norm_eps, dh, q);
+        if (rstd_q) rstd_q[h] = r;
       } else {
         std::copy(qg + query_col(h), qg + query_col(h) + dh, q);
       }
@@ -574,13 +544,14 @@ class GatedAttention {
       float const* kr = ws.k_raw.data() + t * KD + g * dh;
       float* k = k_out + g * dh;
       if (has_norm()) {
-        kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
+        float const r = kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
+        if (rstd_k) rstd_k[g] = r;
       } else {
         std::copy(kr, kr + dh, k);
       }
       if (c_.rope) kernels::rope_apply(k, cs, sn, c_.rotary_dim);
     }
-    std::copy(ws.v.data() + t * KD, ws.v.data() + (t + 1) * KD, v_out);
+    if (v_out) std::copy(ws.v.data() + t * KD, ws.v.data() + (t + 1) * KD, v_out);
   }
 
   void run_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
@@ -615,13 +586,7 @@ class GatedAttention {
     }
     if (T == 0) return;
 
-    ws.queue.add({x.data, x.row_stride, T, p_.q_proj.data(), D, ws.qg.data(), P}, q_proj_rows());
-    if (separate_gate()) {
-      ws.queue.add({x.data, x.row_stride, T, p_.gate_proj.data(), D, ws.qg.data() + HD, P},
-                   gate_cols());
-    }
-    ws.queue.add({x.data, x.row_stride, T, p_.k_proj.data(), D, ws.k_raw.data(), KD}, KD);
-    ws.queue.add({x.data, x.row_stride, T, p_.v_proj.data(), D, ws.v.data(), KD}, KD);
+    enqueue_qkv(x, ws);
     ws.queue.run(pool, ws.scratch.data(), per);
 
     // Queries into ws.q; keys and values straight into the cache rows.

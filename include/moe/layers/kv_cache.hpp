@@ -128,4 +128,22 @@ class KvCache {
   std::vector<float> k_, v_;
 };
 
+namespace detail {
+/// The checks of a forward_cached call (who: the layer's name): one count per sequence of
+/// `cache`, none negative, summing to the rows of x.
+inline void check_new_tokens(KvCache const& cache, std::span<Index const> new_tokens, Index rows,
+                             char const* who) {
+  check(static_cast<Index>(new_tokens.size()) == cache.sequences(), who,
+        "::forward_cached: new_tokens has ", new_tokens.size(), " entries for a cache of ",
+        cache.sequences(), " sequences; give one count per sequence (0 for none)");
+  Index total = 0;
+  for (Index const n : new_tokens) {
+    check(n >= 0, who, "::forward_cached: a negative token count (", n, ")");
+    total += n;
+  }
+  check(total == rows, who, "::forward_cached: new_tokens sum to ", total, " but x has ", rows,
+        " rows; x holds the new tokens of every sequence in order");
+}
+}  // namespace detail
+
 }  // namespace moe

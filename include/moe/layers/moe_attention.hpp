@@ -315,18 +315,7 @@ class MoeAttention {
                   " and values of ", cache.value_dim(),
                   " floats but the layer needs qk_dim = ", c_.qk_dim, " and d_model = ", c_.d_model,
                   "; make it with KvCache::with_widths(sequences, qk_dim, d_model)");
-    detail::check(static_cast<Index>(new_tokens.size()) == cache.sequences(),
-                  "MoeAttention::forward_cached: new_tokens has ", new_tokens.size(),
-                  " entries for a cache of ", cache.sequences(),
-                  " sequences; give one count per sequence (0 for none)");
-    Index total = 0;
-    for (Index const n : new_tokens) {
-      detail::check(n >= 0, "MoeAttention::forward_cached: a negative token count (", n, ")");
-      total += n;
-    }
-    detail::check(total == x.rows, "MoeAttention::forward_cached: new_tokens sum to ", total,
-                  " but x has ", x.rows,
-                  " rows; x holds the new tokens of every sequence in order");
+    detail::check_new_tokens(cache, new_tokens, x.rows, "MoeAttention");
     Index const B = cache.sequences();
     ws.cache_pos.resize(static_cast<std::size_t>(x.rows));
     ws.cache_seq.resize(static_cast<std::size_t>(x.rows));

@@ -270,13 +270,15 @@ class Decoder {
     using Clock = std::chrono::steady_clock;
     auto const t_start = Clock::now();
     auto mark = Clock::now();
-    auto lap = [&](double& into) {
+    // Adds the time since the last mark to `into` (null: to neither part; the rest is the total
+    // minus the parts).
+    auto lap = [&](double* into) {
       if (!st.profile) return;
       auto const now = Clock::now();
-      into += std::chrono::duration<double>(now - mark).count();
+      if (into) *into += std::chrono::duration<double>(now - mark).count();
       mark = now;
     };
-    double attention = 0.0, ffn = 0.0, rest = 0.0;
+    double attention = 0.0, ffn = 0.0;
     auto size = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
     size(st.h, T * H);
     size(st.normed, T * H);
@@ -290,12 +292,12 @@ class Decoder {
     for (std::size_t L = 0; L < blocks.size(); ++L) {
       Block const& b = blocks[L];
       rms_rows(h, b.input_norm, normed, pool);
-      lap(rest);
+      lap(nullptr);
       b.attention.forward_cached(normed, tmp, st.caches[L], new_tokens, st.attention, pool);
-      lap(attention);
+      lap(&attention);
       add_rows(h, tmp, pool);
       rms_rows(h, b.post_norm, normed, pool);
-      lap(rest);
+      lap(nullptr);
       if (b.moe) {
         ForwardOptions opt;
         opt.pool = pool;
@@ -303,7 +305,7 @@ class Decoder {
       } else {
         b.mlp.forward(normed, tmp, st.mlp_hidden, st.scratch, st.queue, pool);
       }
-      lap(ffn);
+      lap(&ffn);
       add_rows(h, tmp, pool);
     }
     // The last new token of each sequence with one: final norm, LM head.
