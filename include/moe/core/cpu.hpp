@@ -30,8 +30,10 @@ namespace moe {
 /// *and* the operating system saves its registers (XCR0: AVX state for AVX/AVX2/FMA, opmask and
 /// ZMM state for AVX-512, tile state for AMX; for AMX, Linux also wants a per-process request,
 /// see request_amx()). Cache sizes in bytes are per core's view (L1d, L2, last level), from
-/// /sys/devices/system/cpu/cpu0/cache, else from CPUID's deterministic cache leaves; 0 when
-/// neither says (some VMs report nothing).
+/// /sys/devices/system/cpu/cpu0/cache, else from CPUID's deterministic cache leaves (AMD's legacy
+/// leaves 0x80000005/6 where those are empty); 0 when neither says. A VM's figures can describe
+/// the host's whole socket (a 2-vCPU guest told of 508 MiB of L3): benches check them by a read
+/// sweep (bench/machine.hpp).
 struct CpuFeatures {
   std::string vendor;  ///< "GenuineIntel", "AuthenticAMD", ... (empty off x86)
   std::string brand;   ///< the CPUID brand string, e.g. "AMD EPYC 9R14 96-Core Processor"
@@ -139,6 +141,20 @@ inline void read_caches_cpuid(CpuFeatures& f) {
     if (level == 1) f.l1d_bytes = size;
     if (level == 2) f.l2_bytes = size;
     if (level >= 2 && level >= f.llc_level) f.llc_level = level, f.llc_bytes = size;
+  }
+  // AMD without topology extensions (some VMs: leaf 0x8000001D all zero): the legacy leaves,
+  // L1d KiB in 0x80000005 ECX[31:24], L2 KiB in 0x80000006 ECX[31:16], L3 in 512 KiB units in
+  // 0x80000006 EDX[31:18] (what glibc reads there too).
+  if (f.llc_bytes == 0 && f.vendor == "AuthenticAMD" && cpuid(0x80000000u).a >= 0x80000006u) {
+    CpuidRegs const l1 = cpuid(0x80000005u), l23 = cpuid(0x80000006u);
+    f.l1d_bytes = static_cast<std::int64_t>(l1.c >> 24) * 1024;
+    f.l2_bytes = static_cast<std::int64_t>(l23.c >> 16) * 1024;
+    std::int64_t const l3 = static_cast<std::int64_t>(l23.d >> 18) * 512 * 1024;
+    if (l3 > 0) {
+      f.llc_level = 3, f.llc_bytes = l3;
+    } else if (f.l2_bytes > 0) {
+      f.llc_level = 2, f.llc_bytes = f.l2_bytes;
+    }
   }
   if (f.llc_bytes > 0) f.cache_source = "cpuid";
 }
