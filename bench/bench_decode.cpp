@@ -16,8 +16,10 @@
 // Counters: tokens/s; for decode also the bytes one step must read (every layer's attention
 // weights (fp32) and the KV cache of the context, the 8 active experts' bf16 weights and the
 // router, the LM head (fp32) and the token's embedding row), that over the time as GB/s, and
-// roofline = that / the machine's read bandwidth (measured here: a sum over 4x the last-level
-// cache, best of 3), plus the step's split: attn%, ffn%, other% (DecoderState::profile).
+// roofline = that / the machine's read bandwidth (bench/machine.hpp: 4 prefetched streams per
+// thread over 4x the read sweep's last-level cache, at least 512 MiB, best of 3, measured
+// before and after the row, the larger kept), plus the step's split: attn%, ffn%, other%
+// (DecoderState::profile).
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "machine.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -112,34 +115,16 @@ std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
   return t;
 }
 
-/// Best-of-3 read bandwidth over 4x the last-level cache, bytes/s (two threads).
+/// Read bandwidth over 4x the last-level cache (bench/machine.hpp's sweep, at least 512 MiB),
+/// bytes/s, two threads: moe::bench::read_bandwidth's 4 prefetched streams (the reader the
+/// hot-path bench measures with), best of 3. A decode row measures it just before and just after
+/// its timed loop and keeps the larger: the host's bandwidth drifts by tens of percent within
+/// minutes (one start-up value misjudged rows measured later).
 double read_bandwidth() {
-  static double const bw = [] {
-    std::size_t const llc = std::max<std::size_t>(
-        static_cast<std::size_t>(moe::cpu_features().llc_bytes), std::size_t{32} << 20);
-    std::vector<float> buf(4 * llc / sizeof(float), 1.0f);
-    double best = 0.0;
-    for (int rep = 0; rep < 3; ++rep) {
-      auto const t0 = std::chrono::steady_clock::now();
-      std::vector<double> part(kThreads, 0.0);
-      moe::parallel_for(&pool(), kThreads, [&](Index i, int) {
-        std::size_t const n = buf.size() / kThreads, b = static_cast<std::size_t>(i) * n;
-        float acc[16] = {};
-        for (std::size_t j = b; j + 16 <= b + n; j += 16) {
-          for (int k = 0; k < 16; ++k) acc[k] += buf[j + static_cast<std::size_t>(k)];
-        }
-        double s = 0.0;
-        for (float a : acc) s += a;
-        part[static_cast<std::size_t>(i)] = s;
-      });
-      double const dt =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      benchmark::DoNotOptimize(part.data());
-      best = std::max(best, static_cast<double>(buf.size() * sizeof(float)) / dt);
-    }
-    return best;
-  }();
-  return bw;
+  static Index const n =
+      std::max<Index>(Index{1} << 27, moe::bench::last_level_cache().bytes) / 32 * 32;
+  static moe::HugePageVector<float> const buf(static_cast<std::size_t>(n), 1.0f);
+  return moe::bench::read_bandwidth(buf.data(), n, kThreads, 1, 3);
 }
 
 void BM_Decoder_Prefill(benchmark::State& state) {
@@ -178,6 +163,7 @@ void BM_Decoder_Decode(benchmark::State& state) {
   std::vector<Index> const n1 = {1};
   st.profile = true;
   st.attention_seconds = st.ffn_seconds = st.other_seconds = 0.0;
+  double const bw_before = read_bandwidth();
   auto const t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     dec.forward(one, n1, st, {logits.data(), 1, kVocab}, &pool());
@@ -186,6 +172,7 @@ void BM_Decoder_Decode(benchmark::State& state) {
   }
   double const elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double const bw = std::max(bw_before, read_bandwidth());
   double const attn_weights =
       4.0 * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
   double const kv = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * 4.0;
@@ -197,9 +184,8 @@ void BM_Decoder_Decode(benchmark::State& state) {
   state.counters["GB/s"] =
       benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["MB/step"] = bytes * 1e-6;
-  state.counters["bw GB/s"] = read_bandwidth() * 1e-9;
-  state.counters["roofline"] =
-      bytes * static_cast<double>(state.iterations()) / elapsed / read_bandwidth();
+  state.counters["bw GB/s"] = bw * 1e-9;
+  state.counters["roofline"] = bytes * static_cast<double>(state.iterations()) / elapsed / bw;
   state.counters["attn%"] = 100.0 * st.attention_seconds / total;
   state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
   state.counters["other%"] = 100.0 * st.other_seconds / total;
@@ -217,6 +203,7 @@ BENCHMARK(BM_Decoder_Decode)
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
   benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, " +
                                              std::to_string(kLayers) + " layers, bf16 experts");
   benchmark::RunSpecifiedBenchmarks();

@@ -37,10 +37,12 @@
 //     reading expert 0's weights (from cache): what streaming the weights costs the kernel.
 // FLOP counts: router 2*T*E*D; each routed row 2*D*F*3 (gate, up, down); shared experts
 // 2*T*D*F_s*3. Forward+backward counts 3x the forward (dX and dW each cost a forward).
-// Weights: one layer copy per shape. The header prints the last-level cache the CPU reports
-// (moe::cpu_features: sysfs, else CPUID) and each layer row its w/LLC = active weight bytes /
-// LLC: below 2 the weights can stay partly cached between iterations, and S-MBU and the
-// bandwidth roofline overstate the fraction of DRAM bandwidth reached.
+// Weights: one layer copy per shape. The last-level cache is the read sweep's where it shows the
+// fall to DRAM speed, else the CPU's figure (bench/machine.hpp; the header prints both, as llc).
+// Each forward row cycles through input batches (seeds 7, 8, ...; counter inputs) until the
+// routed experts they touch together exceed 2x that cache, and reports w/LLC = those bytes / LLC:
+// below 2 the weights can stay partly cached between two calls on the same batch, and S-MBU and
+// the bandwidth roofline overstate the fraction of DRAM bandwidth reached.
 // Run: ./moe_bench_hotpath --benchmark_counters_tabular=true [--benchmark_out=r.json
 //      --benchmark_out_format=json]   (bench/plot_roofline.py draws the roofline from the JSON)
 #include <benchmark/benchmark.h>
@@ -54,6 +56,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "machine.hpp"
 
 namespace {
 
@@ -70,115 +74,80 @@ moe::ThreadPool& pool() {
 // ---------------------------------------------------------------------------------------------
 // Machine limits, measured once.
 
+/// Operations per second of `step` on N independent accumulator chains, one thread: N chains of
+/// `iters` steps; `ops` operations a step (e.g. 2 x 16 for an fp32 FMA on 16 lanes).
+template <int N, class V, class Init, class Step>
+double chains_rate(Init init, Step step, double ops) {
+  V acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = init(i);
+  long const iters = 1 << 21;
+  auto const t0 = std::chrono::steady_clock::now();
+  for (long it = 0; it < iters; ++it) {
+    for (int i = 0; i < N; ++i) acc[i] = step(acc[i]);
+  }
+  double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int i = 0; i < N; ++i) benchmark::DoNotOptimize(acc[i]);
+  return ops * N * static_cast<double>(iters) / s;
+}
+
+/// The peak of one unit on `threads` threads, best of `reps`: each thread runs the step on 8, 12,
+/// 16 and 24 independent chains and keeps the fastest. One chain count is not enough on every
+/// CPU: the unit's latency x throughput sets how many chains hide the latency, and GCC 12 keeps
+/// some counts' accumulators in rotating registers (a vmovdqa per chain and step, which halved
+/// the measured vpdpbusd peak on a Zen 5 at 16 chains).
+template <class V, class Init, class Step>
+double unit_peak(int threads, int reps, Init init, Step step, double ops) {
+  std::vector<double> per(static_cast<std::size_t>(threads));
+  auto run = [&](Index, int t) {
+    double best = chains_rate<8, V>(init, step, ops);
+    best = std::max(best, chains_rate<12, V>(init, step, ops));
+    best = std::max(best, chains_rate<16, V>(init, step, ops));
+    best = std::max(best, chains_rate<24, V>(init, step, ops));
+    per[static_cast<std::size_t>(t)] = best;
+  };
+  moe::ThreadPool p(threads);
+  double best = 0.0;
+  for (int rep = 0; rep < reps; ++rep) {  // best of reps: other VMs share the cores
+    p.parallel_for(threads, run);
+    double total = 0.0;
+    for (double v : per) total += v;
+    best = std::max(best, total);
+  }
+  return best;
+}
+
+/// fp32 FMA throughput (FLOP/s: 2 per lane and FMA).
 double measure_fma_peak(int threads, int reps = 9) {
   using B = xsimd::batch<float>;
-  constexpr int kAcc = 16;
-  std::vector<double> per(static_cast<std::size_t>(threads));
-  auto run = [&](Index, int t) {
-    B acc[kAcc];
-    for (int i = 0; i < kAcc; ++i) acc[i] = B(static_cast<float>(i + t));
-    B const a(0.999999f), b(1e-7f);
-    long const iters = 1 << 22;
-    auto t0 = std::chrono::steady_clock::now();
-    for (long it = 0; it < iters; ++it) {
-      for (int i = 0; i < kAcc; ++i) acc[i] = xsimd::fma(acc[i], a, b);
-    }
-    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    B sum(0.0f);
-    for (int i = 0; i < kAcc; ++i) sum += acc[i];
-    benchmark::DoNotOptimize(sum);
-    per[t] = 2.0 * B::size * kAcc * static_cast<double>(iters) / s;
-  };
-  moe::ThreadPool p(threads);
-  double best = 0.0;
-  for (int rep = 0; rep < reps; ++rep) {  // best of reps: other VMs share the cores
-    p.parallel_for(threads, run);
-    double total = 0.0;
-    for (double v : per) total += v;
-    best = std::max(best, total);
-  }
-  return best;
+  B const a(0.999999f), b(1e-7f);
+  return unit_peak<B>(
+      threads, reps, [](int i) { return B(static_cast<float>(i)); },
+      [&](B acc) { return xsimd::fma(acc, a, b); }, 2.0 * B::size);
 }
 
-/// The last-level cache in bytes (moe::cpu_features), or 32 MiB when the CPU reports none.
-double llc_bytes() {
-  std::int64_t const b = moe::cpu_features().llc_bytes;
-  return b > 0 ? static_cast<double>(b) : 32.0 * 1024 * 1024;
-}
+/// The last-level cache in bytes as the bench uses it (bench/machine.hpp: the read sweep where
+/// it shows the fall to DRAM speed, else what the CPU reports).
+double llc_bytes() { return static_cast<double>(moe::bench::last_level_cache().bytes); }
 
-/// DRAM read bandwidth: each thread sums its half of a buffer of at least 512 MiB and 4x the
-/// last-level cache (2 MiB pages, like the weights) as 4 streams, each prefetched 2 KiB ahead. A
-/// plain loop of loads (the hardware prefetcher alone) measured 35-36 GB/s on this host while the
-/// same loop with 4 prefetched streams measured 51 (and the layers, which prefetch, streamed 47
-/// GB/s at T = 1): with other VMs on the memory controller the plain loop does not show what the
-/// machine gives a reader that keeps enough requests in flight. On a quiet host both reach 50-52
-/// GB/s.
+/// DRAM read bandwidth (moe::bench::read_bandwidth: 4 prefetched streams per thread) over a
+/// buffer of at least 512 MiB and 4x the last-level cache (2 MiB pages, like the weights), one
+/// pass, best of `reps`.
 double measure_read_bandwidth(int threads, int reps = 9) {
-  using B = xsimd::batch<float>;
-  Index n = Index{1} << 27;  // 512 MiB of floats, at least 4x the last-level cache
+  Index n = Index{1} << 27;  // 512 MiB of floats
   while (static_cast<double>(n) < llc_bytes()) n *= 2;
   static moe::HugePageVector<float> buf(static_cast<std::size_t>(n), 1.0f);
-  moe::ThreadPool p(threads);
-  double best = 0.0;
-  // Best of `reps` passes: the host's memory bandwidth is shared with other VMs and fluctuates.
-  for (int rep = 0; rep < reps; ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    p.parallel_for(threads, [&](Index i, int) {
-      constexpr Index kStreams = 4, kAhead = 2048 / sizeof(float);
-      Index const len = n / threads / kStreams;  // floats per stream, a multiple of 2 batches
-      float const* base = buf.data() + n / threads * i;
-      B s[2 * kStreams];
-      for (B& v : s) v = B(0.0f);
-      for (Index j = 0; j < len; j += 2 * B::size) {
-        for (Index st = 0; st < kStreams; ++st) {
-          float const* q = base + st * len + j;
-          __builtin_prefetch(q + kAhead);
-          __builtin_prefetch(q + kAhead + B::size);
-          s[2 * st] += B::load_aligned(q);
-          s[2 * st + 1] += B::load_aligned(q + B::size);
-        }
-      }
-      B total(0.0f);
-      for (B const& v : s) total += v;
-      benchmark::DoNotOptimize(total);
-    });
-    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, static_cast<double>(n) * 4.0 / s);
-  }
-  return best;
+  return moe::bench::read_bandwidth(buf.data(), n, threads, 1, reps);
 }
 
-/// AVX512-BF16 dot-product throughput: vdpbf16ps on 16 independent accumulators; each
-/// instruction is 32 bf16 multiply-adds into 16 fp32 lanes = 64 FLOP. 0 without AVX512-BF16.
+/// AVX512-BF16 dot-product throughput: vdpbf16ps (32 bf16 multiply-adds into 16 fp32 lanes = 64
+/// FLOP an instruction). 0 without AVX512-BF16.
 double measure_bf16_peak(int threads, int reps = 9) {
 #if MOE_HAS_AVX512BF16
-  std::vector<double> per(static_cast<std::size_t>(threads));
-  auto run = [&](Index, int t) {
-    constexpr int kAcc = 16;
-    __m512 acc[kAcc];
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i + t));
-    __m512bh const a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3F803F80));  // (1, 1)
-    __m512bh const b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x33D633D6));  // (1e-7, ..)
-    long const iters = 1 << 22;
-    auto t0 = std::chrono::steady_clock::now();
-    for (long it = 0; it < iters; ++it) {
-      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    }
-    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    __m512 sum = _mm512_setzero_ps();
-    for (int i = 0; i < kAcc; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    benchmark::DoNotOptimize(sum);
-    per[static_cast<std::size_t>(t)] = 64.0 * kAcc * static_cast<double>(iters) / s;
-  };
-  moe::ThreadPool p(threads);
-  double best = 0.0;
-  for (int rep = 0; rep < reps; ++rep) {  // best of reps: other VMs share the cores
-    p.parallel_for(threads, run);
-    double total = 0.0;
-    for (double v : per) total += v;
-    best = std::max(best, total);
-  }
-  return best;
+  __m512bh const a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3F803F80));  // (1, 1)
+  __m512bh const b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x33D633D6));  // (1e-7, ..)
+  return unit_peak<__m512>(
+      threads, reps, [](int i) { return _mm512_set1_ps(static_cast<float>(i)); },
+      [&](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); }, 64.0);
 #else
   (void)threads;
   (void)reps;
@@ -186,35 +155,14 @@ double measure_bf16_peak(int threads, int reps = 9) {
 #endif
 }
 
-/// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second; 0 without VNNI).
+/// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second: 128 an instruction; 0
+/// without VNNI).
 double measure_int8_peak(int threads, int reps = 9) {
 #if MOE_HAS_AVX512VNNI
-  std::vector<double> per(static_cast<std::size_t>(threads));
-  auto run = [&](Index, int t) {
-    constexpr int kAcc = 16;
-    __m512i acc[kAcc];
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_epi32(i + t);
-    __m512i const a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-1);
-    long const iters = 1 << 22;
-    auto t0 = std::chrono::steady_clock::now();
-    for (long it = 0; it < iters; ++it) {
-      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-    }
-    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    __m512i sum = _mm512_setzero_si512();
-    for (int i = 0; i < kAcc; ++i) sum = _mm512_add_epi32(sum, acc[i]);
-    benchmark::DoNotOptimize(sum);
-    per[static_cast<std::size_t>(t)] = 128.0 * kAcc * static_cast<double>(iters) / s;
-  };
-  moe::ThreadPool p(threads);
-  double best = 0.0;
-  for (int rep = 0; rep < reps; ++rep) {
-    p.parallel_for(threads, run);
-    double total = 0.0;
-    for (double v : per) total += v;
-    best = std::max(best, total);
-  }
-  return best;
+  __m512i const a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-1);
+  return unit_peak<__m512i>(
+      threads, reps, [](int i) { return _mm512_set1_epi32(i); },
+      [&](__m512i acc) { return _mm512_dpbusd_epi32(acc, a, b); }, 128.0);
 #else
   (void)threads;
   (void)reps;
@@ -376,10 +324,40 @@ Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightF
   return *layer;
 }
 
-std::vector<float> input(Index T, Index D) {
+std::vector<float> input(Index T, Index D, std::uint64_t seed = 7) {
   std::vector<float> x(static_cast<std::size_t>(T * D));
-  moe::fill_uniform(x, -1.0f, 1.0f, 7);
+  moe::fill_uniform(x, -1.0f, 1.0f, seed);
   return x;
+}
+
+/// The batches a layer row cycles through, one per iteration: random batches (seeds 7, 8, ...)
+/// added until the routed experts' weights they touch together (in the layer's format) exceed
+/// twice the last-level cache, so that a batch's experts have left the cache by the time it comes
+/// round again; at most kMaxInputs (a shape with few experts may not get there: its w/LLC says
+/// so). One batch where a single one already touches that much (every T >= 8 of the four shapes
+/// on a 32 MiB cache).
+struct Inputs {
+  static constexpr std::size_t kMaxInputs = 16;
+  std::vector<std::vector<float>> xs;
+  std::size_t cur = 0;
+  double cycle_bytes = 0.0;  ///< routed expert weight bytes one cycle through xs touches
+  std::vector<float> const& x() const { return xs[cur]; }
+  void advance() { cur = (cur + 1) % xs.size(); }
+};
+Inputs rotating_inputs(Layer const& layer, Shape const& s, Index T, double expert_bits) {
+  Inputs in;
+  moe::MoeFfnWorkspace ws;
+  std::vector<char> used(static_cast<std::size_t>(s.E), 0);
+  double const per_expert = expert_bits / 8.0 * 3.0 * static_cast<double>(s.D * s.F);
+  while (in.xs.size() < Inputs::kMaxInputs && in.cycle_bytes <= 2.0 * llc_bytes()) {
+    in.xs.push_back(input(T, s.D, 7 + in.xs.size()));
+    layer.route({in.xs.back().data(), T, s.D}, ws);
+    for (Index e = 0; e < s.E; ++e) {
+      auto& u = used[static_cast<std::size_t>(e)];
+      if (ws.plan.expert_rows(e) > 0 && !u) u = 1, in.cycle_bytes += per_expert;
+    }
+  }
+  return in;
 }
 
 struct Cost {
@@ -430,7 +408,8 @@ struct RowTimes {
 /// the same load from other VMs (and neither finds the other's data in cache). The limits are
 /// measured just before and just after the loop, the larger of the two kept.
 template <class Ours, class Beside>
-RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, bool one_thread) {
+RowTimes timed_rows(benchmark::State& state, Inputs& in, Ours&& ours, Beside&& beside,
+                    bool one_thread) {
   Limits const before = measure_limits(one_thread);
   Timing a, b;
   for (auto _ : state) {
@@ -438,6 +417,7 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, bool 
     a.run(ours);
     state.SetIterationTime(a.total - prev);
     b.run(beside);
+    in.advance();
   }
   double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
   return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits(one_thread))};
@@ -445,7 +425,8 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, bool 
 
 /// The same with two runs beside ours (each iteration: ours, beside, beside2).
 template <class Ours, class Beside, class Beside2>
-RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, Beside2&& beside2) {
+RowTimes timed_rows(benchmark::State& state, Inputs& in, Ours&& ours, Beside&& beside,
+                    Beside2&& beside2) {
   Limits const before = measure_limits(false);
   Timing a, b, c;
   for (auto _ : state) {
@@ -454,6 +435,7 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, Besid
     state.SetIterationTime(a.total - prev);
     b.run(beside);
     c.run(beside2);
+    in.advance();
   }
   double const n = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
   return {a.total / n, a.best, b.total / n, b.best, larger(before, measure_limits(false)),
@@ -465,7 +447,12 @@ RowTimes timed_rows(benchmark::State& state, Ours&& ours, Beside&& beside, Besid
 /// they are divided by, which are the best of several probes: on a host shared with other VMs
 /// both sides are then what the machine gave when it was least disturbed. best_ms and the mean
 /// (the row's time) are both reported.
-void set_counters(benchmark::State& state, Index T, Cost c, double flop_factor, RowTimes const& r) {
+/// w/LLC: the routed expert weight bytes one cycle through the row's inputs touches, over the
+/// last-level cache (below 2: a batch's weights may still be cached when it comes round again,
+/// and S-MBU overstates the DRAM bandwidth reached); inputs: how many batches the row cycles
+/// through (rotating_inputs).
+void set_counters(benchmark::State& state, Index T, Cost c, double flop_factor, RowTimes const& r,
+                  Inputs const& in) {
   Limits const& lim = r.lim;
   double const flop = c.flop * flop_factor;
   double const achieved = flop / r.best;
@@ -480,7 +467,8 @@ void set_counters(benchmark::State& state, Index T, Cost c, double flop_factor, 
   state.counters["bw_GB/s"] = lim.bandwidth / 1e9;
   state.counters["S-MFU"] = achieved / lim.fma;
   state.counters["S-MBU"] = c.weight_bytes / r.best / lim.bandwidth;
-  state.counters["w/LLC"] = c.weight_bytes / llc_bytes();
+  state.counters["w/LLC"] = in.cycle_bytes / llc_bytes();
+  state.counters["inputs"] = static_cast<double>(in.xs.size());
   state.counters["roofline"] = achieved / std::min(lim.fma, ai * lim.bandwidth);
   state.counters["FLOP/B"] = ai;
 }
@@ -577,15 +565,15 @@ void naive_backward(Layer const& layer, moe::MoeFfnWorkspace const& routed,
 /// `one_thread`: also measure one thread's read bandwidth around the loop (Limits::bandwidth1).
 template <Shape const& S, class Ours, class Beside>
 std::pair<RowTimes, Cost> measure_row(benchmark::State& state, moe::MoeFfnWorkspace const& ws,
-                                      Index T, double flop_factor, double byte_factor, Ours&& ours,
-                                      Beside&& beside, std::string const& name,
+                                      Inputs& in, Index T, double flop_factor, double byte_factor,
+                                      Ours&& ours, Beside&& beside, std::string const& name,
                                       std::string const& other, bool one_thread = false) {
   ours();
   beside();
   Cost c = cost_of(S, ws.plan, T);
   c.weight_bytes *= byte_factor;
-  RowTimes const r = timed_rows(state, ours, beside, one_thread);
-  set_counters(state, T, c, flop_factor, r);
+  RowTimes const r = timed_rows(state, in, ours, beside, one_thread);
+  set_counters(state, T, c, flop_factor, r, in);
   set_speedup(state, r, name, other);
   return {r, c};
 }
@@ -594,16 +582,16 @@ template <Shape const& S>
 void BM_Layer_Forward(benchmark::State& state) {
   Index const T = state.range(0);
   Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  std::vector<float> y(x.size()), y_naive(x.size());
+  Inputs in = rotating_inputs(layer, S, T, 32.0);
+  std::vector<float> y(in.x().size()), y_naive(in.x().size());
   moe::MoeFfnWorkspace ws, ws_naive;
   auto ours = [&] {
-    layer.forward({x.data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
+    layer.forward({in.x().data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
     benchmark::DoNotOptimize(y.data());
   };
   auto naive = [&] {
-    layer.route({x.data(), T, S.D}, ws_naive);  // the router is not the baseline's point: ours
-    naive_forward<S>(layer, ws_naive, x, T, y_naive, false, nullptr);
+    layer.route({in.x().data(), T, S.D}, ws_naive);  // the router is not the baseline's point
+    naive_forward<S>(layer, ws_naive, in.x(), T, y_naive, false, nullptr);
     benchmark::DoNotOptimize(y_naive.data());
   };
   // At T <= 8 both sides stream weights from DRAM (bandwidth-bound), ours on kThreads threads
@@ -612,7 +600,7 @@ void BM_Layer_Forward(benchmark::State& state) {
   // a one-thread stream on the host at that moment.
   bool const streaming = T <= 8;
   RowTimes const r =
-      measure_row<S>(state, ws, T, 1.0, 1.0, ours, naive, "vs_naive", "naive", streaming).first;
+      measure_row<S>(state, ws, in, T, 1.0, 1.0, ours, naive, "vs_naive", "naive", streaming).first;
   if (streaming && r.lim.bandwidth1 > 0.0) {
     state.counters["bw1_GB/s"] = r.lim.bandwidth1 / 1e9;
     state.counters["bw_ratio"] = r.lim.bandwidth / r.lim.bandwidth1;
@@ -626,18 +614,18 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
   Index const T = state.range(0);
   Layer& f32 = layer_for(S);
   Layer& layer = layer_for(S, experts::WeightFormat::kBf16);
-  auto x = input(T, S.D);
-  std::vector<float> y(x.size()), y32(x.size());
+  Inputs in = rotating_inputs(layer, S, T, 16.0);
+  std::vector<float> y(in.x().size()), y32(in.x().size());
   moe::MoeFfnWorkspace ws, ws32;
   auto ours = [&] {
-    layer.forward({x.data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
+    layer.forward({in.x().data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
     benchmark::DoNotOptimize(y.data());
   };
   auto fp32 = [&] {
-    f32.forward({x.data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
+    f32.forward({in.x().data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
     benchmark::DoNotOptimize(y32.data());
   };
-  auto const [r, c] = measure_row<S>(state, ws, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
+  auto const [r, c] = measure_row<S>(state, ws, in, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
   // The bf16 target: achieved over the measured bf16 dot-product peak.
   if (r.lim.bf16 > 0.0) {
     state.counters["bf16_peak_GFLOP/s"] = r.lim.bf16 / 1e9;
@@ -655,29 +643,29 @@ void BM_Layer_ForwardQuant(benchmark::State& state) {
   Layer& f32 = layer_for(S);
   Layer& bf16 = layer_for(S, experts::WeightFormat::kBf16);
   Layer& layer = layer_for(S, Format);
-  auto x = input(T, S.D);
-  std::vector<float> y(x.size()), y16(x.size()), y32(x.size());
+  double const bits = 8.0 * static_cast<double>(layer.experts().packed_bytes(0)) /
+                      (3.0 * static_cast<double>(S.D) * static_cast<double>(S.F));
+  Inputs in = rotating_inputs(layer, S, T, bits);
+  std::vector<float> y(in.x().size()), y16(in.x().size()), y32(in.x().size());
   moe::MoeFfnWorkspace ws, ws16, ws32;
   auto ours = [&] {
-    layer.forward({x.data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
+    layer.forward({in.x().data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
     benchmark::DoNotOptimize(y.data());
   };
   auto run16 = [&] {
-    bf16.forward({x.data(), T, S.D}, {y16.data(), T, S.D}, ws16, {nullptr, &pool()});
+    bf16.forward({in.x().data(), T, S.D}, {y16.data(), T, S.D}, ws16, {nullptr, &pool()});
     benchmark::DoNotOptimize(y16.data());
   };
   auto run32 = [&] {
-    f32.forward({x.data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
+    f32.forward({in.x().data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
     benchmark::DoNotOptimize(y32.data());
   };
   ours();
   run16();
   run32();
-  double const bits = 8.0 * static_cast<double>(layer.experts().packed_bytes(0)) /
-                      (3.0 * static_cast<double>(S.D) * static_cast<double>(S.F));
   Cost const c = cost_of(S, ws.plan, T, bits);
-  RowTimes const r = timed_rows(state, ours, run16, run32);
-  set_counters(state, T, c, 1.0, r);
+  RowTimes const r = timed_rows(state, in, ours, run16, run32);
+  set_counters(state, T, c, 1.0, r, in);
   set_speedup(state, r, "vs_bf16", "bf16");
   state.counters["GOP/s"] =
       benchmark::Counter(c.flop / 1e9, benchmark::Counter::kIsIterationInvariantRate);
@@ -695,25 +683,26 @@ template <Shape const& S>
 void BM_Layer_ForwardBackward(benchmark::State& state) {
   Index const T = state.range(0);
   Layer& layer = layer_for(S);
-  auto x = input(T, S.D);
-  std::vector<float> y(x.size()), dy(x.size(), 1e-3f), dx(x.size());
-  std::vector<float> y_naive(x.size()), dx_naive(x.size());
+  Inputs in = rotating_inputs(layer, S, T, 32.0);
+  std::size_t const n = in.x().size();
+  std::vector<float> y(n), dy(n, 1e-3f), dx(n);
+  std::vector<float> y_naive(n), dx_naive(n);
   moe::MoeFfnWorkspace ws, ws_naive;
   auto grads = layer.make_gradients();  // accumulated across iterations: fine for timing
   Mat gin(2 * S.F, S.D), gdown(S.D, S.F);
   auto ours = [&] {
-    layer.forward_train({x.data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
+    layer.forward_train({in.x().data(), T, S.D}, {y.data(), T, S.D}, ws, {nullptr, &pool()});
     layer.backward(ws, {dy.data(), T, S.D}, {dx.data(), T, S.D}, grads, &pool());
     benchmark::DoNotOptimize(dx.data());
   };
   auto naive = [&] {
     std::vector<Mat> saved;
-    layer.route({x.data(), T, S.D}, ws_naive);
-    naive_forward<S>(layer, ws_naive, x, T, y_naive, true, &saved);
+    layer.route({in.x().data(), T, S.D}, ws_naive);
+    naive_forward<S>(layer, ws_naive, in.x(), T, y_naive, true, &saved);
     naive_backward<S>(layer, ws_naive, dy, T, saved, dx_naive, gin, gdown);
     benchmark::DoNotOptimize(dx_naive.data());
   };
-  measure_row<S>(state, ws, T, 3.0, 1.0, ours, naive, "vs_naive", "naive");
+  measure_row<S>(state, ws, in, T, 3.0, 1.0, ours, naive, "vs_naive", "naive");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -905,11 +894,11 @@ bool add_context() {
   benchmark::AddCustomContext("threads", std::to_string(kThreads));
   benchmark::AddCustomContext(
       "weights",
-      "packed once (MoeFfn::pack_weights); 1 layer copy per shape (active weights at T = 1: 88 MB "
-      "Mixtral ... 151 MB Qwen3). w/LLC = active weight bytes / last-level cache (" +
-          std::to_string(static_cast<long long>(llc_bytes() / (1024 * 1024))) + " MiB here" +
-          (moe::cpu_features().llc_bytes > 0 ? "" : ", assumed: none reported") +
-          "): rows below 2 may read weights partly from cache");
+      "packed once (MoeFfn::pack_weights); 1 layer copy per shape. Each layer row cycles through "
+      "as many input batches (counter inputs, at most 16) as it takes for the routed experts they "
+      "touch together to exceed 2x the last-level cache; w/LLC = those bytes / the last-level "
+      "cache: rows below 2 may read weights partly from cache");
+  benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
   benchmark::AddCustomContext(
       "baseline", "HF loop port: per expert gather copy + Eigen GEMMs + index_add, serial");
   return true;
