@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <string>
 
 #include "moe/core/cpu.hpp"
+#include "moe/kernels/expert_gemm.hpp"
 
 namespace {
 
@@ -97,4 +99,32 @@ TEST_CASE("compiled_kernels names the build's SIMD width", "[core][cpu]") {
 #if defined(__AVX512F__)
   CHECK(moe::cpu_features().avx512f);  // a build for AVX-512 runs on a CPU that has it
 #endif
+}
+
+TEST_CASE("bf16 kernel rule: Intel widens, other CPUs use dot products, the variable overrides",
+          "[core][cpu][bf16]") {
+  moe::CpuFeatures intel, amd;
+  intel.vendor = "GenuineIntel";
+  amd.vendor = "AuthenticAMD";
+  using K = moe::Bf16Kernel;
+  CHECK(moe::choose_bf16_kernel(intel, nullptr, true) == K::kWiden);
+  CHECK(moe::choose_bf16_kernel(amd, nullptr, true) == K::kDotProducts);
+  CHECK(moe::choose_bf16_kernel(amd, "", true) == K::kDotProducts);
+  CHECK(moe::choose_bf16_kernel(intel, "dot", true) == K::kDotProducts);
+  CHECK(moe::choose_bf16_kernel(amd, "widen", true) == K::kWiden);
+  // Without AVX512-BF16 kernels in the build there is only widening.
+  CHECK(moe::choose_bf16_kernel(amd, nullptr, false) == K::kWiden);
+  CHECK(moe::choose_bf16_kernel(amd, "dot", false) == K::kWiden);
+  CHECK_THROWS_WITH(moe::choose_bf16_kernel(amd, "fast", true),
+                    Catch::Contains("MOE_BF16_KERNEL is \"fast\"") && Catch::Contains("\"dot\"") &&
+                        Catch::Contains("\"widen\""));
+  // The process's choice is the rule applied to this CPU and environment, and the kernels and
+  // the description follow it.
+  K const k = moe::choose_bf16_kernel(moe::cpu_features(), std::getenv("MOE_BF16_KERNEL"),
+                                      moe::compiled_bf16_dot_products());
+  CHECK(moe::bf16_kernel() == k);
+  CHECK(moe::kernels::bf16_dot_products() == (k == K::kDotProducts));
+  CHECK(moe::compiled_kernels().find(k == K::kDotProducts
+                                         ? "vdpbf16ps dot products"
+                                         : "widened to fp32") != std::string::npos);
 }

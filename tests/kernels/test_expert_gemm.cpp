@@ -56,8 +56,9 @@ void set_operand(kernels::WeightPanels& w, int o, Operand const& op, Source src,
   }
 }
 
-/// Does the bf16 path round the activations too (AVX512-BF16 dot products)?
-bool rounds_activations() { return kernels::has_avx512_bf16() && NP == 32; }
+/// Does the bf16 path round the activations too (AVX512-BF16 dot products, as this process
+/// chose: moe::bf16_kernel())?
+bool rounds_activations() { return kernels::bf16_dot_products(); }
 
 /// sum_k a[k] w[k] in double, with the operand rounding of `src`.
 double dot(float const* a, float const* w, Index K, Source src) {
@@ -87,7 +88,7 @@ char const* name(Source s) {
 }  // namespace
 
 TEST_CASE("expert_cols with StoreEpilogue: gathered rows times W^T, scaled per row",
-          "[kernels][expert_gemm]") {
+          "[kernels][expert_gemm][bf16]") {
   for (Source src : {Source::kPacked, Source::kRaw, Source::kRawDot, Source::kBf16}) {
     for (Index K : {Index{1}, Index{17}, Index{64}}) {
       for (Index M : {Index{1}, Index{3}, Index{7}, Index{8}, Index{13}, Index{33}}) {
@@ -125,7 +126,7 @@ TEST_CASE("expert_cols with StoreEpilogue: gathered rows times W^T, scaled per r
 }
 
 TEST_CASE("expert_cols with GluEpilogue: gate and up in one pass, act(g) * u in registers",
-          "[kernels][expert_gemm]") {
+          "[kernels][expert_gemm][bf16]") {
   for (Activation act : {Activation::kSilu, Activation::kGeluTanh}) {
     for (Source src : {Source::kPacked, Source::kRaw, Source::kRawDot, Source::kBf16}) {
       for (Index F : {Index{5}, NP, 2 * NP + 3}) {
@@ -191,7 +192,7 @@ TEST_CASE("expert_cols with ActEpilogue: act(x W^T), pre-activations optional",
 }
 
 TEST_CASE("expert_cols: a row's result does not depend on the other rows or the panel split",
-          "[kernels][expert_gemm]") {
+          "[kernels][expert_gemm][bf16]") {
   // Rows tile differently for M = 40 and M = 9 (balanced tiles of up to 8 or 6 rows), and the
   // prefetch slices change with the tile count: the values must not.
   Index const K = 300, N = 3 * NP;
@@ -216,7 +217,7 @@ TEST_CASE("expert_cols: a row's result does not depend on the other rows or the 
 }
 
 TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result",
-          "[kernels][expert_gemm]") {
+          "[kernels][expert_gemm][bf16]") {
   // 150 rows = two chunks (128 + 22); slices of 6 and 64 against one slice of the whole K (odd).
   Index const K = 131, F = NP + 5, M = 150;
   auto X = test::random_vector(M * K, 341);
@@ -313,7 +314,7 @@ TEST_CASE("expert_cols: bf16 pairs given in RowSource give bitwise the rows' own
 }
 
 TEST_CASE("expert_cols: streaming stores write the same values, aligned or not, with tails",
-          "[kernels][expert_gemm]") {
+          "[kernels][expert_gemm][bf16]") {
   Index const K = 40, N = 3 * NP + 5, M = 13;
   auto X = test::random_vector(M * K, 391);
   Operand w_op(test::random_vector(N * K, 392), N, K);

@@ -97,7 +97,7 @@ constexpr Index kD = 64;
 
 }  // namespace
 
-TEST_CASE("golden: MoeFfn routers, experts and shared experts", "[golden]") {
+TEST_CASE("golden: MoeFfn routers, experts and shared experts", "[golden][bf16]") {
   SECTION("softmax top-k, SwiGLU, Switch aux") {
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, experts::NoSharedExperts,
                 moe::balance::SwitchAux>
@@ -174,7 +174,7 @@ TEST_CASE("golden: MoeFfn routers, experts and shared experts", "[golden]") {
   }
 }
 
-TEST_CASE("golden: MoeAttention", "[golden]") {
+TEST_CASE("golden: MoeAttention", "[golden][bf16]") {
   using Bank = experts::ExpertBank<experts::SiluMlp>;
   Index const D = 32, B = 2, S = 20, T = B * S;
   auto digest = [&](auto& layer, Bank& bank) {

@@ -279,7 +279,7 @@ TEST_CASE("Large expert outputs, written with streaming stores, match the refere
 }
 
 TEST_CASE("With packed weights a token's output does not depend on its batch (fp32, bf16)",
-          "[layers][determinism]") {
+          "[layers][determinism][bf16]") {
   // 2048 tokens at once give experts ~1024 rows and the shared expert 2048: jobs of more than
   // one 512-row work item, whose later items must read their own rows (and, with AVX512-BF16,
   // their own bf16 pairs). 256-token batches keep every job in one item.

@@ -3,10 +3,12 @@
 // recorded before a refactoring of the pipeline and checked after it, bit for bit.
 //
 // The bits depend on the SIMD arch the kernels were compiled for (lane counts change the
-// dot-product path's sums, bf16 dot products exist only with AVX512-BF16), so a digest is
-// recorded per arch key (golden_arch()). On an arch with no recorded digests the test says so
-// (WARN) and prints what to record; on a recorded arch any difference fails.
-// Print every digest with MOE_GOLDEN_PRINT=1 in the environment.
+// dot-product path's sums) and on the bf16 kernel this process chose (moe::bf16_kernel(): dot
+// products round the activations), so a digest is recorded per arch key (golden_arch()):
+// "avx512bw+bf16dp" for dot products, "avx512bw" for widened bf16 (Intel's default; recorded on
+// a Zen 5 with MOE_BF16_KERNEL=widen), "fma3+avx2". On an arch with no recorded digests the test
+// says so (WARN) and prints what to record; on a recorded arch any difference fails. Print every
+// digest with MOE_GOLDEN_PRINT=1 in the environment.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -43,7 +45,8 @@ class Digest {
   std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
-/// The arch key digests are recorded under: xsimd's default arch, "+bf16dp" with AVX512-BF16.
+/// The arch key digests are recorded under: xsimd's default arch, "+bf16dp" when bf16 panels
+/// are multiplied by AVX512-BF16 dot products in this process.
 inline std::string golden_arch() {
   std::string a = moe::kernels::simd::DefaultArch::name();
   if (moe::kernels::bf16_dot_products()) a += "+bf16dp";

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -23,6 +24,7 @@
 #endif
 
 #include "moe/core/config.hpp"
+#include "moe/core/error.hpp"
 
 namespace moe {
 
@@ -243,9 +245,60 @@ inline bool request_amx() {
 #endif
 }
 
-/// The kernels this build compiled (the -march it was built for): the SIMD width and the units
-/// the expert kernels use, e.g. "avx512 (zmm), AVX512-BF16 dot products, AVX512-VNNI". A unit
-/// the CPU has but the build was not compiled for is not used (see docs/performance.md).
+/// How bf16 weight panels are multiplied (fixed for the process; see bf16_kernel()).
+enum class Bf16Kernel {
+  kDotProducts,  ///< vdpbf16ps: activations rounded to bf16 pairs, fp32 accumulation
+  kWiden,        ///< weights widened to fp32 in registers, fp32 FMAs (activations stay fp32)
+};
+
+/// The rule bf16_kernel() applies (a pure function, so that it can be tested on any CPU):
+///   - `compiled_dp` false (the build has no AVX512-BF16 kernels): kWiden, whatever is asked;
+///   - `env` (MOE_BF16_KERNEL) "dot" or "widen": that kernel; empty or null: the CPU decides;
+///     anything else: moe::Error naming the accepted values;
+///   - an Intel CPU: kWiden. Its cores run vdpbf16ps at about half the fp32 FMA rate (Sapphire
+///     Rapids, 2 vCPUs: 190 against 246 GFLOP/s a core with 8 chains), so widening, which reads
+///     the same bf16 bytes and runs at the FMA rate, is faster and bf16 is never slower than fp32;
+///   - any other CPU (AMD Zen 4 and 5 run vdpbf16ps at twice the fp32 FMA rate): kDotProducts.
+/// Never chosen by timing: a machine gives the same bits run after run. The two kernels round
+/// differently (dot products round the activations to bf16), so bf16 layers give different last
+/// bits on CPUs that choose differently.
+inline Bf16Kernel choose_bf16_kernel(CpuFeatures const& f, char const* env, bool compiled_dp) {
+  std::string const e = env ? env : "";
+  if (!e.empty() && e != "dot" && e != "widen") {
+    throw Error("MOE_BF16_KERNEL is \"" + e +
+                "\"; set it to \"dot\" (vdpbf16ps dot products) or \"widen\" (bf16 weights "
+                "widened to fp32), or unset it to let the CPU decide");
+  }
+  if (!compiled_dp) return Bf16Kernel::kWiden;
+  if (e == "dot") return Bf16Kernel::kDotProducts;
+  if (e == "widen") return Bf16Kernel::kWiden;
+  return f.vendor == "GenuineIntel" ? Bf16Kernel::kWiden : Bf16Kernel::kDotProducts;
+}
+
+/// Does this build have the AVX512-BF16 dot-product kernels (AVX-512 with 32-column panels and
+/// -mavx512bf16)?
+constexpr bool compiled_bf16_dot_products() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+/// The bf16 kernel of this process: choose_bf16_kernel(cpu_features(), getenv("MOE_BF16_KERNEL"),
+/// compiled_bf16_dot_products()), decided on first use and fixed from then on (workspaces are
+/// sized for it). Throws moe::Error on a malformed MOE_BF16_KERNEL.
+inline Bf16Kernel bf16_kernel() {
+  static Bf16Kernel const k = choose_bf16_kernel(cpu_features(), std::getenv("MOE_BF16_KERNEL"),
+                                                 compiled_bf16_dot_products());
+  return k;
+}
+
+/// The kernels this build compiled (the -march it was built for) and the run-time choices among
+/// them: the SIMD width, the units the expert kernels use and how bf16 weights are multiplied
+/// (bf16_kernel()), e.g. "avx512 (zmm), AVX512-BF16, bf16 weights by vdpbf16ps dot products,
+/// AVX512-VNNI". A unit the CPU has but the build was not compiled for is not used (see
+/// docs/performance.md).
 inline std::string compiled_kernels() {
   std::string s;
 #if defined(__AVX512F__)
@@ -258,8 +311,10 @@ inline std::string compiled_kernels() {
   s = "scalar";
 #endif
 #if defined(__AVX512BF16__)
-  s += ", AVX512-BF16 dot products";
+  s += ", AVX512-BF16";
 #endif
+  s += bf16_kernel() == Bf16Kernel::kDotProducts ? ", bf16 weights by vdpbf16ps dot products"
+                                                 : ", bf16 weights widened to fp32";
 #if defined(__AVX512VNNI__)
   s += ", AVX512-VNNI";
 #elif defined(__AVXVNNI__)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moe/core/concepts.hpp"
+#include "moe/core/cpu.hpp"
 #include "moe/core/error.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -310,6 +311,10 @@ class ExpertBank {
     detail::check(static_cast<Index>(formats.size()) == num_experts_,
                   "ExpertBank::pack: ", formats.size(), " formats for ", num_experts_,
                   " experts; give one per expert");
+    // The process's bf16 kernel (moe::bf16_kernel()) is decided here, where allocating is fine
+    // (it reads the CPU once), not in the first forward over bf16 panels; a malformed
+    // MOE_BF16_KERNEL is reported here too.
+    (void)bf16_kernel();
     for (Index e = 0; e < num_experts_; ++e) {
       ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
       if (is_quantized(f.in)) {

@@ -22,6 +22,7 @@
 #include <cstring>
 
 #include "moe/core/config.hpp"
+#include "moe/core/cpu.hpp"
 #include "moe/core/types.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/detail/diagnostics_push.hpp"
@@ -209,11 +210,18 @@ constexpr Index expert_max_mr() {
   return wide ? 6 : 2;
 }
 
-/// Does expert_cols multiply bf16 panels with AVX512-BF16 dot products on this build (and so
-/// round activations to bf16 pairs and read RowSource::pairs)? Otherwise it widens the weights.
+/// Does expert_cols multiply bf16 panels with AVX512-BF16 dot products in this process (and so
+/// round activations to bf16 pairs and read RowSource::pairs)? Otherwise it widens the weights
+/// to fp32 in registers. Compiled in (AVX512-BF16, 32-column panels) and chosen for the CPU at
+/// run time: moe::bf16_kernel() (core/cpu.hpp: Intel cores, whose vdpbf16ps runs at half the
+/// fp32 FMA rate, widen; MOE_BF16_KERNEL=dot|widen overrides), fixed for the process.
 template <class Arch = simd::DefaultArch>
-constexpr bool bf16_dot_products() {
-  return MOE_HAS_AVX512BF16 && panel_width<Arch>() == 32;
+inline bool bf16_dot_products() {
+  if constexpr (MOE_HAS_AVX512BF16 && panel_width<Arch>() == 32) {
+    return bf16_kernel() == Bf16Kernel::kDotProducts;
+  } else {
+    return false;
+  }
 }
 
 /// Rows [0, n) of `a` rounded to bf16 pairs, ceil(K / 2) words per row at dst + r * ldd: word kp
@@ -624,15 +632,17 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
                                               reinterpret_cast<std::uint32_t const*>(cur[1])};
 #if MOE_HAS_AVX512BF16
           if constexpr (NP == 32) {
-            std::uint32_t const* arows[MR];
-            for (Index r = 0; r < MR; ++r) {
-              arows[r] =
-                  (a.pairs ? a.pairs + a.at(c0 + i0 + r) * a.ldp : pairs + (i0 + r) * kp_all) +
-                  k0 / 2;
+            if (dp) {
+              std::uint32_t const* arows[MR];
+              for (Index r = 0; r < MR; ++r) {
+                arows[r] =
+                    (a.pairs ? a.pairs + a.at(c0 + i0 + r) * a.ldp : pairs + (i0 + r) * kp_all) +
+                    k0 / 2;
+              }
+              detail::expert_tile_bf16_dp<MR, Ops, Arch>(arows, panels_u, kk, epi, c0 + i0, p, pf,
+                                                         tsl);
+              return;
             }
-            detail::expert_tile_bf16_dp<MR, Ops, Arch>(arows, panels_u, kk, epi, c0 + i0, p, pf,
-                                                       tsl);
-            return;
           }
 #endif
           for (Index r = 0; r < MR; ++r) row_ptr_storage[r] = a.row(c0 + i0 + r) + k0;

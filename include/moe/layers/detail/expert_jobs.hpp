@@ -99,7 +99,9 @@ inline kernels::WeightPanels expert_weights(float const* raw, Index rows, float 
 /// is packed as bf16 (and current) and expert_cols multiplies bf16 panels with dot products.
 template <class Bank>
 bool uses_bf16_pairs(Bank const& bank, bool use_bf16) {
-  return use_bf16 && kernels::bf16_dot_products() && bank.packed_bf16_any();
+  // bf16_dot_products() last: it is decided at pack time, so a forward over unpacked or fp32
+  // weights never asks (asking first decides it, which allocates).
+  return use_bf16 && bank.packed_bf16_any() && kernels::bf16_dot_products();
 }
 
 /// Whether an inference forward hands `bank`'s projections their inputs quantized to int8 rows
