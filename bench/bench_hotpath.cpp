@@ -4,10 +4,10 @@
 // The hot path against the machine's limits and against a naive baseline, in one binary run.
 //
 // What it measures (2 threads unless the name says pool:1):
-//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_Int8Dot / BM_Peak_ReadBandwidth: this
-//     machine's fp32 FMA, AVX512-BF16 and AVX512-VNNI dot-product throughput and DRAM read
-//     bandwidth (best of 9, printed at start-up
-//     as the "limits" context).
+//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_AmxBf16 / BM_Peak_Int8Dot /
+//     BM_Peak_ReadBandwidth: this machine's fp32 FMA, AVX512-BF16 dot-product, AMX bf16 tile
+//     and AVX512-VNNI dot-product throughput and DRAM read bandwidth (best of 9, printed at
+//     start-up as the "limits" context).
 //   - BM_Layer_<Shape>_{Forward,ForwardBf16,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE,
 //     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048} (and
 //     _ForwardQ8_0, _ForwardQ4_K, _ForwardQ4_0 at T <= 512: quantized experts, with GOP/s,
@@ -17,7 +17,9 @@
 //       S-MBU    = active expert weight bytes per second / read bandwidth (MoE-CAP)
 //       roofline = achieved / min(peak, AI * bandwidth), AI = FLOP / active weight bytes,
 //     against limits measured just before and just after the row (the larger of the two;
-//     counters peak_GFLOP/s, bw_GB/s, bf16_peak_GFLOP/s): the host's bandwidth drifts too much
+//     counters peak_GFLOP/s, bw_GB/s; the bf16 rows also unit_peak_GFLOP/s and unit_peak_frac,
+//     the peak of the unit their kernel runs on: AMX, vdpbf16ps or fp32 FMAs, see the kernels
+//     context): the host's bandwidth drifts too much
 //     for one start-up value to judge rows measured minutes later. The fractions use the row's
 //     fastest iteration (best_ms), as the limits are the best of several probes; the row's time
 //     and tokens/s, GFLOP/s are means. The forward+backward rows run 3 steps each (the
@@ -155,6 +157,53 @@ double measure_bf16_peak(int threads, int reps = 9) {
 #endif
 }
 
+/// AMX tdpbf16ps throughput (16 x 16 x 32 multiply-adds x 2 = 16384 FLOP an instruction) with
+/// its operands in tile registers: 4 independent C tiles per thread, as the expert kernel keeps
+/// them (detail/amx_bf16.hpp). 0 where the AMX kernels cannot run (moe::amx_bf16_usable()).
+double measure_amx_bf16_peak(int threads, int reps = 9) {
+#if MOE_HAS_AMX_BF16
+  if (!moe::amx_bf16_usable()) return 0.0;
+  std::vector<double> per(static_cast<std::size_t>(threads));
+  auto run = [&](Index, int t) {
+    moe::kernels::detail::amx_configure();
+    alignas(64) static thread_local std::uint16_t ones[16 * 32];
+    std::fill(std::begin(ones), std::end(ones), std::uint16_t{0x3F80});
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    _tile_loadd(6, ones, 64);
+    _tile_loadd(7, ones, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    long const iters = 1 << 16;
+    auto const t0 = std::chrono::steady_clock::now();
+    for (long it = 0; it < iters; ++it) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    double const sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    moe::kernels::detail::amx_release();
+    per[static_cast<std::size_t>(t)] = 4.0 * 16384.0 * static_cast<double>(iters) / sec;
+  };
+  moe::ThreadPool p(threads);
+  double best = 0.0;
+  for (int rep = 0; rep < reps; ++rep) {
+    p.parallel_for(threads, run);
+    double total = 0.0;
+    for (double v : per) total += v;
+    best = std::max(best, total);
+  }
+  return best;
+#else
+  (void)threads;
+  (void)reps;
+  return 0.0;
+#endif
+}
+
 /// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second: 128 an instruction; 0
 /// without VNNI).
 double measure_int8_peak(int threads, int reps = 9) {
@@ -181,12 +230,13 @@ struct Limits {
   double bandwidth = 0.0;   // bytes/s, kThreads threads
   double bf16 = 0.0;        // FLOP/s of AVX512-BF16 dot products, kThreads threads (0: none)
   double bandwidth1 = 0.0;  // bytes/s, one thread (measured for the rows that report it, else 0)
+  double amx = 0.0;         // FLOP/s of AMX tdpbf16ps, kThreads threads (0: cannot run)
 };
 
 /// Measured once at start-up, before any layer is allocated; printed as the "limits" context.
 Limits const& startup_limits() {
   static Limits l{measure_fma_peak(kThreads), measure_read_bandwidth(kThreads),
-                  measure_bf16_peak(kThreads)};
+                  measure_bf16_peak(kThreads), 0.0, measure_amx_bf16_peak(kThreads)};
   return l;
 }
 
@@ -199,11 +249,20 @@ Limits const& startup_limits() {
 /// stream at most).
 Limits measure_limits(bool one_thread = false) {
   return {measure_fma_peak(kThreads, 3), measure_read_bandwidth(kThreads, 5),
-          measure_bf16_peak(kThreads, 3), one_thread ? measure_read_bandwidth(1, 5) : 0.0};
+          measure_bf16_peak(kThreads, 3), one_thread ? measure_read_bandwidth(1, 5) : 0.0,
+          measure_amx_bf16_peak(kThreads, 3)};
 }
 Limits larger(Limits const& a, Limits const& b) {
   return {std::max(a.fma, b.fma), std::max(a.bandwidth, b.bandwidth), std::max(a.bf16, b.bf16),
-          std::max(a.bandwidth1, b.bandwidth1)};
+          std::max(a.bandwidth1, b.bandwidth1), std::max(a.amx, b.amx)};
+}
+
+/// The peak of the unit the bf16 layer's expert GEMMs run on in this process
+/// (moe::bf16_kernel()): AMX tiles, vdpbf16ps, or fp32 FMAs for widened weights.
+double bf16_unit_peak(Limits const& l) {
+  if (moe::kernels::bf16_amx()) return l.amx;
+  if (moe::kernels::bf16_dot_products()) return l.bf16;
+  return l.fma;
 }
 
 void BM_Peak_FmaF32(benchmark::State& state) {
@@ -240,6 +299,24 @@ void BM_Peak_Int8Dot(benchmark::State& state) {
   if (v == 0.0) state.SkipWithError("this build has no AVX512-VNNI (needs -mavx512vnni)");
   state.counters["GOP/s"] = v / 1e9;
 }
+void BM_Peak_AmxBf16(benchmark::State& state) {
+  int const threads = static_cast<int>(state.range(0));
+  double v = 0.0;
+  for (auto _ : state) v = measure_amx_bf16_peak(threads);
+  if (v == 0.0) {
+    state.SkipWithError(moe::compiled_amx_bf16()
+                            ? "this CPU has no AMX-BF16 tiles (or Linux refused tile data)"
+                            : "this build has no AMX kernels (needs -mamx-tile -mamx-bf16)");
+  }
+  state.counters["GFLOP/s"] = v / 1e9;
+}
+BENCHMARK(BM_Peak_AmxBf16)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("threads")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK(BM_Peak_Int8Dot)
     ->Arg(1)
     ->Arg(2)
@@ -626,10 +703,11 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
     benchmark::DoNotOptimize(y32.data());
   };
   auto const [r, c] = measure_row<S>(state, ws, in, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
-  // The bf16 target: achieved over the measured bf16 dot-product peak.
-  if (r.lim.bf16 > 0.0) {
-    state.counters["bf16_peak_GFLOP/s"] = r.lim.bf16 / 1e9;
-    state.counters["bf16_peak_frac"] = c.flop / r.best / r.lim.bf16;
+  // Achieved over the measured peak of the unit the bf16 kernel runs on (AMX tiles, vdpbf16ps
+  // or fp32 FMAs: moe::bf16_kernel(), printed in the kernels context).
+  if (double const unit = bf16_unit_peak(r.lim); unit > 0.0) {
+    state.counters["unit_peak_GFLOP/s"] = unit / 1e9;
+    state.counters["unit_peak_frac"] = c.flop / r.best / unit;
   }
 }
 
@@ -915,6 +993,7 @@ int main(int argc, char** argv) {
   Limits const& lim = startup_limits();
   benchmark::AddCustomContext("limits", std::to_string(lim.fma / 1e9) + " GFLOP/s fp32 FMA, " +
                                             std::to_string(lim.bf16 / 1e9) + " GFLOP/s bf16 dot, " +
+                                            std::to_string(lim.amx / 1e9) + " GFLOP/s AMX bf16, " +
                                             std::to_string(lim.bandwidth / 1e9) + " GB/s read (" +
                                             std::to_string(kThreads) +
                                             " threads, measured at start-up; each layer row "

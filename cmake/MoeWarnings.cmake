@@ -14,7 +14,12 @@ endif()
 option(MOE_NATIVE "Build moe's tests, benches and examples with -march=native" ON)
 add_library(moe_arch INTERFACE)
 if(MOE_NATIVE)
-  target_compile_options(moe_arch INTERFACE -march=native)
+  # -mtune=generic: GCC contracts a * b + c into an FMA or not by -mtune's heuristics (its Zen
+  # and some Intel tunings avoid FMA chains), so -march=native alone gave different bits on a
+  # Sapphire Rapids and a Zen 5 from the same source, and the golden digests recorded on one
+  # failed on the other. Contraction cannot simply be turned off: xsimd 8.1 has no AVX-512 fma,
+  # its generic one is x * y + z and relies on it.
+  target_compile_options(moe_arch INTERFACE -march=native -mtune=generic)
   if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
     # The same PR 105593 false positive as -Wuninitialized once xsimd's AVX-512 exp (used by the
     # activation epilogues of kernels/expert_gemm.hpp) is instantiated out of line. Only in

@@ -101,7 +101,7 @@ TEST_CASE("compiled_kernels names the build's SIMD width", "[core][cpu]") {
 #endif
 }
 
-TEST_CASE("bf16 kernel rule: Intel widens, other CPUs use dot products, the variable overrides",
+TEST_CASE("bf16 kernel rule: AMX where it runs, else Intel widens and other CPUs use dot products",
           "[core][cpu][bf16]") {
   moe::CpuFeatures intel, amd;
   intel.vendor = "GenuineIntel";
@@ -115,16 +115,29 @@ TEST_CASE("bf16 kernel rule: Intel widens, other CPUs use dot products, the vari
   // Without AVX512-BF16 kernels in the build there is only widening.
   CHECK(moe::choose_bf16_kernel(amd, nullptr, false) == K::kWiden);
   CHECK(moe::choose_bf16_kernel(amd, "dot", false) == K::kWiden);
+  // AMX tiles wherever they can run, unless another kernel is asked for; "amx" where they
+  // cannot run is the CPU's default.
+  CHECK(moe::choose_bf16_kernel(intel, nullptr, true, true) == K::kAmx);
+  CHECK(moe::choose_bf16_kernel(intel, "amx", true, true) == K::kAmx);
+  CHECK(moe::choose_bf16_kernel(intel, "dot", true, true) == K::kDotProducts);
+  CHECK(moe::choose_bf16_kernel(intel, "widen", true, true) == K::kWiden);
+  CHECK(moe::choose_bf16_kernel(intel, "amx", true, false) == K::kWiden);
+  CHECK(moe::choose_bf16_kernel(amd, "amx", true, false) == K::kDotProducts);
+  CHECK(moe::choose_bf16_kernel(amd, "amx", false, false) == K::kWiden);
   CHECK_THROWS_WITH(moe::choose_bf16_kernel(amd, "fast", true),
                     Catch::Contains("MOE_BF16_KERNEL is \"fast\"") && Catch::Contains("\"dot\"") &&
-                        Catch::Contains("\"widen\""));
+                        Catch::Contains("\"widen\"") && Catch::Contains("\"amx\""));
   // The process's choice is the rule applied to this CPU and environment, and the kernels and
   // the description follow it.
   K const k = moe::choose_bf16_kernel(moe::cpu_features(), std::getenv("MOE_BF16_KERNEL"),
-                                      moe::compiled_bf16_dot_products());
+                                      moe::compiled_bf16_dot_products(), moe::amx_bf16_usable());
   CHECK(moe::bf16_kernel() == k);
-  CHECK(moe::kernels::bf16_dot_products() == (k == K::kDotProducts));
-  CHECK(moe::compiled_kernels().find(k == K::kDotProducts
-                                         ? "vdpbf16ps dot products"
-                                         : "widened to fp32") != std::string::npos);
+  CHECK(moe::kernels::bf16_dot_products() == (k != K::kWiden));
+  CHECK(moe::kernels::bf16_amx() == (k == K::kAmx));
+  char const* const described = k == K::kDotProducts ? "vdpbf16ps dot products"
+                                : k == K::kAmx       ? "AMX tiles"
+                                                     : "widened to fp32";
+  CHECK(moe::compiled_kernels().find(described) != std::string::npos);
+  // A build with AMX kernels running on an AMX CPU under Linux gets tile data.
+  if (moe::compiled_amx_bf16() && moe::cpu_features().amx_bf16) CHECK(moe::amx_bf16_usable());
 }

@@ -216,6 +216,65 @@ TEST_CASE("expert_cols: a row's result does not depend on the other rows or the 
   }
 }
 
+TEST_CASE("expert_cols with AMX tiles: every row count 1..33 and 130, depths off the tile",
+          "[kernels][expert_gemm][bf16][amx]") {
+  if (!kernels::bf16_amx()) {
+    WARN("AMX bf16 tiles skipped: " << (moe::compiled_amx_bf16()
+                                            ? "this CPU has no AMX-BF16 (or Linux refused tile "
+                                              "data), or MOE_BF16_KERNEL chose another kernel"
+                                            : "this build has no AMX kernels (needs -march with "
+                                              "amx-tile and amx-bf16)"));
+    return;
+  }
+  // Depths: one pair, a partial tile only, exactly one and two tiles, a tile plus a tail, odd.
+  // 600: 19 steps of 16 pairs, so 3 K slices of the AMX path and a tail step.
+  for (Index K : {Index{2}, Index{31}, Index{32}, Index{64}, Index{50}, Index{97}, Index{600}}) {
+    Index const F = NP + 7, T = 140;
+    auto X = test::random_vector(T * K, 401);
+    auto Win = test::random_vector(2 * F * K, 402);
+    Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
+    Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+    kernels::WeightPanels w;
+    set_operand(w, 0, gate, Source::kBf16, F);
+    set_operand(w, 1, up, Source::kBf16, F);
+    std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+    // Each row alone: the reference for bitwise independence from the other rows.
+    std::vector<float> alone(static_cast<std::size_t>(T * 2 * F));
+    for (Index t = 0; t < T; ++t) {
+      std::vector<float> m(static_cast<std::size_t>(F));
+      kernels::GluEpilogue<Activation::kSilu> const epi{m.data(), F, F, alone.data() + t * 2 * F,
+                                                        2 * F};
+      kernels::expert_cols(kernels::RowSource{X.data() + t * K, K, nullptr}, 1, K, w, 0, 2, epi,
+                           scratch.data());
+    }
+    for (Index t = 0; t < T; ++t) {
+      for (Index j = 0; j < F; ++j) {
+        double const g = dot(X.data() + t * K, gate.raw.data() + j * K, K, Source::kBf16);
+        double const u = dot(X.data() + t * K, up.raw.data() + j * K, K, Source::kBf16);
+        INFO("K " << K << " row " << t << " column " << j);
+        REQUIRE(alone[t * 2 * F + j] == Approx(g).margin(2e-5 * (1 + K)));
+        REQUIRE(alone[t * 2 * F + F + j] == Approx(u).margin(2e-5 * (1 + K)));
+      }
+    }
+    std::vector<Index> all_rows;
+    for (Index M = 1; M <= 33; ++M) all_rows.push_back(M);
+    all_rows.push_back(130);  // two row chunks
+    for (Index M : all_rows) {
+      INFO("K " << K << " M " << M);
+      std::vector<Index> index(static_cast<std::size_t>(M));
+      for (Index i = 0; i < M; ++i) index[i] = (i * 37 + M) % T;
+      std::vector<float> m(static_cast<std::size_t>(M * F)), h(static_cast<std::size_t>(M * 2 * F));
+      kernels::GluEpilogue<Activation::kSilu> const epi{m.data(), F, F, h.data(), 2 * F};
+      kernels::expert_cols(kernels::RowSource{X.data(), K, index.data()}, M, K, w, 0, 2, epi,
+                           scratch.data());
+      for (Index i = 0; i < M; ++i) {
+        REQUIRE(std::memcmp(h.data() + i * 2 * F, alone.data() + index[i] * 2 * F,
+                            sizeof(float) * 2 * F) == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result",
           "[kernels][expert_gemm][bf16]") {
   // 150 rows = two chunks (128 + 22); slices of 6 and 64 against one slice of the whole K (odd).

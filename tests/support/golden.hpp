@@ -6,7 +6,8 @@
 // dot-product path's sums) and on the bf16 kernel this process chose (moe::bf16_kernel(): dot
 // products round the activations), so a digest is recorded per arch key (golden_arch()):
 // "avx512bw+bf16dp" for dot products, "avx512bw" for widened bf16 (Intel's default; recorded on
-// a Zen 5 with MOE_BF16_KERNEL=widen), "fma3+avx2". On an arch with no recorded digests the test
+// a Zen 5 with MOE_BF16_KERNEL=widen), "avx512bw+bf16amx" for AMX tiles (recorded on a Sapphire
+// Rapids), "fma3+avx2". On an arch with no recorded digests the test
 // says so (WARN) and prints what to record; on a recorded arch any difference fails. Print every
 // digest with MOE_GOLDEN_PRINT=1 in the environment.
 #pragma once
@@ -46,10 +47,14 @@ class Digest {
 };
 
 /// The arch key digests are recorded under: xsimd's default arch, "+bf16dp" when bf16 panels
-/// are multiplied by AVX512-BF16 dot products in this process.
+/// are multiplied by AVX512-BF16 dot products in this process, "+bf16amx" by AMX tiles.
 inline std::string golden_arch() {
   std::string a = moe::kernels::simd::DefaultArch::name();
-  if (moe::kernels::bf16_dot_products()) a += "+bf16dp";
+  if (moe::kernels::bf16_amx()) {
+    a += "+bf16amx";
+  } else if (moe::kernels::bf16_dot_products()) {
+    a += "+bf16dp";
+  }
   return a;
 }
 

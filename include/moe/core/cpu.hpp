@@ -249,29 +249,38 @@ inline bool request_amx() {
 enum class Bf16Kernel {
   kDotProducts,  ///< vdpbf16ps: activations rounded to bf16 pairs, fp32 accumulation
   kWiden,        ///< weights widened to fp32 in registers, fp32 FMAs (activations stay fp32)
+  kAmx,          ///< AMX tdpbf16ps tiles: activations rounded to bf16 pairs, fp32 accumulation
 };
 
 /// The rule bf16_kernel() applies (a pure function, so that it can be tested on any CPU):
 ///   - `compiled_dp` false (the build has no AVX512-BF16 kernels): kWiden, whatever is asked;
-///   - `env` (MOE_BF16_KERNEL) "dot" or "widen": that kernel; empty or null: the CPU decides;
-///     anything else: moe::Error naming the accepted values;
-///   - an Intel CPU: kWiden. Its cores run vdpbf16ps at about half the fp32 FMA rate (Sapphire
-///     Rapids, 2 vCPUs: 190 against 246 GFLOP/s a core with 8 chains), so widening, which reads
-///     the same bf16 bytes and runs at the FMA rate, is faster and bf16 is never slower than fp32;
+///   - `env` (MOE_BF16_KERNEL) "dot", "widen" or "amx": that kernel ("amx" only where `amx` is
+///     true, else the CPU's default below); empty or null: the CPU decides; anything else:
+///     moe::Error naming the accepted values;
+///   - `amx` (the build has the AMX kernels, the CPU has AMX-BF16 tiles and Linux granted their
+///     use: amx_bf16_usable()): kAmx. One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16
+///     one (3.3 TFLOP/s a Sapphire Rapids core from L1, 13x its fp32 FMA rate);
+///   - an Intel CPU without AMX: kWiden. Its cores run vdpbf16ps at about half the fp32 FMA rate
+///     (Sapphire Rapids, 2 vCPUs: 190 against 246 GFLOP/s a core with 8 chains), so widening,
+///     which reads the same bf16 bytes and runs at the FMA rate, is faster and bf16 is never
+///     slower than fp32;
 ///   - any other CPU (AMD Zen 4 and 5 run vdpbf16ps at twice the fp32 FMA rate): kDotProducts.
-/// Never chosen by timing: a machine gives the same bits run after run. The two kernels round
-/// differently (dot products round the activations to bf16), so bf16 layers give different last
-/// bits on CPUs that choose differently.
-inline Bf16Kernel choose_bf16_kernel(CpuFeatures const& f, char const* env, bool compiled_dp) {
+/// Never chosen by timing: a machine gives the same bits run after run. The kernels round
+/// differently (dot products and AMX round the activations to bf16; vdpbf16ps and tdpbf16ps
+/// accumulate a pair's products differently), so bf16 layers give different last bits on CPUs
+/// that choose differently.
+inline Bf16Kernel choose_bf16_kernel(CpuFeatures const& f, char const* env, bool compiled_dp,
+                                     bool amx = false) {
   std::string const e = env ? env : "";
-  if (!e.empty() && e != "dot" && e != "widen") {
+  if (!e.empty() && e != "dot" && e != "widen" && e != "amx") {
     throw Error("MOE_BF16_KERNEL is \"" + e +
-                "\"; set it to \"dot\" (vdpbf16ps dot products) or \"widen\" (bf16 weights "
-                "widened to fp32), or unset it to let the CPU decide");
+                "\"; set it to \"dot\" (vdpbf16ps dot products), \"widen\" (bf16 weights "
+                "widened to fp32) or \"amx\" (AMX tiles), or unset it to let the CPU decide");
   }
   if (!compiled_dp) return Bf16Kernel::kWiden;
   if (e == "dot") return Bf16Kernel::kDotProducts;
   if (e == "widen") return Bf16Kernel::kWiden;
+  if (amx) return Bf16Kernel::kAmx;
   return f.vendor == "GenuineIntel" ? Bf16Kernel::kWiden : Bf16Kernel::kDotProducts;
 }
 
@@ -285,12 +294,30 @@ constexpr bool compiled_bf16_dot_products() {
 #endif
 }
 
+/// Does this build have the AMX bf16 expert kernels (AVX-512 and -mamx-tile -mamx-bf16, which
+/// -march=native implies on a CPU with AMX)? A build with them still runs on a CPU without AMX:
+/// bf16_kernel() then never chooses them.
+constexpr bool compiled_amx_bf16() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+/// Can this process run the AMX bf16 kernels: compiled in, the CPU and the OS support AMX-BF16
+/// tiles, and Linux granted tile data to the process (request_amx(), asked here)?
+inline bool amx_bf16_usable() {
+  return compiled_amx_bf16() && cpu_features().amx_tile && cpu_features().amx_bf16 && request_amx();
+}
+
 /// The bf16 kernel of this process: choose_bf16_kernel(cpu_features(), getenv("MOE_BF16_KERNEL"),
-/// compiled_bf16_dot_products()), decided on first use and fixed from then on (workspaces are
-/// sized for it). Throws moe::Error on a malformed MOE_BF16_KERNEL.
+/// compiled_bf16_dot_products(), amx_bf16_usable()), decided on first use and fixed from then on
+/// (workspaces are sized for it). Throws moe::Error on a malformed MOE_BF16_KERNEL.
 inline Bf16Kernel bf16_kernel() {
   static Bf16Kernel const k = choose_bf16_kernel(cpu_features(), std::getenv("MOE_BF16_KERNEL"),
-                                                 compiled_bf16_dot_products());
+                                                 compiled_bf16_dot_products(), amx_bf16_usable());
   return k;
 }
 
@@ -313,8 +340,17 @@ inline std::string compiled_kernels() {
 #if defined(__AVX512BF16__)
   s += ", AVX512-BF16";
 #endif
-  s += bf16_kernel() == Bf16Kernel::kDotProducts ? ", bf16 weights by vdpbf16ps dot products"
-                                                 : ", bf16 weights widened to fp32";
+  switch (bf16_kernel()) {
+    case Bf16Kernel::kDotProducts:
+      s += ", bf16 weights by vdpbf16ps dot products";
+      break;
+    case Bf16Kernel::kAmx:
+      s += ", bf16 weights by AMX tiles (tdpbf16ps)";
+      break;
+    case Bf16Kernel::kWiden:
+      s += ", bf16 weights widened to fp32";
+      break;
+  }
 #if defined(__AVX512VNNI__)
   s += ", AVX512-VNNI";
 #elif defined(__AVXVNNI__)

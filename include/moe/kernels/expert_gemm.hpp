@@ -25,6 +25,7 @@
 #include "moe/core/cpu.hpp"
 #include "moe/core/types.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/detail/amx_bf16.hpp"
 #include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
@@ -210,15 +211,27 @@ constexpr Index expert_max_mr() {
   return wide ? 6 : 2;
 }
 
-/// Does expert_cols multiply bf16 panels with AVX512-BF16 dot products in this process (and so
-/// round activations to bf16 pairs and read RowSource::pairs)? Otherwise it widens the weights
-/// to fp32 in registers. Compiled in (AVX512-BF16, 32-column panels) and chosen for the CPU at
-/// run time: moe::bf16_kernel() (core/cpu.hpp: Intel cores, whose vdpbf16ps runs at half the
-/// fp32 FMA rate, widen; MOE_BF16_KERNEL=dot|widen overrides), fixed for the process.
+/// Does expert_cols multiply bf16 panels by dot products of bf16 pairs in this process (and so
+/// round activations to bf16 pairs and read RowSource::pairs): AVX512-BF16 vdpbf16ps, or AMX
+/// tdpbf16ps tiles (bf16_amx())? Otherwise it widens the weights to fp32 in registers. Compiled
+/// in (AVX512-BF16, 32-column panels) and chosen for the CPU at run time: moe::bf16_kernel()
+/// (core/cpu.hpp: AMX where the CPU has it; Intel cores without it, whose vdpbf16ps runs at half
+/// the fp32 FMA rate, widen; MOE_BF16_KERNEL=dot|widen|amx overrides), fixed for the process.
 template <class Arch = simd::DefaultArch>
 inline bool bf16_dot_products() {
   if constexpr (MOE_HAS_AVX512BF16 && panel_width<Arch>() == 32) {
-    return bf16_kernel() == Bf16Kernel::kDotProducts;
+    return bf16_kernel() != Bf16Kernel::kWiden;
+  } else {
+    return false;
+  }
+}
+
+/// Does expert_cols multiply bf16 panels with AMX tiles in this process (moe::bf16_kernel() is
+/// kAmx and this build has the AMX kernels: detail/amx_bf16.hpp)?
+template <class Arch = simd::DefaultArch>
+inline bool bf16_amx() {
+  if constexpr (MOE_HAS_AMX_BF16 && panel_width<Arch>() == 32) {
+    return bf16_kernel() == Bf16Kernel::kAmx;
   } else {
     return false;
   }
@@ -493,10 +506,108 @@ constexpr Index expert_k_slice() {
 template <class Arch = simd::DefaultArch>
 constexpr Index expert_scratch_floats(Index K) {
   constexpr Index NP = panel_width<Arch>();
-  Index const operands = std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2));
-  return std::max(operands + kExpertChunkRows * 2 * NP + 2 * NP + 64,
+  // bf16 pairs of a row chunk: rows padded to 16 pairs (the AMX path's A tiles).
+  Index const operands = std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2 + 15) / 16 * 16);
+  // + 2 * 16 * 32: the AMX path's zero-padded tail tiles of both operands.
+  return std::max(operands + kExpertChunkRows * 2 * NP + 2 * NP + 2 * 16 * 32 + 64,
                   K % 32 == 0 ? quant_scratch_floats(K) : Index{0});
 }
+
+#if MOE_HAS_AMX_BF16
+namespace detail {
+/// expert_cols over bf16 panels with AMX tiles. Row chunks of up to kExpertChunkRows rows are
+/// rounded to bf16 pairs once (or taken from a.pairs) and laid out as A tiles (amx_pack_a: 16
+/// rows x 16 pairs, 1 KiB each, zero-padded to whole tiles) in `abuf`. Then for each panel, K
+/// slices of kAmxSliceSteps steps (16 pairs a step): each group of 32 rows (2 row tiles; 1 for a
+/// last group of at most 16 rows) multiplies each operand's slice (amx_panel_block), its C tiles
+/// kept in `cbuf` between slices, so a slice of the panel is read from memory once and from L1
+/// by the other groups. The epilogue takes the panel's rows from there. A panel depth that is
+/// not a multiple of 16 pairs ends in a zero-padded copy of its last rows. `abuf` holds
+/// kExpertChunkRows * ceil(kp_all / 16) * 16 words (kp_all = ceil(K / 2)); `cbuf`
+/// 2 * 16 * 32 + 4 * 2 * 32 * 32 floats; both 64-byte aligned.
+#ifndef MOE_AMX_SLICE_STEPS
+#define MOE_AMX_SLICE_STEPS 8
+#endif
+/// Steps of 16 pairs in a K slice of the AMX path (compile-time tuning knob).
+inline constexpr Index kAmxSliceSteps = MOE_AMX_SLICE_STEPS;
+
+template <class Epi, class Arch>
+void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index p0, Index p1,
+                     Epi const& epi, std::uint32_t* abuf, float* cbuf) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  constexpr Index NP = 2 * L;
+  static_assert(NP == 32, "AMX tiles take the 32-column panels of AVX-512");
+  constexpr int Ops = Epi::kOperands;
+  constexpr int NB = 2 * Ops;
+  Index const kp_all = (K + 1) / 2, steps = (kp_all + 15) / 16, kp_full = kp_all / 16 * 16;
+  auto* const tail = reinterpret_cast<std::uint32_t*>(cbuf);  // [Ops][16][32]
+  float* const cpart = cbuf + Ops * 16 * 32;  // [group][Ops][32][32], groups of 32 rows
+  amx_configure();
+  for (Index c0 = 0; c0 < M; c0 += kExpertChunkRows) {
+    Index const mc = std::min(kExpertChunkRows, M - c0);
+    if (a.pairs) {
+      amx_pack_a(
+          a.pairs, a.ldp, [&](Index r) { return a.at(c0 + r); }, mc, kp_all, abuf);
+    } else {
+      // Each row rounded straight into its tiles, 32 floats (one step) at a time: the pairs are
+      // those of bf16_pairs_rows over the whole row (each pair depends only on its floats).
+      for (Index r = 0; r < mc; ++r) {
+        float const* x = a.row(c0 + r);
+        std::uint32_t* dst = abuf + (r / 16) * steps * 256 + (r % 16) * 16;
+        for (Index st = 0; st < steps; ++st) {
+          Index const k0 = st * 32, kk = std::min<Index>(32, K - k0), words = (kk + 1) / 2;
+          bf16_pairs_rows(RowSource{x + k0, 0, nullptr}, 1, kk, dst + st * 256, 16);
+          std::fill(dst + st * 256 + words, dst + st * 256 + 16, 0u);
+        }
+      }
+      amx_pack_a(
+          abuf, 0, [](Index) { return Index{0}; }, mc, kp_all, abuf, mc);  // pad rows
+    }
+    Index const groups = (mc + 31) / 32;
+    for (Index p = p0; p < p1; ++p) {
+      std::uint32_t const* panel[2] = {nullptr, nullptr};
+      for (int o = 0; o < Ops; ++o) panel[o] = w.bf16[o] + p * kp_all * NP;
+      if (kp_full < kp_all) {
+        for (int o = 0; o < Ops; ++o) {
+          std::uint32_t* t = tail + o * 16 * 32;
+          std::copy(panel[o] + kp_full * NP, panel[o] + kp_all * NP, t);
+          std::fill(t + (kp_all - kp_full) * NP, t + 16 * 32, 0u);
+        }
+      }
+      // Slices of kAmxSliceSteps steps: each operand's slice of the panel stays in L1 while
+      // every group of rows multiplies it; a group's C tiles go to cpart between slices.
+      for (Index s0 = 0; s0 < steps; s0 += kAmxSliceSteps) {
+        Index const s1 = std::min(steps, s0 + kAmxSliceSteps);
+        for (Index g = 0; g < groups; ++g) {
+          Index const rows = std::min<Index>(32, mc - g * 32);
+          std::uint32_t const* ag = abuf + 2 * g * steps * 256;
+          for (int o = 0; o < Ops; ++o) {
+            float* cg = cpart + (g * Ops + o) * 32 * 32;
+            std::uint32_t const* bt = tail + o * 16 * 32;
+            if (rows > 16) {
+              amx_panel_block<2>(ag, steps, panel[o], kp_full / 16, bt, s0, s1, cg, s0 > 0);
+            } else {
+              amx_panel_block<1>(ag, steps, panel[o], kp_full / 16, bt, s0, s1, cg, s0 > 0);
+            }
+          }
+        }
+      }
+      for (Index r = 0; r < mc; ++r) {
+        float const* cr = cpart + ((r / 32) * Ops * 32 + r % 32) * 32;
+        B v[NB];
+        for (int o = 0; o < Ops; ++o) {
+          v[2 * o] = B::load_aligned(cr + o * 32 * 32);
+          v[2 * o + 1] = B::load_aligned(cr + o * 32 * 32 + L);
+        }
+        epi.row(c0 + r, p, v);
+      }
+    }
+  }
+  amx_release();
+}
+}  // namespace detail
+#endif
 
 /// Columns [p0 * NP, p1 * NP) (panels p0..p1-1; NP = panel_width()) of an expert projection of the
 /// M rows of `a` (depth K) against `w`, finished by `epi` (StoreEpilogue, GluEpilogue,
@@ -534,7 +645,8 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   float* const panel_buf = scratch + ((64 - addr % 64) % 64) / sizeof(float);
   // bf16 panels: the activation pairs of a row chunk, in the space raw weights pack panels into.
   auto* const pairs = reinterpret_cast<std::uint32_t*>(panel_buf);
-  float* const partial = panel_buf + std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2));
+  float* const partial =
+      panel_buf + std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2 + 15) / 16 * 16);
   float* const stage = partial + kExpertChunkRows * 2 * NP;  // dot-product path: one row
   float const* row_ptr_storage[8];
 
@@ -557,6 +669,14 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   }
 
   bool const bf16 = w.bf16[0] != nullptr;
+#if MOE_HAS_AMX_BF16
+  if constexpr (NP == 32) {
+    if (bf16 && bf16_amx<Arch>()) {
+      detail::expert_cols_amx<Epi, Arch>(a, M, K, w, p0, p1, epi, pairs, partial);
+      return;
+    }
+  }
+#endif
   // vdpbf16ps: activations as bf16 pairs, from a.pairs or rounded once per row chunk into scratch.
   bool const dp = bf16 && bf16_dot_products<Arch>();
   Index const kp_all = (K + 1) / 2;  // bf16 pairs of a row

@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// AMX bf16 tiles for the expert GEMMs (kernels::expert_cols with moe::Bf16Kernel::kAmx).
+///
+/// The bf16 weight panels of ExpertBank::pack are already in AMX's "VNNI" layout: a panel row kp
+/// holds, for each of its 32 columns, the pair (W[n, 2kp], W[n, 2kp + 1]) as one 32-bit word, so
+/// 16 panel rows from column 0 (or 16) with a 128-byte stride are one B tile (16 pair rows x 16
+/// columns). The activations, rounded to bf16 pairs (bf16_pairs_rows), with the row stride
+/// padded to 16 pairs, give A tiles (16 rows x 16 pairs) the same way. One tdpbf16ps adds
+/// A (16 x 32 bf16) x B (32 x 16 bf16) to a 16 x 16 fp32 C tile.
+///
+/// Tiles (palette 1, all 16 rows x 64 bytes): C 0-3 (row tile r, column half h: tile 2r + h),
+/// A 4-5 (row tile r), B 6-7 (column half h): 2 x 2 blocking, each B tile used by 2 row tiles
+/// and each A tile by 2 column halves.
+///
+/// Every C element is the fp32 sum of its row's and column's pair products over k in ascending
+/// steps of 32 (the order inside a step is the hardware's, fixed), so it depends only on its row,
+/// its column and K: bitwise the same for any row count, blocking, work split or thread count.
+/// tdpbf16ps treats denormal inputs as zero and flushes denormal results, rounds to nearest even
+/// and never traps; NaN and Inf propagate.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "moe/core/config.hpp"
+#include "moe/core/types.hpp"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+#define MOE_HAS_AMX_BF16 1
+#else
+#define MOE_HAS_AMX_BF16 0
+#endif
+
+#if MOE_HAS_AMX_BF16
+namespace moe::kernels::detail {
+
+/// A compiler barrier for memory. GCC 12's tile intrinsics are asm statements that do not tell
+/// the compiler which memory they read or write (ldtilecfg names only the first 8 bytes of its
+/// operand, tileloadd and tilestored no memory at all), so the stores that fill the tiles'
+/// sources must be complete before them and the reads of their results must come after.
+MOE_ALWAYS_INLINE void amx_memory_barrier() { asm volatile("" ::: "memory"); }
+
+/// ldtilecfg's 64-byte operand: palette 1, tiles 0-7 of 16 rows x 64 bytes.
+struct alignas(64) AmxTileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+/// Configures this thread's tiles for amx_panel_block (tile state is per thread; a call that
+/// uses tiles configures them first and releases them when done: amx_release()).
+MOE_ALWAYS_INLINE void amx_configure() {
+  AmxTileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  amx_memory_barrier();
+  _tile_loadconfig(&c);
+  amx_memory_barrier();
+}
+
+/// Returns the tile state to init (the kernel then saves none of it on a context switch).
+MOE_ALWAYS_INLINE void amx_release() { _tile_release(); }
+
+/// C (+)= A x panel over steps [s0, s1) of 16 pairs, for R row tiles (16 R rows) and one
+/// 32-column panel: c[r * 32 + n] (+)= sum over kp of pair(A[r, kp]) . pair(B[kp, n]).
+/// Step s < full reads the panel at b + s * 512 words (16 rows of 32 words, a 128-byte stride);
+/// step s = full (a depth that is not a multiple of 16 pairs) reads b_tail (16 rows of 32 words,
+/// zero past the panel's depth). A is tiled (amx_pack_a's layout): the 16 x 16-pair tile of row
+/// tile r and step s is 1 KiB at a + (r * steps + s) * 256 words. With `accumulate` the C tiles
+/// start from c, else from zero. `c` is 32 x 16 R floats (row stride 32), 64-byte aligned.
+template <int R>
+MOE_ALWAYS_INLINE void amx_panel_block(std::uint32_t const* a, Index steps, std::uint32_t const* b,
+                                       Index full, std::uint32_t const* b_tail, Index s0, Index s1,
+                                       float* c, bool accumulate) {
+  static_assert(R == 1 || R == 2);
+  amx_memory_barrier();
+  if (accumulate) {
+    _tile_loadd(0, c, 128);
+    _tile_loadd(1, c + 16, 128);
+    if constexpr (R == 2) {
+      _tile_loadd(2, c + 16 * 32, 128);
+      _tile_loadd(3, c + 16 * 32 + 16, 128);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (R == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (Index s = s0; s < s1; ++s) {
+    std::uint32_t const* bk = s < full ? b + s * 512 : b_tail;
+    std::uint32_t const* ak = a + s * 256;
+    _tile_loadd(6, bk, 128);
+    _tile_loadd(4, ak, 64);
+    _tile_loadd(7, bk + 16, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R == 2) {
+      _tile_loadd(5, ak + steps * 256, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if constexpr (R == 2) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+  amx_memory_barrier();
+}
+
+/// Rows [from, n) of `pairs` (bf16 pairs, kp_all words a row at a stride of ldp words, row r
+/// at pairs + at(r) * ldp) into amx_panel_block's tiled layout at `a`: steps = ceil(kp_all / 16)
+/// steps of 16 pairs, row tiles of 16 rows; pairs past kp_all and rows from n to the next
+/// multiple of 16 are zero.
+template <class At>
+MOE_ALWAYS_INLINE void amx_pack_a(std::uint32_t const* pairs, Index ldp, At at, Index n,
+                                  Index kp_all, std::uint32_t* a, Index from = 0) {
+  Index const steps = (kp_all + 15) / 16, npad = (n + 15) / 16 * 16;
+  for (Index r = from; r < npad; ++r) {
+    std::uint32_t* dst = a + (r / 16) * steps * 256 + (r % 16) * 16;
+    for (Index s = 0; s < steps; ++s) {
+      Index const words = r < n ? std::min<Index>(16, kp_all - s * 16) : 0;
+      if (words > 0) std::memcpy(dst + s * 256, pairs + at(r) * ldp + s * 16, words * 4);
+      std::fill(dst + s * 256 + words, dst + s * 256 + 16, 0u);
+    }
+  }
+}
+
+}  // namespace moe::kernels::detail
+#endif
