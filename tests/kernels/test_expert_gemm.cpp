@@ -56,6 +56,22 @@ void set_operand(kernels::WeightPanels& w, int o, Operand const& op, Source src,
   }
 }
 
+/// The gate and up operands of a GLU in projection, from the fused [gate; up] rows [2F, K].
+struct GluOperands {
+  Index F;
+  Operand gate, up;
+  GluOperands(std::vector<float> const& w_in, Index f, Index K)
+      : F(f),
+        gate(std::vector<float>(w_in.begin(), w_in.begin() + f * K), f, K),
+        up(std::vector<float>(w_in.begin() + f * K, w_in.end()), f, K) {}
+  kernels::WeightPanels panels(Source src) const {
+    kernels::WeightPanels w;
+    set_operand(w, 0, gate, src, F);
+    set_operand(w, 1, up, src, F);
+    return w;
+  }
+};
+
 /// Does the bf16 path round the activations too (AVX512-BF16 dot products, as this process
 /// chose: moe::bf16_kernel())?
 bool rounds_activations() { return kernels::bf16_dot_products(); }
@@ -135,11 +151,8 @@ TEST_CASE("expert_cols with GluEpilogue: gate and up in one pass, act(g) * u in 
           INFO(name(src) << " act " << kernels::to_string(act) << " F " << F << " M " << M);
           auto X = test::random_vector(M * K, 311, -2.0f, 2.0f);
           auto Win = test::random_vector(2 * F * K, 312);  // HF fused [gate; up], [2F, K]
-          Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
-          Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
-          kernels::WeightPanels w;
-          set_operand(w, 0, gate, src, F);
-          set_operand(w, 1, up, src, F);
+          GluOperands const glu(Win, F, K);
+          kernels::WeightPanels const w = glu.panels(src);
           std::vector<float> m(static_cast<std::size_t>(M * F)),
               h(static_cast<std::size_t>(M * 2 * F));
           std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
@@ -232,11 +245,8 @@ TEST_CASE("expert_cols with AMX tiles: every row count 1..33 and 130, depths off
     Index const F = NP + 7, T = 140;
     auto X = test::random_vector(T * K, 401);
     auto Win = test::random_vector(2 * F * K, 402);
-    Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
-    Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
-    kernels::WeightPanels w;
-    set_operand(w, 0, gate, Source::kBf16, F);
-    set_operand(w, 1, up, Source::kBf16, F);
+    GluOperands const glu(Win, F, K);
+    kernels::WeightPanels const w = glu.panels(Source::kBf16);
     std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
     // Each row alone: the reference for bitwise independence from the other rows.
     std::vector<float> alone(static_cast<std::size_t>(T * 2 * F));
@@ -249,8 +259,8 @@ TEST_CASE("expert_cols with AMX tiles: every row count 1..33 and 130, depths off
     }
     for (Index t = 0; t < T; ++t) {
       for (Index j = 0; j < F; ++j) {
-        double const g = dot(X.data() + t * K, gate.raw.data() + j * K, K, Source::kBf16);
-        double const u = dot(X.data() + t * K, up.raw.data() + j * K, K, Source::kBf16);
+        double const g = dot(X.data() + t * K, glu.gate.raw.data() + j * K, K, Source::kBf16);
+        double const u = dot(X.data() + t * K, glu.up.raw.data() + j * K, K, Source::kBf16);
         INFO("K " << K << " row " << t << " column " << j);
         REQUIRE(alone[t * 2 * F + j] == Approx(g).margin(2e-5 * (1 + K)));
         REQUIRE(alone[t * 2 * F + F + j] == Approx(u).margin(2e-5 * (1 + K)));
@@ -281,13 +291,10 @@ TEST_CASE("expert_cols: K slices and row chunks give bitwise the one-pass result
   Index const K = 131, F = NP + 5, M = 150;
   auto X = test::random_vector(M * K, 341);
   auto Win = test::random_vector(2 * F * K, 342);
-  Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
-  Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+  GluOperands const glu(Win, F, K);
   for (Source src : {Source::kPacked, Source::kRaw, Source::kBf16}) {
     INFO(name(src));
-    kernels::WeightPanels w;
-    set_operand(w, 0, gate, src, F);
-    set_operand(w, 1, up, src, F);
+    kernels::WeightPanels const w = glu.panels(src);
     std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
     auto run = [&](Index k_slice) {
       std::vector<float> m(static_cast<std::size_t>(M * F)), h(static_cast<std::size_t>(M * 2 * F));
@@ -352,11 +359,8 @@ TEST_CASE("expert_cols: bf16 pairs given in RowSource give bitwise the rows' own
   Index const K = 75, F = NP + 3, M = 140, T = 150;
   auto X = test::random_vector(T * K, 371);
   auto Win = test::random_vector(2 * F * K, 372);
-  Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
-  Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
-  kernels::WeightPanels w;
-  set_operand(w, 0, gate, Source::kBf16, F);
-  set_operand(w, 1, up, Source::kBf16, F);
+  GluOperands const glu(Win, F, K);
+  kernels::WeightPanels const w = glu.panels(Source::kBf16);
   std::vector<Index> index(static_cast<std::size_t>(M));
   for (Index i = 0; i < M; ++i) index[i] = (i * 11 + 5) % T;
   Index const kp = (K + 1) / 2;
@@ -403,13 +407,11 @@ TEST_CASE("expert_cols: the NextPanel prefetch hint never changes a result",
   Index const K = 75, F = 2 * NP + 3, M = 20;
   auto X = test::random_vector(M * K, 381);
   auto Win = test::random_vector(2 * F * K, 382);
-  Operand gate(std::vector<float>(Win.begin(), Win.begin() + F * K), F, K);
-  Operand up(std::vector<float>(Win.begin() + F * K, Win.end()), F, K);
+  GluOperands const glu(Win, F, K);
   Operand other(test::random_vector(F * 40, 383), F, 40);
   for (Source src : {Source::kPacked, Source::kBf16}) {
-    kernels::WeightPanels w, next_f32, next_bf16;
-    set_operand(w, 0, gate, src, F);
-    set_operand(w, 1, up, src, F);
+    kernels::WeightPanels const w = glu.panels(src);
+    kernels::WeightPanels next_f32, next_bf16;
     set_operand(next_f32, 0, other, Source::kPacked, F);
     set_operand(next_bf16, 0, other, Source::kBf16, F);
     std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));

@@ -15,3 +15,16 @@
 #define MOE_ALWAYS_INLINE inline
 #define MOE_RESTRICT
 #endif
+
+// The units this build's kernels are compiled for (the compiler's target flags); whether the CPU
+// running them has them is asked at run time (core/cpu.hpp: bf16_kernel(), amx_bf16_usable()).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MOE_HAS_AVX512BF16 1  ///< AVX512-BF16 dot products (vdpbf16ps)
+#else
+#define MOE_HAS_AVX512BF16 0
+#endif
+#if MOE_HAS_AVX512BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MOE_HAS_AMX_BF16 1  ///< AMX bf16 tiles (tdpbf16ps)
+#else
+#define MOE_HAS_AMX_BF16 0
+#endif

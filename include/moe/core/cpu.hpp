@@ -259,7 +259,7 @@ enum class Bf16Kernel {
 ///     moe::Error naming the accepted values;
 ///   - `amx` (the build has the AMX kernels, the CPU has AMX-BF16 tiles and Linux granted their
 ///     use: amx_bf16_usable()): kAmx. One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16
-///     one (3.3 TFLOP/s a Sapphire Rapids core from L1, 13x its fp32 FMA rate);
+///     one (3.3 to 3.9 TFLOP/s a Sapphire Rapids core, 13 to 16x its fp32 FMA rate);
 ///   - an Intel CPU without AMX: kWiden. Its cores run vdpbf16ps at about half the fp32 FMA rate
 ///     (Sapphire Rapids, 2 vCPUs: 190 against 246 GFLOP/s a core with 8 chains), so widening,
 ///     which reads the same bf16 bytes and runs at the FMA rate, is faster and bf16 is never
@@ -286,25 +286,12 @@ inline Bf16Kernel choose_bf16_kernel(CpuFeatures const& f, char const* env, bool
 
 /// Does this build have the AVX512-BF16 dot-product kernels (AVX-512 with 32-column panels and
 /// -mavx512bf16)?
-constexpr bool compiled_bf16_dot_products() {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+constexpr bool compiled_bf16_dot_products() { return MOE_HAS_AVX512BF16 != 0; }
 
 /// Does this build have the AMX bf16 expert kernels (AVX-512 and -mamx-tile -mamx-bf16, which
 /// -march=native implies on a CPU with AMX)? A build with them still runs on a CPU without AMX:
 /// bf16_kernel() then never chooses them.
-constexpr bool compiled_amx_bf16() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+constexpr bool compiled_amx_bf16() { return MOE_HAS_AMX_BF16 != 0; }
 
 /// Can this process run the AMX bf16 kernels: compiled in, the CPU and the OS support AMX-BF16
 /// tiles, and Linux granted tile data to the process (request_amx(), asked here)?
@@ -337,7 +324,7 @@ inline std::string compiled_kernels() {
 #else
   s = "scalar";
 #endif
-#if defined(__AVX512BF16__)
+#if MOE_HAS_AVX512BF16
   s += ", AVX512-BF16";
 #endif
   switch (bf16_kernel()) {
@@ -356,8 +343,8 @@ inline std::string compiled_kernels() {
 #elif defined(__AVXVNNI__)
   s += ", AVX-VNNI";
 #endif
-#if defined(__AMX_TILE__)
-  s += ", AMX tiles compiled";
+#if MOE_HAS_AMX_BF16
+  s += ", AMX bf16 tiles compiled";
 #endif
   return s;
 }

@@ -242,7 +242,11 @@ inline bool bf16_amx() {
 /// with denormal inputs taken as (signed) zero and NaN kept NaN, as vcvtne2ps2bf16 does (the
 /// instruction used with AVX512-BF16; the same arithmetic in scalar code elsewhere), so a row's
 /// pairs depend on nothing but the row. The activations expert_cols' bf16 dot products read.
-inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, Index ldd) {
+/// With `piece_stride` (words; 16: contiguous), the row's pieces of 16 pairs lie that far apart:
+/// word kp at dst + r * ldd + (kp / 16) * piece_stride + kp % 16 (AMX's A tiles, one piece a
+/// tile row); nothing is written past word kp_count - 1 of the last piece.
+inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, Index ldd,
+                            Index piece_stride = 16) {
   Index const kp_count = (K + 1) / 2;
   for (Index r = 0; r < n; ++r) {
     float const* x = a.row(r);
@@ -252,7 +256,7 @@ inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, I
     for (; 2 * kp + 32 <= K; kp += 16) {
       __m512bh const v =
           _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 2 * kp + 16), _mm512_loadu_ps(x + 2 * kp));
-      _mm512_storeu_si512(d + kp, reinterpret_cast<__m512i>(v));
+      _mm512_storeu_si512(d + kp / 16 * piece_stride, reinterpret_cast<__m512i>(v));
     }
     if (kp < kp_count) {
       Index const rest = K - 2 * kp;  // 1..31 floats
@@ -261,7 +265,7 @@ inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, I
       __m512bh const v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi_mask, x + 2 * kp + 16),
                                              _mm512_maskz_loadu_ps(lo_mask, x + 2 * kp));
       auto const words = static_cast<__mmask16>((1u << (kp_count - kp)) - 1u);
-      _mm512_mask_storeu_epi32(d + kp, words, reinterpret_cast<__m512i>(v));
+      _mm512_mask_storeu_epi32(d + kp / 16 * piece_stride, words, reinterpret_cast<__m512i>(v));
     }
 #else
     auto round = [](float f) -> std::uint32_t {
@@ -275,7 +279,7 @@ inline void bf16_pairs_rows(RowSource a, Index n, Index K, std::uint32_t* dst, I
     for (; kp < kp_count; ++kp) {
       std::uint32_t const lo = round(x[2 * kp]);
       std::uint32_t const hi = 2 * kp + 1 < K ? round(x[2 * kp + 1]) : 0u;
-      d[kp] = lo | (hi << 16);
+      d[kp / 16 * piece_stride + kp % 16] = lo | (hi << 16);
     }
 #endif
   }
@@ -516,8 +520,8 @@ constexpr Index expert_scratch_floats(Index K) {
 #if MOE_HAS_AMX_BF16
 namespace detail {
 /// expert_cols over bf16 panels with AMX tiles. Row chunks of up to kExpertChunkRows rows are
-/// rounded to bf16 pairs once (or taken from a.pairs) and laid out as A tiles (amx_pack_a: 16
-/// rows x 16 pairs, 1 KiB each, zero-padded to whole tiles) in `abuf`. Then for each panel, K
+/// rounded to bf16 pairs once (or taken from a.pairs) straight into A tiles (16 rows x 16 pairs,
+/// 1 KiB each, zero-padded to whole tiles) in `abuf`. Then for each panel, K
 /// slices of kAmxSliceSteps steps (16 pairs a step): each group of 32 rows (2 row tiles; 1 for a
 /// last group of at most 16 rows) multiplies each operand's slice (amx_panel_block), its C tiles
 /// kept in `cbuf` between slices, so a slice of the panel is read from memory once and from L1
@@ -546,23 +550,25 @@ void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index
   amx_configure();
   for (Index c0 = 0; c0 < M; c0 += kExpertChunkRows) {
     Index const mc = std::min(kExpertChunkRows, M - c0);
-    if (a.pairs) {
-      amx_pack_a(
-          a.pairs, a.ldp, [&](Index r) { return a.at(c0 + r); }, mc, kp_all, abuf);
-    } else {
-      // Each row rounded straight into its tiles, 32 floats (one step) at a time: the pairs are
-      // those of bf16_pairs_rows over the whole row (each pair depends only on its floats).
-      for (Index r = 0; r < mc; ++r) {
-        float const* x = a.row(c0 + r);
-        std::uint32_t* dst = abuf + (r / 16) * steps * 256 + (r % 16) * 16;
-        for (Index st = 0; st < steps; ++st) {
-          Index const k0 = st * 32, kk = std::min<Index>(32, K - k0), words = (kk + 1) / 2;
-          bf16_pairs_rows(RowSource{x + k0, 0, nullptr}, 1, kk, dst + st * 256, 16);
-          std::fill(dst + st * 256 + words, dst + st * 256 + 16, 0u);
-        }
+    // A tiles: row r's piece of 16 pairs for step st at abuf + ((r / 16) * steps + st) * 256 +
+    // (r % 16) * 16 words; pairs past kp_all and rows past mc (to whole tiles) are zero.
+    Index const mpad = (mc + 15) / 16 * 16, rest = kp_all - kp_full;
+    for (Index r = 0; r < mpad; ++r) {
+      std::uint32_t* dst = abuf + (r / 16) * steps * 256 + (r % 16) * 16;
+      if (r >= mc) {
+        for (Index st = 0; st < steps; ++st) std::fill(dst + st * 256, dst + st * 256 + 16, 0u);
+        continue;
       }
-      amx_pack_a(
-          abuf, 0, [](Index) { return Index{0}; }, mc, kp_all, abuf, mc);  // pad rows
+      if (a.pairs) {
+        std::uint32_t const* src = a.pairs + a.at(c0 + r) * a.ldp;
+        for (Index st = 0; st < steps; ++st) {
+          std::copy(src + st * 16, src + st * 16 + std::min<Index>(16, kp_all - st * 16),
+                    dst + st * 256);
+        }
+      } else {
+        bf16_pairs_rows(a.from(c0 + r), 1, K, dst, 0, 256);
+      }
+      if (rest > 0) std::fill(dst + (steps - 1) * 256 + rest, dst + (steps - 1) * 256 + 16, 0u);
     }
     Index const groups = (mc + 31) / 32;
     for (Index p = p0; p < p1; ++p) {

@@ -15,11 +15,8 @@
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/simd.hpp"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if MOE_HAS_AVX512BF16
 #include <immintrin.h>
-#define MOE_HAS_AVX512BF16 1
-#else
-#define MOE_HAS_AVX512BF16 0
 #endif
 
 namespace moe::kernels {

@@ -21,22 +21,14 @@
 /// and never traps; NaN and Inf propagate.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__)
-#include <immintrin.h>
-#define MOE_HAS_AMX_BF16 1
-#else
-#define MOE_HAS_AMX_BF16 0
-#endif
-
 #if MOE_HAS_AMX_BF16
+#include <immintrin.h>
+
 namespace moe::kernels::detail {
 
 /// A compiler barrier for memory. GCC 12's tile intrinsics are asm statements that do not tell
@@ -74,9 +66,9 @@ MOE_ALWAYS_INLINE void amx_release() { _tile_release(); }
 /// 32-column panel: c[r * 32 + n] (+)= sum over kp of pair(A[r, kp]) . pair(B[kp, n]).
 /// Step s < full reads the panel at b + s * 512 words (16 rows of 32 words, a 128-byte stride);
 /// step s = full (a depth that is not a multiple of 16 pairs) reads b_tail (16 rows of 32 words,
-/// zero past the panel's depth). A is tiled (amx_pack_a's layout): the 16 x 16-pair tile of row
-/// tile r and step s is 1 KiB at a + (r * steps + s) * 256 words. With `accumulate` the C tiles
-/// start from c, else from zero. `c` is 32 x 16 R floats (row stride 32), 64-byte aligned.
+/// zero past the panel's depth). A is tiled: the 16 x 16-pair tile of row tile r and step s is
+/// 1 KiB at a + (r * steps + s) * 256 words. With `accumulate` the C tiles start from c, else
+/// from zero. `c` is 32 x 16 R floats (row stride 32), 64-byte aligned.
 template <int R>
 MOE_ALWAYS_INLINE void amx_panel_block(std::uint32_t const* a, Index steps, std::uint32_t const* b,
                                        Index full, std::uint32_t const* b_tail, Index s0, Index s1,
@@ -119,24 +111,6 @@ MOE_ALWAYS_INLINE void amx_panel_block(std::uint32_t const* a, Index steps, std:
     _tile_stored(3, c + 16 * 32 + 16, 128);
   }
   amx_memory_barrier();
-}
-
-/// Rows [from, n) of `pairs` (bf16 pairs, kp_all words a row at a stride of ldp words, row r
-/// at pairs + at(r) * ldp) into amx_panel_block's tiled layout at `a`: steps = ceil(kp_all / 16)
-/// steps of 16 pairs, row tiles of 16 rows; pairs past kp_all and rows from n to the next
-/// multiple of 16 are zero.
-template <class At>
-MOE_ALWAYS_INLINE void amx_pack_a(std::uint32_t const* pairs, Index ldp, At at, Index n,
-                                  Index kp_all, std::uint32_t* a, Index from = 0) {
-  Index const steps = (kp_all + 15) / 16, npad = (n + 15) / 16 * 16;
-  for (Index r = from; r < npad; ++r) {
-    std::uint32_t* dst = a + (r / 16) * steps * 256 + (r % 16) * 16;
-    for (Index s = 0; s < steps; ++s) {
-      Index const words = r < n ? std::min<Index>(16, kp_all - s * 16) : 0;
-      if (words > 0) std::memcpy(dst + s * 256, pairs + at(r) * ldp + s * 16, words * 4);
-      std::fill(dst + s * 256 + words, dst + s * 256 + 16, 0u);
-    }
-  }
 }
 
 }  // namespace moe::kernels::detail
