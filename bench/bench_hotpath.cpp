@@ -15,7 +15,8 @@
 //       tokens/s, GFLOP/s,
 //       S-MFU    = achieved FLOP/s / peak FMA FLOP/s                      (MoE-CAP)
 //       S-MBU    = active expert weight bytes per second / read bandwidth (MoE-CAP)
-//       roofline = achieved / min(peak, AI * bandwidth), AI = FLOP / active weight bytes,
+//       roofline = achieved / min(peak, AI * bandwidth), AI = FLOP / active weight bytes
+//                  (peak: fp32 FMA; for the bf16 rows the peak of the unit their kernel uses),
 //     against limits measured just before and just after the row (the larger of the two;
 //     counters peak_GFLOP/s, bw_GB/s; the bf16 rows also unit_peak_GFLOP/s and unit_peak_frac,
 //     the peak of the unit their kernel runs on: AMX, vdpbf16ps or fp32 FMAs, see the kernels
@@ -705,9 +706,13 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
   auto const [r, c] = measure_row<S>(state, ws, in, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
   // Achieved over the measured peak of the unit the bf16 kernel runs on (AMX tiles, vdpbf16ps
   // or fp32 FMAs: moe::bf16_kernel(), printed in the kernels context).
+  // The roofline too takes that unit's peak as its compute ceiling (set_counters: the fp32 one).
   if (double const unit = bf16_unit_peak(r.lim); unit > 0.0) {
+    double const achieved = c.flop / r.best;
     state.counters["unit_peak_GFLOP/s"] = unit / 1e9;
-    state.counters["unit_peak_frac"] = c.flop / r.best / unit;
+    state.counters["unit_peak_frac"] = achieved / unit;
+    state.counters["roofline"] =
+        achieved / std::min(unit, state.counters["FLOP/B"].value * r.lim.bandwidth);
   }
 }
 

@@ -240,7 +240,7 @@ TEST_CASE("expert_cols with AMX tiles: every row count 1..33 and 130, depths off
     return;
   }
   // Depths: one pair, a partial tile only, exactly one and two tiles, a tile plus a tail, odd.
-  // 600: 19 steps of 16 pairs, so 3 K slices of the AMX path and a tail step.
+  // 600: 18 whole steps of 16 pairs and a tail step.
   for (Index K : {Index{2}, Index{31}, Index{32}, Index{64}, Index{50}, Index{97}, Index{600}}) {
     Index const F = NP + 7, T = 140;
     auto X = test::random_vector(T * K, 401);

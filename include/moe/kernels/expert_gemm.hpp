@@ -505,15 +505,15 @@ constexpr Index expert_k_slice() {
 }
 
 /// Floats of per-thread scratch expert_cols needs for depth K: two fp32 panels (per-call packing)
-/// or a row chunk's bf16 activation pairs (bf16 panels), the partial sums of a row chunk and the
+/// or a row chunk's bf16 activation pairs (bf16 panels; rows padded to whole AMX tiles), the
+/// partial sums of a row chunk (the AMX path's C and tail tiles in the same place) and the
 /// dot-product staging row, 64-byte aligned.
 template <class Arch = simd::DefaultArch>
 constexpr Index expert_scratch_floats(Index K) {
   constexpr Index NP = panel_width<Arch>();
   // bf16 pairs of a row chunk: rows padded to 16 pairs (the AMX path's A tiles).
   Index const operands = std::max(2 * K * NP, kExpertChunkRows * ((K + 1) / 2 + 15) / 16 * 16);
-  // + 2 * 16 * 32: the AMX path's zero-padded tail tiles of both operands.
-  return std::max(operands + kExpertChunkRows * 2 * NP + 2 * NP + 2 * 16 * 32 + 64,
+  return std::max(operands + kExpertChunkRows * 2 * NP + 2 * NP + 64,
                   K % 32 == 0 ? quant_scratch_floats(K) : Index{0});
 }
 
@@ -521,20 +521,15 @@ constexpr Index expert_scratch_floats(Index K) {
 namespace detail {
 /// expert_cols over bf16 panels with AMX tiles. Row chunks of up to kExpertChunkRows rows are
 /// rounded to bf16 pairs once (or taken from a.pairs) straight into A tiles (16 rows x 16 pairs,
-/// 1 KiB each, zero-padded to whole tiles) in `abuf`. Then for each panel, K
-/// slices of kAmxSliceSteps steps (16 pairs a step): each group of 32 rows (2 row tiles; 1 for a
-/// last group of at most 16 rows) multiplies each operand's slice (amx_panel_block), its C tiles
-/// kept in `cbuf` between slices, so a slice of the panel is read from memory once and from L1
-/// by the other groups. The epilogue takes the panel's rows from there. A panel depth that is
-/// not a multiple of 16 pairs ends in a zero-padded copy of its last rows. `abuf` holds
-/// kExpertChunkRows * ceil(kp_all / 16) * 16 words (kp_all = ceil(K / 2)); `cbuf`
-/// 2 * 16 * 32 + 4 * 2 * 32 * 32 floats; both 64-byte aligned.
-#ifndef MOE_AMX_SLICE_STEPS
-#define MOE_AMX_SLICE_STEPS 8
-#endif
-/// Steps of 16 pairs in a K slice of the AMX path (compile-time tuning knob).
-inline constexpr Index kAmxSliceSteps = MOE_AMX_SLICE_STEPS;
-
+/// 1 KiB each, zero-padded to whole tiles) in `abuf`. Then for each panel, each group of 32 rows
+/// (2 row tiles; 1 for a last group of at most 16 rows) multiplies each operand's panel over the
+/// whole depth (amx_panel_block) into `cbuf`, and the epilogue takes the group's rows from there;
+/// the panel, read from memory by the first group, is in L2 for the others. (K slices that keep
+/// a slice of the panel in L1 for every group, the C tiles stored between slices, were 10%
+/// faster for one expert of 128 rows with cached weights and no faster in the layer: Sapphire
+/// Rapids, 2026-12-02.) A panel depth that is not a multiple of 16 pairs ends in a zero-padded
+/// copy of its last rows. `abuf` holds kExpertChunkRows * ceil(kp_all / 16) * 16 words (kp_all =
+/// ceil(K / 2)); `cbuf` 2 * 16 * 32 + 2 * 32 * 32 floats; both 64-byte aligned.
 template <class Epi, class Arch>
 void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index p0, Index p1,
                      Epi const& epi, std::uint32_t* abuf, float* cbuf) {
@@ -546,7 +541,7 @@ void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index
   constexpr int NB = 2 * Ops;
   Index const kp_all = (K + 1) / 2, steps = (kp_all + 15) / 16, kp_full = kp_all / 16 * 16;
   auto* const tail = reinterpret_cast<std::uint32_t*>(cbuf);  // [Ops][16][32]
-  float* const cpart = cbuf + Ops * 16 * 32;  // [group][Ops][32][32], groups of 32 rows
+  float* const cout = cbuf + Ops * 16 * 32;                   // [Ops][32][32]: one group's C tiles
   amx_configure();
   for (Index c0 = 0; c0 < M; c0 += kExpertChunkRows) {
     Index const mc = std::min(kExpertChunkRows, M - c0);
@@ -570,7 +565,6 @@ void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index
       }
       if (rest > 0) std::fill(dst + (steps - 1) * 256 + rest, dst + (steps - 1) * 256 + 16, 0u);
     }
-    Index const groups = (mc + 31) / 32;
     for (Index p = p0; p < p1; ++p) {
       std::uint32_t const* panel[2] = {nullptr, nullptr};
       for (int o = 0; o < Ops; ++o) panel[o] = w.bf16[o] + p * kp_all * NP;
@@ -581,32 +575,25 @@ void expert_cols_amx(RowSource a, Index M, Index K, WeightPanels const& w, Index
           std::fill(t + (kp_all - kp_full) * NP, t + 16 * 32, 0u);
         }
       }
-      // Slices of kAmxSliceSteps steps: each operand's slice of the panel stays in L1 while
-      // every group of rows multiplies it; a group's C tiles go to cpart between slices.
-      for (Index s0 = 0; s0 < steps; s0 += kAmxSliceSteps) {
-        Index const s1 = std::min(steps, s0 + kAmxSliceSteps);
-        for (Index g = 0; g < groups; ++g) {
-          Index const rows = std::min<Index>(32, mc - g * 32);
-          std::uint32_t const* ag = abuf + 2 * g * steps * 256;
-          for (int o = 0; o < Ops; ++o) {
-            float* cg = cpart + (g * Ops + o) * 32 * 32;
-            std::uint32_t const* bt = tail + o * 16 * 32;
-            if (rows > 16) {
-              amx_panel_block<2>(ag, steps, panel[o], kp_full / 16, bt, s0, s1, cg, s0 > 0);
-            } else {
-              amx_panel_block<1>(ag, steps, panel[o], kp_full / 16, bt, s0, s1, cg, s0 > 0);
-            }
+      for (Index g0 = 0; g0 < mc; g0 += 32) {
+        Index const rows = std::min<Index>(32, mc - g0);
+        std::uint32_t const* ag = abuf + (g0 / 16) * steps * 256;
+        for (int o = 0; o < Ops; ++o) {
+          std::uint32_t const* bt = tail + o * 16 * 32;
+          if (rows > 16) {
+            amx_panel_block<2>(ag, steps, panel[o], kp_full / 16, bt, cout + o * 32 * 32);
+          } else {
+            amx_panel_block<1>(ag, steps, panel[o], kp_full / 16, bt, cout + o * 32 * 32);
           }
         }
-      }
-      for (Index r = 0; r < mc; ++r) {
-        float const* cr = cpart + ((r / 32) * Ops * 32 + r % 32) * 32;
-        B v[NB];
-        for (int o = 0; o < Ops; ++o) {
-          v[2 * o] = B::load_aligned(cr + o * 32 * 32);
-          v[2 * o + 1] = B::load_aligned(cr + o * 32 * 32 + L);
+        for (Index r = 0; r < rows; ++r) {
+          B v[NB];
+          for (int o = 0; o < Ops; ++o) {
+            v[2 * o] = B::load_aligned(cout + o * 32 * 32 + r * 32);
+            v[2 * o + 1] = B::load_aligned(cout + o * 32 * 32 + r * 32 + L);
+          }
+          epi.row(c0 + g0 + r, p, v);
         }
-        epi.row(c0 + r, p, v);
       }
     }
   }

@@ -62,35 +62,25 @@ MOE_ALWAYS_INLINE void amx_configure() {
 /// Returns the tile state to init (the kernel then saves none of it on a context switch).
 MOE_ALWAYS_INLINE void amx_release() { _tile_release(); }
 
-/// C (+)= A x panel over steps [s0, s1) of 16 pairs, for R row tiles (16 R rows) and one
-/// 32-column panel: c[r * 32 + n] (+)= sum over kp of pair(A[r, kp]) . pair(B[kp, n]).
+/// C = A x panel over all `steps` steps of 16 pairs, for R row tiles (16 R rows) and one
+/// 32-column panel: c[r * 32 + n] = sum over kp of pair(A[r, kp]) . pair(B[kp, n]).
 /// Step s < full reads the panel at b + s * 512 words (16 rows of 32 words, a 128-byte stride);
 /// step s = full (a depth that is not a multiple of 16 pairs) reads b_tail (16 rows of 32 words,
 /// zero past the panel's depth). A is tiled: the 16 x 16-pair tile of row tile r and step s is
-/// 1 KiB at a + (r * steps + s) * 256 words. With `accumulate` the C tiles start from c, else
-/// from zero. `c` is 32 x 16 R floats (row stride 32), 64-byte aligned.
+/// 1 KiB at a + (r * steps + s) * 256 words. `c` is 32 x 16 R floats (row stride 32), 64-byte
+/// aligned.
 template <int R>
 MOE_ALWAYS_INLINE void amx_panel_block(std::uint32_t const* a, Index steps, std::uint32_t const* b,
-                                       Index full, std::uint32_t const* b_tail, Index s0, Index s1,
-                                       float* c, bool accumulate) {
+                                       Index full, std::uint32_t const* b_tail, float* c) {
   static_assert(R == 1 || R == 2);
   amx_memory_barrier();
-  if (accumulate) {
-    _tile_loadd(0, c, 128);
-    _tile_loadd(1, c + 16, 128);
-    if constexpr (R == 2) {
-      _tile_loadd(2, c + 16 * 32, 128);
-      _tile_loadd(3, c + 16 * 32 + 16, 128);
-    }
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    if constexpr (R == 2) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (R == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
-  for (Index s = s0; s < s1; ++s) {
+  for (Index s = 0; s < steps; ++s) {
     std::uint32_t const* bk = s < full ? b + s * 512 : b_tail;
     std::uint32_t const* ak = a + s * 256;
     _tile_loadd(6, bk, 128);
