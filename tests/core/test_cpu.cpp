@@ -141,3 +141,26 @@ TEST_CASE("bf16 kernel rule: AMX where it runs, else Intel widens and other CPUs
   // A build with AMX kernels running on an AMX CPU under Linux gets tile data.
   if (moe::compiled_amx_bf16() && moe::cpu_features().amx_bf16) CHECK(moe::amx_bf16_usable());
 }
+
+TEST_CASE("quant kernel rule: AMX tiles where they run, else VNNI, else portable",
+          "[core][cpu][quant]") {
+  using K = moe::QuantKernel;
+  CHECK(moe::choose_quant_kernel(nullptr, true, true) == K::kAmx);
+  CHECK(moe::choose_quant_kernel("", true, false) == K::kVnni);
+  CHECK(moe::choose_quant_kernel("vnni", true, true) == K::kVnni);
+  CHECK(moe::choose_quant_kernel("amx", true, true) == K::kAmx);
+  CHECK(moe::choose_quant_kernel("amx", true, false) == K::kVnni);  // AMX cannot run here
+  CHECK(moe::choose_quant_kernel(nullptr, false, false) == K::kPortable);
+  CHECK(moe::choose_quant_kernel("amx", false, false) == K::kPortable);
+  CHECK_THROWS_WITH(moe::choose_quant_kernel("avx2", true, true),
+                    Catch::Contains("MOE_QUANT_KERNEL is \"avx2\"") &&
+                        Catch::Contains("\"vnni\"") && Catch::Contains("\"amx\""));
+  // The process's choice is the rule applied here; the kernels and the description follow it.
+  K const k = moe::choose_quant_kernel(std::getenv("MOE_QUANT_KERNEL"), MOE_HAS_AVX512VNNI != 0,
+                                       moe::amx_int8_usable());
+  CHECK(moe::quant_kernel() == k);
+  CHECK(moe::kernels::quant_amx() == (k == K::kAmx));
+  CHECK((moe::compiled_kernels().find("quantized weights by AMX tiles") != std::string::npos) ==
+        (k == K::kAmx));
+  if (moe::compiled_amx_int8() && moe::cpu_features().amx_int8) CHECK(moe::amx_int8_usable());
+}

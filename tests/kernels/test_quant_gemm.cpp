@@ -2,6 +2,7 @@
 // kernels::quant_cols (quantized expert weights, int8 activations) against a double reference
 // built from ggml's dequantized weights and the dequantized activations; the portable and the
 // AVX512-VNNI kernels give the same bits. Built twice: -march=native and without -m flags.
+#include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -207,5 +208,118 @@ TEST_CASE("quant kernels: a non-finite activation makes its outputs NaN", "[kern
   for (Index n = 0; n < N; ++n) {
     CHECK(std::isfinite(c[static_cast<std::size_t>(n)]));
     CHECK(std::isnan(c[static_cast<std::size_t>(N + n)]));
+  }
+}
+
+namespace {
+
+/// The portable kernel's outputs for rows [0, M) of q8 (row stride q8_row_bytes(K)) against
+/// Ops operands, panel p: out[i][o * 32 + c].
+std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte const* q8, Index M,
+                                                  Index K, std::byte const* const* panels,
+                                                  int ops) {
+  std::vector<std::array<float, 64>> out(static_cast<std::size_t>(M));
+  for (Index i0 = 0; i0 < M; i0 += 8) {
+    Index const mr = std::min<Index>(8, M - i0);
+    kernels::Q8Row rows[8];
+    for (Index r = 0; r < mr; ++r)
+      rows[r] = kernels::q8_row(q8 + (i0 + r) * kernels::q8_row_bytes(K), K);
+    float o[8][64];
+    auto run = [&]<quant::Format F>() {
+      if (ops == 1) {
+        kernels::detail::quant_tile_portable<F, 1>(rows, mr, K, panels, o);
+      } else {
+        kernels::detail::quant_tile_portable<F, 2>(rows, mr, K, panels, o);
+      }
+    };
+    if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
+    if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
+    if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
+    if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
+    if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
+    if (f == quant::Format::kQ2_K) run.operator()<quant::Format::kQ2_K>();
+    for (Index r = 0; r < mr; ++r)
+      std::copy(o[r], o[r] + 64, out[static_cast<std::size_t>(i0 + r)].begin());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("quant kernels: the AMX int8 tiles give the portable kernel's bits",
+          "[kernels][quant][amx]") {
+  if (!kernels::quant_amx()) {
+    WARN("AMX int8 tiles skipped: "
+         << (moe::compiled_amx_int8() ? "this CPU has no AMX-INT8 (or Linux refused tile data), "
+                                        "or MOE_QUANT_KERNEL chose another kernel"
+                                      : "this build has no AMX int8 kernels (needs -march with "
+                                        "amx-tile and amx-int8)"));
+    return;
+  }
+  using B = moe::kernels::simd::Batch<float>;
+  constexpr Index L = static_cast<Index>(B::size);
+  for (quant::Format f : quant::kFormats) {
+    // One group of a K-quant, and three; rows: below and above the AMX threshold, one and two
+    // tiles with tails, and more than one chunk of kQuantChunkRows.
+    for (Index K : {Index{256}, Index{768}}) {
+      Index const N = 64;
+      QOperand gate(f, N, K, 61 + static_cast<std::uint64_t>(K)), up(f, N, K, 62);
+      for (Index M : {1, 5, 6, 15, 16, 17, 21, 22, 31, 32, 33, 130, 150}) {
+        INFO(quant::name(f) << " K = " << K << " M = " << M);
+        std::vector<float> x = test::random_vector(M * K, 71 + static_cast<std::uint64_t>(M));
+        if (M == 21)
+          x[static_cast<std::size_t>(19 * K + 33)] = std::numeric_limits<float>::quiet_NaN();
+        auto const q8 = quantize_acts(x, M, K);
+        std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+        // One operand (store), rows quantized in the call.
+        std::vector<float> c(static_cast<std::size_t>(M * N));
+        kernels::WeightPanels w1;
+        w1.quant[0] = gate.w;
+        kernels::expert_cols(kernels::RowSource{x.data(), K}, M, K, w1, 0, 2,
+                             kernels::StoreEpilogue{c.data(), N, N}, scratch.data());
+        // Two operands (SiLU x up), pre-quantized rows through a reversing index.
+        std::vector<Index> index(static_cast<std::size_t>(M));
+        for (Index i = 0; i < M; ++i) index[static_cast<std::size_t>(i)] = M - 1 - i;
+        kernels::RowSource src{x.data(), K, index.data()};
+        src.q8 = q8.data();
+        src.ldq = kernels::q8_row_bytes(K);
+        kernels::WeightPanels w2;
+        w2.quant[0] = gate.w;
+        w2.quant[1] = up.w;
+        std::vector<float> m(static_cast<std::size_t>(M * N));
+        kernels::expert_cols(src, M, K, w2, 0, 2,
+                             kernels::GluEpilogue<kernels::Activation::kSilu>{m.data(), N, N},
+                             scratch.data());
+        std::vector<float> mp(static_cast<std::size_t>(M * N));
+        kernels::GluEpilogue<kernels::Activation::kSilu> const pe{mp.data(), N, N};
+        for (Index p = 0; p < 2; ++p) {
+          std::byte const* p1[2] = {gate.w.data + p * gate.w.panel_bytes, nullptr};
+          std::byte const* p2[2] = {gate.w.data + p * gate.w.panel_bytes,
+                                    up.w.data + p * up.w.panel_bytes};
+          auto const r1 = portable_panel(f, q8.data(), M, K, p1, 1);
+          auto const r2 = portable_panel(f, q8.data(), M, K, p2, 2);
+          for (Index i = 0; i < M; ++i) {
+            B v[64 / L];
+            for (Index j = 0; j < 64 / L; ++j)
+              v[j] = B::load_unaligned(r2[static_cast<std::size_t>(M - 1 - i)].data() + j * L);
+            pe.row(i, p, v);
+          }
+          for (Index i = 0; i < M; ++i) {
+            for (Index cc = 0; cc < 32; ++cc) {
+              std::size_t const at = static_cast<std::size_t>(i * N + p * 32 + cc);
+              float const want = r1[static_cast<std::size_t>(i)][static_cast<std::size_t>(cc)];
+              REQUIRE(std::memcmp(&c[at], &want, 4) == 0);
+              REQUIRE(std::memcmp(&m[at], &mp[at], 4) == 0);
+            }
+          }
+        }
+        if (M == 21) {  // the row with a NaN: every output NaN, the others finite
+          for (Index n = 0; n < N; ++n) {
+            CHECK(std::isnan(c[static_cast<std::size_t>(19 * N + n)]));
+            CHECK(std::isfinite(c[static_cast<std::size_t>(18 * N + n)]));
+          }
+        }
+      }
+    }
   }
 }

@@ -17,7 +17,8 @@
 #endif
 
 // The units this build's kernels are compiled for (the compiler's target flags); whether the CPU
-// running them has them is asked at run time (core/cpu.hpp: bf16_kernel(), amx_bf16_usable()).
+// running them has them is asked at run time (core/cpu.hpp: bf16_kernel(), amx_bf16_usable(),
+// quant_kernel()).
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MOE_HAS_AVX512BF16 1  ///< AVX512-BF16 dot products (vdpbf16ps)
 #else
@@ -27,4 +28,14 @@
 #define MOE_HAS_AMX_BF16 1  ///< AMX bf16 tiles (tdpbf16ps)
 #else
 #define MOE_HAS_AMX_BF16 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define MOE_HAS_AVX512VNNI 1  ///< AVX512-VNNI integer dot products (vpdpbusd)
+#else
+#define MOE_HAS_AVX512VNNI 0
+#endif
+#if MOE_HAS_AVX512VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define MOE_HAS_AMX_INT8 1  ///< AMX int8 tiles (tdpbsud)
+#else
+#define MOE_HAS_AMX_INT8 0
 #endif

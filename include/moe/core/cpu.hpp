@@ -308,6 +308,53 @@ inline Bf16Kernel bf16_kernel() {
   return k;
 }
 
+/// How quantized expert weights (moe/quant formats) are multiplied (fixed for the process; see
+/// quant_kernel()). Every kernel forms the same exact int32 sums of a scale block and folds them
+/// into fp32 with the same operations in the same order: all give the same bits.
+enum class QuantKernel {
+  kPortable,  ///< scalar C++ (builds without AVX512-VNNI)
+  kVnni,      ///< AVX512-VNNI vpdpbusd, a few rows at a time
+  kAmx,       ///< AMX tdpbsud tiles for row tiles of 16 (vpdpbusd for the rows of a short tail)
+};
+
+/// The rule quant_kernel() applies (a pure function, so that it can be tested on any CPU):
+///   - `compiled_vnni` false: kPortable, whatever is asked;
+///   - `env` (MOE_QUANT_KERNEL) "vnni" or "amx": that kernel ("amx" only where `amx` is true,
+///     else kVnni); empty or null: kAmx where `amx` is true, else kVnni; anything else:
+///     moe::Error naming the accepted values.
+/// `amx`: the build has the AMX int8 kernels, the CPU AMX-INT8 tiles and Linux granted their use
+/// (amx_int8_usable()). Since the kernels agree bit for bit, the choice changes speed only.
+inline QuantKernel choose_quant_kernel(char const* env, bool compiled_vnni, bool amx) {
+  std::string const e = env ? env : "";
+  if (!e.empty() && e != "vnni" && e != "amx") {
+    throw Error("MOE_QUANT_KERNEL is \"" + e +
+                "\"; set it to \"vnni\" (AVX512-VNNI vpdpbusd) or \"amx\" (AMX int8 tiles), "
+                "or unset it to let the CPU decide");
+  }
+  if (!compiled_vnni) return QuantKernel::kPortable;
+  if (e == "vnni" || !amx) return QuantKernel::kVnni;
+  return QuantKernel::kAmx;
+}
+
+/// Does this build have the AMX int8 kernels for quantized experts (AVX512-VNNI and -mamx-tile
+/// -mamx-int8, which -march=native implies on a CPU with AMX)?
+constexpr bool compiled_amx_int8() { return MOE_HAS_AMX_INT8 != 0; }
+
+/// Can this process run the AMX int8 kernels: compiled in, the CPU and the OS support AMX-INT8
+/// tiles, and Linux granted tile data to the process (request_amx(), asked here)?
+inline bool amx_int8_usable() {
+  return compiled_amx_int8() && cpu_features().amx_tile && cpu_features().amx_int8 && request_amx();
+}
+
+/// The quantized-weight kernel of this process: choose_quant_kernel(getenv("MOE_QUANT_KERNEL"),
+/// MOE_HAS_AVX512VNNI, amx_int8_usable()), decided on first use and fixed from then on.
+/// Throws moe::Error on a malformed MOE_QUANT_KERNEL.
+inline QuantKernel quant_kernel() {
+  static QuantKernel const k = choose_quant_kernel(std::getenv("MOE_QUANT_KERNEL"),
+                                                   MOE_HAS_AVX512VNNI != 0, amx_int8_usable());
+  return k;
+}
+
 /// The kernels this build compiled (the -march it was built for) and the run-time choices among
 /// them: the SIMD width, the units the expert kernels use and how bf16 weights are multiplied
 /// (bf16_kernel()), e.g. "avx512 (zmm), AVX512-BF16, bf16 weights by vdpbf16ps dot products,
@@ -346,6 +393,10 @@ inline std::string compiled_kernels() {
 #if MOE_HAS_AMX_BF16
   s += ", AMX bf16 tiles compiled";
 #endif
+#if MOE_HAS_AMX_INT8
+  s += ", AMX int8 tiles compiled";
+#endif
+  if (quant_kernel() == QuantKernel::kAmx) s += ", quantized weights by AMX tiles (tdpbsud)";
   return s;
 }
 

@@ -27,18 +27,17 @@
 #include <limits>
 
 #include "moe/core/config.hpp"
+#include "moe/core/cpu.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/amx.hpp"
 #include "moe/kernels/detail/diagnostics_push.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/row_source.hpp"
 #include "moe/kernels/simd.hpp"
 #include "moe/quant/blocks.hpp"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if MOE_HAS_AVX512VNNI
 #include <immintrin.h>
-#define MOE_HAS_AVX512VNNI 1
-#else
-#define MOE_HAS_AVX512VNNI 0
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -532,10 +531,259 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
 /// Rows whose quantized activations a quant_cols call makes at a time (when a.q8 is null).
 inline constexpr Index kQuantChunkRows = 128;
 
+#if MOE_HAS_AMX_INT8
+namespace detail {
+
+/// A last row tile of fewer rows than this goes to the VNNI kernel (a tile of 16 rows costs the
+/// AMX kernel about what 5 rows cost the VNNI kernel).
+inline constexpr Index kAmxInt8MinRows = 6;
+
+/// Bytes of the AMX int8 kernel's scratch for depth K (a multiple of 32): a row chunk's A tiles
+/// (kQuantChunkRows x K int8), its per-row values of each sub-block (start, da, min term), a
+/// panel's scale and min vectors, its 4-bit levels unpacked to bytes (4 column tiles), two sets
+/// of C tiles and a row tile's fp32 accumulators. A multiple of 64.
+constexpr Index quant_amx_scratch_bytes(Index K) {
+  Index const nsb = K / 16;
+  return kQuantChunkRows * K + 3 * kQuantChunkRows * nsb * 4 + 2 * nsb * 4 * 64 + 4 * K * 16 +
+         2 * 4 * 1024 + 16 * 4 * 16 * 4;
+}
+
+/// The parts of the AMX int8 scratch.
+struct AmxInt8Scratch {
+  std::int8_t* a;    // [row][K]: row tile t is rows 16 t .. 16 t + 15 (zero past the chunk)
+  std::int32_t* st;  // [tile][sub-block][16]: the integer sum's start, -offset * (level sum)
+  float* da;         // [tile][sub-block][16]: the activation block's scale
+  float* mt;         // [tile][sub-block][16]: the min term da * (level sum), min formats
+  float* sv;         // [sub-block][column tile][16]: the weights' scales
+  float* mv;         // [sub-block][column tile][16]: the weights' mins
+  std::uint8_t* ub;  // [column tile][K / 4][64]: 4-bit levels as bytes, B tile rows
+  std::int32_t* cb;  // [2][column tile][16][16]: C tiles stored for the fold
+  float* acc;        // [16][column tiles x 16]: a row tile's accumulators
+  AmxInt8Scratch(std::byte* base, Index K) {
+    Index const nsb = K / 16;
+    auto take = [&](Index bytes) {
+      std::byte* p = base;
+      base += bytes;
+      return p;
+    };
+    a = reinterpret_cast<std::int8_t*>(take(kQuantChunkRows * K));
+    st = reinterpret_cast<std::int32_t*>(take(kQuantChunkRows * nsb * 4));
+    da = reinterpret_cast<float*>(take(kQuantChunkRows * nsb * 4));
+    mt = reinterpret_cast<float*>(take(kQuantChunkRows * nsb * 4));
+    sv = reinterpret_cast<float*>(take(nsb * 4 * 64));
+    mv = reinterpret_cast<float*>(take(nsb * 4 * 64));
+    ub = reinterpret_cast<std::uint8_t*>(take(4 * K * 16));
+    cb = reinterpret_cast<std::int32_t*>(take(2 * 4 * 1024));
+    acc = reinterpret_cast<float*>(take(16 * 4 * 16 * 4));
+  }
+};
+
+/// Rows [0, n) of a chunk (row_of(i): its Q8Row) into the AMX scratch: the int8 levels as A tile
+/// rows, and per row and sub-block of format F the values the fold uses, so that a row tile's
+/// are 16 consecutive words. Rows n .. round_up(n, 16) are zero (their outputs are not used).
+template <quant::Format F, class RowOf>
+void amx_int8_prepare(RowOf const& row_of, Index n, Index K, AmxInt8Scratch const& s) {
+  constexpr Index SB = quant_fold_depth(F);
+  Index const nsb = K / SB, npad = (n + 15) / 16 * 16;
+  for (Index r = 0; r < npad; ++r) {
+    Index const at = (r / 16) * nsb * 16 + r % 16;
+    if (r >= n) {
+      std::memset(s.a + r * K, 0, static_cast<std::size_t>(K));
+      for (Index b = 0; b < nsb; ++b) {
+        s.st[at + b * 16] = 0;
+        s.da[at + b * 16] = s.mt[at + b * 16] = 0.0f;
+      }
+      continue;
+    }
+    Q8Row const q = row_of(r);
+    std::memcpy(s.a + r * K, q.a, static_cast<std::size_t>(K));
+    for (Index b = 0; b < nsb; ++b) {
+      Index const k0 = b * SB;
+      s.da[at + b * 16] = q.d[k0 / 32];
+      if constexpr (quant_has_min(F)) {
+        s.st[at + b * 16] = 0;
+        s.mt[at + b * 16] = quant_min_term(q, k0, SB);
+      } else {
+        std::int32_t const sum = SB == 16 ? q.s16[k0 / 16] : q.s32[k0 / 32];
+        s.st[at + b * 16] = -sum * (1 << quant_offset_shift(F));
+        s.mt[at + b * 16] = 0.0f;
+      }
+    }
+  }
+}
+
+/// One quantized panel (Ops operands x 32 columns: NT = 2 Ops column tiles of 16) times the n
+/// rows prepared in `s` (amx_int8_prepare), with AMX tdpbssd tiles; emit(i, row) gets row i's
+/// NT x 16 outputs.
+///   - The panel's levels become signed bytes, u - offset (the offset formats) or u (the min
+///     formats), in B tile rows (16 columns x 4 depths), once per panel; the sum of a scale
+///     block, sum a (u - offset), is then exactly the VNNI kernel's integer sum.
+///   - Per row tile and column tile, the blocks of depth SB run through C tiles 0-3, A tiles
+///     4-5 and B tiles 6-7 in rotation (configured by amx_int8_config), each C tile stored and
+///     folded two blocks later into 16 fp32 accumulators in registers, with the VNNI kernel's
+///     operations in its order: acc = fma(float(isum) * s, da, acc) [acc = fnmadd(m, mt, acc)].
+///     So the results are the VNNI kernel's bits, and the tile unit runs ahead of the folds.
+template <quant::Format F, int Ops, class Emit>
+void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* const* panels,
+                    Emit const& emit) {
+  constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
+  constexpr Index SB = quant_fold_depth(F), NS = G / SB;
+  constexpr int NT = 2 * Ops;
+  constexpr bool kMin = quant_has_min(F);
+  Index const nsb = K / SB;
+  // Scale (and min) vectors of every sub-block and column tile, as the VNNI kernel makes them.
+  for (Index g = 0; g < K / G; ++g) {
+    for (int ct = 0; ct < NT; ++ct) {
+      std::byte const* grp = panels[ct / 2] + g * GB;
+      int const v = ct % 2;
+      __m512 const d =
+          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<__m256i const*>(grp + v * 32)));
+      if constexpr (quant_has_sub_scales(F)) {
+        auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
+        for (Index j = 0; j < NS; ++j) {
+          __m128i const s8 = _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
+          __m512i const s32 = F == quant::Format::kQ6_K || F == quant::Format::kQ3_K
+                                  ? _mm512_cvtepi8_epi32(s8)
+                                  : _mm512_cvtepu8_epi32(s8);
+          _mm512_store_ps(s.sv + ((g * NS + j) * NT + ct) * 16,
+                          _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
+        }
+        if constexpr (kMin) {
+          __m512 const dmin = _mm512_cvtph_ps(
+              _mm256_load_si256(reinterpret_cast<__m256i const*>(grp + 64 + v * 32)));
+          auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
+          for (Index j = 0; j < NS; ++j) {
+            __m128i const m8 =
+                _mm_load_si128(reinterpret_cast<__m128i const*>(mn + j * 32 + v * 16));
+            _mm512_store_ps(s.mv + ((g * NS + j) * NT + ct) * 16,
+                            _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8))));
+          }
+        }
+      } else {
+        _mm512_store_ps(s.sv + (g * NT + ct) * 16, d);
+      }
+    }
+  }
+  // Signed levels, B tile rows: column tile ct's row q (depths 4 q .. 4 q + 3) at ub + (ct K / 4
+  // + q) 64. 4-bit: octet o of a group holds quads 2 o (low nibbles) and 2 o + 1 (high).
+  __m512i const off = _mm512_set1_epi8(kMin ? 0 : static_cast<char>(1 << quant_offset_shift(F)));
+  for (int ct = 0; ct < NT; ++ct) {
+    auto* u = reinterpret_cast<std::int8_t*>(s.ub) + ct * K * 16;
+    for (Index g = 0; g < K / G; ++g) {
+      std::byte const* w = panels[ct / 2] + g * GB + HB + (ct % 2) * 64;
+      std::int8_t* q = u + g * G / 4 * 64;
+      if constexpr (quant_is_4bit(F)) {
+        __m512i const nib = _mm512_set1_epi8(0x0F);
+        for (Index o = 0; o < G / 8; ++o) {
+          __m512i const packed = _mm512_load_si512(w + o * 128);
+          _mm512_store_si512(q + 128 * o, _mm512_sub_epi8(_mm512_and_si512(packed, nib), off));
+          _mm512_store_si512(
+              q + 128 * o + 64,
+              _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nib), off));
+        }
+      } else {
+        for (Index o = 0; o < G / 4; ++o) {
+          _mm512_store_si512(q + 64 * o, _mm512_sub_epi8(_mm512_load_si512(w + o * 128), off));
+        }
+      }
+    }
+  }
+  for (Index t0 = 0; t0 < n; t0 += 16) {
+    Index const tile = t0 / 16, rows = std::min<Index>(16, n - t0);
+    std::int8_t const* at = s.a + t0 * K;
+    float const* da = s.da + tile * nsb * 16;
+    float const* mt = s.mt + tile * nsb * 16;
+    for (int ct = 0; ct < NT; ++ct) {
+      std::int8_t const* bt = reinterpret_cast<std::int8_t const*>(s.ub) + ct * K * 16;
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      for (Index b = 0; b < nsb + 2; ++b) {
+        if (b < nsb) {
+          std::int8_t const* ab = at + b * SB;
+          std::int8_t const* bb = bt + b * SB / 4 * 64;
+          std::int32_t* cb = s.cb + (b % 4) * 256;
+          amx_memory_barrier();
+          // One block: C tile = A tile (16 rows x SB levels) x B tile (SB / 4 rows x 16
+          // columns x 4 levels), stored for the fold (GCC's tile intrinsics take literal tile
+          // numbers, hence the macro).
+#define MOE_AMX_INT8_STEP(C, A, B) \
+  _tile_loadd(A, ab, K);           \
+  _tile_loadd(B, bb, 64);          \
+  _tile_zero(C);                   \
+  _tile_dpbssd(C, A, B);           \
+  _tile_stored(C, cb, 64)
+          switch (b % 4) {
+            case 0:
+              MOE_AMX_INT8_STEP(0, 4, 6);
+              break;
+            case 1:
+              MOE_AMX_INT8_STEP(1, 5, 7);
+              break;
+            case 2:
+              MOE_AMX_INT8_STEP(2, 4, 6);
+              break;
+            default:
+              MOE_AMX_INT8_STEP(3, 5, 7);
+              break;
+          }
+#undef MOE_AMX_INT8_STEP
+          amx_memory_barrier();
+        }
+        if (b < 2) continue;
+        Index const f = b - 2;
+        std::int32_t const* cb = s.cb + (f % 4) * 256;
+        __m512 const sc = _mm512_load_ps(s.sv + (f * NT + ct) * 16);
+        for (int r = 0; r < 16; ++r) {
+          __m512 const x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 16)), sc);
+          acc[r] = _mm512_fmadd_ps(x, _mm512_set1_ps(da[f * 16 + r]), acc[r]);
+        }
+        if constexpr (kMin) {
+          __m512 const mn = _mm512_load_ps(s.mv + (f * NT + ct) * 16);
+          for (int r = 0; r < 16; ++r)
+            acc[r] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(mt[f * 16 + r]), acc[r]);
+        }
+      }
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(s.acc + r * NT * 16 + ct * 16, acc[r]);
+    }
+    for (Index r = 0; r < rows; ++r) emit(t0 + r, s.acc + r * NT * 16);
+  }
+}
+
+/// The tile shapes amx_int8_panel uses for format F: C 0-3 (16 x 16 int32), A 4-5 (16 rows x SB
+/// levels), B 6-7 (SB / 4 rows x 16 columns x 4 levels).
+template <quant::Format F>
+MOE_ALWAYS_INLINE void amx_int8_config() {
+  constexpr Index SB = quant_fold_depth(F);
+  AmxTileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = static_cast<std::uint16_t>(t == 4 || t == 5 ? SB : 64);
+    c.rows[t] = static_cast<std::uint8_t>(t >= 6 ? SB / 4 : 16);
+  }
+  amx_configure(c);
+}
+
+}  // namespace detail
+#endif
+
+/// Is the AMX int8 kernel quant_cols' choice in this process (moe::quant_kernel() is kAmx, and
+/// this build has it)?
+inline bool quant_amx() {
+#if MOE_HAS_AMX_INT8
+  return quant_kernel() == QuantKernel::kAmx;
+#else
+  return false;
+#endif
+}
+
 /// Floats of scratch quant_cols needs for depth K: a row chunk's quantized activations (when the
-/// caller hands none) and one staging tile, 64-byte aligned.
+/// caller hands none), one staging tile and, in builds with the AMX int8 kernel, its scratch
+/// (detail::quant_amx_scratch_bytes), 64-byte aligned.
 constexpr Index quant_scratch_floats(Index K) {
-  return (kQuantChunkRows * q8_row_bytes(K) + 8 * 2 * kQuantPanelCols * 4) / 4 + 32;
+  Index bytes = kQuantChunkRows * q8_row_bytes(K) + 8 * 2 * kQuantPanelCols * 4;
+#if MOE_HAS_AMX_INT8
+  bytes += detail::quant_amx_scratch_bytes(K);
+#endif
+  return bytes / 4 + 32;
 }
 
 /// Largest row tile of the quantized kernels for Ops operands.
@@ -560,20 +808,49 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
   Index const rb = q8_row_bytes(K);
   std::byte* const qbuf = base;
   auto* const stage = reinterpret_cast<float(*)[2 * kQuantPanelCols]>(base + kQuantChunkRows * rb);
+#if MOE_HAS_AMX_INT8
+  // Row tiles of 16 by AMX tiles (bitwise the VNNI kernel's results), where the CPU has them.
+  bool const amx = L == 16 && quant_amx();
+  detail::AmxInt8Scratch const xs(base + kQuantChunkRows * rb + 8 * 2 * kQuantPanelCols * 4, K);
+#endif
   for (Index c0 = 0; c0 < M; c0 += kQuantChunkRows) {
     Index const mc = std::min(kQuantChunkRows, M - c0);
     if (!a.q8) quantize_rows_q8(a.from(c0), mc, K, qbuf, rb);
     auto row_of = [&](Index i) {
       return a.q8 ? q8_row(a.q8 + a.at(c0 + i) * a.ldq, K) : q8_row(qbuf + i * rb, K);
     };
-    for (Index p = p0; p < p1; ++p) {
-      std::byte const* panels[2] = {w[0].data + p * w[0].panel_bytes,
-                                    Ops > 1 ? w[1].data + p * w[1].panel_bytes : nullptr};
-      auto run = [&]<quant::Format F>() {
+    auto run = [&]<quant::Format F>() {
+      // Rows [0, tiled) by AMX tiles (a last tile of at least kAmxInt8MinRows rows included,
+      // zero-padded), the rest by the VNNI or portable kernel.
+      Index tiled = 0;
+#if MOE_HAS_AMX_INT8
+      if (amx) {
+        tiled = mc % 16 >= detail::kAmxInt8MinRows ? mc : mc / 16 * 16;
+        if (tiled > 0) {
+          detail::amx_int8_prepare<F>(row_of, tiled, K, xs);
+          detail::amx_int8_config<F>();
+        }
+      }
+#endif
+      for (Index p = p0; p < p1; ++p) {
+        std::byte const* panels[2] = {w[0].data + p * w[0].panel_bytes,
+                                      Ops > 1 ? w[1].data + p * w[1].panel_bytes : nullptr};
+#if MOE_HAS_AMX_INT8
+        if (tiled > 0) {
+          detail::amx_int8_panel<F, Ops>(xs, tiled, K, panels, [&](Index i, float const* row) {
+            B v[2 * Ops];
+            for (int j = 0; j < 2 * Ops; ++j) v[j] = B::load_aligned(row + j * L);
+            epi.row(c0 + i, p, v);
+          });
+        }
+#endif
+        Index const rest = mc - tiled;
+        if (rest <= 0) continue;
 #if MOE_HAS_AVX512VNNI
         if constexpr (L == 16) {
           ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
-              mc, [&]<Index MR>(Index, Index, Index i0) {
+              rest, [&]<Index MR>(Index, Index, Index j0) {
+                Index const i0 = tiled + j0;
                 Q8Row rows[MR];
                 for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
                 detail::quant_tile_vnni<F, MR, Ops>(rows, K, panels, stage[0]);
@@ -583,10 +860,10 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
                   epi.row(c0 + i0 + r, p, v);
                 }
               });
-          return;
+          continue;
         }
 #endif
-        for (Index i0 = 0; i0 < mc; i0 += 8) {
+        for (Index i0 = tiled; i0 < mc; i0 += 8) {
           Index const mr = std::min<Index>(8, mc - i0);
           Q8Row rows[8];
           for (Index r = 0; r < mr; ++r) rows[r] = row_of(i0 + r);
@@ -598,27 +875,30 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
             epi.row(c0 + i0 + r, p, v);
           }
         }
-      };
-      switch (f) {
-        case quant::Format::kQ8_0:
-          run.template operator()<quant::Format::kQ8_0>();
-          break;
-        case quant::Format::kQ6_K:
-          run.template operator()<quant::Format::kQ6_K>();
-          break;
-        case quant::Format::kQ4_K:
-          run.template operator()<quant::Format::kQ4_K>();
-          break;
-        case quant::Format::kQ4_0:
-          run.template operator()<quant::Format::kQ4_0>();
-          break;
-        case quant::Format::kQ3_K:
-          run.template operator()<quant::Format::kQ3_K>();
-          break;
-        case quant::Format::kQ2_K:
-          run.template operator()<quant::Format::kQ2_K>();
-          break;
       }
+#if MOE_HAS_AMX_INT8
+      if (tiled > 0) detail::amx_release();
+#endif
+    };
+    switch (f) {
+      case quant::Format::kQ8_0:
+        run.template operator()<quant::Format::kQ8_0>();
+        break;
+      case quant::Format::kQ6_K:
+        run.template operator()<quant::Format::kQ6_K>();
+        break;
+      case quant::Format::kQ4_K:
+        run.template operator()<quant::Format::kQ4_K>();
+        break;
+      case quant::Format::kQ4_0:
+        run.template operator()<quant::Format::kQ4_0>();
+        break;
+      case quant::Format::kQ3_K:
+        run.template operator()<quant::Format::kQ3_K>();
+        break;
+      case quant::Format::kQ2_K:
+        run.template operator()<quant::Format::kQ2_K>();
+        break;
     }
   }
 }

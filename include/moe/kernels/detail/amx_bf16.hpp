@@ -25,42 +25,12 @@
 
 #include "moe/core/config.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/detail/amx.hpp"
 
 #if MOE_HAS_AMX_BF16
 #include <immintrin.h>
 
 namespace moe::kernels::detail {
-
-/// A compiler barrier for memory. GCC 12's tile intrinsics are asm statements that do not tell
-/// the compiler which memory they read or write (ldtilecfg names only the first 8 bytes of its
-/// operand, tileloadd and tilestored no memory at all), so the stores that fill the tiles'
-/// sources must be complete before them and the reads of their results must come after.
-MOE_ALWAYS_INLINE void amx_memory_barrier() { asm volatile("" ::: "memory"); }
-
-/// ldtilecfg's 64-byte operand: palette 1, tiles 0-7 of 16 rows x 64 bytes.
-struct alignas(64) AmxTileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
-/// Configures this thread's tiles for amx_panel_block (tile state is per thread; a call that
-/// uses tiles configures them first and releases them when done: amx_release()).
-MOE_ALWAYS_INLINE void amx_configure() {
-  AmxTileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  amx_memory_barrier();
-  _tile_loadconfig(&c);
-  amx_memory_barrier();
-}
-
-/// Returns the tile state to init (the kernel then saves none of it on a context switch).
-MOE_ALWAYS_INLINE void amx_release() { _tile_release(); }
 
 /// C = A x panel over all `steps` steps of 16 pairs, for R row tiles (16 R rows) and one
 /// 32-column panel: c[r * 32 + n] = sum over kp of pair(A[r, kp]) . pair(B[kp, n]).
