@@ -4,10 +4,10 @@
 // The hot path against the machine's limits and against a naive baseline, in one binary run.
 //
 // What it measures (2 threads unless the name says pool:1):
-//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_AmxBf16 / BM_Peak_Int8Dot /
-//     BM_Peak_ReadBandwidth: this machine's fp32 FMA, AVX512-BF16 dot-product, AMX bf16 tile
-//     and AVX512-VNNI dot-product throughput and DRAM read bandwidth (best of 9, printed at
-//     start-up as the "limits" context).
+//   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_AmxBf16 / BM_Peak_AmxInt8 / BM_Peak_Int8Dot /
+//     BM_Peak_ReadBandwidth: this machine's fp32 FMA, AVX512-BF16 dot-product, AMX bf16 and
+//     int8 tile and AVX512-VNNI dot-product throughput and DRAM read bandwidth (best of 9, printed
+//     at start-up as the "limits" context).
 //   - BM_Layer_<Shape>_{Forward,ForwardBf16,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE,
 //     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048} (and
 //     _ForwardQ8_0, _ForwardQ4_K, _ForwardQ4_0 at T <= 512: quantized experts, with GOP/s,
@@ -26,6 +26,12 @@
 //     and tokens/s, GFLOP/s are means. The forward+backward rows run 3 steps each (the
 //     fastest decides the fractions), so that one disturbed step does not decide the row: with a
 //     minimum time instead, one step of 2.3 s (against ~0.5 s) once ended a row by itself.
+//   - The bf16 rows, where CMake found Debian's libdnnl-dev: onednn_ms and vs_onednn, a oneDNN
+//     baseline run beside ours (bench/onednn_baseline.hpp: per expert, bf16 matmuls in the
+//     layout and kernel oneDNN picks, AMX where the CPU has it; onednn_rel_err checks that it
+//     computes our layer); the label names oneDNN's kernel, or says the baseline was not built.
+//     The quantized rows: int8_peak_GOP/s and int8_peak_frac against the peak of the unit
+//     moe::quant_kernel() runs on (AMX tdpbssd or vpdpbusd).
 //   - The baseline, vs_naive and naive_ms of the fp32 rows: the straightforward C++ port of the
 //     Hugging Face loop (per expert: gather rows into a copy, Eigen GEMMs, weighted scatter-add),
 //     serial, run right after ours in every iteration so that the ratio compares times measured
@@ -61,6 +67,10 @@
 #include <vector>
 
 #include "machine.hpp"
+
+#if MOE_BENCH_ONEDNN
+#include "onednn_baseline.hpp"
+#endif
 
 namespace {
 
@@ -158,17 +168,19 @@ double measure_bf16_peak(int threads, int reps = 9) {
 #endif
 }
 
-/// AMX tdpbf16ps throughput (16 x 16 x 32 multiply-adds x 2 = 16384 FLOP an instruction) with
-/// its operands in tile registers: 4 independent C tiles per thread, as the expert kernel keeps
-/// them (detail/amx_bf16.hpp). 0 where the AMX kernels cannot run (moe::amx_bf16_usable()).
-double measure_amx_bf16_peak(int threads, int reps = 9) {
-#if MOE_HAS_AMX_BF16
-  if (!moe::amx_bf16_usable()) return 0.0;
+/// AMX tile throughput with the operands in tile registers: 4 independent C tiles per thread,
+/// as the expert kernels keep them (detail/amx_bf16.hpp). `Int8` false: tdpbf16ps (16 x 16 x 32
+/// multiply-adds x 2 = 16384 FLOP an instruction); true: tdpbssd (16 x 16 x 64 x 2 = 32768 OP).
+/// 0 where the kernels cannot run (moe::amx_bf16_usable(), moe::amx_int8_usable()).
+template <bool Int8>
+double measure_amx_peak(int threads, int reps = 9) {
+#if MOE_HAS_AMX_BF16 && MOE_HAS_AMX_INT8
+  if (!(Int8 ? moe::amx_int8_usable() : moe::amx_bf16_usable())) return 0.0;
   std::vector<double> per(static_cast<std::size_t>(threads));
   auto run = [&](Index, int t) {
     moe::kernels::detail::amx_configure();
     alignas(64) static thread_local std::uint16_t ones[16 * 32];
-    std::fill(std::begin(ones), std::end(ones), std::uint16_t{0x3F80});
+    std::fill(std::begin(ones), std::end(ones), std::uint16_t{Int8 ? 0x0101 : 0x3F80});
     _tile_loadd(4, ones, 64);
     _tile_loadd(5, ones, 64);
     _tile_loadd(6, ones, 64);
@@ -180,14 +192,22 @@ double measure_amx_bf16_peak(int threads, int reps = 9) {
     long const iters = 1 << 16;
     auto const t0 = std::chrono::steady_clock::now();
     for (long it = 0; it < iters; ++it) {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      if constexpr (Int8) {
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      } else {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     double const sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     moe::kernels::detail::amx_release();
-    per[static_cast<std::size_t>(t)] = 4.0 * 16384.0 * static_cast<double>(iters) / sec;
+    per[static_cast<std::size_t>(t)] =
+        4.0 * (Int8 ? 32768.0 : 16384.0) * static_cast<double>(iters) / sec;
   };
   moe::ThreadPool p(threads);
   double best = 0.0;
@@ -203,6 +223,9 @@ double measure_amx_bf16_peak(int threads, int reps = 9) {
   (void)reps;
   return 0.0;
 #endif
+}
+double measure_amx_bf16_peak(int threads, int reps = 9) {
+  return measure_amx_peak<false>(threads, reps);
 }
 
 /// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second: 128 an instruction; 0
@@ -220,9 +243,11 @@ double measure_int8_peak(int threads, int reps = 9) {
 #endif
 }
 
-/// The int8 peak, measured once (compute peaks barely drift; bandwidth does).
+/// The peak of the unit the quantized kernels run on (AMX tdpbssd where moe::quant_kernel()
+/// chose AMX tiles, else vpdpbusd), measured once (compute peaks barely drift; bandwidth does).
 double int8_peak() {
-  static double const v = measure_int8_peak(kThreads);
+  static double const v =
+      moe::kernels::quant_amx() ? measure_amx_peak<true>(kThreads) : measure_int8_peak(kThreads);
   return v;
 }
 
@@ -311,6 +336,23 @@ void BM_Peak_AmxBf16(benchmark::State& state) {
   }
   state.counters["GFLOP/s"] = v / 1e9;
 }
+void BM_Peak_AmxInt8(benchmark::State& state) {
+  int const threads = static_cast<int>(state.range(0));
+  double v = 0.0;
+  for (auto _ : state) v = measure_amx_peak<true>(threads);
+  if (v == 0.0) {
+    state.SkipWithError(moe::compiled_amx_int8()
+                            ? "this CPU has no AMX-INT8 tiles (or Linux refused tile data)"
+                            : "this build has no AMX kernels (needs -mamx-tile -mamx-int8)");
+  }
+  state.counters["GOP/s"] = v / 1e9;
+}
+BENCHMARK(BM_Peak_AmxInt8)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("threads")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Peak_AmxBf16)
     ->Arg(1)
     ->Arg(2)
@@ -687,6 +729,25 @@ void BM_Layer_Forward(benchmark::State& state) {
 
 /// Forward with bf16 weight panels (WeightFormat::kBf16): the active weights cost half the bytes.
 /// S-MBU counts the bytes actually read (bf16). The fp32 layer runs beside it (vs_fp32).
+#if MOE_BENCH_ONEDNN
+/// The oneDNN baseline of a shape (bench/onednn_baseline.hpp), built once from the fp32 layer's
+/// weights.
+bench::OnednnMoe& onednn_for(Shape const& s) {
+  static std::unique_ptr<bench::OnednnMoe> b;
+  static Shape const* current = nullptr;
+  if (current != &s) {
+    b.reset();
+    b = std::make_unique<bench::OnednnMoe>(layer_for(s), s.D, s.F, s.shared_f);
+    current = &s;
+  }
+  return *b;
+}
+#endif
+
+/// The bf16 row: with oneDNN (CMake found libdnnl-dev), the oneDNN baseline runs beside ours
+/// (onednn_ms, vs_onednn; onednn_rel_err: its output against ours, RMS of the difference over
+/// the RMS of ours, on the first batch; the label names oneDNN's kernel), then the fp32 layer;
+/// without it the label says so.
 template <Shape const& S>
 void BM_Layer_ForwardBf16(benchmark::State& state) {
   Index const T = state.range(0);
@@ -703,7 +764,37 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
     f32.forward({in.x().data(), T, S.D}, {y32.data(), T, S.D}, ws32, {nullptr, &pool()});
     benchmark::DoNotOptimize(y32.data());
   };
+#if MOE_BENCH_ONEDNN
+  bench::OnednnMoe& dn = onednn_for(S);
+  std::vector<float> ydn(in.x().size());
+  moe::MoeFfnWorkspace wsdn;
+  auto onednn = [&] {
+    layer.route({in.x().data(), T, S.D}, wsdn);  // the router is not the baseline's point
+    dn.forward(wsdn.plan, in.x().data(), T, ydn.data());
+    benchmark::DoNotOptimize(ydn.data());
+  };
+  ours();
+  onednn();
+  fp32();
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    num += (static_cast<double>(ydn[i]) - y[i]) * (static_cast<double>(ydn[i]) - y[i]);
+    den += static_cast<double>(y[i]) * y[i];
+  }
+  Cost c = cost_of(S, ws.plan, T);
+  c.weight_bytes *= 0.5;
+  RowTimes const r = timed_rows(state, in, ours, onednn, fp32);
+  set_counters(state, T, c, 1.0, r, in);
+  set_speedup(state, r, "vs_onednn", "onednn");
+  state.counters["onednn_rel_err"] = std::sqrt(num / std::max(den, 1e-30));
+  state.counters["fp32_ms"] = r.beside2_best * 1e3;
+  state.counters["vs_fp32"] = r.beside2_best / r.best;
+  state.counters["vs_fp32_mean"] = r.beside2_mean / r.mean;
+  state.SetLabel("oneDNN " + dn.implementation());
+#else
   auto const [r, c] = measure_row<S>(state, ws, in, T, 1.0, 0.5, ours, fp32, "vs_fp32", "fp32");
+  state.SetLabel("no oneDNN baseline: libdnnl-dev was not found at build time");
+#endif
   // Achieved over the measured peak of the unit the bf16 kernel runs on (AMX tiles, vdpbf16ps
   // or fp32 FMAs: moe::bf16_kernel(), printed in the kernels context).
   // The roofline too takes that unit's peak as its compute ceiling (set_counters: the fp32 one).

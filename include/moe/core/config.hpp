@@ -35,7 +35,7 @@
 #define MOE_HAS_AVX512VNNI 0
 #endif
 #if MOE_HAS_AVX512VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define MOE_HAS_AMX_INT8 1  ///< AMX int8 tiles (tdpbsud)
+#define MOE_HAS_AMX_INT8 1  ///< AMX int8 tiles (tdpbssd)
 #else
 #define MOE_HAS_AMX_INT8 0
 #endif

@@ -314,7 +314,7 @@ inline Bf16Kernel bf16_kernel() {
 enum class QuantKernel {
   kPortable,  ///< scalar C++ (builds without AVX512-VNNI)
   kVnni,      ///< AVX512-VNNI vpdpbusd, a few rows at a time
-  kAmx,       ///< AMX tdpbsud tiles for row tiles of 16 (vpdpbusd for the rows of a short tail)
+  kAmx,       ///< AMX tdpbssd tiles for row tiles of 16 (vpdpbusd for the rows of a short tail)
 };
 
 /// The rule quant_kernel() applies (a pure function, so that it can be tested on any CPU):
@@ -396,7 +396,7 @@ inline std::string compiled_kernels() {
 #if MOE_HAS_AMX_INT8
   s += ", AMX int8 tiles compiled";
 #endif
-  if (quant_kernel() == QuantKernel::kAmx) s += ", quantized weights by AMX tiles (tdpbsud)";
+  if (quant_kernel() == QuantKernel::kAmx) s += ", quantized weights by AMX tiles (tdpbssd)";
   return s;
 }
 

@@ -480,7 +480,7 @@ struct WeightPanels {
 /// slice, as it does between its own panels, so the next call does not start on a cold panel.
 /// Only a hint: results never depend on it. Ignored for raw weights (w null: no next panel).
 struct NextPanel {
-  WeightPanels const* w = nullptr;  ///< the next panel's weights (packed fp32 or bf16)
+  WeightPanels const* w = nullptr;  ///< the next panel's weights (fp32, bf16 or quantized)
   Index p = 0;                      ///< its panel index
   Index K = 0;                      ///< its depth
 };
@@ -631,7 +631,8 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   constexpr Index MaxMR = expert_max_mr<Ops, Arch>();
   if (M <= 0 || p1 <= p0) return;
   if (w.quant[0].data) {
-    quant_cols<Epi, Arch>(a, M, K, w.quant, p0, p1, epi, scratch);
+    quant_cols<Epi, Arch>(a, M, K, w.quant, p0, p1, epi, scratch,
+                          after.w && after.w->quant[0].data ? after.w->quant : nullptr, after.p);
     return;
   }
   auto const addr = reinterpret_cast<std::uintptr_t>(scratch);

@@ -534,9 +534,9 @@ inline constexpr Index kQuantChunkRows = 128;
 #if MOE_HAS_AMX_INT8
 namespace detail {
 
-/// A last row tile of fewer rows than this goes to the VNNI kernel (a tile of 16 rows costs the
-/// AMX kernel about what 5 rows cost the VNNI kernel).
-inline constexpr Index kAmxInt8MinRows = 6;
+/// A last row tile of fewer rows than this goes to the VNNI kernel (one tile of 16 rows costs
+/// the AMX kernel about what 10 to 12 rows cost the VNNI kernel: Sapphire Rapids, K 2048).
+inline constexpr Index kAmxInt8MinRows = 12;
 
 /// Bytes of the AMX int8 kernel's scratch for depth K (a multiple of 32): a row chunk's A tiles
 /// (kQuantChunkRows x K int8), its per-row values of each sub-block (start, da, min term), a
@@ -550,7 +550,7 @@ constexpr Index quant_amx_scratch_bytes(Index K) {
 
 /// The parts of the AMX int8 scratch.
 struct AmxInt8Scratch {
-  std::int8_t* a;    // [row][K]: row tile t is rows 16 t .. 16 t + 15 (zero past the chunk)
+  std::int8_t* a;    // [tile][block][16][depth]: A tiles (rows past the chunk zero)
   std::int32_t* st;  // [tile][sub-block][16]: the integer sum's start, -offset * (level sum)
   float* da;         // [tile][sub-block][16]: the activation block's scale
   float* mt;         // [tile][sub-block][16]: the min term da * (level sum), min formats
@@ -587,8 +587,11 @@ void amx_int8_prepare(RowOf const& row_of, Index n, Index K, AmxInt8Scratch cons
   Index const nsb = K / SB, npad = (n + 15) / 16 * 16;
   for (Index r = 0; r < npad; ++r) {
     Index const at = (r / 16) * nsb * 16 + r % 16;
+    // Row r's levels of block b at a + ((tile * nsb + b) * 16 + r % 16) * SB: each A tile is
+    // 16 x SB contiguous bytes (a stride of K bytes maps the 16 rows to few L1 sets).
+    std::int8_t* const dst = s.a + (r / 16) * 16 * K + (r % 16) * SB;
     if (r >= n) {
-      std::memset(s.a + r * K, 0, static_cast<std::size_t>(K));
+      for (Index b = 0; b < nsb; ++b) std::memset(dst + b * 16 * SB, 0, SB);
       for (Index b = 0; b < nsb; ++b) {
         s.st[at + b * 16] = 0;
         s.da[at + b * 16] = s.mt[at + b * 16] = 0.0f;
@@ -596,7 +599,7 @@ void amx_int8_prepare(RowOf const& row_of, Index n, Index K, AmxInt8Scratch cons
       continue;
     }
     Q8Row const q = row_of(r);
-    std::memcpy(s.a + r * K, q.a, static_cast<std::size_t>(K));
+    for (Index b = 0; b < nsb; ++b) std::memcpy(dst + b * 16 * SB, q.a + b * SB, SB);
     for (Index b = 0; b < nsb; ++b) {
       Index const k0 = b * SB;
       s.da[at + b * 16] = q.d[k0 / 32];
@@ -616,16 +619,20 @@ void amx_int8_prepare(RowOf const& row_of, Index n, Index K, AmxInt8Scratch cons
 /// rows prepared in `s` (amx_int8_prepare), with AMX tdpbssd tiles; emit(i, row) gets row i's
 /// NT x 16 outputs.
 ///   - The panel's levels become signed bytes, u - offset (the offset formats) or u (the min
-///     formats), in B tile rows (16 columns x 4 depths), once per panel; the sum of a scale
-///     block, sum a (u - offset), is then exactly the VNNI kernel's integer sum.
+///     formats), in B tile rows (16 columns x 4 depths), once per panel (during the first row
+///     tile); the sum of a scale block, sum a (u - offset), is then exactly the VNNI kernel's
+///     integer sum.
 ///   - Per row tile and column tile, the blocks of depth SB run through C tiles 0-3, A tiles
 ///     4-5 and B tiles 6-7 in rotation (configured by amx_int8_config), each C tile stored and
 ///     folded two blocks later into 16 fp32 accumulators in registers, with the VNNI kernel's
 ///     operations in its order: acc = fma(float(isum) * s, da, acc) [acc = fnmadd(m, mt, acc)].
 ///     So the results are the VNNI kernel's bits, and the tile unit runs ahead of the folds.
+/// `next[0..2)`: the panel the caller multiplies next (each operand's bytes, null for none),
+/// `next_bytes` bytes each: prefetched into L2 over this panel's blocks, so that its conversion
+/// reads L2, not DRAM. A hint only.
 template <quant::Format F, int Ops, class Emit>
 void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* const* panels,
-                    Emit const& emit) {
+                    std::byte const* const* next, Index next_bytes, Emit const& emit) {
   constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
   constexpr Index SB = quant_fold_depth(F), NS = G / SB;
   constexpr int NT = 2 * Ops;
@@ -665,29 +672,32 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
     }
   }
   // Signed levels, B tile rows: column tile ct's row q (depths 4 q .. 4 q + 3) at ub + (ct K / 4
-  // + q) 64. 4-bit: octet o of a group holds quads 2 o (low nibbles) and 2 o + 1 (high).
+  // + q) 64, made block by block during the first row tile (one block ahead of its use, so that
+  // the panel's loads overlap the tile unit and the folds) and reused by the others. 4-bit:
+  // octet o of a group holds quads 2 o (low nibbles) and 2 o + 1 (high).
   __m512i const off = _mm512_set1_epi8(kMin ? 0 : static_cast<char>(1 << quant_offset_shift(F)));
-  for (int ct = 0; ct < NT; ++ct) {
-    auto* u = reinterpret_cast<std::int8_t*>(s.ub) + ct * K * 16;
-    for (Index g = 0; g < K / G; ++g) {
-      std::byte const* w = panels[ct / 2] + g * GB + HB + (ct % 2) * 64;
-      std::int8_t* q = u + g * G / 4 * 64;
-      if constexpr (quant_is_4bit(F)) {
-        __m512i const nib = _mm512_set1_epi8(0x0F);
-        for (Index o = 0; o < G / 8; ++o) {
-          __m512i const packed = _mm512_load_si512(w + o * 128);
-          _mm512_store_si512(q + 128 * o, _mm512_sub_epi8(_mm512_and_si512(packed, nib), off));
-          _mm512_store_si512(
-              q + 128 * o + 64,
-              _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nib), off));
-        }
-      } else {
-        for (Index o = 0; o < G / 4; ++o) {
-          _mm512_store_si512(q + 64 * o, _mm512_sub_epi8(_mm512_load_si512(w + o * 128), off));
-        }
+  auto convert = [&](int ct, Index blk) {
+    Index const g = blk / NS, j = blk % NS;
+    std::byte const* w = panels[ct / 2] + g * GB + HB + (ct % 2) * 64;
+    std::int8_t* q = reinterpret_cast<std::int8_t*>(s.ub) + ct * K * 16 + blk * SB / 4 * 64;
+    if constexpr (quant_is_4bit(F)) {
+      __m512i const nib = _mm512_set1_epi8(0x0F);
+      for (Index o = j * SB / 8; o < (j + 1) * SB / 8; ++o, q += 128) {
+        __m512i const packed = _mm512_load_si512(w + o * 128);
+        _mm512_store_si512(q, _mm512_sub_epi8(_mm512_and_si512(packed, nib), off));
+        _mm512_store_si512(
+            q + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nib), off));
+      }
+    } else {
+      for (Index o = j * SB / 4; o < (j + 1) * SB / 4; ++o, q += 64) {
+        _mm512_store_si512(q, _mm512_sub_epi8(_mm512_load_si512(w + o * 128), off));
       }
     }
-  }
+  };
+  Index const lines = (next_bytes + 63) / 64;
+  Index const pf_total = (next[0] ? lines : 0) + (next[1] ? lines : 0);
+  Index const pf_step = (pf_total + (n + 15) / 16 * NT * nsb - 1) / ((n + 15) / 16 * NT * nsb);
+  Index pf = 0;
   for (Index t0 = 0; t0 < n; t0 += 16) {
     Index const tile = t0 / 16, rows = std::min<Index>(16, n - t0);
     std::int8_t const* at = s.a + t0 * K;
@@ -697,9 +707,17 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
       std::int8_t const* bt = reinterpret_cast<std::int8_t const*>(s.ub) + ct * K * 16;
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      if (t0 == 0) convert(ct, 0);
       for (Index b = 0; b < nsb + 2; ++b) {
         if (b < nsb) {
-          std::int8_t const* ab = at + b * SB;
+          if (t0 == 0 && b + 1 < nsb) convert(ct, b + 1);
+          for (Index i = 0; i < pf_step && pf < pf_total; ++i, ++pf) {
+            std::byte const* line = next[0] && pf < lines
+                                        ? next[0] + pf * 64
+                                        : next[1] + (pf - (next[0] ? lines : 0)) * 64;
+            MOE_PREFETCH_L2(line);
+          }
+          std::int8_t const* ab = at + b * 16 * SB;
           std::int8_t const* bb = bt + b * SB / 4 * 64;
           std::int32_t* cb = s.cb + (b % 4) * 256;
           amx_memory_barrier();
@@ -707,7 +725,7 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
           // columns x 4 levels), stored for the fold (GCC's tile intrinsics take literal tile
           // numbers, hence the macro).
 #define MOE_AMX_INT8_STEP(C, A, B) \
-  _tile_loadd(A, ab, K);           \
+  _tile_loadd(A, ab, SB);          \
   _tile_loadd(B, bb, 64);          \
   _tile_zero(C);                   \
   _tile_dpbssd(C, A, B);           \
@@ -794,10 +812,14 @@ constexpr Index quant_max_mr(int ops) { return ops == 1 ? 6 : 3; }
 /// `epi` (StoreEpilogue, GluEpilogue, ActEpilogue; panel index p in units of 32 columns). The
 /// rows come quantized in a.q8 (quantize_rows_q8, row stride a.ldq, through a's index), or are
 /// quantized here per chunk of kQuantChunkRows rows into scratch (bitwise the same).
-/// `scratch`: quant_scratch_floats(K) floats. Allocates nothing.
+/// `scratch`: quant_scratch_floats(K) floats. Allocates nothing. `after` (Ops operands, or
+/// null), `after_p`: the panel the caller multiplies next, which the AMX kernel prefetches into
+/// L2 during this call's last panel (a hint; results never depend on it).
 template <class Epi, class Arch = simd::DefaultArch>
 void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, Index p1,
-                Epi const& epi, float* scratch) {
+                Epi const& epi, float* scratch,
+                [[maybe_unused]] QuantWeights const* after = nullptr,
+                [[maybe_unused]] Index after_p = 0) {
   constexpr int Ops = Epi::kOperands;
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
@@ -837,11 +859,24 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
                                       Ops > 1 ? w[1].data + p * w[1].panel_bytes : nullptr};
 #if MOE_HAS_AMX_INT8
         if (tiled > 0) {
-          detail::amx_int8_panel<F, Ops>(xs, tiled, K, panels, [&](Index i, float const* row) {
-            B v[2 * Ops];
-            for (int j = 0; j < 2 * Ops; ++j) v[j] = B::load_aligned(row + j * L);
-            epi.row(c0 + i, p, v);
-          });
+          // The panel after this one: the call's next, or the caller's next item's first.
+          std::byte const* next[2] = {nullptr, nullptr};
+          Index next_bytes = w[0].panel_bytes;
+          if (p + 1 < p1) {
+            next[0] = panels[0] + w[0].panel_bytes;
+            next[1] = panels[1] ? panels[1] + w[1].panel_bytes : nullptr;
+          } else if (after && after[0].data) {
+            next_bytes = after[0].panel_bytes;
+            next[0] = after[0].data + after_p * next_bytes;
+            next[1] = after[1].data ? after[1].data + after_p * after[1].panel_bytes : nullptr;
+          }
+          detail::amx_int8_panel<F, Ops>(xs, tiled, K, panels, next, next_bytes,
+                                         [&](Index i, float const* row) {
+                                           B v[2 * Ops];
+                                           for (int j = 0; j < 2 * Ops; ++j)
+                                             v[j] = B::load_aligned(row + j * L);
+                                           epi.row(c0 + i, p, v);
+                                         });
         }
 #endif
         Index const rest = mc - tiled;
