@@ -7,9 +7,10 @@
 //   - x rounded to bf16 once; per expert with rows: its rows gathered (a copy), then
 //       g = SiLU(x_e W_gate^T)             one bf16 matmul, eltwise_swish post-op, bf16 out
 //       m = (x_e W_up^T) * g               one bf16 matmul, binary_mul post-op,    bf16 out
-//       o = (m W_down^T) * w_row           one bf16 matmul, binary_mul by the routing weights
-//     and o scatter-added into y (index_add_); shared experts as one more expert over every
-//     token with weight 1;
+//       o = m W_down^T                     one bf16 matmul, fp32 out
+//     and w_row * o scatter-added into y (index_add_; oneDNN 2.6 runs a matmul with a per-row
+//     binary_mul post-op in its reference kernel, 100x slower, so the routing weight is applied
+//     here); shared experts as one more expert over every token with weight 1;
 //   - the weights in bf16, reordered once at construction into the layout oneDNN's matmul
 //     picks (format_tag::any: on a CPU with AMX, its AMX brgemm kernels, "brg:avx512_core_amx");
 //     primitives created once per row count and cached, outside the timed loop after warm-up.
@@ -46,8 +47,13 @@ class OnednnMoe {
     }
   }
 
-  /// The implementation oneDNN chose for the gate matmul (e.g. "brg:avx512_core_amx_bf16").
-  std::string implementation() { return prims(experts_[0], 32).gate_pd.impl_info_str(); }
+  /// The implementations oneDNN chose for the gate, up and down matmuls (e.g.
+  /// "brg:avx512_core_amx_bf16" each).
+  std::string implementation() {
+    auto& p = prims(experts_[0], 32);
+    return std::string(p.gate_pd.impl_info_str()) + " / " + p.up_pd.impl_info_str() + " / " +
+           p.down_pd.impl_info_str();
+  }
 
   /// y = sum over the plan's rows of w_row * expert(x[token]) (+ shared experts), [T, D].
   void forward(moe::RoutingPlan const& plan, float const* x, Index T, float* y) {
@@ -117,12 +123,11 @@ class OnednnMoe {
     if (it != cache_.end()) return it->second;
     Index const F = x.F;
     dnnl::memory::desc const xs({n, D_}, dt::bf16, tag::ab), hs({n, F}, dt::bf16, tag::ab);
-    dnnl::memory::desc const os({n, D_}, dt::f32, tag::ab), ws({n, 1}, dt::f32, tag::ab);
+    dnnl::memory::desc const os({n, D_}, dt::f32, tag::ab);
     Prims p;
-    dnnl::post_ops silu, mul_g, mul_w;
+    dnnl::post_ops silu, mul_g;
     silu.append_eltwise(1.0f, dnnl::algorithm::eltwise_swish, 1.0f, 0.0f);
     mul_g.append_binary(dnnl::algorithm::binary_mul, hs);
-    mul_w.append_binary(dnnl::algorithm::binary_mul, ws);
     auto attr = [](dnnl::post_ops const& po) {
       dnnl::primitive_attr a;
       a.set_post_ops(po);
@@ -130,7 +135,7 @@ class OnednnMoe {
     };
     p.gate_pd = {dnnl::matmul::desc(xs, x.gate.get_desc(), hs), attr(silu), eng_};
     p.up_pd = {dnnl::matmul::desc(xs, x.up.get_desc(), hs), attr(mul_g), eng_};
-    p.down_pd = {dnnl::matmul::desc(hs, x.down.get_desc(), os), attr(mul_w), eng_};
+    p.down_pd = {dnnl::matmul::desc(hs, x.down.get_desc(), os), eng_};
     p.gate = dnnl::matmul(p.gate_pd);
     p.up = dnnl::matmul(p.up_pd);
     p.down = dnnl::matmul(p.down_pd);
@@ -152,18 +157,17 @@ class OnednnMoe {
     dnnl::memory const gm({{n, F}, dt::bf16, tag::ab}, eng_, g_.data());
     dnnl::memory const mm({{n, F}, dt::bf16, tag::ab}, eng_, m_.data());
     dnnl::memory const om({{n, D_}, dt::f32, tag::ab}, eng_, o_.data());
-    dnnl::memory const wm({{n, 1}, dt::f32, tag::ab}, eng_, const_cast<float*>(weight));
     auto const bin = DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1;
     p.gate.execute(strm_, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, x.gate}, {DNNL_ARG_DST, gm}});
     p.up.execute(strm_,
                  {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, x.up}, {DNNL_ARG_DST, mm}, {bin, gm}});
-    p.down.execute(strm_,
-                   {{DNNL_ARG_SRC, mm}, {DNNL_ARG_WEIGHTS, x.down}, {DNNL_ARG_DST, om}, {bin, wm}});
+    p.down.execute(strm_, {{DNNL_ARG_SRC, mm}, {DNNL_ARG_WEIGHTS, x.down}, {DNNL_ARG_DST, om}});
     strm_.wait();
     for (Index i = 0; i < n; ++i) {  // index_add_
       float* dst = y + token[i] * D_;
       float const* src = o_.data() + i * D_;
-      for (Index d = 0; d < D_; ++d) dst[d] += src[d];
+      float const w = weight[i];
+      for (Index d = 0; d < D_; ++d) dst[d] += w * src[d];
     }
   }
 
