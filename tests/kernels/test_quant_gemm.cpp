@@ -52,6 +52,37 @@ std::vector<double> deq_rows(std::vector<std::byte> const& q8, Index M, Index K)
   return out;
 }
 
+/// The portable kernel's outputs for rows [0, M) of q8 (row stride q8_row_bytes(K)) against
+/// Ops operands, panel p: out[i][o * 32 + c].
+std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte const* q8, Index M,
+                                                  Index K, std::byte const* const* panels,
+                                                  int ops) {
+  std::vector<std::array<float, 64>> out(static_cast<std::size_t>(M));
+  for (Index i0 = 0; i0 < M; i0 += 8) {
+    Index const mr = std::min<Index>(8, M - i0);
+    kernels::Q8Row rows[8];
+    for (Index r = 0; r < mr; ++r)
+      rows[r] = kernels::q8_row(q8 + (i0 + r) * kernels::q8_row_bytes(K), K);
+    float o[8][64];
+    auto run = [&]<quant::Format F>() {
+      if (ops == 1) {
+        kernels::detail::quant_tile_portable<F, 1>(rows, mr, K, panels, o);
+      } else {
+        kernels::detail::quant_tile_portable<F, 2>(rows, mr, K, panels, o);
+      }
+    };
+    if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
+    if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
+    if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
+    if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
+    if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
+    if (f == quant::Format::kQ2_K) run.operator()<quant::Format::kQ2_K>();
+    for (Index r = 0; r < mr; ++r)
+      std::copy(o[r], o[r] + 64, out[static_cast<std::size_t>(i0 + r)].begin());
+  }
+  return out;
+}
+
 std::vector<std::byte> quantize_acts(std::vector<float> const& x, Index M, Index K) {
   Index const rb = kernels::q8_row_bytes(K);
   Aligned<std::byte> buf(static_cast<std::size_t>(M * rb));
@@ -160,22 +191,10 @@ TEST_CASE("quant kernels: the AVX512-VNNI and portable kernels give the same bit
     kernels::expert_cols(kernels::RowSource{x.data(), K}, M, K, w, 0, 2, epi, scratch.data());
     // The portable kernel on the same rows, then the same activation arithmetic.
     auto const q8 = quantize_acts(x, M, K);
-    std::vector<kernels::Q8Row> rows;
-    for (Index i = 0; i < M; ++i)
-      rows.push_back(kernels::q8_row(q8.data() + i * kernels::q8_row_bytes(K), K));
     for (Index p = 0; p < 2; ++p) {
       std::byte const* panels[2] = {gate.w.data + p * gate.w.panel_bytes,
                                     up.w.data + p * up.w.panel_bytes};
-      float out[8][64];
-      auto run = [&]<quant::Format F>() {
-        kernels::detail::quant_tile_portable<F, 2>(rows.data(), M, K, panels, out);
-      };
-      if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
-      if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
-      if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
-      if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
-      if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
-      if (f == quant::Format::kQ2_K) run.operator()<quant::Format::kQ2_K>();
+      auto const out = portable_panel(f, q8.data(), M, K, panels, 2);
       std::vector<float> mp(static_cast<std::size_t>(M * N));
       kernels::GluEpilogue<kernels::Activation::kSilu> const pe{mp.data(), N, N};
       using B = moe::kernels::simd::Batch<float>;
@@ -183,7 +202,8 @@ TEST_CASE("quant kernels: the AVX512-VNNI and portable kernels give the same bit
       for (Index i = 0; i < M; ++i) {
         B v[NB];
         for (int j = 0; j < NB; ++j)
-          v[j] = B::load_unaligned(out[i] + j * static_cast<Index>(B::size));
+          v[j] = B::load_unaligned(out[static_cast<std::size_t>(i)].data() +
+                                   j * static_cast<Index>(B::size));
         pe.row(i, p, v);
         for (Index c = 0; c < 32; ++c) {
           REQUIRE(m[static_cast<std::size_t>(i * N + p * 32 + c)] ==
@@ -210,41 +230,6 @@ TEST_CASE("quant kernels: a non-finite activation makes its outputs NaN", "[kern
     CHECK(std::isnan(c[static_cast<std::size_t>(N + n)]));
   }
 }
-
-namespace {
-
-/// The portable kernel's outputs for rows [0, M) of q8 (row stride q8_row_bytes(K)) against
-/// Ops operands, panel p: out[i][o * 32 + c].
-std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte const* q8, Index M,
-                                                  Index K, std::byte const* const* panels,
-                                                  int ops) {
-  std::vector<std::array<float, 64>> out(static_cast<std::size_t>(M));
-  for (Index i0 = 0; i0 < M; i0 += 8) {
-    Index const mr = std::min<Index>(8, M - i0);
-    kernels::Q8Row rows[8];
-    for (Index r = 0; r < mr; ++r)
-      rows[r] = kernels::q8_row(q8 + (i0 + r) * kernels::q8_row_bytes(K), K);
-    float o[8][64];
-    auto run = [&]<quant::Format F>() {
-      if (ops == 1) {
-        kernels::detail::quant_tile_portable<F, 1>(rows, mr, K, panels, o);
-      } else {
-        kernels::detail::quant_tile_portable<F, 2>(rows, mr, K, panels, o);
-      }
-    };
-    if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
-    if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
-    if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
-    if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
-    if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
-    if (f == quant::Format::kQ2_K) run.operator()<quant::Format::kQ2_K>();
-    for (Index r = 0; r < mr; ++r)
-      std::copy(o[r], o[r] + 64, out[static_cast<std::size_t>(i0 + r)].begin());
-  }
-  return out;
-}
-
-}  // namespace
 
 TEST_CASE("quant kernels: the AMX int8 tiles give the portable kernel's bits",
           "[kernels][quant][amx]") {

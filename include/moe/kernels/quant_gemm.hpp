@@ -539,26 +539,25 @@ namespace detail {
 inline constexpr Index kAmxInt8MinRows = 12;
 
 /// Bytes of the AMX int8 kernel's scratch for depth K (a multiple of 32): a row chunk's A tiles
-/// (kQuantChunkRows x K int8), its per-row values of each sub-block (start, da, min term), a
-/// panel's scale and min vectors, its 4-bit levels unpacked to bytes (4 column tiles), two sets
-/// of C tiles and a row tile's fp32 accumulators. A multiple of 64.
+/// (kQuantChunkRows x K int8), its per-row values of each sub-block (da, min term), a
+/// panel's scale and min vectors, its levels as signed bytes (4 column tiles), the rotating C
+/// tiles and a row tile's outputs. A multiple of 64.
 constexpr Index quant_amx_scratch_bytes(Index K) {
   Index const nsb = K / 16;
-  return kQuantChunkRows * K + 3 * kQuantChunkRows * nsb * 4 + 2 * nsb * 4 * 64 + 4 * K * 16 +
+  return kQuantChunkRows * K + 2 * kQuantChunkRows * nsb * 4 + 2 * nsb * 4 * 64 + 4 * K * 16 +
          2 * 4 * 1024 + 16 * 4 * 16 * 4;
 }
 
 /// The parts of the AMX int8 scratch.
 struct AmxInt8Scratch {
   std::int8_t* a;    // [tile][block][16][depth]: A tiles (rows past the chunk zero)
-  std::int32_t* st;  // [tile][sub-block][16]: the integer sum's start, -offset * (level sum)
   float* da;         // [tile][sub-block][16]: the activation block's scale
   float* mt;         // [tile][sub-block][16]: the min term da * (level sum), min formats
   float* sv;         // [sub-block][column tile][16]: the weights' scales
   float* mv;         // [sub-block][column tile][16]: the weights' mins
-  std::uint8_t* ub;  // [column tile][K / 4][64]: 4-bit levels as bytes, B tile rows
-  std::int32_t* cb;  // [2][column tile][16][16]: C tiles stored for the fold
-  float* acc;        // [16][column tiles x 16]: a row tile's accumulators
+  std::uint8_t* ub;  // [column tile][K / 4][64]: the panel's signed levels, B tile rows
+  std::int32_t* cb;  // [4][16][16]: the rotating C tiles, stored for the fold
+  float* acc;        // [16][column tiles x 16]: a row tile's outputs, for the epilogue
   AmxInt8Scratch(std::byte* base, Index K) {
     Index const nsb = K / 16;
     auto take = [&](Index bytes) {
@@ -567,7 +566,6 @@ struct AmxInt8Scratch {
       return p;
     };
     a = reinterpret_cast<std::int8_t*>(take(kQuantChunkRows * K));
-    st = reinterpret_cast<std::int32_t*>(take(kQuantChunkRows * nsb * 4));
     da = reinterpret_cast<float*>(take(kQuantChunkRows * nsb * 4));
     mt = reinterpret_cast<float*>(take(kQuantChunkRows * nsb * 4));
     sv = reinterpret_cast<float*>(take(nsb * 4 * 64));
@@ -591,26 +589,18 @@ void amx_int8_prepare(RowOf const& row_of, Index n, Index K, AmxInt8Scratch cons
     // 16 x SB contiguous bytes (a stride of K bytes maps the 16 rows to few L1 sets).
     std::int8_t* const dst = s.a + (r / 16) * 16 * K + (r % 16) * SB;
     if (r >= n) {
-      for (Index b = 0; b < nsb; ++b) std::memset(dst + b * 16 * SB, 0, SB);
       for (Index b = 0; b < nsb; ++b) {
-        s.st[at + b * 16] = 0;
+        std::memset(dst + b * 16 * SB, 0, SB);
         s.da[at + b * 16] = s.mt[at + b * 16] = 0.0f;
       }
       continue;
     }
     Q8Row const q = row_of(r);
-    for (Index b = 0; b < nsb; ++b) std::memcpy(dst + b * 16 * SB, q.a + b * SB, SB);
     for (Index b = 0; b < nsb; ++b) {
       Index const k0 = b * SB;
+      std::memcpy(dst + b * 16 * SB, q.a + k0, SB);
       s.da[at + b * 16] = q.d[k0 / 32];
-      if constexpr (quant_has_min(F)) {
-        s.st[at + b * 16] = 0;
-        s.mt[at + b * 16] = quant_min_term(q, k0, SB);
-      } else {
-        std::int32_t const sum = SB == 16 ? q.s16[k0 / 16] : q.s32[k0 / 32];
-        s.st[at + b * 16] = -sum * (1 << quant_offset_shift(F));
-        s.mt[at + b * 16] = 0.0f;
-      }
+      s.mt[at + b * 16] = quant_has_min(F) ? quant_min_term(q, k0, SB) : 0.0f;
     }
   }
 }
