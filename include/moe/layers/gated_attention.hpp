@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
@@ -161,13 +162,14 @@ class GatedAttention {
   /// Token rows per elementwise work item.
   static constexpr Index kTileRows = 64;
 
-  /// Every trainable buffer of the layer (and, as Gradients, of its gradient).
+  /// Every trainable buffer of the layer (and, as Gradients, of its gradient). The projections
+  /// live on 2 MiB pages (HugePageAllocator): a decode step streams all of them for one token.
   struct Parameters {
-    std::vector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
+    HugePageVector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
     /// The named buffers in parameters() order; empty ones (no separate gate, no norm) omitted.
     ParameterList groups() {
       ParameterList list;
-      auto add = [&](char const* name, std::vector<float>& v) {
+      auto add = [&](char const* name, HugePageVector<float>& v) {
         if (!v.empty()) list.push_back({name, std::span<float>(v)});
       };
       add("q_proj.weight", q_proj);
@@ -215,7 +217,7 @@ class GatedAttention {
     detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "GatedAttention: scale = ", c_.scale,
                   "; pass a finite positive scale or 0 for 1/sqrt(head_dim)");
     Index const D = c.d_model;
-    auto sized = [](Index n) { return std::vector<float>(static_cast<std::size_t>(n), 0.0f); };
+    auto sized = [](Index n) { return HugePageVector<float>(static_cast<std::size_t>(n), 0.0f); };
     p_.q_proj = sized(q_proj_rows() * D);
     if (separate_gate()) p_.gate_proj = sized(gate_cols() * D);
     p_.k_proj = sized(kv_dim() * D);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/types.hpp"
 
 namespace moe {
@@ -25,7 +26,9 @@ namespace moe {
 /// d_model wide (with_widths). Rows [0, length(s)) are filled. Appending past the capacity
 /// grows every sequence's block to max(2 * capacity, needed) (one copy of the filled rows), so
 /// a decode loop reallocates O(log n) times, not per step; reserve() sizes it up front.
-/// Memory: bytes_per_token() = (key width + value width) * 4 bytes per cached token and layer.
+/// Memory: bytes_per_token() = (key width + value width) * 4 bytes per cached token and layer,
+/// in HugePageAllocator storage (2 MiB pages from 2 MiB up: a decode step streams the whole
+/// cached prefix once).
 class KvCache {
  public:
   KvCache() = default;
@@ -65,8 +68,8 @@ class KvCache {
   /// Room for `capacity` tokens per sequence (never shrinks; keeps the cached rows).
   void reserve(Index capacity) {
     if (capacity <= capacity_) return;
-    std::vector<float> k(static_cast<std::size_t>(sequences() * capacity * key_dim_), 0.0f);
-    std::vector<float> v(static_cast<std::size_t>(sequences() * capacity * value_dim_), 0.0f);
+    HugePageVector<float> k(static_cast<std::size_t>(sequences() * capacity * key_dim_), 0.0f);
+    HugePageVector<float> v(static_cast<std::size_t>(sequences() * capacity * value_dim_), 0.0f);
     for (Index s = 0; s < sequences(); ++s) {
       Index const len = length_[static_cast<std::size_t>(s)];
       std::copy(k_.begin() + kblock(s), k_.begin() + kblock(s) + len * key_dim_,
@@ -125,7 +128,7 @@ class KvCache {
   Index key_dim_ = 1, value_dim_ = 1;
   Index capacity_ = 0;
   std::vector<Index> length_;
-  std::vector<float> k_, v_;
+  HugePageVector<float> k_, v_;
 };
 
 namespace detail {

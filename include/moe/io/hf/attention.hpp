@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/gating/sdpa_gate.hpp"
 #include "moe/io/detail/json.hpp"
 #include "moe/io/hf/config.hpp"
@@ -273,12 +274,15 @@ inline std::vector<float> hf_attention_values(Qwen3NextAttention const& layer,
 /// The gradient of tensor `t` from the layer's Gradients, row-major in t.shape.
 inline std::vector<float> hf_attention_gradient(Qwen3NextAttention::Gradients const& grads,
                                                 HfAttentionTensor const& t) {
-  if (t.parameter == "q_proj.weight") return grads.q_proj;
-  if (t.parameter == "k_proj.weight") return grads.k_proj;
-  if (t.parameter == "v_proj.weight") return grads.v_proj;
-  if (t.parameter == "o_proj.weight") return grads.o_proj;
-  if (t.parameter == "q_norm.weight") return grads.q_norm;
-  if (t.parameter == "k_norm.weight") return grads.k_norm;
+  auto const copy = [](HugePageVector<float> const& v) {
+    return std::vector<float>(v.begin(), v.end());
+  };
+  if (t.parameter == "q_proj.weight") return copy(grads.q_proj);
+  if (t.parameter == "k_proj.weight") return copy(grads.k_proj);
+  if (t.parameter == "v_proj.weight") return copy(grads.v_proj);
+  if (t.parameter == "o_proj.weight") return copy(grads.o_proj);
+  if (t.parameter == "q_norm.weight") return copy(grads.q_norm);
+  if (t.parameter == "k_norm.weight") return copy(grads.k_norm);
   moe::detail::fail("hf: no attention parameter named ", detail::printable_name(t.parameter));
 }
 
