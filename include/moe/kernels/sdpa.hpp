@@ -99,13 +99,36 @@ constexpr Index sdpa_scratch_size(Index head_dim, Index value_dim) {
 
 namespace detail {
 
+/// The next key block's keys [rows, d] (ldk) and values [rows, dv] (ldv), prefetched into L2
+/// while the forward multiplies this block's probabilities by its values: row k's columns of the
+/// current value chunk [c0, c1) (and, in the last chunk, the keys' columns past dv) as the kernel
+/// reaches value row k. A decode step's few query rows do little work per key, and fetched on
+/// demand the keys and values of a long context arrive a few misses at a time. Measured on a
+/// Zen 5 VM, 2 threads, one decode step's 4 KV groups of 8 query rows over 4096 cached keys
+/// (16 MB, from DRAM): 0.72-0.75 ms against 0.96-1.26 without (and 0.83 prefetching into L1).
+struct KvPrefetch {
+  float const* k = nullptr;
+  Index ldk = 0, d = 0;
+  float const* v = nullptr;
+  Index ldv = 0, dv = 0;
+  Index rows = 0;
+
+  MOE_ALWAYS_INLINE void touch(Index row, Index c0, Index c1) const {
+    if (row >= rows) return;
+    for (Index c = c0; c < std::min(c1, dv); c += 16) __builtin_prefetch(v + row * ldv + c, 0, 2);
+    Index const k1 = c1 >= dv ? d : std::min(c1, d);
+    for (Index c = c0; c < k1; c += 16) __builtin_prefetch(k + row * ldk + c, 0, 2);
+  }
+};
+
 /// C[r, c] = beta_r * C[r, c] + sum_{k < K} A(r, k) B[k, c] for r < MR and the columns of one
 /// chunk [c0, c0 + NB*L): A(r, k) = a[r * a_rs + k * a_cs]; beta null means 1. Each output is one
-/// chain: beta * C, then one FMA per k in ascending order.
+/// chain: beta * C, then one FMA per k in ascending order. pf (or null): what to prefetch for
+/// row k of the chunk starting at column c0.
 template <Index MR, Index NB, class Arch>
 MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, float const* b,
-                                        Index ldb, float* c, Index ldc, Index K,
-                                        float const* beta) {
+                                        Index ldb, float* c, Index ldc, Index K, float const* beta,
+                                        KvPrefetch const* pf, Index c0) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   B acc[MR][NB];
@@ -116,6 +139,7 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
     }
   }
   for (Index k = 0; k < K; ++k) {
+    if (pf) pf->touch(k, c0, c0 + NB * L);
     B bv[NB];
     for (Index n = 0; n < NB; ++n) bv[n] = B::load_unaligned(b + k * ldb + n * L);
     for (Index r = 0; r < MR; ++r) {
@@ -131,14 +155,17 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
 template <Index MR, class Arch>
 MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, float const* b,
                                         Index ldb, float* c, Index ldc, Index N, Index K,
-                                        float const* beta) {
+                                        float const* beta, KvPrefetch const* pf) {
   constexpr Index L = static_cast<Index>(simd::Batch<float, Arch>::size);
   Index c0 = 0;
   for (; c0 + 2 * L <= N; c0 += 2 * L) {
-    rank_update_tile<MR, 2, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta);
+    rank_update_tile<MR, 2, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
   }
   for (; c0 + L <= N; c0 += L) {
-    rank_update_tile<MR, 1, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta);
+    rank_update_tile<MR, 1, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
+  }
+  if (pf && c0 < N) {  // the scalar tail's columns (and the keys' past them)
+    for (Index k = 0; k < K; ++k) pf->touch(k, c0, N);
   }
   for (; c0 < N; ++c0) {  // scalar tail: the same chain as one lane
     for (Index r = 0; r < MR; ++r) {
@@ -152,38 +179,41 @@ MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, 
 
 /// C [M, N] (ldc) = diag(beta) C + A B, A(r, k) = a[r * a_rs + k * a_cs] [M, K], B [K, N] (ldb).
 /// An output element's value depends only on its row of A, its column of B, beta_r and K (never
-/// on M or on the tiling), so results are reproducible however rows are blocked.
+/// on M or on the tiling), so results are reproducible however rows are blocked. pf (or null):
+/// the next key block, prefetched during the first tile of rows.
 template <class Arch>
 void rank_update(float const* a, Index a_rs, Index a_cs, float const* b, Index ldb, float* c,
-                 Index ldc, Index M, Index N, Index K, float const* beta) {
+                 Index ldc, Index M, Index N, Index K, float const* beta,
+                 KvPrefetch const* pf = nullptr) {
   constexpr Index MR = simd::Batch<float, Arch>::size >= 16 ? 8 : 6;  // 32 or 16 registers
   Index r = 0;
   for (; r + MR <= M; r += MR) {
     rank_update_rows<MR, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K,
-                               beta ? beta + r : nullptr);
+                               beta ? beta + r : nullptr, r == 0 ? pf : nullptr);
   }
+  if (r > 0) pf = nullptr;
   float const* bt = beta ? beta + r : nullptr;
   switch (M - r) {
     case 7:
-      rank_update_rows<7, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<7, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 6:
-      rank_update_rows<6, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<6, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 5:
-      rank_update_rows<5, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<5, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 4:
-      rank_update_rows<4, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<4, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 3:
-      rank_update_rows<3, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<3, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 2:
-      rank_update_rows<2, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<2, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     case 1:
-      rank_update_rows<1, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt);
+      rank_update_rows<1, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
       break;
     default:
       break;
@@ -419,9 +449,17 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
         w.l[r] = w.l[r] * w.alpha[r] + detail::exp_row<Arch>(s, kw, m_new);
         w.m[r] = m_new;
       }
-      // o = diag(alpha) o + P V over the kc keys of the block.
+      // o = diag(alpha) o + P V over the kc keys of the block, the next block prefetched.
+      Index const j1 = j0 + kSdpaKeyBlock;
+      detail::KvPrefetch const next{p.k + j1 * p.ldk,
+                                    p.ldk,
+                                    d,
+                                    p.v + j1 * p.ldv,
+                                    p.ldv,
+                                    dv,
+                                    kb + 1 < nkb ? std::min(kSdpaKeyBlock, p.kv_rows - j1) : 0};
       detail::rank_update<Arch>(w.s, kSdpaKeyBlock, 1, p.v + j0 * p.ldv, p.ldv, o + i0 * ldo, ldo,
-                                nq, dv, kc, w.alpha);
+                                nq, dv, kc, w.alpha, next.rows > 0 ? &next : nullptr);
     }
     for (Index r = 0; r < nq; ++r) {
       float* orow = o + (i0 + r) * ldo;
