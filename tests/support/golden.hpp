@@ -7,7 +7,9 @@
 // products round the activations), so a digest is recorded per arch key (golden_arch()):
 // "avx512bw+bf16dp" for dot products, "avx512bw" for widened bf16 (Intel's default; recorded on
 // a Zen 5 with MOE_BF16_KERNEL=widen), "avx512bw+bf16amx" for AMX tiles (recorded on a Sapphire
-// Rapids), "fma3+avx2". On an arch with no recorded digests the test
+// Rapids), "fma3+avx2" (a release build on an AVX2-only AMD EPYC), and "+nocontract" after any of
+// them where the compiler does not contract a * b + c into FMAs (GCC at -O1: the sanitizer
+// presets; "fma3+avx2+nocontract" is theirs). On an arch with no recorded digests the test
 // says so (WARN) and prints what to record; on a recorded arch any difference fails. Print every
 // digest with MOE_GOLDEN_PRINT=1 in the environment.
 #pragma once
@@ -46,8 +48,20 @@ class Digest {
   std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
+/// Does the compiler contract a * b + c into one FMA in code compiled with this translation
+/// unit's flags (GCC's default -ffp-contract=fast does at -O2 and above, not at -O1)? The
+/// kernels' scalar and generic xsimd code is compiled with the same flags, and their bits
+/// depend on it. a * a = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11 (a tie, to even), so the sum is
+/// 0 unless fused.
+inline bool compiler_contracts_fma() {
+  float volatile va = 1.0f + 0x1p-12f, vc = -(1.0f + 0x1p-11f);
+  float const a = va, c = vc;
+  return a * a + c != 0.0f;
+}
+
 /// The arch key digests are recorded under: xsimd's default arch, "+bf16dp" when bf16 panels
-/// are multiplied by AVX512-BF16 dot products in this process, "+bf16amx" by AMX tiles.
+/// are multiplied by AVX512-BF16 dot products in this process, "+bf16amx" by AMX tiles, then
+/// "+nocontract" where compiler_contracts_fma() is false.
 inline std::string golden_arch() {
   std::string a = moe::kernels::simd::DefaultArch::name();
   if (moe::kernels::bf16_amx()) {
@@ -55,6 +69,7 @@ inline std::string golden_arch() {
   } else if (moe::kernels::bf16_dot_products()) {
     a += "+bf16dp";
   }
+  if (!compiler_contracts_fma()) a += "+nocontract";
   return a;
 }
 
