@@ -228,14 +228,21 @@ double measure_amx_bf16_peak(int threads, int reps = 9) {
   return measure_amx_peak<false>(threads, reps);
 }
 
-/// AVX512-VNNI vpdpbusd throughput (int8 multiply-adds x 2 per second: 128 an instruction; 0
-/// without VNNI).
+/// Integer dot-product throughput (int8 multiply-adds x 2 per second): vpdpbusd on zmm with
+/// AVX512-VNNI (128 an instruction), the ymm kernel's step in AVX2 builds (64: vpdpbusd with
+/// AVX-VNNI, else vpmaddubsw + vpmaddwd + vpaddd); 0 in builds with neither.
 double measure_int8_peak(int threads, int reps = 9) {
 #if MOE_HAS_AVX512VNNI
   __m512i const a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-1);
   return unit_peak<__m512i>(
       threads, reps, [](int i) { return _mm512_set1_epi32(i); },
       [&](__m512i acc) { return _mm512_dpbusd_epi32(acc, a, b); }, 128.0);
+#elif MOE_HAS_AVX2_INT8
+  // The ymm kernel's dot step: AVX-VNNI vpdpbusd, or vpmaddubsw + vpmaddwd + vpaddd (64 each).
+  __m256i const a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-1);
+  return unit_peak<__m256i>(
+      threads, reps, [](int i) { return _mm256_set1_epi32(i); },
+      [&](__m256i acc) { return moe::kernels::detail::quant_dot_ymm(acc, a, b); }, 64.0);
 #else
   (void)threads;
   (void)reps;

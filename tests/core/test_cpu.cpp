@@ -145,19 +145,26 @@ TEST_CASE("bf16 kernel rule: AMX where it runs, else Intel widens and other CPUs
 TEST_CASE("quant kernel rule: AMX tiles where they run, else VNNI, else portable",
           "[core][cpu][quant]") {
   using K = moe::QuantKernel;
-  CHECK(moe::choose_quant_kernel(nullptr, true, true) == K::kAmx);
-  CHECK(moe::choose_quant_kernel("", true, false) == K::kVnni);
-  CHECK(moe::choose_quant_kernel("vnni", true, true) == K::kVnni);
-  CHECK(moe::choose_quant_kernel("amx", true, true) == K::kAmx);
-  CHECK(moe::choose_quant_kernel("amx", true, false) == K::kVnni);  // AMX cannot run here
-  CHECK(moe::choose_quant_kernel(nullptr, false, false) == K::kPortable);
-  CHECK(moe::choose_quant_kernel("amx", false, false) == K::kPortable);
-  CHECK_THROWS_WITH(moe::choose_quant_kernel("avx2", true, true),
+  CHECK(moe::choose_quant_kernel(nullptr, K::kVnni, true) == K::kAmx);
+  CHECK(moe::choose_quant_kernel("", K::kVnni, false) == K::kVnni);
+  CHECK(moe::choose_quant_kernel("vnni", K::kVnni, true) == K::kVnni);
+  CHECK(moe::choose_quant_kernel("amx", K::kVnni, true) == K::kAmx);
+  CHECK(moe::choose_quant_kernel("amx", K::kVnni, false) == K::kVnni);  // AMX cannot run here
+  CHECK(moe::choose_quant_kernel(nullptr, K::kPortable, false) == K::kPortable);
+  CHECK(moe::choose_quant_kernel("amx", K::kPortable, false) == K::kPortable);
+  CHECK(moe::choose_quant_kernel(nullptr, K::kAvx2, true) == K::kAvx2);  // AMX needs VNNI builds
+  CHECK(moe::choose_quant_kernel("vnni", K::kAvx2, false) == K::kAvx2);
+  // What this build compiled: zmm VNNI, ymm (AVX-VNNI or vpmaddubsw) or portable.
+  CHECK(moe::compiled_quant_kernel() == (MOE_HAS_AVX512VNNI || MOE_HAS_AVXVNNI ? K::kVnni
+                                         : MOE_HAS_AVX2_INT8                   ? K::kAvx2
+                                                                               : K::kPortable));
+  CHECK(moe::kernels::has_avx2_int8() == (MOE_HAS_AVX2_INT8 != 0));
+  CHECK_THROWS_WITH(moe::choose_quant_kernel("avx2", K::kVnni, true),
                     Catch::Contains("MOE_QUANT_KERNEL is \"avx2\"") &&
                         Catch::Contains("\"vnni\"") && Catch::Contains("\"amx\""));
   // The process's choice is the rule applied here; the kernels and the description follow it.
-  K const k = moe::choose_quant_kernel(std::getenv("MOE_QUANT_KERNEL"), MOE_HAS_AVX512VNNI != 0,
-                                       moe::amx_int8_usable());
+  K const k = moe::choose_quant_kernel(std::getenv("MOE_QUANT_KERNEL"),
+                                       moe::compiled_quant_kernel(), moe::amx_int8_usable());
   CHECK(moe::quant_kernel() == k);
   CHECK(moe::kernels::quant_amx() == (k == K::kAmx));
   CHECK((moe::compiled_kernels().find("quantized weights by AMX tiles") != std::string::npos) ==

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // kernels::quant_cols (quantized expert weights, int8 activations) against a double reference
-// built from ggml's dequantized weights and the dequantized activations; the portable and the
-// AVX512-VNNI kernels give the same bits. Built twice: -march=native and without -m flags.
+// built from ggml's dequantized weights and the dequantized activations; the portable, the
+// AVX512-VNNI and the AVX-VNNI kernels give the same bits. Built three times: -march=native,
+// without -m flags (portable) and -march=x86-64-v3 -mavxvnni (the ymm kernel).
+#include <algorithm>
 #include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -119,6 +121,44 @@ TEST_CASE("quant kernels: activation rows are quantized per 32-block with their 
   CHECK(rb.d[0] == r.d[0]);
 }
 
+TEST_CASE("quant kernels: every activation block against the scalar formula (SIMD paths)",
+          "[kernels][quant]") {
+  // Rows of different magnitudes (down to subnormal blocks), an all-zero block and ties: the
+  // SIMD quantizers (zmm, ymm) against the formula, level by level.
+  Index const K = 512, M = 6;
+  std::vector<float> x = test::random_vector(M * K, 77, -3.0f, 3.0f);
+  float const scale[M] = {1.0f, 1e-3f, 1e4f, 1e-40f, 0.5f, 7.0f};
+  for (Index i = 0; i < M; ++i)
+    for (Index k = 0; k < K; ++k) x[static_cast<std::size_t>(i * K + k)] *= scale[i];
+  for (Index k = 64; k < 96; ++k) x[static_cast<std::size_t>(k)] = 0.0f;
+  for (Index k = 96; k < 128; ++k)
+    x[static_cast<std::size_t>(k)] = 0.5f * static_cast<float>(k % 5);
+  auto const q8 = quantize_acts(x, M, K);
+  for (Index i = 0; i < M; ++i) {
+    auto const r = kernels::q8_row(q8.data() + i * kernels::q8_row_bytes(K), K);
+    for (Index b = 0; b < K / 32; ++b) {
+      INFO("row " << i << " block " << b);
+      float amax = 0.0f;
+      for (Index k = 0; k < 32; ++k)
+        amax = std::max(amax, std::fabs(x[static_cast<std::size_t>(i * K + 32 * b + k)]));
+      float const d = amax / 127.0f;
+      REQUIRE(r.d[b] == d);
+      float const id = quant::detail::inverse(d);
+      std::int32_t lo = 0, hi = 0;
+      for (Index k = 0; k < 32; ++k) {
+        float const q = std::nearbyint(x[static_cast<std::size_t>(i * K + 32 * b + k)] * id);
+        float const want = std::clamp(q, -128.0f, 127.0f);
+        REQUIRE(static_cast<float>(r.a[32 * b + k]) == want);
+        (k < 16 ? lo : hi) += r.a[32 * b + k];
+      }
+      REQUIRE(r.s16[2 * b] == lo);
+      REQUIRE(r.s16[2 * b + 1] == hi);
+      REQUIRE(r.s32[b] == lo + hi);
+      REQUIRE(r.ds[b] == d * static_cast<float>(lo + hi));
+    }
+  }
+}
+
 TEST_CASE("quant kernels: quant_cols matches the dequantized double reference",
           "[kernels][quant]") {
   for (quant::Format f : quant::kFormats) {
@@ -175,39 +215,54 @@ TEST_CASE("quant kernels: quant_cols matches the dequantized double reference",
   }
 }
 
-TEST_CASE("quant kernels: the AVX512-VNNI and portable kernels give the same bits",
+TEST_CASE("quant kernels: the SIMD (zmm, AVX-VNNI, AVX2) and portable kernels give the same bits",
           "[kernels][quant]") {
+  INFO("this build: " << (kernels::has_avx512_vnni() ? "AVX512-VNNI"
+                          : kernels::has_avx_vnni()  ? "AVX-VNNI"
+                          : kernels::has_avx2_int8() ? "AVX2 vpmaddubsw"
+                                                     : "portable only"));
   for (quant::Format f : quant::kFormats) {
-    INFO(quant::name(f));
-    Index const K = 768, N = 64, M = 7;
+    Index const K = 768, N = 64;
     QOperand gate(f, N, K, 31), up(f, N, K, 32);
-    std::vector<float> x = test::random_vector(M * K, 41);
-    std::vector<float> m(static_cast<std::size_t>(M * N));
-    std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
-    kernels::WeightPanels w;
-    w.quant[0] = gate.w;
-    w.quant[1] = up.w;
-    kernels::GluEpilogue<kernels::Activation::kSilu> const epi{m.data(), N, N};
-    kernels::expert_cols(kernels::RowSource{x.data(), K}, M, K, w, 0, 2, epi, scratch.data());
-    // The portable kernel on the same rows, then the same activation arithmetic.
-    auto const q8 = quantize_acts(x, M, K);
-    for (Index p = 0; p < 2; ++p) {
-      std::byte const* panels[2] = {gate.w.data + p * gate.w.panel_bytes,
-                                    up.w.data + p * up.w.panel_bytes};
-      auto const out = portable_panel(f, q8.data(), M, K, panels, 2);
-      std::vector<float> mp(static_cast<std::size_t>(M * N));
-      kernels::GluEpilogue<kernels::Activation::kSilu> const pe{mp.data(), N, N};
-      using B = moe::kernels::simd::Batch<float>;
-      constexpr int NB = static_cast<int>(64 / B::size);
-      for (Index i = 0; i < M; ++i) {
-        B v[NB];
-        for (int j = 0; j < NB; ++j)
-          v[j] = B::load_unaligned(out[static_cast<std::size_t>(i)].data() +
-                                   j * static_cast<Index>(B::size));
-        pe.row(i, p, v);
-        for (Index c = 0; c < 32; ++c) {
-          REQUIRE(m[static_cast<std::size_t>(i * N + p * 32 + c)] ==
-                  mp[static_cast<std::size_t>(i * N + p * 32 + c)]);
+    // Every row-tile size of both kernels and their tails.
+    for (Index M : {1, 2, 3, 4, 5, 7, 8, 13}) {
+      INFO(quant::name(f) << " M = " << M);
+      std::vector<float> x = test::random_vector(M * K, 41 + static_cast<std::uint64_t>(M));
+      std::vector<float> m(static_cast<std::size_t>(M * N)), c(static_cast<std::size_t>(M * N));
+      std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+      kernels::WeightPanels w;
+      w.quant[0] = gate.w;
+      w.quant[1] = up.w;
+      kernels::GluEpilogue<kernels::Activation::kSilu> const epi{m.data(), N, N};
+      kernels::expert_cols(kernels::RowSource{x.data(), K}, M, K, w, 0, 2, epi, scratch.data());
+      kernels::WeightPanels w1;
+      w1.quant[0] = up.w;
+      kernels::expert_cols(kernels::RowSource{x.data(), K}, M, K, w1, 0, 2,
+                           kernels::StoreEpilogue{c.data(), N, N}, scratch.data());
+      // The portable kernel on the same rows, then the same activation arithmetic.
+      auto const q8 = quantize_acts(x, M, K);
+      for (Index p = 0; p < 2; ++p) {
+        std::byte const* panels[2] = {gate.w.data + p * gate.w.panel_bytes,
+                                      up.w.data + p * up.w.panel_bytes};
+        auto const out = portable_panel(f, q8.data(), M, K, panels, 2);
+        std::byte const* up_only[2] = {panels[1], nullptr};
+        auto const out1 = portable_panel(f, q8.data(), M, K, up_only, 1);
+        std::vector<float> mp(static_cast<std::size_t>(M * N));
+        kernels::GluEpilogue<kernels::Activation::kSilu> const pe{mp.data(), N, N};
+        using B = moe::kernels::simd::Batch<float>;
+        constexpr int NB = static_cast<int>(64 / B::size);
+        for (Index i = 0; i < M; ++i) {
+          B v[NB];
+          for (int j = 0; j < NB; ++j)
+            v[j] = B::load_unaligned(out[static_cast<std::size_t>(i)].data() +
+                                     j * static_cast<Index>(B::size));
+          pe.row(i, p, v);
+          for (Index cc = 0; cc < 32; ++cc) {
+            std::size_t const at = static_cast<std::size_t>(i * N + p * 32 + cc);
+            float const want = out1[static_cast<std::size_t>(i)][static_cast<std::size_t>(cc)];
+            REQUIRE(std::memcmp(&m[at], &mp[at], 4) == 0);
+            REQUIRE(std::memcmp(&c[at], &want, 4) == 0);
+          }
         }
       }
     }

@@ -34,6 +34,22 @@
 #else
 #define MOE_HAS_AVX512VNNI 0
 #endif
+// AVX-VNNI (VEX vpdpbusd on ymm: Alder Lake and later client cores, Sierra Forest, Zen 5) in a
+// build without AVX-512 (-march=alderlake, or -march=x86-64-v3 -mavxvnni): the ymm kernel of
+// quantized weights. An AVX-512 build uses the zmm kernel instead.
+#if !MOE_HAS_AVX512VNNI && defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define MOE_HAS_AVXVNNI 1  ///< AVX-VNNI integer dot products on ymm (AVX2 builds)
+#else
+#define MOE_HAS_AVXVNNI 0
+#endif
+// The ymm integer kernel of quantized weights in an AVX2 build without AVX512-VNNI: vpdpbusd where
+// MOE_HAS_AVXVNNI, else the same exact int32 sums by vpmaddubsw + vpmaddwd.
+#if !MOE_HAS_AVX512VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MOE_HAS_AVX2_INT8 1  ///< AVX2 integer kernels for quantized weights (ymm)
+#else
+#define MOE_HAS_AVX2_INT8 0
+#endif
 #if MOE_HAS_AVX512VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define MOE_HAS_AMX_INT8 1  ///< AMX int8 tiles (tdpbssd)
 #else

@@ -312,26 +312,35 @@ inline Bf16Kernel bf16_kernel() {
 /// quant_kernel()). Every kernel forms the same exact int32 sums of a scale block and folds them
 /// into fp32 with the same operations in the same order: all give the same bits.
 enum class QuantKernel {
-  kPortable,  ///< scalar C++ (builds without AVX512-VNNI)
-  kVnni,      ///< AVX512-VNNI vpdpbusd, a few rows at a time
+  kPortable,  ///< scalar C++ (builds without AVX2 or AVX512-VNNI)
+  kAvx2,      ///< ymm, AVX2 builds without VNNI: vpmaddubsw + vpmaddwd, a few rows at a time
+  kVnni,      ///< vpdpbusd, a few rows at a time: AVX512-VNNI on zmm, or AVX-VNNI on ymm in an
+              ///< AVX2 build (-mavxvnni)
   kAmx,       ///< AMX tdpbssd tiles for row tiles of 16 (vpdpbusd for the rows of a short tail)
 };
 
+/// The kernel of quantized weights this build compiled, before the run-time AMX choice: kVnni
+/// (MOE_HAS_AVX512VNNI or MOE_HAS_AVXVNNI), kAvx2 (MOE_HAS_AVX2_INT8) or kPortable.
+constexpr QuantKernel compiled_quant_kernel() {
+  if (MOE_HAS_AVX512VNNI || MOE_HAS_AVXVNNI) return QuantKernel::kVnni;
+  return MOE_HAS_AVX2_INT8 ? QuantKernel::kAvx2 : QuantKernel::kPortable;
+}
+
 /// The rule quant_kernel() applies (a pure function, so that it can be tested on any CPU):
-///   - `compiled_vnni` false: kPortable, whatever is asked;
+///   - `compiled` (compiled_quant_kernel()) not kVnni: `compiled`, whatever is asked;
 ///   - `env` (MOE_QUANT_KERNEL) "vnni" or "amx": that kernel ("amx" only where `amx` is true,
 ///     else kVnni); empty or null: kAmx where `amx` is true, else kVnni; anything else:
 ///     moe::Error naming the accepted values.
 /// `amx`: the build has the AMX int8 kernels, the CPU AMX-INT8 tiles and Linux granted their use
 /// (amx_int8_usable()). Since the kernels agree bit for bit, the choice changes speed only.
-inline QuantKernel choose_quant_kernel(char const* env, bool compiled_vnni, bool amx) {
+inline QuantKernel choose_quant_kernel(char const* env, QuantKernel compiled, bool amx) {
   std::string const e = env ? env : "";
   if (!e.empty() && e != "vnni" && e != "amx") {
     throw Error("MOE_QUANT_KERNEL is \"" + e +
                 "\"; set it to \"vnni\" (AVX512-VNNI vpdpbusd) or \"amx\" (AMX int8 tiles), "
                 "or unset it to let the CPU decide");
   }
-  if (!compiled_vnni) return QuantKernel::kPortable;
+  if (compiled != QuantKernel::kVnni) return compiled;
   if (e == "vnni" || !amx) return QuantKernel::kVnni;
   return QuantKernel::kAmx;
 }
@@ -347,11 +356,11 @@ inline bool amx_int8_usable() {
 }
 
 /// The quantized-weight kernel of this process: choose_quant_kernel(getenv("MOE_QUANT_KERNEL"),
-/// MOE_HAS_AVX512VNNI, amx_int8_usable()), decided on first use and fixed from then on.
+/// compiled_quant_kernel(), amx_int8_usable()), decided on first use and fixed from then on.
 /// Throws moe::Error on a malformed MOE_QUANT_KERNEL.
 inline QuantKernel quant_kernel() {
   static QuantKernel const k = choose_quant_kernel(std::getenv("MOE_QUANT_KERNEL"),
-                                                   MOE_HAS_AVX512VNNI != 0, amx_int8_usable());
+                                                   compiled_quant_kernel(), amx_int8_usable());
   return k;
 }
 
@@ -397,6 +406,8 @@ inline std::string compiled_kernels() {
   s += ", AMX int8 tiles compiled";
 #endif
   if (quant_kernel() == QuantKernel::kAmx) s += ", quantized weights by AMX tiles (tdpbssd)";
+  if (quant_kernel() == QuantKernel::kAvx2) s += ", quantized weights by AVX2 vpmaddubsw";
+  if (quant_kernel() == QuantKernel::kPortable) s += ", quantized weights by portable C++";
   return s;
 }
 

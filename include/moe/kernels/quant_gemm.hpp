@@ -14,7 +14,7 @@
 /// activation bytes, exact in int32) folded into an fp32 accumulator:
 ///   acc = fma((float)(isum - offset * s) * s_col, da_b, acc)        (offset formats)
 ///   acc = fma((float)isum * s_col, da_b, acc); acc = fma(-m_col, da_b * s32_b, acc)   (Q4_K)
-/// over the blocks in ascending k. The portable kernel (no AVX512-VNNI) does the same integer
+/// over the blocks in ascending k. The ymm (AVX2) and portable kernels do the same integer
 /// sums and the same float operations in the same order, so both give the same bits, for any
 /// row split, tiling or thread count.
 #pragma once
@@ -36,7 +36,7 @@
 #include "moe/kernels/simd.hpp"
 #include "moe/quant/blocks.hpp"
 
-#if MOE_HAS_AVX512VNNI
+#if MOE_HAS_AVX512VNNI || MOE_HAS_AVX2_INT8
 #include <immintrin.h>
 #endif
 
@@ -48,8 +48,15 @@
 
 namespace moe::kernels {
 
-/// Does this build multiply quantized weights with AVX512-VNNI (otherwise: the portable kernel)?
+/// Does this build multiply quantized weights with AVX512-VNNI (otherwise: AVX-VNNI or the
+/// portable kernel)?
 constexpr bool has_avx512_vnni() { return MOE_HAS_AVX512VNNI != 0; }
+/// Does this build multiply quantized weights with AVX-VNNI on ymm (an AVX2 build with
+/// -mavxvnni and without AVX-512)?
+constexpr bool has_avx_vnni() { return MOE_HAS_AVXVNNI != 0; }
+/// Does this build multiply quantized weights with the ymm integer kernel (AVX2, FMA and F16C
+/// without AVX512-VNNI: AVX-VNNI vpdpbusd, or vpmaddubsw + vpmaddwd)?
+constexpr bool has_avx2_int8() { return MOE_HAS_AVX2_INT8 != 0; }
 
 /// Output columns of one quantized weight panel.
 inline constexpr Index kQuantPanelCols = 32;
@@ -95,6 +102,21 @@ inline void quantize_row_q8(float const* x, Index K, std::byte* dst) {
     __mmask16 const bad = _mm512_cmp_ps_mask(ax0, _mm512_set1_ps(kMax), _CMP_NLE_UQ) |
                           _mm512_cmp_ps_mask(ax1, _mm512_set1_ps(kMax), _CMP_NLE_UQ);
     float const amax = _mm512_reduce_max_ps(_mm512_max_ps(ax0, ax1));
+#elif MOE_HAS_AVX2_INT8
+    __m256 xv[4], ax[4];
+    __m256 const sign = _mm256_set1_ps(-0.0f);
+    int badbits = 0;
+    for (int j = 0; j < 4; ++j) {
+      xv[j] = _mm256_loadu_ps(xb + 8 * j);
+      ax[j] = _mm256_andnot_ps(sign, xv[j]);
+      badbits |= _mm256_movemask_ps(_mm256_cmp_ps(ax[j], _mm256_set1_ps(kMax), _CMP_NLE_UQ));
+    }
+    bool const bad = badbits != 0;
+    __m256 const m8 = _mm256_max_ps(_mm256_max_ps(ax[0], ax[1]), _mm256_max_ps(ax[2], ax[3]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float const amax = _mm_cvtss_f32(m4);  // max is exact: the order does not matter
 #else
     float amax = 0.0f;
     bool bad = false;
@@ -119,6 +141,24 @@ inline void quantize_row_q8(float const* x, Index K, std::byte* dst) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16), _mm512_cvtsepi32_epi8(q1));
     std::int32_t const lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
+#elif MOE_HAS_AVX2_INT8
+    // vcvtps2dq rounds to nearest even, as std::nearbyint does; |x * id| <= 127 (+ rounding), so
+    // the saturating packs never saturate and the sums are the portable path's.
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
+    __m256i const b16 =
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(ab),
+        _mm256_permutevar8x32_epi32(b16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    auto hsum = [](__m256i v) {
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      return _mm_cvtsi128_si32(s4);
+    };
+    std::int32_t const lo = hsum(_mm256_add_epi32(q[0], q[1])),
+                       hi = hsum(_mm256_add_epi32(q[2], q[3]));
 #else
     std::int32_t lo = 0, hi = 0;
     for (int j = 0; j < 32; ++j) {
@@ -526,6 +566,156 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
 }
 #endif
 
+#if MOE_HAS_AVX2_INT8
+/// acc + the sums of 4 products u_j a_j per 32-bit lane (u unsigned, a signed bytes), exact:
+/// AVX-VNNI vpdpbusd, or vpmaddubsw (pairs into int16: exact while u <= 127, as every level of
+/// the formats but Q8_0 is, and |a| <= 127, as quantize_row_q8 makes them) and vpmaddwd.
+MOE_ALWAYS_INLINE __m256i quant_dot_ymm(__m256i acc, __m256i u, __m256i a) {
+#if MOE_HAS_AVXVNNI
+  return _mm256_dpbusd_avx_epi32(acc, u, a);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+/// The ymm kernel (AVX2 builds): MR rows x 16 columns (two vectors of 8) of one operand, columns
+/// [16 h, 16 h + 16) of the panel, accumulators in registers over the whole depth, stored to
+/// out[r * 64 + c] (32-byte aligned). The zmm kernel's integer sums and folds, per column in the
+/// same order: the same bits. Without AVX-VNNI, Q8_0's levels u = q + 128 exceed vpmaddubsw's
+/// exact range, so its sums are formed as sum q a (|q| by sign(a, q)) from a zero start instead
+/// of sum u a from -128 sum a: the same integer.
+template <quant::Format F, Index MR>
+MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte const* panel, Index h,
+                                       float* out) {
+  using quant::Format;
+  constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
+  constexpr Index SB = quant_fold_depth(F);
+  constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
+  constexpr int NM = quant_has_min(F) ? 2 : 1;
+  constexpr bool kSigned = F == Format::kQ8_0 && !MOE_HAS_AVXVNNI;  // see above
+  __m256 acc[2][MR];
+  for (int v = 0; v < 2; ++v)
+    for (Index r = 0; r < MR; ++r) acc[v][r] = _mm256_setzero_ps();
+  __m256i const nib = _mm256_set1_epi8(0x0F);
+  alignas(32) float subs[2][NM][NS][8];
+  for (Index g = 0; g < K / G; ++g) {
+    std::byte const* const grp = panel + g * GB;
+    if constexpr (quant_has_sub_scales(F)) {
+      for (int v = 0; v < 2; ++v) {
+        Index const c0 = 16 * h + 8 * v;  // first column of vector v
+        __m256 const d =
+            _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * c0)));
+        auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
+        for (Index j = 0; j < NS; ++j) {
+          __m128i const s8 = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(sc + j * 32 + c0));
+          __m256i const s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm256_cvtepi8_epi32(s8)
+                                                                       : _mm256_cvtepu8_epi32(s8);
+          _mm256_store_ps(subs[v][0][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(s32)));
+        }
+        if constexpr (quant_has_min(F)) {
+          __m256 const dmin =
+              _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<__m128i const*>(grp + 64 + 2 * c0)));
+          auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
+          for (Index j = 0; j < NS; ++j) {
+            __m128i const m8 = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(mn + j * 32 + c0));
+            _mm256_store_ps(subs[v][NM - 1][j],
+                            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))));
+          }
+        }
+      }
+    }
+    for (Index sb = 0; sb < G / SB; ++sb) {
+      Index const k0 = g * G + sb * SB;
+      if (g + 1 < K / G) {  // the next group's half, a slice per sub-block
+        constexpr Index per = (GB / (G / SB) + 63) / 64 * 64;
+        for (Index l = sb * per; l < std::min(GB, (sb + 1) * per); l += 64) {
+          MOE_PREFETCH_L2(grp + GB + l);
+        }
+      }
+      __m256i iacc[2][MR];
+      for (Index r = 0; r < MR; ++r) {
+        __m256i start = _mm256_setzero_si256();
+        if constexpr (!quant_has_min(F) && !kSigned) {
+          std::int32_t const sum = SB == 16 ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
+          start = _mm256_set1_epi32(-sum * (1 << quant_offset_shift(F)));
+        }
+        iacc[0][r] = iacc[1][r] = start;
+      }
+      if constexpr (quant_is_4bit(F)) {
+        for (Index oct = 0; oct < SB / 8; ++oct) {
+          for (int v = 0; v < 2; ++v) {
+            __m256i const packed = _mm256_load_si256(reinterpret_cast<__m256i const*>(
+                grp + HB + ((sb * SB / 8 + oct) * 32 + 16 * h + 8 * v) * 4));
+            __m256i const lo = _mm256_and_si256(packed, nib);
+            __m256i const hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+            for (Index r = 0; r < MR; ++r) {
+              std::int32_t q0, q1;
+              std::memcpy(&q0, rows[r].a + k0 + 8 * oct, 4);
+              std::memcpy(&q1, rows[r].a + k0 + 8 * oct + 4, 4);
+              iacc[v][r] = quant_dot_ymm(iacc[v][r], lo, _mm256_set1_epi32(q0));
+              iacc[v][r] = quant_dot_ymm(iacc[v][r], hi, _mm256_set1_epi32(q1));
+            }
+          }
+        }
+      } else {
+        for (Index qd = 0; qd < SB / 4; ++qd) {
+          for (int v = 0; v < 2; ++v) {
+            __m256i const wv = _mm256_load_si256(reinterpret_cast<__m256i const*>(
+                grp + HB + ((sb * SB / 4 + qd) * 32 + 16 * h + 8 * v) * 4));
+            for (Index r = 0; r < MR; ++r) {
+              std::int32_t q;
+              std::memcpy(&q, rows[r].a + k0 + 4 * qd, 4);
+              if constexpr (kSigned) {  // q = u - 128 as a signed byte
+                __m256i const w = _mm256_xor_si256(wv, _mm256_set1_epi8(-128));
+                iacc[v][r] = quant_dot_ymm(iacc[v][r], _mm256_abs_epi8(w),
+                                           _mm256_sign_epi8(_mm256_set1_epi32(q), w));
+              } else {
+                iacc[v][r] = quant_dot_ymm(iacc[v][r], wv, _mm256_set1_epi32(q));
+              }
+            }
+          }
+        }
+      }
+      for (int v = 0; v < 2; ++v) {
+        __m256 s;
+        if constexpr (quant_has_sub_scales(F)) {
+          s = _mm256_load_ps(subs[v][0][sb]);
+        } else {
+          s = _mm256_cvtph_ps(
+              _mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * (16 * h + 8 * v))));
+        }
+        for (Index r = 0; r < MR; ++r) {
+          __m256 const f = _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[v][r]), s);
+          acc[v][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(rows[r].d[k0 / 32]), acc[v][r]);
+        }
+        if constexpr (quant_has_min(F)) {
+          __m256 const m = _mm256_load_ps(subs[v][NM - 1][sb]);
+          for (Index r = 0; r < MR; ++r) {
+            acc[v][r] =
+                _mm256_fnmadd_ps(m, _mm256_set1_ps(quant_min_term(rows[r], k0, SB)), acc[v][r]);
+          }
+        }
+      }
+    }
+  }
+  for (Index r = 0; r < MR; ++r) {
+    for (int v = 0; v < 2; ++v) _mm256_store_ps(out + r * 2 * kQuantPanelCols + 8 * v, acc[v][r]);
+  }
+}
+
+/// The ymm kernel: MR rows x Ops operands x 32 columns into out[r * 64 + o * 32 + c], by
+/// quant_half_ymm per operand and column half (16 ymm registers hold one half's accumulators
+/// and integer sums for 3 rows; the activations are re-read from L1 per half).
+template <quant::Format F, Index MR, int Ops>
+void quant_tile_ymm(Q8Row const* rows, Index K, std::byte const* const* panels, float* out) {
+  for (int o = 0; o < Ops; ++o) {
+    for (Index h = 0; h < 2; ++h) {
+      quant_half_ymm<F, MR>(rows, K, panels[o], h, out + o * kQuantPanelCols + 16 * h);
+    }
+  }
+}
+#endif
+
 }  // namespace detail
 
 /// Rows whose quantized activations a quant_cols call makes at a time (when a.q8 is null).
@@ -795,7 +985,9 @@ constexpr Index quant_scratch_floats(Index K) {
 }
 
 /// Largest row tile of the quantized kernels for Ops operands.
-constexpr Index quant_max_mr(int ops) { return ops == 1 ? 6 : 3; }
+constexpr Index quant_max_mr(int ops) {
+  return MOE_HAS_AVX512VNNI ? (ops == 1 ? 6 : 3) : 3;  // ymm: 3 rows of one column half
+}
 
 /// Columns [p0 * 32, p1 * 32) of the projection of the M rows of `a` (depth K, K a multiple of
 /// the format's block) against Ops = Epi::kOperands quantized operands w[0..Ops), finished by
@@ -882,6 +1074,22 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
                 for (Index r = 0; r < MR; ++r) {
                   B v[2 * Ops];
                   for (int j = 0; j < 2 * Ops; ++j) v[j] = B::load_aligned(stage[r] + j * L);
+                  epi.row(c0 + i0 + r, p, v);
+                }
+              });
+          continue;
+        }
+#elif MOE_HAS_AVX2_INT8
+        if constexpr (L == 8) {
+          ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
+              rest, [&]<Index MR>(Index, Index, Index j0) {
+                Index const i0 = tiled + j0;
+                Q8Row rows[MR];
+                for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
+                detail::quant_tile_ymm<F, MR, Ops>(rows, K, panels, stage[0]);
+                for (Index r = 0; r < MR; ++r) {
+                  B v[4 * Ops];
+                  for (int j = 0; j < 4 * Ops; ++j) v[j] = B::load_aligned(stage[r] + j * L);
                   epi.row(c0 + i0 + r, p, v);
                 }
               });

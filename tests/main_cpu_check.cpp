@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+// The Catch2 main of the test binaries built for another -march than the host's (the ymm
+// quantized kernels: moe_tests_avx2, moe_tests_avxvnni), compiled without -m flags: where the
+// CPU lacks a unit the binary was built for (AVX2, FMA, F16C; AVX-VNNI when
+// MOE_TEST_NEEDS_AVXVNNI is 1), it prints which and exits with 77, which CTest reports as
+// skipped (SKIP_RETURN_CODE), instead of running code compiled for it. Listing the tests
+// (catch_discover_tests) always works. (The test code's static initializers, compiled for
+// x86-64-v3, run before main: the binaries need an AVX2 CPU to start at all.)
+#define CATCH_CONFIG_RUNNER
+#include <cpuid.h>
+
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstring>
+
+#ifndef MOE_TEST_NEEDS_AVXVNNI
+#define MOE_TEST_NEEDS_AVXVNNI 0
+#endif
+
+namespace {
+
+/// The first unit of the build this CPU lacks (CPUID, with the OS saving ymm state), or null.
+char const* missing_unit() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return "CPUID leaf 1";
+  if (!((c >> 27) & 1) || !((c >> 28) & 1)) return "AVX";
+  unsigned xlo = 0, xhi = 0;
+  __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  if ((xlo & 6u) != 6u) return "AVX (the OS does not save ymm state)";
+  if (!((c >> 12) & 1)) return "FMA";
+  if (!((c >> 29) & 1)) return "F16C";
+  unsigned max7 = 0;
+  if (!__get_cpuid_count(7, 0, &max7, &b, &c, &d) || !((b >> 5) & 1)) return "AVX2";
+  if (MOE_TEST_NEEDS_AVXVNNI) {
+    if (max7 < 1 || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 4) & 1)) {
+      return "AVX-VNNI (CPUID leaf 7 subleaf 1, EAX bit 4)";
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--list", 6) == 0) listing = true;
+  }
+  if (char const* unit = missing_unit(); !listing && unit) {
+    std::printf("skipped: this CPU has no %s, which this build of the tests needs\n", unit);
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}
