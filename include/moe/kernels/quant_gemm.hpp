@@ -578,14 +578,14 @@ MOE_ALWAYS_INLINE __m256i quant_dot_ymm(__m256i acc, __m256i u, __m256i a) {
 #endif
 }
 
-/// The ymm kernel (AVX2 builds): MR rows x 16 columns (two vectors of 8) of one operand, columns
-/// [16 h, 16 h + 16) of the panel, accumulators in registers over the whole depth, stored to
+/// The ymm kernel (AVX2 builds): MR rows x 8 NV columns (NV vectors of 8) of one operand, columns
+/// [8 NV h, 8 NV (h + 1)) of the panel, accumulators in registers over the whole depth, stored to
 /// out[r * 64 + c] (32-byte aligned). The zmm kernel's integer sums and folds, per column in the
 /// same order: the same bits. Without AVX-VNNI, Q8_0's levels u = q + 128 exceed vpmaddubsw's
 /// exact range, so its sums are formed as sum q a (|q| by sign(a, q)) from a zero start instead
 /// of sum u a from -128 sum a: the same integer.
-template <quant::Format F, Index MR>
-MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte const* panel, Index h,
+template <quant::Format F, Index MR, int NV>
+MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte const* panel, Index h,
                                        float* out) {
   using quant::Format;
   constexpr Index G = quant::block_elems(F), GB = quant_group_bytes(F), HB = quant_header_bytes(F);
@@ -593,16 +593,16 @@ MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte con
   constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
   constexpr int NM = quant_has_min(F) ? 2 : 1;
   constexpr bool kSigned = F == Format::kQ8_0 && !MOE_HAS_AVXVNNI;  // see above
-  __m256 acc[2][MR];
-  for (int v = 0; v < 2; ++v)
+  __m256 acc[NV][MR];
+  for (int v = 0; v < NV; ++v)
     for (Index r = 0; r < MR; ++r) acc[v][r] = _mm256_setzero_ps();
   __m256i const nib = _mm256_set1_epi8(0x0F);
-  alignas(32) float subs[2][NM][NS][8];
+  alignas(32) float subs[NV][NM][NS][8];
   for (Index g = 0; g < K / G; ++g) {
     std::byte const* const grp = panel + g * GB;
     if constexpr (quant_has_sub_scales(F)) {
-      for (int v = 0; v < 2; ++v) {
-        Index const c0 = 16 * h + 8 * v;  // first column of vector v
+      for (int v = 0; v < NV; ++v) {
+        Index const c0 = 8 * (NV * h + v);  // first column of vector v
         __m256 const d =
             _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * c0)));
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
@@ -632,36 +632,63 @@ MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte con
           MOE_PREFETCH_L2(grp + GB + l);
         }
       }
-      __m256i iacc[2][MR];
-      for (Index r = 0; r < MR; ++r) {
-        __m256i start = _mm256_setzero_si256();
+      // Offset formats start each sum at -offset * (activation sum): exact, and no subtraction.
+      auto start = [&](Index r) {
         if constexpr (!quant_has_min(F) && !kSigned) {
           std::int32_t const sum = SB == 16 ? rows[r].s16[k0 / 16] : rows[r].s32[k0 / 32];
-          start = _mm256_set1_epi32(-sum * (1 << quant_offset_shift(F)));
+          return _mm256_set1_epi32(-sum * (1 << quant_offset_shift(F)));
         }
-        iacc[0][r] = iacc[1][r] = start;
+        return _mm256_setzero_si256();
+      };
+      __m256i iacc[NV][MR];
+      if (!quant_is_4bit(F) || MOE_HAS_AVXVNNI) {
+        for (Index r = 0; r < MR; ++r)
+          for (int v = 0; v < NV; ++v) iacc[v][r] = start(r);
       }
       if constexpr (quant_is_4bit(F)) {
+        static_assert(SB <= 32, "int16 pair sums of at most 8 quads");
+#if !MOE_HAS_AVXVNNI
+        __m256i p16[NV][MR];
+        for (int v = 0; v < NV; ++v)
+          for (Index r = 0; r < MR; ++r) p16[v][r] = _mm256_setzero_si256();
+#endif
         for (Index oct = 0; oct < SB / 8; ++oct) {
-          for (int v = 0; v < 2; ++v) {
+          for (int v = 0; v < NV; ++v) {
             __m256i const packed = _mm256_load_si256(reinterpret_cast<__m256i const*>(
-                grp + HB + ((sb * SB / 8 + oct) * 32 + 16 * h + 8 * v) * 4));
+                grp + HB + ((sb * SB / 8 + oct) * 32 + 8 * (NV * h + v)) * 4));
             __m256i const lo = _mm256_and_si256(packed, nib);
             __m256i const hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
             for (Index r = 0; r < MR; ++r) {
               std::int32_t q0, q1;
               std::memcpy(&q0, rows[r].a + k0 + 8 * oct, 4);
               std::memcpy(&q1, rows[r].a + k0 + 8 * oct + 4, 4);
+#if MOE_HAS_AVXVNNI
               iacc[v][r] = quant_dot_ymm(iacc[v][r], lo, _mm256_set1_epi32(q0));
               iacc[v][r] = quant_dot_ymm(iacc[v][r], hi, _mm256_set1_epi32(q1));
+#else
+              // 4-bit levels: the vpmaddubsw pairs of a whole sub-block (at most 2 x 15 x 127 per
+              // quad, 8 quads: 30480) add up in int16 exactly; one vpmaddwd per sub-block.
+              p16[v][r] =
+                  _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q0)));
+              p16[v][r] =
+                  _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q1)));
+#endif
             }
           }
         }
+#if !MOE_HAS_AVXVNNI
+        for (int v = 0; v < NV; ++v) {  // (iacc is not live over the loop: 16 registers)
+          for (Index r = 0; r < MR; ++r) {
+            iacc[v][r] =
+                _mm256_add_epi32(start(r), _mm256_madd_epi16(p16[v][r], _mm256_set1_epi16(1)));
+          }
+        }
+#endif
       } else {
         for (Index qd = 0; qd < SB / 4; ++qd) {
-          for (int v = 0; v < 2; ++v) {
+          for (int v = 0; v < NV; ++v) {
             __m256i const wv = _mm256_load_si256(reinterpret_cast<__m256i const*>(
-                grp + HB + ((sb * SB / 4 + qd) * 32 + 16 * h + 8 * v) * 4));
+                grp + HB + ((sb * SB / 4 + qd) * 32 + 8 * (NV * h + v)) * 4));
             for (Index r = 0; r < MR; ++r) {
               std::int32_t q;
               std::memcpy(&q, rows[r].a + k0 + 4 * qd, 4);
@@ -676,13 +703,13 @@ MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte con
           }
         }
       }
-      for (int v = 0; v < 2; ++v) {
+      for (int v = 0; v < NV; ++v) {
         __m256 s;
         if constexpr (quant_has_sub_scales(F)) {
           s = _mm256_load_ps(subs[v][0][sb]);
         } else {
           s = _mm256_cvtph_ps(
-              _mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * (16 * h + 8 * v))));
+              _mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * (8 * (NV * h + v)))));
         }
         for (Index r = 0; r < MR; ++r) {
           __m256 const f = _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[v][r]), s);
@@ -699,18 +726,24 @@ MOE_QUANT_NOINLINE void quant_half_ymm(Q8Row const* rows, Index K, std::byte con
     }
   }
   for (Index r = 0; r < MR; ++r) {
-    for (int v = 0; v < 2; ++v) _mm256_store_ps(out + r * 2 * kQuantPanelCols + 8 * v, acc[v][r]);
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(out + r * 2 * kQuantPanelCols + 8 * v, acc[v][r]);
   }
 }
 
 /// The ymm kernel: MR rows x Ops operands x 32 columns into out[r * 64 + o * 32 + c], by
-/// quant_half_ymm per operand and column half (16 ymm registers hold one half's accumulators
-/// and integer sums for 3 rows; the activations are re-read from L1 per half).
+/// quant_cols_ymm per operand: one row over all 32 columns at once (each 128-byte row of levels
+/// read whole, in order: one sequential stream from DRAM), 2 or 3 rows per column half (16 ymm
+/// registers hold a half's accumulators and integer sums for 3 rows; the activations are re-read
+/// from L1 per half, the half's levels from L1 or L2).
 template <quant::Format F, Index MR, int Ops>
 void quant_tile_ymm(Q8Row const* rows, Index K, std::byte const* const* panels, float* out) {
   for (int o = 0; o < Ops; ++o) {
-    for (Index h = 0; h < 2; ++h) {
-      quant_half_ymm<F, MR>(rows, K, panels[o], h, out + o * kQuantPanelCols + 16 * h);
+    if constexpr (MR == 1) {
+      quant_cols_ymm<F, 1, 4>(rows, K, panels[o], 0, out + o * kQuantPanelCols);
+    } else {
+      for (Index h = 0; h < 2; ++h) {
+        quant_cols_ymm<F, MR, 2>(rows, K, panels[o], h, out + o * kQuantPanelCols + 16 * h);
+      }
     }
   }
 }
