@@ -43,8 +43,9 @@
 #else
 #define MOE_HAS_AVXVNNI 0
 #endif
-// The ymm integer kernel of quantized weights in an AVX2 build without AVX512-VNNI: vpdpbusd where
-// MOE_HAS_AVXVNNI, else the same exact int32 sums by vpmaddubsw + vpmaddwd.
+// The ymm integer kernel of quantized weights in an AVX2 build without AVX512-VNNI (AVX2 machines,
+// and AVX-512 ones without VNNI such as Skylake-SP): vpdpbusd where MOE_HAS_AVXVNNI, else the
+// same exact int32 sums by vpmaddubsw + vpmaddwd.
 #if !MOE_HAS_AVX512VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MOE_HAS_AVX2_INT8 1  ///< AVX2 integer kernels for quantized weights (ymm)
 #else

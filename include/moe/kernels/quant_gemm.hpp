@@ -1113,16 +1113,18 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
           continue;
         }
 #elif MOE_HAS_AVX2_INT8
-        if constexpr (L == 8) {
+        // (Also AVX-512 builds without VNNI, e.g. Skylake-SP: the ymm kernel, zmm epilogues.)
+        if constexpr (L == 8 || L == 16) {
           ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
               rest, [&]<Index MR>(Index, Index, Index j0) {
                 Index const i0 = tiled + j0;
                 Q8Row rows[MR];
                 for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
                 detail::quant_tile_ymm<F, MR, Ops>(rows, K, panels, stage[0]);
+                constexpr int NB = static_cast<int>(Ops * kQuantPanelCols / L);
                 for (Index r = 0; r < MR; ++r) {
-                  B v[4 * Ops];
-                  for (int j = 0; j < 4 * Ops; ++j) v[j] = B::load_aligned(stage[r] + j * L);
+                  B v[NB];
+                  for (int j = 0; j < NB; ++j) v[j] = B::load_aligned(stage[r] + j * L);
                   epi.row(c0 + i0 + r, p, v);
                 }
               });
