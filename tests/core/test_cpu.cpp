@@ -169,5 +169,9 @@ TEST_CASE("quant kernel rule: AMX tiles where they run, else VNNI, else portable
   CHECK(moe::kernels::quant_amx() == (k == K::kAmx));
   CHECK((moe::compiled_kernels().find("quantized weights by AMX tiles") != std::string::npos) ==
         (k == K::kAmx));
+  CHECK((moe::compiled_kernels().find("quantized weights by AVX2 vpmaddubsw") !=
+         std::string::npos) == (k == K::kAvx2));
+  CHECK((moe::compiled_kernels().find("quantized weights by portable C++") != std::string::npos) ==
+        (k == K::kPortable));
   if (moe::compiled_amx_int8() && moe::cpu_features().amx_int8) CHECK(moe::amx_int8_usable());
 }
