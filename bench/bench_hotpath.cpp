@@ -6,8 +6,9 @@
 // What it measures (2 threads unless the name says pool:1):
 //   - BM_Peak_FmaF32 / BM_Peak_Bf16Dot / BM_Peak_AmxBf16 / BM_Peak_AmxInt8 / BM_Peak_Int8Dot /
 //     BM_Peak_ReadBandwidth: this machine's fp32 FMA, AVX512-BF16 dot-product, AMX bf16 and
-//     int8 tile and AVX512-VNNI dot-product throughput and DRAM read bandwidth (best of 9, printed
-//     at start-up as the "limits" context).
+//     int8 tile and integer dot-product (vpdpbusd, or the ymm kernel's vpmaddubsw step)
+//     throughput and DRAM read bandwidth (best of 9, printed at start-up as the "limits"
+//     context: the units this build and CPU lack are named as missing).
 //   - BM_Layer_<Shape>_{Forward,ForwardBf16,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE,
 //     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048} (and
 //     _ForwardQ8_0, _ForwardQ4_K, _ForwardQ4_0 at T <= 512: quantized experts, with GOP/s,
@@ -59,6 +60,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <moe/moe.hpp>
@@ -1094,10 +1096,25 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Limits const& lim = startup_limits();
-  benchmark::AddCustomContext("limits", std::to_string(lim.fma / 1e9) + " GFLOP/s fp32 FMA, " +
-                                            std::to_string(lim.bf16 / 1e9) + " GFLOP/s bf16 dot, " +
-                                            std::to_string(lim.amx / 1e9) + " GFLOP/s AMX bf16, " +
-                                            std::to_string(lim.bandwidth / 1e9) + " GB/s read (" +
+  // Only the units this build and CPU have, each at the precision a reader needs.
+  auto num = [](double v, int digits) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.*f", digits, v);
+    return std::string(b);
+  };
+  std::string units = num(lim.fma / 1e9, 0) + " GFLOP/s fp32 FMA, ";
+  units +=
+      lim.bf16 > 0.0 ? num(lim.bf16 / 1e9, 0) + " GFLOP/s bf16 dot, " : "no bf16 dot products, ";
+  units += lim.amx > 0.0 ? num(lim.amx / 1e9, 0) + " GFLOP/s AMX bf16, " : "no AMX, ";
+  double const i8 = int8_peak();
+  units += i8 > 0.0 ? num(i8 / 1e9, 0) + " GOP/s int8 (" +
+                          (moe::kernels::quant_amx() ? std::string("AMX tdpbssd")
+                           : moe::kernels::has_avx2_int8() && !moe::kernels::has_avx_vnni()
+                               ? std::string("vpmaddubsw")
+                               : std::string("vpdpbusd")) +
+                          "), "
+                    : "no integer dot products, ";
+  benchmark::AddCustomContext("limits", units + num(lim.bandwidth / 1e9, 1) + " GB/s read (" +
                                             std::to_string(kThreads) +
                                             " threads, measured at start-up; each layer row "
                                             "is judged against limits measured around it)");
