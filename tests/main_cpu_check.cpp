@@ -3,10 +3,12 @@
 // quantized kernels: moe_tests_avx2, moe_tests_avxvnni, moe_tests_avx512novnni), compiled
 // without -m flags: where the CPU lacks a unit the binary was built for (AVX2, FMA, F16C;
 // AVX-VNNI when MOE_TEST_NEEDS_AVXVNNI is 1, AVX-512 when MOE_TEST_NEEDS_AVX512 is 1), it prints
-// which and exits with 77, which CTest reports as
-// skipped (SKIP_RETURN_CODE), instead of running code compiled for it. Listing the tests
-// (catch_discover_tests) always works. (The test code's static initializers, compiled for
-// x86-64-v3, run before main: the binaries need an AVX2 CPU to start at all.)
+// which and exits with 77, which CTest reports as skipped (SKIP_RETURN_CODE), instead of running
+// code compiled for it. Listing the tests (catch_discover_tests) always works. The check reads
+// CPUID itself rather than calling moe::cpu_features(): that is an inline function the test
+// code, compiled with the binary's -march, instantiates too, and the linker may keep that copy.
+// (The test code's static initializers, compiled for x86-64-v3 or more, run before main: the
+// binaries need an AVX2 CPU to start at all.)
 #define CATCH_CONFIG_RUNNER
 #include <cpuid.h>
 

@@ -405,9 +405,19 @@ inline std::string compiled_kernels() {
 #if MOE_HAS_AMX_INT8
   s += ", AMX int8 tiles compiled";
 #endif
-  if (quant_kernel() == QuantKernel::kAmx) s += ", quantized weights by AMX tiles (tdpbssd)";
-  if (quant_kernel() == QuantKernel::kAvx2) s += ", quantized weights by AVX2 vpmaddubsw";
-  if (quant_kernel() == QuantKernel::kPortable) s += ", quantized weights by portable C++";
+  switch (quant_kernel()) {
+    case QuantKernel::kAmx:
+      s += ", quantized weights by AMX tiles (tdpbssd)";
+      break;
+    case QuantKernel::kAvx2:
+      s += ", quantized weights by AVX2 vpmaddubsw";
+      break;
+    case QuantKernel::kPortable:
+      s += ", quantized weights by portable C++";
+      break;
+    case QuantKernel::kVnni:  // named by the AVX512-VNNI / AVX-VNNI unit above
+      break;
+  }
   return s;
 }
 

@@ -1096,31 +1096,20 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
 #endif
         Index const rest = mc - tiled;
         if (rest <= 0) continue;
+#if MOE_HAS_AVX512VNNI || MOE_HAS_AVX2_INT8
+        // The zmm VNNI kernel, or the ymm kernel (AVX2 builds, and AVX-512 builds without VNNI
+        // such as Skylake-SP, under zmm epilogues). Both stage MR rows of 32 Ops outputs.
+        if constexpr (MOE_HAS_AVX512VNNI ? L == 16 : (L == 8 || L == 16)) {
+          ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
+              rest, [&]<Index MR>(Index, Index, Index j0) {
+                Index const i0 = tiled + j0;
+                Q8Row rows[MR];
+                for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
 #if MOE_HAS_AVX512VNNI
-        if constexpr (L == 16) {
-          ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
-              rest, [&]<Index MR>(Index, Index, Index j0) {
-                Index const i0 = tiled + j0;
-                Q8Row rows[MR];
-                for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
                 detail::quant_tile_vnni<F, MR, Ops>(rows, K, panels, stage[0]);
-                for (Index r = 0; r < MR; ++r) {
-                  B v[2 * Ops];
-                  for (int j = 0; j < 2 * Ops; ++j) v[j] = B::load_aligned(stage[r] + j * L);
-                  epi.row(c0 + i0 + r, p, v);
-                }
-              });
-          continue;
-        }
-#elif MOE_HAS_AVX2_INT8
-        // (Also AVX-512 builds without VNNI, e.g. Skylake-SP: the ymm kernel, zmm epilogues.)
-        if constexpr (L == 8 || L == 16) {
-          ::moe::kernels::detail::for_each_row_tile<quant_max_mr(Ops)>(
-              rest, [&]<Index MR>(Index, Index, Index j0) {
-                Index const i0 = tiled + j0;
-                Q8Row rows[MR];
-                for (Index r = 0; r < MR; ++r) rows[r] = row_of(i0 + r);
+#else
                 detail::quant_tile_ymm<F, MR, Ops>(rows, K, panels, stage[0]);
+#endif
                 constexpr int NB = static_cast<int>(Ops * kQuantPanelCols / L);
                 for (Index r = 0; r < MR; ++r) {
                   B v[NB];
