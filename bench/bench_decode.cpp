@@ -8,18 +8,22 @@
 // LM head; kLayers = 4 layers (peak RSS ~20.5 GB: the fp32 master copies of the experts stay
 // next to their bf16 packs). Two threads.
 //
-//   BM_Decoder_Prefill/T:512        one prompt of 512 tokens through a fresh cache
-//   BM_Decoder_Decode/ctx:C         one decode step after a cached context of C tokens
-//                                   (C = 0, 1024, 4096; the step's token is rolled back after
-//                                   every iteration, so the context stays C)
+//   BM_Decoder_Prefill/T:512/dense:D     one prompt of 512 tokens through a fresh cache
+//   BM_Decoder_Decode/ctx:C/dense:D      one decode step after a cached context of C tokens
+//                                        (C = 0, 1024, 4096; the step's token is rolled back
+//                                        after every iteration, so the context stays C)
+//
+// dense:1 keeps the LM head and the attention projections in bf16, as a Hugging Face Qwen3
+// checkpoint stores them and as load_hf_decoder keeps them (DenseWeights::kAsStored); dense:0 in
+// fp32, as a model converted to fp32 (or loaded with DenseWeights::kF32). Both compute in fp32;
+// the embedding is bf16 in both (one row a step).
 //
 // Counters: tokens/s; for decode also the bytes one step must read (every layer's attention
-// weights (fp32) and the KV cache of the context, the 8 active experts' bf16 weights and the
-// router, the LM head (fp32) and the token's embedding row), that over the time as GB/s, and
-// roofline = that / the machine's read bandwidth (bench/machine.hpp: 4 prefetched streams per
-// thread over 4x the read sweep's last-level cache, at least 512 MiB, best of 3, measured
-// before and after the row, the larger kept), plus the step's split: attn%, ffn%, other%
-// (DecoderState::profile).
+// weights and the KV cache of the context, the 8 active experts' bf16 weights and the router,
+// the LM head and the token's embedding row), that over the time as GB/s, and roofline = that /
+// the machine's read bandwidth (bench/machine.hpp: 4 prefetched streams per thread over 4x the
+// read sweep's last-level cache, at least 512 MiB, best of 3, measured before and after the row,
+// the larger kept), plus the step's split: attn%, ffn%, other% (DecoderState::profile).
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +31,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "machine.hpp"
@@ -52,8 +57,17 @@ void fill(std::span<float> v, float bound, std::uint64_t seed) {
   moe::fill_uniform(v, -bound, bound, seed);
 }
 
-Decoder const& decoder() {
-  static Decoder const d = [] {
+/// The LM head in both precisions; set_dense() moves one into the decoder.
+struct LmHeads {
+  moe::models::WeightMatrix f32, bf16;
+};
+LmHeads& spare_heads() {
+  static LmHeads h;
+  return h;
+}
+
+Decoder& decoder() {
+  static Decoder d = [] {
     Decoder dec;
     moe::models::DecoderConfig& c = dec.config;
     c.moe.family = moe::io::HfFamily::kQwen3Moe;
@@ -71,10 +85,14 @@ Decoder const& decoder() {
     c.rope_theta = 1e6f;
     c.rms_norm_eps = 1e-6f;
     c.qk_norm = true;
-    dec.embed.resize(static_cast<std::size_t>(kVocab * kH));
-    fill(dec.embed, 1.0f, 1);
-    dec.lm_head.resize(dec.embed.size());
-    fill(dec.lm_head, 0.02f, 2);
+    dec.embed = moe::models::WeightMatrix::zeros(kVocab, kH);
+    fill(dec.embed.f32, 1.0f, 1);
+    dec.embed.to_bf16();
+    LmHeads& heads = spare_heads();
+    heads.f32 = moe::models::WeightMatrix::zeros(kVocab, kH);
+    fill(heads.f32.f32, 0.02f, 2);
+    heads.bf16 = heads.f32;
+    heads.bf16.to_bf16();
     dec.norm.assign(static_cast<std::size_t>(kH), 1.0f);
     moe::GatedAttentionConfig ac;
     ac.d_model = kH;
@@ -106,6 +124,20 @@ Decoder const& decoder() {
   return d;
 }
 
+/// The LM head and the attention projections in bf16 (DenseWeights::kAsStored for a bf16
+/// checkpoint) or fp32.
+Decoder& set_dense(bool bf16) {
+  Decoder& dec = decoder();
+  LmHeads& heads = spare_heads();
+  if (!dec.lm_head.empty()) std::swap(dec.lm_head, dec.lm_head.is_bf16() ? heads.bf16 : heads.f32);
+  std::swap(dec.lm_head, bf16 ? heads.bf16 : heads.f32);
+  for (auto& b : dec.blocks) {
+    b.attention.pack_weights(bf16 ? moe::experts::WeightFormat::kBf16
+                                  : moe::experts::WeightFormat::kF32);
+  }
+  return dec;
+}
+
 std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
   std::vector<std::int64_t> t(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) {
@@ -128,7 +160,7 @@ double read_bandwidth() {
 }
 
 void BM_Decoder_Prefill(benchmark::State& state) {
-  Decoder const& dec = decoder();
+  Decoder const& dec = set_dense(state.range(1) != 0);
   Index const T = state.range(0);
   auto const ids = tokens(T, 7);
   std::vector<float> logits(static_cast<std::size_t>(kVocab));
@@ -147,10 +179,15 @@ void BM_Decoder_Prefill(benchmark::State& state) {
   state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
   state.counters["other%"] = 100.0 * st.other_seconds / total;
 }
-BENCHMARK(BM_Decoder_Prefill)->ArgName("T")->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Decoder_Prefill)
+    ->ArgNames({"T", "dense"})
+    ->Args({512, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 void BM_Decoder_Decode(benchmark::State& state) {
-  Decoder const& dec = decoder();
+  bool const bf16 = state.range(1) != 0;
+  Decoder const& dec = set_dense(bf16);
   Index const ctx = state.range(0);
   std::vector<float> logits(static_cast<std::size_t>(kVocab));
   auto st = dec.make_state(1, ctx + 1);
@@ -173,11 +210,13 @@ void BM_Decoder_Decode(benchmark::State& state) {
   double const elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   double const bw = std::max(bw_before, read_bandwidth());
+  double const dense_bytes = bf16 ? 2.0 : 4.0;  // per LM-head / attention weight
   double const attn_weights =
-      4.0 * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
+      dense_bytes * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
   double const kv = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * 4.0;
   double const experts = static_cast<double>(kTopK) * 3.0 * kH * kI * 2.0 + 4.0 * kE * kH;
-  double const bytes = kLayers * (attn_weights + kv + experts) + 4.0 * kVocab * kH + 4.0 * kH;
+  double const bytes =
+      kLayers * (attn_weights + kv + experts) + dense_bytes * kVocab * kH + 2.0 * kH;
   double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
   state.counters["tokens/s"] =
       benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
@@ -191,10 +230,8 @@ void BM_Decoder_Decode(benchmark::State& state) {
   state.counters["other%"] = 100.0 * st.other_seconds / total;
 }
 BENCHMARK(BM_Decoder_Decode)
-    ->ArgName("ctx")
-    ->Arg(0)
-    ->Arg(1024)
-    ->Arg(4096)
+    ->ArgNames({"ctx", "dense"})
+    ->ArgsProduct({{0, 1024, 4096}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -11,7 +11,12 @@
 // Command line:
 //   moe_generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [--threads N] [--no-cache]
 //                [--temperature T --top-p P --seed S] [--logits OUT.safetensors]
-// Prints the generated ids on stdout (one line, comma-separated) and the timings on stderr.
+//                [--dense as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k]
+// --dense: the embedding, LM head, attention and dense-MLP weights (as-stored, the default,
+// keeps a BF16 checkpoint's in bf16: half the bytes a step reads, the same logits as fp32
+// copies). --experts: the MoE experts' format (fp32 default; the others quantize them at load,
+// docs/quantization.md). Prints the generated ids on stdout (one line, comma-separated) and the
+// timings on stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
 // their scale, docs/decoding.md). --logits writes "logits" [N, vocab] F32, one row per
 // generated token (the distribution it was drawn from, before temperature). Greedy by default
@@ -47,13 +52,16 @@ struct Args {
   bool cache = true;
   double temperature = 0.0, top_p = 1.0;
   std::uint64_t seed = 0;
+  moe::models::DecoderOptions weights;
 };
 
 [[noreturn]] void usage_error(std::string const& what) {
   throw std::runtime_error(what +
                            "; usage: moe_generate --model DIR --prompt-ids 1,2,3 "
                            "--max-new-tokens N [--threads N] [--no-cache] [--temperature T "
-                           "--top-p P --seed S] [--logits OUT.safetensors]");
+                           "--top-p P --seed S] [--logits OUT.safetensors] [--dense "
+                           "as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|"
+                           "q3_k|q2_k]");
 }
 
 long parse_long(std::string const& flag, std::string const& s, long lo) {
@@ -120,6 +128,19 @@ Args parse(int argc, char** argv) {
       a.seed = static_cast<std::uint64_t>(parse_long(f, value(), 0));
     } else if (f == "--logits") {
       a.logits_out = value();
+    } else if (f == "--dense") {
+      std::string const v = value();
+      using moe::models::DenseWeights;
+      bool found = false;
+      for (DenseWeights w : {DenseWeights::kAsStored, DenseWeights::kF32, DenseWeights::kBf16}) {
+        if (v == moe::models::name(w)) {
+          a.weights.dense = w;
+          found = true;
+        }
+      }
+      if (!found) usage_error("--dense is as-stored, fp32 or bf16, got '" + v + "'");
+    } else if (f == "--experts") {
+      a.weights.experts = moe::experts::parse_weight_format(value());
     } else {
       usage_error("unknown argument '" + f + "'");
     }
@@ -226,7 +247,8 @@ int main(int argc, char** argv) {
     std::unique_ptr<moe::ThreadPool> pool;
     if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
     auto const t0 = Clock::now();
-    moe::models::AnyDecoder const dec = moe::models::load_hf_decoder(a.model, pool.get());
+    moe::models::AnyDecoder const dec =
+        moe::models::load_hf_decoder(a.model, pool.get(), a.weights);
     moe::Index const vocab = std::visit([](auto const& d) { return d.vocab(); }, dec);
     for (std::int64_t const id : a.prompt) {
       if (id >= vocab) {
@@ -234,8 +256,17 @@ int main(int argc, char** argv) {
                     ", outside the model's vocabulary [0, " + std::to_string(vocab) + ")");
       }
     }
-    std::fprintf(stderr, "moe_generate: loaded %s in %.2f s; %s\n", a.model.c_str(),
-                 std::chrono::duration<double>(Clock::now() - t0).count(),
+    std::string const formats = std::visit(
+        [&](auto const& d) {
+          bool const attn_bf16 = !d.blocks.empty() && d.blocks.front().attention.weight_format() ==
+                                                          moe::experts::WeightFormat::kBf16;
+          return std::string("LM head ") + (d.output_weights().is_bf16() ? "bf16" : "fp32") +
+                 ", attention " + (attn_bf16 ? "bf16" : "fp32") + ", experts " +
+                 moe::experts::name(a.weights.experts);
+        },
+        dec);
+    std::fprintf(stderr, "moe_generate: loaded %s in %.2f s (%s); %s\n", a.model.c_str(),
+                 std::chrono::duration<double>(Clock::now() - t0).count(), formats.c_str(),
                  moe::cpu_features().describe().c_str());
     return std::visit([&](auto const& d) { return generate(d, a, pool.get()); }, dec);
   } catch (std::exception const& e) {

@@ -659,3 +659,69 @@ TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
   REQUIRE_THROWS_WITH(bidir.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, cache, counts, ws),
                       Catch::Contains("not causal"));
 }
+
+TEST_CASE("GatedAttention bf16 weights: the bits of the rounded fp32 layer, training stays fp32",
+          "[attention][gated][bf16]") {
+  moe::GatedAttentionConfig c;
+  c.d_model = 37;  // not a multiple of any SIMD width: the scalar tails read bf16 too
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.gate_layout = moe::GateLayout::kSeparate;
+  c.qk_norm = moe::QkNorm::kRmsNorm;
+  c.rope = true;
+  using Layer = moe::GatedAttention<gating::ElementwiseGate>;
+  Layer fp32(c);
+  randomize(fp32, 77);
+  Layer rounded = fp32;  // the same weights rounded to bf16, kept in fp32
+  for (auto& p : rounded.parameters()) {
+    if (p.name.find("proj") == std::string_view::npos) continue;
+    for (float& v : p.values) v = moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(v));
+  }
+  Layer packed = fp32;
+  REQUIRE(packed.weight_format() == moe::experts::WeightFormat::kF32);
+  packed.pack_weights(moe::experts::WeightFormat::kBf16);
+  REQUIRE(packed.weight_format() == moe::experts::WeightFormat::kBf16);
+  Layer const& cpacked = packed;  // const access keeps the copies
+  REQUIRE(cpacked.q_proj().rows == c.num_heads * c.head_dim);
+  REQUIRE(packed.weight_format() == moe::experts::WeightFormat::kBf16);
+
+  moe::ThreadPool pool(2);
+  Index const D = c.d_model;
+  moe::GatedAttentionWorkspace ws;
+  for (Index T : {Index{3}, Index{20}}) {  // the few-rows path and the packed-panel path
+    INFO("T " << T);
+    auto const x = random_vector(T * D, 78);
+    std::vector<float> y_packed(x.size()), y_rounded(x.size()), y_fp32(x.size()), y(x.size());
+    cpacked.forward({x.data(), T, D}, {y_packed.data(), T, D}, ws, {&pool});
+    rounded.forward({x.data(), T, D}, {y_rounded.data(), T, D}, ws, {&pool});
+    fp32.forward({x.data(), T, D}, {y_fp32.data(), T, D}, ws, {&pool});
+    REQUIRE(y_packed == y_rounded);
+    REQUIRE(y_packed != y_fp32);  // the rounding is visible: the test can fail
+    // Training forwards read the fp32 parameters.
+    cpacked.forward_train({x.data(), T, D}, {y.data(), T, D}, ws);
+    REQUIRE(y == y_fp32);
+  }
+  // Cached decoding: prefill, then steps.
+  moe::KvCache cache_packed(1, c.num_kv_heads * c.head_dim),
+      cache_rounded(1, c.num_kv_heads * c.head_dim);
+  moe::GatedAttentionWorkspace ws2;
+  for (Index n : {Index{9}, Index{1}, Index{1}, Index{3}}) {
+    auto const x = random_vector(n * D, 79 + static_cast<std::uint64_t>(n));
+    std::vector<float> a(x.size()), b(x.size());
+    std::vector<Index> const counts = {n};
+    cpacked.forward_cached({x.data(), n, D}, {a.data(), n, D}, cache_packed, counts, ws, &pool);
+    rounded.forward_cached({x.data(), n, D}, {b.data(), n, D}, cache_rounded, counts, ws2, &pool);
+    REQUIRE(a == b);
+  }
+  // A write access drops the copies (they never go stale); the layer is fp32 again.
+  (void)packed.q_proj();
+  REQUIRE(packed.weight_format() == moe::experts::WeightFormat::kF32);
+  auto const x = random_vector(5 * D, 80);
+  std::vector<float> a(x.size()), b(x.size());
+  packed.forward({x.data(), 5, D}, {a.data(), 5, D}, ws);
+  fp32.forward({x.data(), 5, D}, {b.data(), 5, D}, ws);
+  REQUIRE(a == b);
+  REQUIRE_THROWS_WITH(packed.pack_weights(moe::experts::WeightFormat::kQ8_0),
+                      Catch::Contains("fp32 or bf16"));
+}

@@ -121,10 +121,17 @@ std::vector<std::int64_t> shape_of(Tiny const& t, std::string const& name) {
   return {H, I};  // down_proj / w2
 }
 
-fs::path write_model(Tiny const& t, Tensors const& m, std::string const& name) {
+/// The checkpoint of `m` as F32 tensors, or as BF16 ones (rounded to nearest even).
+fs::path write_model(Tiny const& t, Tensors const& m, std::string const& name, bool bf16 = false) {
   fs::path const dir = iotest::scratch_dir(name);
   moe::io::SafetensorsWriter w;
-  for (auto const& [n, v] : m) w.add_f32(n, shape_of(t, n), v);
+  for (auto const& [n, v] : m) {
+    if (bf16) {
+      w.add_bf16(n, shape_of(t, n), v);
+    } else {
+      w.add_f32(n, shape_of(t, n), v);
+    }
+  }
   w.save(dir / "model.safetensors");
   iotest::write_text(dir / "config.json", config_json(t));
   return dir;
@@ -268,10 +275,14 @@ void check_generation(Tiny const& t, std::string const& name) {
       [&](auto const& dec) {
         REQUIRE(dec.blocks.size() == static_cast<std::size_t>(t.L));
         // F32 checkpoint: the embedding (and LM head) are read in place from the mapped file.
-        REQUIRE(dec.embed_view != nullptr);
-        REQUIRE(dec.embed.empty());
+        REQUIRE(dec.embed.f32_view != nullptr);
+        REQUIRE(dec.embed.f32.empty());
         REQUIRE(dec.mapped != nullptr);
-        REQUIRE((dec.lm_head_view != nullptr) == !t.tie);
+        REQUIRE((dec.lm_head.f32_view != nullptr) == !t.tie);
+        REQUIRE(dec.lm_head.empty() == t.tie);
+        for (auto const& b : dec.blocks) {
+          REQUIRE(b.attention.weight_format() == moe::experts::WeightFormat::kF32);
+        }
         for (Index l = 0; l < t.L; ++l) REQUIRE(dec.blocks[l].moe.has_value() == !is_dense(t, l));
         std::vector<std::int64_t> ids = {3, 17, 5, 9, 30};
         auto st = dec.make_state(1);
@@ -321,6 +332,124 @@ TEST_CASE("Decoder: Mixtral (sliding window, tied embeddings) generates as the r
   t.theta = 1e6;
   t.eps = 1e-5;
   check_generation(t, "decoder_mixtral");
+}
+
+namespace {
+
+/// Greedy decoding of a prompt and `steps` tokens; every step's logits, concatenated.
+template <class Dec>
+std::vector<float> greedy_logits(Dec const& dec, Index V, int steps, moe::ThreadPool* pool) {
+  std::vector<std::int64_t> ids = {3, 17, 5, 9, 30};
+  auto st = dec.make_state(1);
+  std::vector<float> logits(static_cast<std::size_t>(V)), all;
+  std::vector<Index> counts = {static_cast<Index>(ids.size())};
+  dec.forward(ids, counts, st, {logits.data(), 1, V}, pool);
+  for (int step = 0; step < steps; ++step) {
+    all.insert(all.end(), logits.begin(), logits.end());
+    std::vector<std::int64_t> const one = {argmax(logits.data(), V)};
+    counts = {1};
+    dec.forward(one, counts, st, {logits.data(), 1, V}, pool);
+  }
+  all.insert(all.end(), logits.begin(), logits.end());
+  return all;
+}
+
+void check_bf16_checkpoint(Tiny t, std::string const& name) {
+  t.H = 32;  // q8_0 experts below need depths that are multiples of 32
+  t.I_moe = 32;
+  using moe::experts::WeightFormat;
+  using moe::models::DenseWeights;
+  Tensors m = make_tensors(t, 800);
+  for (auto& [n, v] : m) {  // the values a BF16 checkpoint holds
+    for (float& x : v) x = moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(x));
+  }
+  fs::path const d16 = write_model(t, m, name + "_bf16", true);
+  fs::path const d32 = write_model(t, m, name + "_f32", false);
+  moe::ThreadPool pool(2);
+  auto load = [&](fs::path const& dir, DenseWeights dense, moe::ThreadPool* p = nullptr) {
+    moe::models::DecoderOptions o;
+    o.dense = dense;
+    return moe::models::load_hf_decoder(dir, p, o);
+  };
+  auto const as_stored16 = load(d16, DenseWeights::kAsStored);
+  auto const as_stored32 = load(d32, DenseWeights::kAsStored);
+  auto const forced32 = load(d16, DenseWeights::kF32);
+  auto const forced16 = load(d32, DenseWeights::kBf16, &pool);
+  std::visit(
+      [&](auto const& dec) {
+        // BF16 tensors stay bf16, read in place from the mapped file.
+        REQUIRE(dec.embed.bf16_view != nullptr);
+        REQUIRE(dec.mapped != nullptr);
+        REQUIRE(dec.lm_head.empty() == t.tie);
+        REQUIRE((dec.lm_head.bf16_view != nullptr) == !t.tie);
+        for (Index l = 0; l < t.L; ++l) {
+          auto const& b = dec.blocks[static_cast<std::size_t>(l)];
+          REQUIRE(b.attention.weight_format() == WeightFormat::kBf16);
+          if (!b.moe) REQUIRE((b.mlp.gate.is_bf16() && b.mlp.up.is_bf16() && b.mlp.down.is_bf16()));
+        }
+      },
+      as_stored16);
+  std::visit(
+      [&](auto const& dec) {
+        REQUIRE(!dec.embed.is_bf16());
+        REQUIRE(dec.embed.f32.size() == static_cast<std::size_t>(t.V * t.H));  // converted, held
+        REQUIRE(dec.blocks.front().attention.weight_format() == WeightFormat::kF32);
+      },
+      forced32);
+  std::visit(
+      [&](auto const& dec) {
+        REQUIRE(dec.embed.bf16.size() == static_cast<std::size_t>(t.V * t.H));  // rounded, held
+        REQUIRE(dec.blocks.front().attention.weight_format() == WeightFormat::kBf16);
+      },
+      forced16);
+  auto logits = [&](moe::models::AnyDecoder const& any, moe::ThreadPool* p) {
+    return std::visit([&](auto const& dec) { return greedy_logits(dec, t.V, 5, p); }, any);
+  };
+  // The fp32 decoder of the same values is checked against the double reference above; the bf16
+  // ones must give its bits (the kernels widen each weight and compute in fp32), for any threads.
+  std::vector<float> const want = logits(as_stored32, nullptr);
+  REQUIRE(logits(as_stored16, nullptr) == want);
+  REQUIRE(logits(as_stored16, &pool) == want);
+  REQUIRE(logits(forced32, nullptr) == want);
+  REQUIRE(logits(forced16, &pool) == want);
+  // Quantized experts at load time: the layers report the format, the logits stay close.
+  moe::models::DecoderOptions q;
+  q.experts = WeightFormat::kQ8_0;
+  auto const quant = moe::models::load_hf_decoder(d16, nullptr, q);
+  std::visit(
+      [&](auto const& dec) {
+        for (auto const& b : dec.blocks) {
+          if (b.moe) REQUIRE(b.moe->experts().packed_format() == WeightFormat::kQ8_0);
+        }
+      },
+      quant);
+  std::vector<float> const ql = logits(quant, nullptr);
+  double scale = 0.0, diff = 0.0;
+  for (Index i = 0; i < t.V; ++i) {  // the prefill's logits (later steps may pick other ids)
+    scale = std::max(scale, static_cast<double>(std::fabs(want[static_cast<std::size_t>(i)])));
+    diff = std::max(diff, static_cast<double>(std::fabs(ql[static_cast<std::size_t>(i)] -
+                                                        want[static_cast<std::size_t>(i)])));
+  }
+  INFO("q8_0 experts: max |diff| " << diff << " of max |logit| " << scale);
+  REQUIRE(diff > 0.0);
+  REQUIRE(diff <= 0.05 * scale);
+}
+
+}  // namespace
+
+TEST_CASE("Decoder: a BF16 checkpoint stays bf16 and decodes with the bits of its fp32 copy",
+          "[models][decoder][bf16]") {
+  SECTION("Qwen3-MoE, a dense layer") {
+    Tiny t;
+    check_bf16_checkpoint(t, "decoder_bf16_qwen3");
+  }
+  SECTION("Mixtral, tied embeddings") {
+    Tiny t;
+    t.qwen = false;
+    t.window = 4;
+    t.tie = true;
+    check_bf16_checkpoint(t, "decoder_bf16_mixtral");
+  }
 }
 
 TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decoder]") {
@@ -459,11 +588,21 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
   std::string const s1 = text_of(dir / "out.txt");
   REQUIRE(run_generate(sample, dir) == 0);
   REQUIRE(text_of(dir / "out.txt") == s1);
+  // Weight formats: the F32 checkpoint's dense weights rounded to bf16, bf16 experts.
+  REQUIRE(run_generate(base + " --dense bf16 --experts bf16", dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"),
+               Catch::Contains("(LM head bf16, attention bf16, experts bf16)"));
+  REQUIRE(run_generate(base, dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"),
+               Catch::Contains("(LM head fp32, attention fp32, experts fp32)"));
   // Errors: one line on stderr, exit 1.
   for (std::string const& bad :
        {std::string("--model '") + dir.string() + "' --prompt-ids 3,99 --max-new-tokens 2",
         std::string("--model '") + dir.string() + "' --prompt-ids 3,x --max-new-tokens 2",
         std::string("--model '") + dir.string() + "' --max-new-tokens 2",
+        std::string("--model '") + dir.string() + "' --prompt-ids 3 --max-new-tokens 2 --dense x",
+        std::string("--model '") + dir.string() +
+            "' --prompt-ids 3 --max-new-tokens 2 --experts q5",
         std::string("--model '") + (dir / "none").string() +
             "' --prompt-ids 1 --max-new-tokens 1"}) {
     INFO(bad);

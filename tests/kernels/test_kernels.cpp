@@ -3,6 +3,8 @@
 // This TU is built twice: with -march=native (moe_tests) and without -m flags (moe_tests_sse2).
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -381,6 +383,62 @@ TEST_CASE("A row's projection does not depend on the other rows of the batch", "
   kernels::project_cols(A.data() + 8 * K, K, 12, W.data(), K, K, 0, N, part.data(), N,
                         scratch.data());
   for (Index i = 0; i < 12 * N; ++i) REQUIRE(part[i] == all[8 * N + i]);
+}
+
+TEST_CASE("bf16 weights give the bits of their fp32 copies in gemm_nt and project_cols",
+          "[kernels][gemm][bf16]") {
+  // The widening load must keep lane order and exactness: any slip changes the summation.
+  constexpr Index NP = kernels::panel_width();
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::panel_scratch_size(300)));
+  for (Index K : test::tail_sizes(kLanes)) {
+    for (Index M : {Index{1}, Index{4}, Index{7}, Index{8}, Index{13}}) {
+      for (Index N : {Index{1}, Index{5}, NP + 1, Index{4 * 4 + 3}}) {
+        INFO("M " << M << " N " << N << " K " << K);
+        Index const lda = K + 3, ldc = N + 1;
+        auto A = test::random_vector(M * lda, 191 + static_cast<std::uint64_t>(K));
+        auto W = test::random_vector(N * K, 192 + static_cast<std::uint64_t>(N));
+        std::vector<std::uint16_t> W16(W.size());
+        for (std::size_t i = 0; i < W.size(); ++i) {
+          W16[i] = kernels::float_to_bf16(W[i]);
+          W[i] = kernels::bf16_to_float(W16[i]);
+        }
+        std::vector<float> want(static_cast<std::size_t>(M * ldc), 5.0f), got(want);
+        kernels::gemm_nt(A.data(), lda, W.data(), K, want.data(), ldc, M, N, K);
+        kernels::gemm_nt(A.data(), lda, W16.data(), K, got.data(), ldc, M, N, K);
+        REQUIRE(got == want);
+        // Accumulating, and through project_cols (both paths: M < 8 and the packed one).
+        kernels::gemm_nt(A.data(), lda, W.data(), K, want.data(), ldc, M, N, K, true);
+        kernels::gemm_nt(A.data(), lda, W16.data(), K, got.data(), ldc, M, N, K, true);
+        REQUIRE(got == want);
+        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, N, want.data(), ldc,
+                              scratch.data());
+        kernels::project_cols(A.data(), lda, M, W16.data(), K, K, 0, N, got.data(), ldc,
+                              scratch.data());
+        REQUIRE(got == want);
+        for (Index i = 0; i < M; ++i) {
+          for (Index j = 0; j < N; ++j) {
+            double ref = 0.0;
+            for (Index k = 0; k < K; ++k) ref += static_cast<double>(A[i * lda + k]) * W[j * K + k];
+            REQUIRE(got[i * ldc + j] == Approx(ref).margin(1e-4));
+          }
+          REQUIRE(got[i * ldc + N] == 5.0f);
+        }
+      }
+    }
+  }
+  // Every bf16 bit pattern widens as the scalar conversion does (NaN payloads, Inf, denormals).
+  using B = kernels::simd::Batch<float>;
+  std::vector<std::uint16_t> all(65536 + B::size);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+  for (std::size_t i = 0; i + B::size <= all.size(); i += B::size) {
+    alignas(64) float lanes[B::size];
+    kernels::simd::load_bf16<B>(all.data() + i).store_aligned(lanes);
+    for (std::size_t l = 0; l < B::size; ++l) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &lanes[l], 4);
+      REQUIRE(bits == static_cast<std::uint32_t>(all[i + l]) << 16);
+    }
+  }
 }
 
 TEST_CASE("Activation backward kernels match the analytic derivatives", "[kernels][activations]") {

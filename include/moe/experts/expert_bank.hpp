@@ -23,6 +23,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 #include "moe/experts/expert_types.hpp"
+#include "moe/experts/weight_format.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
@@ -31,18 +32,6 @@
 #include "moe/quant/matrix.hpp"
 
 namespace moe::experts {
-
-/// Storage of packed expert weights (ExpertBank::pack), per projection of each expert.
-enum class WeightFormat {
-  kF32,   ///< fp32 panels: exact
-  kBf16,  ///< bf16 panels: half the bytes; inference only (forward_train uses fp32)
-  kQ8_0,  ///< GGUF Q8_0 blocks (8.5 bits a weight); inference only, like every quantized format
-  kQ6_K,  ///< GGUF Q6_K (6.5625 bits; the kernels read 8-bit levels, see kernels/quant_gemm.hpp)
-  kQ4_K,  ///< GGUF Q4_K (4.5 bits)
-  kQ4_0,  ///< GGUF Q4_0 (4.5 bits)
-  kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernels read 4-bit levels, see kernels/quant_gemm.hpp)
-  kQ2_K,  ///< GGUF Q2_K (2.625 bits; likewise)
-};
 
 /// Is f one of the GGUF block formats (multiplied by the integer kernels)?
 constexpr bool is_quantized(WeightFormat f) {

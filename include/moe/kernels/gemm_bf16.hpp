@@ -31,12 +31,7 @@ MOE_ALWAYS_INLINE std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 /// bf16 -> float (exact).
-MOE_ALWAYS_INLINE float bf16_to_float(std::uint16_t h) {
-  std::uint32_t const u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+MOE_ALWAYS_INLINE float bf16_to_float(std::uint16_t h) { return simd::widen_bf16(h); }
 
 /// True when this build has the AVX512-BF16 kernel (compiled with -mavx512bf16 or a -march that
 /// implies it); the caller must also run on a CPU that has the instructions.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -78,12 +79,14 @@ MOE_ALWAYS_INLINE void transpose16x16(float const* src, Index lds, float* dst, I
 /// panel[k * NP + c] = W[n0 + c, k], NP = panel_width(); columns c >= nc are zero.
 /// `panel` holds K * panel_width() floats. With AVX-512 full 16 x 16 blocks are transposed in
 /// registers (the per-call packing of training forwards, whose weights change every step).
-template <class Arch = simd::DefaultArch>
-void pack_panel(float const* W, Index ldw, Index n0, Index nc, Index K, float* panel) {
+/// W may be bf16 (std::uint16_t): the panel holds the widened values (exact).
+template <class Arch = simd::DefaultArch, class Wt = float>
+void pack_panel(Wt const* W, Index ldw, Index n0, Index nc, Index K, float* panel) {
+  static_assert(detail::is_weight_type<Wt>, "pack_panel: W is float or bf16 (std::uint16_t)");
   constexpr Index NP = panel_width<Arch>();
   Index kdone = 0;
 #if defined(__AVX512F__)
-  if constexpr (NP == 32) {
+  if constexpr (NP == 32 && std::is_same_v<Wt, float>) {
     if (nc == NP) {
       kdone = K / 16 * 16;
       for (Index k0 = 0; k0 < kdone; k0 += 16) {
@@ -99,8 +102,8 @@ void pack_panel(float const* W, Index ldw, Index n0, Index nc, Index K, float* p
   for (Index k0 = kdone; k0 < K; k0 += kb) {
     Index const k1 = std::min(K, k0 + kb);
     for (Index c = 0; c < nc; ++c) {
-      float const* w = W + (n0 + c) * ldw;
-      for (Index k = k0; k < k1; ++k) panel[k * NP + c] = w[k];
+      Wt const* w = W + (n0 + c) * ldw;
+      for (Index k = k0; k < k1; ++k) panel[k * NP + c] = detail::weight_value(w[k]);
     }
     for (Index c = nc; c < NP; ++c) {
       for (Index k = k0; k < k1; ++k) panel[k * NP + c] = 0.0f;
@@ -233,9 +236,10 @@ constexpr Index panel_scratch_size(Index K) {
 /// with M < kPanelMinRows through gemm_nt and otherwise through pack_panel + gemm_panel (c0 must
 /// then be a multiple of panel_width()). The path depends only on M, so results are bitwise
 /// reproducible for a given M however columns are split across threads. `scratch` holds
-/// panel_scratch_size(K) floats. Allocates nothing.
-template <class Arch = simd::DefaultArch>
-void project_cols(float const* A, Index lda, Index M, float const* W, Index ldw, Index K, Index c0,
+/// panel_scratch_size(K) floats. Allocates nothing. W may be bf16 (std::uint16_t): then the
+/// result equals, bitwise, that of its widened fp32 copy, reading half the bytes.
+template <class Arch = simd::DefaultArch, class Wt = float>
+void project_cols(float const* A, Index lda, Index M, Wt const* W, Index ldw, Index K, Index c0,
                   Index c1, float* C, Index ldc, float* scratch) {
   if (M <= 0 || c1 <= c0) return;
   if (M < kPanelMinRows) {

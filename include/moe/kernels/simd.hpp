@@ -4,6 +4,8 @@
 /// The one place that touches version-sensitive xsimd API (8.1 in Debian 12 vs 9+ upstream).
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
@@ -64,6 +66,43 @@ inline void store_stream(typename B::value_type* p, B const& b) {
 #endif
   }
   b.store_aligned(p);
+}
+
+/// bf16 (the top 16 bits of a float) -> float, exact.
+inline float widen_bf16(std::uint16_t h) {
+  std::uint32_t const u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// B::size bf16 values at p (no alignment needed) widened to floats, lane i = p[i]: the same
+/// batch B::load_unaligned would give from the widened array, so a kernel that reads bf16
+/// weights through it computes exactly what it computes from their fp32 copies.
+template <class B>
+inline B load_bf16(std::uint16_t const* p) {
+  static_assert(std::is_same_v<typename B::value_type, float>);
+#if defined(__AVX512F__)
+  if constexpr (B::size == 16) {
+    __m256i const h = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (B::size == 8) {
+    __m128i const h = _mm_loadu_si128(reinterpret_cast<__m128i const*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+#if defined(__SSE2__)
+  if constexpr (B::size == 4) {
+    __m128i const h = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+  }
+#endif
+  alignas(64) float lanes[B::size];
+  for (std::size_t i = 0; i < B::size; ++i) lanes[i] = widen_bf16(p[i]);
+  return B::load_aligned(lanes);
 }
 
 /// Orders this thread's earlier streaming stores before its later stores (sfence), so that a

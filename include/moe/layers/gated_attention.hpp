@@ -16,7 +16,9 @@
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/weight_format.hpp"
 #include "moe/gating/sdpa_gate.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/rms_norm.hpp"
@@ -239,20 +241,33 @@ class GatedAttention {
   /// Gate logits per head: 0, 1 or head_dim.
   Index gate_width() const { return Gate::width(c_.head_dim); }
 
-  MatrixView<float> q_proj() { return {p_.q_proj.data(), q_proj_rows(), c_.d_model}; }
+  MatrixView<float> q_proj() {
+    unpack();
+    return {p_.q_proj.data(), q_proj_rows(), c_.d_model};
+  }
   ConstMatrixView<float> q_proj() const { return {p_.q_proj.data(), q_proj_rows(), c_.d_model}; }
   /// [H w, D] with GateLayout::kSeparate and a gate; an empty view otherwise.
   MatrixView<float> gate_proj() {
+    unpack();
     return {p_.gate_proj.data(), separate_gate() ? gate_cols() : 0, c_.d_model};
   }
   ConstMatrixView<float> gate_proj() const {
     return {p_.gate_proj.data(), separate_gate() ? gate_cols() : 0, c_.d_model};
   }
-  MatrixView<float> k_proj() { return {p_.k_proj.data(), kv_dim(), c_.d_model}; }
+  MatrixView<float> k_proj() {
+    unpack();
+    return {p_.k_proj.data(), kv_dim(), c_.d_model};
+  }
   ConstMatrixView<float> k_proj() const { return {p_.k_proj.data(), kv_dim(), c_.d_model}; }
-  MatrixView<float> v_proj() { return {p_.v_proj.data(), kv_dim(), c_.d_model}; }
+  MatrixView<float> v_proj() {
+    unpack();
+    return {p_.v_proj.data(), kv_dim(), c_.d_model};
+  }
   ConstMatrixView<float> v_proj() const { return {p_.v_proj.data(), kv_dim(), c_.d_model}; }
-  MatrixView<float> o_proj() { return {p_.o_proj.data(), c_.d_model, q_dim()}; }
+  MatrixView<float> o_proj() {
+    unpack();
+    return {p_.o_proj.data(), c_.d_model, q_dim()};
+  }
   ConstMatrixView<float> o_proj() const { return {p_.o_proj.data(), c_.d_model, q_dim()}; }
   std::span<float> q_norm() { return p_.q_norm; }
   std::span<float> k_norm() { return p_.k_norm; }
@@ -290,7 +305,40 @@ class GatedAttention {
   /// Every trainable parameter as named flat buffers: "q_proj.weight", "gate_proj.weight"
   /// (separate layout with a gate), "k_proj.weight", "v_proj.weight", "o_proj.weight",
   /// "q_norm.weight", "k_norm.weight" (with qk_norm).
-  ParameterList parameters() { return p_.groups(); }
+  ParameterList parameters() {
+    unpack();
+    return p_.groups();
+  }
+
+  /// How forward() and forward_cached() read the projection weights (q, gate, k, v, o):
+  /// kF32, the fp32 parameters (the default), or kBf16, a copy of them rounded to bf16 (nearest
+  /// even) made here: half the bytes a decode step streams, each weight widened to fp32 as it is
+  /// loaded (fp32 arithmetic, so the output equals, bitwise, that of a layer whose fp32 weights
+  /// are those bf16 values). forward_train and backward always use the fp32 parameters. The
+  /// copy costs half the projections' fp32 memory. It is dropped (kF32 again) by any non-const
+  /// accessor of the weights (q_proj(), gate_proj(), k_proj(), v_proj(), o_proj(),
+  /// parameters()), so it never goes stale: pack after the last write. Throws moe::Error for a
+  /// quantized format.
+  void pack_weights(experts::WeightFormat format) {
+    detail::check(format == experts::WeightFormat::kF32 || format == experts::WeightFormat::kBf16,
+                  "GatedAttention::pack_weights: the attention projections are kept in fp32 or "
+                  "bf16 (WeightFormat::kF32 or kBf16); quantized formats are for the experts");
+    unpack();
+    if (format == experts::WeightFormat::kF32) return;
+    auto copy = [](HugePageVector<float> const& w, HugePageVector<std::uint16_t>& out) {
+      out.resize(w.size());
+      for (std::size_t i = 0; i < w.size(); ++i) out[i] = kernels::float_to_bf16(w[i]);
+    };
+    copy(p_.q_proj, b16_.q_proj);
+    copy(p_.gate_proj, b16_.gate_proj);
+    copy(p_.k_proj, b16_.k_proj);
+    copy(p_.v_proj, b16_.v_proj);
+    copy(p_.o_proj, b16_.o_proj);
+  }
+  /// kBf16 after pack_weights(kBf16) (and no write access since), else kF32.
+  experts::WeightFormat weight_format() const {
+    return b16_.o_proj.empty() ? experts::WeightFormat::kF32 : experts::WeightFormat::kBf16;
+  }
   /// Zero gradients shaped like parameters().
   Gradients make_gradients() const {
     Gradients g = p_;
@@ -462,7 +510,7 @@ class GatedAttention {
     if (T == 0) return;
 
     // 1. Projections: [Q | gamma] (or Q and gamma), K, V.
-    enqueue_qkv(x, ws);
+    enqueue_qkv(x, ws, !train);
     ws.queue.run(pool, ws.scratch.data(), per);
 
     // 2. Per token: RoPE angles, q/k norm and RoPE, gate logits gathered.
@@ -500,20 +548,34 @@ class GatedAttention {
 
     // 5. y = O W_o^T.
     float const* o = gated ? ws.gated.data() : ws.attn.data();
-    ws.queue.add({o, HD, T, p_.o_proj.data(), HD, y.data, y.row_stride}, D);
+    ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, !train), D);
     ws.queue.run(pool, ws.scratch.data(), per);
   }
 
-  /// [Q | gamma] (or Q and gamma), K and V of every row of x, queued on ws.queue.
-  void enqueue_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws) const {
+  /// C = A W^T with W's fp32 parameters, or its bf16 copy when `inference` and it exists.
+  static detail::ProjectionQueue::Job job(float const* a, Index lda, Index rows,
+                                          HugePageVector<float> const& w,
+                                          HugePageVector<std::uint16_t> const& w16, Index depth,
+                                          float* c, Index ldc, bool inference) {
+    detail::ProjectionQueue::Job j{a, lda, rows, w.data(), depth, c, ldc};
+    if (inference && !w16.empty()) j.w_bf16 = w16.data();
+    return j;
+  }
+
+  /// [Q | gamma] (or Q and gamma), K and V of every row of x, queued on ws.queue (from the bf16
+  /// copies when `inference` and pack_weights made them).
+  void enqueue_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference) const {
     Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
-    ws.queue.add({x.data, x.row_stride, T, p_.q_proj.data(), D, ws.qg.data(), P}, q_proj_rows());
+    float const* a = x.data;
+    Index const lda = x.row_stride;
+    ws.queue.add(job(a, lda, T, p_.q_proj, b16_.q_proj, D, ws.qg.data(), P, inference),
+                 q_proj_rows());
     if (separate_gate()) {
-      ws.queue.add({x.data, x.row_stride, T, p_.gate_proj.data(), D, ws.qg.data() + HD, P},
+      ws.queue.add(job(a, lda, T, p_.gate_proj, b16_.gate_proj, D, ws.qg.data() + HD, P, inference),
                    gate_cols());
     }
-    ws.queue.add({x.data, x.row_stride, T, p_.k_proj.data(), D, ws.k_raw.data(), KD}, KD);
-    ws.queue.add({x.data, x.row_stride, T, p_.v_proj.data(), D, ws.v.data(), KD}, KD);
+    ws.queue.add(job(a, lda, T, p_.k_proj, b16_.k_proj, D, ws.k_raw.data(), KD, inference), KD);
+    ws.queue.add(job(a, lda, T, p_.v_proj, b16_.v_proj, D, ws.v.data(), KD, inference), KD);
   }
 
   /// Row t at position pos: RoPE angles into ws.rope_cos / rope_sin, its queries (norm, RoPE)
@@ -588,7 +650,7 @@ class GatedAttention {
     }
     if (T == 0) return;
 
-    enqueue_qkv(x, ws);
+    enqueue_qkv(x, ws, true);
     ws.queue.run(pool, ws.scratch.data(), per);
 
     // Queries into ws.q; keys and values straight into the cache rows.
@@ -674,7 +736,7 @@ class GatedAttention {
       });
     }
     float const* o = gated ? ws.gated.data() : ws.attn.data();
-    ws.queue.add({o, HD, T, p_.o_proj.data(), HD, y.data, y.row_stride}, D);
+    ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, true), D);
     ws.queue.run(pool, ws.scratch.data(), per);
   }
 
@@ -848,8 +910,15 @@ class GatedAttention {
     });
   }
 
+  /// Drops the bf16 copies of pack_weights.
+  void unpack() { b16_ = {}; }
+
   GatedAttentionConfig c_{};
   Parameters p_;
+  /// pack_weights(kBf16): bf16 copies of the projections (all empty: kF32).
+  struct Bf16Copies {
+    HugePageVector<std::uint16_t> q_proj, gate_proj, k_proj, v_proj, o_proj;
+  } b16_;
 };
 
 }  // namespace moe

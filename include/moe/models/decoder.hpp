@@ -9,6 +9,7 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -23,8 +24,10 @@
 #include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/weight_format.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/rms_norm.hpp"
 #include "moe/layers/detail/projections.hpp"
 #include "moe/layers/gated_attention.hpp"
@@ -131,42 +134,110 @@ inline DecoderConfig read_decoder_config(std::filesystem::path const& path) {
   });
 }
 
+/// How the decoder stores its dense weights: the embedding, the LM head, the attention
+/// projections and the dense MLPs (the MoE experts: DecoderOptions::experts).
+enum class DenseWeights {
+  /// bf16 tensors stay bf16 (half the bytes; each weight is widened to fp32 as it is loaded, so
+  /// the logits equal, bitwise, those of fp32 copies of the same values), F32 tensors stay fp32,
+  /// F16 ones become fp32.
+  kAsStored,
+  kF32,   ///< all fp32 (exact for every dtype)
+  kBf16,  ///< all bf16: F32 and F16 tensors rounded to bf16 (nearest even)
+};
+
+/// "as-stored", "fp32", "bf16".
+constexpr char const* name(DenseWeights w) {
+  return w == DenseWeights::kAsStored ? "as-stored" : w == DenseWeights::kF32 ? "fp32" : "bf16";
+}
+
+/// How load_hf_decoder keeps a checkpoint's weights.
+struct DecoderOptions {
+  DenseWeights dense = DenseWeights::kAsStored;
+  /// The MoE layers' routed and shared experts (MoeFfn::pack_weights): kF32 is exact; kBf16 and
+  /// the GGUF block formats quantize them at load time (forward only, see docs/quantization.md).
+  experts::WeightFormat experts = experts::WeightFormat::kF32;
+};
+
+/// A [rows, cols] row-major weight matrix of the decoder, fp32 or bf16 (the top half of each
+/// float, as std::uint16_t), held on 2 MiB pages (a decode step streams the LM head, and 4 KiB
+/// pages cost it ~5% of its read rate in TLB misses) or read in place from the mapped
+/// checkpoint. Exactly one of f32, bf16, f32_view, bf16_view holds the values (none: empty).
+struct WeightMatrix {
+  Index rows = 0, cols = 0;
+  HugePageVector<float> f32;
+  HugePageVector<std::uint16_t> bf16;
+  float const* f32_view = nullptr;
+  std::uint16_t const* bf16_view = nullptr;
+
+  /// A held fp32 matrix of zeros.
+  static WeightMatrix zeros(Index rows, Index cols) {
+    WeightMatrix m;
+    m.rows = rows;
+    m.cols = cols;
+    m.f32.assign(static_cast<std::size_t>(rows * cols), 0.0f);
+    return m;
+  }
+  bool empty() const { return f32_data() == nullptr && bf16_data() == nullptr; }
+  bool is_bf16() const { return bf16_data() != nullptr; }
+  bool in_place() const { return f32_view != nullptr || bf16_view != nullptr; }
+  float const* f32_data() const { return f32_view ? f32_view : f32.empty() ? nullptr : f32.data(); }
+  std::uint16_t const* bf16_data() const {
+    return bf16_view ? bf16_view : bf16.empty() ? nullptr : bf16.data();
+  }
+  /// Bytes of the values (what a product with every row reads).
+  std::size_t bytes() const { return static_cast<std::size_t>(rows * cols) * (is_bf16() ? 2 : 4); }
+  /// out[c] = row r, widened to fp32 (exact).
+  void read_row(Index r, float* out) const {
+    if (std::uint16_t const* b = bf16_data()) {
+      for (Index c = 0; c < cols; ++c) out[c] = kernels::bf16_to_float(b[r * cols + c]);
+    } else {
+      float const* f = f32_data() + r * cols;
+      std::copy(f, f + cols, out);
+    }
+  }
+  /// Rounds the values to bf16 (nearest even) into held storage; no-op when already bf16.
+  void to_bf16() {
+    float const* f = f32_data();
+    if (f == nullptr) return;
+    HugePageVector<std::uint16_t> b(static_cast<std::size_t>(rows * cols));
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = kernels::float_to_bf16(f[i]);
+    *this = WeightMatrix{rows, cols, {}, std::move(b), nullptr, nullptr};
+  }
+  /// The projection C[:, 0:rows] = A W^T (A [n, cols], lda; C ldc) as a ProjectionQueue job.
+  moe::detail::ProjectionQueue::Job job(float const* a, Index lda, Index n, float* c,
+                                        Index ldc) const {
+    moe::detail::ProjectionQueue::Job j{a, lda, n, f32_data(), cols, c, ldc};
+    j.w_bf16 = bf16_data();
+    return j;
+  }
+};
+
 /// A dense SwiGLU MLP (Qwen3-MoE's layers outside the sparse step):
 ///   y = W_down (silu(W_gate x) * (W_up x)),  W_gate, W_up [I, H], W_down [H, I].
-class DenseMlp {
- public:
-  DenseMlp() = default;
-  DenseMlp(Index hidden, Index intermediate)
-      : H_(hidden),
-        I_(intermediate),
-        gate_up_(static_cast<std::size_t>(2 * hidden * intermediate), 0.0f),
-        down_(static_cast<std::size_t>(hidden * intermediate), 0.0f) {}
-  /// [2I, H]: gate rows [0, I), up rows [I, 2I).
-  MatrixView<float> gate_up() { return {gate_up_.data(), 2 * I_, H_}; }
-  MatrixView<float> down() { return {down_.data(), H_, I_}; }
-  Index intermediate() const { return I_; }
+struct DenseMlp {
+  WeightMatrix gate, up;  ///< [I, H] each
+  WeightMatrix down;      ///< [H, I]
+
+  Index intermediate() const { return gate.rows; }
 
   /// y [T, H] = MLP(x [T, H]); `m`, `scratch` and `q` are reused buffers.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, std::vector<float>& m,
                std::vector<float>& scratch, moe::detail::ProjectionQueue& q,
                ThreadPool* pool) const {
-    Index const T = x.rows;
-    m.resize(static_cast<std::size_t>(T * 2 * I_));
-    Index const per = kernels::panel_scratch_size(std::max(H_, I_));
+    Index const T = x.rows, H = down.rows, I = gate.rows;
+    m.resize(static_cast<std::size_t>(T * 2 * I));
+    Index const per = kernels::panel_scratch_size(std::max(H, I));
     scratch.resize(static_cast<std::size_t>((pool ? pool->size() : 1) * per));
-    q.add({x.data, x.row_stride, T, gate_up_.data(), H_, m.data(), 2 * I_}, 2 * I_);
+    q.add(gate.job(x.data, x.row_stride, T, m.data(), 2 * I), I);
+    q.add(up.job(x.data, x.row_stride, T, m.data() + I, 2 * I), I);
     q.run(pool, scratch.data(), per);
     for (Index t = 0; t < T; ++t) {
-      float* row = m.data() + t * 2 * I_;
-      kernels::glu<kernels::Activation::kSilu>(row, row + I_, row, I_);
+      float* row = m.data() + t * 2 * I;
+      kernels::glu<kernels::Activation::kSilu>(row, row + I, row, I);
     }
-    q.add({m.data(), 2 * I_, T, down_.data(), I_, y.data, y.row_stride}, H_);
+    q.add(down.job(m.data(), 2 * I, T, y.data, y.row_stride), H);
     q.run(pool, scratch.data(), per);
   }
-
- private:
-  Index H_ = 0, I_ = 0;
-  std::vector<float> gate_up_, down_;
 };
 
 /// Decoding state of a Decoder: a KvCache per layer for `sequences` independent sequences,
@@ -201,9 +272,13 @@ struct DecoderState {
 /// Attention: GatedAttention<NoGate> (GQA, RoPE at absolute positions, causal; Qwen3-MoE's q/k
 /// RMSNorm; Mixtral's sliding_window). RMSNorm: x / sqrt(mean x^2 + eps) * w.
 ///
-/// The layers' weights are copied out of the checkpoint (converted to fp32); an F32
-/// checkpoint's embedding and LM head are read in place from the mapped file (`mapped`). The MoE
-/// layers are packed as fp32 panels, so an FFN row never depends on the batch it runs in.
+/// Weights (see DecoderOptions): the embedding, LM head, attention and dense-MLP projections are
+/// kept in fp32 or bf16 (DenseWeights; by default as the checkpoint stores them); the
+/// embedding, LM head and dense MLPs are read in place from the mapped file where the dtype and
+/// alignment allow (`mapped` then keeps it open), the attention projections are copied
+/// (GatedAttention::pack_weights(kBf16) for bf16). The MoE layers' experts are packed in
+/// DecoderOptions::experts (fp32 panels by default, so an FFN row never depends on the batch it
+/// runs in).
 template <class Moe>
 class Decoder {
  public:
@@ -215,27 +290,21 @@ class Decoder {
   };
 
   DecoderConfig config;
-  /// [V, H] model.embed_tokens.weight (empty when read in place: see mapped). 2 MiB pages.
-  HugePageVector<float> embed;
+  WeightMatrix embed;         ///< [V, H] model.embed_tokens.weight
   std::vector<Block> blocks;  ///< model.layers.L
   std::vector<float> norm;    ///< [H] model.norm.weight
-  /// [V, H] lm_head.weight (empty when tied, then the embedding is used, or read in place).
-  /// 2 MiB pages.
-  HugePageVector<float> lm_head;
-  /// An F32 checkpoint's embedding and LM head are used where they lie in the mapped file (no
-  /// copy; 4-byte aligned data): the checkpoint stays open while a copy of the decoder lives,
-  /// and embed_view / lm_head_view point into it. Null: the vectors above hold them.
+  WeightMatrix lm_head;       ///< [V, H] lm_head.weight (empty when tied: the embedding is used)
+  /// The checkpoint, kept open while a matrix above is read in place from it (else null).
   std::shared_ptr<io::ShardedCheckpoint const> mapped;
-  float const* embed_view = nullptr;
-  float const* lm_head_view = nullptr;
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
-  float const* embed_data() const { return embed_view ? embed_view : embed.data(); }
-  float const* lm_head_data() const {
-    if (lm_head_view) return lm_head_view;
-    return lm_head.empty() ? embed_data() : lm_head.data();
-  }
+  /// The LM head's weights: lm_head, or the embedding when tied.
+  WeightMatrix const& output_weights() const { return lm_head.empty() ? embed : lm_head; }
+  /// Bytes of weights one decode step of one sequence reads: every attention projection, the
+  /// active experts (top-k routed, the shared experts, the router) of each MoE layer or the dense
+  /// MLP, the LM head and one embedding row (norms excluded). The KV cache comes on top.
+  std::size_t step_weight_bytes() const;
 
   /// A state for `sequences` sequences with room for `capacity` tokens each (it grows).
   DecoderState make_state(Index sequences, Index capacity = 0) const {
@@ -286,8 +355,7 @@ class Decoder {
     size(st.normed, T * H);
     size(st.tmp, T * H);
     for (Index t = 0; t < T; ++t) {
-      float const* e = embed_data() + tokens[static_cast<std::size_t>(t)] * H;
-      std::copy(e, e + H, st.h.data() + t * H);
+      embed.read_row(tokens[static_cast<std::size_t>(t)], st.h.data() + t * H);
     }
     MatrixView<float> h(st.h.data(), T, H), normed(st.normed.data(), T, H),
         tmp(st.tmp.data(), T, H);
@@ -331,7 +399,7 @@ class Decoder {
     size(st.tmp, std::max(T * H, n * V));
     Index const per = kernels::panel_scratch_size(H);
     size(st.scratch, (pool ? pool->size() : 1) * per);
-    st.queue.add({st.last.data(), H, n, lm_head_data(), H, st.tmp.data(), V}, V);
+    st.queue.add(output_weights().job(st.last.data(), H, n, st.tmp.data(), V), V);
     st.queue.run(pool, st.scratch.data(), per);
     for (Index i = 0; i < n; ++i) {
       std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
@@ -399,34 +467,55 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
   return io::to_float(checked_tensor(ckpt, name, shape, why));
 }
 
-/// The same into a vector on 2 MiB pages (the embedding and the LM head: a decode step streams
-/// the whole LM head, and 4 KiB pages cost it ~5% of its read rate in TLB misses).
-inline void read_tensor(io::ShardedCheckpoint const& ckpt, std::string const& name,
-                        std::vector<std::int64_t> const& shape, std::string const& why,
-                        HugePageVector<float>& out) {
+/// Tensor `name` of `ckpt` (checked against `shape`) as a WeightMatrix stored as `mode` says,
+/// in place in the mapped file when its dtype is the one kept and its data is aligned for it.
+inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string const& name,
+                                std::vector<std::int64_t> const& shape, std::string const& why,
+                                DenseWeights mode) {
   io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
-  out.resize(static_cast<std::size_t>(t.num_elements()));
-  io::to_float(t, out);
+  WeightMatrix m;
+  m.rows = shape.front();
+  m.cols = static_cast<Index>(t.num_elements()) / std::max<Index>(1, m.rows);
+  bool const keep_bf16 = mode == DenseWeights::kBf16 ||
+                         (mode == DenseWeights::kAsStored && t.dtype == io::Dtype::kBf16);
+  auto const addr = reinterpret_cast<std::uintptr_t>(t.bytes.data());
+  bool const little = std::endian::native == std::endian::little;
+  if (keep_bf16 && t.dtype == io::Dtype::kBf16) {
+    if (little && addr % alignof(std::uint16_t) == 0) {
+      m.bf16_view = reinterpret_cast<std::uint16_t const*>(t.bytes.data());
+    } else {
+      m.bf16.resize(static_cast<std::size_t>(t.num_elements()));
+      for (std::size_t i = 0; i < m.bf16.size(); ++i) {
+        m.bf16[i] = static_cast<std::uint16_t>(std::to_integer<unsigned>(t.bytes[2 * i]) |
+                                               std::to_integer<unsigned>(t.bytes[2 * i + 1]) << 8);
+      }
+    }
+    return m;
+  }
+  if (t.dtype == io::Dtype::kF32 && little && addr % alignof(float) == 0 && !keep_bf16) {
+    m.f32_view = reinterpret_cast<float const*>(t.bytes.data());
+    return m;
+  }
+  m.f32.resize(static_cast<std::size_t>(t.num_elements()));
+  io::to_float(t, m.f32);
+  if (keep_bf16) m.to_bf16();
+  return m;
 }
 
-/// Tensor `name` as F32 data in place in the mapped file, or null when it is another dtype or
-/// not 4-byte aligned (then read_tensor copies it). Checks the shape like read_tensor.
-inline float const* in_place_f32(io::ShardedCheckpoint const& ckpt, std::string const& name,
-                                 std::vector<std::int64_t> const& shape) {
+/// Does `mode` keep tensor `name` in bf16?
+inline bool keeps_bf16(io::ShardedCheckpoint const& ckpt, std::string const& name,
+                       DenseWeights mode) {
+  if (mode != DenseWeights::kAsStored) return mode == DenseWeights::kBf16;
   io::TensorView const* t = ckpt.find(name);
-  if (t == nullptr || t->shape != shape || t->dtype != io::Dtype::kF32) return nullptr;
-  auto const* p = reinterpret_cast<float const*>(t->bytes.data());
-  return reinterpret_cast<std::uintptr_t>(p) % alignof(float) == 0 &&
-                 std::endian::native == std::endian::little
-             ? p
-             : nullptr;
+  return t != nullptr && t->dtype == io::Dtype::kBf16;
 }
 
 template <class Moe>
 Decoder<Moe> load_decoder(DecoderConfig const& c,
                           std::shared_ptr<io::ShardedCheckpoint const> const& mapped,
-                          ThreadPool* pool) {
+                          DecoderOptions const& options, ThreadPool* pool) {
   io::ShardedCheckpoint const& ckpt = *mapped;
+  DenseWeights const mode = options.dense;
   Decoder<Moe> d;
   d.config = c;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
@@ -434,17 +523,13 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   std::string const why =
       "a decoder checkpoint holds the embedding, every layer, the final "
       "norm and (untied) lm_head";
-  d.embed_view = in_place_f32(ckpt, "model.embed_tokens.weight", {V, H});
-  if (d.embed_view == nullptr) read_tensor(ckpt, "model.embed_tokens.weight", {V, H}, why, d.embed);
+  d.embed = read_matrix(ckpt, "model.embed_tokens.weight", {V, H}, why, mode);
   d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
   if (!c.tie_word_embeddings) {
-    d.lm_head_view = in_place_f32(ckpt, "lm_head.weight", {V, H});
-    if (d.lm_head_view == nullptr) {
-      read_tensor(ckpt, "lm_head.weight", {V, H},
-                  "tie_word_embeddings is false, so lm_head.weight is needed", d.lm_head);
-    }
+    d.lm_head = read_matrix(ckpt, "lm_head.weight", {V, H},
+                            "tie_word_embeddings is false, so lm_head.weight is needed", mode);
   }
-  if (d.embed_view || d.lm_head_view) d.mapped = mapped;
+  bool in_place = d.embed.in_place() || d.lm_head.in_place();
   GatedAttentionConfig ac;
   ac.d_model = H;
   ac.num_heads = nh;
@@ -467,31 +552,36 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     auto view_span = [](MatrixView<float> m) {
       return std::span<float>(m.data, static_cast<std::size_t>(m.rows * m.cols));
     };
-    load_into(view_span(b.attention.q_proj()), "self_attn.q_proj.weight", {nh * dh, H});
-    load_into(view_span(b.attention.k_proj()), "self_attn.k_proj.weight", {kv * dh, H});
-    load_into(view_span(b.attention.v_proj()), "self_attn.v_proj.weight", {kv * dh, H});
-    load_into(view_span(b.attention.o_proj()), "self_attn.o_proj.weight", {H, nh * dh});
+    bool attention_bf16 = true;
+    auto load_projection = [&](MatrixView<float> dst, std::string const& name,
+                               std::vector<std::int64_t> const& shape) {
+      load_into(view_span(dst), name, shape);
+      attention_bf16 = attention_bf16 && keeps_bf16(ckpt, p + name, mode);
+    };
+    load_projection(b.attention.q_proj(), "self_attn.q_proj.weight", {nh * dh, H});
+    load_projection(b.attention.k_proj(), "self_attn.k_proj.weight", {kv * dh, H});
+    load_projection(b.attention.v_proj(), "self_attn.v_proj.weight", {kv * dh, H});
+    load_projection(b.attention.o_proj(), "self_attn.o_proj.weight", {H, nh * dh});
     if (c.qk_norm) {
       load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {dh});
       load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {dh});
     }
+    if (attention_bf16) b.attention.pack_weights(experts::WeightFormat::kBf16);
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
     if (c.moe.is_moe_layer(L)) {
       b.moe.emplace(io::load_hf_layer<Moe>(c.moe, ckpt, L).layer);
-      b.moe->pack_weights(experts::WeightFormat::kF32, pool);
+      b.moe->pack_weights(options.experts, pool);
     } else {
       Index const I = c.intermediate_size;
-      b.mlp = DenseMlp(H, I);
-      std::vector<float> const g = read_tensor(ckpt, p + "mlp.gate_proj.weight", {I, H}, why);
-      std::vector<float> const u = read_tensor(ckpt, p + "mlp.up_proj.weight", {I, H}, why);
-      auto gu = b.mlp.gate_up();
-      std::copy(g.begin(), g.end(), gu.data);
-      std::copy(u.begin(), u.end(), gu.data + I * H);
-      load_into(view_span(b.mlp.down()), "mlp.down_proj.weight", {H, I});
+      b.mlp.gate = read_matrix(ckpt, p + "mlp.gate_proj.weight", {I, H}, why, mode);
+      b.mlp.up = read_matrix(ckpt, p + "mlp.up_proj.weight", {I, H}, why, mode);
+      b.mlp.down = read_matrix(ckpt, p + "mlp.down_proj.weight", {H, I}, why, mode);
+      in_place = in_place || b.mlp.gate.in_place() || b.mlp.up.in_place() || b.mlp.down.in_place();
     }
     d.blocks.push_back(std::move(b));
   }
+  if (in_place) d.mapped = mapped;
   return d;
 }
 
@@ -499,18 +589,19 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
 
 /// Loads the whole model in `model_dir` (config.json, model.safetensors or the sharded index):
 /// a Decoder<presets::Qwen3Moe> for qwen3_moe, Decoder<presets::MixtralMoe> for mixtral, every
-/// layer through the MoE layer loader of moe/io/hf.hpp (or as a dense MLP). `pool` packs the
-/// experts in parallel. Throws moe::Error naming the file and tensor for anything missing or
-/// mis-shaped, and as parse_decoder_config.
+/// layer through the MoE layer loader of moe/io/hf.hpp (or as a dense MLP), its weights kept as
+/// `options` says (by default: bf16 tensors in bf16, the rest in fp32, experts as fp32 panels).
+/// `pool` packs the experts in parallel. Throws moe::Error naming the file and tensor for
+/// anything missing or mis-shaped, and as parse_decoder_config.
 inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
-                                  ThreadPool* pool = nullptr) {
+                                  ThreadPool* pool = nullptr, DecoderOptions const& options = {}) {
   io::detail::check_model_dir(model_dir);
   DecoderConfig const c = read_decoder_config(model_dir);
   auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
   if (c.moe.family == io::HfFamily::kQwen3Moe) {
-    return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, pool);
+    return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, options, pool);
   }
-  return detail::load_decoder<presets::MixtralMoe>(c, ckpt, pool);
+  return detail::load_decoder<presets::MixtralMoe>(c, ckpt, options, pool);
 }
 
 }  // namespace moe::models

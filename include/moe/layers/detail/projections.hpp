@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "moe/core/thread_pool.hpp"
@@ -14,10 +15,10 @@
 
 namespace moe::detail {
 
-/// A queue of projections C[:, 0:cols] = A W^T (kernels::project_cols, or project_cols_packed
-/// when the weights come pre-packed), each split into column items (one panel each, or 64
-/// columns on the few-rows path). Items are fixed by the shapes alone, so results are bitwise
-/// identical for any number of threads.
+/// A queue of projections C[:, 0:cols] = A W^T (kernels::project_cols on fp32 or bf16 W, or
+/// project_cols_packed when the weights come pre-packed), each split into column items (one panel
+/// each, or 64 columns on the few-rows path). Items are fixed by the shapes alone, so results are
+/// bitwise identical for any number of threads.
 class ProjectionQueue {
  public:
   struct Job {
@@ -27,7 +28,8 @@ class ProjectionQueue {
     Index depth;
     float* c;
     Index ldc;
-    float const* packed = nullptr;  // W as [depth, NP] panels (ExpertBank::pack), or null
+    float const* packed = nullptr;          // W as [depth, NP] panels (ExpertBank::pack), or null
+    std::uint16_t const* w_bf16 = nullptr;  // W in bf16 [cols, depth] (then w is unused), or null
   };
 
   void add(Job const& job, Index cols) {
@@ -48,6 +50,9 @@ class ProjectionQueue {
       if (job.packed) {
         kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth, it.c0, it.c1,
                                      job.c, job.ldc);
+      } else if (job.w_bf16) {
+        kernels::project_cols(job.a, job.lda, job.rows, job.w_bf16, job.depth, job.depth, it.c0,
+                              it.c1, job.c, job.ldc, scratch + thread * per_thread);
       } else {
         kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, it.c0, it.c1,
                               job.c, job.ldc, scratch + thread * per_thread);
