@@ -2,8 +2,10 @@
 // kernels::expert_cols (the hot path's expert GEMM with fused gather and epilogues) against a
 // scalar double reference, for every weight source, epilogue and tail size.
 // This TU is built twice: with -march=native (moe_tests) and without -m flags (moe_tests_sse2).
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -483,18 +485,31 @@ TEST_CASE("gemm_strided matches a double GEMM for row-major and transposed A, wi
 
 TEST_CASE("pack_panel transposes W rows into a zero-padded K x NP panel",
           "[kernels][expert_gemm]") {
-  // Full panels take the in-register 16 x 16 transpose on AVX-512; tails the scalar loop.
-  for (Index K : {Index{1}, Index{15}, Index{16}, Index{17}, Index{50}}) {
+  // Full panels take the in-register transpose (16 x 16 blocks of fp32 on AVX-512, 8 x 8 blocks
+  // of fp32 or bf16 on AVX2); K tails and partial panels the scalar loop.
+  for (Index K :
+       {Index{1}, Index{7}, Index{8}, Index{9}, Index{15}, Index{16}, Index{17}, Index{50}}) {
     for (Index nc : {NP, NP - 1, Index{1}}) {
       INFO("K " << K << " nc " << nc);
       Index const ldw = K + 3, n0 = 2;
       auto W = test::random_vector((n0 + NP) * ldw, 361);
       std::vector<float> panel(static_cast<std::size_t>(K * NP), -1.0f);
       kernels::pack_panel(W.data(), ldw, n0, nc, K, panel.data());
+      // bf16 source: the panel holds the widened values, bit for bit.
+      std::vector<std::uint16_t> Wb(W.size());
+      for (std::size_t i = 0; i < W.size(); ++i) {
+        Wb[i] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(W[i]) >> 16);
+      }
+      std::vector<float> panel_b(static_cast<std::size_t>(K * NP), -1.0f);
+      kernels::pack_panel(Wb.data(), ldw, n0, nc, K, panel_b.data());
       for (Index k = 0; k < K; ++k) {
         for (Index c = 0; c < NP; ++c) {
           float const want = c < nc ? W[(n0 + c) * ldw + k] : 0.0f;
           REQUIRE(panel[k * NP + c] == want);
+          float const want_b =
+              c < nc ? std::bit_cast<float>(std::uint32_t{Wb[(n0 + c) * ldw + k]} << 16) : 0.0f;
+          REQUIRE(std::bit_cast<std::uint32_t>(panel_b[k * NP + c]) ==
+                  std::bit_cast<std::uint32_t>(want_b));
         }
       }
     }

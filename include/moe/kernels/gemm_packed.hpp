@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -73,12 +73,36 @@ MOE_ALWAYS_INLINE void transpose16x16(float const* src, Index lds, float* dst, I
   for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + j * ldd, r[j]);
 }
 #endif
+#if defined(__AVX__)
+/// dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block of rows already in registers
+/// (unpack 32-bit pairs, shuffle 64-bit pairs, swap 128-bit halves).
+MOE_ALWAYS_INLINE void transpose8x8(__m256 const (&r)[8], float* dst, Index ldd) {
+  __m256 const t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  __m256 const t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  __m256 const t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  __m256 const t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  __m256 const s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 const s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 const s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 const s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * ldd, _mm256_permute2f128_ps(s0, s4, 0x20));
+  _mm256_storeu_ps(dst + 1 * ldd, _mm256_permute2f128_ps(s1, s5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(s2, s6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(s3, s7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(s0, s4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(s1, s5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(s2, s6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+#endif
 }  // namespace detail
 
 /// Packs weight rows [n0, n0 + nc) of W [N, K] (row-major, ldw) into a K x NP panel,
 /// panel[k * NP + c] = W[n0 + c, k], NP = panel_width(); columns c >= nc are zero.
-/// `panel` holds K * panel_width() floats. With AVX-512 full 16 x 16 blocks are transposed in
-/// registers (the per-call packing of training forwards, whose weights change every step).
+/// `panel` holds K * panel_width() floats. Full panels are transposed in registers, 16 x 16
+/// blocks with AVX-512 (fp32 weights), 8 x 8 blocks with AVX (fp32 or bf16): the per-call packing
+/// of training forwards, whose weights change every step, of prefill projections and of the
+/// SDPA's key blocks.
 /// W may be bf16 (std::uint16_t): the panel holds the widened values (exact).
 template <class Arch = simd::DefaultArch, class Wt = float>
 void pack_panel(Wt const* W, Index ldw, Index n0, Index nc, Index K, float* panel) {
@@ -92,6 +116,23 @@ void pack_panel(Wt const* W, Index ldw, Index n0, Index nc, Index K, float* pane
       for (Index k0 = 0; k0 < kdone; k0 += 16) {
         for (Index c0 = 0; c0 < NP; c0 += 16) {
           detail::transpose16x16(W + (n0 + c0) * ldw + k0, ldw, panel + k0 * NP + c0, NP);
+        }
+      }
+    }
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (NP == 16) {
+    if (nc == NP && kdone == 0) {
+      using Bt = simd::Batch<float, Arch>;
+      kdone = K / 8 * 8;
+      for (Index k0 = 0; k0 < kdone; k0 += 8) {
+        for (Index c0 = 0; c0 < NP; c0 += 8) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) {
+            r[i] = detail::load_weights<Bt>(W + (n0 + c0 + i) * ldw + k0);
+          }
+          detail::transpose8x8(r, panel + k0 * NP + c0, NP);
         }
       }
     }
