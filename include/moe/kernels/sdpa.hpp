@@ -113,11 +113,23 @@ struct KvPrefetch {
   Index ldv = 0, dv = 0;
   Index rows = 0;
 
-  MOE_ALWAYS_INLINE void touch(Index row, Index c0, Index c1) const {
-    if (row >= rows) return;
-    for (Index c = c0; c < std::min(c1, dv); c += 16) __builtin_prefetch(v + row * ldv + c, 0, 2);
+  /// What to prefetch for each row of the chunk of columns [c0, c1): the 64-byte lines of the
+  /// values' columns [c0, min(c1, dv)) and of the keys' columns [c0, c1 >= dv ? d : min(c1, d)).
+  struct Chunk {
+    float const* v;
+    Index ldv, v_lines;
+    float const* k;
+    Index ldk, k_lines;
+    Index rows;
+    MOE_ALWAYS_INLINE void touch(Index row) const {
+      for (Index i = 0; i < v_lines; ++i) __builtin_prefetch(v + row * ldv + 16 * i, 0, 2);
+      for (Index i = 0; i < k_lines; ++i) __builtin_prefetch(k + row * ldk + 16 * i, 0, 2);
+    }
+  };
+  Chunk chunk(Index c0, Index c1) const {
+    auto lines = [](Index n) { return n > 0 ? (n + 15) / 16 : Index{0}; };
     Index const k1 = c1 >= dv ? d : std::min(c1, d);
-    for (Index c = c0; c < k1; c += 16) __builtin_prefetch(k + row * ldk + c, 0, 2);
+    return {v + c0, ldv, lines(std::min(c1, dv) - c0), k + c0, ldk, lines(k1 - c0), rows};
   }
 };
 
@@ -138,15 +150,23 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
       if (beta) acc[r][n] = acc[r][n] * B(beta[r]);
     }
   }
-  for (Index k = 0; k < K; ++k) {
-    if (pf) pf->touch(k, c0, c0 + NB * L);
+  auto step = [&](Index k) {
     B bv[NB];
     for (Index n = 0; n < NB; ++n) bv[n] = B::load_unaligned(b + k * ldb + n * L);
     for (Index r = 0; r < MR; ++r) {
       B const av(a[r * a_rs + k * a_cs]);
       for (Index n = 0; n < NB; ++n) acc[r][n] = xsimd::fma(av, bv[n], acc[r][n]);
     }
+  };
+  Index k = 0;
+  if (pf) {  // the rows that have a next-block row to prefetch, then the rest
+    KvPrefetch::Chunk const next = pf->chunk(c0, c0 + NB * L);
+    for (Index const kp = std::min(K, next.rows); k < kp; ++k) {
+      next.touch(k);
+      step(k);
+    }
   }
+  for (; k < K; ++k) step(k);
   for (Index r = 0; r < MR; ++r) {
     for (Index n = 0; n < NB; ++n) acc[r][n].store_unaligned(c + r * ldc + n * L);
   }
@@ -165,7 +185,8 @@ MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, 
     rank_update_tile<MR, 1, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
   }
   if (pf && c0 < N) {  // the scalar tail's columns (and the keys' past them)
-    for (Index k = 0; k < K; ++k) pf->touch(k, c0, N);
+    KvPrefetch::Chunk const next = pf->chunk(c0, N);
+    for (Index k = 0, kp = std::min(K, next.rows); k < kp; ++k) next.touch(k);
   }
   for (; c0 < N; ++c0) {  // scalar tail: the same chain as one lane
     for (Index r = 0; r < MR; ++r) {
