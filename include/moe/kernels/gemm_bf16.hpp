@@ -30,6 +30,10 @@ MOE_ALWAYS_INLINE std::uint16_t float_to_bf16(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
 }
+/// dst[i] = float_to_bf16(src[i]) for i < n: the bf16 copy of an fp32 weight matrix.
+inline void round_to_bf16(float const* src, std::size_t n, std::uint16_t* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
 /// bf16 -> float (exact).
 MOE_ALWAYS_INLINE float bf16_to_float(std::uint16_t h) { return simd::widen_bf16(h); }
 

@@ -327,7 +327,7 @@ class GatedAttention {
     if (format == experts::WeightFormat::kF32) return;
     auto copy = [](HugePageVector<float> const& w, HugePageVector<std::uint16_t>& out) {
       out.resize(w.size());
-      for (std::size_t i = 0; i < w.size(); ++i) out[i] = kernels::float_to_bf16(w[i]);
+      kernels::round_to_bf16(w.data(), w.size(), out.data());
     };
     copy(p_.q_proj, b16_.q_proj);
     copy(p_.gate_proj, b16_.gate_proj);

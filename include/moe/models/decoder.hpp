@@ -200,7 +200,7 @@ struct WeightMatrix {
     float const* f = f32_data();
     if (f == nullptr) return;
     HugePageVector<std::uint16_t> b(static_cast<std::size_t>(rows * cols));
-    for (std::size_t i = 0; i < b.size(); ++i) b[i] = kernels::float_to_bf16(f[i]);
+    kernels::round_to_bf16(f, b.size(), b.data());
     *this = WeightMatrix{rows, cols, {}, std::move(b), nullptr, nullptr};
   }
   /// The projection C[:, 0:rows] = A W^T (A [n, cols], lda; C ldc) as a ProjectionQueue job.
