@@ -560,6 +560,85 @@ TEST_CASE("bf16-packed weights: inference equals a double forward of the bf16-ro
   REQUIRE(to_exact > 20 * to_spec);  // the rounding model explains the bf16 error
 }
 
+TEST_CASE("discard_master_weights: inference unchanged, every use of the fp32 weights refused",
+          "[layers][packing]") {
+  Index const np = moe::kernels::panel_width();
+  Index const D = 64, F = 2 * np, E = 5, T = 33;  // q8_0 blocks: 32 | D and 32 | F
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh>;
+  moe::ThreadPool pool(2);
+  auto x = test::random_vector(T * D, 132);
+  ConstMatrixView<float> const xv(x.data(), T, D);
+  for (auto format :
+       {experts::WeightFormat::kF32, experts::WeightFormat::kBf16, experts::WeightFormat::kQ8_0}) {
+    INFO("format " << experts::name(format));
+    Layer layer(D, F, {E, 2, true, 1.0f}, Sh(1, D, F));
+    randomize(layer, 131);
+    REQUIRE_FALSE(layer.can_discard_master_weights());  // not packed yet
+    REQUIRE_THROWS_AS(layer.discard_master_weights(), moe::Error);
+    layer.pack_weights(format);
+    REQUIRE(layer.can_discard_master_weights());
+    std::vector<float> y1(x.size()), y2(x.size()), y3(x.size()), t1(x.size()), t2(x.size());
+    moe::MoeFfnWorkspace ws, wt1, wt2;
+    layer.forward(xv, {y1.data(), T, D}, ws, {nullptr, &pool});
+    layer.forward_train(xv, {t1.data(), T, D}, wt1);
+    layer.discard_master_weights();
+    REQUIRE_FALSE(layer.experts().has_master_weights());
+    REQUIRE_FALSE(layer.shared_experts().bank().has_master_weights());
+    layer.forward(xv, {y2.data(), T, D}, ws, {nullptr, &pool});
+    layer.forward(xv, {y3.data(), T, D}, ws);
+    REQUIRE(y2 == y1);  // bit for bit, 2 threads and 1
+    REQUIRE(y3 == y1);
+    auto const& cl = std::as_const(layer);
+    REQUIRE_THROWS_AS(cl.experts().in_proj(0), moe::Error);
+    REQUIRE_THROWS_AS(cl.experts().down_proj(0), moe::Error);
+    REQUIRE_THROWS_AS(cl.experts().parameters(), moe::Error);
+    REQUIRE_THROWS_AS(cl.shared_experts().bank().up_proj(0), moe::Error);
+    REQUIRE_THROWS_AS(layer.experts().edit(), moe::Error);
+    REQUIRE_THROWS_AS(layer.parameters(), moe::Error);
+    REQUIRE_THROWS_AS(layer.pack_weights(format), moe::Error);
+    if (format == experts::WeightFormat::kF32) {
+      // fp32 panels are the exact weights: a training forward still runs (same result), and
+      // the backward, which multiplies by the weights' transpose, is refused.
+      layer.forward_train(xv, {t2.data(), T, D}, wt2);
+      REQUIRE(t2 == t1);
+      std::vector<float> dy = test::random_vector(T * D, 133), dx(x.size());
+      auto g = layer.make_gradients();
+      REQUIRE_THROWS_AS(layer.backward(wt2, {dy.data(), T, D}, {dx.data(), T, D}, g), moe::Error);
+    } else {
+      REQUIRE_THROWS_AS(layer.forward_train(xv, {t2.data(), T, D}, wt2), moe::Error);
+    }
+    layer.discard_master_weights();  // idempotent
+  }
+  // GLU experts whose F splits a panel run their gate and up from the fp32 weights with an fp32
+  // or bf16 pack: those are kept.
+  Layer odd(D, np + 8, {E, 2, true, 1.0f}, Sh(1, D, np));
+  randomize(odd, 134);
+  odd.pack_weights(experts::WeightFormat::kBf16);
+  REQUIRE_FALSE(odd.experts().pack_serves_inference());
+  REQUIRE_FALSE(odd.can_discard_master_weights());
+  REQUIRE_THROWS_AS(odd.experts().discard_master_weights(), moe::Error);
+  REQUIRE(odd.experts().has_master_weights());
+}
+
+TEST_CASE("discard_master_weights keeps the experts' biases", "[experts][packing]") {
+  experts::ExpertBank<experts::SwiGlu> bank(3, 16, 2 * moe::kernels::panel_width());
+  bank.enable_biases();
+  {
+    auto ed = bank.edit();
+    auto p = ed.parameters();
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] = static_cast<float>(i % 97) * 0.01f;
+  }
+  std::vector<float> const in_b(bank.in_bias(2).begin(), bank.in_bias(2).end());
+  std::vector<float> const down_b(bank.down_bias(1).begin(), bank.down_bias(1).end());
+  bank.pack(experts::WeightFormat::kBf16);
+  bank.discard_master_weights();
+  REQUIRE(std::vector<float>(bank.in_bias(2).begin(), bank.in_bias(2).end()) == in_b);
+  REQUIRE(std::vector<float>(bank.down_bias(1).begin(), bank.down_bias(1).end()) == down_b);
+  REQUIRE(bank.in_bias_data(0) != nullptr);
+  REQUIRE_THROWS_AS(bank.enable_biases(), moe::Error);
+}
+
 TEST_CASE("bf16-packed weights: inference within bf16 rounding, training stays exact",
           "[layers][packing][bf16]") {
   Index const D = 48, F = 40, E = 6, T = 60;

@@ -138,6 +138,7 @@ class ExpertBank {
     detail::check(!editing(),
                   "ExpertBank::enable_biases: the weights are open for writing (an Edit or a "
                   "layer's parameters() list is alive); enable biases before taking them");
+    require_masters("enable_biases");
     if (biases_) return;
     biases_ = true;
     params_.resize(
@@ -169,18 +170,72 @@ class ExpertBank {
     clamp_ = c;
   }
 
-  /// Reads: const views, which never touch a packed copy.
+  /// Reads: const views, which never touch a packed copy. Throw moe::Error after
+  /// discard_master_weights().
   ConstMatrixView<float> in_proj(Index e) const {
+    require_masters("in_proj");
     return {in_ptr(e), kInFactor * d_ffn_, d_model_};
   }
   ConstMatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
+    require_masters("gate_proj");
     return {in_ptr(e), d_ffn_, d_model_};
   }
   ConstMatrixView<float> up_proj(Index e) const {
+    require_masters("up_proj");
     return {in_ptr(e) + (kInFactor - 1) * d_ffn_ * d_model_, d_ffn_, d_model_};
   }
-  ConstMatrixView<float> down_proj(Index e) const { return {down_ptr(e), d_model_, d_ffn_}; }
-  std::span<float const> parameters() const { return params_; }
+  ConstMatrixView<float> down_proj(Index e) const {
+    require_masters("down_proj");
+    return {down_ptr(e), d_model_, d_ffn_};
+  }
+  std::span<float const> parameters() const {
+    require_masters("parameters");
+    return params_;
+  }
+
+  /// Frees the fp32 weights, keeping the pack (and the biases): an inference-only bank, for a
+  /// decoder that never trains. The fp32 weights are what a bf16 or quantized pack was made
+  /// from, and an fp32 pack is a copy of them, so this drops 2/3 (bf16 pack), 4/5 (q8_0) or 1/2
+  /// (fp32 pack) of the experts' memory. Inference forwards run as before, bit for bit.
+  /// Afterwards every use of the fp32 weights throws moe::Error: reading them (in_proj, ...,
+  /// parameters()), writing (edit()), repacking (pack()), training (backward_rows; a training
+  /// forward over a bf16 or quantized pack). Irreversible: load the weights again to train.
+  /// Preconditions (checked): packed() and no edit open.
+  void discard_master_weights() {
+    if (!masters_) return;
+    detail::check(!editing() && packed(), "ExpertBank::discard_master_weights: the bank is ",
+                  editing() ? "open for writing (an Edit is alive)" : "not packed",
+                  "; pack() it (after the last write) first: the pack is what forwards read "
+                  "once the fp32 weights are gone");
+    detail::check(pack_serves_inference(),
+                  "ExpertBank::discard_master_weights: inference forwards read the gate and up "
+                  "projections from the fp32 weights, not the pack (GLU experts whose d_ffn = ",
+                  d_ffn_, " is not a multiple of the panel width ", kernels::panel_width(),
+                  " in an fp32 or bf16 pack); keep the weights, or pack them quantized");
+    HugePageVector<float> kept;
+    if (biases_) {
+      kept.assign(params_.begin() + bias_base(), params_.end());
+    }
+    params_ = std::move(kept);
+    masters_ = false;
+  }
+  /// Do inference forwards read only the pack, never the fp32 weights? True when packed(),
+  /// except for GLU experts whose d_ffn is not a multiple of kernels::panel_width() with an fp32
+  /// or bf16 in projection (its gate and up halves would split a panel: those run from the fp32
+  /// weights).
+  bool pack_serves_inference() const {
+    if (!packed()) return false;
+    if constexpr (Expert::gated) {
+      if (d_ffn_ % kernels::panel_width() != 0) {
+        for (Index e = 0; e < num_experts_; ++e) {
+          if (!is_quantized(slot(e).in.format)) return false;
+        }
+      }
+    }
+    return true;
+  }
+  /// False after discard_master_weights().
+  bool has_master_weights() const { return masters_; }
 
   /// A scope for writing the weights. While any Edit of the bank is alive its packed copy is
   /// not used (packed() is false, the layers pack per call, so every write is seen) and pack()
@@ -190,7 +245,10 @@ class ExpertBank {
   /// iterator. Not copyable; movable. `auto ed = bank.edit(); fill(ed.parameters());`
   class Edit {
    public:
-    explicit Edit(ExpertBank& bank) : bank_(&bank) { bank_->begin_edit(); }
+    explicit Edit(ExpertBank& bank) : bank_(&bank) {
+      bank_->require_masters("edit");
+      bank_->begin_edit();
+    }
     Edit(Edit&& other) noexcept : bank_(std::exchange(other.bank_, nullptr)) {}
     Edit(Edit const&) = delete;
     Edit& operator=(Edit const&) = delete;
@@ -244,6 +302,7 @@ class ExpertBank {
   void backward_rows(Index e, ConstMatrixView<float> h, ConstMatrixView<float> dy,
                      MatrixView<float> m, MatrixView<float> dh, MatrixView<float> dx,
                      float* scratch) const {
+    require_masters("backward_rows");
     Index const n = h.rows, F = d_ffn_;
     if (n == 0) return;
     MatrixView<float> dm(scratch, n, F);
@@ -294,6 +353,7 @@ class ExpertBank {
   /// Packs expert e's projections in formats[e] (one entry per expert): experts of different
   /// formats in one bank (mixed precision, e.g. an AlphaQ allocation) run in one forward.
   void pack(std::span<ExpertFormat const> formats, ThreadPool* pool = nullptr) {
+    require_masters("pack");
     detail::check(!editing(),
                   "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
                   "layer's parameters() list is alive); let it end first, it repacks on its own");
@@ -529,7 +589,16 @@ class ExpertBank {
   float const* down_ptr(Index e) const {
     return params_.data() + num_experts_ * kInFactor * d_ffn_ * d_model_ + e * d_model_ * d_ffn_;
   }
-  Index bias_base() const { return num_experts_ * (kInFactor + 1) * d_ffn_ * d_model_; }
+  /// The biases' offset in params_ (which holds only them after discard_master_weights).
+  Index bias_base() const {
+    return masters_ ? num_experts_ * (kInFactor + 1) * d_ffn_ * d_model_ : 0;
+  }
+  void require_masters(char const* what) const {
+    detail::check(masters_, "ExpertBank::", what,
+                  ": the fp32 expert weights were discarded (discard_master_weights(), as an "
+                  "inference-only decoder does); only inference forwards over the pack run. Load "
+                  "the weights again to read, write, repack or train them");
+  }
   float* in_bias_ptr(Index e) { return params_.data() + bias_base() + e * hidden_cols(); }
   float const* in_bias_ptr(Index e) const {
     return params_.data() + bias_base() + e * hidden_cols();
@@ -545,6 +614,7 @@ class ExpertBank {
   Index d_model_ = 0;
   Index d_ffn_ = 0;
   bool biases_ = false;
+  bool masters_ = true;  // false after discard_master_weights()
   kernels::GluClamp clamp_{};
   HugePageVector<float> params_;
   /// Open edit scopes; a copy of the bank starts with none.

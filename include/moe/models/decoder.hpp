@@ -278,7 +278,8 @@ struct DecoderState {
 /// alignment allow (`mapped` then keeps it open), the attention projections are copied
 /// (GatedAttention::pack_weights(kBf16) for bf16). The MoE layers' experts are packed in
 /// DecoderOptions::experts (fp32 panels by default, so an FFN row never depends on the batch it
-/// runs in).
+/// runs in), and their fp32 weights discarded (MoeFfn::discard_master_weights: a decoder does not
+/// train; only the pack stays in memory).
 template <class Moe>
 class Decoder {
  public:
@@ -572,6 +573,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     if (c.moe.is_moe_layer(L)) {
       b.moe.emplace(io::load_hf_layer<Moe>(c.moe, ckpt, L).layer);
       b.moe->pack_weights(options.experts, pool);
+      // A decoder never trains: keep only the pack (unless inference would read the fp32
+      // weights: GLU experts of an odd width in an fp32 or bf16 pack).
+      if (b.moe->can_discard_master_weights()) b.moe->discard_master_weights();
     } else {
       Index const I = c.intermediate_size;
       b.mlp.gate = read_matrix(ckpt, p + "mlp.gate_proj.weight", {I, H}, why, mode);

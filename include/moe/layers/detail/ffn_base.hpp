@@ -156,6 +156,24 @@ class FfnLayerBase {
     if constexpr (Shared::has_experts) shared_.bank().pack(format, pool);
   }
 
+  /// Frees the routed and shared experts' fp32 weights, keeping their packs
+  /// (ExpertBank::discard_master_weights): an inference-only layer, as a decoder keeps it.
+  /// Afterwards parameters(), pack_weights(), training forwards and backwards throw moe::Error;
+  /// inference forwards give the same results. Precondition (checked): pack_weights() first.
+  void discard_master_weights() {
+    check(can_discard_master_weights(),
+          "MoE layer: discard_master_weights needs every expert bank packed so that inference "
+          "reads only the pack (ExpertBank::pack_serves_inference)");
+    bank_.discard_master_weights();
+    if constexpr (Shared::has_experts) shared_.bank().discard_master_weights();
+  }
+  /// Would discard_master_weights() succeed (every bank packed in a form inference reads)?
+  bool can_discard_master_weights() const {
+    bool ok = bank_.pack_serves_inference();
+    if constexpr (Shared::has_experts) ok = ok && shared_.bank().pack_serves_inference();
+    return ok;
+  }
+
   /// Zero gradients shaped like this layer's parameters.
   Gradients make_gradients() const {
     return make_ffn_gradients<Gradients>(router_weight_.size(), router_bias_.size(), bank_,

@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "moe/core/error.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
 #include "moe/core/views.hpp"
@@ -92,21 +93,43 @@ inline kernels::WeightPanels weights_for(float const* raw, Index rows, float con
                                 path_rows < kernels::kPanelMinRows, quant);
 }
 
+/// Throws unless `w` reads a pack: a bank without its fp32 weights
+/// (ExpertBank::discard_master_weights) runs only forwards that read the pack.
+template <class Bank>
+kernels::WeightPanels from_pack(Bank const& bank, Index e, kernels::WeightPanels const& w,
+                                bool inference) {
+  if (!bank.has_master_weights()) {
+    detail::check(w.f32[0] || w.bf16[0] || w.quant[0].data, "MoE layer: expert ", e,
+                  "'s fp32 weights were discarded (ExpertBank::discard_master_weights) and this ",
+                  inference ? "forward" : "training forward", " needs them (",
+                  inference ? "the pack does not hold this projection as the kernels read it"
+                            : "training multiplies the exact fp32 weights",
+                  "); run inference forwards only, or keep the weights");
+  }
+  return w;
+}
+
 /// Expert e's in projection (gate and up) of `bank` as expert_cols reads it: the packed
 /// format of that expert when `inference` (fp32 panels otherwise, or raw weights).
 template <class Bank>
 kernels::WeightPanels in_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
   Index const half = Bank::Expert::gated ? bank.d_ffn() : 0;
   auto const q = bank.packed_in_quant(e);
-  return weights_for(bank.in_proj(e).data, bank.hidden_cols(), bank.packed_in(e),
-                     bank.packed_in_bf16(e), bank.d_model(), half, inference, path_rows, q.data());
+  float const* raw = bank.has_master_weights() ? bank.in_proj(e).data : nullptr;
+  return from_pack(bank, e,
+                   weights_for(raw, bank.hidden_cols(), bank.packed_in(e), bank.packed_in_bf16(e),
+                               bank.d_model(), half, inference, path_rows, q.data()),
+                   inference);
 }
 /// Expert e's down projection, likewise.
 template <class Bank>
 kernels::WeightPanels down_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
   auto const q = bank.packed_down_quant(e);
-  return weights_for(bank.down_proj(e).data, bank.d_model(), bank.packed_down(e),
-                     bank.packed_down_bf16(e), bank.d_ffn(), 0, inference, path_rows, q.data());
+  float const* raw = bank.has_master_weights() ? bank.down_proj(e).data : nullptr;
+  return from_pack(bank, e,
+                   weights_for(raw, bank.d_model(), bank.packed_down(e), bank.packed_down_bf16(e),
+                               bank.d_ffn(), 0, inference, path_rows, q.data()),
+                   inference);
 }
 
 /// One weight-gradient item: rows [r0, r1) of grad [N, K] += dC[:, r0:r1]^T A, A [n, K],
