@@ -5,8 +5,8 @@
 // Qwen3-30B-A3B's shapes with random weights (moe::models::Decoder<presets::Qwen3Moe>):
 // hidden 2048, 32 query heads over 4 KV heads of head_dim 128, q/k RMSNorm, RoPE; 128 experts of
 // width 768, top-8 (experts packed as bf16: 2 bytes a weight); vocabulary 151936 with an untied
-// LM head; kLayers = 4 layers (peak RSS ~20.5 GB: the fp32 master copies of the experts stay
-// next to their bf16 packs). Two threads.
+// LM head; kLayers = 4 layers (the experts' fp32 weights are discarded once packed, as
+// load_hf_decoder does). Two threads.
 //
 //   BM_Decoder_Prefill/T:512/dense:D     one prompt of 512 tokens through a fresh cache
 //   BM_Decoder_Decode/ctx:C/dense:D      one decode step after a cached context of C tokens
@@ -22,8 +22,9 @@
 // weights and the KV cache of the context, the 8 active experts' bf16 weights and the router,
 // the LM head and the token's embedding row), that over the time as GB/s, and roofline = that /
 // the machine's read bandwidth (bench/machine.hpp: 4 prefetched streams per thread over 4x the
-// read sweep's last-level cache, at least 512 MiB, best of 3, measured before and after the row,
-// the larger kept), plus the step's split: attn%, ffn%, other% (DecoderState::profile).
+// read sweep's last-level cache, at least 512 MiB), measured in pairs: one read of that buffer
+// after every step (untimed), and bw GB/s = the reads' bytes over their summed time; plus the
+// step's split: attn%, ffn%, other% (DecoderState::profile).
 
 #include <benchmark/benchmark.h>
 
@@ -117,6 +118,7 @@ Decoder& decoder() {
       auto w = b.moe->router_weight();
       fill({w.data, static_cast<std::size_t>(w.rows * w.cols)}, 0.05f, seed++);
       b.moe->pack_weights(moe::experts::WeightFormat::kBf16, &pool());
+      b.moe->discard_master_weights();  // as load_hf_decoder: only the bf16 pack stays
       dec.blocks.push_back(std::move(b));
     }
     return dec;
@@ -147,16 +149,23 @@ std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
   return t;
 }
 
-/// Read bandwidth over 4x the last-level cache (bench/machine.hpp's sweep, at least 512 MiB),
-/// bytes/s, two threads: moe::bench::read_bandwidth's 4 prefetched streams (the reader the
-/// hot-path bench measures with), best of 3. A decode row measures it just before and just after
-/// its timed loop and keeps the larger: the host's bandwidth drifts by tens of percent within
-/// minutes (one start-up value misjudged rows measured later).
-double read_bandwidth() {
+/// The reader's buffer: 4x the read sweep's last-level cache, at least 512 MiB.
+moe::HugePageVector<float> const& reader_buffer() {
   static Index const n =
       std::max<Index>(Index{1} << 27, moe::bench::last_level_cache().bytes) / 32 * 32;
   static moe::HugePageVector<float> const buf(static_cast<std::size_t>(n), 1.0f);
-  return moe::bench::read_bandwidth(buf.data(), n, kThreads, 1, 3);
+  return buf;
+}
+
+/// Seconds two threads take to read the reader's buffer once (bench/machine.hpp's
+/// moe::bench::read_bandwidth: 4 prefetched streams per thread, the reader the hot-path bench
+/// measures with). A decode row times one read after every step, outside the timed region, and
+/// compares the sums: the host's bandwidth drifts by 2x within seconds (other VMs on the memory
+/// controller), so a bandwidth measured once before or after the row misjudged it either way.
+double read_seconds() {
+  auto const& buf = reader_buffer();
+  Index const n = static_cast<Index>(buf.size());
+  return static_cast<double>(n) * 4.0 / moe::bench::read_bandwidth(buf.data(), n, kThreads, 1, 1);
 }
 
 void BM_Decoder_Prefill(benchmark::State& state) {
@@ -200,16 +209,20 @@ void BM_Decoder_Decode(benchmark::State& state) {
   std::vector<Index> const n1 = {1};
   st.profile = true;
   st.attention_seconds = st.ffn_seconds = st.other_seconds = 0.0;
-  double const bw_before = read_bandwidth();
-  auto const t0 = std::chrono::steady_clock::now();
+  (void)read_seconds();  // the reader's buffer and pages, first touched outside the pairs
+  double elapsed = 0.0, reading = 0.0;
   for (auto _ : state) {
+    auto const t0 = std::chrono::steady_clock::now();
     dec.forward(one, n1, st, {logits.data(), 1, kVocab}, &pool());
     benchmark::DoNotOptimize(logits.data());
+    elapsed += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.PauseTiming();
+    reading += read_seconds();
     for (auto& c : st.caches) c.truncate(0, ctx);
+    state.ResumeTiming();
   }
-  double const elapsed =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  double const bw = std::max(bw_before, read_bandwidth());
+  double const bw = static_cast<double>(reader_buffer().size()) * 4.0 *
+                    static_cast<double>(state.iterations()) / reading;
   double const dense_bytes = bf16 ? 2.0 : 4.0;  // per LM-head / attention weight
   double const attn_weights =
       dense_bytes * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
