@@ -366,7 +366,10 @@ MOE_ALWAYS_INLINE void expert_tile_f32(float const* const* rows, float const* co
 }
 
 /// The bf16-weight tile without AVX512-BF16 (weights widened to fp32 in registers), one K slice
-/// (even start; K = the slice's depth).
+/// (even start; K = the slice's depth). Per pair of k the even weights are widened and multiplied
+/// into every row, then the odd ones: each accumulator still adds k, then k + 1, but only one
+/// half's NB widened batches are live beside the MR x NB accumulators (both halves at once did
+/// not fit AVX2's 16 registers for gate + up: spills).
 template <Index MR, int Ops, class Arch, class Epi>
 MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
                                               std::uint32_t const* const* panels, Index K,
@@ -382,27 +385,28 @@ MOE_ALWAYS_INLINE void expert_tile_bf16_widen(float const* const* rows,
   float const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r];
   U const hi_mask(0xFFFF0000u);
-  Index const kp_count = (K + 1) / 2;
-  for (Index kp = 0; kp < kp_count; ++kp) {
-    pf.step();
-    U w[NB];
+  auto half = [&](Index kp, Index k, auto widen) {
+    B w[NB];
     for (int o = 0; o < Ops; ++o) {
-      w[2 * o] = U::load_aligned(panels[o] + kp * NP);
-      w[2 * o + 1] = U::load_aligned(panels[o] + kp * NP + L);
+      w[2 * o] = widen(U::load_aligned(panels[o] + kp * NP));
+      w[2 * o + 1] = widen(U::load_aligned(panels[o] + kp * NP + L));
     }
-    bool const odd = 2 * kp + 1 < K;
     for (Index r = 0; r < MR; ++r) {
-      B const ae(a[r][2 * kp]);
-      for (int j = 0; j < NB; ++j) {
-        acc[j][r] = xsimd::fma(ae, xsimd::bitwise_cast<B>(w[j] << 16), acc[j][r]);
-      }
-      if (odd) {
-        B const ao(a[r][2 * kp + 1]);
-        for (int j = 0; j < NB; ++j) {
-          acc[j][r] = xsimd::fma(ao, xsimd::bitwise_cast<B>(w[j] & hi_mask), acc[j][r]);
-        }
-      }
+      B const av(a[r][k]);
+      for (int j = 0; j < NB; ++j) acc[j][r] = xsimd::fma(av, w[j], acc[j][r]);
     }
+  };
+  auto even = [](U u) { return xsimd::bitwise_cast<B>(u << 16); };
+  auto odd = [&](U u) { return xsimd::bitwise_cast<B>(u & hi_mask); };
+  Index const full = K / 2;  // pairs with both halves; an odd K ends with one even half
+  for (Index kp = 0; kp < full; ++kp) {
+    pf.step();
+    half(kp, 2 * kp, even);
+    half(kp, 2 * kp + 1, odd);
+  }
+  if (K % 2 != 0) {
+    pf.step();
+    half(full, 2 * full, even);
   }
   tile_end<MR, NB>(acc, sl, epi, i0, p);
 }
