@@ -20,8 +20,9 @@
 //   ./build/release/examples/moe_quickstart --small    # D 64, F 32, E 8, K 2, 16 tokens (ctest)
 // Memory: the Qwen3 shape peaks at about 4.9 GB (printed at the end, getrusage ru_maxrss): 2.42 GB
 // of fp32 expert weights, their 2.42 GB fp32 panel copy from pack_weights (the layer keeps the
-// [out, in] weights for reads, edits and training; forward streams the panels), and about 60 MB
-// of router weights, activations and workspace. The run takes 10-25 s on a shared 2-core
+// [out, in] weights for reads, edits and training; forward streams the panels; an inference-only
+// layer may free them after packing, MoeFfn::discard_master_weights), and about 60 MB of router
+// weights, activations and workspace. The run takes 10-25 s on a shared 2-core
 // machine, most of it the kernel handing out fresh pages while the weights are zeroed, filled and
 // packed; progress lines say which phase it is in.
 // Exit status: 0 on success, 1 if the output has a non-finite value or moe reports an error,
