@@ -129,16 +129,7 @@ Args parse(int argc, char** argv) {
     } else if (f == "--logits") {
       a.logits_out = value();
     } else if (f == "--dense") {
-      std::string const v = value();
-      using moe::models::DenseWeights;
-      bool found = false;
-      for (DenseWeights w : {DenseWeights::kAsStored, DenseWeights::kF32, DenseWeights::kBf16}) {
-        if (v == moe::models::name(w)) {
-          a.weights.dense = w;
-          found = true;
-        }
-      }
-      if (!found) usage_error("--dense is as-stored, fp32 or bf16, got '" + v + "'");
+      a.weights.dense = moe::models::parse_dense_weights(value());
     } else if (f == "--experts") {
       a.weights.experts = moe::experts::parse_weight_format(value());
     } else {

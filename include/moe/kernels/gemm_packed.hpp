@@ -123,7 +123,7 @@ void pack_panel(Wt const* W, Index ldw, Index n0, Index nc, Index K, float* pane
 #endif
 #if defined(__AVX__)
   if constexpr (NP == 16) {
-    if (nc == NP && kdone == 0) {
+    if (nc == NP) {
       using Bt = simd::Batch<float, Arch>;
       kdone = K / 8 * 8;
       for (Index k0 = 0; k0 < kdone; k0 += 8) {

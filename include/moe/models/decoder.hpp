@@ -150,6 +150,15 @@ constexpr char const* name(DenseWeights w) {
   return w == DenseWeights::kAsStored ? "as-stored" : w == DenseWeights::kF32 ? "fp32" : "bf16";
 }
 
+/// The DenseWeights called `s` (see name()); throws moe::Error for any other string.
+inline DenseWeights parse_dense_weights(std::string_view s) {
+  for (DenseWeights w : {DenseWeights::kAsStored, DenseWeights::kF32, DenseWeights::kBf16}) {
+    if (s == name(w)) return w;
+  }
+  moe::detail::fail("parse_dense_weights: unknown dense-weight mode '", s,
+                    "'; use one of as-stored, fp32, bf16");
+}
+
 /// How load_hf_decoder keeps a checkpoint's weights.
 struct DecoderOptions {
   DenseWeights dense = DenseWeights::kAsStored;
@@ -302,10 +311,6 @@ class Decoder {
   Index vocab() const { return config.vocab_size; }
   /// The LM head's weights: lm_head, or the embedding when tied.
   WeightMatrix const& output_weights() const { return lm_head.empty() ? embed : lm_head; }
-  /// Bytes of weights one decode step of one sequence reads: every attention projection, the
-  /// active experts (top-k routed, the shared experts, the router) of each MoE layer or the dense
-  /// MLP, the LM head and one embedding row (norms excluded). The KV cache comes on top.
-  std::size_t step_weight_bytes() const;
 
   /// A state for `sequences` sequences with room for `capacity` tokens each (it grows).
   DecoderState make_state(Index sequences, Index capacity = 0) const {
@@ -468,6 +473,12 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
   return io::to_float(checked_tensor(ckpt, name, shape, why));
 }
 
+/// Does `mode` keep a tensor of `dtype` in bf16?
+inline bool keeps_bf16(io::Dtype dtype, DenseWeights mode) {
+  return mode == DenseWeights::kBf16 ||
+         (mode == DenseWeights::kAsStored && dtype == io::Dtype::kBf16);
+}
+
 /// Tensor `name` of `ckpt` (checked against `shape`) as a WeightMatrix stored as `mode` says,
 /// in place in the mapped file when its dtype is the one kept and its data is aligned for it.
 inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string const& name,
@@ -477,8 +488,7 @@ inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string c
   WeightMatrix m;
   m.rows = shape.front();
   m.cols = static_cast<Index>(t.num_elements()) / std::max<Index>(1, m.rows);
-  bool const keep_bf16 = mode == DenseWeights::kBf16 ||
-                         (mode == DenseWeights::kAsStored && t.dtype == io::Dtype::kBf16);
+  bool const keep_bf16 = keeps_bf16(t.dtype, mode);
   auto const addr = reinterpret_cast<std::uintptr_t>(t.bytes.data());
   bool const little = std::endian::native == std::endian::little;
   if (keep_bf16 && t.dtype == io::Dtype::kBf16) {
@@ -487,8 +497,7 @@ inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string c
     } else {
       m.bf16.resize(static_cast<std::size_t>(t.num_elements()));
       for (std::size_t i = 0; i < m.bf16.size(); ++i) {
-        m.bf16[i] = static_cast<std::uint16_t>(std::to_integer<unsigned>(t.bytes[2 * i]) |
-                                               std::to_integer<unsigned>(t.bytes[2 * i + 1]) << 8);
+        m.bf16[i] = io::detail::load_le<std::uint16_t>(t.bytes.data() + 2 * i);
       }
     }
     return m;
@@ -501,14 +510,6 @@ inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string c
   io::to_float(t, m.f32);
   if (keep_bf16) m.to_bf16();
   return m;
-}
-
-/// Does `mode` keep tensor `name` in bf16?
-inline bool keeps_bf16(io::ShardedCheckpoint const& ckpt, std::string const& name,
-                       DenseWeights mode) {
-  if (mode != DenseWeights::kAsStored) return mode == DenseWeights::kBf16;
-  io::TensorView const* t = ckpt.find(name);
-  return t != nullptr && t->dtype == io::Dtype::kBf16;
 }
 
 template <class Moe>
@@ -557,7 +558,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     auto load_projection = [&](MatrixView<float> dst, std::string const& name,
                                std::vector<std::int64_t> const& shape) {
       load_into(view_span(dst), name, shape);
-      attention_bf16 = attention_bf16 && keeps_bf16(ckpt, p + name, mode);
+      attention_bf16 = attention_bf16 && keeps_bf16(ckpt.find(p + name)->dtype, mode);
     };
     load_projection(b.attention.q_proj(), "self_attn.q_proj.weight", {nh * dh, H});
     load_projection(b.attention.k_proj(), "self_attn.k_proj.weight", {kv * dh, H});

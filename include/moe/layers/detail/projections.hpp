@@ -50,12 +50,16 @@ class ProjectionQueue {
       if (job.packed) {
         kernels::project_cols_packed(job.a, job.lda, job.rows, job.packed, job.depth, it.c0, it.c1,
                                      job.c, job.ldc);
-      } else if (job.w_bf16) {
-        kernels::project_cols(job.a, job.lda, job.rows, job.w_bf16, job.depth, job.depth, it.c0,
-                              it.c1, job.c, job.ldc, scratch + thread * per_thread);
       } else {
-        kernels::project_cols(job.a, job.lda, job.rows, job.w, job.depth, job.depth, it.c0, it.c1,
-                              job.c, job.ldc, scratch + thread * per_thread);
+        auto cols = [&](auto const* w) {
+          kernels::project_cols(job.a, job.lda, job.rows, w, job.depth, job.depth, it.c0, it.c1,
+                                job.c, job.ldc, scratch + thread * per_thread);
+        };
+        if (job.w_bf16) {
+          cols(job.w_bf16);
+        } else {
+          cols(job.w);
+        }
       }
     });
     jobs_.clear();
