@@ -7,7 +7,12 @@
 // Shapes (T tokens, D d_model, F d_ffn, E experts, K top_k, R = routed rows = T * K here):
 //   BM_Train_MoeFfn_Qwen3    Qwen3-30B-A3B expert layer: D 2048, F 768,  E 128, K 8 (SwiGLU)
 //   BM_Train_MoeFfn_Mixtral  Mixtral-like:              D 1024, F 3584, E 8,   K 2 (SwiGLU)
-//   both at T in {128, 512}, on a moe::ThreadPool of 2 threads (the caller and one worker).
+//   both at T in {128, 512}, on a moe::ThreadPool of 2 threads (the caller and one worker);
+//   bf16:0 the fp32 layer, bf16:1 the bf16-compute training mode (set_train_compute(kBf16):
+//   bf16 operands on the CPU's bf16 unit, fp32 accumulation, fp32 master weights and gradients),
+//   side by side in one run. Its counter panels_ms is what that mode adds once per optimizer
+//   step, outside the timed loop: rounding the updated weights into the bf16 copies (done when
+//   the parameters() list of the step ends; timed here through set_train_compute on the pool).
 //
 // What one iteration times: layer.forward_train(x, y, ws) then layer.backward(ws, dy, dx, grads),
 // with the workspace reused. NOT timed: zeroing the gradients (grads.zero() is a memset of the
@@ -108,6 +113,12 @@ void run_train_step(benchmark::State& state, Model<Layer>& model) {
   moe::ConstMatrixView<float> const xv(x.data(), T, D), dyv(dy.data(), T, D);
   moe::MatrixView<float> const yv(y.data(), T, D), dxv(dx.data(), T, D);
   moe::ThreadPool pool(kThreads);
+  bool const bf16 = state.range(1) != 0;
+  using Clock = std::chrono::steady_clock;
+  auto const p0 = Clock::now();
+  layer.set_train_compute(
+      bf16 ? moe::experts::TrainCompute::kBf16 : moe::experts::TrainCompute::kF32, &pool);
+  double const panels_ms = std::chrono::duration<double, std::milli>(Clock::now() - p0).count();
   moe::MoeFfnWorkspace ws;
   layer.reserve(ws, T, kThreads);
   moe::ForwardOptions opt;
@@ -118,7 +129,6 @@ void run_train_step(benchmark::State& state, Model<Layer>& model) {
   Index const R = ws.plan.num_rows();
   layer.backward(ws, dyv, dxv, model.grads, &pool);
 
-  using Clock = std::chrono::steady_clock;
   double fwd_seconds = 0.0, bwd_seconds = 0.0;
   for (auto _ : state) {
     auto const t0 = Clock::now();
@@ -141,21 +151,24 @@ void run_train_step(benchmark::State& state, Model<Layer>& model) {
   state.counters["fwd_ms"] = Counter(fwd_seconds * 1e3, Counter::kAvgIterations);
   state.counters["bwd_ms"] = Counter(bwd_seconds * 1e3, Counter::kAvgIterations);
   state.counters["rows"] = static_cast<double>(R);
+  if (bf16) state.counters["panels_ms"] = panels_ms;
+  layer.set_train_compute(moe::experts::TrainCompute::kF32);  // frees the bf16 copies
 }
 
 void BM_Train_MoeFfn_Qwen3(benchmark::State& state) { run_train_step(state, qwen3_model()); }
 void BM_Train_MoeFfn_Mixtral(benchmark::State& state) { run_train_step(state, mixtral_model()); }
 
 // Wall-clock time (UseRealTime): the CPU-time clock sees only the calling thread, not the pool's
-// worker. The smoke test's filter "Mixtral/T:128" matches BM_Train_MoeFfn_Mixtral/T:128 only.
+// worker. The smoke test's filter "Mixtral/T:128" matches BM_Train_MoeFfn_Mixtral/T:128 only
+// (both modes).
 BENCHMARK(BM_Train_MoeFfn_Qwen3)
-    ->ArgsProduct({{128, 512}})
-    ->ArgNames({"T"})
+    ->ArgsProduct({{128, 512}, {0, 1}})
+    ->ArgNames({"T", "bf16"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Train_MoeFfn_Mixtral)
-    ->ArgsProduct({{128, 512}})
-    ->ArgNames({"T"})
+    ->ArgsProduct({{128, 512}, {0, 1}})
+    ->ArgNames({"T", "bf16"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
@@ -167,7 +180,9 @@ bool add_context() {
   benchmark::AddCustomContext("expert_gemm",
                               "forward: moe panel kernels, weights packed per call (no "
                               "pack_weights(), as after every optimizer step); backward: "
-                              "kernels::gemm_strided per tile");
+                              "kernels::gemm_strided per tile; bf16:1 every expert product on "
+                              "bf16 panels (kernels::expert_cols: AMX, AVX512-BF16 or widened)");
+  benchmark::AddCustomContext("kernels", moe::compiled_kernels());
   return true;
 }
 [[maybe_unused]] bool const kContextAdded = add_context();

@@ -11,8 +11,12 @@ left out: its group-limited sigmoid routing is not this block), random weights, 
 rotating like the bench's so that weights come from DRAM where they do in the bench.
 
 Usage: /usr/bin/python3 bench/pytorch_baseline.py [--dtype bf16|fp32] [--threads 2] [--shapes Qwen3,Mixtral]
-       [--tokens 1,8,32,128,512,2048] [--reps 10]
-Prints one line per shape and T: best and mean ms per forward. Debian 12: apt install
+       [--tokens 1,8,32,128,512,2048] [--reps 10] [--train]
+Prints one line per shape and T: best and mean ms per forward. With --train, per training step
+as moe_bench_train times it: the forward with autograd, then backward of sum(y * dy) (dy uniform
+in [-1/(T*D), 1/(T*D)), the gradients of every weight and of x accumulated; no optimizer step),
+parameters and activations in --dtype (bf16: PyTorch's bf16 eager training, against moe's
+bf16-compute mode). Debian 12: apt install
 python3-torch (PyTorch 1.13, oneDNN inside: its bf16 Linears use AMX where the CPU has it).
 """
 import argparse
@@ -60,6 +64,7 @@ def main():
     ap.add_argument("--shapes", default="Qwen3,Mixtral")
     ap.add_argument("--tokens", default="1,8,32,128,512,2048")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--train", action="store_true", help="time forward + backward steps")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -68,8 +73,23 @@ def main():
     for name in a.shapes.split(","):
         d, f, e, k = SHAPES[name]
         torch.manual_seed(0)
-        block = Block(d, f, e, k).to(dtype).eval()
+        block = Block(d, f, e, k).to(dtype)
+        if not a.train:
+            block.eval()
         for t in [int(v) for v in a.tokens.split(",")]:
+            if a.train:
+                x = torch.rand(t, d, dtype=torch.float32).mul_(2).sub_(1).to(dtype).requires_grad_()
+                g = 1.0 / (t * d)
+                dy = torch.rand(t, d, dtype=torch.float32).mul_(2 * g).sub_(g).to(dtype)
+                block(x).backward(dy)
+                times = []
+                for r in range(a.reps):
+                    t0 = time.perf_counter()
+                    block(x).backward(dy)
+                    times.append(time.perf_counter() - t0)
+                print(f"{name} T={t} train step: best {min(times) * 1e3:.2f} ms, "
+                      f"mean {sum(times) / len(times) * 1e3:.2f} ms")
+                continue
             inputs = [torch.rand(t, d, dtype=torch.float32).mul_(2).sub_(1).to(dtype) for _ in range(4)]
             times = []
             with torch.inference_mode():

@@ -113,6 +113,8 @@ struct Case {
   bool to_last_rank = false;  ///< route every token to the last rank's experts
   int steps = 1;              ///< forward_train + backward + end_step rounds
   bool mask = false;          ///< mark every 7th token (t % 7 == 3) as padding
+  /// Training arithmetic of the reference (from_layer carries it over).
+  experts::TrainCompute compute = experts::TrainCompute::kF32;
 };
 
 std::vector<Index> token_split(Case const& c, int P) {
@@ -189,6 +191,7 @@ void check_against_reference(Layer ref, Case const& c) {
     for (Index t = 0; t < T; ++t) X[static_cast<std::size_t>(t * D)] = 1.0f;
   }
   if (c.pack) ref.pack_weights(c.format);
+  ref.set_train_compute(c.compute);
   moe::ThreadPool pool(c.threads);
   moe::ThreadPool* pp = c.threads > 1 ? &pool : nullptr;
   std::vector<std::uint8_t> mask;
@@ -203,6 +206,7 @@ void check_against_reference(Layer ref, Case const& c) {
                                     : std::span<std::uint8_t const>()};
 
   EP ep = EP::from_layer(MPI_COMM_WORLD, ref, options);
+  CHECK(ep.train_compute() == c.compute);
   CHECK_NOTHROW(ep.verify_replicas());
   auto const ids = ep.local_expert_ids();
   CHECK(static_cast<Index>(ids.size()) == ep.local_experts().num_experts());
@@ -450,6 +454,14 @@ TEST_CASE("dist: forward and backward equal MoeFfn", "[dist]") {
     c.format = experts::WeightFormat::kBf16;
     Index const np = moe::kernels::panel_width();
     check_against_reference(make_qwen2_like(np, np), c);
+  }
+  SECTION("bf16-compute training (TrainCompute::kBf16), gated shared expert, 2 threads, 2 steps") {
+    Case c;
+    c.total_tokens = 83;
+    c.threads = 2;
+    c.steps = 2;
+    c.compute = experts::TrainCompute::kBf16;
+    check_against_reference(make_qwen2_like(), c);
   }
   SECTION("global batch under 8 tokens") {
     Case c;

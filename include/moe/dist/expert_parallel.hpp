@@ -274,6 +274,9 @@ class ExpertParallelMoeFfn
       for (auto const id : ids) local.push_back(all[static_cast<std::size_t>(id)]);
       ep.bank_.pack(local);
     }
+    if (layer.train_compute() != experts::TrainCompute::kF32) {
+      ep.set_train_compute(layer.train_compute());
+    }
     return ep;
   }
 
@@ -578,9 +581,10 @@ class ExpertParallelMoeFfn
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const D = d_model_, rin = ws.exchange.received(), kpD = (D + 1) / 2;
     stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train),
-                                  ::moe::detail::uses_q8_rows(bank_, !train)};
+                                  ::moe::detail::uses_q8_rows(bank_, !train), true};
     Index const rbD = kernels::q8_row_bytes(D);
     ws.experts.prepare(bank_, rin, mode, false);
+    ws.experts.round_inputs(bank_, rin, mode, pool);
     ws.x_pairs.resize(static_cast<std::size_t>(mode.pairs ? rin * kpD : 0));
     ws.x_q8.resize(static_cast<std::size_t>(mode.q8 ? rin * rbD : 0));
     std::uint32_t* const pairs = mode.pairs ? ws.x_pairs.data() : nullptr;
@@ -590,6 +594,7 @@ class ExpertParallelMoeFfn
     ws.experts.enqueue_in(ws.queue, bank_, local_rows(ws),
                           {ws.experts.x_rows.data(), D, nullptr, pairs, kpD, q8, rbD}, mode);
     ws.queue.run<Expert, SharedX>(pool);
+    ws.experts.round_hidden(bank_, rin, mode, pool);
     ::moe::detail::run_pairs_tasks(pool, {ws.experts.act_pairs_task(bank_, rin)});
     ws.experts.enqueue_down(ws.queue, bank_, local_rows(ws), nullptr, mode);
     ws.queue.run<Expert, SharedX>(pool);
@@ -602,7 +607,7 @@ class ExpertParallelMoeFfn
                               ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, kpD = (D + 1) / 2;
     stages::ExpertMode const mode{train, stages::SharedStage::uses_pairs(shared_, train),
-                                  stages::SharedStage::uses_q8(shared_, train)};
+                                  stages::SharedStage::uses_q8(shared_, train), true};
     Index const rbD = kernels::q8_row_bytes(D);
     ws.shared.prepare(shared_, T, mode, D);
     ws.shared.gates(shared_, x, pool);
@@ -612,9 +617,11 @@ class ExpertParallelMoeFfn
     std::byte* const q8 = mode.q8 ? ws.shared_x_q8.data() : nullptr;
     ::moe::detail::run_pairs_tasks(
         pool, {::moe::detail::PairsTask{x.data, x.row_stride, T, D, pairs, q8}});
-    ws.shared.enqueue_in(ws.queue, shared_, {x.data, x.row_stride, nullptr, pairs, kpD, q8, rbD}, T,
-                         mode, ws.total_tokens);
+    ConstMatrixView<float> const xs = ws.shared.inputs(shared_, x, mode, pool);
+    ws.shared.enqueue_in(ws.queue, shared_, {xs.data, xs.row_stride, nullptr, pairs, kpD, q8, rbD},
+                         T, mode, ws.total_tokens);
     ws.queue.run<Expert, SharedX>(pool);
+    ws.shared.round_hidden(shared_, mode, pool);
     ::moe::detail::run_pairs_tasks(pool, {ws.shared.act_pairs_task(shared_, T)});
     ws.shared.enqueue_down(ws.queue, shared_, T, mode, ws.total_tokens);
     ws.queue.run<Expert, SharedX>(pool);

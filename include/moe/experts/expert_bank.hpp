@@ -218,6 +218,9 @@ class ExpertBank {
     }
     params_ = std::move(kept);
     masters_ = false;
+    train_compute_ = TrainCompute::kF32;
+    train_bf16_.clear();
+    train_current_ = false;
   }
   /// Do inference forwards read only the pack, never the fp32 weights? True when packed(),
   /// except for GLU experts whose d_ffn is not a multiple of kernels::panel_width() with an fp32
@@ -310,7 +313,16 @@ class ExpertBank {
     auto const wd = down_proj(e), wi = in_proj(e);
     kernels::gemm_strided(n, F, d_model_, dy.data, dy.row_stride, 1, wd.data, wd.row_stride,
                           dm.data, dm.row_stride, false, gemm_scratch);
-    for (Index i = 0; i < n; ++i) {
+    activation_backward(h, dm, m, dh);
+    kernels::gemm_strided(n, d_model_, hidden_cols(), dh.data, dh.row_stride, 1, wi.data,
+                          wi.row_stride, dx.data, dx.row_stride, false, gemm_scratch);
+  }
+  /// The activation's VJP over n rows: from the pre-activations h [n, P] and dm [n, F] (the
+  /// gradient of m), m [n, F] recomputed and dh [n, P] (fp32; both training modes).
+  void activation_backward(ConstMatrixView<float> h, ConstMatrixView<float> dm, MatrixView<float> m,
+                           MatrixView<float> dh) const {
+    Index const F = d_ffn_;
+    for (Index i = 0; i < h.rows; ++i) {
       float const* hi = h.row(i);
       if constexpr (is_clamped_glu<Expert>) {
         kernels::clamped_glu_backward(hi, hi + F, dm.row(i), m.row(i), dh.row(i), dh.row(i) + F, F,
@@ -322,8 +334,6 @@ class ExpertBank {
         kernels::activate_backward<Expert::activation>(hi, dm.row(i), m.row(i), dh.row(i), F);
       }
     }
-    kernels::gemm_strided(n, d_model_, hidden_cols(), dh.data, dh.row_stride, 1, wi.data,
-                          wi.row_stride, dx.data, dx.row_stride, false, gemm_scratch);
   }
   /// Floats of scratch backward_rows needs for n rows: dm, then gemm_strided's scratch.
   Index backward_scratch_floats(Index n) const {
@@ -547,6 +557,53 @@ class ExpertBank {
     return b;
   }
 
+  /// Sets the arithmetic of training forwards and backwards over this bank. kBf16 (opt-in):
+  /// every expert product of a training step, forward (x W_in^T, m W_down^T), backward
+  /// (dM = dY W_down, dX = dH W_in) and weight gradients (dW_in += dH^T X, dW_down += dY^T m),
+  /// multiplies bf16 operands (round to nearest even; activations and gradients as
+  /// kernels::round_bf16_activation) and accumulates in fp32, on the CPU's bf16 unit (AMX tiles,
+  /// AVX512-BF16, or fp32 FMAs on widened bf16: moe::bf16_kernel()). The fp32 weights stay the
+  /// master copy the optimizer updates (parameters(), edit()) and the gradients are fp32; the
+  /// bank keeps bf16 copies of the weights for these products (train panels: the in and down
+  /// projections in both orientations, half the bytes of the fp32 weights), made here and
+  /// again whenever an edit scope ends. Activation functions, their VJPs, biases, the router and
+  /// the balance losses stay fp32. Inference forwards are unchanged (they read pack()).
+  /// Which layers run it: MoeFfn's and ExpertParallelMoeFfn's training forwards round the expert
+  /// inputs and hidden activations to bf16 themselves; MoeAttention's throws moe::Error over a
+  /// bank in this mode (not yet). Throws while an edit scope is open, and after
+  /// discard_master_weights(). kF32 drops the train panels.
+  void set_train_compute(TrainCompute c, ThreadPool* pool = nullptr) {
+    detail::check(!editing(),
+                  "ExpertBank::set_train_compute: the weights are open for writing (an Edit or a "
+                  "layer's parameters() list is alive); let it end first");
+    require_masters("set_train_compute");
+    train_compute_ = c;
+    train_bf16_.clear();
+    train_current_ = false;
+    if (c == TrainCompute::kBf16) build_train_panels(pool);
+  }
+  TrainCompute train_compute() const { return train_compute_; }
+  /// Are the bf16 train panels present and made from the current weights (kBf16, no edit open)?
+  bool train_panels_current() const { return train_current_; }
+  /// Expert e's bf16 train panels (null unless train_panels_current()): the forward's in
+  /// projection, operand o (GLU: 0 gate, 1 up; each ceil(F / NP) panels of depth D, so gate and
+  /// up never share a panel), its down projection (ceil(D / NP) panels of depth F), and the
+  /// backward's W_in read as [P, D] (ceil(D / NP) panels of depth P: dX = dH W_in) and W_down
+  /// read as [D, F] (ceil(F / NP) panels of depth D: dM = dY W_down), in the layout of
+  /// kernels::pack_panel_bf16.
+  std::uint32_t const* train_in_bf16(Index e, int o) const {
+    return train_at(e, o * train_in_words());
+  }
+  std::uint32_t const* train_down_bf16(Index e) const {
+    return train_at(e, kInFactor * train_in_words());
+  }
+  std::uint32_t const* train_in_t_bf16(Index e) const {
+    return train_at(e, kInFactor * train_in_words() + train_down_words());
+  }
+  std::uint32_t const* train_down_t_bf16(Index e) const {
+    return train_at(e, kInFactor * train_in_words() + train_down_words() + train_in_t_words());
+  }
+
   /// Is the packed copy present and made from the current weights? (A bank of no experts, as an
   /// expert-parallel rank may hold, is packed once pack() has run, though it stores nothing.)
   bool packed() const { return pack_current_; }
@@ -599,6 +656,60 @@ class ExpertBank {
                   "inference-only decoder does); only inference forwards over the pack run. Load "
                   "the weights again to read, write, repack or train them");
   }
+  // Words of one expert's train panels (see train_in_bf16).
+  Index train_in_words() const {
+    Index const np = kernels::panel_width();
+    return (d_ffn_ + np - 1) / np * ((d_model_ + 1) / 2) * np;
+  }
+  Index train_down_words() const {
+    Index const np = kernels::panel_width();
+    return (d_model_ + np - 1) / np * ((d_ffn_ + 1) / 2) * np;
+  }
+  Index train_in_t_words() const {
+    Index const np = kernels::panel_width();
+    return (d_model_ + np - 1) / np * ((hidden_cols() + 1) / 2) * np;
+  }
+  Index train_down_t_words() const { return train_in_words(); }
+  Index train_expert_words() const {
+    return kInFactor * train_in_words() + train_down_words() + train_in_t_words() +
+           train_down_t_words();
+  }
+  std::uint32_t const* train_at(Index e, Index offset) const {
+    return train_current_ ? train_bf16_.data() + e * train_expert_words() + offset : nullptr;
+  }
+  /// Rounds every expert's weights into the train panels (see set_train_compute).
+  void build_train_panels(ThreadPool* pool) {
+    Index const np = kernels::panel_width(), D = d_model_, F = d_ffn_, P = hidden_cols();
+    Index const words = train_expert_words();
+    train_bf16_.assign(static_cast<std::size_t>(num_experts_ * words), 0u);
+    parallel_for(pool, num_experts_, [&](Index e, int) {
+      std::uint32_t* dst = train_bf16_.data() + e * words;
+      Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpP = (P + 1) / 2;
+      for (Index o = 0; o < kInFactor; ++o) {
+        for (Index p = 0; p * np < F; ++p) {
+          kernels::pack_panel_bf16(in_ptr(e) + o * F * D, D, p * np, std::min(np, F - p * np), D,
+                                   dst + p * kpD * np);
+        }
+        dst += train_in_words();
+      }
+      for (Index p = 0; p * np < D; ++p) {
+        kernels::pack_panel_bf16(down_ptr(e), F, p * np, std::min(np, D - p * np), F,
+                                 dst + p * kpF * np);
+      }
+      dst += train_down_words();
+      for (Index p = 0; p * np < D; ++p) {
+        kernels::pack_panel_bf16_t(in_ptr(e), D, p * np, std::min(np, D - p * np), P,
+                                   dst + p * kpP * np, false);
+      }
+      dst += train_in_t_words();
+      for (Index p = 0; p * np < F; ++p) {
+        kernels::pack_panel_bf16_t(down_ptr(e), F, p * np, std::min(np, F - p * np), D,
+                                   dst + p * kpD * np, false);
+      }
+    });
+    train_current_ = true;
+  }
+
   float* in_bias_ptr(Index e) { return params_.data() + bias_base() + e * hidden_cols(); }
   float const* in_bias_ptr(Index e) const {
     return params_.data() + bias_base() + e * hidden_cols();
@@ -628,9 +739,17 @@ class ExpertBank {
     if (edits_.n++ == 0) {
       repack_ = pack_current_;
       pack_current_ = false;
+      train_current_ = false;
     }
   }
   void end_edit() {
+    if (edits_.n == 1 && train_compute_ == TrainCompute::kBf16) {
+      try {
+        build_train_panels(nullptr);
+      } catch (...) {  // out of memory: stale panels stay unused (a bf16 training forward throws)
+        train_bf16_.clear();
+      }
+    }
     if (--edits_.n == 0 && repack_) {
       repack_ = false;
       try {
@@ -652,6 +771,9 @@ class ExpertBank {
   HugePageVector<float> packed_;
   HugePageVector<std::uint32_t> packed_bf16_;
   HugePageVector<std::byte> packed_q_;
+  TrainCompute train_compute_ = TrainCompute::kF32;
+  bool train_current_ = false;                // train_bf16_ made from the current weights
+  HugePageVector<std::uint32_t> train_bf16_;  // set_train_compute(kBf16): see train_in_bf16
 };
 
 }  // namespace moe::experts

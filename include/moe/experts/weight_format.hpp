@@ -20,4 +20,11 @@ enum class WeightFormat {
   kQ2_K,  ///< GGUF Q2_K (2.625 bits; likewise)
 };
 
+/// The arithmetic of training forwards and backwards over an expert bank
+/// (ExpertBank::set_train_compute, FfnLayerBase::set_train_compute).
+enum class TrainCompute {
+  kF32,   ///< fp32 operands and accumulation (the default): exact
+  kBf16,  ///< bf16 operands, fp32 accumulation, fp32 master weights and gradients (opt-in)
+};
+
 }  // namespace moe::experts

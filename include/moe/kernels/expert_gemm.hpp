@@ -64,7 +64,9 @@ MOE_ALWAYS_INLINE void load_bias(float const* bias, Index c0, Index nc, B (&out)
 /// 64-byte aligned addresses are written with non-temporal stores (simd::store_stream: no read of
 /// the line first, no cache displaced), for outputs too large to stay cached until they are
 /// read; the caller then calls simd::stream_fence() before another thread reads C. Same values
-/// either way.
+/// either way. With `accumulate` (no scale, no stream) C[i, .] += acc + bias instead: the
+/// weight gradients of the bf16-compute training mode add each block of rows to the fp32
+/// gradient.
 struct StoreEpilogue {
   float* c;                      ///< output [M, N] (ldc)
   Index ldc;                     ///< row stride of c
@@ -72,6 +74,7 @@ struct StoreEpilogue {
   float const* scale = nullptr;  ///< [M] per-row factors (routing weights) or null
   bool stream = false;           ///< non-temporal stores where possible
   float const* bias = nullptr;   ///< [N] added before the scale (expert output biases) or null
+  bool accumulate = false;       ///< add to C (scale and stream unset)
   static constexpr int kOperands = 1;
   template <class B, int NB>
   MOE_ALWAYS_INLINE void row(Index i, Index p, B const (&acc)[NB]) const {
@@ -86,6 +89,17 @@ struct StoreEpilogue {
       for (int j = 0; j < NB; ++j) v[j] = acc[j];
     }
     float* dst = c + i * ldc + c0;
+    if (accumulate) {
+      if (nc == NB * L) {
+        for (int j = 0; j < NB; ++j)
+          (v[j] + B::load_unaligned(dst + j * L)).store_unaligned(dst + j * L);
+      } else {
+        alignas(64) float tmp[NB * L];
+        for (int j = 0; j < NB; ++j) v[j].store_aligned(tmp + j * L);
+        for (Index k = 0; k < nc; ++k) dst[k] += tmp[k];
+      }
+      return;
+    }
     B s(1.0f);
     if (scale) s = B(scale[i]);
     if (stream && nc == NB * L && reinterpret_cast<std::uintptr_t>(dst) % 64 == 0) {

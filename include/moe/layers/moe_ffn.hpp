@@ -337,14 +337,16 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// Inference reads each routed row of x in place through the plan's row_token (no gather
   /// copy). With `train`, the rows are gathered into ws.routed.x_rows, pre-activations kept, and
   /// expert outputs stay unweighted (the backward and the balance policies need them); the
-  /// shared experts likewise. bf16 panels serve inference only.
+  /// shared experts likewise. bf16 panels serve inference only. A training forward over a bank
+  /// in bf16-compute mode (ExpertBank::set_train_compute) rounds that bank's inputs and hidden
+  /// activations to bf16 (the operands of its products; the pre-activations stay fp32).
   void run_experts(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
                    MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, R = plan.num_rows(), kpD = (D + 1) / 2;
     stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank_, !train),
-                                    detail::uses_q8_rows(bank_, !train)};
+                                    detail::uses_q8_rows(bank_, !train), true};
     stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train),
-                                    stages::SharedStage::uses_q8(shared_, train)};
+                                    stages::SharedStage::uses_q8(shared_, train), true};
     stages::ExpertRows const rows = rows_of(plan);
     bool const scaled = routing::detail::scales_input(router_);
     ws.routed.prepare(bank_, R, routed, train || scaled);
@@ -359,6 +361,8 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     // their routing weights), shared-expert gates, x as bf16 pairs / int8 rows.
     if (train || scaled) ws.routed.gather(x, plan.row_token.data(), R, pool);
     if (scaled) ws.routed.scale_inputs(plan.row_weight.data(), R, D, pool);
+    ws.routed.round_inputs(bank_, R, routed, pool);
+    ConstMatrixView<float> const xs = ws.shared.inputs(shared_, x, shared, pool);
     ws.shared.gates(shared_, x, pool);
     detail::run_pairs_tasks(
         pool, {detail::PairsTask{x.data, x.row_stride, T, D, x_pairs ? ws.x_pairs.data() : nullptr,
@@ -375,10 +379,12 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
                                                            rbD};
     ws.routed.enqueue_in(ws.queue, bank_, rows, in, routed);
     ws.shared.enqueue_in(ws.queue, shared_,
-                         {x.data, x.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
+                         {xs.data, xs.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
                           shared.q8 ? q8 : nullptr, rbD},
                          T, shared, T);
     run_queue(ws, pool);
+    ws.routed.round_hidden(bank_, R, routed, pool);
+    ws.shared.round_hidden(shared_, shared, pool);
     detail::run_pairs_tasks(
         pool, {ws.routed.act_pairs_task(bank_, R), ws.shared.act_pairs_task(shared_, T)});
     // 3. Down projections, times the routing weight in inference (unless it scaled the inputs).

@@ -156,6 +156,21 @@ class FfnLayerBase {
     if constexpr (Shared::has_experts) shared_.bank().pack(format, pool);
   }
 
+  /// The arithmetic of training steps over the routed and shared experts
+  /// (ExpertBank::set_train_compute): TrainCompute::kF32 (the default, exact) or kBf16, bf16
+  /// operands with fp32 accumulation, fp32 master weights and gradients, on the CPU's bf16 unit
+  /// (AMX, AVX512-BF16, or widened to fp32). The router, the shared-expert gates, activations and
+  /// balance losses stay fp32; inference forwards are unchanged (MoeFfn and
+  /// ExpertParallelMoeFfn, whose from_layer carries the mode over). Keeps bf16
+  /// copies of the expert weights (half the bytes of the fp32 weights), rebuilt after every
+  /// parameters() list or edit scope ends (one optimizer step). Throws while one is open.
+  /// Accuracy: docs/design.md, "bf16 compute".
+  void set_train_compute(experts::TrainCompute c, ThreadPool* pool = nullptr) {
+    bank_.set_train_compute(c, pool);
+    if constexpr (Shared::has_experts) shared_.bank().set_train_compute(c, pool);
+  }
+  experts::TrainCompute train_compute() const { return bank_.train_compute(); }
+
   /// Frees the routed and shared experts' fp32 weights, keeping their packs
   /// (ExpertBank::discard_master_weights): an inference-only layer, as a decoder keeps it.
   /// Afterwards parameters(), pack_weights(), training forwards and backwards throw moe::Error;

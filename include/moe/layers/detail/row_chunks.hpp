@@ -9,6 +9,7 @@
 
 #include "moe/core/types.hpp"
 #include "moe/core/views.hpp"
+#include "moe/layers/detail/bf16_train.hpp"
 
 namespace moe::detail {
 
@@ -38,10 +39,10 @@ void backward_chunk(Bank const& bank, RowChunk c, float const* h, float const* d
                     float* dh, float* dx, float* scratch) {
   Index const r = c.r0, n = c.r1 - c.r0;
   Index const P = bank.hidden_cols(), D = bank.d_model(), F = bank.d_ffn();
-  bank.backward_rows(c.e, ConstMatrixView<float>(h + r * P, n, P),
-                     ConstMatrixView<float>(dy + r * D, n, D), MatrixView<float>(m + r * F, n, F),
-                     MatrixView<float>(dh + r * P, n, P), MatrixView<float>(dx + r * D, n, D),
-                     scratch);
+  expert_backward_rows(bank, c.e, ConstMatrixView<float>(h + r * P, n, P),
+                       ConstMatrixView<float>(dy + r * D, n, D), MatrixView<float>(m + r * F, n, F),
+                       MatrixView<float>(dh + r * P, n, P), MatrixView<float>(dx + r * D, n, D),
+                       scratch);
 }
 
 }  // namespace moe::detail

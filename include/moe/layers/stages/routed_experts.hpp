@@ -33,13 +33,31 @@ struct ExpertRows {
   Index total() const { return count > 0 ? offsets[count] : 0; }
 };
 
-/// How a forward runs: training keeps pre-activations and the fp32 weights; inference may read
-/// bf16 panels, then with AVX512-BF16 through bf16 input pairs.
+/// How a forward runs: training keeps pre-activations and the fp32 weights (or the bf16 train
+/// panels of a bank in bf16-compute mode); inference may read bf16 panels, then with
+/// AVX512-BF16 through bf16 input pairs.
 struct ExpertMode {
   bool train = false;
   bool pairs = false;  ///< inputs handed over as bf16 pairs (see detail::uses_bf16_pairs)
   bool q8 = false;     ///< inputs handed over as int8 rows (see detail::uses_q8_rows)
+  /// Training: the layer rounds the inputs and hidden activations of banks in bf16-compute
+  /// mode to bf16 (round_inputs, round_hidden; MoeFfn and ExpertParallelMoeFfn do); a training
+  /// forward over such a bank without it throws.
+  bool bf16_operands = false;
 };
+
+/// Throws unless a training forward over `bank` in bf16-compute mode has its operands rounded
+/// by the layer (mode.bf16_operands) and the bank's train panels are current.
+template <class Bank>
+void check_train_compute(Bank const& bank, ExpertMode mode) {
+  if (!mode.train || !detail::trains_bf16(bank)) return;
+  detail::check(mode.bf16_operands,
+                "MoE layer: this layer does not run bf16-compute training "
+                "(TrainCompute::kBf16) yet (MoeFfn and ExpertParallelMoeFfn do); set the bank back "
+                "to TrainCompute::kF32 "
+                "(ExpertBank::set_train_compute) to train it here");
+  detail::require_train_panels(bank);
+}
 
 /// The routed experts' buffers (expert-major rows, R of them) and the engine that fills them.
 struct RoutedExperts {
@@ -122,12 +140,29 @@ struct RoutedExperts {
     });
   }
 
+  /// bf16-compute training (a bank in TrainCompute::kBf16, mode.train): the R input rows of
+  /// x_rows rounded to bf16, after any gather or input scaling; they are the in projections' A
+  /// operand and the X of dW_in.
+  template <class Bank>
+  void round_inputs(Bank const& bank, Index R, ExpertMode mode, ThreadPool* pool) {
+    if (mode.train && detail::trains_bf16(bank)) {
+      round_bf16(x_rows.data(), R * bank.d_model(), pool);
+    }
+  }
+  /// bf16-compute training: m of the R rows rounded to bf16 (the down projections' A operand),
+  /// after the in projections ran.
+  template <class Bank>
+  void round_hidden(Bank const& bank, Index R, ExpertMode mode, ThreadPool* pool) {
+    if (mode.train && detail::trains_bf16(bank)) round_bf16(act.data(), R * bank.d_ffn(), pool);
+  }
+
   /// In projections with the activation fused: m (and h when training) of every expert's rows,
   /// reading row r of expert e's group from a.from(offsets[e]).
   template <class Bank>
   void enqueue_in(ProjectionQueue& q, Bank const& bank, ExpertRows rows, kernels::RowSource a,
                   ExpertMode mode) {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
+    check_train_compute(bank, mode);
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
       detail::ExpertJob job;
@@ -196,7 +231,7 @@ struct RoutedExperts {
   /// Floats of backward scratch per thread (backward_rows, then gemm_strided).
   template <class Bank>
   static Index backward_scratch(Bank const& bank) {
-    return bank.backward_scratch_floats(detail::kBackwardRows);
+    return detail::expert_backward_scratch(bank, detail::kBackwardRows);
   }
 
   /// Row phase of the backward, from d_out: m recomputed, dhidden and dx_rows, each expert's
@@ -226,13 +261,16 @@ struct RoutedExperts {
                         typename Bank::Edit const& grads) const {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
     constexpr Index kBlock = 256;
+    bool const bf16 = detail::trains_bf16(bank);
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
       if (n == 0) continue;
       tasks.add(ConstMatrixView<float>(inputs + r0 * D, n, D),
-                ConstMatrixView<float>(dhidden.data() + r0 * P, n, P), grads.in_proj(e), kBlock);
+                ConstMatrixView<float>(dhidden.data() + r0 * P, n, P), grads.in_proj(e), kBlock,
+                bf16);
       tasks.add(ConstMatrixView<float>(act.data() + r0 * F, n, F),
-                ConstMatrixView<float>(d_out.data() + r0 * D, n, D), grads.down_proj(e), kBlock);
+                ConstMatrixView<float>(d_out.data() + r0 * D, n, D), grads.down_proj(e), kBlock,
+                bf16);
       if (bank.has_biases()) {
         tasks.add_bias(ConstMatrixView<float>(dhidden.data() + r0 * P, n, P), grads.in_bias(e));
         tasks.add_bias(ConstMatrixView<float>(d_out.data() + r0 * D, n, D), grads.down_bias(e));

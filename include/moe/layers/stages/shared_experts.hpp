@@ -39,6 +39,7 @@ struct SharedStage {
   std::vector<std::byte> act_q8;         ///< [S, T] int8 rows (inference, quantized experts)
   std::vector<float> dy, dx, dhidden;    ///< backward: [S, T, D], [S, T, D], [S, T, P_s]
   std::vector<float> dgate;              ///< [T, S] dL/d(gate logits)
+  std::vector<float> x16;  ///< [T, D] the inputs rounded to bf16 (bf16-compute training)
 
   template <class Shared>
   static Index count(Shared const& sh) {
@@ -65,6 +66,13 @@ struct SharedStage {
     return false;
   }
 
+  /// Does a training forward over these shared experts run in bf16 (set_train_compute)?
+  template <class Shared>
+  static bool trains_bf16(Shared const& sh) {
+    if constexpr (Shared::has_experts) return detail::trains_bf16(sh.bank());
+    (void)sh;
+    return false;
+  }
   /// Does an inference forward hand the shared projections int8 rows?
   template <class Shared>
   static bool uses_q8(Shared const& sh, bool train) {
@@ -95,6 +103,26 @@ struct SharedStage {
     }
     if (uses_q8(sh, false)) {
       act_q8.reserve(static_cast<std::size_t>(ns * T * kernels::q8_row_bytes(Fs)));
+    }
+  }
+
+  /// The rows the shared experts' in projections read: x, or in a bf16-compute training forward
+  /// (mode.train, the shared bank in TrainCompute::kBf16) x rounded to bf16 into x16.
+  template <class Shared>
+  ConstMatrixView<float> inputs(Shared const& sh, ConstMatrixView<float> x, ExpertMode mode,
+                                ThreadPool* pool) {
+    if (!mode.train || !trains_bf16(sh)) return x;
+    Index const T = x.rows, D = x.cols;
+    x16.resize(static_cast<std::size_t>(T * D));
+    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, x16.data() + t * D);
+    round_bf16(x16.data(), T * D, pool);
+    return {x16.data(), T, D};
+  }
+  /// bf16-compute training: the shared experts' m rounded to bf16 after the in projections.
+  template <class Shared>
+  void round_hidden(Shared const& sh, ExpertMode mode, ThreadPool* pool) {
+    if (mode.train && trains_bf16(sh)) {
+      round_bf16(act.data(), static_cast<Index>(act.size()), pool);
     }
   }
 
@@ -132,6 +160,7 @@ struct SharedStage {
     if constexpr (Shared::has_experts) {
       auto const& sb = sh.bank();
       Index const ns = count(sh), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
+      check_train_compute(sb, mode);
       for (Index s = 0; s < ns; ++s) {
         detail::ExpertJob job;
         job.kind = detail::ExpertJob::Kind::kSharedHidden;
@@ -218,7 +247,9 @@ struct SharedStage {
 
   template <class Shared>
   static Index backward_scratch(Shared const& sh) {
-    if constexpr (Shared::has_experts) return sh.bank().backward_scratch_floats(kTokenTile);
+    if constexpr (Shared::has_experts) {
+      return detail::expert_backward_scratch(sh.bank(), kTokenTile);
+    }
     (void)sh;
     return 0;
   }
@@ -234,11 +265,12 @@ struct SharedStage {
       parallel_for(pool, ns * tiles, [&](Index i, int thread) {
         Index const s = i / tiles, t0 = (i % tiles) * kTokenTile;
         Index const n = std::min(kTokenTile, T - t0), off = s * T + t0;
-        sb.backward_rows(s, ConstMatrixView<float>(hidden.data() + off * Ps, n, Ps),
-                         ConstMatrixView<float>(dy.data() + off * D, n, D),
-                         MatrixView<float>(act.data() + off * Fs, n, Fs),
-                         MatrixView<float>(dhidden.data() + off * Ps, n, Ps),
-                         MatrixView<float>(dx.data() + off * D, n, D), scratch.of(thread));
+        detail::expert_backward_rows(sb, s, ConstMatrixView<float>(hidden.data() + off * Ps, n, Ps),
+                                     ConstMatrixView<float>(dy.data() + off * D, n, D),
+                                     MatrixView<float>(act.data() + off * Fs, n, Fs),
+                                     MatrixView<float>(dhidden.data() + off * Ps, n, Ps),
+                                     MatrixView<float>(dx.data() + off * D, n, D),
+                                     scratch.of(thread));
       });
     } else {
       (void)sh, (void)T, (void)pool, (void)scratch;
@@ -255,14 +287,15 @@ struct SharedStage {
       Index const T = x.rows, ns = count(sh), D = sb.d_model(), Ps = sb.hidden_cols();
       Index const Fs = sb.d_ffn();
       constexpr Index kBlock = 256;
+      bool const bf16 = detail::trains_bf16(sb);
       for (Index s = 0; s < ns; ++s) {
         ConstMatrixView<float> const xs =
             inputs ? ConstMatrixView<float>(inputs + s * T * D, T, D) : x;
         tasks.add(xs, ConstMatrixView<float>(dhidden.data() + s * T * Ps, T, Ps),
-                  MatrixView<float>(target.params + s * Ps * D, Ps, D), kBlock);
+                  MatrixView<float>(target.params + s * Ps * D, Ps, D), kBlock, bf16);
         tasks.add(ConstMatrixView<float>(act.data() + s * T * Fs, T, Fs),
                   ConstMatrixView<float>(dy.data() + s * T * D, T, D),
-                  MatrixView<float>(target.params + ns * Ps * D + s * D * Fs, D, Fs), kBlock);
+                  MatrixView<float>(target.params + ns * Ps * D + s * D * Fs, D, Fs), kBlock, bf16);
         if (sb.has_biases()) {  // the flat layout of ExpertBank::parameters()
           float* const b = target.params + ns * (Ps * D + D * Fs);
           tasks.add_bias(ConstMatrixView<float>(dhidden.data() + s * T * Ps, T, Ps),

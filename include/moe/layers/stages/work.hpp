@@ -17,6 +17,7 @@
 #include "moe/core/views.hpp"
 #include "moe/kernels/expert_gemm.hpp"
 #include "moe/kernels/gemm_strided.hpp"
+#include "moe/layers/detail/bf16_train.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
 
 namespace moe::stages {
@@ -110,9 +111,17 @@ kernels::WeightPanels from_pack(Bank const& bank, Index e, kernels::WeightPanels
 }
 
 /// Expert e's in projection (gate and up) of `bank` as expert_cols reads it: the packed
-/// format of that expert when `inference` (fp32 panels otherwise, or raw weights).
+/// format of that expert when `inference`; in training the bf16 train panels of a bank in
+/// bf16-compute mode, else fp32 panels or raw weights.
 template <class Bank>
 kernels::WeightPanels in_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
+  if (!inference && detail::trains_bf16(bank)) {
+    detail::require_train_panels(bank);
+    kernels::WeightPanels w;
+    w.bf16[0] = bank.train_in_bf16(e, 0);
+    if constexpr (Bank::Expert::gated) w.bf16[1] = bank.train_in_bf16(e, 1);
+    return w;
+  }
   Index const half = Bank::Expert::gated ? bank.d_ffn() : 0;
   auto const q = bank.packed_in_quant(e);
   float const* raw = bank.has_master_weights() ? bank.in_proj(e).data : nullptr;
@@ -124,6 +133,12 @@ kernels::WeightPanels in_weights(Bank const& bank, Index e, bool inference, Inde
 /// Expert e's down projection, likewise.
 template <class Bank>
 kernels::WeightPanels down_weights(Bank const& bank, Index e, bool inference, Index path_rows) {
+  if (!inference && detail::trains_bf16(bank)) {
+    detail::require_train_panels(bank);
+    kernels::WeightPanels w;
+    w.bf16[0] = bank.train_down_bf16(e);
+    return w;
+  }
   auto const q = bank.packed_down_quant(e);
   float const* raw = bank.has_master_weights() ? bank.down_proj(e).data : nullptr;
   return from_pack(bank, e,
@@ -135,24 +150,28 @@ kernels::WeightPanels down_weights(Bank const& bank, Index e, bool inference, In
 /// One weight-gradient item: rows [r0, r1) of grad [N, K] += dC[:, r0:r1]^T A, A [n, K],
 /// dC [n, N] (the gradient of W in C = A W^T). Each gradient element is one FMA chain over the n
 /// rows in order, started from its value (kernels::gemm_strided), so it does not depend on how
-/// the rows [r0, r1) are split into items.
+/// the rows [r0, r1) are split into items. With `bf16`, the product has bf16 operands and fp32
+/// accumulation (detail::bf16_weight_grad; the bf16-compute training mode).
 struct GradTask {
   ConstMatrixView<float> a;
   ConstMatrixView<float> dc;
   MatrixView<float> grad;
   Index r0, r1;
+  bool bf16 = false;
 };
 
 /// The weight gradients of one backward, in items of `block` gradient rows.
 class GradTasks {
  public:
   void clear() { tasks_.clear(); }
-  /// grad += dc^T a, split into items of `block` rows of grad. Nothing when a has no rows.
+  /// grad += dc^T a, split into items of `block` rows of grad (bf16: bf16 operands, at most
+  /// detail::kBf16GradBlock rows an item). Nothing when a has no rows.
   void add(ConstMatrixView<float> a, ConstMatrixView<float> dc, MatrixView<float> grad,
-           Index block = 64) {
+           Index block = 64, bool bf16 = false) {
     if (a.rows == 0) return;
+    if (bf16) block = std::min(block, detail::kBf16GradBlock);
     for (Index r = 0; r < grad.rows; r += block) {
-      tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block)});
+      tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block), bf16});
     }
   }
   /// bias += the column sums of dc [n, N] (the gradient of b in C = A W^T + b), one item per 64
@@ -164,10 +183,18 @@ class GradTasks {
   }
   /// Runs every item (scratch: kernels::kGemmStridedScratchFloats per thread, or more).
   void run(ThreadPool* pool, ThreadScratch& scratch) {
-    float* const base = scratch.grow(pool, kernels::kGemmStridedScratchFloats);
+    Index need = kernels::kGemmStridedScratchFloats;
+    for (GradTask const& t : tasks_) {
+      if (t.bf16) need = std::max(need, detail::bf16_weight_grad_scratch(t.a.cols));
+    }
+    float* const base = scratch.grow(pool, need);
     Index const per = scratch.per_thread();
     parallel_for(pool, static_cast<Index>(tasks_.size()), [&](Index i, int thread) {
       GradTask const& t = tasks_[static_cast<std::size_t>(i)];
+      if (t.bf16) {
+        detail::bf16_weight_grad(t.a, t.dc, t.grad, t.r0, t.r1, base + thread * per);
+        return;
+      }
       kernels::gemm_strided(t.r1 - t.r0, t.a.cols, t.a.rows, t.dc.data + t.r0, 1, t.dc.row_stride,
                             t.a.data, t.a.row_stride, t.grad.row(t.r0), t.grad.row_stride, true,
                             base + thread * per);
@@ -178,6 +205,15 @@ class GradTasks {
  private:
   std::vector<GradTask> tasks_;
 };
+
+/// p[i] = kernels::round_bf16_activation(p[i]) for i < n, in parallel: the operands of the
+/// bf16-compute training mode.
+inline void round_bf16(float* p, Index n, ThreadPool* pool) {
+  constexpr Index kChunk = Index{1} << 14;
+  parallel_for(pool, (n + kChunk - 1) / kChunk, [&](Index i, int) {
+    kernels::round_bf16_activations(p + i * kChunk, std::min(kChunk, n - i * kChunk));
+  });
+}
 
 /// One term of an input gradient: dx[t] += d[t] W for the tokens of a tile, d [T, k] (row
 /// stride ld), W [k, D] (row stride ldw). A layer's dx is the combine of its rows plus its

@@ -1,0 +1,320 @@
+// SPDX-License-Identifier: Apache-2.0
+// The bf16-compute training mode (TrainCompute::kBf16): its products against a scalar reference
+// of the same arithmetic (bf16-rounded operands, double sums), the layer's gradients against
+// finite differences of the fp32 layer within the documented tolerance, determinism for 1 and
+// 2 threads, the train panels rebuilt after an optimizer step, and its misuse reported.
+// Tagged [bf16]: CTest runs them again with each bf16 kernel forced (tests/CMakeLists.txt).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "moe/layers/detail/bf16_train.hpp"
+#include "moe/layers/moe_attention.hpp"
+#include "moe/layers/moe_ffn.hpp"
+#include "moe/routing/softmax_top_k.hpp"
+#include "support/double_model.hpp"
+#include "support/helpers.hpp"
+
+using moe::ConstMatrixView;
+using moe::Index;
+using moe::MatrixView;
+namespace experts = moe::experts;
+namespace routing = moe::routing;
+
+namespace {
+
+double r16(float v) { return static_cast<double>(moe::kernels::round_bf16_activation(v)); }
+double w16(float v) {
+  return static_cast<double>(moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(v)));
+}
+
+/// |got - want| <= 1e-5 * (sum of |terms|) + 1e-6: the products differ from the double sums of
+/// the same bf16 operands only by fp32 accumulation.
+void require_product(float got, double want, double mag, char const* what, Index i) {
+  INFO(what << "[" << i << "]: got " << got << ", want " << want << " (|terms| " << mag << ")");
+  REQUIRE(std::fabs(got - want) <= 1e-5 * mag + 1e-6);
+}
+
+template <class Layer>
+void randomize(Layer& layer, std::uint64_t seed) {
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.5f, 0.5f, seed);
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -1.0f,
+                    1.0f, seed + 1);
+  if constexpr (Layer::Shared::has_experts) {
+    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.5f, 0.5f, seed + 2);
+    auto g = layer.shared_experts().gate_weight();
+    moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -1.0f,
+                      1.0f, seed + 3);
+  }
+}
+
+/// sqrt(sum (a - b)^2 / sum b^2).
+double rel_l2(std::span<float const> a, std::vector<double> const& b) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+double central(ref::DoubleModel& m, std::vector<double>& v, Index i, std::vector<double> const& x,
+               std::vector<double> const& dy, Index T) {
+  double const old = v[i];
+  double const h = 1e-6 * std::max(1.0, std::fabs(old));
+  v[i] = old + h;
+  double const lp = m.objective(x, dy, T);
+  v[i] = old - h;
+  double const lm = m.objective(x, dy, T);
+  v[i] = old;
+  return (lp - lm) / (2.0 * h);
+}
+
+}  // namespace
+
+TEST_CASE("bf16 training products match a scalar reference of bf16 operands", "[training][bf16]") {
+  using Bank = experts::ExpertBank<experts::SwiGlu>;
+  // D, F odd and not multiples of the panel width; rows beyond one 256-row block.
+  for (auto [D, F, n] : {std::tuple<Index, Index, Index>{37, 21, 5}, {64, 48, 33}, {19, 70, 300}}) {
+    INFO("D = " << D << ", F = " << F << ", rows = " << n);
+    Index const P = 2 * F;
+    Bank bank(2, D, F);
+    moe::fill_uniform(bank.edit().parameters(), -0.5f, 0.5f, 11);
+    bank.set_train_compute(experts::TrainCompute::kBf16);
+    REQUIRE(bank.train_panels_current());
+    auto h = test::random_vector(n * P, 12, -2.0f, 2.0f);
+    auto dy = test::random_vector(n * D, 13);
+    std::vector<float> m(n * F), dh(n * P), dx(n * D);
+    std::vector<float> scratch(moe::detail::expert_backward_scratch(bank, n));
+    moe::detail::expert_backward_rows(bank, 1, {h.data(), n, P}, {dy.data(), n, D},
+                                      {m.data(), n, F}, {dh.data(), n, P}, {dx.data(), n, D},
+                                      scratch.data());
+    // dm = bf16(dy) bf16(W_down) in double; the fp32 GLU VJP of it; dx = bf16(dh) bf16(W_in).
+    auto wd = bank.down_proj(1);
+    auto wi = bank.in_proj(1);
+    std::vector<float> dm(F), mr(F), dhr(P);
+    for (Index i = 0; i < n; ++i) {
+      for (Index f = 0; f < F; ++f) {
+        double s = 0.0, mag = 0.0;
+        for (Index d = 0; d < D; ++d) {
+          double const t = r16(dy[i * D + d]) * w16(wd(d, f));
+          s += t;
+          mag += std::fabs(t);
+        }
+        dm[f] = static_cast<float>(s);
+        (void)mag;
+      }
+      moe::kernels::glu_backward<moe::kernels::Activation::kSilu>(
+          h.data() + i * P, h.data() + i * P + F, dm.data(), mr.data(), dhr.data(), dhr.data() + F,
+          F);
+      for (Index c = 0; c < P; ++c) {
+        INFO("dh[" << i << ", " << c << "]");
+        REQUIRE(std::fabs(dh[i * P + c] - dhr[c]) <= 1e-4 * (1.0 + std::fabs(dhr[c])));
+      }
+      for (Index d = 0; d < D; ++d) {
+        double s = 0.0, mag = 0.0;
+        for (Index c = 0; c < P; ++c) {
+          double const t = r16(dh[i * P + c]) * w16(wi(c, d));
+          s += t;
+          mag += std::fabs(t);
+        }
+        require_product(dx[i * D + d], s, mag, "dx", i * D + d);
+      }
+    }
+    // Weight gradient: grad [N = P, K = D] += dH^T X over n rows, in blocks of rows.
+    auto x = test::random_vector(n * D, 14);
+    std::vector<float> grad(P * D, 0.5f);
+    std::vector<float> gs(moe::detail::bf16_weight_grad_scratch(D));
+    for (Index r0 = 0; r0 < P; r0 += 40) {
+      moe::detail::bf16_weight_grad({x.data(), n, D}, {dh.data(), n, P}, {grad.data(), P, D}, r0,
+                                    std::min(P, r0 + 40), gs.data());
+    }
+    for (Index c = 0; c < P; ++c) {
+      for (Index d = 0; d < D; ++d) {
+        double s = 0.5, mag = 0.5;
+        for (Index i = 0; i < n; ++i) {
+          double const t = r16(dh[i * P + c]) * r16(x[i * D + d]);
+          s += t;
+          mag += std::fabs(t);
+        }
+        require_product(grad[c * D + d], s, mag, "grad", c * D + d);
+      }
+    }
+  }
+}
+
+TEST_CASE("bf16 training: gradients within the documented tolerance of the fp32 layer's",
+          "[training][bf16]") {
+  // Gated shared experts, expert biases, two threads; T large enough that experts have rows
+  // in several backward chunks and weight-gradient blocks.
+  using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh>;
+  Index const D = 24, F = 20, E = 4, T = 150;
+  Layer layer(D, F, {E, 2, true, 1.0f}, Sh(1, D, 12));
+  layer.experts().enable_biases();
+  randomize(layer, 41);
+  moe::fill_uniform(
+      layer.experts().edit().parameters().last(static_cast<std::size_t>(E * (2 * F + D))), -0.2f,
+      0.2f, 45);
+  auto xf = test::random_vector(T * D, 42);
+  auto dyf = test::random_vector(T * D, 43);
+  moe::ThreadPool pool(2);
+
+  auto run = [&](Layer& l, moe::ThreadPool* p, std::vector<float>& y, std::vector<float>& dx) {
+    moe::MoeFfnWorkspace ws;
+    y.assign(xf.size(), 0.0f);
+    dx.assign(xf.size(), 0.0f);
+    l.forward_train({xf.data(), T, D}, {y.data(), T, D}, ws, {nullptr, p});
+    auto g = l.make_gradients();
+    l.backward(ws, {dyf.data(), T, D}, {dx.data(), T, D}, g, p);
+    return g;
+  };
+  std::vector<float> y32, dx32, y16, dx16, y16b, dx16b;
+  auto g32 = run(layer, &pool, y32, dx32);
+  Layer l16 = layer;
+  l16.set_train_compute(experts::TrainCompute::kBf16);
+  REQUIRE(l16.train_compute() == experts::TrainCompute::kBf16);
+  REQUIRE(layer.train_compute() == experts::TrainCompute::kF32);
+  auto g16 = run(l16, &pool, y16, dx16);
+
+  // The fp32 layer is the finite differences' stand-in (it matches them to ~1e-5:
+  // test_backward.cpp); here the groups are compared with the double twin's finite differences
+  // directly for the experts, as the documented bound is stated against them.
+  ref::DoubleModel m;
+  m.D = D;
+  m.E = E;
+  auto wr = layer.router_weight();
+  m.router.assign(wr.data, wr.data + wr.rows * wr.cols);
+  m.experts = ref::to_double(layer.experts());
+  m.shared = ref::to_double(layer.shared_experts().bank());
+  auto gw = layer.shared_experts().gate_weight();
+  m.gate.assign(gw.data, gw.data + gw.rows * gw.cols);
+  m.route = [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); };
+  m.scores = [](std::vector<double> const& z) { return ref::softmax(z); };
+  std::vector<double> x(xf.begin(), xf.end()), dy(dyf.begin(), dyf.end());
+  auto fd_of = [&](std::vector<double>& v, Index stride) {
+    std::vector<double> fd(v.size(), 0.0);
+    for (Index i = 0; i < static_cast<Index>(v.size()); i += stride)
+      fd[i] = central(m, v, i, x, dy, T);
+    return fd;
+  };
+  // Every 7th expert parameter (the double twin is slow); every input gradient.
+  auto fd_experts = fd_of(m.experts.params, 7);
+  auto fd_shared = fd_of(m.shared.params, 7);
+  auto fd_x = fd_of(x, 1);
+  auto sampled = [](std::span<float const> g, std::vector<double> const& fd, Index stride) {
+    std::vector<float> a;
+    std::vector<double> b;
+    for (Index i = 0; i < static_cast<Index>(fd.size()); i += stride) {
+      a.push_back(g[static_cast<std::size_t>(i)]);
+      b.push_back(fd[static_cast<std::size_t>(i)]);
+    }
+    return rel_l2(a, b);
+  };
+  double const e32 = sampled(g32.experts.parameters(), fd_experts, 7);
+  double const e16 = sampled(g16.experts.parameters(), fd_experts, 7);
+  double const s16 = sampled(g16.shared.bank().parameters(), fd_shared, 7);
+  double const x16 = rel_l2(dx16, fd_x);
+  std::vector<double> y32d(y32.begin(), y32.end());
+  double const yerr = rel_l2(y16, y32d);
+  std::vector<double> gr32(g32.router_weight.begin(), g32.router_weight.end());
+  double const rerr = rel_l2(g16.router_weight, gr32);
+  UNSCOPED_INFO("relative L2 errors: fp32 experts "
+                << e32 << "; bf16 experts " << e16 << ", shared " << s16 << ", dx " << x16 << ", y "
+                << yerr << ", router " << rerr);
+  CHECK(e32 < 1e-4);  // control: the fp32 layer against the same finite differences
+  // The documented bounds (docs/design.md, "bf16 compute"): 1e-2 of each gradient's norm.
+  CHECK(e16 < 1e-2);
+  CHECK(s16 < 1e-2);
+  CHECK(x16 < 1e-2);
+  CHECK(yerr < 1e-2);
+  CHECK(rerr < 1e-2);
+  // ... and the errors are those of bf16, not zero (the mode is not silently fp32).
+  CHECK(e16 > 10 * e32);
+  CHECK(yerr > 1e-5);
+
+  SECTION("bitwise identical for 1 and 2 threads") {
+    Layer l1 = l16;
+    auto g1 = run(l1, nullptr, y16b, dx16b);
+    REQUIRE(y16b == y16);
+    REQUIRE(dx16b == dx16);
+    auto a = g1.groups();
+    auto b = g16.groups();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      INFO(a[i].name);
+      REQUIRE(std::memcmp(a[i].values.data(), b[i].values.data(), a[i].values.size() * 4) == 0);
+    }
+  }
+  SECTION("an optimizer step rebuilds the bf16 copies; a forward while they are stale throws") {
+    {
+      auto params = l16.parameters();
+      for (auto& p : params) {
+        for (float& v : p.values) v *= 0.75f;
+      }
+      moe::MoeFfnWorkspace ws;
+      std::vector<float> y(xf.size());
+      REQUIRE_THROWS_WITH(l16.forward_train({xf.data(), T, D}, {y.data(), T, D}, ws),
+                          Catch::Contains("not current"));
+      REQUIRE_THROWS_WITH(l16.set_train_compute(experts::TrainCompute::kBf16),
+                          Catch::Contains("open for writing"));
+    }
+    REQUIRE(l16.experts().train_panels_current());
+    Layer fresh = l16;
+    fresh.set_train_compute(experts::TrainCompute::kF32);
+    fresh.set_train_compute(experts::TrainCompute::kBf16);
+    std::vector<float> ya, dxa, yb, dxb;
+    run(l16, nullptr, ya, dxa);
+    run(fresh, nullptr, yb, dxb);
+    REQUIRE(ya == yb);
+    REQUIRE(dxa == dxb);
+    // Back to fp32: the same bits as the fp32 layer with those weights.
+    Layer back = l16;
+    back.set_train_compute(experts::TrainCompute::kF32);
+    REQUIRE_FALSE(back.experts().train_panels_current());
+    Layer ref32 = layer;
+    {
+      auto params = ref32.parameters();
+      for (auto& p : params) {
+        for (float& v : p.values) v *= 0.75f;
+      }
+    }
+    run(back, nullptr, ya, dxa);
+    run(ref32, nullptr, yb, dxb);
+    REQUIRE(ya == yb);
+    REQUIRE(dxa == dxb);
+  }
+  SECTION("inference forwards are unchanged by the mode") {
+    std::vector<float> ya(xf.size()), yb(xf.size());
+    moe::MoeFfnWorkspace wa, wb;
+    layer.forward({xf.data(), T, D}, {ya.data(), T, D}, wa);
+    l16.forward({xf.data(), T, D}, {yb.data(), T, D}, wb);
+    REQUIRE(ya == yb);
+  }
+}
+
+TEST_CASE("bf16 training: misuse is reported", "[training][bf16][errors]") {
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
+  Layer layer(16, 32, {4, 2, true, 1.0f});
+  randomize(layer, 51);
+  layer.pack_weights(experts::WeightFormat::kBf16);
+  layer.discard_master_weights();
+  REQUIRE_THROWS_WITH(layer.set_train_compute(experts::TrainCompute::kBf16),
+                      Catch::Contains("discarded"));
+  // A layer whose training forward does not round its operands yet (MoeAttention) says so.
+  using Ffn = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
+  Ffn ffn(16, 8, {4, 2, true, 1.0f});
+  randomize(ffn, 52);
+  moe::MoeAttentionConfig c;
+  c.d_model = 16;
+  c.qk_dim = 4;
+  moe::MoeAttention<routing::SoftmaxTopK, experts::SwiGlu> att(c, {4, 2, true, 1.0f},
+                                                               ffn.experts());
+  ffn.set_train_compute(experts::TrainCompute::kBf16);
+  auto x = test::random_vector(5 * 16, 53);
+  std::vector<float> y(x.size());
+  moe::MoeAttentionWorkspace ws;
+  REQUIRE_THROWS_WITH(att.forward_train({x.data(), 5, 16}, {y.data(), 5, 16}, ws),
+                      Catch::Contains("does not run bf16-compute training"));
+}
