@@ -126,9 +126,16 @@ TEST_CASE("bf16 training products match a scalar reference of bf16 operands", "[
     // Weight gradient: grad [N = P, K = D] += dH^T X over n rows, in blocks of rows.
     auto x = test::random_vector(n * D, 14);
     std::vector<float> grad(P * D, 0.5f);
-    std::vector<float> gs(moe::detail::bf16_weight_grad_scratch(D));
+    std::vector<float> gs(moe::detail::bf16_weight_grad_scratch());
+    Index const blocks = (n + moe::detail::kBf16GradRows - 1) / moe::detail::kBf16GradRows;
+    moe::HugePageVector<std::uint32_t> panels(
+        static_cast<std::size_t>(blocks * moe::detail::bf16_block_words(D)));
+    for (Index b = 0; b < blocks; ++b) {
+      moe::detail::bf16_pack_block({x.data(), n, D}, b,
+                                   panels.data() + b * moe::detail::bf16_block_words(D));
+    }
     for (Index r0 = 0; r0 < P; r0 += 40) {
-      moe::detail::bf16_weight_grad({x.data(), n, D}, {dh.data(), n, P}, {grad.data(), P, D}, r0,
+      moe::detail::bf16_weight_grad(n, D, panels.data(), {dh.data(), n, P}, {grad.data(), P, D}, r0,
                                     std::min(P, r0 + 40), gs.data());
     }
     for (Index c = 0; c < P; ++c) {

@@ -684,7 +684,7 @@ class ExpertBank {
     train_bf16_.assign(static_cast<std::size_t>(num_experts_ * words), 0u);
     parallel_for(pool, num_experts_, [&](Index e, int) {
       std::uint32_t* dst = train_bf16_.data() + e * words;
-      Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2, kpP = (P + 1) / 2;
+      Index const kpD = (D + 1) / 2, kpF = (F + 1) / 2;
       for (Index o = 0; o < kInFactor; ++o) {
         for (Index p = 0; p * np < F; ++p) {
           kernels::pack_panel_bf16(in_ptr(e) + o * F * D, D, p * np, std::min(np, F - p * np), D,
@@ -697,15 +697,9 @@ class ExpertBank {
                                  dst + p * kpF * np);
       }
       dst += train_down_words();
-      for (Index p = 0; p * np < D; ++p) {
-        kernels::pack_panel_bf16_t(in_ptr(e), D, p * np, std::min(np, D - p * np), P,
-                                   dst + p * kpP * np, false);
-      }
+      kernels::pack_panels_bf16_t(in_ptr(e), D, D, P, dst, false);
       dst += train_in_t_words();
-      for (Index p = 0; p * np < F; ++p) {
-        kernels::pack_panel_bf16_t(down_ptr(e), F, p * np, std::min(np, F - p * np), D,
-                                   dst + p * kpD * np, false);
-      }
+      kernels::pack_panels_bf16_t(down_ptr(e), F, F, D, dst, false);
     });
     train_current_ = true;
   }

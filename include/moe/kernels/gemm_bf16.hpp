@@ -26,9 +26,10 @@ namespace moe::kernels {
 MOE_ALWAYS_INLINE std::uint16_t float_to_bf16(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
+  // Branch-free (a select), so that loops over it vectorize.
+  std::uint32_t const r =
+      (u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<std::uint16_t>(r);
 }
 /// dst[i] = float_to_bf16(src[i]) for i < n: the bf16 copy of an fp32 weight matrix.
 inline void round_to_bf16(float const* src, std::size_t n, std::uint16_t* dst) {
@@ -48,18 +49,20 @@ constexpr bool has_avx512_bf16() { return MOE_HAS_AVX512BF16 != 0; }
 template <class Arch = simd::DefaultArch>
 void pack_panel_bf16(float const* W, Index ldw, Index n0, Index nc, Index K, std::uint32_t* panel) {
   constexpr Index NP = panel_width<Arch>();
-  Index const kp_count = (K + 1) / 2;
-  for (Index kp = 0; kp < kp_count; ++kp) {
-    for (Index c = 0; c < NP; ++c) {
-      std::uint32_t word = 0;
-      if (c < nc) {
-        float const* w = W + (n0 + c) * ldw;
-        std::uint32_t const lo = float_to_bf16(w[2 * kp]);
-        std::uint32_t const hi = 2 * kp + 1 < K ? float_to_bf16(w[2 * kp + 1]) : 0u;
-        word = lo | (hi << 16);
-      }
-      panel[kp * NP + c] = word;
+  Index const kp_count = (K + 1) / 2, full = K / 2;
+  // Row by row (contiguous reads of W; the panel, at most a few hundred KiB, takes the strided
+  // writes), as the weights are rounded again after every optimizer step in bf16-compute training.
+  for (Index c = 0; c < nc; ++c) {
+    float const* w = W + (n0 + c) * ldw;
+    std::uint32_t* d = panel + c;
+    for (Index kp = 0; kp < full; ++kp) {
+      d[kp * NP] = std::uint32_t{float_to_bf16(w[2 * kp])} |
+                   std::uint32_t{float_to_bf16(w[2 * kp + 1])} << 16;
     }
+    if (full < kp_count) d[full * NP] = float_to_bf16(w[2 * full]);
+  }
+  for (Index kp = 0; kp < kp_count; ++kp) {
+    for (Index c = nc; c < NP; ++c) panel[kp * NP + c] = 0u;
   }
 }
 
@@ -69,14 +72,12 @@ void pack_panel_bf16(float const* W, Index ldw, Index n0, Index nc, Index K, std
 MOE_ALWAYS_INLINE float round_bf16_activation(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0) {
-    u &= 0x80000000u;
-  } else if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-    u = (u | 0x00400000u) & 0xFFFF0000u;
-  } else {
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  }
-  std::memcpy(&f, &u, 4);
+  // Branch-free (selects), so that loops over it vectorize.
+  std::uint32_t const rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::uint32_t const nan = (u | 0x00400000u) & 0xFFFF0000u;
+  std::uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+  r = (u & 0x7F800000u) == 0 ? u & 0x80000000u : r;
+  std::memcpy(&f, &r, 4);
   return f;
 }
 /// p[i] = round_bf16_activation(p[i]) for i < n: activations made bf16 operands in place (the
@@ -85,31 +86,46 @@ inline void round_bf16_activations(float* p, Index n) {
   for (Index i = 0; i < n; ++i) p[i] = round_bf16_activation(p[i]);
 }
 
-/// Packs columns [n0, n0 + nc) of A [K, N] (fp32, row stride lda) into a bf16 panel of the
-/// layout pack_panel_bf16 makes from A^T: panel[kp * NP + c] = (bf16(A[2kp+1, n0+c]) << 16) |
-/// bf16(A[2kp, n0+c]), the pad (c >= nc, the odd-K row) 0. For products whose weight operand is
-/// stored the other way round: the backward's dM = dY W_down (K = D rows of W_down) and
-/// dX = dH W_in, and the weight gradients' activations (K = tokens). Values are rounded as
-/// activations (round_bf16_activation: denormals to zero) when `activations`, else as weights
-/// (float_to_bf16, as pack_panel_bf16).
+/// Packs A [K, N] (fp32, row stride lda) into the bf16 panels pack_panel_bf16 makes from A^T:
+/// ceil(N / NP) panels of ceil(K / 2) * NP words, panel p at panels + p * ceil(K / 2) * NP, with
+/// panel_p[kp * NP + c] = (bf16(A[2kp+1, p NP + c]) << 16) | bf16(A[2kp, p NP + c]) and the pad
+/// (columns past N, the odd-K row) 0. For products whose weight operand is stored the other way
+/// round: the backward's dM = dY W_down (K = D rows of W_down) and dX = dH W_in, and the weight
+/// gradients' activations (K = tokens). Values are rounded as activations
+/// (round_bf16_activation: denormals to zero) when `activations`, else as weights (float_to_bf16,
+/// as pack_panel_bf16). Made row pair by row pair: contiguous reads of A.
 template <class Arch = simd::DefaultArch>
-void pack_panel_bf16_t(float const* A, Index lda, Index n0, Index nc, Index K, std::uint32_t* panel,
-                       bool activations = true) {
+void pack_panels_bf16_t(float const* A, Index lda, Index N, Index K, std::uint32_t* panels,
+                        bool activations = true) {
   constexpr Index NP = panel_width<Arch>();
-  Index const kp_count = (K + 1) / 2;
-  auto bits = [activations](float f) -> std::uint32_t {
-    if (!activations) return float_to_bf16(f);
+  Index const kp_count = (K + 1) / 2, count = (N + NP - 1) / NP;
+  auto act = [](float f) -> std::uint32_t {
     std::uint32_t u;
     f = round_bf16_activation(f);
     std::memcpy(&u, &f, 4);
     return u >> 16;
   };
   for (Index kp = 0; kp < kp_count; ++kp) {
-    float const* lo = A + 2 * kp * lda + n0;
-    float const* hi = 2 * kp + 1 < K ? lo + lda : nullptr;
-    std::uint32_t* d = panel + kp * NP;
-    for (Index c = 0; c < nc; ++c) d[c] = bits(lo[c]) | (hi ? bits(hi[c]) << 16 : 0u);
-    for (Index c = nc; c < NP; ++c) d[c] = 0u;
+    float const* lo = A + 2 * kp * lda;
+    float const* hi = lo + lda;
+    bool const pad = 2 * kp + 1 == K;
+    for (Index p = 0; p < count; ++p) {
+      std::uint32_t* d = panels + (p * kp_count + kp) * NP;
+      Index const c0 = p * NP, nc = std::min(NP, N - c0);
+      if (pad) {
+        for (Index c = 0; c < nc; ++c) {
+          d[c] = activations ? act(lo[c0 + c]) : float_to_bf16(lo[c0 + c]);
+        }
+      } else if (activations) {
+        for (Index c = 0; c < nc; ++c) d[c] = act(lo[c0 + c]) | act(hi[c0 + c]) << 16;
+      } else {
+        for (Index c = 0; c < nc; ++c) {
+          d[c] = std::uint32_t{float_to_bf16(lo[c0 + c])} | std::uint32_t{float_to_bf16(hi[c0 + c])}
+                                                                << 16;
+        }
+      }
+      for (Index c = nc; c < NP; ++c) d[c] = 0u;
+    }
   }
 }
 

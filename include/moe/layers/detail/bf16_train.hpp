@@ -6,10 +6,13 @@
 /// CPU's bf16 unit (AMX tiles, AVX512-BF16 dot products, or widened to fp32 FMAs):
 ///   - row phase: dM = dY W_down and dX = dH W_in against the bank's transposed train panels,
 ///     dY and dH rounded to bf16 first; the activation VJP in fp32 between them;
-///   - weight gradients: grad [N, K] += dC^T A over n rows, in blocks of kBf16GradRows rows
-///     (the depth of one product, in row order): dC^T rounded into a row buffer, A's block
-///     into bf16 panels (kernels::pack_panel_bf16_t), each block's product added to the fp32
-///     gradient (StoreEpilogue::accumulate).
+///   - weight gradients with bf16 dot products (AMX, AVX512-BF16): grad [N, K] += dC^T A over
+///     n rows, in blocks of kBf16GradRows rows (the depth of one product, in row order): A's
+///     blocks packed once into bf16 panels (bf16_pack_block, by stages::GradTasks), dC^T rounded
+///     into a row buffer per item, each block's product added to the fp32 gradient
+///     (StoreEpilogue::accumulate). Where bf16 is widened to fp32 anyway, GradTasks instead
+///     rounds A and dC to bf16 values in fp32 copies and runs kernels::gemm_strided on them (the
+///     same arithmetic: products of bf16 values are exact in fp32).
 /// Each output element is one fixed sum for a given kernel path: bitwise identical for any
 /// number of threads. Not public API.
 #pragma once
@@ -89,42 +92,56 @@ void expert_backward_rows(Bank const& bank, Index e, ConstMatrixView<float> h,
 inline constexpr Index kBf16GradRows = 256;
 /// Gradient rows per bf16 weight-gradient item, at most.
 inline constexpr Index kBf16GradBlock = 256;
+/// Gradient rows per expert_cols call of an item (one AMX row tile).
+inline constexpr Index kBf16GradGroupRows = 16;
 
-/// Floats of scratch bf16_weight_grad needs for gradients of up to K columns.
-inline Index bf16_weight_grad_scratch(Index K) {
+/// Words of the bf16 panels of one kBf16GradRows-row block of an A with K columns
+/// (bf16_pack_block).
+inline Index bf16_block_words(Index K) {
   Index const np = kernels::panel_width();
-  Index const panel_words = (K + np - 1) / np * (kBf16GradRows / 2) * np;
-  return kBf16GradBlock * kBf16GradRows + 16 + panel_words +
-         kernels::expert_scratch_floats(kBf16GradRows) + 16;
+  return (K + np - 1) / np * (kBf16GradRows / 2) * np;
 }
 
-/// grad rows [r0, r1) += dC[:, r0:r1]^T A with bf16 operands and fp32 accumulation: A [n, K],
-/// dC [n, N], grad [N, K], r1 - r0 <= kBf16GradBlock; the n rows in blocks of kBf16GradRows,
-/// each block's product added to grad in row order. `scratch`: bf16_weight_grad_scratch(K).
-inline void bf16_weight_grad(ConstMatrixView<float> a, ConstMatrixView<float> dc,
-                             MatrixView<float> grad, Index r0, Index r1, float* scratch) {
-  Index const n = a.rows, K = a.cols, rows = r1 - r0, np = kernels::panel_width();
-  Index const panels = (K + np - 1) / np;
+/// Rows [b kBf16GradRows, (b + 1) kBf16GradRows) of A [n, K] (fewer in the last block) as the
+/// bf16 panels bf16_weight_grad multiplies: ceil(K / NP) panels of depth = the block's rows
+/// (kernels::pack_panels_bf16_t), at dst (bf16_block_words(K) words, 64-byte aligned).
+inline void bf16_pack_block(ConstMatrixView<float> a, Index b, std::uint32_t* dst) {
+  Index const t0 = b * kBf16GradRows, nb = std::min(kBf16GradRows, a.rows - t0);
+  kernels::pack_panels_bf16_t(a.row(t0), a.row_stride, a.cols, nb, dst);
+}
+
+/// Floats of scratch bf16_weight_grad needs.
+inline Index bf16_weight_grad_scratch() {
+  return kBf16GradBlock * kBf16GradRows + kernels::expert_scratch_floats(kBf16GradRows) + 16;
+}
+
+/// grad rows [r0, r1) += dC[:, r0:r1]^T A with bf16 operands and fp32 accumulation: A [n, K]
+/// (given as its blocks' panels, `a_panels`: block b at b * bf16_block_words(K) words, see
+/// bf16_pack_block), dC [n, N], grad [N, K], r1 - r0 <= kBf16GradBlock; one product per block
+/// of kBf16GradRows rows, each added to grad, blocks in row order. `scratch`:
+/// bf16_weight_grad_scratch() floats.
+inline void bf16_weight_grad(Index n, Index K, std::uint32_t const* a_panels,
+                             ConstMatrixView<float> dc, MatrixView<float> grad, Index r0, Index r1,
+                             float* scratch) {
+  Index const rows = r1 - r0, np = kernels::panel_width(), panels = (K + np - 1) / np;
   float* const at = scratch;  // [rows, nb]: dC^T of the block, rounded
-  // A's panels, 64-byte aligned as the kernels read packed panels.
-  auto const end = reinterpret_cast<std::uintptr_t>(at + kBf16GradBlock * kBf16GradRows);
-  auto* const xp = reinterpret_cast<std::uint32_t*>(end + (64 - end % 64) % 64);
-  float* const ks = reinterpret_cast<float*>(xp + panels * (kBf16GradRows / 2) * np);
-  for (Index t0 = 0; t0 < n; t0 += kBf16GradRows) {
-    Index const nb = std::min(kBf16GradRows, n - t0), kp = (nb + 1) / 2;
+  float* const ks = at + kBf16GradBlock * kBf16GradRows;
+  for (Index t0 = 0, b = 0; t0 < n; t0 += kBf16GradRows, ++b) {
+    Index const nb = std::min(kBf16GradRows, n - t0);
     for (Index t = 0; t < nb; ++t) {
       float const* d = dc.row(t0 + t) + r0;
       for (Index i = 0; i < rows; ++i) at[i * nb + t] = kernels::round_bf16_activation(d[i]);
     }
-    for (Index p = 0; p < panels; ++p) {
-      kernels::pack_panel_bf16_t(a.row(t0), a.row_stride, p * np, std::min(np, K - p * np), nb,
-                                 xp + p * kp * np);
-    }
     kernels::WeightPanels w;
-    w.bf16[0] = xp;
-    kernels::StoreEpilogue epi{grad.row(r0), grad.row_stride, K};
-    epi.accumulate = true;
-    kernels::expert_cols(kernels::RowSource{at, nb, nullptr}, rows, nb, w, 0, panels, epi, ks);
+    w.bf16[0] = a_panels + b * bf16_block_words(K);
+    // Groups of kBf16GradGroupRows gradient rows across all panels: each group's rows of the
+    // gradient (the DRAM traffic: read, add, write) stream contiguously, A's panels stay in L2.
+    for (Index i0 = 0; i0 < rows; i0 += kBf16GradGroupRows) {
+      kernels::StoreEpilogue epi{grad.row(r0 + i0), grad.row_stride, K};
+      epi.accumulate = true;
+      kernels::expert_cols(kernels::RowSource{at + i0 * nb, nb, nullptr},
+                           std::min(kBf16GradGroupRows, rows - i0), nb, w, 0, panels, epi, ks);
+    }
   }
 }
 

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <span>
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
 #include "moe/core/views.hpp"
@@ -158,20 +160,42 @@ struct GradTask {
   MatrixView<float> grad;
   Index r0, r1;
   bool bf16 = false;
+  Index pack = -1;  ///< bf16: which of the list's packed A operands (GradTasks::Pack)
 };
 
 /// The weight gradients of one backward, in items of `block` gradient rows.
 class GradTasks {
  public:
-  void clear() { tasks_.clear(); }
+  void clear() {
+    tasks_.clear();
+    packs_.clear();
+    pack_words_ = 0;
+    copy_floats_ = 0;
+  }
   /// grad += dc^T a, split into items of `block` rows of grad (bf16: bf16 operands, at most
   /// detail::kBf16GradBlock rows an item). Nothing when a has no rows.
   void add(ConstMatrixView<float> a, ConstMatrixView<float> dc, MatrixView<float> grad,
            Index block = 64, bool bf16 = false) {
     if (a.rows == 0) return;
-    if (bf16) block = std::min(block, detail::kBf16GradBlock);
+    Index pack = -1;
+    if (bf16) {
+      // The operands are prepared once, for all the items of their gradient: with bf16 dot
+      // products (AMX, AVX512-BF16) A as bf16 panels, each item rounding its columns of dC;
+      // where bf16 is widened to fp32 anyway, A and dC rounded to bf16 values in fp32 copies for
+      // gemm_strided (products of bf16 values are exact in fp32: the same arithmetic).
+      block = std::min(block, detail::kBf16GradBlock);
+      pack = static_cast<Index>(packs_.size());
+      Index const blocks = (a.rows + detail::kBf16GradRows - 1) / detail::kBf16GradRows;
+      if (kernels::bf16_dot_products()) {
+        packs_.push_back({a, dc, pack_words_, blocks, false});
+        pack_words_ += blocks * detail::bf16_block_words(a.cols);
+      } else {
+        packs_.push_back({a, dc, copy_floats_, blocks, true});
+        copy_floats_ += a.rows * (a.cols + dc.cols);
+      }
+    }
     for (Index r = 0; r < grad.rows; r += block) {
-      tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block), bf16});
+      tasks_.push_back({a, dc, grad, r, std::min(grad.rows, r + block), bf16, pack});
     }
   }
   /// bias += the column sums of dc [n, N] (the gradient of b in C = A W^T + b), one item per 64
@@ -184,15 +208,49 @@ class GradTasks {
   /// Runs every item (scratch: kernels::kGemmStridedScratchFloats per thread, or more).
   void run(ThreadPool* pool, ThreadScratch& scratch) {
     Index need = kernels::kGemmStridedScratchFloats;
-    for (GradTask const& t : tasks_) {
-      if (t.bf16) need = std::max(need, detail::bf16_weight_grad_scratch(t.a.cols));
+    if (!packs_.empty()) {
+      need = std::max(need, detail::bf16_weight_grad_scratch());
+      // The bf16 operands, prepared once per 256-row block, in parallel.
+      panels_.resize(static_cast<std::size_t>(pack_words_));
+      copies_.resize(static_cast<std::size_t>(copy_floats_));
+      Index total = 0;
+      for (Pack const& p : packs_) total += p.blocks;
+      parallel_for(pool, total, [&](Index i, int) {
+        std::size_t j = 0;
+        while (i >= packs_[j].blocks) i -= packs_[j++].blocks;
+        Pack const& p = packs_[j];
+        if (!p.copies) {
+          detail::bf16_pack_block(
+              p.a, i, panels_.data() + p.offset + i * detail::bf16_block_words(p.a.cols));
+          return;
+        }
+        Index const n = p.a.rows, K = p.a.cols, N = p.dc.cols;
+        float* const a16 = copies_.data() + p.offset;
+        float* const dc16 = a16 + n * K;
+        for (Index r = i * detail::kBf16GradRows; r < std::min(n, (i + 1) * detail::kBf16GradRows);
+             ++r) {
+          for (Index c = 0; c < K; ++c) a16[r * K + c] = kernels::round_bf16_activation(p.a(r, c));
+          for (Index c = 0; c < N; ++c) {
+            dc16[r * N + c] = kernels::round_bf16_activation(p.dc(r, c));
+          }
+        }
+      });
     }
     float* const base = scratch.grow(pool, need);
     Index const per = scratch.per_thread();
     parallel_for(pool, static_cast<Index>(tasks_.size()), [&](Index i, int thread) {
       GradTask const& t = tasks_[static_cast<std::size_t>(i)];
       if (t.bf16) {
-        detail::bf16_weight_grad(t.a, t.dc, t.grad, t.r0, t.r1, base + thread * per);
+        Pack const& p = packs_[static_cast<std::size_t>(t.pack)];
+        Index const n = t.a.rows, K = t.a.cols, N = t.dc.cols;
+        if (p.copies) {
+          float const* const a16 = copies_.data() + p.offset;
+          kernels::gemm_strided(t.r1 - t.r0, K, n, a16 + n * K + t.r0, 1, N, a16, K,
+                                t.grad.row(t.r0), t.grad.row_stride, true, base + thread * per);
+        } else {
+          detail::bf16_weight_grad(n, K, panels_.data() + p.offset, t.dc, t.grad, t.r0, t.r1,
+                                   base + thread * per);
+        }
         return;
       }
       kernels::gemm_strided(t.r1 - t.r0, t.a.cols, t.a.rows, t.dc.data + t.r0, 1, t.dc.row_stride,
@@ -203,7 +261,18 @@ class GradTasks {
   std::size_t size() const { return tasks_.size(); }
 
  private:
+  /// The operands of a bf16 gradient, prepared by run(): A's bf16 panels at panels_ + offset,
+  /// or (`copies`) A and dC rounded to bf16 values at copies_ + offset ([n, K] then [n, N]).
+  struct Pack {
+    ConstMatrixView<float> a, dc;
+    Index offset = 0, blocks = 0;
+    bool copies = false;
+  };
   std::vector<GradTask> tasks_;
+  std::vector<Pack> packs_;
+  Index pack_words_ = 0, copy_floats_ = 0;
+  HugePageVector<std::uint32_t> panels_;
+  HugePageVector<float> copies_;
 };
 
 /// p[i] = kernels::round_bf16_activation(p[i]) for i < n, in parallel: the operands of the
