@@ -36,36 +36,9 @@ std::vector<double> sigmoid_scores(std::vector<double> const& z) {
   return s;
 }
 
-template <class Layer>
-void randomize(Layer& layer, std::uint64_t seed) {
-  moe::fill_uniform(layer.experts().edit().parameters(), -0.5f, 0.5f, seed);
-  auto wr = layer.router_weight();
-  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -1.0f,
-                    1.0f, seed + 1);
-  if constexpr (Layer::Shared::has_experts) {
-    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.5f, 0.5f, seed + 2);
-    auto g = layer.shared_experts().gate_weight();
-    moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -1.0f,
-                      1.0f, seed + 3);
-  }
-}
-
 void require_close(float analytic, double fd, char const* what, Index i) {
   INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
   REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
-}
-
-/// Central difference of m.objective in v[i].
-double central(ref::DoubleModel& m, std::vector<double>& v, Index i, std::vector<double> const& x,
-               std::vector<double> const& dy, Index T) {
-  double const old = v[i];
-  double const h = 1e-6 * std::max(1.0, std::fabs(old));
-  v[i] = old + h;
-  double const lp = m.objective(x, dy, T);
-  v[i] = old - h;
-  double const lm = m.objective(x, dy, T);
-  v[i] = old;
-  return (lp - lm) / (2.0 * h);
 }
 
 /// Runs forward_train + backward and compares every gradient with finite differences.
@@ -111,29 +84,34 @@ void check_gradients(Layer& layer, Index T, RouteFn route, bool sigmoid = false,
 
   std::vector<double> x(xf.begin(), xf.end()), dy(dyf.begin(), dyf.end());
   for (Index i = 0; i < static_cast<Index>(m.router.size()); ++i) {
-    require_close(grads.router_weight[i], central(m, m.router, i, x, dy, T), "router.weight", i);
+    require_close(grads.router_weight[i], ref::central_difference(m, m.router, i, x, dy, T),
+                  "router.weight", i);
   }
   REQUIRE(grads.router_bias.size() == m.router_bias.size());
   for (Index i = 0; i < static_cast<Index>(m.router_bias.size()); ++i) {
-    require_close(grads.router_bias[i], central(m, m.router_bias, i, x, dy, T), "router.bias", i);
+    require_close(grads.router_bias[i], ref::central_difference(m, m.router_bias, i, x, dy, T),
+                  "router.bias", i);
   }
   auto ge = grads.experts.parameters();
   for (Index i = 0; i < static_cast<Index>(ge.size()); ++i) {
-    require_close(ge[i], central(m, m.experts.params, i, x, dy, T), "experts", i);
+    require_close(ge[i], ref::central_difference(m, m.experts.params, i, x, dy, T), "experts", i);
   }
   if constexpr (Layer::Shared::has_experts) {
     auto gs = grads.shared.bank().parameters();
     for (Index i = 0; i < static_cast<Index>(gs.size()); ++i) {
-      require_close(gs[i], central(m, m.shared.params, i, x, dy, T), "shared_experts", i);
+      require_close(gs[i], ref::central_difference(m, m.shared.params, i, x, dy, T),
+                    "shared_experts", i);
     }
     if constexpr (Layer::Shared::gated) {
       auto gg = grads.shared.gate_weight();
       for (Index i = 0; i < static_cast<Index>(m.gate.size()); ++i) {
-        require_close(gg.data[i], central(m, m.gate, i, x, dy, T), "shared_experts.gate", i);
+        require_close(gg.data[i], ref::central_difference(m, m.gate, i, x, dy, T),
+                      "shared_experts.gate", i);
       }
     }
   }
-  for (Index i = 0; i < T * D; ++i) require_close(dx[i], central(m, x, i, x, dy, T), "dx", i);
+  for (Index i = 0; i < T * D; ++i)
+    require_close(dx[i], ref::central_difference(m, x, i, x, dy, T), "dx", i);
 }
 
 }  // namespace
@@ -142,17 +120,17 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
   Index const D = 6, F = 5, E = 4, T = 7;
   SECTION("softmax top-k without renormalisation (Qwen, OLMoE)") {
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, false, 1.0f});
-    randomize(layer, 1);
+    test::randomize_ffn(layer, 1);
     check_gradients(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
   }
   SECTION("softmax top-k, renormalised and scaled") {
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, true, 1.7f});
-    randomize(layer, 2);
+    test::randomize_ffn(layer, 2);
     check_gradients(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.7); });
   }
   SECTION("top-k of the biased logits then softmax (gpt-oss router with its bias)") {
     moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu> layer(D, F, {E, 2});
-    randomize(layer, 16);
+    test::randomize_ffn(layer, 16);
     REQUIRE_FALSE(layer.has_router_bias());
     layer.enable_router_bias();
     auto const names = [&] {
@@ -167,7 +145,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
   }
   SECTION("top-k then softmax (Mixtral)") {
     moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu> layer(D, F, {E, 2});
-    randomize(layer, 3);
+    test::randomize_ffn(layer, 3);
     check_gradients(layer, T, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
   }
   SECTION("sigmoid, bias, groups, renormalised, scaled (DeepSeek-V3)") {
@@ -180,7 +158,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
     r.bias = test::random_vector(8, 7, -0.3f, 0.3f);
     auto bias = r.bias;
     moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
-    randomize(layer, 4);
+    test::randomize_ffn(layer, 4);
     check_gradients(
         layer, T,
         [bias](auto z) { return ref::group_limited(z, 3, 4, 2, true, 2.5, true, bias, true); },
@@ -197,7 +175,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
     r.scoring = routing::ScoreFunction::kSoftmax;
     r.group_score = routing::GroupScore::kMax;
     moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
-    randomize(layer, 11);
+    test::randomize_ffn(layer, 11);
     check_gradients(layer, T, [](auto z) {
       return ref::group_limited(z, 3, 4, 2, false, 1.5, false, {}, false);
     });
@@ -210,7 +188,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
     r.bias = test::random_vector(8, 12, -0.3f, 0.3f);
     auto bias = r.bias;
     moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
-    randomize(layer, 12);
+    test::randomize_ffn(layer, 12);
     check_gradients(
         layer, T,
         [bias](auto z) { return ref::group_limited(z, 3, 1, 1, true, 1.0, true, bias, true, 0.0); },
@@ -230,7 +208,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
       r.bias = test::random_vector(8, 13, -0.05f, 0.05f);
       auto bias = r.bias;
       moe::MoeFfn<routing::GroupLimitedTopK, experts::SwiGlu> layer(D, F, r);
-      randomize(layer, 13);
+      test::randomize_ffn(layer, 13);
       check_gradients(layer, T, [bias, norm_min](auto z) {
         return ref::group_limited(z, 3, 1, 1, true, 1.0, false, bias, true, 0.0, norm_min);
       });
@@ -240,7 +218,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
     DYNAMIC_SECTION("top-k of the logits, sigmoid weights "
                     << (scale_input ? "on the experts' inputs (Llama 4)" : "on the outputs")) {
       moe::MoeFfn<routing::TopKSigmoid, experts::SwiGlu> layer(D, F, {8, 2, scale_input});
-      randomize(layer, 14);
+      test::randomize_ffn(layer, 14);
       auto const route = [](auto z) {
         return ref::group_limited(z, 2, 1, 1, false, 1.0, true, {}, true);
       };
@@ -271,24 +249,24 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
   SECTION("at most one expert per group") {
     moe::MoeFfn<routing::OnePerGroupTopK, experts::SwiGlu> layer(
         D, F, {8, 2, 4, true, 1.0f, routing::ScoreFunction::kSoftmax});
-    randomize(layer, 5);
+    test::randomize_ffn(layer, 5);
     check_gradients(layer, T, [](auto z) { return ref::one_per_group(z, 2, 4, true); });
   }
   SECTION("expert choice") {
     moe::MoeFfn<routing::ExpertChoice, experts::SwiGlu> layer(D, F, {E, 1.0f, 3});
-    randomize(layer, 6);
+    test::randomize_ffn(layer, 6);
     Index const C = layer.router().capacity(T);
     check_gradients(layer, T, [C](auto z) { return ref::expert_choice(z, C); });
   }
   SECTION("top-p") {
     moe::MoeFfn<routing::TopP, experts::SwiGlu> layer(D, F, {E, 0.6f, 0, false});
-    randomize(layer, 8);
+    test::randomize_ffn(layer, 8);
     check_gradients(layer, T, [](auto z) { return ref::top_p(z, 0.6); });
   }
   SECTION("capacity drops with renormalised weights") {
     using R = routing::WithCapacity<routing::SoftmaxTopK>;
     moe::MoeFfn<R, experts::SwiGlu> layer(D, F, R{{E, 2, true, 1.0f}, 0.6f, 1, false});
-    randomize(layer, 9);
+    test::randomize_ffn(layer, 9);
     Index const C = layer.router().capacity(T);
     check_gradients(layer, T, [C](auto z) {
       Index dropped = 0;
@@ -298,7 +276,7 @@ TEST_CASE("Backward matches finite differences for every routing policy", "[trai
   SECTION("capacity drops around top-k then softmax") {
     using R = routing::WithCapacity<routing::TopKSoftmax>;
     moe::MoeFfn<R, experts::SwiGlu> layer(D, F, R{{E, 2}, 0.6f, 1, false});
-    randomize(layer, 10);
+    test::randomize_ffn(layer, 10);
     Index const C = layer.router().capacity(T);
     check_gradients(layer, T, [C](auto z) {
       Index dropped = 0;
@@ -311,7 +289,7 @@ TEMPLATE_TEST_CASE("Backward matches finite differences for every expert kind", 
                    experts::GeGlu, experts::GeGluErf, experts::ReluMlp, experts::GeluMlp,
                    experts::SiluMlp, experts::GeluTanhMlp) {
   moe::MoeFfn<routing::SoftmaxTopK, TestType> layer(5, 7, {4, 2, false, 1.0f});
-  randomize(layer, 21);
+  test::randomize_ffn(layer, 21);
   check_gradients(layer, 6, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
 }
 
@@ -320,7 +298,7 @@ TEST_CASE("Backward matches finite differences when an expert's rows span severa
   // Top-1 of 2 experts over 600 tokens: each expert gets about 300 rows, more than one row-phase
   // work item takes (detail::kBackwardRows = 256), so its rows are split into chunks.
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(4, 3, {2, 1, false, 1.0f});
-  randomize(layer, 41);
+  test::randomize_ffn(layer, 41);
   moe::ThreadPool pool(2);
   check_gradients(
       layer, 600, [](auto z) { return ref::softmax_top_k(z, 1, false, 1.0); }, false, &pool);
@@ -331,14 +309,14 @@ TEST_CASE("Backward matches finite differences with shared experts", "[training]
     using Sh = experts::UngatedSharedExperts<experts::SwiGlu>;
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(6, 5, {4, 2, true, 1.0f},
                                                                  Sh(2, 6, 4));
-    randomize(layer, 31);
+    test::randomize_ffn(layer, 31);
     check_gradients(layer, 7, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
   }
   SECTION("sigmoid-gated shared experts, two threads") {
     using Sh = experts::GatedSharedExperts<experts::GeluMlp>;
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(6, 5, {4, 2, false, 1.0f},
                                                                  Sh(2, 6, 3));
-    randomize(layer, 32);
+    test::randomize_ffn(layer, 32);
     moe::ThreadPool pool(2);
     check_gradients(
         layer, 70, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); }, false, &pool);
@@ -355,7 +333,7 @@ TEST_CASE("Backward matches finite differences with expert biases and the clampe
     // D 6, F 5 (a partial panel), top-2 of 4 with softmax over the two logits; limit 0.3 so some
     // gates and ups are clamped on both sides and some are not.
     moe::MoeFfn<routing::TopKSoftmax, experts::ClampedSwiGlu> layer(6, 5, {4, 2});
-    randomize(layer, 61);
+    test::randomize_ffn(layer, 61);
     layer.enable_router_bias();
     moe::fill_uniform(layer.router_bias(), -0.8f, 0.8f, 62);
     biased(layer.experts(), 63);
@@ -368,12 +346,12 @@ TEST_CASE("Backward matches finite differences with expert biases and the clampe
     using Sh = experts::UngatedSharedExperts<experts::SwiGlu>;
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(6, 5, {4, 2, true, 1.0f},
                                                                  Sh(2, 6, 3));
-    randomize(layer, 64);
+    test::randomize_ffn(layer, 64);
     biased(layer.experts(), 65);
     biased(layer.shared_experts().bank(), 66);
     check_gradients(layer, 7, [](auto z) { return ref::softmax_top_k(z, 2, true, 1.0); });
     moe::MoeFfn<routing::SoftmaxTopK, experts::GeluMlp> mlp(5, 7, {4, 2, false, 1.0f});
-    randomize(mlp, 67);
+    test::randomize_ffn(mlp, 67);
     biased(mlp.experts(), 68);
     check_gradients(mlp, 6, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
   }
@@ -384,7 +362,7 @@ TEST_CASE("Default MoE: dense router gradient, both modes, EMA update", "[traini
   for (auto mode : {moe::DefaultMoe::Mode::kGradOnly, moe::DefaultMoe::Mode::kForward}) {
     INFO("mode " << (mode == moe::DefaultMoe::Mode::kForward ? "forward" : "grad-only"));
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, false, 1.0f});
-    randomize(layer, 41);
+    test::randomize_ffn(layer, 41);
     layer.default_moe() = {true, 0.9f, mode};
     auto d = layer.default_outputs();
     moe::fill_uniform(std::span<float>(d.data, static_cast<std::size_t>(E * D)), -1.0f, 1.0f, 42);
@@ -392,7 +370,7 @@ TEST_CASE("Default MoE: dense router gradient, both modes, EMA update", "[traini
   }
   // Values: grad-only returns exactly the sparse output; forward adds sum p_i d_i.
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, F, {E, 2, false, 1.0f});
-  randomize(layer, 43);
+  test::randomize_ffn(layer, 43);
   auto x = test::random_vector(T * D, 44);
   std::vector<float> plain(x.size()), grad_only(x.size()), fwd(x.size());
   moe::MoeFfnWorkspace ws;
@@ -444,8 +422,8 @@ TEST_CASE("Default MoE vanishes when every expert is selected (k = E)", "[traini
   Index const D = 6, E = 3, T = 5;
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> a(D, 4, {E, E, false, 1.0f}),
       b(D, 4, {E, E, false, 1.0f});
-  randomize(a, 51);
-  randomize(b, 51);
+  test::randomize_ffn(a, 51);
+  test::randomize_ffn(b, 51);
   b.default_moe() = {true, 0.9f, moe::DefaultMoe::Mode::kForward};
   auto d = b.default_outputs();
   moe::fill_uniform(std::span<float>(d.data, static_cast<std::size_t>(E * D)), -1.0f, 1.0f, 52);
@@ -472,7 +450,7 @@ TEST_CASE(
   auto dy = test::random_vector(T * D, 62);
   for (bool normalize : {true, false}) {
     moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(D, 4, {E, 2, normalize, 1.0f});
-    randomize(layer, 63);
+    test::randomize_ffn(layer, 63);
     std::vector<float> y(x.size()), dx(x.size());
     moe::MoeFfnWorkspace ws;
     layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws);
@@ -503,7 +481,7 @@ TEST_CASE("Backward is bitwise identical for 1 and 2 threads", "[training][deter
   using Sh = experts::GatedSharedExperts<experts::SwiGlu>;
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, Sh> layer(D, 24, {8, 2, true, 1.0f},
                                                                Sh(1, D, 16));
-  randomize(layer, 71);
+  test::randomize_ffn(layer, 71);
   layer.default_moe() = {true, 0.9f, moe::DefaultMoe::Mode::kGradOnly};
   auto x = test::random_vector(T * D, 72);
   auto dy = test::random_vector(T * D, 73);
@@ -560,7 +538,7 @@ TEST_CASE("backward checks whose workspace and gradients it is given", "[backwar
   Layer same_shape(8, 6, {4, 2, true, 1.0f}, Sh(1, 8, 6));
   Layer wider(8, 6, {6, 2, true, 1.0f}, Sh(1, 8, 6));
   Layer two_shared(8, 6, {4, 2, true, 1.0f}, Sh(2, 8, 6));
-  randomize(a, 40);
+  test::randomize_ffn(a, 40);
   std::vector<float> x = test::random_vector(3 * 8, 41), y(24), dy(24, 0.1f), dx(24);
   moe::MoeFfnWorkspace ws;
   auto grads = a.make_gradients();

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moe/core/random.hpp"
@@ -12,6 +13,22 @@
 #include "support/reference.hpp"
 
 namespace test {
+
+/// An MoE FFN layer's weights uniform: experts and shared experts in [-0.5, 0.5), router and
+/// shared-expert gate in [-1, 1), from `seed` on.
+template <class Layer>
+void randomize_ffn(Layer& layer, std::uint64_t seed) {
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.5f, 0.5f, seed);
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -1.0f,
+                    1.0f, seed + 1);
+  if constexpr (Layer::Shared::has_experts) {
+    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.5f, 0.5f, seed + 2);
+    auto g = layer.shared_experts().gate_weight();
+    moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -1.0f,
+                      1.0f, seed + 3);
+  }
+}
 
 using moe::Index;
 

@@ -568,9 +568,9 @@ class ExpertBank {
   /// projections in both orientations, half the bytes of the fp32 weights), made here and
   /// again whenever an edit scope ends. Activation functions, their VJPs, biases, the router and
   /// the balance losses stay fp32. Inference forwards are unchanged (they read pack()).
-  /// Which layers run it: MoeFfn's and ExpertParallelMoeFfn's training forwards round the expert
-  /// inputs and hidden activations to bf16 themselves; MoeAttention's throws moe::Error over a
-  /// bank in this mode (not yet). Throws while an edit scope is open, and after
+  /// Every layer that trains a bank (MoeFfn, ExpertParallelMoeFfn, MoeAttention) rounds its
+  /// expert inputs and hidden activations to bf16 in its training forward when the bank is in
+  /// this mode. Throws while an edit scope is open, and after
   /// discard_master_weights(). kF32 drops the train panels.
   void set_train_compute(TrainCompute c, ThreadPool* pool = nullptr) {
     detail::check(!editing(),

@@ -762,8 +762,9 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
 
   // 6. Experts: the shared bank on the routed rows, the layer's shared experts on theirs, both
   //    through the routed-experts engine (fused activation, packed fp32 / bf16 panels).
-  stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank, !train)};
-  stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train)};
+  stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank, !train), false, true};
+  stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train), false,
+                                  true};
   stages::ExpertRows const rows{plan.expert_offsets.data(), E};
   Index const kpD = (D + 1) / 2;
   ws.routed.prepare(bank, R, routed, false);
@@ -773,6 +774,12 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   ws.xin_sh_pairs.resize(static_cast<std::size_t>(shared.pairs ? ns * T * kpD : 0));
   std::uint32_t* const pairs = routed.pairs ? ws.xin_pairs.data() : nullptr;
   std::uint32_t* const sh_pairs = shared.pairs ? ws.xin_sh_pairs.data() : nullptr;
+  // bf16-compute training: the experts' inputs rounded to bf16 in place (the gate's backward
+  // reads the mixed values and the gates, not these).
+  ws.routed.round_inputs(bank, R, routed, pool);
+  if (train && stages::SharedStage::trains_bf16(shared_)) {
+    stages::round_bf16(ws.xin_sh.data(), ns * T * D, pool);
+  }
   detail::run_pairs_tasks(pool, {detail::PairsTask{ws.routed.x_rows.data(), D, R, D, pairs},
                                  detail::PairsTask{ws.xin_sh.data(), D, ns * T, D, sh_pairs}});
   ws.routed.enqueue_in(ws.expert_queue, bank, rows,
@@ -780,6 +787,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
   ws.shared.enqueue_in(ws.expert_queue, shared_, {ws.xin_sh.data(), D, nullptr, sh_pairs, kpD}, T,
                        shared, T, T);
   ws.expert_queue.run<Expert, SharedX>(pool);
+  ws.routed.round_hidden(bank, R, routed, pool);
+  ws.shared.round_hidden(shared_, shared, pool);
   detail::run_pairs_tasks(
       pool, {ws.routed.act_pairs_task(bank, R), ws.shared.act_pairs_task(shared_, T)});
   ws.routed.enqueue_down(ws.expert_queue, bank, rows, nullptr, routed);

@@ -161,7 +161,8 @@ class FfnLayerBase {
   /// operands with fp32 accumulation, fp32 master weights and gradients, on the CPU's bf16 unit
   /// (AMX, AVX512-BF16, or widened to fp32). The router, the shared-expert gates, activations and
   /// balance losses stay fp32; inference forwards are unchanged (MoeFfn and
-  /// ExpertParallelMoeFfn, whose from_layer carries the mode over). Keeps bf16
+  /// ExpertParallelMoeFfn, whose from_layer carries the mode over; a MoeAttention over this
+  /// layer's bank trains its experts in the same mode). Keeps bf16
   /// copies of the expert weights (half the bytes of the fp32 weights), rebuilt after every
   /// parameters() list or edit scope ends (one optimizer step). Throws while one is open.
   /// Accuracy: docs/design.md, "bf16 compute".

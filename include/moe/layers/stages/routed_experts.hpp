@@ -41,8 +41,8 @@ struct ExpertMode {
   bool pairs = false;  ///< inputs handed over as bf16 pairs (see detail::uses_bf16_pairs)
   bool q8 = false;     ///< inputs handed over as int8 rows (see detail::uses_q8_rows)
   /// Training: the layer rounds the inputs and hidden activations of banks in bf16-compute
-  /// mode to bf16 (round_inputs, round_hidden; MoeFfn and ExpertParallelMoeFfn do); a training
-  /// forward over such a bank without it throws.
+  /// mode to bf16 (round_inputs, round_hidden; every layer does); a training forward over such a
+  /// bank without it throws.
   bool bf16_operands = false;
 };
 
@@ -53,8 +53,8 @@ void check_train_compute(Bank const& bank, ExpertMode mode) {
   if (!mode.train || !detail::trains_bf16(bank)) return;
   detail::check(mode.bf16_operands,
                 "MoE layer: this layer does not run bf16-compute training "
-                "(TrainCompute::kBf16) yet (MoeFfn and ExpertParallelMoeFfn do); set the bank back "
-                "to TrainCompute::kF32 "
+                "(TrainCompute::kBf16): it does not round the experts' operands "
+                "(ExpertMode::bf16_operands); set the bank back to TrainCompute::kF32 "
                 "(ExpertBank::set_train_compute) to train it here");
   detail::require_train_panels(bank);
 }
