@@ -29,6 +29,7 @@
 #include "moe/routing/group_limited_top_k.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 #include "moe/routing/top_k_softmax.hpp"
+#include "support/helpers.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
@@ -54,20 +55,6 @@ std::vector<float> random_vector(Index n, std::uint64_t seed, float lo = -1.0f, 
   std::vector<float> v(static_cast<std::size_t>(n));
   moe::fill_uniform(v, lo, hi, seed);
   return v;
-}
-
-template <class Layer>
-void randomize(Layer& layer, std::uint64_t seed) {
-  moe::fill_uniform(layer.experts().edit().parameters(), -0.5f, 0.5f, seed);
-  auto wr = layer.router_weight();
-  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -1.0f,
-                    1.0f, seed + 1);
-  if constexpr (Layer::Shared::has_experts) {
-    moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.5f, 0.5f, seed + 2);
-    auto g = layer.shared_experts().gate_weight();
-    moe::fill_uniform(std::span<float>(g.data, static_cast<std::size_t>(g.rows * g.cols)), -1.0f,
-                      1.0f, seed + 3);
-  }
 }
 
 /// Number of positions where a and b differ in their bits (the first one is reported).
@@ -345,7 +332,7 @@ using MlpLayer = moe::MoeFfn<routing::TopKSoftmax, experts::ReluMlp>;
 
 Plain make_plain(Index E = 8, Index k = 2, Index D = 16, Index F = 24) {
   Plain layer(D, F, routing::SoftmaxTopK{E, k, true, 1.0f});
-  randomize(layer, 7);
+  test::randomize_ffn(layer, 7);
   return layer;
 }
 
@@ -353,7 +340,7 @@ Qwen2Like make_qwen2_like(Index F = 20, Index Fs = 28) {
   Index const D = 16;
   Qwen2Like layer(D, F, routing::SoftmaxTopK{6, 2, false, 1.0f},
                   experts::GatedSharedExperts<experts::SwiGlu>(1, D, Fs));
-  randomize(layer, 17);
+  test::randomize_ffn(layer, 17);
   return layer;
 }
 
@@ -368,13 +355,13 @@ DeepSeekLike make_deepseek_like() {
   r.bias.assign(8, 0.0f);
   DeepSeekLike layer(D, 12, std::move(r), experts::UngatedSharedExperts<experts::SwiGlu>(1, D, 24),
                      moe::balance::AuxFreeBias{0.05f, {}});
-  randomize(layer, 27);
+  test::randomize_ffn(layer, 27);
   return layer;
 }
 
 MlpLayer make_mlp(Index E, Index k) {
   MlpLayer layer(16, 20, routing::TopKSoftmax{E, k});
-  randomize(layer, 37);
+  test::randomize_ffn(layer, 37);
   return layer;
 }
 
@@ -418,7 +405,7 @@ TEST_CASE("dist: forward and backward equal MoeFfn", "[dist]") {
     layer.enable_router_bias();
     layer.experts().enable_biases();
     layer.experts().set_glu_clamp({1.702f, 0.3f});
-    randomize(layer, 78);
+    test::randomize_ffn(layer, 78);
     moe::fill_uniform(layer.router_bias(), -0.5f, 0.5f, 79);
     Case c;
     c.total_tokens = 57;
@@ -542,7 +529,7 @@ TEST_CASE("dist: balance policies observe the global batch", "[dist]") {
     using L = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu, experts::NoSharedExperts,
                           moe::balance::GlobalBatchAux>;
     L ref(16, 24, routing::SoftmaxTopK{8, 2, true, 1.0f}, {}, moe::balance::GlobalBatchAux{});
-    randomize(ref, 47);
+    test::randomize_ffn(ref, 47);
     Index const T = 100, D = 16;
     auto X = random_vector(T * D, 11);
     auto ep = dist::ExpertParallelOf<L>::from_layer(MPI_COMM_WORLD, ref);

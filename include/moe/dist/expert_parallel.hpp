@@ -581,7 +581,7 @@ class ExpertParallelMoeFfn
   void run_local_experts(ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const D = d_model_, rin = ws.exchange.received(), kpD = (D + 1) / 2;
     stages::ExpertMode const mode{train, ::moe::detail::uses_bf16_pairs(bank_, !train),
-                                  ::moe::detail::uses_q8_rows(bank_, !train), true};
+                                  ::moe::detail::uses_q8_rows(bank_, !train)};
     Index const rbD = kernels::q8_row_bytes(D);
     ws.experts.prepare(bank_, rin, mode, false);
     ws.experts.round_inputs(bank_, rin, mode, pool);
@@ -607,7 +607,7 @@ class ExpertParallelMoeFfn
                               ExpertParallelWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, kpD = (D + 1) / 2;
     stages::ExpertMode const mode{train, stages::SharedStage::uses_pairs(shared_, train),
-                                  stages::SharedStage::uses_q8(shared_, train), true};
+                                  stages::SharedStage::uses_q8(shared_, train)};
     Index const rbD = kernels::q8_row_bytes(D);
     ws.shared.prepare(shared_, T, mode, D);
     ws.shared.gates(shared_, x, pool);

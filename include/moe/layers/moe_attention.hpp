@@ -762,9 +762,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
 
   // 6. Experts: the shared bank on the routed rows, the layer's shared experts on theirs, both
   //    through the routed-experts engine (fused activation, packed fp32 / bf16 panels).
-  stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank, !train), false, true};
-  stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train), false,
-                                  true};
+  stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank, !train)};
+  stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train)};
   stages::ExpertRows const rows{plan.expert_offsets.data(), E};
   Index const kpD = (D + 1) / 2;
   ws.routed.prepare(bank, R, routed, false);

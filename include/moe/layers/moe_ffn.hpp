@@ -344,9 +344,9 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
                    MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
     Index const T = x.rows, D = d_model_, R = plan.num_rows(), kpD = (D + 1) / 2;
     stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank_, !train),
-                                    detail::uses_q8_rows(bank_, !train), true};
+                                    detail::uses_q8_rows(bank_, !train)};
     stages::ExpertMode const shared{train, stages::SharedStage::uses_pairs(shared_, train),
-                                    stages::SharedStage::uses_q8(shared_, train), true};
+                                    stages::SharedStage::uses_q8(shared_, train)};
     stages::ExpertRows const rows = rows_of(plan);
     bool const scaled = routing::detail::scales_input(router_);
     ws.routed.prepare(bank_, R, routed, train || scaled);

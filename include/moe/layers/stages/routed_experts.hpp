@@ -40,24 +40,7 @@ struct ExpertMode {
   bool train = false;
   bool pairs = false;  ///< inputs handed over as bf16 pairs (see detail::uses_bf16_pairs)
   bool q8 = false;     ///< inputs handed over as int8 rows (see detail::uses_q8_rows)
-  /// Training: the layer rounds the inputs and hidden activations of banks in bf16-compute
-  /// mode to bf16 (round_inputs, round_hidden; every layer does); a training forward over such a
-  /// bank without it throws.
-  bool bf16_operands = false;
 };
-
-/// Throws unless a training forward over `bank` in bf16-compute mode has its operands rounded
-/// by the layer (mode.bf16_operands) and the bank's train panels are current.
-template <class Bank>
-void check_train_compute(Bank const& bank, ExpertMode mode) {
-  if (!mode.train || !detail::trains_bf16(bank)) return;
-  detail::check(mode.bf16_operands,
-                "MoE layer: this layer does not run bf16-compute training "
-                "(TrainCompute::kBf16): it does not round the experts' operands "
-                "(ExpertMode::bf16_operands); set the bank back to TrainCompute::kF32 "
-                "(ExpertBank::set_train_compute) to train it here");
-  detail::require_train_panels(bank);
-}
 
 /// The routed experts' buffers (expert-major rows, R of them) and the engine that fills them.
 struct RoutedExperts {
@@ -162,7 +145,6 @@ struct RoutedExperts {
   void enqueue_in(ProjectionQueue& q, Bank const& bank, ExpertRows rows, kernels::RowSource a,
                   ExpertMode mode) {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
-    check_train_compute(bank, mode);
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
       detail::ExpertJob job;

@@ -114,8 +114,11 @@ struct SharedStage {
     if (!mode.train || !trains_bf16(sh)) return x;
     Index const T = x.rows, D = x.cols;
     x16.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, x16.data() + t * D);
-    round_bf16(x16.data(), T * D, pool);
+    parallel_for(pool, (T + kTokenTile - 1) / kTokenTile, [&](Index i, int) {
+      for (Index t = i * kTokenTile; t < std::min(T, (i + 1) * kTokenTile); ++t) {
+        for (Index c = 0; c < D; ++c) x16[t * D + c] = kernels::round_bf16_activation(x(t, c));
+      }
+    });
     return {x16.data(), T, D};
   }
   /// bf16-compute training: the shared experts' m rounded to bf16 after the in projections.
@@ -160,7 +163,6 @@ struct SharedStage {
     if constexpr (Shared::has_experts) {
       auto const& sb = sh.bank();
       Index const ns = count(sh), Ps = sb.hidden_cols(), Fs = sb.d_ffn();
-      check_train_compute(sb, mode);
       for (Index s = 0; s < ns; ++s) {
         detail::ExpertJob job;
         job.kind = detail::ExpertJob::Kind::kSharedHidden;
