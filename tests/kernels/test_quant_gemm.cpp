@@ -92,7 +92,170 @@ std::vector<std::byte> quantize_acts(std::vector<float> const& x, Index M, Index
   return {buf.begin(), buf.end()};
 }
 
+#if MOE_HAS_AVX2_INT8
+/// The zmm width of the planar unpacker's byte operations, emulated on bytes (16-bit lanes for
+/// the shifts, as vpsrlw / vpsllw), so that an AVX2 machine checks the unpacker's algorithm at
+/// the width the AVX-512 kernels run it (the intrinsics of ByteOps<64> are one instruction each).
+struct EmulatedZmm {
+  std::array<std::uint8_t, 64> b{};
+};
 }  // namespace
+
+template <>
+struct moe::kernels::detail::ByteOps<64> {
+  using V = EmulatedZmm;
+  static V load(void const* p) {
+    V v;
+    std::memcpy(v.b.data(), p, 64);
+    return v;
+  }
+  static V set1(int x) {
+    V v;
+    v.b.fill(static_cast<std::uint8_t>(x));
+    return v;
+  }
+  template <class Op>
+  static V bytes(V a, V c, Op op) {
+    for (std::size_t i = 0; i < 64; ++i) a.b[i] = static_cast<std::uint8_t>(op(a.b[i], c.b[i]));
+    return a;
+  }
+  static V and_(V a, V c) {
+    return bytes(a, c, [](int x, int y) { return x & y; });
+  }
+  static V or_(V a, V c) {
+    return bytes(a, c, [](int x, int y) { return x | y; });
+  }
+  template <class Op>
+  static V lanes(V a, Op op) {
+    for (std::size_t i = 0; i < 64; i += 2) {
+      auto const x = static_cast<std::uint16_t>(op(a.b[i] | a.b[i + 1] << 8));
+      a.b[i] = static_cast<std::uint8_t>(x & 0xFF);
+      a.b[i + 1] = static_cast<std::uint8_t>(x >> 8);
+    }
+    return a;
+  }
+  static V srl(V a, int n) {
+    return lanes(a, [n](unsigned x) { return x >> n; });
+  }
+  static V sll(V a, int n) {
+    return lanes(a, [n](unsigned x) { return x << n; });
+  }
+};
+
+namespace {
+#endif
+
+}  // namespace
+
+#if MOE_HAS_AVX512VNNI || MOE_HAS_AVX2_INT8
+TEST_CASE("quant kernels: the planar unpacker gives quant_level's levels at both vector widths",
+          "[kernels][quant]") {
+  for (quant::Format f : {quant::Format::kQ6_K, quant::Format::kQ3_K, quant::Format::kQ2_K}) {
+    Index const K = 512, N = 32;
+    QOperand op(f, N, K, 11);
+    auto const* levels = reinterpret_cast<std::uint8_t const*>(op.panels.data());
+    auto check = [&]<quant::Format F, int W>() {
+      using O = kernels::detail::ByteOps<W>;
+      for (Index g = 0; g < K / 256; ++g) {
+        std::uint8_t const* w =
+            levels + g * kernels::quant_group_bytes(F) + kernels::quant_header_bytes(F);
+        for (Index sb = 0; sb < 16; ++sb) {
+          std::uint8_t const* sub = w + sb * 64 * kernels::quant_level_bits(F);
+          for (Index c0 = 0; c0 < 32; c0 += W / 4) {
+            int next = 0;
+            kernels::detail::planar_quads<F, W>(sub, c0, [&](int t, typename O::V u) {
+              REQUIRE(t == next++);
+              alignas(64) std::uint8_t got[W];
+              std::memcpy(got, &u, W);
+              for (Index c = c0; c < c0 + W / 4; ++c) {
+                for (Index j = 0; j < 4; ++j) {
+                  INFO(quant::name(F) << " W = " << W << " sb = " << sb << " c = " << c);
+                  REQUIRE(got[(c - c0) * 4 + j] ==
+                          kernels::quant_level(F, w, sb * 16 + 4 * t + j, c));
+                }
+              }
+            });
+            REQUIRE(next == 4);
+          }
+        }
+      }
+    };
+    auto both = [&]<quant::Format F>() {
+      check.operator()<F, 32>();
+      check.operator()<F, 64>();
+    };
+    if (f == quant::Format::kQ6_K) both.operator()<quant::Format::kQ6_K>();
+    if (f == quant::Format::kQ3_K) both.operator()<quant::Format::kQ3_K>();
+    if (f == quant::Format::kQ2_K) both.operator()<quant::Format::kQ2_K>();
+  }
+}
+#endif
+
+TEST_CASE("quant kernels: panels store every format at its own width", "[kernels][quant]") {
+  // Bits a weight of one 32-column panel, header included (hand-computed: levels + fp16 scales
+  // per column and block + the K-quants' 8-bit sub-block scales and mins).
+  Index const K = 1024;
+  auto bits = [&](quant::Format f) {
+    return static_cast<double>(kernels::quant_panel_bytes(f, K)) * 8.0 / (32.0 * K);
+  };
+  CHECK(bits(quant::Format::kQ8_0) == 8.5);
+  CHECK(bits(quant::Format::kQ6_K) == 6.5625);  // 6 + 16 / 256 + 8 x 16 / 256
+  CHECK(bits(quant::Format::kQ4_K) == 4.625);   // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
+  CHECK(bits(quant::Format::kQ4_0) == 4.5);
+  CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
+  CHECK(bits(quant::Format::kQ2_K) == 2.625);   // 2 + 2 x 16 / 256 + 8 x 16 / 256 (nibbles)
+  // Every level round-trips through the layout: the GGUF block's level (its decoder's integer).
+  for (quant::Format f : quant::kFormats) {
+    Index const N = 40;  // a second panel with 8 columns, the rest zero
+    QOperand op(f, N, K, 3);
+    Index const G = quant::block_elems(f);
+    auto gguf_level = [&](Index n, Index k) {
+      std::byte const* blk = op.q.row(n) + k / G * quant::block_bytes(f);
+      int const i = static_cast<int>(k % G);
+      auto as = [&]<class B>(B* b) -> B const& {
+        std::memcpy(b, blk, sizeof(B));
+        return *b;
+      };
+      switch (f) {
+        case quant::Format::kQ8_0: {
+          quant::BlockQ8_0 b;
+          return as(&b).qs[i] + 128;
+        }
+        case quant::Format::kQ4_0: {
+          quant::BlockQ4_0 b;
+          return i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
+        }
+        case quant::Format::kQ6_K: {
+          quant::BlockQ6_K b;
+          return quant::q6_level(as(&b), i);
+        }
+        case quant::Format::kQ4_K: {
+          quant::BlockQ4_K b;
+          return quant::q4k_level(as(&b), i);
+        }
+        case quant::Format::kQ3_K: {
+          quant::BlockQ3_K b;
+          return quant::q3k_level(as(&b), i);
+        }
+        case quant::Format::kQ2_K: {
+          quant::BlockQ2_K b;
+          return quant::q2k_level(as(&b), i);
+        }
+      }
+      return -1;
+    };
+    auto const* panel = reinterpret_cast<std::uint8_t const*>(op.panels.data());
+    for (Index n = 0; n < 64; n += 3) {
+      for (Index k = 0; k < K; k += 5) {
+        std::uint8_t const* w = panel + n / 32 * op.w.panel_bytes +
+                                k / G * kernels::quant_group_bytes(f) +
+                                kernels::quant_header_bytes(f);
+        INFO(quant::name(f) << " n = " << n << " k = " << k);
+        REQUIRE(kernels::quant_level(f, w, k % G, n % 32) == (n < N ? gguf_level(n, k) : 0));
+      }
+    }
+  }
+}
 
 TEST_CASE("quant kernels: activation rows are quantized per 32-block with their sums",
           "[kernels][quant]") {

@@ -196,15 +196,33 @@ constexpr Index quant_header_bytes(quant::Format f) {
     case quant::Format::kQ3_K:
       return 576;  // fp16 d[32], i8 sc[16][32]
     case quant::Format::kQ2_K:
-      return 1152;  // fp16 d[32], fp16 dmin[32], u8 sc[16][32], u8 m[16][32]
+      return 640;  // fp16 d[32], fp16 dmin[32], u8 (sc | m << 4)[16][32] (GGUF's scale bytes)
   }
   return 0;
 }
-/// Are the levels stored as nibbles (4-bit layout; Q3_K's and Q2_K's levels too, so the kernels
-/// read 4 bits a weight for them: correct, but without their bandwidth saving)?
+/// Bits of one level in the kernel layout (the format's own width).
+constexpr Index quant_level_bits(quant::Format f) {
+  switch (f) {
+    case quant::Format::kQ8_0:
+      return 8;
+    case quant::Format::kQ6_K:
+      return 6;
+    case quant::Format::kQ3_K:
+      return 3;
+    case quant::Format::kQ2_K:
+      return 2;
+    default:
+      return 4;
+  }
+}
+/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_K)?
 constexpr bool quant_is_4bit(quant::Format f) {
-  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K || f == quant::Format::kQ3_K ||
-         f == quant::Format::kQ2_K;
+  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
+}
+/// Are the levels stored in bit planes per 16-deep sub-block (Q6_K: nibbles and a 2-bit plane;
+/// Q3_K: a 2-bit and a 1-bit plane; Q2_K: a 2-bit plane)?
+constexpr bool quant_is_planar(quant::Format f) {
+  return f == quant::Format::kQ6_K || f == quant::Format::kQ3_K || f == quant::Format::kQ2_K;
 }
 /// Does the format have a min per sub-block (w = s u - m) rather than an offset?
 constexpr bool quant_has_min(quant::Format f) {
@@ -214,18 +232,47 @@ constexpr bool quant_has_min(quant::Format f) {
 constexpr bool quant_has_sub_scales(quant::Format f) { return quant::block_elems(f) == 256; }
 constexpr Index quant_group_bytes(quant::Format f) {
   Index const G = quant::block_elems(f);
-  return quant_header_bytes(f) + (quant_is_4bit(f) ? G * 16 : G * 32);
+  return quant_header_bytes(f) + G * 4 * quant_level_bits(f);
 }
 /// Bytes of one panel of depth K.
 constexpr Index quant_panel_bytes(quant::Format f, Index K) {
   return K / quant::block_elems(f) * quant_group_bytes(f);
 }
 
+/// Level u of depth k (within a group) and column c from a group's level bytes `w` (the layout
+/// of pack_quant_panels): the scalar definition the SIMD kernels unpack in vectors.
+constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index c) {
+  if (quant_is_4bit(f)) {
+    std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
+    return (k % 8) >= 4 ? v >> 4 : v & 0xF;
+  }
+  if (!quant_is_planar(f)) return w[((k / 4) * 32 + c) * 4 + k % 4];
+  Index const t = k % 16 / 4, j = k % 4;
+  std::uint8_t const* sub = w + k / 16 * 64 * quant_level_bits(f);
+  if (f == quant::Format::kQ6_K) {
+    std::uint8_t const v = sub[((t / 2) * 32 + c) * 4 + j];
+    int const nib = t % 2 ? v >> 4 : v & 0xF;
+    return nib | ((sub[256 + c * 4 + j] >> (2 * t)) & 3) << 4;
+  }
+  int const lo = (sub[c * 4 + j] >> (2 * t)) & 3;
+  if (f == quant::Format::kQ2_K) return lo;
+  return lo | ((sub[128 + (c % 16) * 4 + j] >> (4 * (c / 16) + t)) & 1) << 2;  // Q3_K
+}
+
 /// Packs N GGUF rows of depth K (row n at rows + n * row_bytes(f, K)) into ceil(N / 32) panels at
 /// dst (64-byte aligned, ceil(N / 32) * quant_panel_bytes(f, K) bytes). Columns past N are zero.
-/// Weight bytes of a group, for 32 k (8-bit) or 8 k (4-bit) at a time and 32 columns:
-///   8-bit: byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
-///   4-bit: byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and k = 8 o + 4 + j (high).
+/// A group is its header, then its levels (quant_level reads them):
+///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
+///   4-bit (Q4_0, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
+///     k = 8 o + 4 + j (high);
+///   planar (Q6_K, Q3_K, Q2_K), 64 x bits bytes per 16-deep sub-block, k = 4 t + j within it:
+///     Q6_K: bytes [0, 256) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes
+///       [256, 384) the high 2 bits, byte c * 4 + j bits 2 t + 1 .. 2 t;
+///     Q3_K: bytes [0, 128) the low 2 bits as Q6_K's high ones, bytes [128, 192) the high bit,
+///       byte (c % 16) * 4 + j bit 4 (c / 16) + t;
+///     Q2_K: bytes [0, 128) the 2 bits, as Q3_K's low ones.
+/// So every format is stored at its own width (Q6_K 6.56, Q3_K 3.56, Q2_K 2.63 bits a weight
+/// with the header), and a vector of 8 or 16 columns x 4 depths unpacks from aligned loads.
 inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
                               std::byte* dst) {
   using quant::Format;
@@ -242,14 +289,24 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
         Index const n = p * kQuantPanelCols + c;
         if (n >= N) break;
         std::byte const* blk = rows + n * rb + g * quant::block_bytes(f);
+        auto set = [&](Index byte, int bits) {
+          w[byte] = static_cast<std::uint8_t>(w[byte] | bits);
+        };
         auto put = [&](Index k, int u) {
           if (quant_is_4bit(f)) {
-            Index const o = k / 8, j = k % 4;
-            int const shift = (k % 8) >= 4 ? 4 : 0;
-            w[(o * 32 + c) * 4 + j] =
-                static_cast<std::uint8_t>(w[(o * 32 + c) * 4 + j] | (u << shift));
+            set(((k / 8) * 32 + c) * 4 + k % 4, (k % 8) >= 4 ? u << 4 : u);
+          } else if (!quant_is_planar(f)) {
+            set(((k / 4) * 32 + c) * 4 + k % 4, u);
           } else {
-            w[((k / 4) * 32 + c) * 4 + k % 4] = static_cast<std::uint8_t>(u);
+            Index const t = k % 16 / 4, j = k % 4, sub = k / 16 * 64 * quant_level_bits(f);
+            if (f == Format::kQ6_K) {
+              set(sub + ((t / 2) * 32 + c) * 4 + j, t % 2 ? (u & 0xF) << 4 : u & 0xF);
+              set(sub + 256 + c * 4 + j, (u >> 4) << (2 * t));
+            } else {
+              set(sub + c * 4 + j, (u & 3) << (2 * t));
+              if (f == Format::kQ3_K)
+                set(sub + 128 + (c % 16) * 4 + j, (u >> 2) << (4 * (c / 16) + t));
+            }
           }
         };
         switch (f) {
@@ -298,10 +355,7 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             d16[c] = b.d;
             d16[32 + c] = b.dmin;
             auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
-            for (int j = 0; j < 16; ++j) {
-              sc[j * 32 + c] = static_cast<std::uint8_t>(b.scales[j] & 0xF);
-              sc[512 + j * 32 + c] = static_cast<std::uint8_t>(b.scales[j] >> 4);
-            }
+            for (int j = 0; j < 16; ++j) sc[j * 32 + c] = b.scales[j];
             for (Index k = 0; k < 256; ++k) put(k, quant::q2k_level(b, static_cast<int>(k)));
             break;
           }
@@ -353,11 +407,84 @@ constexpr Index quant_sub_blocks(quant::Format f) {
   return quant::block_elems(f) / quant_fold_depth(f);
 }
 constexpr Index quant_scales_at(quant::Format f) { return quant_has_min(f) ? 128 : 64; }
-constexpr Index quant_mins_at(quant::Format f) { return 128 + quant_sub_blocks(f) * 32; }
+/// Do a sub-block's scale and min share a byte, the scale in the low nibble (Q2_K)?
+constexpr bool quant_scale_min_nibbles(quant::Format f) { return f == quant::Format::kQ2_K; }
+constexpr Index quant_mins_at(quant::Format f) {
+  return quant_scale_min_nibbles(f) ? quant_scales_at(f) : 128 + quant_sub_blocks(f) * 32;
+}
 /// The activation term the min multiplies: da * (sum of the sub-block's levels).
 inline float quant_min_term(Q8Row const& a, Index k0, Index depth) {
   return depth == 32 ? a.ds[k0 / 32] : a.d[k0 / 32] * static_cast<float>(a.s16[k0 / 16]);
 }
+
+#if MOE_HAS_AVX512VNNI || MOE_HAS_AVX2_INT8
+/// The byte-vector operations of the planar unpacker, on ymm and zmm: one algorithm for both
+/// widths (shifts are per 16-bit lane; the unpacker masks every result to bits of its own byte).
+template <int Bytes>
+struct ByteOps;
+template <>
+struct ByteOps<32> {
+  using V = __m256i;
+  static V load(void const* p) { return _mm256_load_si256(static_cast<V const*>(p)); }
+  static V set1(int b) { return _mm256_set1_epi8(static_cast<char>(b)); }
+  static V and_(V a, V b) { return _mm256_and_si256(a, b); }
+  static V or_(V a, V b) { return _mm256_or_si256(a, b); }
+  static V srl(V a, int n) { return _mm256_srli_epi16(a, n); }
+  static V sll(V a, int n) { return _mm256_slli_epi16(a, n); }
+};
+#if MOE_HAS_AVX512VNNI
+template <>
+struct ByteOps<64> {
+  using V = __m512i;
+  static V load(void const* p) { return _mm512_load_si512(p); }
+  static V set1(int b) { return _mm512_set1_epi8(static_cast<char>(b)); }
+  static V and_(V a, V b) { return _mm512_and_si512(a, b); }
+  static V or_(V a, V b) { return _mm512_or_si512(a, b); }
+  static V srl(V a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
+  static V sll(V a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
+};
+#endif
+
+/// The levels of one 16-deep sub-block of a planar format (`sub`: its level bytes, 64-byte
+/// aligned; pack_quant_panels' layout) for the columns [c0, c0 + L) of a vector of W bytes, L =
+/// W / 4 = 8 (ymm) or 16 (zmm) columns x 4 depths: fn(t, u) for the quads t = 0, 1, 2, 3 in order,
+/// u the unsigned levels of depths 4 t .. 4 t + 3, column c's at bytes 4 (c - c0) .. 4 (c - c0) + 3
+/// (quant_level's values; the tests check every format and width against it).
+template <quant::Format F, int W, class Fn>
+MOE_ALWAYS_INLINE void planar_quads(std::uint8_t const* sub, Index c0, Fn const& fn) {
+  static_assert(quant_is_planar(F));
+  using O = ByteOps<W>;
+  using V = typename O::V;
+  V const three = O::set1(3);
+  V h2 = O::load(sub + (F == quant::Format::kQ6_K ? 256 : 0) + c0 * 4);  // 2 bits of quad t at 2 t
+  if constexpr (F == quant::Format::kQ6_K) {
+    V const nib = O::set1(0x0F);
+    for (int o = 0; o < 2; ++o) {
+      V const n = O::load(sub + (o * 32 + c0) * 4);
+      fn(2 * o, O::or_(O::and_(n, nib), O::sll(O::and_(h2, three), 4)));
+      h2 = O::srl(h2, 2);
+      fn(2 * o + 1, O::or_(O::and_(O::srl(n, 4), nib), O::sll(O::and_(h2, three), 4)));
+      h2 = O::srl(h2, 2);
+    }
+  } else {
+    [[maybe_unused]] V h1, four;
+    if constexpr (F == quant::Format::kQ3_K) {  // the high bit of quad t at bit 4 (c0 / 16) + t
+      h1 = O::load(sub + 128 + (c0 % 16) * 4);
+      if (c0 >= 16) h1 = O::srl(h1, 4);
+      four = O::set1(4);
+    }
+    for (int t = 0; t < 4; ++t) {
+      V u = O::and_(h2, three);
+      if constexpr (F == quant::Format::kQ3_K) {
+        u = O::or_(u, O::and_(O::sll(h1, 2), four));
+        h1 = O::srl(h1, 1);
+      }
+      fn(t, u);
+      h2 = O::srl(h2, 2);
+    }
+  }
+}
+#endif
 
 /// Portable kernel: MR rows x Ops operands x 32 columns, into out[r][o * 32 + c].
 template <quant::Format F, int Ops>
@@ -380,14 +507,7 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
             std::int32_t isum = 0;
             for (Index kk = 0; kk < SB; ++kk) {
               Index const k = sb * SB + kk;  // depth within the group
-              int u;
-              if constexpr (quant_is_4bit(F)) {
-                std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
-                u = (k % 8) >= 4 ? v >> 4 : v & 0xF;
-              } else {
-                u = w[((k / 4) * 32 + c) * 4 + k % 4];
-              }
-              isum += u * a.a[k0 + kk];
+              isum += quant_level(F, w, k, c) * a.a[k0 + kk];
             }
             float const da = a.d[k0 / 32];
             float s = quant::detail::fp32(d16[c]);
@@ -397,13 +517,15 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
                 s = s * static_cast<float>(sc[sb * 32 + c]);
               } else {
                 auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
-                s = s * static_cast<float>(sc[sb * 32 + c]);
+                int const v = sc[sb * 32 + c];
+                s = s * static_cast<float>(quant_scale_min_nibbles(F) ? v & 0xF : v);
               }
             }
             if constexpr (quant_has_min(F)) {
               auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
-              float const m =
-                  quant::detail::fp32(d16[32 + c]) * static_cast<float>(mn[sb * 32 + c]);
+              int const v = mn[sb * 32 + c];
+              float const m = quant::detail::fp32(d16[32 + c]) *
+                              static_cast<float>(quant_scale_min_nibbles(F) ? v >> 4 : v);
               acc = std::fma(static_cast<float>(isum) * s, da, acc);
               acc = std::fma(-m, quant_min_term(a, k0, SB), acc);
             } else {
@@ -454,8 +576,10 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
           for (Index j = 0; j < NS; ++j) {
             __m128i const s8 =
                 _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
-            __m512i const s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm512_cvtepi8_epi32(s8)
-                                                                         : _mm512_cvtepu8_epi32(s8);
+            __m512i s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm512_cvtepi8_epi32(s8)
+                                                                   : _mm512_cvtepu8_epi32(s8);
+            if constexpr (quant_scale_min_nibbles(F))
+              s32 = _mm512_and_si512(s32, _mm512_set1_epi32(0xF));
             _mm512_store_ps(subs[o][v][0][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
           }
           if constexpr (quant_has_min(F)) {
@@ -465,8 +589,9 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
             for (Index j = 0; j < NS; ++j) {
               __m128i const m8 =
                   _mm_load_si128(reinterpret_cast<__m128i const*>(mn + j * 32 + v * 16));
-              _mm512_store_ps(subs[o][v][NM - 1][j],
-                              _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8))));
+              __m512i m32 = _mm512_cvtepu8_epi32(m8);
+              if constexpr (quant_scale_min_nibbles(F)) m32 = _mm512_srli_epi32(m32, 4);
+              _mm512_store_ps(subs[o][v][NM - 1][j], _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m32)));
             }
           }
         }
@@ -513,6 +638,20 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
                 iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], hi, _mm512_set1_epi32(q1));
               }
             }
+          }
+        }
+      } else if constexpr (quant_is_planar(F)) {
+        for (int o = 0; o < Ops; ++o) {
+          for (int v = 0; v < 2; ++v) {
+            auto const* sub =
+                reinterpret_cast<std::uint8_t const*>(grp[o] + HB) + sb * 64 * quant_level_bits(F);
+            planar_quads<F, 64>(sub, 16 * v, [&](int t, __m512i u) {
+              for (Index r = 0; r < MR; ++r) {
+                std::int32_t q;
+                std::memcpy(&q, a[r] + k0 + 4 * t, 4);
+                iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], u, _mm512_set1_epi32(q));
+              }
+            });
           }
         }
       } else {
@@ -593,6 +732,10 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
   constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
   constexpr int NM = quant_has_min(F) ? 2 : 1;
   constexpr bool kSigned = F == Format::kQ8_0 && !MOE_HAS_AVXVNNI;  // see above
+  // Without VNNI, levels of at most 15 add a sub-block's vpmaddubsw pairs in int16 (at most
+  // 8 quads x 2 x 15 x 127 = 30480) and widen once per sub-block; Q6_K's (up to 63) widen per quad.
+  constexpr bool kPairs16 =
+      !MOE_HAS_AVXVNNI && (quant_is_4bit(F) || F == Format::kQ3_K || F == Format::kQ2_K);
   __m256 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (Index r = 0; r < MR; ++r) acc[v][r] = _mm256_setzero_ps();
@@ -608,8 +751,10 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
         for (Index j = 0; j < NS; ++j) {
           __m128i const s8 = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(sc + j * 32 + c0));
-          __m256i const s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm256_cvtepi8_epi32(s8)
-                                                                       : _mm256_cvtepu8_epi32(s8);
+          __m256i s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm256_cvtepi8_epi32(s8)
+                                                                 : _mm256_cvtepu8_epi32(s8);
+          if constexpr (quant_scale_min_nibbles(F))
+            s32 = _mm256_and_si256(s32, _mm256_set1_epi32(0xF));
           _mm256_store_ps(subs[v][0][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(s32)));
         }
         if constexpr (quant_has_min(F)) {
@@ -618,8 +763,9 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
           auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
           for (Index j = 0; j < NS; ++j) {
             __m128i const m8 = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(mn + j * 32 + c0));
-            _mm256_store_ps(subs[v][NM - 1][j],
-                            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))));
+            __m256i m32 = _mm256_cvtepu8_epi32(m8);
+            if constexpr (quant_scale_min_nibbles(F)) m32 = _mm256_srli_epi32(m32, 4);
+            _mm256_store_ps(subs[v][NM - 1][j], _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m32)));
           }
         }
       }
@@ -641,7 +787,7 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
         return _mm256_setzero_si256();
       };
       __m256i iacc[NV][MR];
-      if (!quant_is_4bit(F) || MOE_HAS_AVXVNNI) {
+      if constexpr (!kPairs16) {
         for (Index r = 0; r < MR; ++r)
           for (int v = 0; v < NV; ++v) iacc[v][r] = start(r);
       }
@@ -684,6 +830,36 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
           }
         }
 #endif
+      } else if constexpr (quant_is_planar(F)) {
+        [[maybe_unused]] __m256i p16[NV][MR];
+        if constexpr (kPairs16) {
+          for (int v = 0; v < NV; ++v)
+            for (Index r = 0; r < MR; ++r) p16[v][r] = _mm256_setzero_si256();
+        }
+        for (int v = 0; v < NV; ++v) {
+          auto const* sub =
+              reinterpret_cast<std::uint8_t const*>(grp + HB) + sb * 64 * quant_level_bits(F);
+          planar_quads<F, 32>(sub, 8 * (NV * h + v), [&](int t, __m256i u) {
+            for (Index r = 0; r < MR; ++r) {
+              std::int32_t q;
+              std::memcpy(&q, rows[r].a + k0 + 4 * t, 4);
+              if constexpr (kPairs16) {
+                p16[v][r] =
+                    _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(q)));
+              } else {
+                iacc[v][r] = quant_dot_ymm(iacc[v][r], u, _mm256_set1_epi32(q));
+              }
+            }
+          });
+        }
+        if constexpr (kPairs16) {
+          for (int v = 0; v < NV; ++v) {
+            for (Index r = 0; r < MR; ++r) {
+              iacc[v][r] =
+                  _mm256_add_epi32(start(r), _mm256_madd_epi16(p16[v][r], _mm256_set1_epi16(1)));
+            }
+          }
+        }
       } else {
         for (Index qd = 0; qd < SB / 4; ++qd) {
           for (int v = 0; v < NV; ++v) {
@@ -862,9 +1038,11 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
         for (Index j = 0; j < NS; ++j) {
           __m128i const s8 = _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
-          __m512i const s32 = F == quant::Format::kQ6_K || F == quant::Format::kQ3_K
-                                  ? _mm512_cvtepi8_epi32(s8)
-                                  : _mm512_cvtepu8_epi32(s8);
+          __m512i s32 = F == quant::Format::kQ6_K || F == quant::Format::kQ3_K
+                            ? _mm512_cvtepi8_epi32(s8)
+                            : _mm512_cvtepu8_epi32(s8);
+          if constexpr (quant_scale_min_nibbles(F))
+            s32 = _mm512_and_si512(s32, _mm512_set1_epi32(0xF));
           _mm512_store_ps(s.sv + ((g * NS + j) * NT + ct) * 16,
                           _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
         }
@@ -875,8 +1053,10 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
           for (Index j = 0; j < NS; ++j) {
             __m128i const m8 =
                 _mm_load_si128(reinterpret_cast<__m128i const*>(mn + j * 32 + v * 16));
+            __m512i m32 = _mm512_cvtepu8_epi32(m8);
+            if constexpr (quant_scale_min_nibbles(F)) m32 = _mm512_srli_epi32(m32, 4);
             _mm512_store_ps(s.mv + ((g * NS + j) * NT + ct) * 16,
-                            _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8))));
+                            _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m32)));
           }
         }
       } else {
@@ -887,13 +1067,20 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
   // Signed levels, B tile rows: column tile ct's row q (depths 4 q .. 4 q + 3) at ub + (ct K / 4
   // + q) 64, made block by block during the first row tile (one block ahead of its use, so that
   // the panel's loads overlap the tile unit and the folds) and reused by the others. 4-bit:
-  // octet o of a group holds quads 2 o (low nibbles) and 2 o + 1 (high).
+  // octet o of a group holds quads 2 o (low nibbles) and 2 o + 1 (high); planar formats: a
+  // sub-block's 4 quads from planar_quads.
   __m512i const off = _mm512_set1_epi8(kMin ? 0 : static_cast<char>(1 << quant_offset_shift(F)));
   auto convert = [&](int ct, Index blk) {
     Index const g = blk / NS, j = blk % NS;
     std::byte const* w = panels[ct / 2] + g * GB + HB + (ct % 2) * 64;
     std::int8_t* q = reinterpret_cast<std::int8_t*>(s.ub) + ct * K * 16 + blk * SB / 4 * 64;
-    if constexpr (quant_is_4bit(F)) {
+    if constexpr (quant_is_planar(F)) {
+      auto const* sub = reinterpret_cast<std::uint8_t const*>(panels[ct / 2] + g * GB + HB) +
+                        j * 64 * quant_level_bits(F);
+      planar_quads<F, 64>(sub, (ct % 2) * 16, [&](int t, __m512i u) {
+        _mm512_store_si512(q + t * 64, _mm512_sub_epi8(u, off));
+      });
+    } else if constexpr (quant_is_4bit(F)) {
       __m512i const nib = _mm512_set1_epi8(0x0F);
       for (Index o = j * SB / 8; o < (j + 1) * SB / 8; ++o, q += 128) {
         __m512i const packed = _mm512_load_si512(w + o * 128);
