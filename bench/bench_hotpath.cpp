@@ -434,7 +434,8 @@ std::unique_ptr<Layer> make_layer(Shape const& s) {
 /// quantized layer when another quantized format is asked for (at most fp32, bf16 and one
 /// quantized layer live at once: 11.5 GB for the Qwen3 shape).
 Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightFormat::kF32) {
-  static std::unique_ptr<Layer> layers[6];
+  constexpr std::size_t kFormats = static_cast<std::size_t>(experts::WeightFormat::kQ2_K) + 1;
+  static std::unique_ptr<Layer> layers[kFormats];
   static Shape const* current = nullptr;
   if (current != &s) {
     for (auto& l : layers) l.reset();
@@ -442,7 +443,7 @@ Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightF
   }
   auto const f = static_cast<std::size_t>(format);
   if (experts::is_quantized(format)) {
-    for (std::size_t i = 2; i < 6; ++i) {
+    for (std::size_t i = 2; i < kFormats; ++i) {
       if (i != f) layers[i].reset();
     }
   }

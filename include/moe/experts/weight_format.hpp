@@ -13,11 +13,11 @@ enum class WeightFormat {
   kF32,   ///< fp32 panels: exact
   kBf16,  ///< bf16 panels: half the bytes; inference only (forward_train uses fp32)
   kQ8_0,  ///< GGUF Q8_0 blocks (8.5 bits a weight); inference only, like every quantized format
-  kQ6_K,  ///< GGUF Q6_K (6.5625 bits; the kernels read 8-bit levels, see kernels/quant_gemm.hpp)
+  kQ6_K,  ///< GGUF Q6_K (6.5625 bits, in bit planes in the kernel layout: kernels/quant_gemm.hpp)
   kQ4_K,  ///< GGUF Q4_K (4.5 bits)
   kQ4_0,  ///< GGUF Q4_0 (4.5 bits)
-  kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernels read 4-bit levels, see kernels/quant_gemm.hpp)
-  kQ2_K,  ///< GGUF Q2_K (2.625 bits; likewise)
+  kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernel layout's int8 sub-block scales make it 3.5625)
+  kQ2_K,  ///< GGUF Q2_K (2.625 bits, in the kernel layout too)
 };
 
 /// The arithmetic of training forwards and backwards over an expert bank
