@@ -59,6 +59,7 @@ aref::DoubleUmoe twin(Layer& layer, Bank const& bank, Index batch,
   m.causal = c.causal;
   m.theta = c.rope_theta;
   m.scale = c.scale;
+  m.window = c.sliding_window;
   m.route = std::move(route);
   for (auto const& p : layer.parameters()) {
     if (p.name == "router.weight") m.router = copy(p.values);
@@ -69,6 +70,7 @@ aref::DoubleUmoe twin(Layer& layer, Bank const& bank, Index batch,
     if (p.name == "shared_q_proj.weight") m.shared_q = copy(p.values);
     if (p.name == "gate_proj.weight") m.gate_proj = copy(p.values);
     if (p.name == "shared_experts.gate") m.shared_gate = copy(p.values);
+    if (p.name == "sinks") m.sinks = copy(p.values);
   }
   m.experts = ref::to_double(bank);
   if constexpr (Layer::Shared::has_experts)
@@ -85,6 +87,7 @@ aref::Vec* twin_buffer(aref::DoubleUmoe& m, std::string_view name) {
   if (name == "shared_q_proj.weight") return &m.shared_q;
   if (name == "gate_proj.weight") return &m.gate_proj;
   if (name == "shared_experts") return &m.shared.params;
+  if (name == "sinks") return &m.sinks;
   return &m.shared_gate;
 }
 
@@ -202,6 +205,100 @@ TEST_CASE(
                                                                       Sh(2, D, 3));
   randomize(layer, 96);
   check_layer(layer, bank, 8, {}, [](auto z) { return ref::softmax_top_k(z, 1, false, 1.0); });
+}
+
+TEST_CASE(
+    "MoeAttention gradients match finite differences (sliding window and sinks, a gated "
+    "shared expert, padding, two sequences)",
+    "[attention][umoe][grad][window][sinks]") {
+  Index const D = 6;
+  experts::ExpertBank<experts::SiluMlp> bank(4, D, 5);
+  moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 121);
+  using Sh = experts::GatedSharedExperts<experts::SiluMlp>;
+  moe::MoeAttentionConfig c;
+  c.d_model = D;
+  c.qk_dim = 4;
+  c.q_rank = 3;
+  c.rope = true;
+  c.sliding_window = 3;
+  c.sinks = true;
+  moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> layer(
+      c, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
+  randomize(layer, 122);
+  REQUIRE(layer.sinks().size() == 5);  // 4 routed experts, 1 shared
+  for (Index w : {Index{3}, Index{1}}) {
+    INFO("window " << w);
+    auto c2 = c;
+    c2.sliding_window = w;
+    moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> lw(
+        c2, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
+    randomize(lw, 122);
+    std::vector<std::uint8_t> mask = {1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1};
+    moe::AttentionOptions opt;
+    opt.batch = 2;
+    opt.key_mask = mask;
+    check_layer(lw, bank, 12, opt, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+  }
+  // Sinks alone (no window), one sequence, two threads.
+  auto c3 = c;
+  c3.sliding_window = 0;
+  moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> ls(
+      c3, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
+  randomize(ls, 123);
+  moe::ThreadPool pool(2);
+  moe::AttentionOptions opt;
+  opt.pool = &pool;
+  check_layer(ls, bank, 9, opt, [](auto z) { return ref::softmax_top_k(z, 2, false, 1.0); });
+}
+
+TEST_CASE(
+    "MoeAttention: with a window of 1 it is the MoE FFN of the token itself; sinks of -200 "
+    "are no sinks, sinks of +200 take all the mass",
+    "[attention][umoe][window][sinks]") {
+  // Hand-checkable limits. Window 1: every query sees only its own token, so the mixed vector
+  // is x_t and the layer (no gate, no shared experts) is an MoeFfn with the same router and
+  // bank. Sinks of -200: exp(-200 - s) underflows, so the layer equals the one without sinks.
+  // Sinks of +200: the keys' terms underflow, the mixed vectors are 0, and so is SwiGLU(0).
+  Index const T = 70, D = 8;  // T spans two key blocks
+  using Ffn = moe::MoeFfn<routing::TopKSoftmax, experts::SwiGlu>;
+  Ffn ffn(D, 6, {3, 2});
+  moe::fill_uniform(ffn.experts().edit().parameters(), -0.5f, 0.5f, 131);
+  moe::MoeAttentionConfig c;
+  c.d_model = D;
+  c.qk_dim = 4;
+  c.rope = true;
+  using L = moe::MoeAttention<routing::TopKSoftmax, experts::SwiGlu>;
+  auto x = random_vector(T * D, 133);
+  std::vector<float> y0(x.size()), y1(x.size()), yf(x.size());
+  moe::MoeAttentionWorkspace ws;
+  c.sliding_window = 1;
+  L one(c, {3, 2}, ffn.experts());
+  randomize(one, 132);
+  auto wr = one.router_weight(), wf = ffn.router_weight();
+  std::copy(wr.data, wr.data + wr.rows * wr.cols, wf.data);
+  one.forward({x.data(), T, D}, {y1.data(), T, D}, ws);
+  moe::MoeFfnWorkspace fws;
+  ffn.forward({x.data(), T, D}, {yf.data(), T, D}, fws);
+  double max_y = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    REQUIRE(y1[i] == Approx(yf[i]).margin(1e-5));
+    max_y = std::max(max_y, static_cast<double>(std::fabs(yf[i])));
+  }
+  REQUIRE(max_y > 1e-3);
+
+  c.sliding_window = 0;
+  L plain(c, {3, 2}, ffn.experts());
+  randomize(plain, 132);
+  c.sinks = true;
+  L sunk(c, {3, 2}, ffn.experts());
+  randomize(sunk, 132);
+  std::fill(sunk.sinks().begin(), sunk.sinks().end(), -200.0f);
+  plain.forward({x.data(), T, D}, {y0.data(), T, D}, ws);
+  sunk.forward({x.data(), T, D}, {y1.data(), T, D}, ws);
+  REQUIRE(y0 == y1);
+  std::fill(sunk.sinks().begin(), sunk.sinks().end(), 200.0f);
+  sunk.forward({x.data(), T, D}, {y1.data(), T, D}, ws);
+  for (float v : y1) REQUIRE(std::fabs(v) <= 1e-6f);
 }
 
 TEST_CASE(
@@ -351,6 +448,14 @@ TEST_CASE("MoeAttention reports bad input clearly", "[attention][umoe]") {
   REQUIRE_THROWS_WITH(Layer(c, {4, 2, false, 1.0f}, bank), Catch::Contains("even rotary_dim"));
   c.rope = false;
   REQUIRE_THROWS_WITH(Layer(c, {4, 5, false, 1.0f}, bank), Catch::Contains("top_k"));
+  c.causal = false;
+  c.sliding_window = 4;
+  REQUIRE_THROWS_WITH(Layer(c, {4, 2, false, 1.0f}, bank),
+                      Catch::Contains("a window needs causal attention"));
+  c.causal = true;
+  c.sliding_window = -1;
+  REQUIRE_THROWS_WITH(Layer(c, {4, 2, false, 1.0f}, bank), Catch::Contains("sliding_window = -1"));
+  c.sliding_window = 0;
   Layer layer(c, {4, 2, false, 1.0f}, bank);
   std::vector<float> x(60, 0.1f), y(60), dx(60);
   moe::MoeAttentionWorkspace ws;
@@ -378,65 +483,70 @@ TEST_CASE("MoeAttention reports bad input clearly", "[attention][umoe]") {
 }
 
 TEST_CASE("MoeAttention KV cache: prefill and decode steps equal the full recompute",
-          "[attention][umoe][cache]") {
+          "[attention][umoe][cache][window][sinks]") {
   // UMoE config with every part: low-rank + residual queries, RoPE, a gated shared expert with
   // its own query, a headwise gate; three sequences of different lengths, one joining later.
   Index const D = 8, F = 6;
   experts::ExpertBank<experts::SiluMlp> bank(4, D, F);
   moe::fill_uniform(bank.edit().parameters(), -0.6f, 0.6f, 91);
   using Sh = experts::GatedSharedExperts<experts::SiluMlp>;
-  moe::MoeAttentionConfig c;
-  c.d_model = D;
-  c.qk_dim = 4;
-  c.q_rank = 3;
-  c.residual_query = true;
-  c.rope = true;
-  c.rope_theta = 50.0f;
-  moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> layer(
-      c, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
-  randomize(layer, 92);
-  moe::ThreadPool pool(2);
-  Index const S = 3;
-  std::vector<std::vector<Index>> const calls = {{6, 11, 0}, {1, 1, 0}, {1, 1, 8},
-                                                 {2, 0, 1},  {1, 1, 1}, {0, 1, 1}};
-  std::vector<std::vector<float>> seq(S);
-  auto cache = moe::KvCache::with_widths(S, c.qk_dim, D, 2);
-  REQUIRE(cache.bytes_per_token() == (4 + 8) * sizeof(float));
-  moe::MoeAttentionWorkspace ws, full_ws;
-  std::uint64_t seed = 950;
-  for (std::size_t k = 0; k < calls.size(); ++k) {
-    INFO("call " << k);
-    std::vector<float> x;
-    for (Index s = 0; s < S; ++s) {
-      auto const part = random_vector(calls[k][s] * D, seed++);
-      x.insert(x.end(), part.begin(), part.end());
-      seq[s].insert(seq[s].end(), part.begin(), part.end());
-    }
-    Index const T = static_cast<Index>(x.size()) / D;
-    std::vector<float> y(x.size());
-    layer.forward_cached({x.data(), T, D}, {y.data(), T, D}, cache, calls[k], ws, &pool);
-    Index row = 0;
-    for (Index s = 0; s < S; ++s) {
-      Index const n = calls[k][s], len = static_cast<Index>(seq[s].size()) / D;
-      REQUIRE(cache.length(s) == len);
-      if (n == 0) continue;
-      std::vector<float> yf(seq[s].size());
-      layer.forward({seq[s].data(), len, D}, {yf.data(), len, D}, full_ws, {&pool});
-      double scale = 0.0, diff = 0.0;
-      for (Index i = 0; i < n * D; ++i) {
-        double const want = yf[static_cast<std::size_t>((len - n) * D + i)];
-        scale = std::max(scale, std::fabs(want));
-        diff = std::max(diff, std::fabs(y[static_cast<std::size_t>(row * D + i)] - want));
+  for (bool const extras : {false, true}) {  // and with a sliding window and sinks
+    INFO((extras ? "window 5, sinks" : "no window, no sinks"));
+    moe::MoeAttentionConfig c;
+    c.d_model = D;
+    c.qk_dim = 4;
+    c.q_rank = 3;
+    c.residual_query = true;
+    c.rope = true;
+    c.rope_theta = 50.0f;
+    c.sliding_window = extras ? 5 : 0;
+    c.sinks = extras;
+    moe::MoeAttention<routing::SoftmaxTopK, experts::SiluMlp, Sh, gating::HeadwiseGate> layer(
+        c, {4, 2, false, 1.0f}, bank, Sh(1, D, 3));
+    randomize(layer, 92);
+    moe::ThreadPool pool(2);
+    Index const S = 3;
+    std::vector<std::vector<Index>> const calls = {{6, 11, 0}, {1, 1, 0}, {1, 1, 8},
+                                                   {2, 0, 1},  {1, 1, 1}, {0, 1, 1}};
+    std::vector<std::vector<float>> seq(S);
+    auto cache = moe::KvCache::with_widths(S, c.qk_dim, D, 2);
+    REQUIRE(cache.bytes_per_token() == (4 + 8) * sizeof(float));
+    moe::MoeAttentionWorkspace ws, full_ws;
+    std::uint64_t seed = 950;
+    for (std::size_t k = 0; k < calls.size(); ++k) {
+      INFO("call " << k);
+      std::vector<float> x;
+      for (Index s = 0; s < S; ++s) {
+        auto const part = random_vector(calls[k][s] * D, seed++);
+        x.insert(x.end(), part.begin(), part.end());
+        seq[s].insert(seq[s].end(), part.begin(), part.end());
       }
-      INFO("sequence " << s << ": max |diff| " << diff << " of max |y| " << scale);
-      REQUIRE(scale > 1e-3);
-      REQUIRE(diff <= 1e-5 * scale);
-      row += n;
+      Index const T = static_cast<Index>(x.size()) / D;
+      std::vector<float> y(x.size());
+      layer.forward_cached({x.data(), T, D}, {y.data(), T, D}, cache, calls[k], ws, &pool);
+      Index row = 0;
+      for (Index s = 0; s < S; ++s) {
+        Index const n = calls[k][s], len = static_cast<Index>(seq[s].size()) / D;
+        REQUIRE(cache.length(s) == len);
+        if (n == 0) continue;
+        std::vector<float> yf(seq[s].size());
+        layer.forward({seq[s].data(), len, D}, {yf.data(), len, D}, full_ws, {&pool});
+        double scale = 0.0, diff = 0.0;
+        for (Index i = 0; i < n * D; ++i) {
+          double const want = yf[static_cast<std::size_t>((len - n) * D + i)];
+          scale = std::max(scale, std::fabs(want));
+          diff = std::max(diff, std::fabs(y[static_cast<std::size_t>(row * D + i)] - want));
+        }
+        INFO("sequence " << s << ": max |diff| " << diff << " of max |y| " << scale);
+        REQUIRE(scale > 1e-3);
+        REQUIRE(diff <= 1e-5 * scale);
+        row += n;
+      }
     }
+    moe::KvCache wrong(S, 4);
+    std::vector<float> x(static_cast<std::size_t>(D)), y(x.size());
+    std::vector<Index> const one = {1, 0, 0};
+    REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, wrong, one, ws),
+                        Catch::Contains("with_widths"));
   }
-  moe::KvCache wrong(S, 4);
-  std::vector<float> x(static_cast<std::size_t>(D)), y(x.size());
-  std::vector<Index> const one = {1, 0, 0};
-  REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, wrong, one, ws),
-                      Catch::Contains("with_widths"));
 }

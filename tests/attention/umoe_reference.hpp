@@ -18,6 +18,8 @@ namespace aref {
 struct DoubleUmoe {
   Index D = 0, E = 0, dk = 0, rk = 0, w = 0, batch = 1, rd = 0;
   bool residual = false, rope = false, causal = true;
+  Index window = 0;  // sliding window (0: none)
+  Vec sinks;         // [E + S] sink logits per expert head, empty: none
   double theta = 10000.0, scale = 1.0;
   std::function<ref::Routing(moe::ConstMatrixView<double>)> route;
   Vec router, q_a, q_b, q_res, k_proj, shared_q, gate_proj;
@@ -48,8 +50,10 @@ struct DoubleUmoe {
     v = out;
   }
 
-  /// The mixed vector of query q for token t: softmax over its sequence's visible keys.
-  Vec mix(Vec const& q, std::vector<Vec> const& keys, Vec const& x, Index t, Index S) const {
+  /// The mixed vector of query q of expert head h (E + s: shared s) for token t: softmax over its
+  /// sequence's visible keys (and the head's sink).
+  Vec mix(Vec const& q, std::vector<Vec> const& keys, Vec const& x, Index t, Index S,
+          Index h) const {
     Index const b = t / S, ts = t % S;
     std::vector<double> s;
     std::vector<Index> idx;
@@ -57,6 +61,7 @@ struct DoubleUmoe {
     for (Index j = 0; j < S; ++j) {
       Index const src = b * S + j;
       if (causal && j > ts) continue;
+      if (window > 0 && j <= ts - window) continue;
       if (!key_mask.empty() && !key_mask[src]) continue;
       double dot = 0.0;
       for (Index c = 0; c < dk; ++c) dot += q[c] * keys[src][c];
@@ -67,6 +72,11 @@ struct DoubleUmoe {
     Vec out(static_cast<std::size_t>(D), 0.0);
     if (s.empty()) return out;
     double sum = 0.0;
+    if (!sinks.empty()) {  // one more term in the denominator, with a zero value
+      double const z = sinks[static_cast<std::size_t>(h)];
+      m = std::max(m, z);
+      sum += std::exp(z - m);
+    }
     for (double& v : s) sum += (v = std::exp(v - m));
     for (std::size_t i = 0; i < s.size(); ++i) {
       for (Index c = 0; c < D; ++c) out[c] += s[i] / sum * x[idx[i] * D + c];
@@ -108,7 +118,7 @@ struct DoubleUmoe {
           for (Index c = 0; c < dk; ++c) q[c] += res[c];
         }
         rotate(q, pos);
-        Vec m = mix(q, keys, x, t, S);
+        Vec m = mix(q, keys, x, t, S, e);
         apply_gate(m, e, xt);
         Vec const o = experts.run(e, m.data());
         for (Index c = 0; c < D; ++c) y[t * D + c] += weight * o[c];
@@ -116,7 +126,7 @@ struct DoubleUmoe {
       for (Index s = 0; s < shared.E; ++s) {
         Vec q = matvec(shared_q.data() + s * dk * D, dk, D, xt);
         rotate(q, pos);
-        Vec m = mix(q, keys, x, t, S);
+        Vec m = mix(q, keys, x, t, S, E + s);
         apply_gate(m, E + s, xt);
         Vec const o = shared.run(s, m.data());
         double g = 1.0;

@@ -39,7 +39,8 @@ inline constexpr Index kSdpaKeyBlock = 64;
 /// Key j is visible to query row i iff (!causal || j <= pos_i) && (window == 0 || j > pos_i -
 /// window) && (!key_mask || key_mask[j]). With a finite `sink` logit z the softmax of every row
 /// gets one more term in its denominator: P_ij = exp(s_ij) / (exp(z) + sum_j exp(s_ij)) (a key
-/// with logit z and a zero value; gpt-oss's per-head sinks).
+/// with logit z and a zero value; gpt-oss's per-head sinks). With `row_sink`, row i's sink is
+/// row_sink[i] (query rows of different heads in one call, as MoeAttention's experts).
 struct SdpaParams {
   float const* q = nullptr;
   Index ldq = 0;
@@ -58,6 +59,7 @@ struct SdpaParams {
   std::uint8_t const* key_mask = nullptr;  ///< [Tk] 1 = real key, 0 = padding, or null
   Index window = 0;                        ///< sliding window: the last `window` positions; 0: all
   float sink = -std::numeric_limits<float>::infinity();  ///< sink logit (unscaled); -inf: none
+  float const* row_sink = nullptr;  ///< [Tq] a sink logit per query row (replaces sink), or null
 };
 
 /// What the backward reads and writes, besides SdpaParams. The gradients are accumulated (+=):
@@ -445,11 +447,11 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
   for (Index i0 = q_begin; i0 < q_end; i0 += kSdpaQueryBlock) {
     Index const nq = std::min(kSdpaQueryBlock, q_end - i0);
     // The sink is the first term of the online softmax: m = z, l = exp(z - z) = 1, o = 0.
-    bool const sink = p.sink != ninf;
     for (Index r = 0; r < nq; ++r) {
       std::fill(o + (i0 + r) * ldo, o + (i0 + r) * ldo + dv, 0.0f);
-      w.m[r] = sink ? p.sink : ninf;
-      w.l[r] = sink ? 1.0f : 0.0f;
+      float const z = p.row_sink ? p.row_sink[i0 + r] : p.sink;
+      w.m[r] = z;
+      w.l[r] = z != ninf ? 1.0f : 0.0f;
     }
     Index const nkb = detail::key_blocks_for(p, i0, i0 + nq);
     for (Index kb = detail::first_key_block(p, i0, i0 + nq); kb < nkb; ++kb) {

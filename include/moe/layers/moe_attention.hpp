@@ -52,6 +52,13 @@ struct MoeAttentionConfig {
   Index rotary_dim = 0;         ///< even, <= qk_dim; 0 = qk_dim
   float scale = 0.0f;           ///< 0 = 1 / sqrt(qk_dim)
   bool causal = true;
+  /// Sliding-window attention (causal only): a query sees the last `sliding_window` positions of
+  /// its sequence, itself included. 0: the whole causal prefix.
+  Index sliding_window = 0;
+  /// A learned sink logit per expert "head" (the E routed experts, then the shared ones), added
+  /// to the softmax denominator of that expert's queries as gpt-oss's per-head sinks (parameter
+  /// "sinks" [E + S], initialised to 0).
+  bool sinks = false;
 };
 
 namespace detail {
@@ -71,6 +78,7 @@ struct MoeAttentionWorkspace {
   RoutingPlan plan;
   std::vector<Index> tok_index;  ///< [R] token-major index of each expert-major row
   std::vector<Index> tok_pos;    ///< [R] causal position of each token-major row
+  std::vector<float> tok_sink;   ///< [R] sink logit of each token-major row (config sinks)
   std::vector<float> x_rows;     ///< [R, D] expert-major gathered inputs
   std::vector<float> q_low;      ///< [R, r] low-rank query codes (q_rank > 0)
   std::vector<float> q_rows;     ///< [R, d_qk] expert-major routed queries (before RoPE)
@@ -124,6 +132,8 @@ struct MoeAttentionWorkspace {
 ///   q_{t,i} = W_qb^i W_qa^i x_t  (+ W_qres x_t)    for i in A_t   (W_q^i x_t when q_rank = 0)
 ///   k_s = W_k x_s;   q, k <- RoPE(q), RoPE(k) (optional)          one shared key
 ///   m_{t,i} = sum_s softmax_s(scale q_{t,i} . k_s + mask) x_s      values = hidden states
+///             (mask: causal, padding, and with sliding_window W the keys before pos - W + 1;
+///             with sinks the denominator also sums exp(z_i), z_i expert i's sink logit)
 ///   m_{t,i} <- m_{t,i} * sigmoid(W_g^i x_t)                       optional output gate (Gate_)
 ///   y_t = sum_{i in A_t} w_{t,i} E_i(m_{t,i})  +  sum_s g_s(x_t) E^sh_s(m^sh_{t,s})
 ///
@@ -152,6 +162,7 @@ struct MoeAttentionWorkspace {
 /// | shared_q_proj()         | [S, d_qk, D]      | S shared experts                        |
 /// | gate_proj()             | [(E + S) w, D]    | output gate, w = Gate::width(D)         |
 /// | shared_experts()        | bank + gate       | the attention layer's own               |
+/// | sinks()                 | [E + S]           | config sinks                            |
 ///
 /// x, y [T, D] hold `opt.batch` sequences (AttentionOptions: padding mask, positions); y must
 /// not alias x. The SDPA runs once per sequence over all routed rows of its tokens (queries in
@@ -175,7 +186,7 @@ class MoeAttention {
 
   /// Gradients of the parameters the layer owns (the routed experts' go to a separate bank).
   struct Gradients {
-    std::vector<float> router_weight, q_a, q_b, q_res, k_proj, shared_q, gate_proj;
+    std::vector<float> router_weight, q_a, q_b, q_res, k_proj, shared_q, gate_proj, sinks;
     Shared shared;
     ParameterList groups() { return list(*this); }
     void zero() {
@@ -200,6 +211,9 @@ class MoeAttention {
         "MoeAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c_.rope_theta,
         "; RoPE needs an even rotary_dim in [2, qk_dim = ", c_.qk_dim,
         "] and a finite rope_theta >= 1 (a tiny theta overflows the frequencies)");
+    detail::check(c_.sliding_window >= 0 && (c_.sliding_window == 0 || c_.causal),
+                  "MoeAttention: sliding_window = ", c_.sliding_window,
+                  "; it must be >= 0 (0: none), and a window needs causal attention");
     if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c_.qk_dim));
     detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "MoeAttention: scale = ", c_.scale,
                   "; pass a finite positive scale or 0 for 1/sqrt(qk_dim)");
@@ -218,6 +232,7 @@ class MoeAttention {
     k_proj_ = sized(dk * D);
     shared_q_ = sized(ns * dk * D);
     gate_proj_ = sized((E + ns) * Gate::width(D) * D);
+    sinks_ = sized(c_.sinks ? E + ns : 0);
   }
 
   /// Points the layer at another bank (same sizes), e.g. after the owning FFN layer moved.
@@ -264,10 +279,15 @@ class MoeAttention {
             c_.d_model};
   }
 
+  /// [E + S] sink logits: routed expert e at e, shared expert s at E + s (config().sinks; empty
+  /// otherwise).
+  std::span<float> sinks() { return sinks_; }
+  std::span<float const> sinks() const { return sinks_; }
+
   /// The layer's own parameters, named: "router.weight", "q_a_proj.weight" and
   /// "q_b_proj.weight" (or "q_proj.weight"), "q_res_proj.weight", "k_proj.weight",
-  /// "shared_q_proj.weight", "gate_proj.weight", "shared_experts", "shared_experts.gate" (each
-  /// only when present). The routed experts belong to the bank's owner.
+  /// "shared_q_proj.weight", "gate_proj.weight", "sinks", "shared_experts", "shared_experts.gate"
+  /// (each only when present). The routed experts belong to the bank's owner.
   ParameterList parameters() { return list_own(); }
   Gradients make_gradients() const {
     Gradients g;
@@ -278,6 +298,7 @@ class MoeAttention {
     g.k_proj.assign(k_proj_.size(), 0.0f);
     g.shared_q.assign(shared_q_.size(), 0.0f);
     g.gate_proj.assign(gate_proj_.size(), 0.0f);
+    g.sinks.assign(sinks_.size(), 0.0f);
     if constexpr (Shared::has_experts) {
       g.shared = Shared(shared_.count(), c_.d_model, shared_.bank().d_ffn());
     }
@@ -371,7 +392,8 @@ class MoeAttention {
         grads.router_weight.size() == router_weight_.size() && grads.q_a.size() == q_a_.size() &&
             grads.q_b.size() == q_b_.size() && grads.q_res.size() == q_res_.size() &&
             grads.k_proj.size() == k_proj_.size() && grads.shared_q.size() == shared_q_.size() &&
-            grads.gate_proj.size() == gate_proj_.size() && shared_grads_match(grads.shared),
+            grads.gate_proj.size() == gate_proj_.size() && grads.sinks.size() == sinks_.size() &&
+            shared_grads_match(grads.shared),
         "MoeAttention::backward: gradients do not match this layer; use "
         "make_gradients()");
     detail::check(expert_grads.parameters().size() == bank_->parameters().size() &&
@@ -410,6 +432,7 @@ class MoeAttention {
     add("k_proj.weight", g.k_proj);
     add("shared_q_proj.weight", g.shared_q);
     add("gate_proj.weight", g.gate_proj);
+    add("sinks", g.sinks);
     if constexpr (Shared::has_experts) {
       if (g.shared.count() > 0) {
         l.push_back({"shared_experts", detail::open_edit(l, g.shared.bank()).parameters()});
@@ -424,9 +447,9 @@ class MoeAttention {
   }
   ParameterList list_own() {
     struct Ref {
-      std::vector<float>&router_weight, &q_a, &q_b, &q_res, &k_proj, &shared_q, &gate_proj;
+      std::vector<float>&router_weight, &q_a, &q_b, &q_res, &k_proj, &shared_q, &gate_proj, &sinks;
       Shared& shared;
-    } r{router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_, shared_};
+    } r{router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_, sinks_, shared_};
     return list(r);
   }
 
@@ -485,9 +508,11 @@ class MoeAttention {
       p.q = ws.q_tok.data() + j0 * dk;
       p.q_rows = j1 - j0;
       p.q_pos = ws.tok_pos.data() + j0;
+      if (!sinks_.empty()) p.row_sink = ws.tok_sink.data() + j0;
     } else {
       p.q = ws.q_sh.data() + (s * T + b * S) * dk;
       p.q_rows = S;
+      if (!sinks_.empty()) p.sink = sinks_[static_cast<std::size_t>(num_experts() + s)];
     }
     p.ldq = dk;
     p.k = ws.k.data() + b * S * dk;
@@ -499,6 +524,7 @@ class MoeAttention {
     p.value_dim = c_.d_model;
     p.scale = c_.scale;
     p.causal = c_.causal;
+    p.window = c_.sliding_window;
     p.key_mask = mask ? mask + b * S : nullptr;
     return p;
   }
@@ -532,7 +558,7 @@ class MoeAttention {
   Router router_{};
   Shared shared_{};
   Bank const* bank_ = nullptr;
-  std::vector<float> router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_;
+  std::vector<float> router_weight_, q_a_, q_b_, q_res_, k_proj_, shared_q_, gate_proj_, sinks_;
 };
 
 template <RouterPolicy Rt, ExpertPolicy Xp, SharedExpertPolicy Sh, gating::SdpaGatePolicy Gt>
@@ -570,6 +596,14 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
     ws.tok_index[r] = j;
     Index const t = plan.row_token[r];
     ws.tok_pos[j] = cache ? ws.cache_pos[static_cast<std::size_t>(t)] : t % S;
+  }
+  grow(ws.tok_sink, sinks_.empty() ? 0 : R);
+  if (!sinks_.empty()) {
+    for (Index e = 0; e < E; ++e) {
+      for (Index r = plan.expert_offsets[e]; r < plan.expert_offsets[e + 1]; ++r)
+        ws.tok_sink[static_cast<std::size_t>(ws.tok_index[r])] =
+            sinks_[static_cast<std::size_t>(e)];
+    }
   }
   Index const row_tiles = (R + kTileRows - 1) / kTileRows;
   Index const token_tiles = (T + kTileRows - 1) / kTileRows;
@@ -705,11 +739,13 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
         p.q = ws.q_tok.data() + row0 * dk;
         p.q_rows = plan.token_offsets[t0 + n] - row0;
         p.q_pos = ws.tok_pos.data() + row0;
+        if (!sinks_.empty()) p.row_sink = ws.tok_sink.data() + row0;
       } else {
         row0 = it.s * T + t0;
         p.q = ws.q_sh.data() + row0 * dk;
         p.q_rows = n;
         p.causal_offset = len;
+        if (!sinks_.empty()) p.sink = sinks_[static_cast<std::size_t>(E + it.s)];
       }
       p.ldq = dk;
       p.k = cache->key_data(it.b);
@@ -721,6 +757,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
       p.value_dim = D;
       p.scale = c_.scale;
       p.causal = true;
+      p.window = c_.sliding_window;
       float* o = (it.s < 0 ? ws.mixed_tok.data() : ws.mixed_sh.data()) + row0 * D;
       kernels::sdpa_forward(p, o, D, nullptr, it.r0, it.r1, ws.scratch.data() + thread * per);
     });
@@ -910,6 +947,23 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_backward(MoeAttentionWorkspace& ws,
     float* delta = (it.s < 0 ? ws.delta_tok.data() : ws.delta_sh.data()) + item_row0(ws, T, S, it);
     kernels::sdpa_backward_delta(grads_for(it.b, it.s), D, it.r0, it.r1, delta);
   });
+  if (!sinks_.empty()) {  // dL/dz per expert, its rows in ascending (expert-major) order
+    float const ninf = -std::numeric_limits<float>::infinity();
+    for (Index e = 0; e < E; ++e) {
+      float const z = sinks_[static_cast<std::size_t>(e)];
+      float acc = 0.0f;
+      for (Index r = plan.expert_offsets[e]; r < plan.expert_offsets[e + 1]; ++r) {
+        Index const j = ws.tok_index[r];
+        if (ws.lse_tok[j] != ninf) acc -= std::exp(z - ws.lse_tok[j]) * ws.delta_tok[j];
+      }
+      grads.sinks[static_cast<std::size_t>(e)] += acc;
+    }
+    for (Index s = 0; s < ns; ++s) {
+      grads.sinks[static_cast<std::size_t>(E + s)] +=
+          kernels::sdpa_sink_grad(sinks_[static_cast<std::size_t>(E + s)], ws.lse_sh.data() + s * T,
+                                  ws.delta_sh.data() + s * T, T);
+    }
+  }
   Index const kblocks = (S + kernels::kSdpaKeyBlock - 1) / kernels::kSdpaKeyBlock;
   parallel_for(pool, nit + B * kblocks, [&](Index i, int thread) {
     float* scratch = ws.scratch.data() + thread * per;
