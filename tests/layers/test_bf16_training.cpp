@@ -13,6 +13,7 @@
 #include "moe/layers/detail/bf16_train.hpp"
 #include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"
+#include "moe/optim/sgd.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 #include "support/double_model.hpp"
 #include "support/helpers.hpp"
@@ -266,6 +267,60 @@ TEST_CASE("bf16 training: gradients within the documented tolerance of the fp32 
     run(ref32, nullptr, yb, dxb);
     REQUIRE(ya == yb);
     REQUIRE(dxa == dxb);
+  }
+  SECTION("ParameterList::close and a step on a handed-over list rebuild on a pool, same bits") {
+    l16.pack_weights(experts::WeightFormat::kBf16, &pool);
+    Layer serial = l16;
+    {
+      auto params = serial.parameters();
+      for (auto& p : params) {
+        for (float& v : p.values) v *= 0.75f;
+      }
+    }  // rebuilt on this thread when the list goes
+    auto params = l16.parameters();
+    for (auto& p : params) {
+      for (float& v : p.values) v *= 0.75f;
+    }
+    auto copy = params;
+    auto const& bank = l16.experts();
+    REQUIRE_FALSE(bank.train_panels_current());
+    REQUIRE_FALSE(bank.packed());
+    params.close(&pool);
+    REQUIRE_FALSE(bank.editing());
+    REQUIRE(bank.train_panels_current());
+    REQUIRE(bank.packed());
+    params.close(&pool);          // idempotent
+    copy = moe::ParameterList{};  // the copy's end ends no other scope
+    {
+      auto again = l16.experts().edit();
+      REQUIRE(bank.editing());
+    }
+    REQUIRE_FALSE(bank.editing());
+    REQUIRE(bank.packed());
+    std::vector<float> ya, dxa, yb, dxb;
+    auto ga = run(l16, nullptr, ya, dxa);
+    auto gb = run(serial, nullptr, yb, dxb);
+    REQUIRE(ya == yb);
+    REQUIRE(dxa == dxb);
+    // An optimizer step on the temporary parameters() list closes it on the pool.
+    moe::optim::Sgd opt_a(0.05), opt_b(0.05);
+    opt_a.step(l16.parameters(), ga.groups(), &pool);
+    REQUIRE_FALSE(bank.editing());
+    REQUIRE(bank.train_panels_current());
+    REQUIRE(bank.packed());
+    {
+      auto p = serial.parameters();
+      opt_b.step(p, gb.groups());
+      REQUIRE(serial.experts().editing());  // an lvalue list stays open until it goes
+    }
+    run(l16, nullptr, ya, dxa);
+    run(serial, nullptr, yb, dxb);
+    REQUIRE(ya == yb);
+    REQUIRE(dxa == dxb);
+    moe::MoeFfnWorkspace wa, wb;
+    l16.forward({xf.data(), T, D}, {ya.data(), T, D}, wa, {nullptr, &pool});
+    serial.forward({xf.data(), T, D}, {yb.data(), T, D}, wb);
+    REQUIRE(ya == yb);
   }
   SECTION("inference forwards are unchanged by the mode") {
     std::vector<float> ya(xf.size()), yb(xf.size());

@@ -257,7 +257,12 @@ class ExpertBank {
     Edit& operator=(Edit const&) = delete;
     Edit& operator=(Edit&&) = delete;
     ~Edit() {
-      if (bank_) bank_->end_edit();
+      if (bank_) bank_->end_edit(nullptr);
+    }
+    /// Ends the scope now (if it is the last, the bank repacks and rebuilds its bf16 train
+    /// panels on `pool`); the views must not be used after it. Later calls do nothing.
+    void close(ThreadPool* pool = nullptr) {
+      if (bank_) std::exchange(bank_, nullptr)->end_edit(pool);
     }
 
     MatrixView<float> in_proj(Index e) const {
@@ -736,10 +741,10 @@ class ExpertBank {
       train_current_ = false;
     }
   }
-  void end_edit() {
+  void end_edit(ThreadPool* pool) {
     if (edits_.n == 1 && train_compute_ == TrainCompute::kBf16) {
       try {
-        build_train_panels(nullptr);
+        build_train_panels(pool);
       } catch (...) {  // out of memory: stale panels stay unused (a bf16 training forward throws)
         train_bf16_.clear();
       }
@@ -749,7 +754,7 @@ class ExpertBank {
       try {
         std::vector<ExpertFormat> const formats = formats_;
         auto const uniform = uniform_;
-        pack(formats);
+        pack(formats, pool);
         uniform_ = uniform;
       } catch (...) {  // out of memory: stay unpacked (the layers pack per call), never throw
       }

@@ -73,6 +73,15 @@ class Sgd {
                   "momentum > 0");
   }
 
+  /// The same with a list handed over (`opt.step(layer.parameters(), grads.groups(), &pool)`):
+  /// nothing can write through it afterwards, so its edit scopes end here and the weights' packed
+  /// copies and bf16 train panels are rebuilt on `pool` (ParameterList::close), not on the
+  /// thread that would drop the temporary.
+  void step(ParameterList&& params, ParameterList const& grads, ThreadPool* pool = nullptr) {
+    step(static_cast<ParameterList const&>(params), grads, pool);
+    params.close(pool);
+  }
+
   /// One update of every parameter from its gradient (see the class comment), on `pool` if given
   /// (the result is bitwise the same for any pool: the update is elementwise).
   void step(ParameterList const& params, ParameterList const& grads, ThreadPool* pool = nullptr) {

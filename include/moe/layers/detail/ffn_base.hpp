@@ -19,12 +19,17 @@
 
 namespace moe::detail {
 
-/// An edit scope of `bank` kept alive by `list`.
+/// An edit scope of `bank` kept alive by `list` (ParameterList::close ends it on a pool).
 template <class Bank>
 typename Bank::Edit const& open_edit(ParameterList& list, Bank& bank) {
-  auto edit = std::make_shared<typename Bank::Edit>(bank);
-  list.keep(edit);
-  return *edit;
+  struct Scope final : EditScope {
+    typename Bank::Edit edit;
+    explicit Scope(Bank& b) : edit(b) {}
+    void close(ThreadPool* pool) override { edit.close(pool); }
+  };
+  auto scope = std::make_shared<Scope>(bank);
+  list.keep(scope);
+  return scope->edit;
 }
 
 /// "router.weight", "router.bias" (when the layer has one), "experts" (every in_proj block, then
