@@ -38,26 +38,29 @@
 namespace moe::quant {
 
 /// The eigenvalues of W^T W for W [m, n] (the non-zero ones are those of W W^T: the smaller Gram
-/// matrix is decomposed, in double), ascending; min(m, n) values.
-inline std::vector<double> spectrum(ConstMatrixView<float> w) {
+/// matrix is decomposed, in Real: double unless given), ascending; min(m, n) values. A template
+/// so that Eigen's eigensolver is compiled only in the translation units that call it (an inline
+/// function would instantiate it in every one that includes this header: ~4 s of compile each).
+template <class Real = double>
+std::vector<double> spectrum(ConstMatrixView<float> w) {
+  using Matrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic>;
   moe::detail::check(w.rows >= 1 && w.cols >= 1, "quant::spectrum: W is [", w.rows, ", ", w.cols,
                      "]; it needs at least one row and column");
   Index const m = std::min(w.rows, w.cols);
-  Eigen::MatrixXd a(w.rows, w.cols);
+  Matrix a(w.rows, w.cols);
   for (Index r = 0; r < w.rows; ++r) {
     for (Index c = 0; c < w.cols; ++c) {
       double const v = w(r, c);
       moe::detail::check(std::isfinite(v), "quant::spectrum: W(", r, ", ", c, ") = ", v,
                          "; the spectrum of a non-finite matrix is undefined");
-      a(r, c) = v;
+      a(r, c) = static_cast<Real>(v);
     }
   }
-  Eigen::MatrixXd const gram =
-      w.rows <= w.cols ? Eigen::MatrixXd(a * a.transpose()) : Eigen::MatrixXd(a.transpose() * a);
-  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(gram, Eigen::EigenvaluesOnly);
+  Matrix const gram = w.rows <= w.cols ? Matrix(a * a.transpose()) : Matrix(a.transpose() * a);
+  Eigen::SelfAdjointEigenSolver<Matrix> es(gram, Eigen::EigenvaluesOnly);
   std::vector<double> ev(static_cast<std::size_t>(m));
   for (Index i = 0; i < m; ++i)
-    ev[static_cast<std::size_t>(i)] = std::max(0.0, es.eigenvalues()(i));
+    ev[static_cast<std::size_t>(i)] = std::max(0.0, static_cast<double>(es.eigenvalues()(i)));
   std::sort(ev.begin(), ev.end());
   return ev;
 }
@@ -110,8 +113,11 @@ inline PowerLawFit fit_power_law(std::vector<double> values) {
   return best;
 }
 
-/// alpha of a weight matrix: fit_power_law(spectrum(w)).
-inline PowerLawFit ht_alpha(ConstMatrixView<float> w) { return fit_power_law(spectrum(w)); }
+/// alpha of a weight matrix: fit_power_law(spectrum<Real>(w)) (a template for spectrum's reason).
+template <class Real = double>
+PowerLawFit ht_alpha(ConstMatrixView<float> w) {
+  return fit_power_law(spectrum<Real>(w));
+}
 
 /// One unit of an allocation: its weight count, importance and error under each candidate.
 struct AllocationUnit {
