@@ -1,4 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The Catch2 main for every moe test executable (compiled once).
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// The main of every moe test executable but the CPU-checking and MPI ones (compiled once; Catch2
+// itself is in support/catch_session.cpp).
+#include "support/catch_session.hpp"
+
+int main(int argc, char** argv) { return moe::test::run_catch_session(argc, argv); }

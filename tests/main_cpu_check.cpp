@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The Catch2 main of the test binaries built for another -march than the host's (the ymm
+// The main of the test binaries built for another -march than the host's (the ymm
 // quantized kernels: moe_tests_avx2, moe_tests_avxvnni, moe_tests_avx512novnni), compiled
 // without -m flags: where the CPU lacks a unit the binary was built for (AVX2, FMA, F16C;
 // AVX-VNNI when MOE_TEST_NEEDS_AVXVNNI is 1, AVX-512 when MOE_TEST_NEEDS_AVX512 is 1), it prints
@@ -9,12 +9,12 @@
 // code, compiled with the binary's -march, instantiates too, and the linker may keep that copy.
 // (The test code's static initializers, compiled for x86-64-v3 or more, run before main: the
 // binaries need an AVX2 CPU to start at all.)
-#define CATCH_CONFIG_RUNNER
 #include <cpuid.h>
 
-#include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
+
+#include "support/catch_session.hpp"
 
 #ifndef MOE_TEST_NEEDS_AVXVNNI
 #define MOE_TEST_NEEDS_AVXVNNI 0
@@ -61,5 +61,5 @@ int main(int argc, char** argv) {
     std::printf("skipped: this CPU has no %s, which this build of the tests needs\n", unit);
     return 77;
   }
-  return Catch::Session().run(argc, argv);
+  return moe::test::run_catch_session(argc, argv);
 }

@@ -10,12 +10,12 @@
 // and of the tests has been destroyed by then, so a leak of ours is still reported. The exit-time
 // check is off for this program (LSAN_OPTIONS leak_check_at_exit=0, tests/dist/CMakeLists.txt):
 // after MPI_Finalize unloads the components, their allocations cannot be attributed any more.
-#define CATCH_CONFIG_RUNNER
 #include <mpi.h>
 
 #include <algorithm>
-#include <catch2/catch.hpp>
 #include <cstdio>
+
+#include "support/catch_session.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/lsan_interface.h>
@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
 #if defined(__SANITIZE_ADDRESS__)
   __lsan_enable();
 #endif
-  int result = Catch::Session().run(argc, argv);
+  int result = moe::test::run_catch_session(argc, argv);
 #if defined(__SANITIZE_ADDRESS__)
   if (__lsan_do_recoverable_leak_check() != 0) {
     std::fprintf(stderr, "moe_dist_tests: LeakSanitizer found leaks (see above)\n");
