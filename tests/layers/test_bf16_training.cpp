@@ -187,9 +187,10 @@ TEST_CASE("bf16 training: gradients within the documented tolerance of the fp32 
       return fd;
     };
     // Every 7th expert parameter and every 5th input gradient (the double twin is slow).
-    auto fd_experts = fd_of(m.experts.params, 7);
-    auto fd_shared = fd_of(m.shared.params, 7);
-    auto fd_x = fd_of(x, 5);
+    Index const wstride = 7, xstride = 5;
+    auto fd_experts = fd_of(m.experts.params, wstride);
+    auto fd_shared = fd_of(m.shared.params, wstride);
+    auto fd_x = fd_of(x, xstride);
     auto sampled = [](std::span<float const> g, std::vector<double> const& fd, Index stride) {
       std::vector<float> a;
       std::vector<double> b;
@@ -199,10 +200,10 @@ TEST_CASE("bf16 training: gradients within the documented tolerance of the fp32 
       }
       return rel_l2(a, b);
     };
-    double const e32 = sampled(g32.experts.parameters(), fd_experts, 7);
-    double const e16 = sampled(g16.experts.parameters(), fd_experts, 7);
-    double const s16 = sampled(g16.shared.bank().parameters(), fd_shared, 7);
-    double const x16 = sampled(dx16, fd_x, 5);
+    double const e32 = sampled(g32.experts.parameters(), fd_experts, wstride);
+    double const e16 = sampled(g16.experts.parameters(), fd_experts, wstride);
+    double const s16 = sampled(g16.shared.bank().parameters(), fd_shared, wstride);
+    double const x16 = sampled(dx16, fd_x, xstride);
     std::vector<double> y32d(y32.begin(), y32.end());
     double const yerr = rel_l2(y16, y32d);
     std::vector<double> gr32(g32.router_weight.begin(), g32.router_weight.end());
