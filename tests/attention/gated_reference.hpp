@@ -19,6 +19,7 @@ struct DoubleGatedAttention {
   Index D = 0, H = 1, KV = 1, dh = 0, w = 0;  // w: gate width per head (0, 1 or dh)
   Layout layout = kSeparate;
   Norm norm = kNone;
+  bool norm_all_heads = false;  // one RMSNorm over a token's whole q (and k), weight per column
   double eps = 1e-6;
   bool rope = false;
   double theta = 10000.0;
@@ -30,6 +31,7 @@ struct DoubleGatedAttention {
   std::vector<Index> positions;        // empty: index in sequence
   std::vector<std::uint8_t> key_mask;  // empty: none
   Vec q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
+  Vec q_bias, k_bias, v_bias, o_bias;  // empty: none
 
   static Vec matvec(Vec const& W, Index rows, Index cols, double const* x) {
     Vec y(static_cast<std::size_t>(rows), 0.0);
@@ -39,12 +41,16 @@ struct DoubleGatedAttention {
     return y;
   }
 
-  void normalize(double* v, Vec const& weight) const {
+  /// RMSNorm of v[0, n) with weight[0, n).
+  void normalize(double* v, Vec const& weight, Index n) const {
     if (norm == kNone) return;
     double ss = 0.0;
-    for (Index i = 0; i < dh; ++i) ss += v[i] * v[i];
-    double const r = 1.0 / std::sqrt(ss / static_cast<double>(dh) + eps);
-    for (Index i = 0; i < dh; ++i) v[i] *= r * (norm == kRms ? weight[i] : 1.0 + weight[i]);
+    for (Index i = 0; i < n; ++i) ss += v[i] * v[i];
+    double const r = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
+    for (Index i = 0; i < n; ++i) v[i] *= r * (norm == kRms ? weight[i] : 1.0 + weight[i]);
+  }
+  static void add_bias(Vec& y, Vec const& b) {
+    for (std::size_t i = 0; i < b.size(); ++i) y[i] += b[i];
   }
 
   void rotate(double* v, Index pos) const {
@@ -68,7 +74,8 @@ struct DoubleGatedAttention {
         k(static_cast<std::size_t>(T * KD)), v(static_cast<std::size_t>(T * KD));
     Index const Pq = layout == kSeparate ? HD : HD + H * w;
     for (Index t = 0; t < T; ++t) {
-      Vec const qg = matvec(q_proj, Pq, D, x.data() + t * D);
+      Vec qg = matvec(q_proj, Pq, D, x.data() + t * D);
+      add_bias(qg, q_bias);
       // Split the q_proj output as the reference code does.
       for (Index h = 0; h < H; ++h) {
         Index qo = 0, go = 0;
@@ -91,17 +98,23 @@ struct DoubleGatedAttention {
         Vec const gm = matvec(gate_proj, H * w, D, x.data() + t * D);
         for (Index i = 0; i < H * w; ++i) gam[t * H * w + i] = gm[i];
       }
-      Vec const kt = matvec(k_proj, KD, D, x.data() + t * D);
-      Vec const vt = matvec(v_proj, KD, D, x.data() + t * D);
+      Vec kt = matvec(k_proj, KD, D, x.data() + t * D);
+      Vec vt = matvec(v_proj, KD, D, x.data() + t * D);
+      add_bias(kt, k_bias);
+      add_bias(vt, v_bias);
       std::copy(kt.begin(), kt.end(), k.begin() + t * KD);
       std::copy(vt.begin(), vt.end(), v.begin() + t * KD);
       Index const pos = positions.empty() ? t % S : positions[t];
+      if (norm_all_heads) {  // OLMoE: q_norm(q_proj(x)) before the view into heads
+        normalize(q.data() + t * HD, q_norm, HD);
+        normalize(k.data() + t * KD, k_norm, KD);
+      }
       for (Index h = 0; h < H; ++h) {
-        normalize(q.data() + t * HD + h * dh, q_norm);
+        if (!norm_all_heads) normalize(q.data() + t * HD + h * dh, q_norm, dh);
         rotate(q.data() + t * HD + h * dh, pos);
       }
       for (Index g = 0; g < KV; ++g) {
-        normalize(k.data() + t * KD + g * dh, k_norm);
+        if (!norm_all_heads) normalize(k.data() + t * KD + g * dh, k_norm, dh);
         rotate(k.data() + t * KD + g * dh, pos);
       }
     }
@@ -142,7 +155,8 @@ struct DoubleGatedAttention {
     }
     Vec y(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) {
-      Vec const yt = matvec(o_proj, D, HD, o.data() + t * HD);
+      Vec yt = matvec(o_proj, D, HD, o.data() + t * HD);
+      add_bias(yt, o_bias);
       std::copy(yt.begin(), yt.end(), y.begin() + t * D);
     }
     return y;

@@ -51,6 +51,7 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.norm = c.qk_norm == moe::QkNorm::kNone      ? m.kNone
            : c.qk_norm == moe::QkNorm::kRmsNorm ? m.kRms
                                                 : m.kRmsOnePlus;
+  m.norm_all_heads = c.qk_norm_scope == moe::QkNormScope::kAllHeads;
   m.eps = c.norm_eps;
   m.rope = c.rope;
   m.theta = c.rope_theta;
@@ -69,6 +70,10 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
     if (p.name == "q_norm.weight") m.q_norm = copy(p.values);
     if (p.name == "k_norm.weight") m.k_norm = copy(p.values);
     if (p.name == "sinks") m.sinks = copy(p.values);
+    if (p.name == "q_proj.bias") m.q_bias = copy(p.values);
+    if (p.name == "k_proj.bias") m.k_bias = copy(p.values);
+    if (p.name == "v_proj.bias") m.v_bias = copy(p.values);
+    if (p.name == "o_proj.bias") m.o_bias = copy(p.values);
   }
   return m;
 }
@@ -81,6 +86,10 @@ aref::Vec* twin_buffer(aref::DoubleGatedAttention& m, std::string_view name) {
   if (name == "o_proj.weight") return &m.o_proj;
   if (name == "q_norm.weight") return &m.q_norm;
   if (name == "sinks") return &m.sinks;
+  if (name == "q_proj.bias") return &m.q_bias;
+  if (name == "k_proj.bias") return &m.k_bias;
+  if (name == "v_proj.bias") return &m.v_bias;
+  if (name == "o_proj.bias") return &m.o_bias;
   return &m.k_norm;
 }
 
@@ -223,6 +232,46 @@ TEST_CASE("GatedAttention without a gate: gradients and forward", "[attention][g
   moe::GatedAttention<gating::NoGate> layer(c);
   randomize(layer, 15);
   check_layer(layer, 5, {});
+}
+
+TEST_CASE("GatedAttention with projection biases and q/k norms over all heads (Qwen2-MoE, OLMoE)",
+          "[attention][gated][grad]") {
+  SECTION("q/k/v and o biases, no norm, partial RoPE") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.qkv_bias = true;
+    c.o_bias = true;
+    c.rope = true;
+    c.rotary_dim = 2;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 16);
+    REQUIRE(layer.q_bias().size() == 16);
+    REQUIRE(layer.k_bias().size() == 8);
+    REQUIRE(layer.o_bias().size() == 6);
+    check_layer(layer, 7, {});
+  }
+  SECTION("q/k RMSNorm over all heads and q/k/v biases (OLMoE-like), two sequences") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.qk_norm = moe::QkNorm::kRmsNorm;
+    c.qk_norm_scope = moe::QkNormScope::kAllHeads;
+    c.qkv_bias = true;
+    c.rope = true;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    REQUIRE(layer.q_norm().size() == 16);
+    REQUIRE(layer.k_norm().size() == 8);
+    randomize(layer, 17);
+    moe::AttentionOptions opt;
+    opt.batch = 2;
+    check_layer(layer, 8, opt);
+  }
+  SECTION("(1 + w) norms over all heads, a separate elementwise gate, o bias") {
+    auto c = small_config(2, 1, moe::GateLayout::kSeparate);
+    c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+    c.qk_norm_scope = moe::QkNormScope::kAllHeads;
+    c.o_bias = true;
+    moe::GatedAttention<gating::ElementwiseGate> layer(c);
+    randomize(layer, 18);
+    check_layer(layer, 5, {});
+  }
 }
 
 TEST_CASE("GatedAttention forward matches the twin at larger sizes, several key blocks",
@@ -473,19 +522,10 @@ TEST_CASE("A batch of sequences equals one call per sequence", "[attention][gate
   }
 }
 
-TEST_CASE("GatedAttention forward and backward are bitwise identical for 1 and 2 threads",
-          "[attention][gated][determinism]") {
-  Index const T = 130, D = 32;
-  moe::GatedAttentionConfig c;
-  c.d_model = D;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.gate_layout = moe::GateLayout::kPackedPerHead;
-  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
-  c.rope = true;
-  moe::GatedAttention<gating::ElementwiseGate> layer(c);
-  randomize(layer, 71);
+namespace {
+
+template <class Layer>
+void check_threads(Layer const& layer, Index T, Index D) {
   auto x = random_vector(T * D, 72);
   auto dy = random_vector(T * D, 73);
   moe::ThreadPool pool(2);
@@ -511,6 +551,35 @@ TEST_CASE("GatedAttention forward and backward are bitwise identical for 1 and 2
   }
 }
 
+}  // namespace
+
+TEST_CASE("GatedAttention forward and backward are bitwise identical for 1 and 2 threads",
+          "[attention][gated][determinism]") {
+  Index const T = 130, D = 32;
+  moe::GatedAttentionConfig c;
+  c.d_model = D;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.gate_layout = moe::GateLayout::kPackedPerHead;
+  c.qk_norm = moe::QkNorm::kRmsNormOnePlus;
+  c.rope = true;
+  SECTION("elementwise gate packed per head, per-head (1 + w) norms") {
+    moe::GatedAttention<gating::ElementwiseGate> layer(c);
+    randomize(layer, 71);
+    check_threads(layer, T, D);
+  }
+  SECTION("biases, norms over all heads (OLMoE-like)") {
+    c.gate_layout = moe::GateLayout::kSeparate;
+    c.qk_norm_scope = moe::QkNormScope::kAllHeads;
+    c.qkv_bias = true;
+    c.o_bias = true;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 74);
+    check_threads(layer, T, D);
+  }
+}
+
 TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[attention][gated]") {
   auto c = small_config(6, 4, moe::GateLayout::kSeparate);
   REQUIRE_THROWS_WITH(moe::GatedAttention<gating::HeadwiseGate>(c),
@@ -523,6 +592,12 @@ TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[a
   c = small_config(4, 2, moe::GateLayout::kSeparate);
   c.head_dim = 0;
   REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c), Catch::Contains("must be >= 1"));
+  c = small_config(4, 2, moe::GateLayout::kPackedPerHead);
+  c.qk_norm = moe::QkNorm::kRmsNorm;
+  c.qk_norm_scope = moe::QkNormScope::kAllHeads;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::HeadwiseGate>(c),
+                      Catch::Contains("kAllHeads") && Catch::Contains("kSeparate"));
+  REQUIRE_NOTHROW(moe::GatedAttention<gating::NoGate>(c));  // no gate: queries contiguous
   c = small_config(4, 2, moe::GateLayout::kSeparate);
   moe::GatedAttention<gating::HeadwiseGate> layer(c);
   std::vector<float> x(60), y(60), dx(60);
@@ -621,6 +696,18 @@ TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[atten
     c.sliding_window = 5;
     moe::GatedAttention<gating::NoGate> layer(c);
     randomize(layer, 32);
+    moe::ThreadPool pool(2);
+    check_cached(layer, &pool);
+  }
+  SECTION("q/k/v and o biases, q/k norms over all heads (OLMoE-like), two threads") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.qk_norm = moe::QkNorm::kRmsNorm;
+    c.qk_norm_scope = moe::QkNormScope::kAllHeads;
+    c.qkv_bias = true;
+    c.o_bias = true;
+    c.rope = true;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 34);
     moe::ThreadPool pool(2);
     check_cached(layer, &pool);
   }

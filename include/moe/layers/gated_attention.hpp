@@ -45,10 +45,19 @@ namespace moe {
 /// Without a gate (gating::NoGate) the three layouts coincide.
 enum class GateLayout { kSeparate, kPackedPerKvGroup, kPackedPerHead };
 
-/// Optional per-head RMSNorm on q and k (after the projections, before RoPE), over head_dim:
+/// Optional RMSNorm on q and k (after the projections and their biases, before RoPE):
 /// kRmsNorm x r w (Qwen3 q_norm/k_norm, w initialised to 1); kRmsNormOnePlus x r (1 + w)
-/// (Qwen3NextRMSNorm, w initialised to 0); r = 1 / sqrt(mean x^2 + eps).
+/// (Qwen3NextRMSNorm, w initialised to 0); r = 1 / sqrt(mean x^2 + eps) over the slice that
+/// QkNormScope names.
 enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus };
+
+/// The slice one q/k RMSNorm normalises:
+/// - kPerHead: each head's d_h values, with one [d_h] weight shared by the heads (Qwen3-MoE,
+///   Qwen3-Next, GLM-4.5 with use_qk_norm);
+/// - kAllHeads: a token's whole query [H d_h] and whole key [KV d_h], with a weight per column
+///   (q_norm [H d_h], k_norm [KV d_h]; OLMoE, MiniMax-M2). Needs the queries contiguous in
+///   q_proj's output: no gate, or GateLayout::kSeparate.
+enum class QkNormScope { kPerHead, kAllHeads };
 
 /// Sizes and options of a GatedAttention layer (run-time values).
 struct GatedAttentionConfig {
@@ -58,7 +67,13 @@ struct GatedAttentionConfig {
   Index head_dim = 0;      ///< d_h
   GateLayout gate_layout = GateLayout::kSeparate;
   QkNorm qk_norm = QkNorm::kNone;
-  float norm_eps = 1e-6f;       ///< finite, > 0 (with qk_norm)
+  QkNormScope qk_norm_scope = QkNormScope::kPerHead;
+  float norm_eps = 1e-6f;  ///< finite, > 0 (with qk_norm)
+  /// Biases on q_proj, k_proj and v_proj (Qwen2-MoE, GLM-4.5 attention_bias): parameters
+  /// "q_proj.bias" [q_proj rows], "k_proj.bias" and "v_proj.bias" [KV d_h], initialised to 0.
+  /// A separate gate_proj has none.
+  bool qkv_bias = false;
+  bool o_bias = false;          ///< a bias on o_proj: "o_proj.bias" [D] (gpt-oss), 0 at first
   bool rope = false;            ///< rotate-half RoPE on q and k
   float rope_theta = 10000.0f;  ///< RoPE base: finite, >= 1
   Index rotary_dim = 0;         ///< rotated dims per head (even); 0 = head_dim (Qwen3-Next: 64)
@@ -121,13 +136,14 @@ struct GatedAttentionWorkspace {
 
 /// Multi-head / grouped-query attention with a head-specific sigmoid output gate:
 ///
-///   [Q | gamma] = x W_q^T (packed) or Q = x W_q^T, gamma = x W_g^T (separate)
-///   K = x W_k^T, V = x W_v^T;   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) per head (optional)
+///   [Q | gamma] = x W_q^T (+ b_q) (packed) or Q = x W_q^T (+ b_q), gamma = x W_g^T (separate)
+///   K = x W_k^T (+ b_k), V = x W_v^T (+ b_v);
+///   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) (norm optional: per head or over all heads)
 ///   A_h = softmax(Q_h K_{g(h)}^T * scale + mask) V_{g(h)},   g(h) = h / (H / KV)
 ///         (mask: causal, padding, and with sliding_window W the keys before pos - W + 1; with
 ///         sinks the softmax denominator also sums exp(z_h), z_h the head's sink logit)
 ///   O = A * sigmoid(gamma)   (per head: broadcast headwise, elementwise; O = A without a gate)
-///   y = O W_o^T
+///   y = O W_o^T (+ b_o)
 ///
 /// \tparam Gate_ an SdpaGatePolicy: gating::NoGate, gating::HeadwiseGate, gating::ElementwiseGate
 ///
@@ -137,12 +153,15 @@ struct GatedAttentionWorkspace {
 /// | gate_proj()       | [H w, D] (kSeparate only)      | (separate W_g)            |
 /// | k_proj(), v_proj()| [KV d_h, D]                    | k_proj.weight, v_proj.weight |
 /// | o_proj()          | [D, H d_h]                     | o_proj.weight             |
-/// | q_norm(), k_norm()| [d_h] (with qk_norm)           | q_norm.weight, k_norm.weight |
-/// | sinks()           | [H] (with sinks)               | sinks (gpt-oss)           |
+/// | q_norm(), k_norm()| [d_h], or [H d_h] / [KV d_h] over all heads (with qk_norm) |
+/// q_norm.weight, k_norm.weight | | q_bias(), k_bias(), v_bias() | [q_proj rows], [KV d_h] (with
+/// qkv_bias) | q_proj.bias, ... | | o_bias()          | [D] (with o_bias)              |
+/// o_proj.bias               | | sinks()           | [H] (with sinks)               | sinks
+/// (gpt-oss)           |
 ///
-/// No biases (Qwen3 / Qwen3-Next attention_bias = false). Inputs x, y [T, D] row-major holding
-/// `opt.batch` sequences (see AttentionOptions for masks and positions); y may be x.
-/// Preconditions (moe::Error otherwise): KV divides H, sizes >= 1, rotary_dim even and <= d_h,
+/// Biases are off by default (Qwen3 / Qwen3-Next attention_bias = false). Inputs x, y [T, D]
+/// row-major holding `opt.batch` sequences (see AttentionOptions for masks and positions); y may be
+/// x. Preconditions (moe::Error otherwise): KV divides H, sizes >= 1, rotary_dim even and <= d_h,
 /// x.cols == D, y [T, D], batch divides T, key_mask and positions empty or [T].
 ///
 /// The SDPA never materialises a T x T matrix (kernels::sdpa_forward, blocked online softmax).
@@ -168,17 +187,23 @@ class GatedAttention {
   /// live on 2 MiB pages (HugePageAllocator): a decode step streams all of them for one token.
   struct Parameters {
     HugePageVector<float> q_proj, gate_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks;
-    /// The named buffers in parameters() order; empty ones (no separate gate, no norm) omitted.
+    HugePageVector<float> q_bias, k_bias, v_bias, o_bias;
+    /// The named buffers in parameters() order; empty ones (no separate gate, no norm, no
+    /// biases) omitted.
     ParameterList groups() {
       ParameterList list;
       auto add = [&](char const* name, HugePageVector<float>& v) {
         if (!v.empty()) list.push_back({name, std::span<float>(v)});
       };
       add("q_proj.weight", q_proj);
+      add("q_proj.bias", q_bias);
       add("gate_proj.weight", gate_proj);
       add("k_proj.weight", k_proj);
+      add("k_proj.bias", k_bias);
       add("v_proj.weight", v_proj);
+      add("v_proj.bias", v_bias);
       add("o_proj.weight", o_proj);
+      add("o_proj.bias", o_bias);
       add("q_norm.weight", q_norm);
       add("k_norm.weight", k_norm);
       add("sinks", sinks);
@@ -215,6 +240,10 @@ class GatedAttention {
                   "; it must be >= 0 (0: none), and a window needs causal attention");
     detail::check(c.qk_norm == QkNorm::kNone || (c.norm_eps > 0.0f && std::isfinite(c.norm_eps)),
                   "GatedAttention: norm_eps = ", c.norm_eps, "; it must be finite and > 0");
+    detail::check(c.qk_norm_scope == QkNormScope::kPerHead || !gated ||
+                      c.gate_layout == GateLayout::kSeparate,
+                  "GatedAttention: qk_norm_scope = kAllHeads normalises the whole query, which "
+                  "must be contiguous in q_proj's output; use GateLayout::kSeparate with a gate");
     if (c_.scale == 0.0f) c_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     detail::check(std::isfinite(c_.scale) && c_.scale > 0.0f, "GatedAttention: scale = ", c_.scale,
                   "; pass a finite positive scale or 0 for 1/sqrt(head_dim)");
@@ -227,9 +256,16 @@ class GatedAttention {
     p_.o_proj = sized(D * q_dim());
     if (c.qk_norm != QkNorm::kNone) {
       float const init = c.qk_norm == QkNorm::kRmsNorm ? 1.0f : 0.0f;
-      p_.q_norm.assign(static_cast<std::size_t>(c.head_dim), init);
-      p_.k_norm.assign(static_cast<std::size_t>(c.head_dim), init);
+      bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+      p_.q_norm.assign(static_cast<std::size_t>(all ? q_dim() : c.head_dim), init);
+      p_.k_norm.assign(static_cast<std::size_t>(all ? kv_dim() : c.head_dim), init);
     }
+    if (c.qkv_bias) {
+      p_.q_bias = sized(q_proj_rows());
+      p_.k_bias = sized(kv_dim());
+      p_.v_bias = sized(kv_dim());
+    }
+    if (c.o_bias) p_.o_bias = sized(D);
     if (c.sinks) p_.sinks.assign(static_cast<std::size_t>(c.num_heads), 0.0f);
   }
 
@@ -273,6 +309,15 @@ class GatedAttention {
   std::span<float> k_norm() { return p_.k_norm; }
   std::span<float const> q_norm() const { return p_.q_norm; }
   std::span<float const> k_norm() const { return p_.k_norm; }
+  /// Projection biases (with config().qkv_bias / o_bias; empty otherwise).
+  std::span<float> q_bias() { return p_.q_bias; }
+  std::span<float> k_bias() { return p_.k_bias; }
+  std::span<float> v_bias() { return p_.v_bias; }
+  std::span<float> o_bias() { return p_.o_bias; }
+  std::span<float const> q_bias() const { return p_.q_bias; }
+  std::span<float const> k_bias() const { return p_.k_bias; }
+  std::span<float const> v_bias() const { return p_.v_bias; }
+  std::span<float const> o_bias() const { return p_.o_bias; }
   /// [H] sink logits (with config().sinks; empty otherwise).
   std::span<float> sinks() { return p_.sinks; }
   std::span<float const> sinks() const { return p_.sinks; }
@@ -302,9 +347,10 @@ class GatedAttention {
     }
   }
 
-  /// Every trainable parameter as named flat buffers: "q_proj.weight", "gate_proj.weight"
-  /// (separate layout with a gate), "k_proj.weight", "v_proj.weight", "o_proj.weight",
-  /// "q_norm.weight", "k_norm.weight" (with qk_norm).
+  /// Every trainable parameter as named flat buffers: "q_proj.weight", "q_proj.bias" (with
+  /// qkv_bias), "gate_proj.weight" (separate layout with a gate), "k_proj.weight", "k_proj.bias",
+  /// "v_proj.weight", "v_proj.bias", "o_proj.weight", "o_proj.bias" (with o_bias),
+  /// "q_norm.weight", "k_norm.weight" (with qk_norm), "sinks" (with sinks).
   ParameterList parameters() {
     unpack();
     return p_.groups();
@@ -418,7 +464,9 @@ class GatedAttention {
         grads.q_proj.size() == p_.q_proj.size() && grads.gate_proj.size() == p_.gate_proj.size() &&
         grads.k_proj.size() == p_.k_proj.size() && grads.v_proj.size() == p_.v_proj.size() &&
         grads.o_proj.size() == p_.o_proj.size() && grads.q_norm.size() == p_.q_norm.size() &&
-        grads.k_norm.size() == p_.k_norm.size() && grads.sinks.size() == p_.sinks.size();
+        grads.k_norm.size() == p_.k_norm.size() && grads.sinks.size() == p_.sinks.size() &&
+        grads.q_bias.size() == p_.q_bias.size() && grads.k_bias.size() == p_.k_bias.size() &&
+        grads.v_bias.size() == p_.v_bias.size() && grads.o_bias.size() == p_.o_bias.size();
     detail::check(same,
                   "GatedAttention::backward: gradients do not match this layer; use "
                   "make_gradients()");
@@ -437,6 +485,7 @@ class GatedAttention {
   Index qg_cols() const { return q_dim() + gate_cols(); }
   bool has_norm() const { return c_.qk_norm != QkNorm::kNone; }
   bool one_plus() const { return c_.qk_norm == QkNorm::kRmsNormOnePlus; }
+  bool norm_all_heads() const { return has_norm() && c_.qk_norm_scope == QkNormScope::kAllHeads; }
   Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
@@ -550,6 +599,32 @@ class GatedAttention {
     float const* o = gated ? ws.gated.data() : ws.attn.data();
     ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, !train), D);
     ws.queue.run(pool, ws.scratch.data(), per);
+    add_o_bias(y, pool);
+  }
+
+  /// y[t] += b_o for every row (with o_bias).
+  void add_o_bias(MatrixView<float> y, ThreadPool* pool) const {
+    if (p_.o_bias.empty()) return;
+    Index const T = y.rows, D = c_.d_model;
+    parallel_for(pool, (T + kTileRows - 1) / kTileRows, [&](Index i, int) {
+      for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
+        float* r = y.row(t);
+        for (Index c = 0; c < D; ++c) r[c] += p_.o_bias[static_cast<std::size_t>(c)];
+      }
+    });
+  }
+
+  /// acc[c] += sum over rows t (ascending) of m[t][c], split by column blocks over the pool:
+  /// the same bits for any pool size.
+  static void add_column_sums(ConstMatrixView<float> m, float* acc, ThreadPool* pool) {
+    constexpr Index kCols = 256;
+    parallel_for(pool, (m.cols + kCols - 1) / kCols, [&](Index i, int) {
+      Index const c0 = i * kCols, c1 = std::min(m.cols, c0 + kCols);
+      for (Index t = 0; t < m.rows; ++t) {
+        float const* r = m.row(t);
+        for (Index c = c0; c < c1; ++c) acc[c] += r[c];
+      }
+    });
   }
 
   /// C = A W^T with W's fp32 parameters, or its bf16 copy when `inference` and it exists.
@@ -589,10 +664,28 @@ class GatedAttention {
     float* cs = ws.rope_cos.data() + t * hr;
     float* sn = ws.rope_sin.data() + t * hr;
     if (c_.rope) kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, cs, sn);
+    if (!p_.q_bias.empty()) {  // in place: training keeps the biased projections
+      auto add = [](float* row, HugePageVector<float> const& b) {
+        for (std::size_t c = 0; c < b.size(); ++c) row[c] += b[c];
+      };
+      add(ws.qg.data() + t * P, p_.q_bias);
+      add(ws.k_raw.data() + t * KD, p_.k_bias);
+      add(ws.v.data() + t * KD, p_.v_bias);
+    }
     float const* qg = ws.qg.data() + t * P;
+    float const* kr = ws.k_raw.data() + t * KD;
+    if (norm_all_heads()) {  // one norm over all heads (queries contiguous: checked)
+      float const rq =
+          kernels::rms_norm(qg, p_.q_norm.data(), one_plus(), c_.norm_eps, H * dh, q_out);
+      float const rk = kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, KD, k_out);
+      if (rstd_q) rstd_q[0] = rq;
+      if (rstd_k) rstd_k[0] = rk;
+    }
     for (Index h = 0; h < H; ++h) {
       float* q = q_out + h * dh;
-      if (has_norm()) {
+      if (norm_all_heads()) {
+        // normalised above
+      } else if (has_norm()) {
         float const r =
             kernels::rms_norm(qg + query_col(h), p_.q_norm.data(), one_plus(), c_.norm_eps, dh, q);
         if (rstd_q) rstd_q[h] = r;
@@ -605,13 +698,15 @@ class GatedAttention {
       }
     }
     for (Index g = 0; g < KV; ++g) {
-      float const* kr = ws.k_raw.data() + t * KD + g * dh;
+      float const* kg = kr + g * dh;
       float* k = k_out + g * dh;
-      if (has_norm()) {
-        float const r = kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
+      if (norm_all_heads()) {
+        // normalised above
+      } else if (has_norm()) {
+        float const r = kernels::rms_norm(kg, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
         if (rstd_k) rstd_k[g] = r;
       } else {
-        std::copy(kr, kr + dh, k);
+        std::copy(kg, kg + dh, k);
       }
       if (c_.rope) kernels::rope_apply(k, cs, sn, c_.rotary_dim);
     }
@@ -738,6 +833,7 @@ class GatedAttention {
     float const* o = gated ? ws.gated.data() : ws.attn.data();
     ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, true), D);
     ws.queue.run(pool, ws.scratch.data(), per);
+    add_o_bias(y, pool);
   }
 
   void run_backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
@@ -762,7 +858,9 @@ class GatedAttention {
     sized(ws.delta, T * H);
     sized(ws.sink_partial, p_.sinks.empty() ? 0 : B * H);
     Index const tiles = (T + kTileRows - 1) / kTileRows;
-    zeroed(ws.norm_partial, has_norm() ? tiles * 2 * dh : 0);
+    Index const nq = static_cast<Index>(p_.q_norm.size()),
+                nk = static_cast<Index>(p_.k_norm.size());
+    zeroed(ws.norm_partial, tiles * (nq + nk));
     Index const per = scratch_floats();
     sized(ws.scratch, threads_of(pool) * per);
     if (T == 0) return;
@@ -819,8 +917,8 @@ class GatedAttention {
     //    gate logits scattered back into dqg.
     parallel_for(pool, tiles, [&](Index i, int) {
       Index const t0 = i * kTileRows, t1 = std::min(T, t0 + kTileRows);
-      float* pq = has_norm() ? ws.norm_partial.data() + i * 2 * dh : nullptr;
-      float* pk = has_norm() ? pq + dh : nullptr;
+      float* pq = has_norm() ? ws.norm_partial.data() + i * (nq + nk) : nullptr;
+      float* pk = has_norm() ? pq + nq : nullptr;
       for (Index t = t0; t < t1; ++t) {
         Index const b = t / S, s = t % S;
         float const* cs = ws.rope_cos.data() + t * hr;
@@ -830,7 +928,9 @@ class GatedAttention {
         for (Index h = 0; h < H; ++h) {
           float* dq = ws.dq.data() + t * HD + h * dh;
           if (c_.rope) kernels::rope_backward(dq, cs, sn, c_.rotary_dim);
-          if (has_norm()) {
+          if (norm_all_heads()) {
+            // below, once the heads' RoPE is undone
+          } else if (has_norm()) {
             kernels::rms_norm_backward(qg + query_col(h), p_.q_norm.data(), one_plus(),
                                        ws.rstd_q[t * H + h], dh, dq, dqg + query_col(h), pq);
           } else {
@@ -840,6 +940,10 @@ class GatedAttention {
             float const* dgm = ws.dgate.data() + (t * H + h) * w;
             std::copy(dgm, dgm + w, dqg + gate_col(h));
           }
+        }
+        if (norm_all_heads()) {  // queries contiguous: columns [0, H d_h) of qg
+          kernels::rms_norm_backward(qg, p_.q_norm.data(), one_plus(), ws.rstd_q[t * H], HD,
+                                     ws.dq.data() + t * HD, dqg, pq);
         }
         for (Index g = 0; g < KV; ++g) {
           float* dk = ws.dk.data() + t * KD + g * dh;
@@ -857,12 +961,19 @@ class GatedAttention {
           }
           if (c_.rope) kernels::rope_backward(dk, cs, sn, c_.rotary_dim);
           float* dkr = ws.dk_raw.data() + t * KD + g * dh;
-          if (has_norm()) {
+          if (norm_all_heads()) {
+            // below
+          } else if (has_norm()) {
             kernels::rms_norm_backward(ws.k_raw.data() + t * KD + g * dh, p_.k_norm.data(),
                                        one_plus(), ws.rstd_k[t * KV + g], dh, dk, dkr, pk);
           } else {
             std::copy(dk, dk + dh, dkr);
           }
+        }
+        if (norm_all_heads()) {
+          kernels::rms_norm_backward(ws.k_raw.data() + t * KD, p_.k_norm.data(), one_plus(),
+                                     ws.rstd_k[t * KV], KD, ws.dk.data() + t * KD,
+                                     ws.dk_raw.data() + t * KD, pk);
         }
       }
     });
@@ -885,12 +996,18 @@ class GatedAttention {
     items.run(pool, ws.grad_scratch);
     if (has_norm()) {  // tile partials summed in tile order
       for (Index i = 0; i < tiles; ++i) {
-        for (Index c = 0; c < dh; ++c) {
-          grads.q_norm[c] += ws.norm_partial[i * 2 * dh + c];
-          grads.k_norm[c] += ws.norm_partial[i * 2 * dh + dh + c];
-        }
+        float const* part = ws.norm_partial.data() + i * (nq + nk);
+        for (Index c = 0; c < nq; ++c) grads.q_norm[c] += part[c];
+        for (Index c = 0; c < nk; ++c) grads.k_norm[c] += part[nq + c];
       }
     }
+    if (!p_.q_bias.empty()) {
+      add_column_sums(ConstMatrixView<float>(ws.dqg.data(), T, q_proj_rows(), P),
+                      grads.q_bias.data(), pool);
+      add_column_sums(ConstMatrixView<float>(ws.dk_raw.data(), T, KD), grads.k_bias.data(), pool);
+      add_column_sums(ConstMatrixView<float>(ws.dv.data(), T, KD), grads.v_bias.data(), pool);
+    }
+    if (!p_.o_bias.empty()) add_column_sums(dy, grads.o_bias.data(), pool);
 
     // 5. dx = d[Q|gamma] W_q (+ dgamma W_g) + dK_raw W_k + dV W_v.
     parallel_for(pool, tiles, [&](Index i, int) {
