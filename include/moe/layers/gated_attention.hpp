@@ -34,13 +34,11 @@ namespace moe {
 /// Where the gate projection W_g lives (ALGORITHMS.md section 2). With a gate of width w per
 /// head (1 headwise, head_dim elementwise), G = num_heads / num_kv_heads, the rows of q_proj are:
 ///
-/// | layout             | q_proj rows                                                     |
-/// |--------------------|-----------------------------------------------------------------|
-/// | kSeparate          | [H * d_h] queries, head-major; W_g is its own [H * w, D] matrix  |
-/// | kPackedPerKvGroup  | per KV group g: [queries of heads gG..gG+G-1 (G d_h) | their gates (G w)]
-/// | |                    | (qiuzh20/gated_attention Qwen3Attention: view(n_kv, -1), split)   | |
-/// kPackedPerHead     | per query head h: [query_h (d_h) | gate_h (w)]                     | | |
-/// (HF Qwen3NextAttention: view(-1, 2 d_h), chunk; elementwise there) |
+/// - kSeparate: [H d_h] queries, head-major; W_g is its own [H w, D] matrix.
+/// - kPackedPerKvGroup: per KV group g, [queries of heads gG .. gG+G-1 (G d_h) | their gates
+///   (G w)] (qiuzh20/gated_attention Qwen3Attention: view(n_kv, -1), split).
+/// - kPackedPerHead: per query head h, [query_h (d_h) | gate_h (w)] (HF Qwen3NextAttention:
+///   view(-1, 2 d_h), chunk; elementwise there).
 ///
 /// Without a gate (gating::NoGate) the three layouts coincide.
 enum class GateLayout { kSeparate, kPackedPerKvGroup, kPackedPerHead };
@@ -147,17 +145,17 @@ struct GatedAttentionWorkspace {
 ///
 /// \tparam Gate_ an SdpaGatePolicy: gating::NoGate, gating::HeadwiseGate, gating::ElementwiseGate
 ///
-/// | parameter         | shape                          | HF name                   |
-/// |-------------------|--------------------------------|---------------------------|
-/// | q_proj()          | [H d_h (+ H w if packed), D]   | q_proj.weight             |
-/// | gate_proj()       | [H w, D] (kSeparate only)      | (separate W_g)            |
-/// | k_proj(), v_proj()| [KV d_h, D]                    | k_proj.weight, v_proj.weight |
-/// | o_proj()          | [D, H d_h]                     | o_proj.weight             |
-/// | q_norm(), k_norm()| [d_h], or [H d_h] / [KV d_h] over all heads (with qk_norm) |
-/// q_norm.weight, k_norm.weight | | q_bias(), k_bias(), v_bias() | [q_proj rows], [KV d_h] (with
-/// qkv_bias) | q_proj.bias, ... | | o_bias()          | [D] (with o_bias)              |
-/// o_proj.bias               | | sinks()           | [H] (with sinks)               | sinks
-/// (gpt-oss)           |
+/// | parameter          | shape                                  | HF name                  |
+/// |--------------------|----------------------------------------|--------------------------|
+/// | q_proj()           | [H d_h (+ H w if packed), D]           | q_proj.weight            |
+/// | gate_proj()        | [H w, D] (kSeparate only)              | (separate W_g)           |
+/// | k_proj(), v_proj() | [KV d_h, D]                            | k_proj / v_proj.weight   |
+/// | o_proj()           | [D, H d_h]                             | o_proj.weight            |
+/// | q_norm(), k_norm() | [d_h]; all heads: [H d_h], [KV d_h]    | q_norm / k_norm.weight   |
+/// | q_bias()           | [H d_h (+ H w if packed)] (qkv_bias)   | q_proj.bias              |
+/// | k_bias(), v_bias() | [KV d_h] (qkv_bias)                    | k_proj / v_proj.bias     |
+/// | o_bias()           | [D] (o_bias)                           | o_proj.bias              |
+/// | sinks()            | [H] (with sinks)                       | sinks (gpt-oss)          |
 ///
 /// Biases are off by default (Qwen3 / Qwen3-Next attention_bias = false). Inputs x, y [T, D]
 /// row-major holding `opt.batch` sequences (see AttentionOptions for masks and positions); y may be
