@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// moe::models::Decoder on tiny random whole-model checkpoints (Qwen3-MoE with a dense layer,
-// Mixtral with a sliding window and tied embeddings) written here under the Hugging Face tensor
-// names: greedy generation with the KV cache against an independent double-precision decoder
-// that recomputes the whole sequence at every step (the transformers forward transcribed), a
-// batch of sequences against each alone, and the errors.
+// moe::models::Decoder on tiny random whole-model checkpoints of every decoding family, written
+// here under the Hugging Face tensor names (Qwen3-MoE with a dense layer; Mixtral with a sliding
+// window and tied embeddings; Qwen2-MoE with q/k/v biases, a gated shared expert and a dense
+// layer; OLMoE with q/k norms over all heads and biased projections; GLM-4.5 with partial RoPE,
+// per-head norms, a dense first layer and group-limited sigmoid routing; MiniMax-M2 with partial
+// RoPE and norms over all heads): greedy generation with the KV cache against an independent
+// double-precision decoder that recomputes the whole sequence at every step (the transformers
+// forward transcribed; the MoE blocks by hf_moe_reference.hpp), a batch of sequences against
+// each alone, and the errors.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -12,8 +16,10 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "hf/hf_moe_reference.hpp"
 #include "io/io_test_support.hpp"
 #include "moe/core/random.hpp"
 #include "moe/models/decoder.hpp"
@@ -21,115 +27,161 @@
 namespace {
 
 using moe::Index;
+using moe::io::HfFamily;
+using moe::io::detail::concat;
 namespace fs = std::filesystem;
 using Tensors = std::map<std::string, std::vector<float>>;
+using Shape = std::vector<std::int64_t>;
 
 struct Tiny {
-  bool qwen = true;
+  std::string type = "qwen3_moe";
   Index V = 40, H = 16, L = 3, heads = 4, kv = 2, dh = 8, I_dense = 20, I_moe = 8, E = 4, k = 2;
   double theta = 1000.0, eps = 1e-6;
   Index window = 0;  // Mixtral sliding_window
   bool tie = false;
-  std::vector<Index> dense_layers = {1};  // Qwen3-MoE mlp_only_layers
+  Index fp8_block = 0;  // > 0: config.json says FP8 with square blocks of this size
 };
 
+/// What the family's attention has (DecoderConfig's table), as the test's config.json sets it.
+struct Attention {
+  bool qkv_bias = false, o_bias = false, norm = false, norm_all = false;
+  Index rd = 0;  // rotated dimensions per head
+};
+
+Attention attention_of(Tiny const& t) {
+  Attention a;
+  a.rd = t.dh;
+  if (t.type == "qwen3_moe") a.norm = true;
+  if (t.type == "qwen2_moe") a.qkv_bias = true;
+  if (t.type == "olmoe") a.qkv_bias = a.o_bias = a.norm = a.norm_all = true;
+  if (t.type == "glm4_moe") a.qkv_bias = a.norm = true, a.rd = t.dh / 2;
+  if (t.type == "minimax_m2") a.norm = a.norm_all = true, a.rd = t.dh / 2;
+  return a;
+}
+
+/// The MoE keys of the tiny model (dense layers: Qwen's mlp_only_layers {1}, GLM's first layer).
+moe::io::HfMoeConfig moe_config(Tiny const& t) {
+  moe::io::HfMoeConfig c = moe::io::parse_hf_config(
+      concat("{\"model_type\": \"", t.type, "\", \"num_experts_per_tok\": ", t.k, "}"));
+  c.hidden_size = t.H;
+  c.expert_intermediate_size = t.I_moe;
+  c.num_experts = t.E;
+  c.num_hidden_layers = t.L;
+  if (t.type == "qwen3_moe") c.norm_topk_prob = true, c.mlp_only_layers = {1};
+  if (t.type == "qwen2_moe") c.shared_expert_intermediate_size = 12, c.mlp_only_layers = {1};
+  if (t.type == "glm4_moe") {
+    c.n_shared_experts = 1;
+    c.first_k_dense_replace = 1;
+    c.n_group = 2;
+    c.topk_group = 1;
+    c.routed_scaling_factor = 1.5f;
+    c.norm_topk_prob = true;
+  }
+  c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
+  c.defaulted_keys.clear();
+  return c;
+}
+
 std::string config_json(Tiny const& t) {
-  using moe::io::detail::concat;
-  std::string j = concat(
-      "{\"model_type\": \"", t.qwen ? "qwen3_moe" : "mixtral", "\", \"vocab_size\": ", t.V,
-      ", \"hidden_size\": ", t.H, ", \"num_hidden_layers\": ", t.L,
-      ", \"num_attention_heads\": ", t.heads, ", \"num_key_value_heads\": ", t.kv,
-      ", \"head_dim\": ", t.dh, ", \"rope_theta\": ", t.theta, ", \"rms_norm_eps\": ", t.eps,
-      ", \"num_experts_per_tok\": ", t.k, ", \"tie_word_embeddings\": ", t.tie ? "true" : "false");
-  if (t.qwen) {
-    j += concat(", \"intermediate_size\": ", t.I_dense, ", \"moe_intermediate_size\": ", t.I_moe,
-                ", \"num_experts\": ", t.E, ", \"norm_topk_prob\": true, \"mlp_only_layers\": [");
-    for (std::size_t i = 0; i < t.dense_layers.size(); ++i) {
-      j += concat(i ? ", " : "", t.dense_layers[i]);
-    }
-    j += "]";
-  } else {
-    j += concat(", \"intermediate_size\": ", t.I_moe, ", \"num_local_experts\": ", t.E,
-                ", \"sliding_window\": ", t.window == 0 ? std::string("null") : concat(t.window));
+  std::string j = moe::io::hf_config_json(moe_config(t));
+  j.resize(j.rfind('}'));  // the MoE keys, then the decoder's
+  j += concat(", \"vocab_size\": ", t.V, ", \"num_attention_heads\": ", t.heads,
+              ", \"num_key_value_heads\": ", t.kv, ", \"head_dim\": ", t.dh,
+              ", \"rope_theta\": ", t.theta, ", \"rms_norm_eps\": ", t.eps,
+              ", \"tie_word_embeddings\": ", t.tie ? "true" : "false");
+  if (t.type == "qwen3_moe" || t.type == "qwen2_moe" || t.type == "glm4_moe") {
+    j += concat(", \"intermediate_size\": ", t.I_dense);
+  }
+  if (t.type == "mixtral") {
+    j += concat(", \"sliding_window\": ", t.window == 0 ? std::string("null") : concat(t.window));
+  }
+  if (t.type == "olmoe") j += ", \"attention_bias\": true, \"clip_qkv\": null";
+  if (t.type == "glm4_moe") {
+    j += ", \"attention_bias\": true, \"use_qk_norm\": true, \"partial_rotary_factor\": 0.5";
+  }
+  if (t.type == "minimax_m2") {
+    j += concat(", \"rotary_dim\": ", t.dh / 2,
+                ", \"use_qk_norm\": true, \"qk_norm_type\": \"per_layer\"");
   }
   return j + "}";
 }
 
-bool is_dense(Tiny const& t, Index layer) {
-  return t.qwen &&
-         std::find(t.dense_layers.begin(), t.dense_layers.end(), layer) != t.dense_layers.end();
+bool is_dense(Tiny const& t, Index layer) { return !moe_config(t).is_moe_layer(layer); }
+
+/// Every tensor of the whole model: name, shape and the range of its random values.
+struct TensorSpec {
+  std::string name;
+  Shape shape;
+  float lo, hi;
+};
+
+std::vector<TensorSpec> tensor_specs(Tiny const& t) {
+  std::int64_t const V = t.V, H = t.H, q = t.heads * t.dh, kvd = t.kv * t.dh;
+  Attention const at = attention_of(t);
+  float const a = 0.4f;
+  std::vector<TensorSpec> out = {{"model.embed_tokens.weight", {V, H}, -1.0f, 1.0f},
+                                 {"model.norm.weight", {H}, 0.5f, 1.5f}};
+  if (!t.tie) out.push_back({"lm_head.weight", {V, H}, -0.5f, 0.5f});
+  moe::io::HfMoeConfig const c = moe_config(t);
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const p = concat("model.layers.", l, ".");
+    out.push_back({p + "self_attn.q_proj.weight", {q, H}, -a, a});
+    out.push_back({p + "self_attn.k_proj.weight", {kvd, H}, -a, a});
+    out.push_back({p + "self_attn.v_proj.weight", {kvd, H}, -a, a});
+    out.push_back({p + "self_attn.o_proj.weight", {H, q}, -a, a});
+    if (at.qkv_bias) {
+      out.push_back({p + "self_attn.q_proj.bias", {q}, -a, a});
+      out.push_back({p + "self_attn.k_proj.bias", {kvd}, -a, a});
+      out.push_back({p + "self_attn.v_proj.bias", {kvd}, -a, a});
+    }
+    if (at.o_bias) out.push_back({p + "self_attn.o_proj.bias", {H}, -a, a});
+    if (at.norm) {
+      out.push_back({p + "self_attn.q_norm.weight", {at.norm_all ? q : t.dh}, 0.5f, 1.5f});
+      out.push_back({p + "self_attn.k_norm.weight", {at.norm_all ? kvd : t.dh}, 0.5f, 1.5f});
+    }
+    out.push_back({p + "input_layernorm.weight", {H}, 0.5f, 1.5f});
+    out.push_back({p + "post_attention_layernorm.weight", {H}, 0.5f, 1.5f});
+    if (is_dense(t, l)) {
+      out.push_back({p + "mlp.gate_proj.weight", {t.I_dense, H}, -a, a});
+      out.push_back({p + "mlp.up_proj.weight", {t.I_dense, H}, -a, a});
+      out.push_back({p + "mlp.down_proj.weight", {H, t.I_dense}, -a, a});
+      continue;
+    }
+    for (moe::io::HfTensor const& ht :
+         moe::io::hf_layer_tensors(c, moe::io::hf_default_layout(c.family, l))) {
+      using moe::io::HfPart;
+      bool const router = ht.part == HfPart::kRouter || ht.part == HfPart::kSharedExpertGate;
+      float const r = ht.part == HfPart::kSelectionBias ? 0.2f : router ? 1.0f : a;
+      out.push_back({ht.name, ht.shape, -r, r});
+    }
+  }
+  return out;
 }
 
 /// Random tensors under the HF names of the whole model.
 Tensors make_tensors(Tiny const& t, std::uint64_t seed) {
   Tensors m;
-  auto add = [&](std::string const& name, Index n, float lo, float hi) {
+  for (TensorSpec const& s : tensor_specs(t)) {
+    std::int64_t n = 1;
+    for (std::int64_t d : s.shape) n *= d;
     std::vector<float> v(static_cast<std::size_t>(n));
-    moe::fill_uniform(v, lo, hi, seed++);
-    m[name] = v;
-  };
-  add("model.embed_tokens.weight", t.V * t.H, -1.0f, 1.0f);
-  add("model.norm.weight", t.H, 0.5f, 1.5f);
-  if (!t.tie) add("lm_head.weight", t.V * t.H, -0.5f, 0.5f);
-  for (Index l = 0; l < t.L; ++l) {
-    std::string const p = moe::io::detail::concat("model.layers.", l, ".");
-    float const a = 0.4f;
-    add(p + "self_attn.q_proj.weight", t.heads * t.dh * t.H, -a, a);
-    add(p + "self_attn.k_proj.weight", t.kv * t.dh * t.H, -a, a);
-    add(p + "self_attn.v_proj.weight", t.kv * t.dh * t.H, -a, a);
-    add(p + "self_attn.o_proj.weight", t.H * t.heads * t.dh, -a, a);
-    if (t.qwen) {
-      add(p + "self_attn.q_norm.weight", t.dh, 0.5f, 1.5f);
-      add(p + "self_attn.k_norm.weight", t.dh, 0.5f, 1.5f);
-    }
-    add(p + "input_layernorm.weight", t.H, 0.5f, 1.5f);
-    add(p + "post_attention_layernorm.weight", t.H, 0.5f, 1.5f);
-    if (is_dense(t, l)) {
-      add(p + "mlp.gate_proj.weight", t.I_dense * t.H, -a, a);
-      add(p + "mlp.up_proj.weight", t.I_dense * t.H, -a, a);
-      add(p + "mlp.down_proj.weight", t.H * t.I_dense, -a, a);
-      continue;
-    }
-    std::string const b = p + (t.qwen ? "mlp." : "block_sparse_moe.");
-    add(b + "gate.weight", t.E * t.H, -1.0f, 1.0f);
-    for (Index e = 0; e < t.E; ++e) {
-      std::string const x = moe::io::detail::concat(b, "experts.", e, ".");
-      add(x + (t.qwen ? "gate_proj.weight" : "w1.weight"), t.I_moe * t.H, -a, a);
-      add(x + (t.qwen ? "up_proj.weight" : "w3.weight"), t.I_moe * t.H, -a, a);
-      add(x + (t.qwen ? "down_proj.weight" : "w2.weight"), t.H * t.I_moe, -a, a);
-    }
+    moe::fill_uniform(v, s.lo, s.hi, seed++);
+    m[s.name] = v;
   }
   return m;
-}
-
-std::vector<std::int64_t> shape_of(Tiny const& t, std::string const& name) {
-  std::int64_t const V = t.V, H = t.H, q = t.heads * t.dh, kvd = t.kv * t.dh;
-  auto ends = [&](std::string_view s) { return name.ends_with(s); };
-  if (ends("embed_tokens.weight") || name == "lm_head.weight") return {V, H};
-  if (ends("norm.weight") && !ends("q_norm.weight") && !ends("k_norm.weight")) return {H};
-  if (ends("q_norm.weight") || ends("k_norm.weight")) return {t.dh};
-  if (ends("q_proj.weight")) return {q, H};
-  if (ends("k_proj.weight") || ends("v_proj.weight")) return {kvd, H};
-  if (ends("o_proj.weight")) return {H, q};
-  if (ends("gate.weight")) return {t.E, H};
-  bool const dense = name.find("experts") == std::string::npos;
-  std::int64_t const I = dense ? t.I_dense : t.I_moe;
-  if (ends("gate_proj.weight") || ends("up_proj.weight") || ends("w1.weight") ||
-      ends("w3.weight")) {
-    return {I, H};
-  }
-  return {H, I};  // down_proj / w2
 }
 
 /// The checkpoint of `m` as F32 tensors, or as BF16 ones (rounded to nearest even).
 fs::path write_model(Tiny const& t, Tensors const& m, std::string const& name, bool bf16 = false) {
   fs::path const dir = iotest::scratch_dir(name);
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& s : tensor_specs(t)) shapes[s.name] = s.shape;
   moe::io::SafetensorsWriter w;
   for (auto const& [n, v] : m) {
     if (bf16) {
-      w.add_bf16(n, shape_of(t, n), v);
+      w.add_bf16(n, shapes.at(n), v);
     } else {
-      w.add_f32(n, shape_of(t, n), v);
+      w.add_f32(n, shapes.at(n), v);
     }
   }
   w.save(dir / "model.safetensors");
@@ -148,60 +200,79 @@ Vec matvec(std::vector<float> const& w, Vec const& x, Index rows, Index cols) {
   }
   return y;
 }
-Vec rms(Vec const& x, std::vector<float> const& w, double eps) {
+/// RMSNorm of x[0, n) in place with weight w[0, n) (the slice a q/k norm covers).
+void rms_inplace(double* x, std::vector<float> const& w, Index n, double eps) {
   double ss = 0.0;
-  for (double v : x) ss += v * v;
-  double const r = 1.0 / std::sqrt(ss / static_cast<double>(x.size()) + eps);
-  Vec y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = x[i] * r * w[i];
-  return y;
+  for (Index i = 0; i < n; ++i) ss += x[i] * x[i];
+  double const r = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
+  for (Index i = 0; i < n; ++i) x[i] *= r * w[i];
+}
+Vec rms(Vec x, std::vector<float> const& w, double eps) {
+  rms_inplace(x.data(), w, static_cast<Index>(x.size()), eps);
+  return x;
 }
 double silu(double z) { return z / (1.0 + std::exp(-z)); }
 
-/// Next-token logits after ids (the last position), by the transformers forward.
-Vec reference_logits(Tiny const& t, Tensors const& m, std::vector<std::int64_t> const& ids) {
+/// Next-token logits after ids (the last position), by the transformers forward; the MoE
+/// blocks read from the checkpoint written in `dir`.
+Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
+                     std::vector<std::int64_t> const& ids) {
   Index const T = static_cast<Index>(ids.size()), H = t.H, dh = t.dh, G = t.heads / t.kv;
+  Index const HD = t.heads * dh, KD = t.kv * dh;
+  Attention const at = attention_of(t);
+  moe::io::HfMoeConfig const mc = moe_config(t);
+  hfref::Checkpoint const ck(dir / "model.safetensors");
   std::vector<Vec> h(static_cast<std::size_t>(T));
   for (Index i = 0; i < T; ++i) {
     auto const& e = m.at("model.embed_tokens.weight");
     h[i].assign(e.begin() + ids[i] * H, e.begin() + (ids[i] + 1) * H);
   }
-  auto rope = [&](double* x, Index pos) {  // rotate_half, inv_freq = theta^(-2i/d)
-    for (Index i = 0; i < dh / 2; ++i) {
-      double const f = std::pow(t.theta, -2.0 * static_cast<double>(i) / static_cast<double>(dh));
+  // rotate_half over the first rd dimensions, inv_freq = theta^(-2i/rd); the rest passes.
+  auto rope = [&](double* x, Index pos) {
+    Index const rd = at.rd;
+    for (Index i = 0; i < rd / 2; ++i) {
+      double const f = std::pow(t.theta, -2.0 * static_cast<double>(i) / static_cast<double>(rd));
       double const c = std::cos(pos * f), s = std::sin(pos * f);
-      double const a = x[i], b = x[i + dh / 2];
+      double const a = x[i], b = x[i + rd / 2];
       x[i] = a * c - b * s;
-      x[i + dh / 2] = b * c + a * s;
+      x[i + rd / 2] = b * c + a * s;
     }
   };
+  auto add = [&](Vec& y, std::string const& name) {
+    if (m.count(name) == 0) return;
+    std::vector<float> const& b = m.at(name);
+    for (std::size_t i = 0; i < y.size(); ++i) y[i] += b[i];
+  };
   for (Index l = 0; l < t.L; ++l) {
-    std::string const p = moe::io::detail::concat("model.layers.", l, ".");
+    std::string const p = concat("model.layers.", l, ".");
     std::vector<Vec> q(T), k(T), v(T);
     for (Index i = 0; i < T; ++i) {
       Vec const x = rms(h[i], m.at(p + "input_layernorm.weight"), t.eps);
-      q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, t.heads * dh, H);
-      k[i] = matvec(m.at(p + "self_attn.k_proj.weight"), x, t.kv * dh, H);
-      v[i] = matvec(m.at(p + "self_attn.v_proj.weight"), x, t.kv * dh, H);
+      q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, HD, H);
+      k[i] = matvec(m.at(p + "self_attn.k_proj.weight"), x, KD, H);
+      v[i] = matvec(m.at(p + "self_attn.v_proj.weight"), x, KD, H);
+      add(q[i], p + "self_attn.q_proj.bias");
+      add(k[i], p + "self_attn.k_proj.bias");
+      add(v[i], p + "self_attn.v_proj.bias");
+      if (at.norm && at.norm_all) {  // q_norm(q_proj(x)) before the view into heads
+        rms_inplace(q[i].data(), m.at(p + "self_attn.q_norm.weight"), HD, t.eps);
+        rms_inplace(k[i].data(), m.at(p + "self_attn.k_norm.weight"), KD, t.eps);
+      }
       for (Index hh = 0; hh < t.heads; ++hh) {
-        if (t.qwen) {
-          Vec const qh(q[i].begin() + hh * dh, q[i].begin() + (hh + 1) * dh);
-          Vec const n = rms(qh, m.at(p + "self_attn.q_norm.weight"), t.eps);
-          std::copy(n.begin(), n.end(), q[i].begin() + hh * dh);
+        if (at.norm && !at.norm_all) {
+          rms_inplace(q[i].data() + hh * dh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
         }
         rope(q[i].data() + hh * dh, i);
       }
       for (Index g = 0; g < t.kv; ++g) {
-        if (t.qwen) {
-          Vec const kh(k[i].begin() + g * dh, k[i].begin() + (g + 1) * dh);
-          Vec const n = rms(kh, m.at(p + "self_attn.k_norm.weight"), t.eps);
-          std::copy(n.begin(), n.end(), k[i].begin() + g * dh);
+        if (at.norm && !at.norm_all) {
+          rms_inplace(k[i].data() + g * dh, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
         }
         rope(k[i].data() + g * dh, i);
       }
     }
     for (Index i = 0; i < T; ++i) {
-      Vec attn(static_cast<std::size_t>(t.heads * dh), 0.0);
+      Vec attn(static_cast<std::size_t>(HD), 0.0);
       for (Index hh = 0; hh < t.heads; ++hh) {
         Index const g = hh / G;
         Index const j0 = t.window > 0 ? std::max<Index>(0, i - t.window + 1) : 0;
@@ -220,41 +291,31 @@ Vec reference_logits(Tiny const& t, Tensors const& m, std::vector<std::int64_t> 
           }
         }
       }
-      Vec const o = matvec(m.at(p + "self_attn.o_proj.weight"), attn, H, t.heads * dh);
+      Vec o = matvec(m.at(p + "self_attn.o_proj.weight"), attn, H, HD);
+      add(o, p + "self_attn.o_proj.bias");
       for (Index c = 0; c < H; ++c) h[i][c] += o[c];
     }
-    for (Index i = 0; i < T; ++i) {
-      Vec const x = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
-      Vec y(static_cast<std::size_t>(H), 0.0);
-      auto expert = [&](std::string const& base, bool mixtral_names, Index I) {
-        Vec const g =
-            matvec(m.at(base + (mixtral_names ? "w1.weight" : "gate_proj.weight")), x, I, H);
-        Vec const u =
-            matvec(m.at(base + (mixtral_names ? "w3.weight" : "up_proj.weight")), x, I, H);
-        Vec a(static_cast<std::size_t>(I));
-        for (Index j = 0; j < I; ++j) a[j] = silu(g[j]) * u[j];
-        return matvec(m.at(base + (mixtral_names ? "w2.weight" : "down_proj.weight")), a, H, I);
-      };
-      if (is_dense(t, l)) {
-        y = expert(p + "mlp.", false, t.I_dense);
-      } else {
-        std::string const b = p + (t.qwen ? "mlp." : "block_sparse_moe.");
-        Vec const z = matvec(m.at(b + "gate.weight"), x, t.E, H);
-        // softmax over all, top-k, renormalised (Qwen3 norm_topk_prob; Mixtral's softmax over
-        // the chosen logits is the same).
-        std::vector<Index> order(static_cast<std::size_t>(t.E));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](Index a, Index c) { return z[a] > z[c]; });
-        double sum = 0.0;
-        for (Index j = 0; j < t.k; ++j) sum += std::exp(z[order[j]] - z[order[0]]);
-        for (Index j = 0; j < t.k; ++j) {
-          double const w = std::exp(z[order[j]] - z[order[0]]) / sum;
-          Vec const ye =
-              expert(moe::io::detail::concat(b, "experts.", order[j], "."), !t.qwen, t.I_moe);
-          for (Index c = 0; c < H; ++c) y[c] += w * ye[c];
-        }
+    if (is_dense(t, l)) {
+      for (Index i = 0; i < T; ++i) {
+        Vec const x = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
+        Vec const g = matvec(m.at(p + "mlp.gate_proj.weight"), x, t.I_dense, H);
+        Vec const u = matvec(m.at(p + "mlp.up_proj.weight"), x, t.I_dense, H);
+        Vec a(static_cast<std::size_t>(t.I_dense));
+        for (Index j = 0; j < t.I_dense; ++j) a[j] = silu(g[j]) * u[j];
+        Vec const y = matvec(m.at(p + "mlp.down_proj.weight"), a, H, t.I_dense);
+        for (Index c = 0; c < H; ++c) h[i][c] += y[c];
       }
-      for (Index c = 0; c < H; ++c) h[i][c] += y[c];
+      continue;
+    }
+    std::vector<float> x(static_cast<std::size_t>(T * H));  // the MoE block's input, all tokens
+    for (Index i = 0; i < T; ++i) {
+      Vec const xi = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
+      for (Index c = 0; c < H; ++c) x[i * H + c] = static_cast<float>(xi[c]);
+    }
+    hfref::Reference const y =
+        hfref::hf_forward(mc, ck, moe::io::hf_default_layout(mc.family, l).prefix, x);
+    for (Index i = 0; i < T; ++i) {
+      for (Index c = 0; c < H; ++c) h[i][c] += y.y[i * H + c];
     }
   }
   Vec const x = rms(h[T - 1], m.at("model.norm.weight"), t.eps);
@@ -280,7 +341,14 @@ void check_generation(Tiny const& t, std::string const& name) {
         REQUIRE(dec.mapped != nullptr);
         REQUIRE((dec.lm_head.f32_view != nullptr) == !t.tie);
         REQUIRE(dec.lm_head.empty() == t.tie);
+        Attention const at = attention_of(t);
         for (auto const& b : dec.blocks) {
+          auto const& ac = b.attention.config();
+          REQUIRE(ac.qkv_bias == at.qkv_bias);
+          REQUIRE(ac.o_bias == at.o_bias);
+          REQUIRE((ac.qk_norm != moe::QkNorm::kNone) == at.norm);
+          REQUIRE((ac.qk_norm_scope == moe::QkNormScope::kAllHeads) == at.norm_all);
+          REQUIRE(ac.rotary_dim == at.rd);
           REQUIRE(b.attention.weight_format() == moe::experts::WeightFormat::kF32);
           // I_moe = 8 splits a panel: the GLU's gate and up run from the fp32 weights, kept.
           if (b.moe) REQUIRE(b.moe->experts().has_master_weights());
@@ -293,7 +361,7 @@ void check_generation(Tiny const& t, std::string const& name) {
         dec.forward(ids, counts, st, {logits.data(), 1, t.V});
         for (int step = 0; step < 6; ++step) {
           INFO("step " << step << ", " << ids.size() << " tokens");
-          Vec const want = reference_logits(t, m, ids);
+          Vec const want = reference_logits(t, m, dir, ids);
           double scale = 0.0, diff = 0.0;
           for (Index i = 0; i < t.V; ++i) {
             scale = std::max(scale, std::fabs(want[i]));
@@ -328,12 +396,49 @@ TEST_CASE("Decoder: Qwen3-MoE (q/k norms, a dense layer) generates as the refere
 TEST_CASE("Decoder: Mixtral (sliding window, tied embeddings) generates as the reference",
           "[models][decoder]") {
   Tiny t;
-  t.qwen = false;
+  t.type = "mixtral";
   t.window = 4;
   t.tie = true;
   t.theta = 1e6;
   t.eps = 1e-5;
   check_generation(t, "decoder_mixtral");
+}
+
+TEST_CASE(
+    "Decoder: Qwen2-MoE (q/k/v biases, gated shared expert, a dense layer) generates as the "
+    "reference",
+    "[models][decoder]") {
+  Tiny t;
+  t.type = "qwen2_moe";
+  check_generation(t, "decoder_qwen2");
+}
+
+TEST_CASE("Decoder: OLMoE (q/k norms over all heads, q/k/v/o biases) generates as the reference",
+          "[models][decoder]") {
+  Tiny t;
+  t.type = "olmoe";
+  t.eps = 1e-5;
+  check_generation(t, "decoder_olmoe");
+}
+
+TEST_CASE(
+    "Decoder: GLM-4.5 (partial RoPE, biases, per-head norms, dense first layer, "
+    "group-limited sigmoid routing) generates as the reference",
+    "[models][decoder]") {
+  Tiny t;
+  t.type = "glm4_moe";
+  t.theta = 1e6;
+  check_generation(t, "decoder_glm4");
+}
+
+TEST_CASE(
+    "Decoder: MiniMax-M2 (partial RoPE, q/k norms over all heads, sigmoid routing with a "
+    "selection bias) generates as the reference",
+    "[models][decoder]") {
+  Tiny t;
+  t.type = "minimax_m2";
+  t.theta = 5e6;
+  check_generation(t, "decoder_minimax_m2");
 }
 
 namespace {
@@ -449,13 +554,83 @@ TEST_CASE("Decoder: a BF16 checkpoint stays bf16 and decodes with the bits of it
     Tiny t;
     check_bf16_checkpoint(t, "decoder_bf16_qwen3");
   }
+  SECTION("GLM-4.5: biases, partial RoPE, group-limited routing, a shared expert") {
+    Tiny t;
+    t.type = "glm4_moe";
+    check_bf16_checkpoint(t, "decoder_bf16_glm4");
+  }
   SECTION("Mixtral, tied embeddings") {
     Tiny t;
-    t.qwen = false;
+    t.type = "mixtral";
     t.window = 4;
     t.tie = true;
     check_bf16_checkpoint(t, "decoder_bf16_mixtral");
   }
+}
+
+TEST_CASE("Decoder: F8_E4M3 attention weights with weight_scale_inv blocks (MiniMax-M2's release)",
+          "[models][decoder][fp8]") {
+  Tiny t;
+  t.type = "minimax_m2";
+  t.fp8_block = 4;
+  Tensors m = make_tensors(t, 950);
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& sp : tensor_specs(t)) shapes[sp.name] = sp.shape;
+  // FP8 codes and 4x4 block scales for every attention projection; the F32 checkpoint holds
+  // their dequantised values (code value x block scale), so both must decode alike.
+  struct Fp8 {
+    std::vector<std::byte> codes;
+    std::vector<float> scales;
+    Shape scale_shape;
+  };
+  std::map<std::string, Fp8> fp8;
+  for (auto& [name, v] : m) {
+    if (name.find("self_attn.") == std::string::npos || !name.ends_with("_proj.weight")) continue;
+    Shape const& sh = shapes.at(name);
+    std::int64_t const rows = sh[0], cols = sh[1], sr = (rows + 3) / 4, sc = (cols + 3) / 4;
+    Fp8 f;
+    f.scale_shape = {sr, sc};
+    for (std::int64_t i = 0; i < sr * sc; ++i)
+      f.scales.push_back(1e-3f * static_cast<float>(1 + i % 3));
+    for (std::int64_t i = 0; i < rows * cols; ++i) {
+      auto const code = static_cast<std::uint8_t>((i * 37 + 11) % 0x7E | (i % 2 ? 0x80 : 0));
+      f.codes.push_back(static_cast<std::byte>(code));
+      std::int64_t const r = i / cols, c = i % cols;
+      v[static_cast<std::size_t>(i)] = moe::io::f8_e4m3_to_float(code) *
+                                       f.scales[static_cast<std::size_t>((r / 4) * sc + c / 4)];
+    }
+    fp8[name] = std::move(f);
+  }
+  REQUIRE(fp8.size() == static_cast<std::size_t>(4 * t.L));
+  fs::path const d32 = write_model(t, m, "decoder_fp8_as_f32");
+  fs::path const d8 = iotest::scratch_dir("decoder_fp8");
+  moe::io::SafetensorsWriter w;
+  for (auto const& [name, v] : m) {
+    if (auto it = fp8.find(name); it != fp8.end()) {
+      w.add(name, moe::io::Dtype::kF8E4M3, shapes.at(name), it->second.codes);
+      w.add_f32(name + "_scale_inv", it->second.scale_shape, it->second.scales);
+    } else {
+      w.add_f32(name, shapes.at(name), v);
+    }
+  }
+  w.save(d8 / "model.safetensors");
+  iotest::write_text(d8 / "config.json", config_json(t));
+  REQUIRE_THAT(config_json(t), Catch::Contains("\"quant_method\": \"fp8\""));
+  auto logits = [&](fs::path const& dir) {
+    return std::visit([&](auto const& dec) { return greedy_logits(dec, t.V, 4, nullptr); },
+                      moe::models::load_hf_decoder(dir));
+  };
+  std::vector<float> const want = logits(d32);
+  REQUIRE(logits(d8) == want);
+  // And the F32 one is the reference decoder's.
+  Vec const ref = reference_logits(t, m, d32, {3, 17, 5, 9, 30});
+  double scale = 0.0, diff = 0.0;
+  for (Index i = 0; i < t.V; ++i) {
+    scale = std::max(scale, std::fabs(ref[i]));
+    diff = std::max(diff, std::fabs(want[i] - ref[i]));
+  }
+  REQUIRE(scale > 0.1);
+  REQUIRE(diff <= 1e-4 * scale);
 }
 
 TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decoder]") {
@@ -512,7 +687,61 @@ TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   REQUIRE_THROWS_WITH(
       moe::models::parse_decoder_config(
           R"({"model_type": "mixtral", "num_hidden_layers": 2, "rope_scaling": {"type": "yarn"}})"),
-      Contains("rope_scaling"));
+      Contains("rope_scaling") && Contains("yarn"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "olmoe", "num_hidden_layers": 2, "clip_qkv": 8})"),
+                      Contains("clip_qkv"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "minimax_m2", "num_hidden_layers": 2, "qk_norm_type": "per_head"})"),
+      Contains("qk_norm_type"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_moe", "num_hidden_layers": 2, "attention_bias": true})"),
+      Contains("attention_bias"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_moe", "num_hidden_layers": 2, "partial_rotary_factor": 0.5})"),
+      Contains("partial_rotary_factor"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "glm4_moe", "num_hidden_layers": 2, "head_dim": 6,
+              "partial_rotary_factor": 0.5})"),
+                      Contains("rotary dimension 3"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "qwen2_moe", "num_hidden_layers": 2,
+                              "use_sliding_window": true})"),
+                      Contains("use_sliding_window"));
+  {  // The released configs' keys: rope_scaling null, v5 rope_parameters, GLM's head_dim
+    auto const glm = moe::models::parse_decoder_config(
+        R"({"model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096,
+            "head_dim": 128, "num_attention_heads": 96, "partial_rotary_factor": 0.5,
+            "attention_bias": true, "use_qk_norm": false, "rope_theta": 1000000,
+            "rope_scaling": null, "first_k_dense_replace": 1, "intermediate_size": 10944})");
+    REQUIRE(glm.rotary_dim == 64);
+    REQUIRE(glm.qkv_bias);
+    REQUIRE_FALSE(glm.o_bias);
+    REQUIRE_FALSE(glm.qk_norm);
+    REQUIRE(glm.rope_theta == 1e6f);
+    REQUIRE(glm.intermediate_size == 10944);
+    auto const mm = moe::models::parse_decoder_config(
+        R"({"model_type": "minimax_m2", "num_hidden_layers": 62, "hidden_size": 3072,
+            "head_dim": 128, "rotary_dim": 64, "use_qk_norm": true,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000}})");
+    REQUIRE(mm.rotary_dim == 64);
+    REQUIRE(mm.qk_norm);
+    REQUIRE(mm.qk_norm_scope == moe::QkNormScope::kAllHeads);
+    REQUIRE(mm.rope_theta == 5e6f);
+    auto const olmoe = moe::models::parse_decoder_config(
+        R"({"model_type": "olmoe", "num_hidden_layers": 16, "num_attention_heads": 16,
+            "clip_qkv": null})");
+    REQUIRE(olmoe.num_key_value_heads == 16);  // defaults to the heads
+    REQUIRE(olmoe.vocab_size == 50304);
+    REQUIRE(olmoe.rms_norm_eps == 1e-5f);
+    auto const q2 = moe::models::parse_decoder_config(
+        R"({"model_type": "qwen2_moe", "num_hidden_layers": 24})");
+    REQUIRE(q2.qkv_bias);  // transformers' qkv_bias default
+    REQUIRE(q2.rotary_dim == 0);
+  }
   Tiny t;
   Tensors m = make_tensors(t, 800);
   m.erase("model.layers.2.self_attn.k_proj.weight");
@@ -583,7 +812,7 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
   std::vector<std::int64_t> seq = {3, 17, 5};
   std::string want;
   for (int i = 0; i < 5; ++i) {
-    Vec const z = reference_logits(t, m, seq);
+    Vec const z = reference_logits(t, m, dir, seq);
     seq.push_back(std::max_element(z.begin(), z.end()) - z.begin());
     want += moe::io::detail::concat(i ? "," : "", seq.back());
   }

@@ -2,7 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// A whole MoE decoder (token embedding, N blocks, final RMSNorm, LM head) loaded from a Hugging
-/// Face checkpoint directory of a Qwen3-MoE or Mixtral model, with KV-cached decoding.
+/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 or MiniMax-M2
+/// model, with KV-cached decoding.
 #pragma once
 
 #include <algorithm>
@@ -36,22 +37,42 @@
 
 namespace moe::models {
 
-/// The decoder-level keys of a Qwen3-MoE or Mixtral config.json (the MoE keys are in `moe`),
-/// with the transformers defaults (Qwen3MoeConfig, MixtralConfig) for absent keys.
+/// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
+/// defaults of the family's config class for absent keys. Six families decode:
 ///
-/// | field                  | key (Qwen3-MoE default / Mixtral default)                         |
-/// |------------------------|-------------------------------------------------------------------|
-/// | vocab_size             | vocab_size (151936 / 32000)                                       |
-/// | num_hidden_layers      | num_hidden_layers (**required**: the decoder reads every layer)   |
-/// | num_attention_heads    | num_attention_heads (32 / 32)                                     |
-/// | num_key_value_heads    | num_key_value_heads (4 / 8)                                       |
-/// | head_dim               | head_dim, else hidden_size / num_attention_heads                  |
-/// | intermediate_size      | intermediate_size: Qwen3-MoE's dense MLP layers (6144)            |
-/// | rope_theta             | rope_theta (10000 / 1e6); rope_scaling must be absent or null     |
-/// | rms_norm_eps           | rms_norm_eps (1e-6 / 1e-5)                                        |
-/// | tie_word_embeddings    | tie_word_embeddings (false): lm_head = embed_tokens               |
-/// | sliding_window         | Mixtral sliding_window (null: none); Qwen3-MoE use_sliding_window |
-/// |                        | must be false                                                     |
+/// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
+/// |------------|-------------------------------------------------------|-------------------------|
+/// | qwen3_moe  | per-head q/k RMSNorm                                  | mlp_only_layers, step   |
+/// | mixtral    | sliding_window                                        | none                    |
+/// | qwen2_moe  | q/k/v biases (qkv_bias, default true)                 | mlp_only_layers, step   |
+/// | olmoe      | q/k RMSNorm over all heads; attention_bias: q/k/v/o   | none                    |
+/// | glm4_moe   | attention_bias (q/k/v); use_qk_norm (per head);       | first_k_dense_replace   |
+/// |            | partial RoPE (partial_rotary_factor, default 0.5)     |                         |
+/// | minimax_m2 | q/k RMSNorm over all heads (use_qk_norm, per_layer);  | none                    |
+/// |            | partial RoPE (rotary_dim, default head_dim / 2)       |                         |
+///
+/// | field                  | key (defaults: qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
+/// minimax_m2) |
+/// |------------------------|-------------------------------------------------------------------------------|
+/// | vocab_size             | vocab_size (151936 / 32000 / 151936 / 50304 / 151552 / 200064) | |
+/// num_hidden_layers      | num_hidden_layers (**required**; checkpoint layers past it, such as
+/// GLM-4.5's | |                        | multi-token-prediction layer, are not read) | |
+/// num_attention_heads    | num_attention_heads (32 / 32 / 16 / 16 / 96 / 48) | |
+/// num_key_value_heads    | num_key_value_heads (4 / 8 / 16 / heads / 8 / 8) | | head_dim |
+/// head_dim, else hidden_size / heads (minimax_m2: 128)                          | |
+/// intermediate_size      | intermediate_size: the dense MLP layers (6144 / - / 5632 / - / 10944 /
+/// -)    | | rope_theta             | rope_theta or rope_parameters.rope_theta (1e4 / 1e6 / 1e4 /
+/// 1e4 / 1e4 / 5e6); | |                        | rope_scaling / rope_type must be absent, null or
+/// "default"                  | | rotary_dim             | glm4_moe: int(head_dim *
+/// partial_rotary_factor); minimax_m2: rotary_dim     | | rms_norm_eps           | rms_norm_eps
+/// (1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6), also the q/k norms    | | tie_word_embeddings    |
+/// tie_word_embeddings (false): lm_head = embed_tokens                           | | sliding_window
+/// | mixtral sliding_window (null: none); use_sliding_window must be false        | | | (qwen3_moe,
+/// qwen2_moe)                                                        |
+///
+/// Refused with a moe::Error naming the key: OLMoE's clip_qkv, MiniMax-M2's qk_norm_type other
+/// than "per_layer", attention_bias true where the family has no biases (qwen3_moe, mixtral,
+/// minimax_m2).
 struct DecoderConfig {
   io::HfMoeConfig moe;
   Index vocab_size = 0;
@@ -61,65 +82,161 @@ struct DecoderConfig {
   Index head_dim = 0;
   Index intermediate_size = 0;
   float rope_theta = 10000.0f;
+  Index rotary_dim = 0;  ///< RoPE's rotated dimensions per head (the first ones); 0: head_dim
   float rms_norm_eps = 1e-6f;
   bool tie_word_embeddings = false;
   Index sliding_window = 0;
-  bool qk_norm = false;  ///< per-head RMSNorm of q and k (Qwen3-MoE)
+  bool qk_norm = false;  ///< q/k RMSNorm (Qwen3-MoE, GLM-4.5 use_qk_norm, OLMoE, MiniMax-M2)
+  QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< kAllHeads: OLMoE, MiniMax-M2
+  bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
+  bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
 };
 
-/// Parses a config.json (text; `source` names it in errors) of a qwen3_moe or mixtral model.
-/// Throws moe::Error for another model_type, a missing num_hidden_layers, attention_bias true,
-/// a rope_scaling, Qwen3-MoE's use_sliding_window true, or sizes that do not fit (KV heads
-/// dividing the heads, the MoE keys as parse_hf_config checks them).
+namespace detail {
+
+/// The transformers defaults of a decoding family (see DecoderConfig).
+struct DecoderDefaults {
+  Index vocab, heads, kv_heads;  ///< kv_heads 0: = heads
+  double theta, eps;
+  Index dense_intermediate;  ///< 0: the family has no dense MLP layers
+};
+
+inline bool decodes(io::HfFamily f) {
+  using F = io::HfFamily;
+  return f == F::kQwen3Moe || f == F::kMixtral || f == F::kQwen2Moe || f == F::kOlmoe ||
+         f == F::kGlm4Moe || f == F::kMinimaxM2;
+}
+
+inline DecoderDefaults decoder_defaults(io::HfFamily f) {
+  switch (f) {
+    case io::HfFamily::kMixtral:
+      return {32000, 32, 8, 1e6, 1e-5, 0};
+    case io::HfFamily::kQwen2Moe:
+      return {151936, 16, 16, 10000.0, 1e-6, 5632};
+    case io::HfFamily::kOlmoe:
+      return {50304, 16, 0, 10000.0, 1e-5, 0};
+    case io::HfFamily::kGlm4Moe:
+      return {151552, 96, 8, 10000.0, 1e-5, 10944};
+    case io::HfFamily::kMinimaxM2:
+      return {200064, 48, 8, 5e6, 1e-6, 0};
+    default:  // qwen3_moe
+      return {151936, 32, 4, 10000.0, 1e-6, 6144};
+  }
+}
+
+}  // namespace detail
+
+/// Parses a config.json (text; `source` names it in errors) of a family DecoderConfig lists.
+/// Throws moe::Error for another model_type, a missing num_hidden_layers, a rope_scaling or
+/// rope_type other than the default, the refusals DecoderConfig lists, or sizes that do not fit
+/// (KV heads dividing the heads, an odd or too wide rotary_dim, the MoE keys as parse_hf_config
+/// checks them).
 inline DecoderConfig parse_decoder_config(std::string_view text,
                                           std::string const& source = "config.json") {
+  using io::HfFamily;
   using io::detail::JsonKind;
   DecoderConfig c;
   c.moe = io::parse_hf_config(text, source);
-  bool const qwen = c.moe.family == io::HfFamily::kQwen3Moe;
-  if (!qwen && c.moe.family != io::HfFamily::kMixtral) {
+  HfFamily const family = c.moe.family;
+  if (!detail::decodes(family)) {
     moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
-                      "\" has no decoder in moe yet; moe::models decodes \"qwen3_moe\" and "
-                      "\"mixtral\" models (the other families load layer by layer through "
-                      "moe/io/hf.hpp)");
+                      "\" has no decoder in moe yet; moe::models decodes qwen3_moe, mixtral, "
+                      "qwen2_moe, olmoe, glm4_moe and minimax_m2 models (the other families load "
+                      "layer by layer through moe/io/hf.hpp)");
   }
+  detail::DecoderDefaults const def = detail::decoder_defaults(family);
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
   io::HfMoeConfig keys;
   io::detail::HfConfigReader r(root, source, keys);
-  moe::detail::check(r.find("num_hidden_layers") != nullptr, "models: ", source,
-                     ": config.json has no num_hidden_layers; the decoder needs the layer count");
-  c.num_hidden_layers = c.moe.num_hidden_layers;
-  c.vocab_size = r.integer({"vocab_size"}, qwen ? 151936 : 32000, 1);
-  c.num_attention_heads = r.integer({"num_attention_heads"}, 32, 1);
-  c.num_key_value_heads = r.integer({"num_key_value_heads"}, qwen ? 4 : 8, 1);
-  Index const H = c.moe.hidden_size;
-  c.head_dim =
-      r.find("head_dim") != nullptr ? r.integer({"head_dim"}, 0, 1) : H / c.num_attention_heads;
-  c.intermediate_size = qwen ? r.integer({"intermediate_size"}, 6144, 1) : 0;
-  c.rope_theta = static_cast<float>(r.number("rope_theta", qwen ? 10000.0 : 1e6));
-  c.rms_norm_eps = static_cast<float>(r.number("rms_norm_eps", qwen ? 1e-6 : 1e-5));
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  c.qk_norm = qwen;
   auto fail_if = [&](bool bad, auto const&... parts) {
     if (bad) moe::detail::fail("models: ", source, ": ", parts..., "; fix config.json");
   };
+  moe::detail::check(r.find("num_hidden_layers") != nullptr, "models: ", source,
+                     ": config.json has no num_hidden_layers; the decoder needs the layer count");
+  c.num_hidden_layers = c.moe.num_hidden_layers;
+  c.vocab_size = r.integer({"vocab_size"}, def.vocab, 1);
+  c.num_attention_heads = r.integer({"num_attention_heads"}, def.heads, 1);
+  c.num_key_value_heads = r.integer({"num_key_value_heads"},
+                                    def.kv_heads > 0 ? def.kv_heads : c.num_attention_heads, 1);
+  Index const H = c.moe.hidden_size;
+  Index const head_default = family == HfFamily::kMinimaxM2 ? 128 : H / c.num_attention_heads;
+  c.head_dim = r.integer({"head_dim"}, head_default, 1);
+  c.intermediate_size =
+      def.dense_intermediate > 0 ? r.integer({"intermediate_size"}, def.dense_intermediate, 1) : 0;
+  io::detail::HfRope const rope = io::detail::read_hf_rope(r, source, def.theta);
+  c.rope_theta = static_cast<float>(rope.theta);
+  c.rms_norm_eps = static_cast<float>(r.number("rms_norm_eps", def.eps));
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  bool attention_bias = false;
   if (io::detail::JsonValue const* b = r.find("attention_bias")) {
-    fail_if(b->kind != JsonKind::kBool || b->boolean,
-            "attention_bias must be false (moe's attention has no projection biases)");
+    if (b->kind != JsonKind::kBool) r.bad("attention_bias", *b, "true or false");
+    attention_bias = b->boolean;
   }
-  fail_if(r.find("rope_scaling") != nullptr,
-          "rope_scaling is not supported (moe's RoPE is the default type); remove it or use a "
-          "model without it");
-  if (qwen) {
+  // int(head_dim * partial_rotary_factor), as transformers computes the rotary dimension.
+  auto rotary_of = [&](double factor) {
+    fail_if(!(factor > 0.0 && factor <= 1.0), "partial_rotary_factor = ", factor,
+            " must be in (0, 1]");
+    return static_cast<Index>(static_cast<double>(c.head_dim) * factor);
+  };
+  bool const partial = family == HfFamily::kGlm4Moe || family == HfFamily::kMinimaxM2;
+  fail_if(!partial && rope.factor_set && rope.factor != 1.0,
+          "partial_rotary_factor = ", rope.factor, " is not supported for ", c.moe.model_type(),
+          " (its attention rotates the whole head)");
+  switch (family) {
+    case HfFamily::kQwen3Moe:
+      c.qk_norm = true;
+      break;
+    case HfFamily::kQwen2Moe:
+      c.qkv_bias = r.boolean("qkv_bias", true);
+      break;
+    case HfFamily::kOlmoe:
+      c.qk_norm = true;
+      c.qk_norm_scope = QkNormScope::kAllHeads;
+      c.qkv_bias = c.o_bias = attention_bias;
+      fail_if(r.find("clip_qkv") != nullptr,
+              "clip_qkv is not supported (moe's attention does not clamp q, k and v); OLMoE "
+              "releases set it null");
+      break;
+    case HfFamily::kGlm4Moe:
+      c.qkv_bias = attention_bias;
+      c.qk_norm = r.boolean("use_qk_norm", false);
+      c.rotary_dim = rotary_of(rope.factor_set ? rope.factor : 0.5);
+      break;
+    case HfFamily::kMinimaxM2: {
+      c.qk_norm = r.boolean("use_qk_norm", true);
+      c.qk_norm_scope = QkNormScope::kAllHeads;
+      std::string const type = r.string("qk_norm_type", "per_layer");
+      fail_if(c.qk_norm && type != "per_layer", "qk_norm_type \"", type,
+              "\" is not supported; moe reads MiniMax-M2's \"per_layer\" q/k norms (one RMSNorm "
+              "over all heads)");
+      c.rotary_dim =
+          rope.factor_set ? rotary_of(rope.factor) : r.integer({"rotary_dim"}, c.head_dim / 2, 0);
+      break;
+    }
+    default:
+      break;
+  }
+  bool const has_biases =
+      family == HfFamily::kQwen2Moe || family == HfFamily::kOlmoe || family == HfFamily::kGlm4Moe;
+  fail_if(attention_bias && !has_biases, "attention_bias = true is not supported for ",
+          c.moe.model_type(), " (its attention has no projection biases in transformers)");
+  if (family == HfFamily::kMixtral) {
+    if (r.find("sliding_window") != nullptr) {
+      c.sliding_window = r.integer({"sliding_window"}, 0, 1);
+    }
+  } else {
     fail_if(r.boolean("use_sliding_window", false),
-            "use_sliding_window = true is not supported for qwen3_moe");
-  } else if (r.find("sliding_window") != nullptr) {
-    c.sliding_window = r.integer({"sliding_window"}, 0, 1);
+            "use_sliding_window = true is not supported "
+            "for ",
+            c.moe.model_type());
   }
   fail_if(c.head_dim < 1, "head_dim = ", c.head_dim, " must be >= 1 (hidden_size / heads)");
   fail_if(c.num_attention_heads % c.num_key_value_heads != 0,
           "num_key_value_heads = ", c.num_key_value_heads,
           " must divide num_attention_heads = ", c.num_attention_heads);
+  fail_if(partial && (c.rotary_dim < 2 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim),
+          "the rotary dimension ", c.rotary_dim, " (head_dim ", c.head_dim,
+          " times partial_rotary_factor, or rotary_dim) must be even and in [2, head_dim]");
   fail_if(!(c.rope_theta >= 1.0f && std::isfinite(c.rope_theta)), "rope_theta = ", c.rope_theta,
           " must be finite and >= 1");
   fail_if(!(c.rms_norm_eps > 0.0f && std::isfinite(c.rms_norm_eps)),
@@ -276,10 +393,13 @@ struct DecoderState {
 /// A decoder-only MoE transformer, forward only:
 ///   h = embed[token];  for each block: h += Attn(RMSNorm_in(h));  h += FFN(RMSNorm_post(h));
 ///   logits = RMSNorm_final(h) W_lm^T
-/// FFN is the family's MoE layer (`Moe`: presets::Qwen3Moe or presets::MixtralMoe) where
-/// config.moe.is_moe_layer(L), else a DenseMlp (Qwen3-MoE mlp_only_layers / decoder_sparse_step).
-/// Attention: GatedAttention<NoGate> (GQA, RoPE at absolute positions, causal; Qwen3-MoE's q/k
-/// RMSNorm; Mixtral's sliding_window). RMSNorm: x / sqrt(mean x^2 + eps) * w.
+/// FFN is the family's MoE layer (`Moe`: presets::Qwen3Moe for qwen3_moe and olmoe,
+/// presets::MixtralMoe, presets::Qwen2Moe, presets::DeepseekV3Moe for glm4_moe and minimax_m2)
+/// where config.moe.is_moe_layer(L), else a DenseMlp (Qwen3-MoE / Qwen2-MoE mlp_only_layers and
+/// decoder_sparse_step, GLM-4.5 first_k_dense_replace). Attention: GatedAttention<NoGate> (GQA,
+/// RoPE at absolute positions, full or partial, causal) with the family's q/k RMSNorm (per head
+/// or over all heads), projection biases and sliding window (DecoderConfig). RMSNorm:
+/// x / sqrt(mean x^2 + eps) * w.
 ///
 /// Weights (see DecoderOptions): the embedding, LM head, attention and dense-MLP projections are
 /// kept in fp32 or bf16 (DenseWeights; by default as the checkpoint stores them); the
@@ -441,8 +561,10 @@ class Decoder {
   }
 };
 
-/// A loaded decoder of either family (use std::visit).
-using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::MixtralMoe>>;
+/// A loaded decoder of any family (use std::visit): Qwen3Moe holds qwen3_moe and olmoe,
+/// DeepseekV3Moe holds glm4_moe and minimax_m2.
+using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::MixtralMoe>,
+                                Decoder<presets::Qwen2Moe>, Decoder<presets::DeepseekV3Moe>>;
 
 namespace detail {
 
@@ -460,17 +582,29 @@ inline io::TensorView const& checked_tensor(io::ShardedCheckpoint const& ckpt,
       " has shape ", io::detail::shape_string(t->shape), " but config.json implies ",
       io::detail::shape_string(shape), "; check that config.json belongs to these weights");
   moe::detail::check(
-      t->dtype == io::Dtype::kF32 || t->dtype == io::Dtype::kBf16 || t->dtype == io::Dtype::kF16,
+      t->dtype == io::Dtype::kF32 || t->dtype == io::Dtype::kBf16 || t->dtype == io::Dtype::kF16 ||
+          (t->dtype == io::Dtype::kF8E4M3 && shape.size() == 2),
       "models: ", ckpt.source(), ": tensor ", io::detail::printable_name(name), " is ",
-      io::dtype_name(t->dtype), "; the decoder reads F32, BF16 or F16");
+      io::dtype_name(t->dtype),
+      "; the decoder reads F32, BF16 or F16 (and F8_E4M3 matrices with their weight_scale_inv)");
   return *t;
 }
 
-/// Tensor `name` of `ckpt` as floats, checked against `shape`.
+/// Tensor `name` of `ckpt` as floats, checked against `shape`; an F8_E4M3 matrix is
+/// dequantised with its "<name>_scale_inv" blocks (config.moe's quantization_config, as the MoE
+/// loader does for the experts).
 inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::string const& name,
                                       std::vector<std::int64_t> const& shape,
-                                      std::string const& why) {
-  return io::to_float(checked_tensor(ckpt, name, shape, why));
+                                      std::string const& why,
+                                      io::HfMoeConfig const* moe_config = nullptr) {
+  io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
+  if (t.dtype != io::Dtype::kF8E4M3) return io::to_float(t);
+  io::HfMoeConfig fp8;
+  if (moe_config) fp8 = *moe_config;
+  io::HfTensor ht;
+  ht.name = name;
+  ht.shape = shape;
+  return io::detail::read_hf_tensor(ckpt, ht, fp8, 0, "");
 }
 
 /// Does `mode` keep a tensor of `dtype` in bf16?
@@ -483,7 +617,7 @@ inline bool keeps_bf16(io::Dtype dtype, DenseWeights mode) {
 /// in place in the mapped file when its dtype is the one kept and its data is aligned for it.
 inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string const& name,
                                 std::vector<std::int64_t> const& shape, std::string const& why,
-                                DenseWeights mode) {
+                                DenseWeights mode, io::HfMoeConfig const* moe_config = nullptr) {
   io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
   WeightMatrix m;
   m.rows = shape.front();
@@ -506,8 +640,13 @@ inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string c
     m.f32_view = reinterpret_cast<float const*>(t.bytes.data());
     return m;
   }
-  m.f32.resize(static_cast<std::size_t>(t.num_elements()));
-  io::to_float(t, m.f32);
+  if (t.dtype == io::Dtype::kF8E4M3) {  // dequantised (kAsStored keeps it in fp32)
+    std::vector<float> const v = read_tensor(ckpt, name, shape, why, moe_config);
+    m.f32.assign(v.begin(), v.end());
+  } else {
+    m.f32.resize(static_cast<std::size_t>(t.num_elements()));
+    io::to_float(t, m.f32);
+  }
   if (keep_bf16) m.to_bf16();
   return m;
 }
@@ -538,9 +677,13 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.num_kv_heads = kv;
   ac.head_dim = dh;
   ac.qk_norm = c.qk_norm ? QkNorm::kRmsNorm : QkNorm::kNone;
+  ac.qk_norm_scope = c.qk_norm_scope;
+  ac.qkv_bias = c.qkv_bias;
+  ac.o_bias = c.o_bias;
   ac.norm_eps = c.rms_norm_eps;
   ac.rope = true;
   ac.rope_theta = c.rope_theta;
+  ac.rotary_dim = c.rotary_dim;
   ac.causal = true;
   ac.sliding_window = c.sliding_window;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
@@ -548,7 +691,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     typename Decoder<Moe>::Block b{GatedAttention<gating::NoGate>(ac), {}, {}, std::nullopt, {}};
     auto load_into = [&](std::span<float> dst, std::string const& name,
                          std::vector<std::int64_t> const& shape) {
-      std::vector<float> const v = read_tensor(ckpt, p + name, shape, why);
+      std::vector<float> const v = read_tensor(ckpt, p + name, shape, why, &c.moe);
       std::copy(v.begin(), v.end(), dst.begin());
     };
     auto view_span = [](MatrixView<float> m) {
@@ -565,9 +708,16 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     load_projection(b.attention.v_proj(), "self_attn.v_proj.weight", {kv * dh, H});
     load_projection(b.attention.o_proj(), "self_attn.o_proj.weight", {H, nh * dh});
     if (c.qk_norm) {
-      load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {dh});
-      load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {dh});
+      bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+      load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
+      load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {all ? kv * dh : dh});
     }
+    if (c.qkv_bias) {
+      load_into(b.attention.q_bias(), "self_attn.q_proj.bias", {nh * dh});
+      load_into(b.attention.k_bias(), "self_attn.k_proj.bias", {kv * dh});
+      load_into(b.attention.v_bias(), "self_attn.v_proj.bias", {kv * dh});
+    }
+    if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
     if (attention_bf16) b.attention.pack_weights(experts::WeightFormat::kBf16);
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
@@ -579,9 +729,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       if (b.moe->can_discard_master_weights()) b.moe->discard_master_weights();
     } else {
       Index const I = c.intermediate_size;
-      b.mlp.gate = read_matrix(ckpt, p + "mlp.gate_proj.weight", {I, H}, why, mode);
-      b.mlp.up = read_matrix(ckpt, p + "mlp.up_proj.weight", {I, H}, why, mode);
-      b.mlp.down = read_matrix(ckpt, p + "mlp.down_proj.weight", {H, I}, why, mode);
+      b.mlp.gate = read_matrix(ckpt, p + "mlp.gate_proj.weight", {I, H}, why, mode, &c.moe);
+      b.mlp.up = read_matrix(ckpt, p + "mlp.up_proj.weight", {I, H}, why, mode, &c.moe);
+      b.mlp.down = read_matrix(ckpt, p + "mlp.down_proj.weight", {H, I}, why, mode, &c.moe);
       in_place = in_place || b.mlp.gate.in_place() || b.mlp.up.in_place() || b.mlp.down.in_place();
     }
     d.blocks.push_back(std::move(b));
@@ -593,9 +743,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
 }  // namespace detail
 
 /// Loads the whole model in `model_dir` (config.json, model.safetensors or the sharded index):
-/// a Decoder<presets::Qwen3Moe> for qwen3_moe, Decoder<presets::MixtralMoe> for mixtral, every
-/// layer through the MoE layer loader of moe/io/hf.hpp (or as a dense MLP), its weights kept as
-/// `options` says (by default: bf16 tensors in bf16, the rest in fp32, experts as fp32 panels).
+/// a Decoder of the family's MoE type (AnyDecoder), every MoE layer through the layer loader of
+/// moe/io/hf.hpp (or as a dense MLP), its weights kept as `options` says (by default: bf16
+/// tensors in bf16, the rest in fp32, experts as fp32 panels; FP8 matrices dequantised).
 /// `pool` packs the experts in parallel. Throws moe::Error naming the file and tensor for
 /// anything missing or mis-shaped, and as parse_decoder_config.
 inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
@@ -603,10 +753,17 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
   io::detail::check_model_dir(model_dir);
   DecoderConfig const c = read_decoder_config(model_dir);
   auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
-  if (c.moe.family == io::HfFamily::kQwen3Moe) {
-    return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, options, pool);
+  switch (c.moe.family) {
+    case io::HfFamily::kMixtral:
+      return detail::load_decoder<presets::MixtralMoe>(c, ckpt, options, pool);
+    case io::HfFamily::kQwen2Moe:
+      return detail::load_decoder<presets::Qwen2Moe>(c, ckpt, options, pool);
+    case io::HfFamily::kGlm4Moe:
+    case io::HfFamily::kMinimaxM2:
+      return detail::load_decoder<presets::DeepseekV3Moe>(c, ckpt, options, pool);
+    default:  // qwen3_moe, olmoe (parse_decoder_config refused the others)
+      return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, options, pool);
   }
-  return detail::load_decoder<presets::MixtralMoe>(c, ckpt, options, pool);
 }
 
 }  // namespace moe::models

@@ -131,45 +131,13 @@ inline HfAttentionConfig parse_hf_attention_config(std::string_view text,
     if (b->kind != JsonKind::kBool) r.bad("attention_bias", *b, "true or false");
     if (b->boolean) {
       moe::detail::fail("hf: ", source,
-                        ": attention_bias = true is not supported: moe's GatedAttention has no "
-                        "projection biases (Qwen3-Next sets it false)");
+                        ": attention_bias = true is not supported: moe's Qwen3-Next attention "
+                        "loader reads no projection biases (Qwen3-Next releases set it false)");
     }
   }
-  // RoPE: transformers v5 keeps it in rope_parameters; v4 in rope_theta, partial_rotary_factor
-  // and rope_scaling.
-  double theta = 10000.0, factor = 0.25;
-  bool theta_set = false, factor_set = false;
-  auto rope_type_ok = [&](detail::JsonValue const& obj, std::string_view where) {
-    for (std::string_view const key : {"rope_type", "type"}) {
-      if (detail::JsonValue const* t = obj.member(key);
-          t != nullptr && !(t->kind == JsonKind::kString && t->text == "default")) {
-        moe::detail::fail("hf: ", source, ": ", where, ".", key, " ",
-                          t->kind == JsonKind::kString ? detail::printable_name(t->text)
-                                                       : std::string("(not a string)"),
-                          " is not supported: moe's RoPE is the default rope type");
-      }
-    }
-  };
-  if (detail::JsonValue const* rp = r.find("rope_parameters")) {
-    if (rp->kind != JsonKind::kObject) r.bad("rope_parameters", *rp, "an object");
-    rope_type_ok(*rp, "rope_parameters");
-    auto number_of = [&](char const* key, double& out, bool& set) {
-      if (detail::JsonValue const* v = rp->member(key);
-          v != nullptr && v->kind != JsonKind::kNull) {
-        if (v->kind != JsonKind::kNumber) r.bad(key, *v, "a number");
-        out = std::strtod(v->text.c_str(), nullptr);
-        set = true;
-      }
-    };
-    number_of("rope_theta", theta, theta_set);
-    number_of("partial_rotary_factor", factor, factor_set);
-  }
-  if (detail::JsonValue const* rs = r.find("rope_scaling")) {
-    if (rs->kind != JsonKind::kObject) r.bad("rope_scaling", *rs, "an object or null");
-    rope_type_ok(*rs, "rope_scaling");
-  }
-  if (!theta_set) theta = r.number("rope_theta", 10000.0);
-  if (!factor_set) factor = r.number("partial_rotary_factor", 0.25);
+  detail::HfRope const rope = detail::read_hf_rope(r, source, 10000.0);
+  double const theta = rope.theta, factor = rope.factor_set ? rope.factor : 0.25;
+  if (!rope.factor_set) keys.defaulted_keys.emplace_back("partial_rotary_factor");
   c.rope_theta = static_cast<float>(theta);
   c.partial_rotary_factor = static_cast<float>(factor);
 

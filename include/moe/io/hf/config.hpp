@@ -797,6 +797,57 @@ class HfConfigReader {
   HfMoeConfig& out_;
 };
 
+/// RoPE keys of a config.json: transformers v5 keeps them in rope_parameters, v4 in rope_theta,
+/// partial_rotary_factor and rope_scaling.
+struct HfRope {
+  double theta = 10000.0;
+  double factor = 1.0;      ///< partial_rotary_factor
+  bool factor_set = false;  ///< partial_rotary_factor given (else the family's default applies)
+};
+
+/// Reads rope_parameters.{rope_theta, partial_rotary_factor} or the top-level rope_theta and
+/// partial_rotary_factor (`default_theta` when absent). Throws moe::Error for a rope_type or
+/// rope_scaling type other than "default" (moe's RoPE is the default type: no YaRN, linear or
+/// dynamic scaling) and for values of the wrong kind.
+inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double default_theta) {
+  HfRope out;
+  bool theta_set = false;
+  auto rope_type_ok = [&](JsonValue const& obj, std::string_view where) {
+    for (std::string_view const key : {"rope_type", "type"}) {
+      if (JsonValue const* t = obj.member(key);
+          t != nullptr && !(t->kind == JsonKind::kString && t->text == "default")) {
+        moe::detail::fail(
+            "hf: ", source, ": ", where, ".", key, " ",
+            t->kind == JsonKind::kString ? printable_name(t->text) : std::string("(not a string)"),
+            " is not supported: moe's RoPE is the default rope type");
+      }
+    }
+  };
+  if (JsonValue const* rp = r.find("rope_parameters")) {
+    if (rp->kind != JsonKind::kObject) r.bad("rope_parameters", *rp, "an object");
+    rope_type_ok(*rp, "rope_parameters");
+    auto number_of = [&](char const* key, double& out_value, bool& set) {
+      if (JsonValue const* v = rp->member(key); v != nullptr && v->kind != JsonKind::kNull) {
+        if (v->kind != JsonKind::kNumber) r.bad(key, *v, "a number");
+        out_value = std::strtod(v->text.c_str(), nullptr);
+        set = true;
+      }
+    };
+    number_of("rope_theta", out.theta, theta_set);
+    number_of("partial_rotary_factor", out.factor, out.factor_set);
+  }
+  if (JsonValue const* rs = r.find("rope_scaling")) {
+    if (rs->kind != JsonKind::kObject) r.bad("rope_scaling", *rs, "an object or null");
+    rope_type_ok(*rs, "rope_scaling");
+  }
+  if (!theta_set) out.theta = r.number("rope_theta", default_theta);
+  if (!out.factor_set && r.find("partial_rotary_factor") != nullptr) {
+    out.factor = r.number("partial_rotary_factor", 1.0);
+    out.factor_set = true;
+  }
+  return out;
+}
+
 /// Checks the parsed sizes against each other; `where` names config.json.
 inline void validate_hf_config(HfMoeConfig const& c, std::string const& where) {
   auto fail_if = [&](bool bad, auto const&... parts) {
