@@ -5,8 +5,10 @@
 // naive attention of attention_reference.hpp.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numbers>
 #include <vector>
 
 #include "attention/attention_reference.hpp"
@@ -24,6 +26,10 @@ struct DoubleGatedAttention {
   bool rope = false;
   double theta = 10000.0;
   Index rd = 0;
+  // YaRN (transformers' _compute_yarn_parameters): factor 0 = off.
+  double yarn_factor = 0.0, beta_fast = 32.0, beta_slow = 1.0, yarn_attention = 0.0;
+  Index yarn_original = 4096;
+  bool yarn_truncate = true;
   double scale = 1.0;
   bool causal = true;
   Index window = 0;  // sliding window (causal)
@@ -53,16 +59,41 @@ struct DoubleGatedAttention {
     for (std::size_t i = 0; i < b.size(); ++i) y[i] += b[i];
   }
 
+  /// inv_freq of frequency f < rd / 2, YaRN-blended when yarn_factor > 0.
+  double inv_freq(Index f) const {
+    double const pos_freq = std::pow(theta, static_cast<double>(2 * f) / static_cast<double>(rd));
+    if (yarn_factor <= 0.0) return 1.0 / pos_freq;
+    auto correction_dim = [&](double rotations) {
+      return (static_cast<double>(rd) *
+              std::log(static_cast<double>(yarn_original) / (rotations * 2.0 * std::numbers::pi))) /
+             (2.0 * std::log(theta));
+    };
+    double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+    if (yarn_truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(rd - 1));
+    if (low == high) high += 0.001;
+    double const ramp = std::clamp((static_cast<double>(f) - low) / (high - low), 0.0, 1.0);
+    double const extrapolation_factor = 1.0 - ramp;
+    return (1.0 / (yarn_factor * pos_freq)) * (1.0 - extrapolation_factor) +
+           (1.0 / pos_freq) * extrapolation_factor;
+  }
+  /// The attention factor that scales cos and sin (YaRN's mscale).
+  double rope_scale() const {
+    if (yarn_factor <= 0.0) return 1.0;
+    if (yarn_attention > 0.0) return yarn_attention;
+    return yarn_factor <= 1.0 ? 1.0 : 0.1 * std::log(yarn_factor) + 1.0;
+  }
+
   void rotate(double* v, Index pos) const {
     if (!rope) return;
     Index const half = rd / 2;
     Vec out(v, v + rd);
     for (Index i = 0; i < rd; ++i) {
       Index const f = i % half;
-      double const angle =
-          static_cast<double>(pos) / std::pow(theta, static_cast<double>(2 * f) / rd);
+      double const angle = static_cast<double>(pos) * inv_freq(f);
       double const rot = i < half ? -v[i + half] : v[i - half];  // rotate_half
-      out[i] = v[i] * std::cos(angle) + rot * std::sin(angle);
+      out[i] = (v[i] * std::cos(angle) + rot * std::sin(angle)) * rope_scale();
     }
     std::copy(out.begin(), out.end(), v);
   }

@@ -56,6 +56,12 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.rope = c.rope;
   m.theta = c.rope_theta;
   m.rd = c.rotary_dim;
+  m.yarn_factor = c.yarn.factor;
+  m.beta_fast = c.yarn.beta_fast;
+  m.beta_slow = c.yarn.beta_slow;
+  m.yarn_attention = c.yarn.attention_factor;
+  m.yarn_original = c.yarn.original_max_position;
+  m.yarn_truncate = c.yarn.truncate;
   m.scale = c.scale;
   m.causal = c.causal;
   m.window = c.sliding_window;
@@ -262,6 +268,28 @@ TEST_CASE("GatedAttention with projection biases and q/k norms over all heads (Q
     moe::AttentionOptions opt;
     opt.batch = 2;
     check_layer(layer, 8, opt);
+  }
+  SECTION("gpt-oss: YaRN RoPE, sinks, a sliding window, q/k/v/o biases, far positions") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.head_dim = 8;
+    c.qkv_bias = true;
+    c.o_bias = true;
+    c.rope = true;
+    c.rope_theta = 150000.0f;
+    c.sinks = true;
+    c.sliding_window = 3;
+    for (bool const truncate : {false, true}) {
+      c.yarn = {};
+      c.yarn.factor = 32.0f;
+      c.yarn.original_max_position = 10000;  // the ramp runs over frequencies 1-3 of 4
+      c.yarn.truncate = truncate;
+      moe::GatedAttention<gating::NoGate> layer(c);
+      randomize(layer, 19);
+      std::vector<Index> pos = {0, 1, 7, 300, 301, 302, 5000, 5001};
+      moe::AttentionOptions opt;
+      opt.positions = pos;
+      check_layer(layer, 8, opt);
+    }
   }
   SECTION("(1 + w) norms over all heads, a separate elementwise gate, o bias") {
     auto c = small_config(2, 1, moe::GateLayout::kSeparate);

@@ -112,6 +112,54 @@ struct Reference {
   std::vector<std::vector<int>> chosen;  // [T][k], in torch.topk order
 };
 
+/// GptOssMLP.forward (transformers v4.5x CPU/training branch of GptOssExperts) on x [T, H]:
+/// logits = x W_r^T + b_r; top-k of them, softmax over the k; per chosen expert gate_up = x @
+/// gate_up_proj[e] + gate_up_proj_bias[e] (gate = even columns, up = odd), gate.clamp(max=L),
+/// up.clamp(-L, L), glu = gate sigmoid(alpha gate), out = ((up + 1) glu) @ down_proj[e] +
+/// down_proj_bias[e], y += w out. gate_up [E, H, 2I] and down [E, I, H] in the x @ W layout.
+inline Reference gpt_oss_forward(HfMoeConfig const& c, std::vector<double> const& wr,
+                                 std::vector<double> const& br, std::vector<double> const& gu,
+                                 std::vector<double> const& gub, std::vector<double> const& dn,
+                                 std::vector<double> const& dnb, std::vector<float> const& x) {
+  Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
+              k = c.num_experts_per_tok, T = static_cast<Index>(x.size()) / H;
+  double const L = c.swiglu_limit, alpha = c.swiglu_alpha;
+  Reference out;
+  out.y.assign(static_cast<std::size_t>(T * H), 0.0);
+  for (Index t = 0; t < T; ++t) {
+    std::vector<double> z(static_cast<std::size_t>(E));
+    for (Index e = 0; e < E; ++e) {
+      z[e] = br[e];
+      for (Index h = 0; h < H; ++h) z[e] += wr[e * H + h] * x[t * H + h];
+    }
+    std::vector<int> const idx = topk(z, k);
+    std::vector<double> top;
+    for (int e : idx) top.push_back(z[e]);
+    std::vector<double> const w = softmax(top);
+    out.chosen.push_back(idx);
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      Index const e = idx[j];
+      std::vector<double> m(static_cast<std::size_t>(I));
+      for (Index i = 0; i < I; ++i) {
+        double g = gub[e * 2 * I + 2 * i], u = gub[e * 2 * I + 2 * i + 1];
+        for (Index h = 0; h < H; ++h) {
+          g += x[t * H + h] * gu[(e * H + h) * 2 * I + 2 * i];
+          u += x[t * H + h] * gu[(e * H + h) * 2 * I + 2 * i + 1];
+        }
+        g = std::min(g, L);
+        u = std::clamp(u, -L, L);
+        m[i] = (u + 1.0) * (g * sigmoid(g * alpha));
+      }
+      for (Index h = 0; h < H; ++h) {
+        double o = dnb[e * H + h];
+        for (Index i = 0; i < I; ++i) o += m[i] * dn[(e * I + i) * H + h];
+        out.y[t * H + h] += w[j] * o;
+      }
+    }
+  }
+  return out;
+}
+
 /// The transformers forward of one MoE block of `c` on x [T, H], from the checkpoint's tensors
 /// under `prefix` (per-expert layout).
 inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string const& p,
@@ -119,6 +167,13 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
   Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
               k = c.num_experts_per_tok;
   Index const T = static_cast<Index>(xf.size()) / H;
+  if (c.family == HfFamily::kGptOss) {  // fused, biased, interleaved gate_up (x @ W layout)
+    return gpt_oss_forward(c, ck.get(p + "router.weight", {E, H}), ck.get(p + "router.bias", {E}),
+                           ck.get(p + "experts.gate_up_proj", {E, H, 2 * I}),
+                           ck.get(p + "experts.gate_up_proj_bias", {E, 2 * I}),
+                           ck.get(p + "experts.down_proj", {E, I, H}),
+                           ck.get(p + "experts.down_proj_bias", {E, H}), xf);
+  }
   bool const mixtral_names = c.family == HfFamily::kMinimaxM2 || c.family == HfFamily::kMixtral;
   bool const qwen2_shared = c.family == HfFamily::kQwen3Next || c.family == HfFamily::kQwen2Moe;
   std::vector<double> const wr = ck.get(p + "gate.weight", {E, H});

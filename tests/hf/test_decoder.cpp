@@ -4,7 +4,8 @@
 // window and tied embeddings; Qwen2-MoE with q/k/v biases, a gated shared expert and a dense
 // layer; OLMoE with q/k norms over all heads and biased projections; GLM-4.5 with partial RoPE,
 // per-head norms, a dense first layer and group-limited sigmoid routing; MiniMax-M2 with partial
-// RoPE and norms over all heads): greedy generation with the KV cache against an independent
+// RoPE and norms over all heads; gpt-oss with YaRN RoPE, sinks, biases, alternating sliding
+// windows and clamped biased experts): greedy generation with the KV cache against an independent
 // double-precision decoder that recomputes the whole sequence at every step (the transformers
 // forward transcribed; the MoE blocks by hf_moe_reference.hpp), a batch of sequences against
 // each alone, and the errors.
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <numbers>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -44,9 +46,18 @@ struct Tiny {
 
 /// What the family's attention has (DecoderConfig's table), as the test's config.json sets it.
 struct Attention {
-  bool qkv_bias = false, o_bias = false, norm = false, norm_all = false;
-  Index rd = 0;  // rotated dimensions per head
+  bool qkv_bias = false, o_bias = false, norm = false, norm_all = false, sinks = false;
+  Index rd = 0;       // rotated dimensions per head
+  bool yarn = false;  // gpt-oss: factor 32, betas 32 / 1, not truncated, L0 = kYarnOriginal
 };
+
+constexpr Index kYarnOriginal = 10000;  // the YaRN ramp then blends frequencies 1-3 of 4
+
+/// The window of layer l: Mixtral's on every layer, gpt-oss's on the even (sliding) ones.
+Index window_of(Tiny const& t, Index l) {
+  if (t.type == "gpt_oss") return l % 2 == 0 ? t.window : 0;
+  return t.window;
+}
 
 Attention attention_of(Tiny const& t) {
   Attention a;
@@ -56,6 +67,7 @@ Attention attention_of(Tiny const& t) {
   if (t.type == "olmoe") a.qkv_bias = a.o_bias = a.norm = a.norm_all = true;
   if (t.type == "glm4_moe") a.qkv_bias = a.norm = true, a.rd = t.dh / 2;
   if (t.type == "minimax_m2") a.norm = a.norm_all = true, a.rd = t.dh / 2;
+  if (t.type == "gpt_oss") a.qkv_bias = a.o_bias = a.sinks = a.yarn = true;
   return a;
 }
 
@@ -77,6 +89,7 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = true;
   }
+  if (t.type == "gpt_oss") c.swiglu_limit = 0.5f;  // the clamps take effect
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
   c.defaulted_keys.clear();
   return c;
@@ -98,6 +111,17 @@ std::string config_json(Tiny const& t) {
   if (t.type == "olmoe") j += ", \"attention_bias\": true, \"clip_qkv\": null";
   if (t.type == "glm4_moe") {
     j += ", \"attention_bias\": true, \"use_qk_norm\": true, \"partial_rotary_factor\": 0.5";
+  }
+  if (t.type == "gpt_oss") {
+    j += concat(", \"sliding_window\": ", t.window, ", \"layer_types\": [");
+    for (Index l = 0; l < t.L; ++l) {
+      j += concat(l ? ", " : "", l % 2 == 0 ? "\"sliding_attention\"" : "\"full_attention\"");
+    }
+    j += concat("], \"max_position_embeddings\": ", 32 * kYarnOriginal,
+                ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 32.0, "
+                "\"beta_fast\": 32.0, \"beta_slow\": 1.0, \"truncate\": false, "
+                "\"original_max_position_embeddings\": ",
+                kYarnOriginal, "}");
   }
   if (t.type == "minimax_m2") {
     j += concat(", \"rotary_dim\": ", t.dh / 2,
@@ -135,6 +159,7 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
       out.push_back({p + "self_attn.v_proj.bias", {kvd}, -a, a});
     }
     if (at.o_bias) out.push_back({p + "self_attn.o_proj.bias", {H}, -a, a});
+    if (at.sinks) out.push_back({p + "self_attn.sinks", {t.heads}, -1.0f, 1.0f});
     if (at.norm) {
       out.push_back({p + "self_attn.q_norm.weight", {at.norm_all ? q : t.dh}, 0.5f, 1.5f});
       out.push_back({p + "self_attn.k_norm.weight", {at.norm_all ? kvd : t.dh}, 0.5f, 1.5f});
@@ -227,12 +252,28 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
     auto const& e = m.at("model.embed_tokens.weight");
     h[i].assign(e.begin() + ids[i] * H, e.begin() + (ids[i] + 1) * H);
   }
-  // rotate_half over the first rd dimensions, inv_freq = theta^(-2i/rd); the rest passes.
+  // rotate_half over the first rd dimensions, inv_freq = theta^(-2i/rd) (YaRN: blended with
+  // theta^(-2i/rd) / s by the ramp of transformers' _compute_yarn_parameters, cos and sin scaled
+  // by 0.1 ln s + 1); the rest passes.
+  auto inv_freq = [&](Index i) {
+    double const d = static_cast<double>(at.rd);
+    double const extrapolated = std::pow(t.theta, -2.0 * static_cast<double>(i) / d);
+    if (!at.yarn) return extrapolated;
+    double const s = 32.0, pi = std::numbers::pi;
+    auto dim_of = [&](double rot) {
+      return d * std::log(static_cast<double>(kYarnOriginal) / (rot * 2.0 * pi)) /
+             (2.0 * std::log(t.theta));
+    };
+    double const low = std::max(dim_of(32.0), 0.0), high = std::min(dim_of(1.0), d - 1.0);
+    double const ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    return extrapolated / s * ramp + extrapolated * (1.0 - ramp);
+  };
+  double const mscale = at.yarn ? 0.1 * std::log(32.0) + 1.0 : 1.0;
   auto rope = [&](double* x, Index pos) {
     Index const rd = at.rd;
     for (Index i = 0; i < rd / 2; ++i) {
-      double const f = std::pow(t.theta, -2.0 * static_cast<double>(i) / static_cast<double>(rd));
-      double const c = std::cos(pos * f), s = std::sin(pos * f);
+      double const f = inv_freq(i);
+      double const c = std::cos(pos * f) * mscale, s = std::sin(pos * f) * mscale;
       double const a = x[i], b = x[i + rd / 2];
       x[i] = a * c - b * s;
       x[i + rd / 2] = b * c + a * s;
@@ -275,15 +316,18 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
       Vec attn(static_cast<std::size_t>(HD), 0.0);
       for (Index hh = 0; hh < t.heads; ++hh) {
         Index const g = hh / G;
-        Index const j0 = t.window > 0 ? std::max<Index>(0, i - t.window + 1) : 0;
+        Index const w = window_of(t, l);
+        Index const j0 = w > 0 ? std::max<Index>(0, i - w + 1) : 0;
         Vec s;
         for (Index j = j0; j <= i; ++j) {
           double z = 0.0;
           for (Index d = 0; d < dh; ++d) z += q[i][hh * dh + d] * k[j][g * dh + d];
           s.push_back(z / std::sqrt(static_cast<double>(dh)));
         }
-        double const mx = *std::max_element(s.begin(), s.end());
-        double sum = 0.0;
+        // gpt-oss: the head's sink logit joins the softmax, its probability is dropped.
+        double const sink = at.sinks ? m.at(p + "self_attn.sinks")[hh] : -INFINITY;
+        double const mx = std::max(*std::max_element(s.begin(), s.end()), sink);
+        double sum = at.sinks ? std::exp(sink - mx) : 0.0;
         for (double& z : s) sum += (z = std::exp(z - mx));
         for (Index j = j0; j <= i; ++j) {
           for (Index d = 0; d < dh; ++d) {
@@ -349,6 +393,8 @@ void check_generation(Tiny const& t, std::string const& name) {
           REQUIRE((ac.qk_norm != moe::QkNorm::kNone) == at.norm);
           REQUIRE((ac.qk_norm_scope == moe::QkNormScope::kAllHeads) == at.norm_all);
           REQUIRE(ac.rotary_dim == at.rd);
+          REQUIRE(ac.sinks == at.sinks);
+          REQUIRE((ac.yarn.factor == 32.0f) == at.yarn);
           REQUIRE(b.attention.weight_format() == moe::experts::WeightFormat::kF32);
           // I_moe = 8 splits a panel: the GLU's gate and up run from the fp32 weights, kept.
           if (b.moe) REQUIRE(b.moe->experts().has_master_weights());
@@ -429,6 +475,18 @@ TEST_CASE(
   t.type = "glm4_moe";
   t.theta = 1e6;
   check_generation(t, "decoder_glm4");
+}
+
+TEST_CASE(
+    "Decoder: gpt-oss (YaRN RoPE, sinks, q/k/v/o biases, alternating sliding windows, "
+    "biased clamped experts) generates as the reference",
+    "[models][decoder]") {
+  Tiny t;
+  t.type = "gpt_oss";
+  t.theta = 150000.0;
+  t.eps = 1e-5;
+  t.window = 3;
+  check_generation(t, "decoder_gpt_oss");
 }
 
 TEST_CASE(

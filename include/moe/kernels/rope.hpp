@@ -28,6 +28,68 @@ inline void rope_angles(Index position, float theta, Index rotary_dim, float* co
   }
 }
 
+/// YaRN RoPE scaling ("NTK-by-parts" interpolation, Peng et al. 2023; rope_type "yarn" of
+/// gpt-oss and DeepSeek-V3, transformers' _compute_yarn_parameters). Off while factor is 0.
+struct RopeYarn {
+  float factor = 0.0f;  ///< s > 0 (gpt-oss: 32); 0: plain RoPE
+  float beta_fast = 32.0f;
+  float beta_slow = 1.0f;
+  Index original_max_position = 4096;  ///< the pre-extension context length L0
+  bool truncate = true;                ///< floor / ceil the correction range (gpt-oss: false)
+  /// cos and sin are multiplied by it; 0: 0.1 ln(s) + 1 (1 when s <= 1).
+  float attention_factor = 0.0f;
+
+  bool enabled() const { return factor > 0.0f; }
+  /// The scale of cos and sin.
+  float scale() const {
+    if (attention_factor > 0.0f) return attention_factor;
+    return factor <= 1.0f ? 1.0f
+                          : static_cast<float>(0.1 * std::log(static_cast<double>(factor)) + 1.0);
+  }
+};
+
+/// YaRN inverse frequencies of rotary_dim (d) dimensions with base theta, into inv_freq[d / 2]:
+///   c(r) = d ln(L0 / (2 pi r)) / (2 ln theta);  low = c(beta_fast), high = c(beta_slow)
+///   (floor / ceil when truncate), clamped to [0, d - 1] (high += 0.001 when equal);
+///   e_i = 1 - clamp((i - low) / (high - low), 0, 1)   (the extrapolated share),
+///   inv_freq_i = theta^(-2i/d) (e_i + (1 - e_i) / s).
+inline void rope_yarn_inv_freq(float theta, Index rotary_dim, RopeYarn const& y, float* inv_freq) {
+  double const d = static_cast<double>(rotary_dim), base = static_cast<double>(theta);
+  auto correction = [&](double rotations) {
+    double const pi = 3.14159265358979323846;
+    return d * std::log(static_cast<double>(y.original_max_position) / (rotations * 2.0 * pi)) /
+           (2.0 * std::log(base));
+  };
+  double low = correction(static_cast<double>(y.beta_fast));
+  double high = correction(static_cast<double>(y.beta_slow));
+  if (y.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = low < 0.0 ? 0.0 : low;
+  high = high > d - 1.0 ? d - 1.0 : high;
+  if (low == high) high += 0.001;
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    double ramp = (static_cast<double>(i) - low) / (high - low);
+    ramp = ramp < 0.0 ? 0.0 : ramp > 1.0 ? 1.0 : ramp;
+    double const e = 1.0 - ramp;
+    double const extrapolated = 1.0 / std::pow(base, 2.0 * static_cast<double>(i) / d);
+    inv_freq[i] =
+        static_cast<float>(extrapolated * (e + (1.0 - e) / static_cast<double>(y.factor)));
+  }
+}
+
+/// cos and sin of one position from precomputed inverse frequencies, times `scale`:
+/// angle_i = float(position) * inv_freq[i], cos_i = scale cos(angle_i), sin_i = scale sin(angle_i).
+inline void rope_angles(Index position, float const* inv_freq, float scale, Index rotary_dim,
+                        float* cos_out, float* sin_out) {
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    float const angle = static_cast<float>(position) * inv_freq[i];
+    cos_out[i] = static_cast<float>(std::cos(static_cast<double>(angle))) * scale;
+    sin_out[i] = static_cast<float>(std::sin(static_cast<double>(angle))) * scale;
+  }
+}
+
 /// In place, the rotate-half RoPE of the first rotary_dim entries of x (the rest unchanged):
 ///   x'[i]     = x[i] cos_i - x[i + h] sin_i
 ///   x'[i + h] = x[i + h] cos_i + x[i] sin_i,     i < h = rotary_dim / 2

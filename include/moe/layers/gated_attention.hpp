@@ -65,13 +65,7 @@ struct GatedAttentionConfig {
   Index head_dim = 0;      ///< d_h
   GateLayout gate_layout = GateLayout::kSeparate;
   QkNorm qk_norm = QkNorm::kNone;
-  QkNormScope qk_norm_scope = QkNormScope::kPerHead;
-  float norm_eps = 1e-6f;  ///< finite, > 0 (with qk_norm)
-  /// Biases on q_proj, k_proj and v_proj (Qwen2-MoE, GLM-4.5 attention_bias): parameters
-  /// "q_proj.bias" [q_proj rows], "k_proj.bias" and "v_proj.bias" [KV d_h], initialised to 0.
-  /// A separate gate_proj has none.
-  bool qkv_bias = false;
-  bool o_bias = false;          ///< a bias on o_proj: "o_proj.bias" [D] (gpt-oss), 0 at first
+  float norm_eps = 1e-6f;       ///< finite, > 0 (with qk_norm)
   bool rope = false;            ///< rotate-half RoPE on q and k
   float rope_theta = 10000.0f;  ///< RoPE base: finite, >= 1
   Index rotary_dim = 0;         ///< rotated dims per head (even); 0 = head_dim (Qwen3-Next: 64)
@@ -83,6 +77,15 @@ struct GatedAttentionConfig {
   /// A learned sink logit per head, added to every softmax's denominator (gpt-oss
   /// self_attn.sinks [H]; parameter "sinks", initialised to 0).
   bool sinks = false;
+  // Added after the fields above so that positional initialisers written for them still work.
+  QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< the slice a q/k norm covers
+  /// Biases on q_proj, k_proj and v_proj (Qwen2-MoE, GLM-4.5 attention_bias): parameters
+  /// "q_proj.bias" [q_proj rows], "k_proj.bias" and "v_proj.bias" [KV d_h], initialised to 0.
+  /// A separate gate_proj has none.
+  bool qkv_bias = false;
+  bool o_bias = false;  ///< a bias on o_proj: "o_proj.bias" [D] (gpt-oss), 0 at first
+  /// YaRN scaling of the RoPE frequencies (with rope; gpt-oss): factor 0 = off.
+  kernels::RopeYarn yarn = {};
 };
 
 /// What a GatedAttention call writes besides its output, and what forward_train keeps for
@@ -136,7 +139,8 @@ struct GatedAttentionWorkspace {
 ///
 ///   [Q | gamma] = x W_q^T (+ b_q) (packed) or Q = x W_q^T (+ b_q), gamma = x W_g^T (separate)
 ///   K = x W_k^T (+ b_k), V = x W_v^T (+ b_v);
-///   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) (norm optional: per head or over all heads)
+///   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) (norm optional: per head or over all heads;
+///           RoPE plain or YaRN-scaled, kernels::RopeYarn)
 ///   A_h = softmax(Q_h K_{g(h)}^T * scale + mask) V_{g(h)},   g(h) = h / (H / KV)
 ///         (mask: causal, padding, and with sliding_window W the keys before pos - W + 1; with
 ///         sinks the softmax denominator also sums exp(z_h), z_h the head's sink logit)
@@ -233,6 +237,21 @@ class GatedAttention {
         "GatedAttention: rotary_dim = ", c_.rotary_dim, ", rope_theta = ", c.rope_theta,
         "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
         "] and a finite theta >= 1 (a tiny theta overflows the frequencies)");
+    kernels::RopeYarn const& y = c.yarn;
+    detail::check(
+        y.factor == 0.0f || (y.factor > 0.0f && std::isfinite(y.factor) && y.beta_fast > 0.0f &&
+                             y.beta_slow > 0.0f && std::isfinite(y.beta_fast) &&
+                             std::isfinite(y.beta_slow) && y.original_max_position >= 1 &&
+                             y.attention_factor >= 0.0f && std::isfinite(y.attention_factor)),
+        "GatedAttention: yarn = {factor ", y.factor, ", beta_fast ", y.beta_fast, ", beta_slow ",
+        y.beta_slow, ", original_max_position ", y.original_max_position, ", attention_factor ",
+        y.attention_factor,
+        "}; YaRN needs a finite factor > 0, positive finite betas, a context >= 1 and "
+        "an attention_factor >= 0 (0: the default), or factor 0 for plain RoPE");
+    if (c.rope && y.enabled()) {
+      yarn_inv_freq_.resize(static_cast<std::size_t>(c_.rotary_dim / 2));
+      kernels::rope_yarn_inv_freq(c.rope_theta, c_.rotary_dim, y, yarn_inv_freq_.data());
+    }
     detail::check(c.sliding_window >= 0 && (c.sliding_window == 0 || c.causal),
                   "GatedAttention: sliding_window = ", c.sliding_window,
                   "; it must be >= 0 (0: none), and a window needs causal attention");
@@ -661,7 +680,11 @@ class GatedAttention {
     Index const P = qg_cols(), KD = kv_dim(), hr = half_rot();
     float* cs = ws.rope_cos.data() + t * hr;
     float* sn = ws.rope_sin.data() + t * hr;
-    if (c_.rope) kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, cs, sn);
+    if (!yarn_inv_freq_.empty()) {
+      kernels::rope_angles(pos, yarn_inv_freq_.data(), c_.yarn.scale(), c_.rotary_dim, cs, sn);
+    } else if (c_.rope) {
+      kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, cs, sn);
+    }
     if (!p_.q_bias.empty()) {  // in place: training keeps the biased projections
       auto add = [](float* row, HugePageVector<float> const& b) {
         for (std::size_t c = 0; c < b.size(); ++c) row[c] += b[c];
@@ -1029,6 +1052,7 @@ class GatedAttention {
   void unpack() { b16_ = {}; }
 
   GatedAttentionConfig c_{};
+  std::vector<float> yarn_inv_freq_;  ///< [rotary_dim / 2] with YaRN RoPE, else empty
   Parameters p_;
   /// pack_weights(kBf16): bf16 copies of the projections (all empty: kF32).
   struct Bf16Copies {

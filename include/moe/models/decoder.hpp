@@ -2,8 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// A whole MoE decoder (token embedding, N blocks, final RMSNorm, LM head) loaded from a Hugging
-/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 or MiniMax-M2
-/// model, with KV-cached decoding.
+/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, MiniMax-M2 or
+/// gpt-oss model, with KV-cached decoding.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +38,7 @@
 namespace moe::models {
 
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
-/// defaults of the family's config class for absent keys. Six families decode:
+/// defaults of the family's config class for absent keys. Seven families decode:
 ///
 /// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
 /// |------------|-------------------------------------------------------|-------------------------|
@@ -50,25 +50,29 @@ namespace moe::models {
 /// |            | partial RoPE (partial_rotary_factor, default 0.5)     |                         |
 /// | minimax_m2 | q/k RMSNorm over all heads (use_qk_norm, per_layer);  | none                    |
 /// |            | partial RoPE (rotary_dim, default head_dim / 2)       |                         |
+/// | gpt_oss    | attention_bias (q/k/v/o, default true); sinks; YaRN   | none                    |
+/// |            | RoPE (rope_scaling); sliding_window on the layers     |                         |
+/// |            | layer_types calls "sliding_attention"                 |                         |
 ///
-/// | field                  | key (defaults: qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
-/// minimax_m2) |
-/// |------------------------|-------------------------------------------------------------------------------|
-/// | vocab_size             | vocab_size (151936 / 32000 / 151936 / 50304 / 151552 / 200064) | |
-/// num_hidden_layers      | num_hidden_layers (**required**; checkpoint layers past it, such as
-/// GLM-4.5's | |                        | multi-token-prediction layer, are not read) | |
-/// num_attention_heads    | num_attention_heads (32 / 32 / 16 / 16 / 96 / 48) | |
-/// num_key_value_heads    | num_key_value_heads (4 / 8 / 16 / heads / 8 / 8) | | head_dim |
-/// head_dim, else hidden_size / heads (minimax_m2: 128)                          | |
-/// intermediate_size      | intermediate_size: the dense MLP layers (6144 / - / 5632 / - / 10944 /
-/// -)    | | rope_theta             | rope_theta or rope_parameters.rope_theta (1e4 / 1e6 / 1e4 /
-/// 1e4 / 1e4 / 5e6); | |                        | rope_scaling / rope_type must be absent, null or
-/// "default"                  | | rotary_dim             | glm4_moe: int(head_dim *
-/// partial_rotary_factor); minimax_m2: rotary_dim     | | rms_norm_eps           | rms_norm_eps
-/// (1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6), also the q/k norms    | | tie_word_embeddings    |
-/// tie_word_embeddings (false): lm_head = embed_tokens                           | | sliding_window
-/// | mixtral sliding_window (null: none); use_sliding_window must be false        | | | (qwen3_moe,
-/// qwen2_moe)                                                        |
+/// Keys, with their defaults in the order qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
+/// minimax_m2 / gpt_oss:
+/// - vocab_size: 151936 / 32000 / 151936 / 50304 / 151552 / 200064 / 201088.
+/// - num_hidden_layers: **required**; checkpoint layers past it (GLM-4.5's multi-token
+///   prediction layer) are not read.
+/// - num_attention_heads: 32 / 32 / 16 / 16 / 96 / 48 / 64.
+/// - num_key_value_heads: 4 / 8 / 16 / = heads / 8 / 8 / 8.
+/// - head_dim: else hidden_size / heads (minimax_m2: 128, gpt_oss: 64).
+/// - intermediate_size: the dense MLP layers' width (6144 / - / 5632 / - / 10944 / -).
+/// - rope_theta or rope_parameters.rope_theta: 1e4 / 1e6 / 1e4 / 1e4 / 1e4 / 5e6 / 1.5e5;
+///   rope_scaling and rope_type must be absent, null or "default" (gpt_oss: also "yarn", whose
+///   factor, beta_fast, beta_slow, original_max_position_embeddings, truncate and
+///   attention_factor set `yarn`; gpt-oss's transformers default when rope_scaling is absent).
+/// - rotary_dim: glm4_moe int(head_dim * partial_rotary_factor); minimax_m2 rotary_dim.
+/// - rms_norm_eps (also the q/k norms'): 1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6 / 1e-5.
+/// - tie_word_embeddings: false (true: lm_head = embed_tokens).
+/// - sliding_window: mixtral, every layer (null: none); gpt_oss (128), the layers layer_types
+///   calls "sliding_attention" (default: the even ones); use_sliding_window must be false
+///   (qwen3_moe, qwen2_moe).
 ///
 /// Refused with a moe::Error naming the key: OLMoE's clip_qkv, MiniMax-M2's qk_norm_type other
 /// than "per_layer", attention_bias true where the family has no biases (qwen3_moe, mixtral,
@@ -86,7 +90,11 @@ struct DecoderConfig {
   float rms_norm_eps = 1e-6f;
   bool tie_word_embeddings = false;
   Index sliding_window = 0;
-  bool qk_norm = false;  ///< q/k RMSNorm (Qwen3-MoE, GLM-4.5 use_qk_norm, OLMoE, MiniMax-M2)
+  /// [num_hidden_layers] each layer's sliding window (0: the whole prefix).
+  std::vector<Index> layer_windows;
+  bool sinks = false;           ///< a learned sink logit per head (gpt-oss self_attn.sinks)
+  kernels::RopeYarn yarn = {};  ///< YaRN RoPE scaling (gpt-oss); factor 0: plain RoPE
+  bool qk_norm = false;         ///< q/k RMSNorm (Qwen3-MoE, GLM-4.5 use_qk_norm, OLMoE, MiniMax-M2)
   QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< kAllHeads: OLMoE, MiniMax-M2
   bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
@@ -104,7 +112,7 @@ struct DecoderDefaults {
 inline bool decodes(io::HfFamily f) {
   using F = io::HfFamily;
   return f == F::kQwen3Moe || f == F::kMixtral || f == F::kQwen2Moe || f == F::kOlmoe ||
-         f == F::kGlm4Moe || f == F::kMinimaxM2;
+         f == F::kGlm4Moe || f == F::kMinimaxM2 || f == F::kGptOss;
 }
 
 inline DecoderDefaults decoder_defaults(io::HfFamily f) {
@@ -119,6 +127,8 @@ inline DecoderDefaults decoder_defaults(io::HfFamily f) {
       return {151552, 96, 8, 10000.0, 1e-5, 10944};
     case io::HfFamily::kMinimaxM2:
       return {200064, 48, 8, 5e6, 1e-6, 0};
+    case io::HfFamily::kGptOss:
+      return {201088, 64, 8, 150000.0, 1e-5, 0};
     default:  // qwen3_moe
       return {151936, 32, 4, 10000.0, 1e-6, 6144};
   }
@@ -141,8 +151,8 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   if (!detail::decodes(family)) {
     moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
                       "\" has no decoder in moe yet; moe::models decodes qwen3_moe, mixtral, "
-                      "qwen2_moe, olmoe, glm4_moe and minimax_m2 models (the other families load "
-                      "layer by layer through moe/io/hf.hpp)");
+                      "qwen2_moe, olmoe, glm4_moe, minimax_m2 and gpt_oss models (the other "
+                      "families load layer by layer through moe/io/hf.hpp)");
   }
   detail::DecoderDefaults const def = detail::decoder_defaults(family);
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
@@ -159,11 +169,29 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   c.num_key_value_heads = r.integer({"num_key_value_heads"},
                                     def.kv_heads > 0 ? def.kv_heads : c.num_attention_heads, 1);
   Index const H = c.moe.hidden_size;
-  Index const head_default = family == HfFamily::kMinimaxM2 ? 128 : H / c.num_attention_heads;
+  Index const head_default = family == HfFamily::kMinimaxM2 ? 128
+                             : family == HfFamily::kGptOss  ? 64
+                                                            : H / c.num_attention_heads;
   c.head_dim = r.integer({"head_dim"}, head_default, 1);
   c.intermediate_size =
       def.dense_intermediate > 0 ? r.integer({"intermediate_size"}, def.dense_intermediate, 1) : 0;
-  io::detail::HfRope const rope = io::detail::read_hf_rope(r, source, def.theta);
+  bool const gpt_oss = family == HfFamily::kGptOss;
+  io::detail::HfRope rope = io::detail::read_hf_rope(r, source, def.theta, gpt_oss);
+  if (gpt_oss && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
+    // GptOssConfig's default rope_scaling.
+    rope.yarn = true;
+    rope.yarn_factor = 32.0;
+    rope.original_max_position = 4096;
+    rope.truncate = false;
+  }
+  if (rope.yarn) {
+    c.yarn.factor = static_cast<float>(rope.yarn_factor);
+    c.yarn.beta_fast = static_cast<float>(rope.beta_fast);
+    c.yarn.beta_slow = static_cast<float>(rope.beta_slow);
+    c.yarn.original_max_position = rope.original_max_position;
+    c.yarn.truncate = rope.truncate;
+    c.yarn.attention_factor = static_cast<float>(rope.attention_factor);
+  }
   c.rope_theta = static_cast<float>(rope.theta);
   c.rms_norm_eps = static_cast<float>(r.number("rms_norm_eps", def.eps));
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
@@ -179,6 +207,7 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
     return static_cast<Index>(static_cast<double>(c.head_dim) * factor);
   };
   bool const partial = family == HfFamily::kGlm4Moe || family == HfFamily::kMinimaxM2;
+  fail_if(rope.yarn && !gpt_oss, "rope_type \"yarn\" is read for gpt_oss only");
   fail_if(!partial && rope.factor_set && rope.factor != 1.0,
           "partial_rotary_factor = ", rope.factor, " is not supported for ", c.moe.model_type(),
           " (its attention rotates the whole head)");
@@ -202,6 +231,10 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
       c.qk_norm = r.boolean("use_qk_norm", false);
       c.rotary_dim = rotary_of(rope.factor_set ? rope.factor : 0.5);
       break;
+    case HfFamily::kGptOss:
+      c.qkv_bias = c.o_bias = r.boolean("attention_bias", true);
+      c.sinks = true;
+      break;
     case HfFamily::kMinimaxM2: {
       c.qk_norm = r.boolean("use_qk_norm", true);
       c.qk_norm_scope = QkNormScope::kAllHeads;
@@ -216,13 +249,38 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
     default:
       break;
   }
-  bool const has_biases =
-      family == HfFamily::kQwen2Moe || family == HfFamily::kOlmoe || family == HfFamily::kGlm4Moe;
+  bool const has_biases = family == HfFamily::kQwen2Moe || family == HfFamily::kOlmoe ||
+                          family == HfFamily::kGlm4Moe || gpt_oss;
   fail_if(attention_bias && !has_biases, "attention_bias = true is not supported for ",
           c.moe.model_type(), " (its attention has no projection biases in transformers)");
+  c.layer_windows.assign(static_cast<std::size_t>(c.num_hidden_layers), 0);
   if (family == HfFamily::kMixtral) {
     if (r.find("sliding_window") != nullptr) {
       c.sliding_window = r.integer({"sliding_window"}, 0, 1);
+    }
+    std::fill(c.layer_windows.begin(), c.layer_windows.end(), c.sliding_window);
+  } else if (gpt_oss) {
+    c.sliding_window = r.integer({"sliding_window"}, 128, 1);
+    std::vector<std::string> types;
+    if (io::detail::JsonValue const* lt = r.find("layer_types")) {
+      if (lt->kind != JsonKind::kArray) r.bad("layer_types", *lt, "an array of strings");
+      for (io::detail::JsonValue const& item : lt->items) {
+        if (item.kind != JsonKind::kString ||
+            (item.text != "sliding_attention" && item.text != "full_attention")) {
+          r.bad("layer_types", item, "\"sliding_attention\" or \"full_attention\" per layer");
+        }
+        types.push_back(item.text);
+      }
+      fail_if(static_cast<Index>(types.size()) != c.num_hidden_layers, "layer_types has ",
+              types.size(), " entries but num_hidden_layers = ", c.num_hidden_layers,
+              "; give one per layer");
+    } else {  // GptOssConfig: sliding on the even layers
+      for (Index L = 0; L < c.num_hidden_layers; ++L) {
+        types.emplace_back(L % 2 == 0 ? "sliding_attention" : "full_attention");
+      }
+    }
+    for (std::size_t L = 0; L < types.size(); ++L) {
+      if (types[L] == "sliding_attention") c.layer_windows[L] = c.sliding_window;
     }
   } else {
     fail_if(r.boolean("use_sliding_window", false),
@@ -564,7 +622,8 @@ class Decoder {
 /// A loaded decoder of any family (use std::visit): Qwen3Moe holds qwen3_moe and olmoe,
 /// DeepseekV3Moe holds glm4_moe and minimax_m2.
 using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::MixtralMoe>,
-                                Decoder<presets::Qwen2Moe>, Decoder<presets::DeepseekV3Moe>>;
+                                Decoder<presets::Qwen2Moe>, Decoder<presets::DeepseekV3Moe>,
+                                Decoder<presets::GptOssMoe>>;
 
 namespace detail {
 
@@ -684,10 +743,14 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.rope = true;
   ac.rope_theta = c.rope_theta;
   ac.rotary_dim = c.rotary_dim;
+  ac.yarn = c.yarn;
+  ac.sinks = c.sinks;
   ac.causal = true;
-  ac.sliding_window = c.sliding_window;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
     std::string const p = io::detail::concat("model.layers.", L, ".");
+    ac.sliding_window = static_cast<std::size_t>(L) < c.layer_windows.size()
+                            ? c.layer_windows[static_cast<std::size_t>(L)]
+                            : c.sliding_window;
     typename Decoder<Moe>::Block b{GatedAttention<gating::NoGate>(ac), {}, {}, std::nullopt, {}};
     auto load_into = [&](std::span<float> dst, std::string const& name,
                          std::vector<std::int64_t> const& shape) {
@@ -718,6 +781,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       load_into(b.attention.v_bias(), "self_attn.v_proj.bias", {kv * dh});
     }
     if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
+    if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
     if (attention_bf16) b.attention.pack_weights(experts::WeightFormat::kBf16);
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
@@ -761,6 +825,8 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
     case io::HfFamily::kGlm4Moe:
     case io::HfFamily::kMinimaxM2:
       return detail::load_decoder<presets::DeepseekV3Moe>(c, ckpt, options, pool);
+    case io::HfFamily::kGptOss:
+      return detail::load_decoder<presets::GptOssMoe>(c, ckpt, options, pool);
     default:  // qwen3_moe, olmoe (parse_decoder_config refused the others)
       return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, options, pool);
   }

@@ -803,42 +803,95 @@ struct HfRope {
   double theta = 10000.0;
   double factor = 1.0;      ///< partial_rotary_factor
   bool factor_set = false;  ///< partial_rotary_factor given (else the family's default applies)
+  /// rope_type "yarn" (read only when the caller allows it): transformers'
+  /// _compute_yarn_parameters keys.
+  bool yarn = false;
+  double yarn_factor = 0.0;  ///< factor, else max_position_embeddings / original
+  double beta_fast = 32.0, beta_slow = 1.0;
+  Index original_max_position = 0;  ///< original_max_position_embeddings
+  bool truncate = true;
+  /// attention_factor, else (with mscale and mscale_all_dim) get_mscale(s, mscale) /
+  /// get_mscale(s, mscale_all_dim), else 0 (the consumer's default 0.1 ln(s) + 1).
+  double attention_factor = 0.0;
 };
 
 /// Reads rope_parameters.{rope_theta, partial_rotary_factor} or the top-level rope_theta and
-/// partial_rotary_factor (`default_theta` when absent). Throws moe::Error for a rope_type or
-/// rope_scaling type other than "default" (moe's RoPE is the default type: no YaRN, linear or
-/// dynamic scaling) and for values of the wrong kind.
-inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double default_theta) {
+/// partial_rotary_factor (`default_theta` when absent), and with `allow_yarn` the YaRN keys of
+/// rope_parameters or rope_scaling when their rope_type is "yarn". Throws moe::Error for any
+/// other rope_type than "default" (moe's RoPE has no linear, dynamic or llama3 scaling) and for
+/// values of the wrong kind.
+inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double default_theta,
+                           bool allow_yarn = false) {
   HfRope out;
   bool theta_set = false;
-  auto rope_type_ok = [&](JsonValue const& obj, std::string_view where) {
+  auto number_in = [&](JsonValue const& obj, char const* key, double& value) {
+    JsonValue const* v = obj.member(key);
+    if (v == nullptr || v->kind == JsonKind::kNull) return false;
+    if (v->kind != JsonKind::kNumber) r.bad(key, *v, "a number");
+    value = std::strtod(v->text.c_str(), nullptr);
+    if (!std::isfinite(value)) r.bad(key, *v, "a finite number");
+    return true;
+  };
+  // rope_type / type: "default" (or absent) always; "yarn" when allowed: read its keys.
+  auto read_type = [&](JsonValue const& obj, std::string_view where) {
     for (std::string_view const key : {"rope_type", "type"}) {
-      if (JsonValue const* t = obj.member(key);
-          t != nullptr && !(t->kind == JsonKind::kString && t->text == "default")) {
-        moe::detail::fail(
-            "hf: ", source, ": ", where, ".", key, " ",
-            t->kind == JsonKind::kString ? printable_name(t->text) : std::string("(not a string)"),
-            " is not supported: moe's RoPE is the default rope type");
+      JsonValue const* t = obj.member(key);
+      if (t == nullptr || (t->kind == JsonKind::kString && t->text == "default")) continue;
+      if (allow_yarn && t->kind == JsonKind::kString && t->text == "yarn") {
+        out.yarn = true;
+        continue;
       }
+      moe::detail::fail(
+          "hf: ", source, ": ", where, ".", key, " ",
+          t->kind == JsonKind::kString ? printable_name(t->text) : std::string("(not a string)"),
+          " is not supported: moe's RoPE is the default rope type",
+          allow_yarn ? " or YaRN (\"yarn\")" : "");
+    }
+    if (!out.yarn) return;
+    number_in(obj, "factor", out.yarn_factor);
+    number_in(obj, "beta_fast", out.beta_fast);
+    number_in(obj, "beta_slow", out.beta_slow);
+    double original = 0.0;
+    if (number_in(obj, "original_max_position_embeddings", original)) {
+      out.original_max_position = static_cast<Index>(original);
+    }
+    if (JsonValue const* t = obj.member("truncate"); t != nullptr && t->kind != JsonKind::kNull) {
+      if (t->kind != JsonKind::kBool) r.bad("truncate", *t, "true or false");
+      out.truncate = t->boolean;
+    }
+    double mscale = 0.0, mscale_all = 0.0;
+    number_in(obj, "attention_factor", out.attention_factor);
+    number_in(obj, "mscale", mscale);
+    number_in(obj, "mscale_all_dim", mscale_all);
+    double const max_pos = r.number("max_position_embeddings", 0.0);
+    if (out.original_max_position <= 0) out.original_max_position = static_cast<Index>(max_pos);
+    if (out.yarn_factor <= 0.0 && out.original_max_position > 0) {
+      out.yarn_factor = max_pos / static_cast<double>(out.original_max_position);
+    }
+    if (!(out.yarn_factor > 0.0) || out.original_max_position < 1 || !(out.beta_fast > 0.0) ||
+        !(out.beta_slow > 0.0) || out.attention_factor < 0.0) {
+      moe::detail::fail("hf: ", source, ": ", where, " is YaRN with factor ", out.yarn_factor,
+                        ", original_max_position_embeddings ", out.original_max_position,
+                        ", beta_fast ", out.beta_fast, ", beta_slow ", out.beta_slow,
+                        "; YaRN needs a factor > 0 (or max_position_embeddings and "
+                        "original_max_position_embeddings), positive betas; fix config.json");
+    }
+    if (out.attention_factor == 0.0 && mscale != 0.0 && mscale_all != 0.0) {
+      auto get_mscale = [&](double m) {
+        return out.yarn_factor <= 1.0 ? 1.0 : 0.1 * m * std::log(out.yarn_factor) + 1.0;
+      };
+      out.attention_factor = get_mscale(mscale) / get_mscale(mscale_all);
     }
   };
   if (JsonValue const* rp = r.find("rope_parameters")) {
     if (rp->kind != JsonKind::kObject) r.bad("rope_parameters", *rp, "an object");
-    rope_type_ok(*rp, "rope_parameters");
-    auto number_of = [&](char const* key, double& out_value, bool& set) {
-      if (JsonValue const* v = rp->member(key); v != nullptr && v->kind != JsonKind::kNull) {
-        if (v->kind != JsonKind::kNumber) r.bad(key, *v, "a number");
-        out_value = std::strtod(v->text.c_str(), nullptr);
-        set = true;
-      }
-    };
-    number_of("rope_theta", out.theta, theta_set);
-    number_of("partial_rotary_factor", out.factor, out.factor_set);
+    read_type(*rp, "rope_parameters");
+    theta_set = number_in(*rp, "rope_theta", out.theta);
+    out.factor_set = number_in(*rp, "partial_rotary_factor", out.factor);
   }
   if (JsonValue const* rs = r.find("rope_scaling")) {
     if (rs->kind != JsonKind::kObject) r.bad("rope_scaling", *rs, "an object or null");
-    rope_type_ok(*rs, "rope_scaling");
+    read_type(*rs, "rope_scaling");
   }
   if (!theta_set) out.theta = r.number("rope_theta", default_theta);
   if (!out.factor_set && r.find("partial_rotary_factor") != nullptr) {
