@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
-// moe_generate: load a whole Hugging Face Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 or
-// MiniMax-M2 checkpoint and generate tokens.
+// moe_generate: load a whole Hugging Face Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
+// MiniMax-M2 or gpt-oss checkpoint and generate tokens.
 //
 // What it shows: moe::models::load_hf_decoder() (every layer through the library's loaders),
 // a KV-cached prefill and decode loop (Decoder::forward with DecoderState), greedy or
