@@ -9,9 +9,12 @@
 // load_hf_decoder does). Two threads.
 //
 //   BM_Decoder_Prefill/T:512/dense:D     one prompt of 512 tokens through a fresh cache
-//   BM_Decoder_Decode/ctx:C/dense:D      one decode step after a cached context of C tokens
-//                                        (C = 0, 1024, 4096; the step's token is rolled back
-//                                        after every iteration, so the context stays C)
+//   BM_Decoder_Decode/ctx:C/dense:D/kv:K one decode step after a cached context of C tokens
+//                                        (the step's token is rolled back after every
+//                                        iteration, so the context stays C). kv:-1: C = 0,
+//                                        1024, 4096 cached by a prefill (fp32 cache); kv:0 / 1:
+//                                        C = 4096, 16384 of random keys and values in an fp32 /
+//                                        bf16 cache (moe::KvFormat), side by side
 //
 // dense:1 keeps the LM head and the attention projections in bf16, as a Hugging Face Qwen3
 // checkpoint stores them and as load_hf_decoder keeps them (DenseWeights::kAsStored); dense:0 in
@@ -198,12 +201,28 @@ void BM_Decoder_Decode(benchmark::State& state) {
   bool const bf16 = state.range(1) != 0;
   Decoder const& dec = set_dense(bf16);
   Index const ctx = state.range(0);
+  // kv: -1 fp32 cache filled by a prefill; 0 / 1 an fp32 / bf16 cache filled with random keys
+  // and values (a step's work does not depend on them; no prefill of 16k tokens per row).
+  Index const kv = state.range(2);
+  bool const kv_bf16 = kv == 1;
   std::vector<float> logits(static_cast<std::size_t>(kVocab));
-  auto st = dec.make_state(1, ctx + 1);
-  if (ctx > 0) {
+  auto st = dec.make_state(1, ctx + 1, kv_bf16 ? moe::KvFormat::kBf16 : moe::KvFormat::kF32);
+  if (ctx > 0 && kv < 0) {
     auto const prompt = tokens(ctx, 9);
     std::vector<Index> const n = {ctx};
     dec.forward(prompt, n, st, {logits.data(), 1, kVocab}, &pool());
+  } else if (ctx > 0) {
+    std::vector<float> row(static_cast<std::size_t>(kKv * kDh));
+    std::uint64_t seed = 11;
+    for (auto& c : st.caches) {
+      c.make_room(0, ctx);
+      for (Index t = 0; t < ctx; ++t) {
+        moe::fill_uniform(row, -1.0f, 1.0f, seed++);
+        c.store_key(0, t, row.data());
+        c.store_value(0, t, row.data());
+      }
+      c.advance(0, ctx);
+    }
   }
   std::vector<std::int64_t> const one = {42};
   std::vector<Index> const n1 = {1};
@@ -226,10 +245,10 @@ void BM_Decoder_Decode(benchmark::State& state) {
   double const dense_bytes = bf16 ? 2.0 : 4.0;  // per LM-head / attention weight
   double const attn_weights =
       dense_bytes * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
-  double const kv = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * 4.0;
+  double const kv_bytes = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * (kv_bf16 ? 2.0 : 4.0);
   double const experts = static_cast<double>(kTopK) * 3.0 * kH * kI * 2.0 + 4.0 * kE * kH;
   double const bytes =
-      kLayers * (attn_weights + kv + experts) + dense_bytes * kVocab * kH + 2.0 * kH;
+      kLayers * (attn_weights + kv_bytes + experts) + dense_bytes * kVocab * kH + 2.0 * kH;
   double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
   state.counters["tokens/s"] =
       benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
@@ -243,8 +262,9 @@ void BM_Decoder_Decode(benchmark::State& state) {
   state.counters["other%"] = 100.0 * st.other_seconds / total;
 }
 BENCHMARK(BM_Decoder_Decode)
-    ->ArgNames({"ctx", "dense"})
-    ->ArgsProduct({{0, 1024, 4096}, {0, 1}})
+    ->ArgNames({"ctx", "dense", "kv"})
+    ->ArgsProduct({{0, 1024, 4096}, {0, 1}, {-1}})
+    ->ArgsProduct({{4096, 16384}, {1}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -13,11 +13,13 @@
 //   moe_generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [--threads N] [--no-cache]
 //                [--temperature T --top-p P --seed S] [--logits OUT.safetensors]
 //                [--dense as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k]
+//                [--kv-cache fp32|bf16]
 // --dense: the embedding, LM head, attention and dense-MLP weights (as-stored, the default,
 // keeps a BF16 checkpoint's in bf16: half the bytes a step reads, the same logits as fp32
 // copies). --experts: the MoE experts' format (fp32 default; the others quantize them at load,
-// docs/quantization.md). Prints the generated ids on stdout (one line, comma-separated) and the
-// timings on stderr.
+// docs/quantization.md). --kv-cache: how the KV cache holds keys and values (fp32 default;
+// bf16 halves its bytes, moe::KvFormat). Prints the generated ids on stdout (one line,
+// comma-separated) and the timings on stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
 // their scale, docs/decoding.md). --logits writes "logits" [N, vocab] F32, one row per
 // generated token (the distribution it was drawn from, before temperature). Greedy by default
@@ -54,6 +56,7 @@ struct Args {
   double temperature = 0.0, top_p = 1.0;
   std::uint64_t seed = 0;
   moe::models::DecoderOptions weights;
+  moe::KvFormat kv = moe::KvFormat::kF32;
 };
 
 [[noreturn]] void usage_error(std::string const& what) {
@@ -62,7 +65,7 @@ struct Args {
                            "--max-new-tokens N [--threads N] [--no-cache] [--temperature T "
                            "--top-p P --seed S] [--logits OUT.safetensors] [--dense "
                            "as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|"
-                           "q3_k|q2_k]");
+                           "q3_k|q2_k] [--kv-cache fp32|bf16]");
 }
 
 long parse_long(std::string const& flag, std::string const& s, long lo) {
@@ -133,6 +136,10 @@ Args parse(int argc, char** argv) {
       a.weights.dense = moe::models::parse_dense_weights(value());
     } else if (f == "--experts") {
       a.weights.experts = moe::experts::parse_weight_format(value());
+    } else if (f == "--kv-cache") {
+      std::string const v = value();
+      if (v != "fp32" && v != "bf16") usage_error("--kv-cache '" + v + "': use fp32 or bf16");
+      a.kv = v == "bf16" ? moe::KvFormat::kBf16 : moe::KvFormat::kF32;
     } else {
       usage_error("unknown argument '" + f + "'");
     }
@@ -186,10 +193,10 @@ int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool) {
   moe::Index const V = dec.vocab();
   std::vector<std::int64_t> ids = a.prompt;
   std::vector<float> logits(static_cast<std::size_t>(V)), all_logits;
-  auto st = dec.make_state(1, static_cast<moe::Index>(a.prompt.size()) + a.max_new);
+  auto st = dec.make_state(1, static_cast<moe::Index>(a.prompt.size()) + a.max_new, a.kv);
   std::uint64_t rng = a.seed;
   auto run = [&](std::vector<std::int64_t> const& tokens) {
-    if (!a.cache) st = dec.make_state(1, static_cast<moe::Index>(tokens.size()));
+    if (!a.cache) st = dec.make_state(1, static_cast<moe::Index>(tokens.size()), a.kv);
     std::vector<moe::Index> const n = {static_cast<moe::Index>(tokens.size())};
     dec.forward(tokens, n, st, {logits.data(), 1, V}, pool);
   };

@@ -659,7 +659,9 @@ namespace {
 /// Prefill then decode steps through a KvCache for three sequences of different lengths (one
 /// starts empty and joins later), against forward() over each whole sequence (batch 1).
 template <class Layer>
-void check_cached(Layer const& layer, moe::ThreadPool* pool) {
+void check_cached(Layer const& layer, moe::ThreadPool* pool,
+                  moe::KvFormat format = moe::KvFormat::kF32) {
+  bool const bf16 = format == moe::KvFormat::kBf16;
   Index const D = layer.d_model();
   Index const S = 3;
   // Per call, the new tokens of each sequence: a prefill (7, 12, 0 tokens), 1-token steps, a
@@ -667,8 +669,11 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool) {
   std::vector<std::vector<Index>> const calls = {{7, 12, 0}, {1, 1, 0}, {1, 1, 9}, {3, 0, 1},
                                                  {1, 1, 1},  {0, 1, 1}, {1, 1, 1}};
   std::vector<std::vector<float>> seq(S);  // every token of each sequence so far
-  moe::KvCache cache(S, layer.num_kv_heads() * layer.head_dim(), 4);
-  moe::GatedAttentionWorkspace ws, full_ws;
+  Index const KD = layer.num_kv_heads() * layer.head_dim();
+  moe::KvCache cache(S, KD, 4, format);
+  moe::KvCache f32(S, KD, 4);  // bf16: the same calls on an fp32 cache, for its stored rows
+  moe::GatedAttentionWorkspace ws, ws32, full_ws;
+  double max_rel = 0.0;
   std::uint64_t seed = 900;
   for (std::size_t c = 0; c < calls.size(); ++c) {
     INFO("call " << c);
@@ -681,6 +686,20 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool) {
     Index const T = static_cast<Index>(x.size()) / D;
     std::vector<float> y(x.size());
     layer.forward_cached({x.data(), T, D}, {y.data(), T, D}, cache, calls[c], ws, pool);
+    if (bf16) {  // the bf16 cache holds the fp32 cache's keys and values, rounded
+      std::vector<float> y32(x.size());
+      layer.forward_cached({x.data(), T, D}, {y32.data(), T, D}, f32, calls[c], ws32, pool);
+      for (Index s = 0; s < S; ++s) {
+        auto const k32 = f32.keys(s), v32 = f32.values(s);
+        auto const k16 = cache.keys_bf16(s), v16 = cache.values_bf16(s);
+        REQUIRE(k16.size() == k32.size());
+        for (std::size_t i = 0; i < k32.size(); ++i) {
+          REQUIRE(k16[i] == moe::kernels::float_to_bf16(k32[i]));
+          REQUIRE(v16[i] == moe::kernels::float_to_bf16(v32[i]));
+        }
+      }
+      REQUIRE_THROWS_WITH(cache.keys(0), Catch::Contains("bf16"));
+    }
     Index row = 0;
     for (Index s = 0; s < S; ++s) {
       Index const n = calls[c][s], len = static_cast<Index>(seq[s].size()) / D;
@@ -696,13 +715,15 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool) {
       }
       INFO("sequence " << s << ": max |diff| " << diff << " of max |y| " << scale);
       REQUIRE(scale > 1e-3);
-      REQUIRE(diff <= 1e-5 * scale);
+      // bf16 keys and values: each rounded by at most 2^-9 relative.
+      REQUIRE(diff <= (bf16 ? 1e-2 : 1e-5) * scale);
+      max_rel = std::max(max_rel, diff / scale);
       row += n;
     }
   }
   REQUIRE(cache.capacity() >= 16);  // grew from 4
-  REQUIRE(cache.bytes_per_token() ==
-          2 * sizeof(float) * static_cast<std::size_t>(layer.num_kv_heads() * layer.head_dim()));
+  REQUIRE(cache.bytes_per_token() == (bf16 ? 2u : 4u) * 2u * static_cast<std::size_t>(KD));
+  if (bf16) REQUIRE(max_rel > 1e-6);  // the rounding is visible: the bf16 path ran
 }
 
 }  // namespace
@@ -738,6 +759,21 @@ TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[atten
     randomize(layer, 34);
     moe::ThreadPool pool(2);
     check_cached(layer, &pool);
+  }
+  SECTION("a bf16 cache (KvFormat::kBf16): the rounded rows of the fp32 cache, two threads") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.qk_norm = moe::QkNorm::kRmsNorm;
+    c.rope = true;
+    c.qkv_bias = true;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 35);
+    moe::ThreadPool pool(2);
+    check_cached(layer, &pool, moe::KvFormat::kBf16);
+    c.sinks = true;  // the per-(head, chunk) path instead of the grouped one
+    c.sliding_window = 4;
+    moe::GatedAttention<gating::NoGate> l2(c);
+    randomize(l2, 36);
+    check_cached(l2, nullptr, moe::KvFormat::kBf16);
   }
   SECTION("elementwise gate packed per head (Qwen3-Next), partial RoPE, (1 + w) norms") {
     auto c = small_config(2, 2, moe::GateLayout::kPackedPerHead);

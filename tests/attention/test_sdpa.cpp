@@ -4,12 +4,14 @@
 // large scores, row-range and thread-split reproducibility.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "attention/attention_reference.hpp"
 #include "moe/core/random.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/sdpa.hpp"
 
 using moe::Index;
@@ -310,5 +312,46 @@ TEST_CASE("SDPA with a sliding window and an attention sink (gpt-oss): forward, 
     INFO("window " << c.window << " sink " << c.sink << " padding " << c.padding << " Tq " << c.Tq);
     check_forward(c);
     check_backward(c, c.Tq / 3);
+  }
+}
+
+TEST_CASE("SDPA forward over bf16 keys and values: the bits of fp32 arrays of the widened values",
+          "[attention][sdpa][bf16]") {
+  // k_bf16 / v_bf16 (a bf16 KV cache) against k / v holding the same values widened: the kernel
+  // widens as it loads, so every output and lse must be bitwise equal, in every tail.
+  for (Case c :
+       {Case{1, 200, 20, 12}, Case{5, 67, 8, 8}, Case{3, 130, 128, 128}, Case{16, 300, 64, 64}}) {
+    c.causal = c.Tq > 1;
+    c.causal_offset = c.Tk - c.Tq;
+    for (Index const window : {Index{0}, Index{50}}) {
+      c.window = window;
+      c.sink = window > 0 ? 0.25f : -std::numeric_limits<float>::infinity();
+      INFO("Tq " << c.Tq << " Tk " << c.Tk << " d " << c.d << " dv " << c.dv << " window "
+                 << window);
+      Data data(c);
+      std::vector<std::uint16_t> k16(data.k.size()), v16(data.v.size());
+      for (std::size_t i = 0; i < k16.size(); ++i) {
+        k16[i] = kernels::float_to_bf16(data.k[i]);
+        data.k[i] = kernels::bf16_to_float(k16[i]);
+      }
+      for (std::size_t i = 0; i < v16.size(); ++i) {
+        v16[i] = kernels::float_to_bf16(data.v[i]);
+        data.v[i] = kernels::bf16_to_float(v16[i]);
+      }
+      auto scratch = scratch_for(c);
+      std::vector<float> o32(static_cast<std::size_t>(c.Tq * c.dv)), o16(o32.size()),
+          l32(static_cast<std::size_t>(c.Tq)), l16(l32.size());
+      kernels::SdpaParams p = data.params();
+      kernels::sdpa_forward(p, o32.data(), c.dv, l32.data(), 0, c.Tq, scratch.data());
+      p.k = p.v = nullptr;
+      p.k_bf16 = k16.data();
+      p.v_bf16 = v16.data();
+      kernels::sdpa_forward(p, o16.data(), c.dv, l16.data(), 0, c.Tq, scratch.data());
+      REQUIRE(std::memcmp(o32.data(), o16.data(), o32.size() * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(l32.data(), l16.data(), l32.size() * sizeof(float)) == 0);
+      // And both are the reference's attention over the rounded keys and values.
+      auto const want = data.ref.forward(to_double(data.q), to_double(data.k), to_double(data.v));
+      REQUIRE(aref::rel_err(o16.data(), want) < 2e-5);
+    }
   }
 }

@@ -691,6 +691,46 @@ TEST_CASE("Decoder: F8_E4M3 attention weights with weight_scale_inv blocks (Mini
   REQUIRE(diff <= 1e-4 * scale);
 }
 
+TEST_CASE("Decoder: a bf16 KV cache holds half the bytes; the logits move by its rounding",
+          "[models][decoder][bf16]") {
+  Tiny t;
+  Tensors const m = make_tensors(t, 720);
+  auto const any = moe::models::load_hf_decoder(write_model(t, m, "decoder_kv_bf16"));
+  auto const& dec = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
+  std::vector<std::int64_t> const ids = {3, 17, 5, 9, 30, 2, 11, 4};
+  std::vector<Index> const n = {static_cast<Index>(ids.size())};
+  auto s32 = dec.make_state(1);
+  auto s16 = dec.make_state(1, 0, moe::KvFormat::kBf16);
+  REQUIRE(s16.kv_bytes_per_token() * 2 == s32.kv_bytes_per_token());
+  std::vector<float> l32(static_cast<std::size_t>(t.V)), l16(l32.size());
+  moe::ThreadPool pool(2);
+  // A prefill, then steps: the cache rounds every key and value it stores, the prefill's too
+  // (attention reads them back from the cache).
+  dec.forward(ids, n, s32, {l32.data(), 1, t.V}, &pool);
+  dec.forward(ids, n, s16, {l16.data(), 1, t.V}, &pool);
+  for (int step = 0; step < 4; ++step) {
+    double scale = 0.0, diff = 0.0;
+    for (Index i = 0; i < t.V; ++i) {
+      scale = std::max(scale, static_cast<double>(std::fabs(l32[i])));
+      diff = std::max(diff, static_cast<double>(std::fabs(l16[i] - l32[i])));
+    }
+    INFO("step " << step << ": max |diff| " << diff << " of max |logit| " << scale);
+    REQUIRE(diff > 0.0);  // the rounding shows
+    REQUIRE(diff <= 2e-2 * scale);
+    std::vector<std::int64_t> const one = {argmax(l32.data(), t.V)};
+    std::vector<Index> const n1 = {1};
+    dec.forward(one, n1, s32, {l32.data(), 1, t.V}, &pool);
+    dec.forward(one, n1, s16, {l16.data(), 1, t.V}, &pool);
+  }
+  // 1 and 2 threads: the same bits.
+  auto s16b = dec.make_state(1, 0, moe::KvFormat::kBf16);
+  std::vector<float> a(l16.size()), b(l16.size());
+  dec.forward(ids, n, s16b, {a.data(), 1, t.V});
+  auto s16c = dec.make_state(1, 0, moe::KvFormat::kBf16);
+  dec.forward(ids, n, s16c, {b.data(), 1, t.V}, &pool);
+  REQUIRE(a == b);
+}
+
 TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decoder]") {
   Tiny t;
   Tensors const m = make_tensors(t, 700);
@@ -888,6 +928,8 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
   REQUIRE(run_generate(base, dir) == 0);
   REQUIRE_THAT(text_of(dir / "err.txt"),
                Catch::Contains("(LM head fp32, attention fp32, experts fp32)"));
+  REQUIRE(run_generate(base + " --kv-cache bf16", dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"), Catch::Contains("KV cache 192 bytes per token"));
   // Errors: one line on stderr, exit 1.
   for (std::string const& bad :
        {std::string("--model '") + dir.string() + "' --prompt-ids 3,99 --max-new-tokens 2",
@@ -896,6 +938,8 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
         std::string("--model '") + dir.string() + "' --prompt-ids 3 --max-new-tokens 2 --dense x",
         std::string("--model '") + dir.string() +
             "' --prompt-ids 3 --max-new-tokens 2 --experts q5",
+        std::string("--model '") + dir.string() +
+            "' --prompt-ids 3 --max-new-tokens 2 --kv-cache fp8",
         std::string("--model '") + (dir / "none").string() +
             "' --prompt-ids 1 --max-new-tokens 1"}) {
     INFO(bad);

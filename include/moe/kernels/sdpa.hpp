@@ -60,6 +60,12 @@ struct SdpaParams {
   Index window = 0;                        ///< sliding window: the last `window` positions; 0: all
   float sink = -std::numeric_limits<float>::infinity();  ///< sink logit (unscaled); -inf: none
   float const* row_sink = nullptr;  ///< [Tq] a sink logit per query row (replaces sink), or null
+  /// bf16 keys and values (a KvCache of KvFormat::kBf16), read instead of k and v when set
+  /// (both or neither; the same strides, in elements): each value is widened to fp32 as it is
+  /// loaded, so the result equals, bitwise, that of fp32 arrays holding the widened values.
+  /// sdpa_forward only.
+  std::uint16_t const* k_bf16 = nullptr;
+  std::uint16_t const* v_bf16 = nullptr;
 };
 
 /// What the backward reads and writes, besides SdpaParams. The gradients are accumulated (+=):
@@ -108,41 +114,45 @@ namespace detail {
 /// demand the keys and values of a long context arrive a few misses at a time. Measured on a
 /// Zen 5 VM, 2 threads, one decode step's 4 KV groups of 8 query rows over 4096 cached keys
 /// (16 MB, from DRAM): 0.72-0.75 ms against 0.96-1.26 without (and 0.83 prefetching into L1).
-struct KvPrefetch {
-  float const* k = nullptr;
+/// T: the element type of the keys and values (float, or bf16 as std::uint16_t).
+template <class T>
+struct KvPrefetchT {
+  static constexpr Index kLine = 64 / static_cast<Index>(sizeof(T));  ///< elements a line
+  T const* k = nullptr;
   Index ldk = 0, d = 0;
-  float const* v = nullptr;
+  T const* v = nullptr;
   Index ldv = 0, dv = 0;
   Index rows = 0;
 
   /// What to prefetch for each row of the chunk of columns [c0, c1): the 64-byte lines of the
   /// values' columns [c0, min(c1, dv)) and of the keys' columns [c0, c1 >= dv ? d : min(c1, d)).
   struct Chunk {
-    float const* v;
+    T const* v;
     Index ldv, v_lines;
-    float const* k;
+    T const* k;
     Index ldk, k_lines;
     Index rows;
     MOE_ALWAYS_INLINE void touch(Index row) const {
-      for (Index i = 0; i < v_lines; ++i) __builtin_prefetch(v + row * ldv + 16 * i, 0, 2);
-      for (Index i = 0; i < k_lines; ++i) __builtin_prefetch(k + row * ldk + 16 * i, 0, 2);
+      for (Index i = 0; i < v_lines; ++i) __builtin_prefetch(v + row * ldv + kLine * i, 0, 2);
+      for (Index i = 0; i < k_lines; ++i) __builtin_prefetch(k + row * ldk + kLine * i, 0, 2);
     }
   };
   Chunk chunk(Index c0, Index c1) const {
-    auto lines = [](Index n) { return n > 0 ? (n + 15) / 16 : Index{0}; };
+    auto lines = [](Index n) { return n > 0 ? (n + kLine - 1) / kLine : Index{0}; };
     Index const k1 = c1 >= dv ? d : std::min(c1, d);
     return {v + c0, ldv, lines(std::min(c1, dv) - c0), k + c0, ldk, lines(k1 - c0), rows};
   }
 };
+using KvPrefetch = KvPrefetchT<float>;
 
 /// C[r, c] = beta_r * C[r, c] + sum_{k < K} A(r, k) B[k, c] for r < MR and the columns of one
 /// chunk [c0, c0 + NB*L): A(r, k) = a[r * a_rs + k * a_cs]; beta null means 1. Each output is one
 /// chain: beta * C, then one FMA per k in ascending order. pf (or null): what to prefetch for
 /// row k of the chunk starting at column c0.
-template <Index MR, Index NB, class Arch>
-MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, float const* b,
+template <Index MR, Index NB, class Arch, class T>
+MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, T const* b,
                                         Index ldb, float* c, Index ldc, Index K, float const* beta,
-                                        KvPrefetch const* pf, Index c0) {
+                                        KvPrefetchT<T> const* pf, Index c0) {
   using B = simd::Batch<float, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
   B acc[MR][NB];
@@ -154,7 +164,7 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
   }
   auto step = [&](Index k) {
     B bv[NB];
-    for (Index n = 0; n < NB; ++n) bv[n] = B::load_unaligned(b + k * ldb + n * L);
+    for (Index n = 0; n < NB; ++n) bv[n] = load_weights<B>(b + k * ldb + n * L);
     for (Index r = 0; r < MR; ++r) {
       B const av(a[r * a_rs + k * a_cs]);
       for (Index n = 0; n < NB; ++n) acc[r][n] = xsimd::fma(av, bv[n], acc[r][n]);
@@ -162,7 +172,7 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
   };
   Index k = 0;
   if (pf) {  // the rows that have a next-block row to prefetch, then the rest
-    KvPrefetch::Chunk const next = pf->chunk(c0, c0 + NB * L);
+    typename KvPrefetchT<T>::Chunk const next = pf->chunk(c0, c0 + NB * L);
     for (Index const kp = std::min(K, next.rows); k < kp; ++k) {
       next.touch(k);
       step(k);
@@ -174,27 +184,29 @@ MOE_ALWAYS_INLINE void rank_update_tile(float const* a, Index a_rs, Index a_cs, 
   }
 }
 
-template <Index MR, class Arch>
-MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, float const* b,
+template <Index MR, class Arch, class T>
+MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, T const* b,
                                         Index ldb, float* c, Index ldc, Index N, Index K,
-                                        float const* beta, KvPrefetch const* pf) {
+                                        float const* beta, KvPrefetchT<T> const* pf) {
   constexpr Index L = static_cast<Index>(simd::Batch<float, Arch>::size);
   Index c0 = 0;
   for (; c0 + 2 * L <= N; c0 += 2 * L) {
-    rank_update_tile<MR, 2, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
+    rank_update_tile<MR, 2, Arch, T>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
   }
   for (; c0 + L <= N; c0 += L) {
-    rank_update_tile<MR, 1, Arch>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
+    rank_update_tile<MR, 1, Arch, T>(a, a_rs, a_cs, b + c0, ldb, c + c0, ldc, K, beta, pf, c0);
   }
   if (pf && c0 < N) {  // the scalar tail's columns (and the keys' past them)
-    KvPrefetch::Chunk const next = pf->chunk(c0, N);
+    typename KvPrefetchT<T>::Chunk const next = pf->chunk(c0, N);
     for (Index k = 0, kp = std::min(K, next.rows); k < kp; ++k) next.touch(k);
   }
   for (; c0 < N; ++c0) {  // scalar tail: the same chain as one lane
     for (Index r = 0; r < MR; ++r) {
       float acc = c[r * ldc + c0];
       if (beta) acc *= beta[r];
-      for (Index k = 0; k < K; ++k) acc = std::fma(a[r * a_rs + k * a_cs], b[k * ldb + c0], acc);
+      for (Index k = 0; k < K; ++k) {
+        acc = std::fma(a[r * a_rs + k * a_cs], weight_value(b[k * ldb + c0]), acc);
+      }
       c[r * ldc + c0] = acc;
     }
   }
@@ -204,39 +216,46 @@ MOE_ALWAYS_INLINE void rank_update_rows(float const* a, Index a_rs, Index a_cs, 
 /// An output element's value depends only on its row of A, its column of B, beta_r and K (never
 /// on M or on the tiling), so results are reproducible however rows are blocked. pf (or null):
 /// the next key block, prefetched during the first tile of rows.
-template <class Arch>
-void rank_update(float const* a, Index a_rs, Index a_cs, float const* b, Index ldb, float* c,
-                 Index ldc, Index M, Index N, Index K, float const* beta,
-                 KvPrefetch const* pf = nullptr) {
+template <class Arch, class T>
+void rank_update(float const* a, Index a_rs, Index a_cs, T const* b, Index ldb, float* c, Index ldc,
+                 Index M, Index N, Index K, float const* beta,
+                 std::type_identity_t<KvPrefetchT<T>> const* pf = nullptr) {
   constexpr Index MR = simd::Batch<float, Arch>::size >= 16 ? 8 : 6;  // 32 or 16 registers
   Index r = 0;
   for (; r + MR <= M; r += MR) {
-    rank_update_rows<MR, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K,
-                               beta ? beta + r : nullptr, r == 0 ? pf : nullptr);
+    rank_update_rows<MR, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K,
+                                  beta ? beta + r : nullptr, r == 0 ? pf : nullptr);
   }
   if (r > 0) pf = nullptr;
   float const* bt = beta ? beta + r : nullptr;
   switch (M - r) {
     case 7:
-      rank_update_rows<7, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<7, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 6:
-      rank_update_rows<6, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<6, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 5:
-      rank_update_rows<5, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<5, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 4:
-      rank_update_rows<4, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<4, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 3:
-      rank_update_rows<3, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<3, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 2:
-      rank_update_rows<2, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<2, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     case 1:
-      rank_update_rows<1, Arch>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt, pf);
+      rank_update_rows<1, Arch, T>(a + r * a_rs, a_rs, a_cs, b, ldb, c + r * ldc, ldc, N, K, bt,
+                                   pf);
       break;
     default:
       break;
@@ -298,12 +317,12 @@ inline Index key_blocks_for(SdpaParams const& p, Index i0, Index i1) {
 
 /// Packs rows [j0, j0 + kc) of W [*, depth] (ldw) as kSdpaKeyBlock / NP panels; returns the
 /// padded width kw (a multiple of NP) of the score block they produce.
-template <class Arch>
-Index pack_block(float const* w, Index ldw, Index j0, Index kc, Index depth, float* panels) {
+template <class Arch, class T>
+Index pack_block(T const* w, Index ldw, Index j0, Index kc, Index depth, float* panels) {
   constexpr Index NP = panel_width<Arch>();
   Index kw = 0;
   for (Index c = 0; c < kc; c += NP, kw += NP) {
-    pack_panel<Arch>(w, ldw, j0 + c, std::min(NP, kc - c), depth, panels + c * depth);
+    pack_panel<Arch, T>(w, ldw, j0 + c, std::min(NP, kc - c), depth, panels + c * depth);
   }
   return kw;
 }
@@ -420,27 +439,12 @@ void backward_pair(SdpaParams const& p, SdpaGrads const& g, SdpaScratch const& w
 
 }  // namespace detail
 
-/// Scaled-dot-product attention of query rows [q_begin, q_end) of one head:
-///
-///   s_ij = scale * <q_i, k_j>  for visible keys j (see SdpaParams), -inf otherwise
-///   o_i  = sum_j softmax_j(s_i)_j v_j,        lse_i = log sum_j exp(s_ij)
-///   (with a sink z: the softmax and lse_i also sum exp(z); o_i has no term for it)
-///
-/// computed FlashAttention-style: keys in blocks of kSdpaKeyBlock, a running max m_i and sum l_i
-/// per row (m' = max(m, max_j s_ij); l' = l e^{m - m'} + sum_j e^{s_ij - m'};
-/// o' = o e^{m - m'} + sum_j e^{s_ij - m'} v_j), o_i /= l_i at the end. Numerically stable for any
-/// score magnitude; scratch is sdpa_scratch_size floats, independent of Tq and Tk (no Tq x Tk
-/// matrix). Causal: key blocks after the last visible key of a query block are skipped.
-///
-/// A row that sees no key at all (every key padding, or causal with pos_i < 0) gets o_i = 0 and
-/// lse_i = -inf (with a sink: o_i = 0, lse_i = z). `lse` may be null (inference); training keeps
-/// it for sdpa_backward. Sliding window: key blocks before every row's window are skipped.
-/// Outputs: o [Tq, dv] (ldo), rows [q_begin, q_end) overwritten; lse [Tq] likewise.
-/// Bitwise reproducible: a row's result depends only on its query, its position and K, V, never
-/// on q_begin/q_end or on other rows. Single-threaded; calls on disjoint rows may run in parallel.
-template <class Arch = simd::DefaultArch>
-void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_begin, Index q_end,
-                  float* scratch) {
+namespace detail {
+
+/// sdpa_forward over keys K and values V of element type T (float or bf16).
+template <class Arch, class T>
+void sdpa_forward_rows(SdpaParams const& p, T const* K, T const* V, float* o, Index ldo, float* lse,
+                       Index q_begin, Index q_end, float* scratch) {
   Index const d = p.head_dim, dv = p.value_dim;
   float const ninf = -std::numeric_limits<float>::infinity();
   detail::SdpaScratch const w = detail::carve<Arch>(scratch, d, dv);
@@ -456,7 +460,7 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
     Index const nkb = detail::key_blocks_for(p, i0, i0 + nq);
     for (Index kb = detail::first_key_block(p, i0, i0 + nq); kb < nkb; ++kb) {
       Index const j0 = kb * kSdpaKeyBlock, kc = std::min(kSdpaKeyBlock, p.kv_rows - j0);
-      Index const kw = detail::pack_block<Arch>(p.k, p.ldk, j0, kc, d, w.panels);
+      Index const kw = detail::pack_block<Arch, T>(K, p.ldk, j0, kc, d, w.panels);
       detail::block_scores<Arch>(p.q + i0 * p.ldq, p.ldq, nq, d, w.panels, kw, w.s);
       detail::block_bias(p, j0, kc, kw, w.bias);
       for (Index r = 0; r < nq; ++r) {
@@ -474,15 +478,15 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
       }
       // o = diag(alpha) o + P V over the kc keys of the block, the next block prefetched.
       Index const j1 = j0 + kSdpaKeyBlock;
-      detail::KvPrefetch const next{p.k + j1 * p.ldk,
-                                    p.ldk,
-                                    d,
-                                    p.v + j1 * p.ldv,
-                                    p.ldv,
-                                    dv,
-                                    kb + 1 < nkb ? std::min(kSdpaKeyBlock, p.kv_rows - j1) : 0};
-      detail::rank_update<Arch>(w.s, kSdpaKeyBlock, 1, p.v + j0 * p.ldv, p.ldv, o + i0 * ldo, ldo,
-                                nq, dv, kc, w.alpha, next.rows > 0 ? &next : nullptr);
+      detail::KvPrefetchT<T> const next{K + j1 * p.ldk,
+                                        p.ldk,
+                                        d,
+                                        V + j1 * p.ldv,
+                                        p.ldv,
+                                        dv,
+                                        kb + 1 < nkb ? std::min(kSdpaKeyBlock, p.kv_rows - j1) : 0};
+      detail::rank_update<Arch, T>(w.s, kSdpaKeyBlock, 1, V + j0 * p.ldv, p.ldv, o + i0 * ldo, ldo,
+                                   nq, dv, kc, w.alpha, next.rows > 0 ? &next : nullptr);
     }
     for (Index r = 0; r < nq; ++r) {
       float* orow = o + (i0 + r) * ldo;
@@ -495,6 +499,38 @@ void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_
         if (lse) lse[i0 + r] = ninf;
       }
     }
+  }
+}
+
+}  // namespace detail
+
+/// Scaled-dot-product attention of query rows [q_begin, q_end) of one head:
+///
+///   s_ij = scale * <q_i, k_j>  for visible keys j (see SdpaParams), -inf otherwise
+///   o_i  = sum_j softmax_j(s_i)_j v_j,        lse_i = log sum_j exp(s_ij)
+///   (with a sink z: the softmax and lse_i also sum exp(z); o_i has no term for it)
+///
+/// computed FlashAttention-style: keys in blocks of kSdpaKeyBlock, a running max m_i and sum l_i
+/// per row (m' = max(m, max_j s_ij); l' = l e^{m - m'} + sum_j e^{s_ij - m'};
+/// o' = o e^{m - m'} + sum_j e^{s_ij - m'} v_j), o_i /= l_i at the end. Numerically stable for any
+/// score magnitude; scratch is sdpa_scratch_size floats, independent of Tq and Tk (no Tq x Tk
+/// matrix). Causal: key blocks after the last visible key of a query block are skipped.
+///
+/// A row that sees no key at all (every key padding, or causal with pos_i < 0) gets o_i = 0 and
+/// lse_i = -inf (with a sink: o_i = 0, lse_i = z). `lse` may be null (inference); training keeps
+/// it for sdpa_backward. Sliding window: key blocks before every row's window are skipped.
+/// Outputs: o [Tq, dv] (ldo), rows [q_begin, q_end) overwritten; lse [Tq] likewise.
+/// Keys and values are fp32 (k, v) or bf16 (k_bf16, v_bf16), widened as they are loaded.
+/// Bitwise reproducible: a row's result depends only on its query, its position and K, V, never
+/// on q_begin/q_end or on other rows. Single-threaded; calls on disjoint rows may run in parallel.
+template <class Arch = simd::DefaultArch>
+void sdpa_forward(SdpaParams const& p, float* o, Index ldo, float* lse, Index q_begin, Index q_end,
+                  float* scratch) {
+  if (p.k_bf16 != nullptr) {
+    detail::sdpa_forward_rows<Arch, std::uint16_t>(p, p.k_bf16, p.v_bf16, o, ldo, lse, q_begin,
+                                                   q_end, scratch);
+  } else {
+    detail::sdpa_forward_rows<Arch, float>(p, p.k, p.v, o, ldo, lse, q_begin, q_end, scratch);
   }
 }
 

@@ -7,14 +7,23 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "moe/core/error.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/core/types.hpp"
+#include "moe/kernels/gemm_bf16.hpp"
 
 namespace moe {
+
+/// How a KvCache stores keys and values: fp32, or bf16 (each value rounded to nearest even as it
+/// is stored; the attention widens it to fp32 as it loads it). bf16 halves the bytes a decode
+/// step reads from a long context; the rounding changes the attention's output by about 2^-9 of
+/// its values' scale (relative), as bf16 weights do.
+enum class KvFormat { kF32, kBf16 };
 
 /// The keys (after q/k norm and RoPE, at their absolute positions) and values of one attention
 /// layer for `sequences` independent sequences, for decoding: a prefill appends a prompt, each
@@ -26,19 +35,20 @@ namespace moe {
 /// d_model wide (with_widths). Rows [0, length(s)) are filled. Appending past the capacity
 /// grows every sequence's block to max(2 * capacity, needed) (one copy of the filled rows), so
 /// a decode loop reallocates O(log n) times, not per step; reserve() sizes it up front.
-/// Memory: bytes_per_token() = (key width + value width) * 4 bytes per cached token and layer,
-/// in HugePageAllocator storage (2 MiB pages from 2 MiB up: a decode step streams the whole
-/// cached prefix once).
+/// Memory: bytes_per_token() = (key width + value width) * 4 bytes per cached token and layer
+/// (2 with KvFormat::kBf16), in HugePageAllocator storage (2 MiB pages from 2 MiB up: a decode
+/// step streams the whole cached prefix once).
 class KvCache {
  public:
   KvCache() = default;
   /// `sequences` empty sequences of keys and values of width kv_dim (>= 1), room for
-  /// `capacity` tokens each. Throws moe::Error on negative sizes.
-  KvCache(Index sequences, Index kv_dim, Index capacity = 0)
-      : KvCache(sequences, kv_dim, kv_dim, capacity, 0) {}
-  /// Keys of key_dim and values of value_dim floats (MoeAttention: d_qk and d_model).
-  static KvCache with_widths(Index sequences, Index key_dim, Index value_dim, Index capacity = 0) {
-    return KvCache(sequences, key_dim, value_dim, capacity, 0);
+  /// `capacity` tokens each, stored as `format`. Throws moe::Error on negative sizes.
+  KvCache(Index sequences, Index kv_dim, Index capacity = 0, KvFormat format = KvFormat::kF32)
+      : KvCache(sequences, kv_dim, kv_dim, capacity, format) {}
+  /// Keys of key_dim and values of value_dim values (MoeAttention: d_qk and d_model).
+  static KvCache with_widths(Index sequences, Index key_dim, Index value_dim, Index capacity = 0,
+                             KvFormat format = KvFormat::kF32) {
+    return KvCache(sequences, key_dim, value_dim, capacity, format);
   }
 
   Index sequences() const { return static_cast<Index>(length_.size()); }
@@ -50,35 +60,57 @@ class KvCache {
   Index capacity() const { return capacity_; }
   /// Tokens cached for sequence s (its next token's position).
   Index length(Index s) const { return length_[checked(s)]; }
+  KvFormat format() const { return format_; }
+  bool is_bf16() const { return format_ == KvFormat::kBf16; }
   /// Bytes of keys and values per cached token (one layer).
   std::size_t bytes_per_token() const {
-    return static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(float);
+    return static_cast<std::size_t>(key_dim_ + value_dim_) * (is_bf16() ? 2 : 4);
   }
   /// Bytes held (every sequence's capacity).
-  std::size_t bytes() const { return (k_.size() + v_.size()) * sizeof(float); }
+  std::size_t bytes() const {
+    return (k_.size() + v_.size()) * sizeof(float) + (k16_.size() + v16_.size()) * 2;
+  }
 
-  /// Sequence s's keys [length(s), key_dim] and values [length(s), value_dim].
+  /// Sequence s's keys [length(s), key_dim] and values [length(s), value_dim] (KvFormat::kF32;
+  /// moe::Error for a bf16 cache: read keys_bf16 / values_bf16).
   std::span<float const> keys(Index s) const {
+    require(KvFormat::kF32, "keys");
     return {k_.data() + kblock(s), static_cast<std::size_t>(length(s) * key_dim_)};
   }
   std::span<float const> values(Index s) const {
+    require(KvFormat::kF32, "values");
     return {v_.data() + vblock(s), static_cast<std::size_t>(length(s) * value_dim_)};
+  }
+  /// The same of a KvFormat::kBf16 cache, as bf16 bits (moe::Error for an fp32 cache).
+  std::span<std::uint16_t const> keys_bf16(Index s) const {
+    require(KvFormat::kBf16, "keys_bf16");
+    return {k16_.data() + kblock(s), static_cast<std::size_t>(length(s) * key_dim_)};
+  }
+  std::span<std::uint16_t const> values_bf16(Index s) const {
+    require(KvFormat::kBf16, "values_bf16");
+    return {v16_.data() + vblock(s), static_cast<std::size_t>(length(s) * value_dim_)};
   }
 
   /// Room for `capacity` tokens per sequence (never shrinks; keeps the cached rows).
   void reserve(Index capacity) {
     if (capacity <= capacity_) return;
-    HugePageVector<float> k(static_cast<std::size_t>(sequences() * capacity * key_dim_), 0.0f);
-    HugePageVector<float> v(static_cast<std::size_t>(sequences() * capacity * value_dim_), 0.0f);
-    for (Index s = 0; s < sequences(); ++s) {
-      Index const len = length_[static_cast<std::size_t>(s)];
-      std::copy(k_.begin() + kblock(s), k_.begin() + kblock(s) + len * key_dim_,
-                k.begin() + s * capacity * key_dim_);
-      std::copy(v_.begin() + vblock(s), v_.begin() + vblock(s) + len * value_dim_,
-                v.begin() + s * capacity * value_dim_);
+    auto grow = [&](auto& store, Index width) {
+      using V = std::remove_reference_t<decltype(store)>;
+      V bigger(static_cast<std::size_t>(sequences() * capacity * width));
+      for (Index s = 0; s < sequences(); ++s) {
+        auto const from = store.begin() + static_cast<std::ptrdiff_t>(s * capacity_ * width);
+        Index const len = length_[static_cast<std::size_t>(s)];
+        std::copy(from, from + len * width, bigger.begin() + s * capacity * width);
+      }
+      store = std::move(bigger);
+    };
+    if (is_bf16()) {
+      grow(k16_, key_dim_);
+      grow(v16_, value_dim_);
+    } else {
+      grow(k_, key_dim_);
+      grow(v_, value_dim_);
     }
-    k_ = std::move(k);
-    v_ = std::move(v);
     capacity_ = capacity;
   }
   /// Empties every sequence (the memory stays).
@@ -97,15 +129,30 @@ class KvCache {
     Index const need = length(s) + extra;
     if (need > capacity_) reserve(std::max(need, 2 * capacity_));
   }
-  float* key_row(Index s, Index pos) { return k_.data() + kblock(s) + pos * key_dim_; }
-  float* value_row(Index s, Index pos) { return v_.data() + vblock(s) + pos * value_dim_; }
-  float const* key_data(Index s) const { return k_.data() + kblock(s); }
-  float const* value_data(Index s) const { return v_.data() + vblock(s); }
+  /// Row `pos` of sequence s's keys (values) = key[0, key_dim) (value[0, value_dim)), rounded to
+  /// bf16 in a bf16 cache.
+  void store_key(Index s, Index pos, float const* key) {
+    store(k_, k16_, kblock(s) + pos * key_dim_, key, key_dim_);
+  }
+  void store_value(Index s, Index pos, float const* value) {
+    store(v_, v16_, vblock(s) + pos * value_dim_, value, value_dim_);
+  }
+  // (pos < capacity(): make_room first.)
+  /// Sequence s's key and value rows from 0 (fp32 cache; null in a bf16 one) ...
+  float const* key_data(Index s) const { return is_bf16() ? nullptr : k_.data() + kblock(s); }
+  float const* value_data(Index s) const { return is_bf16() ? nullptr : v_.data() + vblock(s); }
+  /// ... or as bf16 (bf16 cache; null in an fp32 one).
+  std::uint16_t const* key_data_bf16(Index s) const {
+    return is_bf16() ? k16_.data() + kblock(s) : nullptr;
+  }
+  std::uint16_t const* value_data_bf16(Index s) const {
+    return is_bf16() ? v16_.data() + vblock(s) : nullptr;
+  }
   void advance(Index s, Index n) { length_[checked(s)] += n; }
 
  private:
-  KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, int)
-      : key_dim_(key_dim), value_dim_(value_dim) {
+  KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, KvFormat format)
+      : key_dim_(key_dim), value_dim_(value_dim), format_(format) {
     detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 1 && capacity >= 0,
                   "KvCache: sequences = ", sequences, ", key width = ", key_dim,
                   ", value width = ", value_dim, ", capacity = ", capacity,
@@ -118,6 +165,19 @@ class KvCache {
                   sequences(), " sequences)");
     return static_cast<std::size_t>(s);
   }
+  void require(KvFormat f, char const* what) const {
+    detail::check(format_ == f, "KvCache::", what, ": the cache holds ",
+                  is_bf16() ? "bf16" : "fp32", " values; read ",
+                  is_bf16() ? "keys_bf16 / values_bf16" : "keys / values");
+  }
+  void store(HugePageVector<float>& f32, HugePageVector<std::uint16_t>& b16, std::ptrdiff_t at,
+             float const* row, Index n) const {
+    if (is_bf16()) {
+      kernels::round_to_bf16(row, static_cast<std::size_t>(n), b16.data() + at);
+    } else {
+      std::copy(row, row + n, f32.data() + at);
+    }
+  }
   std::ptrdiff_t kblock(Index s) const {
     return static_cast<std::ptrdiff_t>(s * capacity_ * key_dim_);
   }
@@ -126,9 +186,11 @@ class KvCache {
   }
 
   Index key_dim_ = 1, value_dim_ = 1;
+  KvFormat format_ = KvFormat::kF32;
   Index capacity_ = 0;
   std::vector<Index> length_;
-  HugePageVector<float> k_, v_;
+  HugePageVector<float> k_, v_;              // KvFormat::kF32
+  HugePageVector<std::uint16_t> k16_, v16_;  // KvFormat::kBf16
 };
 
 namespace detail {

@@ -709,8 +709,8 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
       for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
         Index const sq = ws.cache_seq[static_cast<std::size_t>(t)];
         Index const pos = ws.cache_pos[static_cast<std::size_t>(t)];
-        std::copy(ws.k.data() + t * dk, ws.k.data() + (t + 1) * dk, cache->key_row(sq, pos));
-        std::copy(x.row(t), x.row(t) + D, cache->value_row(sq, pos));
+        cache->store_key(sq, pos, ws.k.data() + t * dk);  // rounded in a bf16 cache
+        cache->store_value(sq, pos, x.row(t));
       }
     });
     Index const Bc = cache->sequences();
@@ -748,9 +748,14 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
         if (!sinks_.empty()) p.sink = sinks_[static_cast<std::size_t>(E + it.s)];
       }
       p.ldq = dk;
-      p.k = cache->key_data(it.b);
+      if (cache->is_bf16()) {
+        p.k_bf16 = cache->key_data_bf16(it.b);
+        p.v_bf16 = cache->value_data_bf16(it.b);
+      } else {
+        p.k = cache->key_data(it.b);
+        p.v = cache->value_data(it.b);
+      }
       p.ldk = dk;
-      p.v = cache->value_data(it.b);
       p.ldv = D;
       p.kv_rows = len + n;
       p.head_dim = dk;

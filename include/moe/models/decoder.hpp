@@ -490,12 +490,14 @@ class Decoder {
   /// The LM head's weights: lm_head, or the embedding when tied.
   WeightMatrix const& output_weights() const { return lm_head.empty() ? embed : lm_head; }
 
-  /// A state for `sequences` sequences with room for `capacity` tokens each (it grows).
-  DecoderState make_state(Index sequences, Index capacity = 0) const {
+  /// A state for `sequences` sequences with room for `capacity` tokens each (it grows), its
+  /// caches holding keys and values as `kv` says (KvFormat::kBf16: half the bytes a step reads
+  /// from a long context; the logits move by the rounding of the cached keys and values).
+  DecoderState make_state(Index sequences, Index capacity = 0, KvFormat kv = KvFormat::kF32) const {
     DecoderState st;
     Index const kvd = config.num_key_value_heads * config.head_dim;
     for (std::size_t i = 0; i < blocks.size(); ++i)
-      st.caches.emplace_back(sequences, kvd, capacity);
+      st.caches.emplace_back(sequences, kvd, capacity, kv);
     return st;
   }
 
