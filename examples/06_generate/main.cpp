@@ -2,7 +2,7 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
 // moe_generate: load a whole Hugging Face Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
-// MiniMax-M2 or gpt-oss checkpoint and generate tokens.
+// MiniMax-M2, gpt-oss or ERNIE 4.5 checkpoint and generate tokens.
 //
 // What it shows: moe::models::load_hf_decoder() (every layer through the library's loaders),
 // a KV-cached prefill and decode loop (Decoder::forward with DecoderState), greedy or

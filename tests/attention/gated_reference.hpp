@@ -30,6 +30,7 @@ struct DoubleGatedAttention {
   double yarn_factor = 0.0, beta_fast = 32.0, beta_slow = 1.0, yarn_attention = 0.0;
   Index yarn_original = 4096;
   bool yarn_truncate = true;
+  bool interleaved = false;  // RoPE pairs (2i, 2i + 1): transformers' GLM / ERNIE rotate_half
   double scale = 1.0;
   bool causal = true;
   Index window = 0;  // sliding window (causal)
@@ -90,9 +91,11 @@ struct DoubleGatedAttention {
     Index const half = rd / 2;
     Vec out(v, v + rd);
     for (Index i = 0; i < rd; ++i) {
-      Index const f = i % half;
+      // cos / sin: cat(freqs, freqs), or freqs repeat_interleave(2) when interleaved
+      Index const f = interleaved ? i / 2 : i % half;
       double const angle = static_cast<double>(pos) * inv_freq(f);
-      double const rot = i < half ? -v[i + half] : v[i - half];  // rotate_half
+      double rot = i < half ? -v[i + half] : v[i - half];        // rotate_half
+      if (interleaved) rot = i % 2 == 0 ? -v[i + 1] : v[i - 1];  // stack(-x2, x1).flatten
       out[i] = (v[i] * std::cos(angle) + rot * std::sin(angle)) * rope_scale();
     }
     std::copy(out.begin(), out.end(), v);

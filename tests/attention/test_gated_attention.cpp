@@ -62,6 +62,7 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.yarn_attention = c.yarn.attention_factor;
   m.yarn_original = c.yarn.original_max_position;
   m.yarn_truncate = c.yarn.truncate;
+  m.interleaved = c.rope_interleaved;
   m.scale = c.scale;
   m.causal = c.causal;
   m.window = c.sliding_window;
@@ -289,6 +290,21 @@ TEST_CASE("GatedAttention with projection biases and q/k norms over all heads (Q
       moe::AttentionOptions opt;
       opt.positions = pos;
       check_layer(layer, 8, opt);
+    }
+  }
+  SECTION("interleaved RoPE (ERNIE 4.5, GLM-4: pairs 2i, 2i + 1), full and partial, biases") {
+    for (Index const rd : {Index{0}, Index{2}}) {
+      auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+      c.rope = true;
+      c.rope_interleaved = true;
+      c.rotary_dim = rd;
+      c.qkv_bias = c.o_bias = true;
+      moe::GatedAttention<gating::NoGate> layer(c);
+      randomize(layer, 20);
+      std::vector<Index> pos = {0, 3, 4, 9, 17, 30};
+      moe::AttentionOptions opt;
+      opt.positions = pos;
+      check_layer(layer, 6, opt);
     }
   }
   SECTION("(1 + w) norms over all heads, a separate elementwise gate, o bias") {
@@ -774,6 +790,14 @@ TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[atten
     moe::GatedAttention<gating::NoGate> l2(c);
     randomize(l2, 36);
     check_cached(l2, nullptr, moe::KvFormat::kBf16);
+  }
+  SECTION("interleaved RoPE (ERNIE 4.5)") {
+    auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+    c.rope = true;
+    c.rope_interleaved = true;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 37);
+    check_cached(layer, nullptr);
   }
   SECTION("elementwise gate packed per head (Qwen3-Next), partial RoPE, (1 + w) norms") {
     auto c = small_config(2, 2, moe::GateLayout::kPackedPerHead);

@@ -5,7 +5,8 @@
 // layer; OLMoE with q/k norms over all heads and biased projections; GLM-4.5 with partial RoPE,
 // per-head norms, a dense first layer and group-limited sigmoid routing; MiniMax-M2 with partial
 // RoPE and norms over all heads; gpt-oss with YaRN RoPE, sinks, biases, alternating sliding
-// windows and clamped biased experts): greedy generation with the KV cache against an independent
+// windows and clamped biased experts; ERNIE 4.5 with interleaved RoPE, a dense first layer and
+// shared experts): greedy generation with the KV cache against an independent
 // double-precision decoder that recomputes the whole sequence at every step (the transformers
 // forward transcribed; the MoE blocks by hf_moe_reference.hpp), a batch of sequences against
 // each alone, and the errors.
@@ -47,8 +48,9 @@ struct Tiny {
 /// What the family's attention has (DecoderConfig's table), as the test's config.json sets it.
 struct Attention {
   bool qkv_bias = false, o_bias = false, norm = false, norm_all = false, sinks = false;
-  Index rd = 0;       // rotated dimensions per head
-  bool yarn = false;  // gpt-oss: factor 32, betas 32 / 1, not truncated, L0 = kYarnOriginal
+  Index rd = 0;              // rotated dimensions per head
+  bool yarn = false;         // gpt-oss: factor 32, betas 32 / 1, not truncated, L0 = kYarnOriginal
+  bool interleaved = false;  // ERNIE 4.5: RoPE on the pairs (2i, 2i + 1)
 };
 
 constexpr Index kYarnOriginal = 10000;  // the YaRN ramp then blends frequencies 1-3 of 4
@@ -68,6 +70,7 @@ Attention attention_of(Tiny const& t) {
   if (t.type == "glm4_moe") a.qkv_bias = a.norm = true, a.rd = t.dh / 2;
   if (t.type == "minimax_m2") a.norm = a.norm_all = true, a.rd = t.dh / 2;
   if (t.type == "gpt_oss") a.qkv_bias = a.o_bias = a.sinks = a.yarn = true;
+  if (t.type == "ernie4_5_moe") a.interleaved = true;
   return a;
 }
 
@@ -89,7 +92,8 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = true;
   }
-  if (t.type == "gpt_oss") c.swiglu_limit = 0.5f;  // the clamps take effect
+  if (t.type == "gpt_oss") c.swiglu_limit = 0.5f;        // the clamps take effect
+  if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;  // layer 0 dense (start index 1)
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
   c.defaulted_keys.clear();
   return c;
@@ -102,7 +106,8 @@ std::string config_json(Tiny const& t) {
               ", \"num_key_value_heads\": ", t.kv, ", \"head_dim\": ", t.dh,
               ", \"rope_theta\": ", t.theta, ", \"rms_norm_eps\": ", t.eps,
               ", \"tie_word_embeddings\": ", t.tie ? "true" : "false");
-  if (t.type == "qwen3_moe" || t.type == "qwen2_moe" || t.type == "glm4_moe") {
+  if (t.type == "qwen3_moe" || t.type == "qwen2_moe" || t.type == "glm4_moe" ||
+      t.type == "ernie4_5_moe") {
     j += concat(", \"intermediate_size\": ", t.I_dense);
   }
   if (t.type == "mixtral") {
@@ -274,9 +279,11 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
     for (Index i = 0; i < rd / 2; ++i) {
       double const f = inv_freq(i);
       double const c = std::cos(pos * f) * mscale, s = std::sin(pos * f) * mscale;
-      double const a = x[i], b = x[i + rd / 2];
-      x[i] = a * c - b * s;
-      x[i + rd / 2] = b * c + a * s;
+      // rotate_half pairs (i, i + rd/2); ERNIE's interleaved form pairs (2i, 2i + 1)
+      Index const i0 = at.interleaved ? 2 * i : i, i1 = at.interleaved ? 2 * i + 1 : i + rd / 2;
+      double const a = x[i0], b = x[i1];
+      x[i0] = a * c - b * s;
+      x[i1] = b * c + a * s;
     }
   };
   auto add = [&](Vec& y, std::string const& name) {
@@ -395,6 +402,7 @@ void check_generation(Tiny const& t, std::string const& name) {
           REQUIRE(ac.rotary_dim == at.rd);
           REQUIRE(ac.sinks == at.sinks);
           REQUIRE((ac.yarn.factor == 32.0f) == at.yarn);
+          REQUIRE(ac.rope_interleaved == at.interleaved);
           REQUIRE(b.attention.weight_format() == moe::experts::WeightFormat::kF32);
           // I_moe = 8 splits a panel: the GLU's gate and up run from the fp32 weights, kept.
           if (b.moe) REQUIRE(b.moe->experts().has_master_weights());
@@ -487,6 +495,17 @@ TEST_CASE(
   t.eps = 1e-5;
   t.window = 3;
   check_generation(t, "decoder_gpt_oss");
+}
+
+TEST_CASE(
+    "Decoder: ERNIE 4.5 (interleaved RoPE, a dense first layer, shared experts, a selection "
+    "bias on the probabilities) generates as the reference",
+    "[models][decoder]") {
+  Tiny t;
+  t.type = "ernie4_5_moe";
+  t.theta = 500000.0;
+  t.eps = 1e-5;
+  check_generation(t, "decoder_ernie");
 }
 
 TEST_CASE(

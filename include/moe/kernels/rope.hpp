@@ -114,4 +114,28 @@ inline void rope_backward(float* dx, float const* cos_t, float const* sin_t, Ind
   }
 }
 
+/// In place, the interleaved (GPT-J style; GLM-4 and ERNIE 4.5) RoPE of the first rotary_dim
+/// entries of x, pairs (2i, 2i + 1) (transformers: rotate_half(x) = stack(-x[1::2], x[0::2]),
+/// cos and sin repeat_interleave(2)):
+///   x'[2i]     = x[2i] cos_i - x[2i + 1] sin_i
+///   x'[2i + 1] = x[2i + 1] cos_i + x[2i] sin_i,     i < rotary_dim / 2
+inline void rope_apply_interleaved(float* x, float const* cos_t, float const* sin_t,
+                                   Index rotary_dim) {
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    float const a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = a * cos_t[i] - b * sin_t[i];
+    x[2 * i + 1] = b * cos_t[i] + a * sin_t[i];
+  }
+}
+
+/// In place, the backward of rope_apply_interleaved (the transposed rotation of each pair).
+inline void rope_backward_interleaved(float* dx, float const* cos_t, float const* sin_t,
+                                      Index rotary_dim) {
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    float const a = dx[2 * i], b = dx[2 * i + 1];
+    dx[2 * i] = a * cos_t[i] + b * sin_t[i];
+    dx[2 * i + 1] = b * cos_t[i] - a * sin_t[i];
+  }
+}
+
 }  // namespace moe::kernels

@@ -86,6 +86,8 @@ struct GatedAttentionConfig {
   bool o_bias = false;  ///< a bias on o_proj: "o_proj.bias" [D] (gpt-oss), 0 at first
   /// YaRN scaling of the RoPE frequencies (with rope; gpt-oss): factor 0 = off.
   kernels::RopeYarn yarn = {};
+  /// RoPE on the pairs (2i, 2i + 1) (GPT-J style: GLM-4, ERNIE 4.5) instead of (i, i + r / 2).
+  bool rope_interleaved = false;
 };
 
 /// What a GatedAttention call writes besides its output, and what forward_train keeps for
@@ -504,6 +506,21 @@ class GatedAttention {
   bool one_plus() const { return c_.qk_norm == QkNorm::kRmsNormOnePlus; }
   bool norm_all_heads() const { return has_norm() && c_.qk_norm_scope == QkNormScope::kAllHeads; }
   Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
+  /// RoPE of one head vector (rotate-half or interleaved pairs) and its backward.
+  void rotate(float* x, float const* cs, float const* sn) const {
+    if (c_.rope_interleaved) {
+      kernels::rope_apply_interleaved(x, cs, sn, c_.rotary_dim);
+    } else {
+      kernels::rope_apply(x, cs, sn, c_.rotary_dim);
+    }
+  }
+  void rotate_backward(float* dx, float const* cs, float const* sn) const {
+    if (c_.rope_interleaved) {
+      kernels::rope_backward_interleaved(dx, cs, sn, c_.rotary_dim);
+    } else {
+      kernels::rope_backward(dx, cs, sn, c_.rotary_dim);
+    }
+  }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
   Index scratch_floats() const {
@@ -713,7 +730,7 @@ class GatedAttention {
       } else {
         std::copy(qg + query_col(h), qg + query_col(h) + dh, q);
       }
-      if (c_.rope) kernels::rope_apply(q, cs, sn, c_.rotary_dim);
+      if (c_.rope) rotate(q, cs, sn);
       if constexpr (gated) {
         std::copy(qg + gate_col(h), qg + gate_col(h) + w, ws.gate.data() + (t * H + h) * w);
       }
@@ -729,7 +746,7 @@ class GatedAttention {
       } else {
         std::copy(kg, kg + dh, k);
       }
-      if (c_.rope) kernels::rope_apply(k, cs, sn, c_.rotary_dim);
+      if (c_.rope) rotate(k, cs, sn);
     }
     if (v_out) std::copy(ws.v.data() + t * KD, ws.v.data() + (t + 1) * KD, v_out);
   }
@@ -958,7 +975,7 @@ class GatedAttention {
         float* dqg = ws.dqg.data() + t * P;
         for (Index h = 0; h < H; ++h) {
           float* dq = ws.dq.data() + t * HD + h * dh;
-          if (c_.rope) kernels::rope_backward(dq, cs, sn, c_.rotary_dim);
+          if (c_.rope) rotate_backward(dq, cs, sn);
           if (norm_all_heads()) {
             // below, once the heads' RoPE is undone
           } else if (has_norm()) {
@@ -990,7 +1007,7 @@ class GatedAttention {
               }
             }
           }
-          if (c_.rope) kernels::rope_backward(dk, cs, sn, c_.rotary_dim);
+          if (c_.rope) rotate_backward(dk, cs, sn);
           float* dkr = ws.dk_raw.data() + t * KD + g * dh;
           if (norm_all_heads()) {
             // below

@@ -2,8 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// A whole MoE decoder (token embedding, N blocks, final RMSNorm, LM head) loaded from a Hugging
-/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, MiniMax-M2 or
-/// gpt-oss model, with KV-cached decoding.
+/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, MiniMax-M2,
+/// gpt-oss or ERNIE 4.5 model, with KV-cached decoding.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +38,7 @@
 namespace moe::models {
 
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
-/// defaults of the family's config class for absent keys. Seven families decode:
+/// defaults of the family's config class for absent keys. Eight families decode:
 ///
 /// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
 /// |------------|-------------------------------------------------------|-------------------------|
@@ -53,23 +53,25 @@ namespace moe::models {
 /// | gpt_oss    | attention_bias (q/k/v/o, default true); sinks; YaRN   | none                    |
 /// |            | RoPE (rope_scaling); sliding_window on the layers     |                         |
 /// |            | layer_types calls "sliding_attention"                 |                         |
+/// | ernie4_5_moe | interleaved RoPE (pairs 2i, 2i + 1); use_bias must be | layers outside | | |
+/// false (it would bias the dense MLPs and the LM head)  | moe_layer_start/end/... |
 ///
 /// Keys, with their defaults in the order qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
-/// minimax_m2 / gpt_oss:
-/// - vocab_size: 151936 / 32000 / 151936 / 50304 / 151552 / 200064 / 201088.
+/// minimax_m2 / gpt_oss / ernie4_5_moe:
+/// - vocab_size: 151936 / 32000 / 151936 / 50304 / 151552 / 200064 / 201088 / 103424.
 /// - num_hidden_layers: **required**; checkpoint layers past it (GLM-4.5's multi-token
 ///   prediction layer) are not read.
-/// - num_attention_heads: 32 / 32 / 16 / 16 / 96 / 48 / 64.
-/// - num_key_value_heads: 4 / 8 / 16 / = heads / 8 / 8 / 8.
+/// - num_attention_heads: 32 / 32 / 16 / 16 / 96 / 48 / 64 / 20.
+/// - num_key_value_heads: 4 / 8 / 16 / = heads / 8 / 8 / 8 / 4.
 /// - head_dim: else hidden_size / heads (minimax_m2: 128, gpt_oss: 64).
-/// - intermediate_size: the dense MLP layers' width (6144 / - / 5632 / - / 10944 / -).
-/// - rope_theta or rope_parameters.rope_theta: 1e4 / 1e6 / 1e4 / 1e4 / 1e4 / 5e6 / 1.5e5;
+/// - intermediate_size: the dense MLP layers' width (6144 / - / 5632 / - / 10944 / - / - / 12288).
+/// - rope_theta or rope_parameters.rope_theta: 1e4 / 1e6 / 1e4 / 1e4 / 1e4 / 5e6 / 1.5e5 / 5e5;
 ///   rope_scaling and rope_type must be absent, null or "default" (gpt_oss: also "yarn", whose
 ///   factor, beta_fast, beta_slow, original_max_position_embeddings, truncate and
 ///   attention_factor set `yarn`; gpt-oss's transformers default when rope_scaling is absent).
 /// - rotary_dim: glm4_moe int(head_dim * partial_rotary_factor); minimax_m2 rotary_dim.
-/// - rms_norm_eps (also the q/k norms'): 1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6 / 1e-5.
-/// - tie_word_embeddings: false (true: lm_head = embed_tokens).
+/// - rms_norm_eps (also the q/k norms'): 1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6 / 1e-5 / 1e-5.
+/// - tie_word_embeddings: false (ernie4_5_moe: true); true: lm_head = embed_tokens.
 /// - sliding_window: mixtral, every layer (null: none); gpt_oss (128), the layers layer_types
 ///   calls "sliding_attention" (default: the even ones); use_sliding_window must be false
 ///   (qwen3_moe, qwen2_moe).
@@ -98,6 +100,7 @@ struct DecoderConfig {
   QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< kAllHeads: OLMoE, MiniMax-M2
   bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
+  bool rope_interleaved = false;  ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5)
 };
 
 namespace detail {
@@ -112,7 +115,7 @@ struct DecoderDefaults {
 inline bool decodes(io::HfFamily f) {
   using F = io::HfFamily;
   return f == F::kQwen3Moe || f == F::kMixtral || f == F::kQwen2Moe || f == F::kOlmoe ||
-         f == F::kGlm4Moe || f == F::kMinimaxM2 || f == F::kGptOss;
+         f == F::kGlm4Moe || f == F::kMinimaxM2 || f == F::kGptOss || f == F::kErnie45Moe;
 }
 
 inline DecoderDefaults decoder_defaults(io::HfFamily f) {
@@ -129,6 +132,8 @@ inline DecoderDefaults decoder_defaults(io::HfFamily f) {
       return {200064, 48, 8, 5e6, 1e-6, 0};
     case io::HfFamily::kGptOss:
       return {201088, 64, 8, 150000.0, 1e-5, 0};
+    case io::HfFamily::kErnie45Moe:
+      return {103424, 20, 4, 500000.0, 1e-5, 12288};
     default:  // qwen3_moe
       return {151936, 32, 4, 10000.0, 1e-6, 6144};
   }
@@ -149,10 +154,11 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   c.moe = io::parse_hf_config(text, source);
   HfFamily const family = c.moe.family;
   if (!detail::decodes(family)) {
-    moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
-                      "\" has no decoder in moe yet; moe::models decodes qwen3_moe, mixtral, "
-                      "qwen2_moe, olmoe, glm4_moe, minimax_m2 and gpt_oss models (the other "
-                      "families load layer by layer through moe/io/hf.hpp)");
+    moe::detail::fail(
+        "models: ", source, ": model_type \"", c.moe.model_type(),
+        "\" has no decoder in moe yet; moe::models decodes qwen3_moe, mixtral, "
+        "qwen2_moe, olmoe, glm4_moe, minimax_m2, gpt_oss and ernie4_5_moe models (the "
+        "other families load layer by layer through moe/io/hf.hpp)");
   }
   detail::DecoderDefaults const def = detail::decoder_defaults(family);
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
@@ -194,7 +200,7 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   }
   c.rope_theta = static_cast<float>(rope.theta);
   c.rms_norm_eps = static_cast<float>(r.number("rms_norm_eps", def.eps));
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", family == HfFamily::kErnie45Moe);
   bool attention_bias = false;
   if (io::detail::JsonValue const* b = r.find("attention_bias")) {
     if (b->kind != JsonKind::kBool) r.bad("attention_bias", *b, "true or false");
@@ -234,6 +240,13 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
     case HfFamily::kGptOss:
       c.qkv_bias = c.o_bias = r.boolean("attention_bias", true);
       c.sinks = true;
+      break;
+    case HfFamily::kErnie45Moe:
+      c.rope_interleaved = true;
+      fail_if(c.moe.use_bias,
+              "use_bias = true is not supported by the ernie4_5_moe decoder (it would add "
+              "biases to the attention, the dense MLPs and the LM head; released models set it "
+              "false)");
       break;
     case HfFamily::kMinimaxM2: {
       c.qk_norm = r.boolean("use_qk_norm", true);
@@ -622,7 +635,7 @@ class Decoder {
 };
 
 /// A loaded decoder of any family (use std::visit): Qwen3Moe holds qwen3_moe and olmoe,
-/// DeepseekV3Moe holds glm4_moe and minimax_m2.
+/// DeepseekV3Moe holds glm4_moe, minimax_m2 and ernie4_5_moe.
 using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::MixtralMoe>,
                                 Decoder<presets::Qwen2Moe>, Decoder<presets::DeepseekV3Moe>,
                                 Decoder<presets::GptOssMoe>>;
@@ -747,6 +760,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.rotary_dim = c.rotary_dim;
   ac.yarn = c.yarn;
   ac.sinks = c.sinks;
+  ac.rope_interleaved = c.rope_interleaved;
   ac.causal = true;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
     std::string const p = io::detail::concat("model.layers.", L, ".");
@@ -826,6 +840,7 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
       return detail::load_decoder<presets::Qwen2Moe>(c, ckpt, options, pool);
     case io::HfFamily::kGlm4Moe:
     case io::HfFamily::kMinimaxM2:
+    case io::HfFamily::kErnie45Moe:
       return detail::load_decoder<presets::DeepseekV3Moe>(c, ckpt, options, pool);
     case io::HfFamily::kGptOss:
       return detail::load_decoder<presets::GptOssMoe>(c, ckpt, options, pool);
