@@ -676,7 +676,7 @@ namespace {
 /// starts empty and joins later), against forward() over each whole sequence (batch 1).
 template <class Layer>
 void check_cached(Layer const& layer, moe::ThreadPool* pool,
-                  moe::KvFormat format = moe::KvFormat::kF32) {
+                  moe::KvFormat format = moe::KvFormat::kF32, Index window = 0) {
   bool const bf16 = format == moe::KvFormat::kBf16;
   Index const D = layer.d_model();
   Index const S = 3;
@@ -686,7 +686,7 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool,
                                                  {1, 1, 1},  {0, 1, 1}, {1, 1, 1}};
   std::vector<std::vector<float>> seq(S);  // every token of each sequence so far
   Index const KD = layer.num_kv_heads() * layer.head_dim();
-  moe::KvCache cache(S, KD, 4, format);
+  moe::KvCache cache(S, KD, 4, format, window);
   moe::KvCache f32(S, KD, 4);  // bf16: the same calls on an fp32 cache, for its stored rows
   moe::GatedAttentionWorkspace ws, ws32, full_ws;
   double max_rel = 0.0;
@@ -706,7 +706,9 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool,
       std::vector<float> y32(x.size());
       layer.forward_cached({x.data(), T, D}, {y32.data(), T, D}, f32, calls[c], ws32, pool);
       for (Index s = 0; s < S; ++s) {
-        auto const k32 = f32.keys(s), v32 = f32.values(s);
+        // (a windowed cache holds positions [first(s), length(s)) of them)
+        auto const skip = static_cast<std::size_t>(cache.first(s) * KD);
+        auto const k32 = f32.keys(s).subspan(skip), v32 = f32.values(s).subspan(skip);
         auto const k16 = cache.keys_bf16(s), v16 = cache.values_bf16(s);
         REQUIRE(k16.size() == k32.size());
         for (std::size_t i = 0; i < k32.size(); ++i) {
@@ -737,6 +739,19 @@ void check_cached(Layer const& layer, moe::ThreadPool* pool,
       row += n;
     }
   }
+  if (window > 0) {
+    // Sequence 1's 12-token prefill grew the blocks 4 -> 8 -> 16; its 17 tokens would have grown
+    // them to 32, but the window dropped its oldest tokens instead.
+    REQUIRE(cache.capacity() == 16);
+    REQUIRE(cache.length(1) == 17);
+    REQUIRE(cache.first(1) > 0);
+    REQUIRE(cache.rows(1) == cache.length(1) - cache.first(1));
+    REQUIRE(static_cast<Index>(bf16 ? cache.keys_bf16(1).size() : cache.keys(1).size()) ==
+            cache.rows(1) * KD);
+    REQUIRE_THROWS_WITH(cache.truncate(1, cache.first(1) - 1),
+                        Catch::Contains("the window's oldest kept token"));
+    return;
+  }
   REQUIRE(cache.capacity() >= 16);  // grew from 4
   REQUIRE(cache.bytes_per_token() == (bf16 ? 2u : 4u) * 2u * static_cast<std::size_t>(KD));
   if (bf16) REQUIRE(max_rel > 1e-6);  // the rounding is visible: the bf16 path ran
@@ -763,6 +778,23 @@ TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[atten
     randomize(layer, 32);
     moe::ThreadPool pool(2);
     check_cached(layer, &pool);
+  }
+  SECTION("a windowed cache (KvCache window 5) keeps only what the window sees") {
+    auto c = small_config(4, 1, moe::GateLayout::kSeparate);
+    c.rope = true;
+    c.sinks = true;
+    c.sliding_window = 5;
+    moe::GatedAttention<gating::NoGate> layer(c);
+    randomize(layer, 38);
+    moe::ThreadPool pool(2);
+    check_cached(layer, &pool, moe::KvFormat::kF32, 5);
+    check_cached(layer, nullptr, moe::KvFormat::kBf16, 6);     // a wider cache window is fine
+    auto c2 = small_config(4, 2, moe::GateLayout::kSeparate);  // the grouped 1-token path
+    c2.rope = true;
+    c2.sliding_window = 4;
+    moe::GatedAttention<gating::NoGate> l2(c2);
+    randomize(l2, 39);
+    check_cached(l2, &pool, moe::KvFormat::kF32, 4);
   }
   SECTION("q/k/v and o biases, q/k norms over all heads (OLMoE-like), two threads") {
     auto c = small_config(4, 2, moe::GateLayout::kSeparate);
@@ -828,6 +860,10 @@ TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
   REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, cache, bad_sum, ws),
                       Catch::Contains("sum to 2") && Catch::Contains("3 rows"));
   REQUIRE_THROWS_WITH(cache.truncate(0, 1), Catch::Contains("between 0 and its length"));
+  moe::KvCache windowed(2, 8, 0, moe::KvFormat::kF32, 4);  // the layer attends to everything
+  REQUIRE_THROWS_WITH(
+      layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, windowed, counts, ws),
+      Catch::Contains("window of 4") && Catch::Contains("sliding_window is 0"));
   auto nc = c;
   nc.causal = false;
   moe::GatedAttention<gating::NoGate> bidir(nc);

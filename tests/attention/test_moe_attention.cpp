@@ -552,5 +552,8 @@ TEST_CASE("MoeAttention KV cache: prefill and decode steps equal the full recomp
     std::vector<Index> const one = {1, 0, 0};
     REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, wrong, one, ws),
                         Catch::Contains("with_widths"));
+    moe::KvCache windowed(S, 4, 0, moe::KvFormat::kF32, 5);
+    REQUIRE_THROWS_WITH(layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, windowed, one, ws),
+                        Catch::Contains("window"));
   }
 }

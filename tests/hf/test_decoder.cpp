@@ -435,6 +435,12 @@ void check_generation(Tiny const& t, std::string const& name) {
         }
         REQUIRE(st.kv_bytes_per_token() ==
                 static_cast<std::size_t>(t.L * 2 * t.kv * t.dh) * sizeof(float));
+        for (Index l = 0; l < t.L; ++l) {  // a sliding layer's cache dropped what it cannot see
+          moe::KvCache const& c = st.caches[static_cast<std::size_t>(l)];
+          REQUIRE(c.window() == window_of(t, l));
+          REQUIRE((c.first(0) > 0) == (c.window() > 0));
+          REQUIRE(c.length(0) == static_cast<Index>(ids.size()));
+        }
       },
       any);
 }

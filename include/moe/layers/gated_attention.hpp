@@ -462,6 +462,12 @@ class GatedAttention {
                   "head_dim = ",
                   kv_dim(), "; make it with KvCache(sequences, ", kv_dim(), ")");
     detail::check_new_tokens(cache, new_tokens, x.rows, "GatedAttention");
+    detail::check(
+        cache.window() == 0 || (c_.sliding_window > 0 && c_.sliding_window <= cache.window()),
+        "GatedAttention::forward_cached: the cache keeps a window of ", cache.window(),
+        " tokens but the layer's sliding_window is ", c_.sliding_window,
+        " (0: the whole prefix); give this layer a cache without a window (or one of at "
+        "least its sliding_window)");
     run_cached(x, y, cache, new_tokens, ws, pool);
     ws.trained = false;
   }
@@ -787,7 +793,7 @@ class GatedAttention {
     enqueue_qkv(x, ws, true);
     ws.queue.run(pool, ws.scratch.data(), per);
 
-    // Queries into ws.q; keys and values straight into the cache rows.
+    // Queries into ws.q; keys and values into the cache (at absolute positions).
     Index const tiles = (T + kTileRows - 1) / kTileRows;
     parallel_for(pool, tiles, [&](Index i, int) {
       for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
@@ -823,7 +829,8 @@ class GatedAttention {
     Index items = 0;
     for (Index s = 0; s < B; ++s) {
       items += items_of(s);
-      std::fill(ws.group_pos.begin() + s * G, ws.group_pos.begin() + (s + 1) * G, cache.length(s));
+      // Positions relative to the cache's row 0 (first(s): 0 without a window).
+      std::fill(ws.group_pos.begin() + s * G, ws.group_pos.begin() + (s + 1) * G, cache.rows(s));
     }
     parallel_for(pool, items, [&](Index item, int thread) {
       Index s = 0, base = 0;
@@ -834,7 +841,7 @@ class GatedAttention {
       }
       Index const n = new_tokens[static_cast<std::size_t>(s)];
       Index const row0 = ws.seq_row0[static_cast<std::size_t>(s)];
-      Index const len = cache.length(s);  // before this call's tokens
+      Index const len = cache.rows(s);  // rows held before this call's tokens
       kernels::SdpaParams p;
       p.ldk = KD;
       p.ldv = KD;

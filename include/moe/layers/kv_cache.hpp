@@ -32,9 +32,19 @@ enum class KvFormat { kF32, kBf16 };
 /// Layout: sequence s owns one contiguous block of `capacity()` rows for its keys and one for
 /// its values. GatedAttention's rows are kv_dim = num_kv_heads * head_dim floats (head-major,
 /// as k_proj's output); MoeAttention's keys are d_qk wide and its values are the hidden states,
-/// d_model wide (with_widths). Rows [0, length(s)) are filled. Appending past the capacity
-/// grows every sequence's block to max(2 * capacity, needed) (one copy of the filled rows), so
-/// a decode loop reallocates O(log n) times, not per step; reserve() sizes it up front.
+/// d_model wide (with_widths). Rows [0, length(s) - first(s)) hold the tokens at positions
+/// [first(s), length(s)). Appending past the capacity grows every sequence's block to
+/// max(2 * capacity, needed) (one copy of the filled rows), so a decode loop reallocates
+/// O(log n) times, not per step; reserve() sizes it up front.
+///
+/// Window (a sliding-window layer's cache, `window` W > 0): the cache keeps only the tokens a
+/// new query can still see. When appending would pass the capacity it first drops the tokens
+/// before position length(s) - W + 1 (moving the last W - 1 rows to the front: one copy of W
+/// rows every capacity - W + 1 tokens), and grows only if a call brings more than that. A decode
+/// loop then holds about 2 W rows per sequence however long it runs (gpt-oss's sliding layers:
+/// 128 tokens, not the whole context). first(s) is the oldest kept position; truncate() cannot
+/// go back before it. Only GatedAttention serves windowed caches, and only for a layer whose
+/// sliding window is at most W.
 /// Memory: bytes_per_token() = (key width + value width) * 4 bytes per cached token and layer
 /// (2 with KvFormat::kBf16), in HugePageAllocator storage (2 MiB pages from 2 MiB up: a decode
 /// step streams the whole cached prefix once).
@@ -43,12 +53,14 @@ class KvCache {
   KvCache() = default;
   /// `sequences` empty sequences of keys and values of width kv_dim (>= 1), room for
   /// `capacity` tokens each, stored as `format`. Throws moe::Error on negative sizes.
-  KvCache(Index sequences, Index kv_dim, Index capacity = 0, KvFormat format = KvFormat::kF32)
-      : KvCache(sequences, kv_dim, kv_dim, capacity, format) {}
+  /// `window` > 0: keep only what a sliding window of that many tokens can still see (above).
+  KvCache(Index sequences, Index kv_dim, Index capacity = 0, KvFormat format = KvFormat::kF32,
+          Index window = 0)
+      : KvCache(sequences, kv_dim, kv_dim, capacity, format, window) {}
   /// Keys of key_dim and values of value_dim values (MoeAttention: d_qk and d_model).
   static KvCache with_widths(Index sequences, Index key_dim, Index value_dim, Index capacity = 0,
                              KvFormat format = KvFormat::kF32) {
-    return KvCache(sequences, key_dim, value_dim, capacity, format);
+    return KvCache(sequences, key_dim, value_dim, capacity, format, 0);
   }
 
   Index sequences() const { return static_cast<Index>(length_.size()); }
@@ -58,8 +70,14 @@ class KvCache {
   Index value_dim() const { return value_dim_; }
   /// Tokens every sequence can hold before the next growth.
   Index capacity() const { return capacity_; }
-  /// Tokens cached for sequence s (its next token's position).
+  /// Tokens sequence s has seen (its next token's position).
   Index length(Index s) const { return length_[checked(s)]; }
+  /// The oldest position sequence s still holds (0 without a window).
+  Index first(Index s) const { return first_[checked(s)]; }
+  /// Rows held for sequence s: length(s) - first(s).
+  Index rows(Index s) const { return length(s) - first(s); }
+  /// The sliding window the cache keeps (0: every token).
+  Index window() const { return window_; }
   KvFormat format() const { return format_; }
   bool is_bf16() const { return format_ == KvFormat::kBf16; }
   /// Bytes of keys and values per cached token (one layer).
@@ -71,24 +89,24 @@ class KvCache {
     return (k_.size() + v_.size()) * sizeof(float) + (k16_.size() + v16_.size()) * 2;
   }
 
-  /// Sequence s's keys [length(s), key_dim] and values [length(s), value_dim] (KvFormat::kF32;
-  /// moe::Error for a bf16 cache: read keys_bf16 / values_bf16).
+  /// Sequence s's keys [rows(s), key_dim] and values [rows(s), value_dim] of positions
+  /// [first(s), length(s)) (KvFormat::kF32; moe::Error for a bf16 cache: keys_bf16 / values_bf16).
   std::span<float const> keys(Index s) const {
     require(KvFormat::kF32, "keys");
-    return {k_.data() + kblock(s), static_cast<std::size_t>(length(s) * key_dim_)};
+    return {k_.data() + kblock(s), static_cast<std::size_t>(rows(s) * key_dim_)};
   }
   std::span<float const> values(Index s) const {
     require(KvFormat::kF32, "values");
-    return {v_.data() + vblock(s), static_cast<std::size_t>(length(s) * value_dim_)};
+    return {v_.data() + vblock(s), static_cast<std::size_t>(rows(s) * value_dim_)};
   }
   /// The same of a KvFormat::kBf16 cache, as bf16 bits (moe::Error for an fp32 cache).
   std::span<std::uint16_t const> keys_bf16(Index s) const {
     require(KvFormat::kBf16, "keys_bf16");
-    return {k16_.data() + kblock(s), static_cast<std::size_t>(length(s) * key_dim_)};
+    return {k16_.data() + kblock(s), static_cast<std::size_t>(rows(s) * key_dim_)};
   }
   std::span<std::uint16_t const> values_bf16(Index s) const {
     require(KvFormat::kBf16, "values_bf16");
-    return {v16_.data() + vblock(s), static_cast<std::size_t>(length(s) * value_dim_)};
+    return {v16_.data() + vblock(s), static_cast<std::size_t>(rows(s) * value_dim_)};
   }
 
   /// Room for `capacity` tokens per sequence (never shrinks; keeps the cached rows).
@@ -99,8 +117,7 @@ class KvCache {
       V bigger(static_cast<std::size_t>(sequences() * capacity * width));
       for (Index s = 0; s < sequences(); ++s) {
         auto const from = store.begin() + static_cast<std::ptrdiff_t>(s * capacity_ * width);
-        Index const len = length_[static_cast<std::size_t>(s)];
-        std::copy(from, from + len * width, bigger.begin() + s * capacity * width);
+        std::copy(from, from + rows(s) * width, bigger.begin() + s * capacity * width);
       }
       store = std::move(bigger);
     };
@@ -114,31 +131,52 @@ class KvCache {
     capacity_ = capacity;
   }
   /// Empties every sequence (the memory stays).
-  void clear() { std::fill(length_.begin(), length_.end(), 0); }
+  void clear() {
+    std::fill(length_.begin(), length_.end(), 0);
+    std::fill(first_.begin(), first_.end(), 0);
+  }
   /// Empties sequence s.
-  void reset(Index s) { length_[checked(s)] = 0; }
-  /// Keeps the first n tokens of sequence s (0 <= n <= length(s)), e.g. to roll back a step.
+  void reset(Index s) { length_[checked(s)] = first_[checked(s)] = 0; }
+  /// Keeps the first n tokens of sequence s (first(s) <= n <= length(s)), e.g. to roll back a
+  /// step. With a window the tokens before first(s) are gone: n must not go below it.
   void truncate(Index s, Index n) {
-    detail::check(n >= 0 && n <= length(s), "KvCache::truncate: ", n, " tokens for sequence ", s,
-                  " of length ", length(s), "; keep between 0 and its length");
+    detail::check(n >= first(s) && n <= length(s), "KvCache::truncate: ", n,
+                  " tokens for sequence ", s, " of length ", length(s), "; keep between ", first(s),
+                  first(s) > 0 ? " (the window's oldest kept token)" : "", " and its length");
     length_[checked(s)] = n;
   }
 
-  // For the attention layers: room for `extra` more tokens of sequence s, and its rows.
+  // For the attention layers: room for `extra` more tokens of sequence s (with a window, first
+  // dropping the tokens no query at position >= length(s) can see), and its rows.
   void make_room(Index s, Index extra) {
-    Index const need = length(s) + extra;
+    if (window_ > 0 && rows(s) + extra > capacity_) {
+      Index const keep_from = std::max(first(s), length(s) - window_ + 1);
+      Index const drop = keep_from - first(s), kept = rows(s) - drop;
+      if (drop > 0) {
+        auto shift = [&](auto& store, std::ptrdiff_t block, Index width) {
+          if (store.empty()) return;
+          auto const base = store.begin() + block;
+          std::copy(base + drop * width, base + (drop + kept) * width, base);
+        };
+        shift(k_, kblock(s), key_dim_);
+        shift(v_, vblock(s), value_dim_);
+        shift(k16_, kblock(s), key_dim_);
+        shift(v16_, vblock(s), value_dim_);
+        first_[static_cast<std::size_t>(s)] = keep_from;
+      }
+    }
+    Index const need = rows(s) + extra;
     if (need > capacity_) reserve(std::max(need, 2 * capacity_));
   }
-  /// Row `pos` of sequence s's keys (values) = key[0, key_dim) (value[0, value_dim)), rounded to
-  /// bf16 in a bf16 cache.
+  /// The key (value) of sequence s at position pos = key[0, key_dim) (value[0, value_dim)),
+  /// rounded to bf16 in a bf16 cache; first(s) <= pos < first(s) + capacity() (make_room first).
   void store_key(Index s, Index pos, float const* key) {
-    store(k_, k16_, kblock(s) + pos * key_dim_, key, key_dim_);
+    store(k_, k16_, kblock(s) + (pos - first(s)) * key_dim_, key, key_dim_);
   }
   void store_value(Index s, Index pos, float const* value) {
-    store(v_, v16_, vblock(s) + pos * value_dim_, value, value_dim_);
+    store(v_, v16_, vblock(s) + (pos - first(s)) * value_dim_, value, value_dim_);
   }
-  // (pos < capacity(): make_room first.)
-  /// Sequence s's key and value rows from 0 (fp32 cache; null in a bf16 one) ...
+  /// Sequence s's key and value rows from position first(s) (fp32 cache; null in a bf16 one) ...
   float const* key_data(Index s) const { return is_bf16() ? nullptr : k_.data() + kblock(s); }
   float const* value_data(Index s) const { return is_bf16() ? nullptr : v_.data() + vblock(s); }
   /// ... or as bf16 (bf16 cache; null in an fp32 one).
@@ -151,13 +189,15 @@ class KvCache {
   void advance(Index s, Index n) { length_[checked(s)] += n; }
 
  private:
-  KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, KvFormat format)
-      : key_dim_(key_dim), value_dim_(value_dim), format_(format) {
-    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 1 && capacity >= 0,
+  KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, KvFormat format,
+          Index window)
+      : key_dim_(key_dim), value_dim_(value_dim), window_(window), format_(format) {
+    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 1 && capacity >= 0 && window >= 0,
                   "KvCache: sequences = ", sequences, ", key width = ", key_dim,
-                  ", value width = ", value_dim, ", capacity = ", capacity,
+                  ", value width = ", value_dim, ", capacity = ", capacity, ", window = ", window,
                   "; the widths must be >= 1 and the others >= 0");
     length_.assign(static_cast<std::size_t>(sequences), 0);
+    first_.assign(static_cast<std::size_t>(sequences), 0);
     reserve(capacity);
   }
   std::size_t checked(Index s) const {
@@ -186,9 +226,11 @@ class KvCache {
   }
 
   Index key_dim_ = 1, value_dim_ = 1;
+  Index window_ = 0;
   KvFormat format_ = KvFormat::kF32;
   Index capacity_ = 0;
   std::vector<Index> length_;
+  std::vector<Index> first_;                 ///< the position of each sequence's row 0
   HugePageVector<float> k_, v_;              // KvFormat::kF32
   HugePageVector<std::uint16_t> k16_, v16_;  // KvFormat::kBf16
 };

@@ -331,6 +331,9 @@ class MoeAttention {
     detail::check(c_.causal,
                   "MoeAttention::forward_cached: the layer is not causal; a KV cache "
                   "serves causal decoding only");
+    detail::check(cache.window() == 0, "MoeAttention::forward_cached: the cache keeps a window of ",
+                  cache.window(),
+                  " tokens; MoeAttention reads whole-prefix caches (KvCache::with_widths)");
     detail::check(cache.key_dim() == c_.qk_dim && cache.value_dim() == c_.d_model,
                   "MoeAttention::forward_cached: the cache holds keys of ", cache.key_dim(),
                   " and values of ", cache.value_dim(),

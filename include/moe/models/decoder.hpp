@@ -505,12 +505,17 @@ class Decoder {
 
   /// A state for `sequences` sequences with room for `capacity` tokens each (it grows), its
   /// caches holding keys and values as `kv` says (KvFormat::kBf16: half the bytes a step reads
-  /// from a long context; the logits move by the rounding of the cached keys and values).
+  /// from a long context; the logits move by the rounding of the cached keys and values). A
+  /// sliding-window layer's cache keeps only its window (KvCache's `window`: about 2 W rows
+  /// however long the context; a sequence cannot be truncated back past it).
   DecoderState make_state(Index sequences, Index capacity = 0, KvFormat kv = KvFormat::kF32) const {
     DecoderState st;
     Index const kvd = config.num_key_value_heads * config.head_dim;
-    for (std::size_t i = 0; i < blocks.size(); ++i)
-      st.caches.emplace_back(sequences, kvd, capacity, kv);
+    for (Block const& b : blocks) {
+      Index const window = b.attention.config().sliding_window;
+      st.caches.emplace_back(sequences, kvd, window > 0 ? std::min(capacity, 2 * window) : capacity,
+                             kv, window);
+    }
     return st;
   }
 
