@@ -43,6 +43,7 @@ struct Tiny {
   Index window = 0;  // Mixtral sliding_window
   bool tie = false;
   Index fp8_block = 0;  // > 0: config.json says FP8 with square blocks of this size
+  bool mxfp4 = false;   // gpt-oss: config.json says the experts are MXFP4
 };
 
 /// What the family's attention has (DecoderConfig's table), as the test's config.json sets it.
@@ -95,6 +96,7 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
   if (t.type == "gpt_oss") c.swiglu_limit = 0.5f;        // the clamps take effect
   if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;  // layer 0 dense (start index 1)
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
+  c.mxfp4 = t.mxfp4;
   c.defaulted_keys.clear();
   return c;
 }
@@ -714,6 +716,97 @@ TEST_CASE("Decoder: F8_E4M3 attention weights with weight_scale_inv blocks (Mini
   }
   REQUIRE(scale > 0.1);
   REQUIRE(diff <= 1e-4 * scale);
+}
+
+TEST_CASE(
+    "Decoder: gpt-oss with MXFP4 experts (its release's format) decodes as the same model "
+    "with the experts in F32",
+    "[models][decoder][mxfp4]") {
+  // The released gpt-oss checkpoints keep the experts as MXFP4 blocks (experts.gate_up_proj_blocks
+  // [E, 2I, H/32, 16] nibbles, _scales [E, 2I, H/32] E8M0) beside BF16 attention. Random blocks
+  // and scales here; the F32 twin holds their values, decoded with transformers' FP4_VALUES table
+  // (low nibble first, ldexp(value, scale - 127)) and transposed to the x @ W layout. The loader
+  // decodes exactly, so the two must give the same logits, bit for bit; the F32 model itself is
+  // the reference decoder's (the gpt-oss generation test above).
+  Tiny t;
+  t.type = "gpt_oss";
+  t.theta = 150000.0;
+  t.eps = 1e-5;
+  t.window = 3;
+  t.H = 32;  // MXFP4 rows are whole 32-blocks
+  t.I_moe = 32;
+  Tensors m = make_tensors(t, 960);
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& sp : tensor_specs(t)) shapes[sp.name] = sp.shape;
+  Index const E = t.E, H = t.H, I = t.I_moe;
+  std::uint64_t state = 961;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<unsigned>(state >> 33);
+  };
+  static constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  struct Blocks {
+    std::vector<std::byte> blocks, scales;
+  };
+  // [E, rows, cols] MXFP4 -> the x @ W tensor [E, cols, rows] of the F32 twin.
+  auto make = [&](Index rows, Index cols, std::vector<float>& twin) {
+    Blocks b;
+    b.blocks.resize(static_cast<std::size_t>(E * rows * cols / 2));
+    b.scales.resize(static_cast<std::size_t>(E * rows * cols / 32));
+    for (auto& x : b.blocks) x = static_cast<std::byte>(next() & 0xFFu);
+    for (auto& x : b.scales) x = static_cast<std::byte>(121u + next() % 4u);
+    for (Index e = 0; e < E; ++e) {
+      for (Index r = 0; r < rows; ++r) {
+        for (Index c = 0; c < cols; ++c) {
+          Index const flat = (e * rows + r) * cols + c;
+          auto const byte = static_cast<unsigned>(b.blocks[static_cast<std::size_t>(flat / 2)]);
+          unsigned const nib = c % 2 == 0 ? byte & 0xFu : byte >> 4;
+          int const sc = static_cast<int>(b.scales[static_cast<std::size_t>(flat / 32)]) - 127;
+          twin[static_cast<std::size_t>((e * cols + c) * rows + r)] = std::ldexp(kFp4[nib], sc);
+        }
+      }
+    }
+    return b;
+  };
+  std::vector<Blocks> gate_up, down;
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const p = concat("model.layers.", l, ".mlp.experts.");
+    gate_up.push_back(make(2 * I, H, m.at(p + "gate_up_proj")));
+    down.push_back(make(H, I, m.at(p + "down_proj")));
+  }
+  fs::path const d32 = write_model(t, m, "decoder_gpt_oss_f32");
+  fs::path const d4 = iotest::scratch_dir("decoder_gpt_oss_mxfp4");
+  moe::io::SafetensorsWriter w;
+  for (auto const& [name, v] : m) {
+    if (name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj")) continue;
+    w.add_f32(name, shapes.at(name), v);
+  }
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const p = concat("model.layers.", l, ".mlp.experts.");
+    auto const u8 = moe::io::Dtype::kU8;
+    auto const L = static_cast<std::size_t>(l);
+    w.add(p + "gate_up_proj_blocks", u8, {E, 2 * I, H / 32, 16}, gate_up[L].blocks);
+    w.add(p + "gate_up_proj_scales", u8, {E, 2 * I, H / 32}, gate_up[L].scales);
+    w.add(p + "down_proj_blocks", u8, {E, H, I / 32, 16}, down[L].blocks);
+    w.add(p + "down_proj_scales", u8, {E, H, I / 32}, down[L].scales);
+  }
+  w.save(d4 / "model.safetensors");
+  Tiny t4 = t;
+  t4.mxfp4 = true;
+  REQUIRE_THAT(config_json(t4), Catch::Contains("\"quant_method\": \"mxfp4\""));
+  iotest::write_text(d4 / "config.json", config_json(t4));
+  auto logits = [&](fs::path const& dir, moe::experts::WeightFormat experts) {
+    moe::models::DecoderOptions o;
+    o.experts = experts;
+    return std::visit([&](auto const& dec) { return greedy_logits(dec, t.V, 4, nullptr); },
+                      moe::models::load_hf_decoder(dir, nullptr, o));
+  };
+  REQUIRE(logits(d4, moe::experts::WeightFormat::kF32) ==
+          logits(d32, moe::experts::WeightFormat::kF32));
+  // Quantized at load (what a 24 GB machine does with gpt-oss-20b): the same bits from both.
+  REQUIRE(logits(d4, moe::experts::WeightFormat::kQ8_0) ==
+          logits(d32, moe::experts::WeightFormat::kQ8_0));
 }
 
 TEST_CASE("Decoder: a bf16 KV cache holds half the bytes; the logits move by its rounding",
