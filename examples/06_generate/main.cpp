@@ -259,9 +259,11 @@ int main(int argc, char** argv) {
         [&](auto const& d) {
           bool const attn_bf16 = !d.blocks.empty() && d.blocks.front().attention.weight_format() ==
                                                           moe::experts::WeightFormat::kBf16;
-          return std::string("LM head ") + (d.output_weights().is_bf16() ? "bf16" : "fp32") +
+          return std::string(d.config.moe.model_type()) + ", " + std::to_string(d.blocks.size()) +
+                 " layers; LM head " + (d.output_weights().is_bf16() ? "bf16" : "fp32") +
                  ", attention " + (attn_bf16 ? "bf16" : "fp32") + ", experts " +
-                 moe::experts::name(a.weights.experts);
+                 moe::experts::name(a.weights.experts) + ", KV cache " +
+                 (a.kv == moe::KvFormat::kBf16 ? "bf16" : "fp32");
         },
         dec);
     std::fprintf(stderr, "moe_generate: loaded %s in %.2f s (%s); %s\n", a.model.c_str(),

@@ -897,7 +897,7 @@ TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   using Catch::Contains;
   REQUIRE_THROWS_WITH(
       moe::models::parse_decoder_config(R"({"model_type": "deepseek_v3", "num_hidden_layers": 2})"),
-      Contains("no decoder in moe yet"));
+      Contains("no decoder in moe yet") && Contains("multi-head latent attention"));
   REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(R"({"model_type": "mixtral"})"),
                       Contains("num_hidden_layers"));
   REQUIRE_THROWS_WITH(
@@ -1042,12 +1042,14 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
   // Weight formats: the F32 checkpoint's dense weights rounded to bf16, bf16 experts.
   REQUIRE(run_generate(base + " --dense bf16 --experts bf16", dir) == 0);
   REQUIRE_THAT(text_of(dir / "err.txt"),
-               Catch::Contains("(LM head bf16, attention bf16, experts bf16)"));
+               Catch::Contains("(qwen3_moe, 3 layers; LM head bf16, attention bf16, experts bf16, "
+                               "KV cache fp32)"));
   REQUIRE(run_generate(base, dir) == 0);
   REQUIRE_THAT(text_of(dir / "err.txt"),
-               Catch::Contains("(LM head fp32, attention fp32, experts fp32)"));
+               Catch::Contains("LM head fp32, attention fp32, experts fp32, KV cache fp32)"));
   REQUIRE(run_generate(base + " --kv-cache bf16", dir) == 0);
-  REQUIRE_THAT(text_of(dir / "err.txt"), Catch::Contains("KV cache 192 bytes per token"));
+  REQUIRE_THAT(text_of(dir / "err.txt"), Catch::Contains("KV cache bf16)") &&
+                                             Catch::Contains("KV cache 192 bytes per token"));
   // Errors: one line on stderr, exit 1.
   for (std::string const& bad :
        {std::string("--model '") + dir.string() + "' --prompt-ids 3,99 --max-new-tokens 2",

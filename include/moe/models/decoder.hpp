@@ -154,11 +154,15 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   c.moe = io::parse_hf_config(text, source);
   HfFamily const family = c.moe.family;
   if (!detail::decodes(family)) {
-    moe::detail::fail(
-        "models: ", source, ": model_type \"", c.moe.model_type(),
-        "\" has no decoder in moe yet; moe::models decodes qwen3_moe, mixtral, "
-        "qwen2_moe, olmoe, glm4_moe, minimax_m2, gpt_oss and ernie4_5_moe models (the "
-        "other families load layer by layer through moe/io/hf.hpp)");
+    char const* const missing =
+        family == HfFamily::kQwen3Next ? "its Gated DeltaNet (linear attention) layers"
+        : family == HfFamily::kLlama4  ? "its chunked and NoPE attention layers"
+                                       : "multi-head latent attention (MLA)";
+    moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
+                      "\" has no decoder in moe yet (moe lacks ", missing,
+                      "); moe::models decodes qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, "
+                      "minimax_m2, gpt_oss and ernie4_5_moe models (the other families load "
+                      "layer by layer through moe/io/hf.hpp)");
   }
   detail::DecoderDefaults const def = detail::decoder_defaults(family);
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
