@@ -893,6 +893,121 @@ TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decod
   }
 }
 
+TEST_CASE("Decoder: the released models' config.json files parse to their architectures",
+          "[models][decoder]") {
+  // config.json of released checkpoints (keys as published, trimmed of tokenizer ids), and what
+  // the decoder must make of them.
+  std::string layer_types;
+  for (int i = 0; i < 24; ++i) {
+    layer_types +=
+        concat(i ? ", " : "", i % 2 == 0 ? "\"sliding_attention\"" : "\"full_attention\"");
+  }
+  auto const gpt_oss = moe::models::parse_decoder_config(
+      concat(
+          R"({"architectures": ["GptOssForCausalLM"], "attention_bias": true, "experts_per_token": 4,
+          "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+          "initial_context_length": 4096, "intermediate_size": 2880, "layer_types": [)",
+          layer_types,
+          R"(], "max_position_embeddings": 131072, "model_type": "gpt_oss",
+          "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+          "num_key_value_heads": 8, "num_local_experts": 32,
+          "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+            "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4"},
+          "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0,
+            "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn",
+            "truncate": false}, "rope_theta": 150000, "sliding_window": 128,
+          "swiglu_limit": 7.0, "tie_word_embeddings": false, "vocab_size": 201088})"),
+      "gpt-oss-20b/config.json");
+  REQUIRE(gpt_oss.head_dim == 64);
+  REQUIRE(gpt_oss.qkv_bias);
+  REQUIRE(gpt_oss.o_bias);
+  REQUIRE(gpt_oss.sinks);
+  REQUIRE(gpt_oss.yarn.factor == 32.0f);
+  REQUIRE(gpt_oss.yarn.original_max_position == 4096);
+  REQUIRE_FALSE(gpt_oss.yarn.truncate);
+  REQUIRE(gpt_oss.layer_windows[0] == 128);
+  REQUIRE(gpt_oss.layer_windows[1] == 0);
+  REQUIRE(gpt_oss.moe.mxfp4);
+  REQUIRE(gpt_oss.moe.num_experts == 32);
+
+  auto const glm_air = moe::models::parse_decoder_config(
+      R"({"architectures": ["Glm4MoeForCausalLM"], "attention_bias": true, "first_k_dense_replace": 1,
+          "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+          "max_position_embeddings": 131072, "model_type": "glm4_moe",
+          "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+          "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 96,
+          "num_experts_per_tok": 8, "num_hidden_layers": 46, "num_key_value_heads": 8,
+          "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+          "rope_scaling": null, "rope_theta": 1000000, "routed_scaling_factor": 1.0,
+          "tie_word_embeddings": false, "topk_group": 1, "use_qk_norm": false,
+          "vocab_size": 151552})",
+      "GLM-4.5-Air/config.json");
+  REQUIRE(glm_air.rotary_dim == 64);
+  REQUIRE(glm_air.qkv_bias);
+  REQUIRE_FALSE(glm_air.o_bias);
+  REQUIRE_FALSE(glm_air.qk_norm);
+  REQUIRE_FALSE(glm_air.moe.is_moe_layer(0));
+  REQUIRE(glm_air.moe.is_moe_layer(45));
+
+  auto const olmoe = moe::models::parse_decoder_config(
+      R"({"architectures": ["OlmoeForCausalLM"], "attention_bias": false, "clip_qkv": null,
+          "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 1024,
+          "max_position_embeddings": 4096, "model_type": "olmoe", "norm_topk_prob": false,
+          "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+          "num_hidden_layers": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-05,
+          "rope_scaling": null, "rope_theta": 10000.0, "tie_word_embeddings": false,
+          "vocab_size": 50304})",
+      "OLMoE-1B-7B-0924/config.json");
+  REQUIRE(olmoe.qk_norm_scope == moe::QkNormScope::kAllHeads);
+  REQUIRE_FALSE(olmoe.qkv_bias);
+  REQUIRE(olmoe.head_dim == 128);
+
+  auto const qwen15 = moe::models::parse_decoder_config(
+      R"({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 1, "hidden_act": "silu",
+          "hidden_size": 2048, "intermediate_size": 5632, "max_position_embeddings": 8192,
+          "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408,
+          "norm_topk_prob": false, "num_attention_heads": 16, "num_experts": 60,
+          "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+          "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "shared_expert_intermediate_size": 5632,
+          "sliding_window": 32768, "tie_word_embeddings": false, "use_sliding_window": false,
+          "vocab_size": 151936})",
+      "Qwen1.5-MoE-A2.7B/config.json");
+  REQUIRE(qwen15.qkv_bias);
+  REQUIRE(qwen15.layer_windows[0] == 0);
+  REQUIRE(qwen15.moe.shared_expert_intermediate_size == 5632);
+
+  auto const ernie = moe::models::parse_decoder_config(
+      R"({"architectures": ["Ernie4_5_MoeForCausalLM"], "hidden_act": "silu", "hidden_size": 2560,
+          "intermediate_size": 12288, "max_position_embeddings": 131072,
+          "model_type": "ernie4_5_moe", "moe_intermediate_size": 1536, "moe_k": 6,
+          "moe_layer_interval": 1, "moe_layer_start_index": 1, "moe_num_experts": 64,
+          "moe_num_shared_experts": 2, "num_attention_heads": 20, "num_hidden_layers": 28,
+          "num_key_value_heads": 4, "rms_norm_eps": 1e-05, "rope_theta": 500000,
+          "tie_word_embeddings": true, "use_bias": false, "vocab_size": 103424})",
+      "ERNIE-4.5-21B-A3B-PT/config.json");
+  REQUIRE(ernie.rope_interleaved);
+  REQUIRE(ernie.tie_word_embeddings);
+  REQUIRE(ernie.head_dim == 128);
+  REQUIRE_FALSE(ernie.moe.is_moe_layer(0));
+  REQUIRE(ernie.moe.is_moe_layer(27));
+
+  auto const minimax = moe::models::parse_decoder_config(
+      R"({"architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 128, "hidden_act": "silu",
+          "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+          "model_type": "minimax_m2", "num_attention_heads": 48, "num_experts_per_tok": 8,
+          "num_hidden_layers": 62, "num_key_value_heads": 8, "num_local_experts": 256,
+          "qk_norm_type": "per_layer", "quantization_config": {"activation_scheme": "dynamic",
+            "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+          "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64,
+          "scoring_func": "sigmoid", "tie_word_embeddings": false, "use_qk_norm": true,
+          "use_routing_bias": true, "vocab_size": 200064})",
+      "MiniMax-M2/config.json");
+  REQUIRE(minimax.rotary_dim == 64);
+  REQUIRE(minimax.qk_norm_scope == moe::QkNormScope::kAllHeads);
+  REQUIRE(minimax.moe.fp8_block_rows == 128);
+}
+
 TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   using Catch::Contains;
   REQUIRE_THROWS_WITH(
