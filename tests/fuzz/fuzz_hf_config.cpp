@@ -2,7 +2,9 @@
 // libFuzzer target for the Hugging Face config.json parser (moe::io::parse_hf_config and the
 // JSON reader under it): arbitrary bytes must either be rejected with moe::Error or give an
 // HfMoeConfig that passes the documented checks, answers is_moe_layer() for any layer, and
-// survives hf_config_json() -> parse_hf_config() unchanged. Any other outcome (a crash, a
+// survives hf_config_json() -> parse_hf_config() unchanged; and the whole-model decoder's
+// parse_decoder_config on the same bytes is rejected with moe::Error or gives sizes a decoder
+// can be built from. Any other outcome (a crash, a
 // sanitizer report, another exception, a broken invariant) is a bug. Built with clang
 // -fsanitize=fuzzer,address,undefined by the "fuzz: hf_config libFuzzer" test, and with the
 // normal compiler into moe_fuzz_replay_hf_config (tests/fuzz/replay_main.cpp).
@@ -15,6 +17,7 @@
 
 #include "moe/core/error.hpp"
 #include "moe/io/hf/config.hpp"
+#include "moe/models/decoder_config.hpp"
 
 namespace {
 
@@ -44,6 +47,30 @@ bool same(moe::io::HfMoeConfig const& a, moe::io::HfMoeConfig const& b) {
          a.moe_layers_given == b.moe_layers_given && a.moe_layers == b.moe_layers &&
          a.swiglu_limit == b.swiglu_limit && a.swiglu_alpha == b.swiglu_alpha &&
          a.mxfp4 == b.mxfp4 && a.use_bias == b.use_bias;
+}
+
+/// parse_decoder_config on an accepted MoE config: moe::Error, or sizes a decoder can use.
+void check_decoder(std::string_view text) {
+  moe::models::DecoderConfig d;
+  try {
+    d = moe::models::parse_decoder_config(text, "fuzz/config.json");
+  } catch (moe::Error const&) {
+    return;
+  }
+  require(d.num_hidden_layers >= 1 && d.vocab_size >= 1 && d.head_dim >= 1);
+  require(d.num_attention_heads >= 1 && d.num_key_value_heads >= 1 &&
+          d.num_attention_heads % d.num_key_value_heads == 0);
+  require(d.rotary_dim == 0 ||
+          (d.rotary_dim >= 2 && d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim));
+  require(static_cast<moe::Index>(d.layer_windows.size()) == d.num_hidden_layers);
+  for (moe::Index const w : d.layer_windows) require(w == 0 || w == d.sliding_window);
+  require(std::isfinite(d.rope_theta) && d.rope_theta >= 1.0f);
+  require(std::isfinite(d.rms_norm_eps) && d.rms_norm_eps > 0.0f);
+  require(d.intermediate_size >= 0);
+  auto const& y = d.yarn;
+  require(y.factor == 0.0f ||
+          (std::isfinite(y.factor) && y.factor > 0.0f && y.original_max_position >= 1 &&
+           y.beta_fast > 0.0f && y.beta_slow > 0.0f && y.attention_factor >= 0.0f));
 }
 
 }  // namespace
@@ -93,6 +120,7 @@ extern "C" int moe_fuzz_one(std::uint8_t const* data, std::size_t size) {
     std::abort();  // hf_config_json wrote something parse_hf_config rejects
   }
   require(same(c, again));
+  check_decoder(text);
   return 1;
 }
 

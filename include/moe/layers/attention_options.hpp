@@ -14,6 +14,20 @@
 
 namespace moe {
 
+/// Optional RMSNorm on q and k (after the projections and their biases, before RoPE):
+/// kRmsNorm x r w (Qwen3 q_norm/k_norm, w initialised to 1); kRmsNormOnePlus x r (1 + w)
+/// (Qwen3NextRMSNorm, w initialised to 0); r = 1 / sqrt(mean x^2 + eps) over the slice that
+/// QkNormScope names.
+enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus };
+
+/// The slice one q/k RMSNorm normalises:
+/// - kPerHead: each head's d_h values, with one [d_h] weight shared by the heads (Qwen3-MoE,
+///   Qwen3-Next, GLM-4.5 with use_qk_norm);
+/// - kAllHeads: a token's whole query [H d_h] and whole key [KV d_h], with a weight per column
+///   (q_norm [H d_h], k_norm [KV d_h]; OLMoE, MiniMax-M2). Needs the queries contiguous in
+///   q_proj's output: no gate, or GateLayout::kSeparate.
+enum class QkNormScope { kPerHead, kAllHeads };
+
 /// Per-call options of GatedAttention and MoeAttention forward passes.
 ///
 /// x [T, D] holds `batch` sequences of S = T / batch tokens each, one after the other (HF's

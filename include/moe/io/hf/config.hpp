@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <string>
 #include <string_view>
@@ -851,9 +852,17 @@ inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double 
     number_in(obj, "factor", out.yarn_factor);
     number_in(obj, "beta_fast", out.beta_fast);
     number_in(obj, "beta_slow", out.beta_slow);
+    // A context length: a whole number in [1, 2^31) (checked before any integer conversion).
+    auto context = [&](double v, char const* key) {
+      if (!(v >= 1.0 && v < 2147483648.0 && v == std::floor(v))) {
+        moe::detail::fail("hf: ", source, ": ", where, ".", key, " = ", v,
+                          " must be a whole number of tokens in [1, 2^31); fix config.json");
+      }
+      return static_cast<Index>(v);
+    };
     double original = 0.0;
     if (number_in(obj, "original_max_position_embeddings", original)) {
-      out.original_max_position = static_cast<Index>(original);
+      out.original_max_position = context(original, "original_max_position_embeddings");
     }
     if (JsonValue const* t = obj.member("truncate"); t != nullptr && t->kind != JsonKind::kNull) {
       if (t->kind != JsonKind::kBool) r.bad("truncate", *t, "true or false");
@@ -864,7 +873,9 @@ inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double 
     number_in(obj, "mscale", mscale);
     number_in(obj, "mscale_all_dim", mscale_all);
     double const max_pos = r.number("max_position_embeddings", 0.0);
-    if (out.original_max_position <= 0) out.original_max_position = static_cast<Index>(max_pos);
+    if (out.original_max_position <= 0 && max_pos != 0.0) {
+      out.original_max_position = context(max_pos, "max_position_embeddings");
+    }
     if (out.yarn_factor <= 0.0 && out.original_max_position > 0) {
       out.yarn_factor = max_pos / static_cast<double>(out.original_max_position);
     }
@@ -881,6 +892,18 @@ inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double 
         return out.yarn_factor <= 1.0 ? 1.0 : 0.1 * m * std::log(out.yarn_factor) + 1.0;
       };
       out.attention_factor = get_mscale(mscale) / get_mscale(mscale_all);
+    }
+    // Every value must survive the conversion to float the kernels use.
+    auto fits = [](double v) {
+      return std::isfinite(v) && std::fabs(v) <= std::numeric_limits<float>::max();
+    };
+    if (!fits(out.yarn_factor) || !fits(out.beta_fast) || !fits(out.beta_slow) ||
+        !fits(out.attention_factor) || out.attention_factor < 0.0) {
+      moe::detail::fail("hf: ", source, ": ", where, " is YaRN with factor ", out.yarn_factor,
+                        ", beta_fast ", out.beta_fast, ", beta_slow ", out.beta_slow,
+                        ", attention factor ", out.attention_factor,
+                        "; they must be finite floats (the attention factor >= 0); fix "
+                        "config.json");
     }
   };
   if (JsonValue const* rp = r.find("rope_parameters")) {

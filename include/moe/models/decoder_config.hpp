@@ -1,0 +1,324 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The decoder-level keys of a whole model's config.json (DecoderConfig, parse_decoder_config)
+/// for moe/models/decoder.hpp, in a header of their own: it needs only the config reader, so
+/// tools and the config fuzzer can parse without the layers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+#include "moe/io/hf/config.hpp"
+#include "moe/kernels/rope.hpp"
+#include "moe/layers/attention_options.hpp"
+
+namespace moe::models {
+
+/// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
+/// defaults of the family's config class for absent keys. Eight families decode:
+///
+/// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
+/// |------------|-------------------------------------------------------|-------------------------|
+/// | qwen3_moe  | per-head q/k RMSNorm                                  | mlp_only_layers, step   |
+/// | mixtral    | sliding_window                                        | none                    |
+/// | qwen2_moe  | q/k/v biases (qkv_bias, default true)                 | mlp_only_layers, step   |
+/// | olmoe      | q/k RMSNorm over all heads; attention_bias: q/k/v/o   | none                    |
+/// | glm4_moe   | attention_bias (q/k/v); use_qk_norm (per head);       | first_k_dense_replace   |
+/// |            | partial RoPE (partial_rotary_factor, default 0.5)     |                         |
+/// | minimax_m2 | q/k RMSNorm over all heads (use_qk_norm, per_layer);  | none                    |
+/// |            | partial RoPE (rotary_dim, default head_dim / 2)       |                         |
+/// | gpt_oss    | attention_bias (q/k/v/o, default true); sinks; YaRN   | none                    |
+/// |            | RoPE (rope_scaling); sliding_window on the layers     |                         |
+/// |            | layer_types calls "sliding_attention"                 |                         |
+/// | ernie4_5_moe | interleaved RoPE (pairs 2i, 2i + 1); use_bias must be | layers outside | | |
+/// false (it would bias the dense MLPs and the LM head)  | moe_layer_start/end/... |
+///
+/// Keys, with their defaults in the order qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
+/// minimax_m2 / gpt_oss / ernie4_5_moe:
+/// - vocab_size: 151936 / 32000 / 151936 / 50304 / 151552 / 200064 / 201088 / 103424.
+/// - num_hidden_layers: **required**; checkpoint layers past it (GLM-4.5's multi-token
+///   prediction layer) are not read.
+/// - num_attention_heads: 32 / 32 / 16 / 16 / 96 / 48 / 64 / 20.
+/// - num_key_value_heads: 4 / 8 / 16 / = heads / 8 / 8 / 8 / 4.
+/// - head_dim: else hidden_size / heads (minimax_m2: 128, gpt_oss: 64).
+/// - intermediate_size: the dense MLP layers' width (6144 / - / 5632 / - / 10944 / - / - / 12288).
+/// - rope_theta or rope_parameters.rope_theta: 1e4 / 1e6 / 1e4 / 1e4 / 1e4 / 5e6 / 1.5e5 / 5e5;
+///   rope_scaling and rope_type must be absent, null or "default" (gpt_oss: also "yarn", whose
+///   factor, beta_fast, beta_slow, original_max_position_embeddings, truncate and
+///   attention_factor set `yarn`; gpt-oss's transformers default when rope_scaling is absent).
+/// - rotary_dim: glm4_moe int(head_dim * partial_rotary_factor); minimax_m2 rotary_dim.
+/// - rms_norm_eps (also the q/k norms'): 1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6 / 1e-5 / 1e-5.
+/// - tie_word_embeddings: false (ernie4_5_moe: true); true: lm_head = embed_tokens.
+/// - sliding_window: mixtral, every layer (null: none); gpt_oss (128), the layers layer_types
+///   calls "sliding_attention" (default: the even ones); use_sliding_window must be false
+///   (qwen3_moe, qwen2_moe).
+///
+/// Refused with a moe::Error naming the key: OLMoE's clip_qkv, MiniMax-M2's qk_norm_type other
+/// than "per_layer", attention_bias true where the family has no biases (qwen3_moe, mixtral,
+/// minimax_m2).
+struct DecoderConfig {
+  io::HfMoeConfig moe;
+  Index vocab_size = 0;
+  Index num_hidden_layers = 0;
+  Index num_attention_heads = 0;
+  Index num_key_value_heads = 0;
+  Index head_dim = 0;
+  Index intermediate_size = 0;
+  float rope_theta = 10000.0f;
+  Index rotary_dim = 0;  ///< RoPE's rotated dimensions per head (the first ones); 0: head_dim
+  float rms_norm_eps = 1e-6f;
+  bool tie_word_embeddings = false;
+  Index sliding_window = 0;
+  /// [num_hidden_layers] each layer's sliding window (0: the whole prefix).
+  std::vector<Index> layer_windows;
+  bool sinks = false;           ///< a learned sink logit per head (gpt-oss self_attn.sinks)
+  kernels::RopeYarn yarn = {};  ///< YaRN RoPE scaling (gpt-oss); factor 0: plain RoPE
+  bool qk_norm = false;         ///< q/k RMSNorm (Qwen3-MoE, GLM-4.5 use_qk_norm, OLMoE, MiniMax-M2)
+  QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< kAllHeads: OLMoE, MiniMax-M2
+  bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
+  bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
+  bool rope_interleaved = false;  ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5)
+};
+
+namespace detail {
+
+/// The transformers defaults of a decoding family (see DecoderConfig).
+struct DecoderDefaults {
+  Index vocab, heads, kv_heads;  ///< kv_heads 0: = heads
+  double theta, eps;
+  Index dense_intermediate;  ///< 0: the family has no dense MLP layers
+};
+
+inline bool decodes(io::HfFamily f) {
+  using F = io::HfFamily;
+  return f == F::kQwen3Moe || f == F::kMixtral || f == F::kQwen2Moe || f == F::kOlmoe ||
+         f == F::kGlm4Moe || f == F::kMinimaxM2 || f == F::kGptOss || f == F::kErnie45Moe;
+}
+
+inline DecoderDefaults decoder_defaults(io::HfFamily f) {
+  switch (f) {
+    case io::HfFamily::kMixtral:
+      return {32000, 32, 8, 1e6, 1e-5, 0};
+    case io::HfFamily::kQwen2Moe:
+      return {151936, 16, 16, 10000.0, 1e-6, 5632};
+    case io::HfFamily::kOlmoe:
+      return {50304, 16, 0, 10000.0, 1e-5, 0};
+    case io::HfFamily::kGlm4Moe:
+      return {151552, 96, 8, 10000.0, 1e-5, 10944};
+    case io::HfFamily::kMinimaxM2:
+      return {200064, 48, 8, 5e6, 1e-6, 0};
+    case io::HfFamily::kGptOss:
+      return {201088, 64, 8, 150000.0, 1e-5, 0};
+    case io::HfFamily::kErnie45Moe:
+      return {103424, 20, 4, 500000.0, 1e-5, 12288};
+    default:  // qwen3_moe
+      return {151936, 32, 4, 10000.0, 1e-6, 6144};
+  }
+}
+
+}  // namespace detail
+
+/// Parses a config.json (text; `source` names it in errors) of a family DecoderConfig lists.
+/// Throws moe::Error for another model_type, a missing num_hidden_layers, a rope_scaling or
+/// rope_type other than the default, the refusals DecoderConfig lists, or sizes that do not fit
+/// (KV heads dividing the heads, an odd or too wide rotary_dim, the MoE keys as parse_hf_config
+/// checks them).
+inline DecoderConfig parse_decoder_config(std::string_view text,
+                                          std::string const& source = "config.json") {
+  using io::HfFamily;
+  using io::detail::JsonKind;
+  DecoderConfig c;
+  c.moe = io::parse_hf_config(text, source);
+  HfFamily const family = c.moe.family;
+  if (!detail::decodes(family)) {
+    char const* const missing =
+        family == HfFamily::kQwen3Next ? "its Gated DeltaNet (linear attention) layers"
+        : family == HfFamily::kLlama4  ? "its chunked and NoPE attention layers"
+                                       : "multi-head latent attention (MLA)";
+    moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
+                      "\" has no decoder in moe yet (moe lacks ", missing,
+                      "); moe::models decodes qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, "
+                      "minimax_m2, gpt_oss and ernie4_5_moe models (the other families load "
+                      "layer by layer through moe/io/hf.hpp)");
+  }
+  detail::DecoderDefaults const def = detail::decoder_defaults(family);
+  io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
+  io::HfMoeConfig keys;
+  io::detail::HfConfigReader r(root, source, keys);
+  auto fail_if = [&](bool bad, auto const&... parts) {
+    if (bad) moe::detail::fail("models: ", source, ": ", parts..., "; fix config.json");
+  };
+  moe::detail::check(r.find("num_hidden_layers") != nullptr, "models: ", source,
+                     ": config.json has no num_hidden_layers; the decoder needs the layer count");
+  c.num_hidden_layers = c.moe.num_hidden_layers;
+  moe::detail::check(c.num_hidden_layers <= 65536, "models: ", source,
+                     ": num_hidden_layers = ", c.num_hidden_layers,
+                     " is not a model the decoder can hold (at most 65536 layers); fix "
+                     "config.json");
+  c.vocab_size = r.integer({"vocab_size"}, def.vocab, 1);
+  c.num_attention_heads = r.integer({"num_attention_heads"}, def.heads, 1);
+  c.num_key_value_heads = r.integer({"num_key_value_heads"},
+                                    def.kv_heads > 0 ? def.kv_heads : c.num_attention_heads, 1);
+  Index const H = c.moe.hidden_size;
+  Index const head_default = family == HfFamily::kMinimaxM2 ? 128
+                             : family == HfFamily::kGptOss  ? 64
+                                                            : H / c.num_attention_heads;
+  c.head_dim = r.integer({"head_dim"}, head_default, 1);
+  c.intermediate_size =
+      def.dense_intermediate > 0 ? r.integer({"intermediate_size"}, def.dense_intermediate, 1) : 0;
+  bool const gpt_oss = family == HfFamily::kGptOss;
+  io::detail::HfRope rope = io::detail::read_hf_rope(r, source, def.theta, gpt_oss);
+  if (gpt_oss && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
+    // GptOssConfig's default rope_scaling.
+    rope.yarn = true;
+    rope.yarn_factor = 32.0;
+    rope.original_max_position = 4096;
+    rope.truncate = false;
+  }
+  if (rope.yarn) {
+    c.yarn.factor = static_cast<float>(rope.yarn_factor);
+    c.yarn.beta_fast = static_cast<float>(rope.beta_fast);
+    c.yarn.beta_slow = static_cast<float>(rope.beta_slow);
+    c.yarn.original_max_position = rope.original_max_position;
+    c.yarn.truncate = rope.truncate;
+    c.yarn.attention_factor = static_cast<float>(rope.attention_factor);
+  }
+  // A number of config.json as the float the kernels use (moe::Error when it does not fit).
+  auto as_float = [&](double v, char const* key) {
+    fail_if(!(std::fabs(v) <= std::numeric_limits<float>::max()), key, " = ", v,
+            " does not fit a float");
+    return static_cast<float>(v);
+  };
+  c.rope_theta = as_float(rope.theta, "rope_theta");
+  c.rms_norm_eps = as_float(r.number("rms_norm_eps", def.eps), "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", family == HfFamily::kErnie45Moe);
+  bool attention_bias = false;
+  if (io::detail::JsonValue const* b = r.find("attention_bias")) {
+    if (b->kind != JsonKind::kBool) r.bad("attention_bias", *b, "true or false");
+    attention_bias = b->boolean;
+  }
+  // int(head_dim * partial_rotary_factor), as transformers computes the rotary dimension.
+  auto rotary_of = [&](double factor) {
+    fail_if(!(factor > 0.0 && factor <= 1.0), "partial_rotary_factor = ", factor,
+            " must be in (0, 1]");
+    return static_cast<Index>(static_cast<double>(c.head_dim) * factor);
+  };
+  bool const partial = family == HfFamily::kGlm4Moe || family == HfFamily::kMinimaxM2;
+  fail_if(rope.yarn && !gpt_oss, "rope_type \"yarn\" is read for gpt_oss only");
+  fail_if(!partial && rope.factor_set && rope.factor != 1.0,
+          "partial_rotary_factor = ", rope.factor, " is not supported for ", c.moe.model_type(),
+          " (its attention rotates the whole head)");
+  switch (family) {
+    case HfFamily::kQwen3Moe:
+      c.qk_norm = true;
+      break;
+    case HfFamily::kQwen2Moe:
+      c.qkv_bias = r.boolean("qkv_bias", true);
+      break;
+    case HfFamily::kOlmoe:
+      c.qk_norm = true;
+      c.qk_norm_scope = QkNormScope::kAllHeads;
+      c.qkv_bias = c.o_bias = attention_bias;
+      fail_if(r.find("clip_qkv") != nullptr,
+              "clip_qkv is not supported (moe's attention does not clamp q, k and v); OLMoE "
+              "releases set it null");
+      break;
+    case HfFamily::kGlm4Moe:
+      c.qkv_bias = attention_bias;
+      c.qk_norm = r.boolean("use_qk_norm", false);
+      c.rotary_dim = rotary_of(rope.factor_set ? rope.factor : 0.5);
+      break;
+    case HfFamily::kGptOss:
+      c.qkv_bias = c.o_bias = r.boolean("attention_bias", true);
+      c.sinks = true;
+      break;
+    case HfFamily::kErnie45Moe:
+      c.rope_interleaved = true;
+      fail_if(c.moe.use_bias,
+              "use_bias = true is not supported by the ernie4_5_moe decoder (it would add "
+              "biases to the attention, the dense MLPs and the LM head; released models set it "
+              "false)");
+      break;
+    case HfFamily::kMinimaxM2: {
+      c.qk_norm = r.boolean("use_qk_norm", true);
+      c.qk_norm_scope = QkNormScope::kAllHeads;
+      std::string const type = r.string("qk_norm_type", "per_layer");
+      fail_if(c.qk_norm && type != "per_layer", "qk_norm_type \"", type,
+              "\" is not supported; moe reads MiniMax-M2's \"per_layer\" q/k norms (one RMSNorm "
+              "over all heads)");
+      c.rotary_dim =
+          rope.factor_set ? rotary_of(rope.factor) : r.integer({"rotary_dim"}, c.head_dim / 2, 0);
+      break;
+    }
+    default:
+      break;
+  }
+  bool const has_biases = family == HfFamily::kQwen2Moe || family == HfFamily::kOlmoe ||
+                          family == HfFamily::kGlm4Moe || gpt_oss;
+  fail_if(attention_bias && !has_biases, "attention_bias = true is not supported for ",
+          c.moe.model_type(), " (its attention has no projection biases in transformers)");
+  c.layer_windows.assign(static_cast<std::size_t>(c.num_hidden_layers), 0);
+  if (family == HfFamily::kMixtral) {
+    if (r.find("sliding_window") != nullptr) {
+      c.sliding_window = r.integer({"sliding_window"}, 0, 1);
+    }
+    std::fill(c.layer_windows.begin(), c.layer_windows.end(), c.sliding_window);
+  } else if (gpt_oss) {
+    c.sliding_window = r.integer({"sliding_window"}, 128, 1);
+    std::vector<std::string> types;
+    if (io::detail::JsonValue const* lt = r.find("layer_types")) {
+      if (lt->kind != JsonKind::kArray) r.bad("layer_types", *lt, "an array of strings");
+      for (io::detail::JsonValue const& item : lt->items) {
+        if (item.kind != JsonKind::kString ||
+            (item.text != "sliding_attention" && item.text != "full_attention")) {
+          r.bad("layer_types", item, "\"sliding_attention\" or \"full_attention\" per layer");
+        }
+        types.push_back(item.text);
+      }
+      fail_if(static_cast<Index>(types.size()) != c.num_hidden_layers, "layer_types has ",
+              types.size(), " entries but num_hidden_layers = ", c.num_hidden_layers,
+              "; give one per layer");
+    } else {  // GptOssConfig: sliding on the even layers
+      for (Index L = 0; L < c.num_hidden_layers; ++L) {
+        types.emplace_back(L % 2 == 0 ? "sliding_attention" : "full_attention");
+      }
+    }
+    for (std::size_t L = 0; L < types.size(); ++L) {
+      if (types[L] == "sliding_attention") c.layer_windows[L] = c.sliding_window;
+    }
+  } else {
+    fail_if(r.boolean("use_sliding_window", false),
+            "use_sliding_window = true is not supported "
+            "for ",
+            c.moe.model_type());
+  }
+  fail_if(c.head_dim < 1, "head_dim = ", c.head_dim, " must be >= 1 (hidden_size / heads)");
+  fail_if(c.num_attention_heads % c.num_key_value_heads != 0,
+          "num_key_value_heads = ", c.num_key_value_heads,
+          " must divide num_attention_heads = ", c.num_attention_heads);
+  fail_if(partial && (c.rotary_dim < 2 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim),
+          "the rotary dimension ", c.rotary_dim, " (head_dim ", c.head_dim,
+          " times partial_rotary_factor, or rotary_dim) must be even and in [2, head_dim]");
+  fail_if(!(c.rope_theta >= 1.0f && std::isfinite(c.rope_theta)), "rope_theta = ", c.rope_theta,
+          " must be finite and >= 1");
+  fail_if(!(c.rms_norm_eps > 0.0f && std::isfinite(c.rms_norm_eps)),
+          "rms_norm_eps = ", c.rms_norm_eps, " must be finite and > 0");
+  return c;
+}
+
+/// Reads `dir`/config.json (or a config.json path) with parse_decoder_config.
+inline DecoderConfig read_decoder_config(std::filesystem::path const& path) {
+  return io::detail::parse_config_file(path, [](std::string_view text, std::string const& source) {
+    return parse_decoder_config(text, source);
+  });
+}
+
+}  // namespace moe::models
