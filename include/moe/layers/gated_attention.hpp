@@ -796,16 +796,6 @@ class GatedAttention {
     // (the key blocks packed once for all of them); otherwise one item per (head, chunk of 64
     // new rows). A row's result does not depend on the rows it is computed with.
     Index const chunk_rows = kTileRows, G = group(), KVh = c_.num_kv_heads;
-    // The cached keys and values of sequence s from column `col`: fp32 or bf16.
-    auto set_kv = [&cache](kernels::SdpaParams& p, Index s, Index col) {
-      if (cache.is_bf16()) {
-        p.k_bf16 = cache.key_data_bf16(s) + col;
-        p.v_bf16 = cache.value_data_bf16(s) + col;
-      } else {
-        p.k = cache.key_data(s) + col;
-        p.v = cache.value_data(s) + col;
-      }
-    };
     bool const grouped_ok = p_.sinks.empty() && G > 1;
     ws.group_pos.resize(static_cast<std::size_t>(B * G));
     auto items_of = [&](Index s) {
@@ -842,7 +832,7 @@ class GatedAttention {
         Index const g = item - base;
         p.q = ws.q.data() + row0 * HD + g * G * dh;
         p.ldq = dh;  // the G heads of one token, side by side
-        set_kv(p, s, g * dh);
+        detail::bind_cached_kv(p, cache, s, g * dh, g * dh);
         p.q_rows = G;
         p.q_pos = ws.group_pos.data() + s * G;
         kernels::sdpa_forward(p, ws.attn.data() + row0 * HD + g * G * dh, dh, nullptr, 0, G,
@@ -855,7 +845,7 @@ class GatedAttention {
       Index const g = h / G;
       p.q = ws.q.data() + row0 * HD + h * dh;
       p.ldq = HD;
-      set_kv(p, s, g * dh);
+      detail::bind_cached_kv(p, cache, s, g * dh, g * dh);
       p.q_rows = n;
       p.causal_offset = len;
       if (!p_.sinks.empty()) p.sink = p_.sinks[static_cast<std::size_t>(h)];

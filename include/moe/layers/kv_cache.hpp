@@ -154,14 +154,16 @@ class KvCache {
       Index const drop = keep_from - first(s), kept = rows(s) - drop;
       if (drop > 0) {
         auto shift = [&](auto& store, std::ptrdiff_t block, Index width) {
-          if (store.empty()) return;
           auto const base = store.begin() + block;
           std::copy(base + drop * width, base + (drop + kept) * width, base);
         };
-        shift(k_, kblock(s), key_dim_);
-        shift(v_, vblock(s), value_dim_);
-        shift(k16_, kblock(s), key_dim_);
-        shift(v16_, vblock(s), value_dim_);
+        if (is_bf16()) {
+          shift(k16_, kblock(s), key_dim_);
+          shift(v16_, vblock(s), value_dim_);
+        } else {
+          shift(k_, kblock(s), key_dim_);
+          shift(v_, vblock(s), value_dim_);
+        }
         first_[static_cast<std::size_t>(s)] = keep_from;
       }
     }
@@ -236,6 +238,20 @@ class KvCache {
 };
 
 namespace detail {
+/// Points SDPA parameters `p` (kernels::SdpaParams) at sequence s's cached keys from column
+/// key_col and values from column value_col: k / v in an fp32 cache, k_bf16 / v_bf16 in a bf16
+/// one (a template so that this header does not need the kernel's).
+template <class Params>
+void bind_cached_kv(Params& p, KvCache const& cache, Index s, Index key_col, Index value_col) {
+  if (cache.is_bf16()) {
+    p.k_bf16 = cache.key_data_bf16(s) + key_col;
+    p.v_bf16 = cache.value_data_bf16(s) + value_col;
+  } else {
+    p.k = cache.key_data(s) + key_col;
+    p.v = cache.value_data(s) + value_col;
+  }
+}
+
 /// The checks of a forward_cached call (who: the layer's name): one count per sequence of
 /// `cache`, none negative, summing to the rows of x.
 inline void check_new_tokens(KvCache const& cache, std::span<Index const> new_tokens, Index rows,

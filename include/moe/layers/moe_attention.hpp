@@ -751,13 +751,7 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
         if (!sinks_.empty()) p.sink = sinks_[static_cast<std::size_t>(E + it.s)];
       }
       p.ldq = dk;
-      if (cache->is_bf16()) {
-        p.k_bf16 = cache->key_data_bf16(it.b);
-        p.v_bf16 = cache->value_data_bf16(it.b);
-      } else {
-        p.k = cache->key_data(it.b);
-        p.v = cache->value_data(it.b);
-      }
+      detail::bind_cached_kv(p, *cache, it.b, 0, 0);
       p.ldk = dk;
       p.ldv = D;
       p.kv_rows = len + n;

@@ -394,12 +394,11 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
                                       io::HfMoeConfig const* moe_config = nullptr) {
   io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
   if (t.dtype != io::Dtype::kF8E4M3) return io::to_float(t);
-  io::HfMoeConfig fp8;
-  if (moe_config) fp8 = *moe_config;
+  static io::HfMoeConfig const default_blocks{};  // 128 x 128 FP8 blocks
   io::HfTensor ht;
   ht.name = name;
   ht.shape = shape;
-  return io::detail::read_hf_tensor(ckpt, ht, fp8, 0, "");
+  return io::detail::read_hf_tensor(ckpt, ht, moe_config ? *moe_config : default_blocks, 0, "");
 }
 
 /// Does `mode` keep a tensor of `dtype` in bf16?
