@@ -52,6 +52,7 @@
 #include <variant>
 #include <vector>
 
+#include "../common/output_check.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/quantize.hpp"
 #include "moe/io/hf.hpp"
@@ -235,20 +236,14 @@ int main_impl(int argc, char** argv) {
   std::unique_ptr<moe::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
 
-  // The output must not be an input (by device and inode: hard and symbolic links included) nor
-  // an existing non-regular file; checked before the work, so a refused run writes nothing.
+  // The output must not be an input (by device and inode: hard and symbolic links included), an
+  // existing non-regular file or in a missing directory; checked before the work, so a refused
+  // run writes nothing.
   std::filesystem::path const model = args.at("--model");
-  std::vector<std::filesystem::path> inputs = {args.at("--input")};
+  std::vector<std::filesystem::path> inputs = moe_cli::model_inputs(model);
+  inputs.emplace_back(args.at("--input"));
   if (args.count("--grad") != 0) inputs.emplace_back(args.at("--grad"));
-  std::error_code ec;
-  inputs.push_back(model / "config.json");
-  if (std::filesystem::is_directory(model, ec)) {
-    // model.safetensors, or the index and every shard it names (opens only the index).
-    moe::io::ShardedCheckpoint const files = moe::io::open_checkpoint(model);
-    inputs.emplace_back(files.source());
-    for (std::size_t i = 0; i < files.num_shards(); ++i) inputs.push_back(files.shard_path(i));
-  }
-  moe::io::check_output_file(args.at("--output"), inputs, "--output");
+  moe_cli::check_output(args.at("--output"), inputs, "--output");
 
   moe::io::HfLoadOptions options;
   options.strict = args.count("--strict") != 0;

@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/output_check.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/io/hf/attention.hpp"
@@ -120,16 +121,10 @@ int main_impl(int argc, char** argv) {
   if (threads > 1) pool = std::make_unique<moe::ThreadPool>(static_cast<int>(threads));
 
   std::filesystem::path const model = args.at("--model");
-  std::vector<std::filesystem::path> inputs = {args.at("--input")};
+  std::vector<std::filesystem::path> inputs = moe_cli::model_inputs(model);
+  inputs.emplace_back(args.at("--input"));
   if (args.count("--grad") != 0) inputs.emplace_back(args.at("--grad"));
-  inputs.push_back(model / "config.json");
-  std::error_code ec;
-  if (std::filesystem::is_directory(model, ec)) {
-    moe::io::ShardedCheckpoint const files = moe::io::open_checkpoint(model);
-    inputs.emplace_back(files.source());
-    for (std::size_t i = 0; i < files.num_shards(); ++i) inputs.push_back(files.shard_path(i));
-  }
-  moe::io::check_output_file(args.at("--output"), inputs, "--output");
+  moe_cli::check_output(args.at("--output"), inputs, "--output");
 
   moe::io::HfLoadOptions options;
   options.strict = args.count("--strict") != 0;

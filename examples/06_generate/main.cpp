@@ -22,8 +22,11 @@
 // comma-separated) and the timings on stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
 // their scale, docs/decoding.md). --logits writes "logits" [N, vocab] F32, one row per
-// generated token (the distribution it was drawn from, before temperature). Greedy by default
-// (temperature 0). Exit status 0 on success, 1 with one line on stderr otherwise.
+// generated token (the distribution it was drawn from, before temperature); it may not be a file
+// the model reads (config.json, weights, shards; by device and inode), an existing directory or
+// other non-regular file, or in a missing directory (refused before the model is loaded).
+// Greedy by default (temperature 0). Exit status 0 on success, 1 with one line on stderr
+// otherwise.
 
 #include <algorithm>
 #include <chrono>
@@ -38,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/output_check.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/safetensors.hpp"
@@ -243,6 +247,12 @@ int main(int argc, char** argv) {
   try {
     Args const a = parse(argc, argv);
     if (a.prompt.empty()) usage_error("--prompt-ids needs at least one id");
+    // The logits file must not be a file of the model (config.json, a weights file or shard: by
+    // device and inode), a directory or other non-regular file, or in a missing directory;
+    // checked before the model is loaded, so a refused run reads and writes nothing.
+    if (!a.logits_out.empty()) {
+      moe_cli::check_output(a.logits_out, moe_cli::model_inputs(a.model), "--logits");
+    }
     std::unique_ptr<moe::ThreadPool> pool;
     if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
     auto const t0 = Clock::now();

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+# ctest driver (cmake -P) of the command-line tools' argument and file handling. Variables:
+# MAKER (moe_hf_make_tiny_checkpoint), RUN_HF_LAYER, RUN_HF_ATTENTION, QUANTIZE, GENERATE (the
+# tools), WORK_DIR (scratch), MODE (cases below):
+#   logits  moe_generate --logits naming a file of the model (also through a hard link), a
+#           directory or a file in a missing directory: refused (exit 1, one line) before the
+#           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
+#           a run that got as far as loading would fail with another message), model unchanged.
+cmake_minimum_required(VERSION 3.25)
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+function(make_checkpoint dir type)
+  execute_process(COMMAND "${MAKER}" "${dir}" ${type} ${ARGN} RESULT_VARIABLE rc
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${MAKER} ${dir} ${type} ${ARGN} failed (${rc}): ${err}")
+  endif()
+endfunction()
+
+# Runs `tool` with the arguments after `what`; expects exit status `want_rc` within 20 s, and
+# stderr matching `want_err` (a regular expression) in exactly `want_lines` lines (0: any).
+function(expect what want_rc want_lines want_err tool)
+  string(TIMESTAMP t0 "%s")
+  execute_process(COMMAND "${tool}" ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err TIMEOUT 20)
+  string(TIMESTAMP t1 "%s")
+  math(EXPR seconds "${t1} - ${t0}")
+  string(REGEX MATCHALL "\n" newlines "${err}")
+  list(LENGTH newlines lines)
+  if(NOT rc STREQUAL want_rc OR (want_lines GREATER 0 AND NOT lines EQUAL want_lines)
+     OR NOT err MATCHES "${want_err}")
+    message(FATAL_ERROR "${what}: expected exit ${want_rc}, ${want_lines} line(s) on stderr "
+                        "matching '${want_err}'; got exit '${rc}' after ${seconds} s and "
+                        "${lines} line(s):\n${err}")
+  endif()
+  string(STRIP "${err}" err)
+  string(REGEX REPLACE "\n.*" " ..." first "${err}")
+  message(STATUS "${what}: exit ${rc} in ${seconds} s, ${first}")
+  set(last_out "${out}" PARENT_SCOPE)
+endfunction()
+
+if(MODE STREQUAL "logits")
+  foreach(shards 1 2)
+    set(dir "${WORK_DIR}/qwen3_moe_${shards}")
+    make_checkpoint("${dir}" qwen3_moe --shards ${shards})
+    file(GLOB model_files "${dir}/config.json" "${dir}/model*.safetensors*")
+    list(LENGTH model_files n)
+    if(n LESS 2)
+      message(FATAL_ERROR "expected config.json and weights in ${dir}, got ${model_files}")
+    endif()
+    set(hashes "")
+    foreach(f IN LISTS model_files)
+      file(SHA256 "${f}" h)
+      list(APPEND hashes "${h}")
+    endforeach()
+    file(CREATE_LINK "${dir}/config.json" "${WORK_DIR}/link_${shards}.json")
+    set(gen "${GENERATE}" --model "${dir}" --prompt-ids 1 --max-new-tokens 1 --logits)
+    foreach(f IN LISTS model_files)
+      get_filename_component(name "${f}" NAME)
+      expect("--logits ${name} (${shards} shard(s))" 1 1
+             "^moe_generate: moe: --logits: the output '.*' is the input" ${gen} "${f}")
+    endforeach()
+    expect("--logits a hard link to config.json" 1 1 "--logits: the output '.*' is the input" ${gen}
+           "${WORK_DIR}/link_${shards}.json")
+    expect("--logits the model directory" 1 1 "--logits: the output '.*' exists and is a directory"
+           ${gen} "${dir}")
+    expect("--logits in a missing directory" 1 1
+           "--logits: the directory of the output '.*' cannot be used \\(No such file" ${gen}
+           "${WORK_DIR}/missing/logits.safetensors")
+    set(i 0)
+    foreach(f IN LISTS model_files)
+      file(SHA256 "${f}" h)
+      list(GET hashes ${i} want)
+      math(EXPR i "${i} + 1")
+      if(NOT h STREQUAL want)
+        message(FATAL_ERROR "${f} changed")
+      endif()
+    endforeach()
+  endforeach()
+else()
+  message(FATAL_ERROR "MODE must be logits")
+endif()
