@@ -2,6 +2,8 @@
 # ctest driver (cmake -P) of the command-line tools' argument and file handling. Variables:
 # MAKER (moe_hf_make_tiny_checkpoint), RUN_HF_LAYER, RUN_HF_ATTENTION, QUANTIZE, GENERATE (the
 # tools), WORK_DIR (scratch), MODE (cases below):
+#   fifo    a FIFO as config.json, model.safetensors or --input: each run must exit 1 at once
+#           (every run has a 20 s timeout, the test 120 s) with one line on stderr naming the path;
 #   logits  moe_generate --logits naming a file of the model (also through a hard link), a
 #           directory or a file in a missing directory: refused (exit 1, one line) before the
 #           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
@@ -15,6 +17,14 @@ function(make_checkpoint dir type)
                   ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "${MAKER} ${dir} ${type} ${ARGN} failed (${rc}): ${err}")
+  endif()
+endfunction()
+
+function(make_fifo path)
+  file(REMOVE "${path}")
+  execute_process(COMMAND mkfifo "${path}" RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "mkfifo ${path} failed (${rc}): ${err}")
   endif()
 endfunction()
 
@@ -40,7 +50,38 @@ function(expect what want_rc want_lines want_err tool)
   set(last_out "${out}" PARENT_SCOPE)
 endfunction()
 
-if(MODE STREQUAL "logits")
+if(MODE STREQUAL "fifo")
+  set(dir "${WORK_DIR}/qwen3_moe")
+  make_checkpoint("${dir}" qwen3_moe)
+  set(x "${dir}/x.safetensors")
+  set(y "${WORK_DIR}/y.safetensors")
+  set(gen --prompt-ids 1 --max-new-tokens 1)
+  set(layer --layer 1 --input "${x}" --output "${y}")
+  # --input a FIFO.
+  make_fifo("${WORK_DIR}/x.fifo")
+  expect("moe_run_hf_layer --input FIFO" 1 1 "x.fifo' is not a regular file \\(a FIFO"
+         "${RUN_HF_LAYER}" --model "${dir}" --layer 1 --input "${WORK_DIR}/x.fifo" --output "${y}")
+  # config.json a FIFO.
+  file(RENAME "${dir}/config.json" "${WORK_DIR}/config.json")
+  make_fifo("${dir}/config.json")
+  set(want "config.json' is not a regular file \\(a FIFO.*config.json is a regular file")
+  expect("moe_run_hf_layer, config.json FIFO" 1 1 "${want}" "${RUN_HF_LAYER}" --model "${dir}"
+         ${layer})
+  expect("moe_run_hf_attention, config.json FIFO" 1 1 "${want}" "${RUN_HF_ATTENTION}" --model
+         "${dir}" ${layer})
+  expect("moe_generate, config.json FIFO" 1 1 "${want}" "${GENERATE}" --model "${dir}" ${gen})
+  expect("moe_quantize, config.json FIFO" 1 1 "${want}" "${QUANTIZE}" --model "${dir}" --layer 1
+         --bits 4.5 --method uniform --out "${WORK_DIR}/quantized")
+  # model.safetensors a FIFO (config.json back in place).
+  file(REMOVE "${dir}/config.json")
+  file(RENAME "${WORK_DIR}/config.json" "${dir}/config.json")
+  file(RENAME "${dir}/model.safetensors" "${WORK_DIR}/model.safetensors")
+  make_fifo("${dir}/model.safetensors")
+  set(want "model.safetensors' is not a regular file \\(a FIFO")
+  expect("moe_run_hf_layer, model.safetensors FIFO" 1 1 "${want}" "${RUN_HF_LAYER}" --model
+         "${dir}" ${layer})
+  # (moe_generate reads config.json first: this tiny checkpoint's stops it before the weights.)
+elseif(MODE STREQUAL "logits")
   foreach(shards 1 2)
     set(dir "${WORK_DIR}/qwen3_moe_${shards}")
     make_checkpoint("${dir}" qwen3_moe --shards ${shards})
@@ -79,5 +120,5 @@ if(MODE STREQUAL "logits")
     endforeach()
   endforeach()
 else()
-  message(FATAL_ERROR "MODE must be logits")
+  message(FATAL_ERROR "MODE must be fifo or logits")
 endif()

@@ -1,12 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
 // safetensors writer and reader: round trips for every dtype, byte-exact output against the
 // reference writer's layout, reader API, whitespace, metadata and unaligned data.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "io/io_test_support.hpp"
@@ -355,6 +362,58 @@ TEST_CASE("reader lookups and file errors name the file and the tensor", "[io][s
   iotest::write_file(dir / "empty.safetensors", {});
   CHECK_THROWS_WITH(SafetensorsFile(dir / "empty.safetensors"),
                     Catch::Contains("empty.safetensors: the file is 0 bytes, too short"));
+}
+
+TEST_CASE("a FIFO or a device as input is refused at once, not read", "[io][safetensors]") {
+  namespace fs = std::filesystem;
+  fs::path const dir = iotest::scratch_dir("fifo_input");
+  fs::path const fifo = dir / "model.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  fs::create_directories(dir / "sharded");
+  REQUIRE(::mkfifo((dir / "sharded" / "model.safetensors.index.json").c_str(), 0600) == 0);
+  // A blocking open(2) of a FIFO waits for a writer: after 3 s this thread plays one (its
+  // O_NONBLOCK open succeeds only while a reader waits), so a regression fails instead of hanging.
+  std::atomic<bool> done{false};
+  std::thread unblock([&] {
+    auto const start = std::chrono::steady_clock::now();
+    while (!done) {
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(3)) {
+        for (fs::path const& p : {fifo, dir / "sharded" / "model.safetensors.index.json"}) {
+          int const fd = ::open(p.c_str(), O_WRONLY | O_NONBLOCK);
+          if (fd >= 0) ::close(fd);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  auto error_of = [](auto&& open) {
+    auto const start = std::chrono::steady_clock::now();
+    std::string what = "(no error)";
+    try {
+      open();
+    } catch (moe::Error const& e) {
+      what = e.what();
+    }
+    double const s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::make_pair(what, s);
+  };
+  auto const [file_error, file_s] = error_of([&] { SafetensorsFile const f(fifo); });
+  auto const [index_error, index_s] = error_of([&] { moe::io::open_checkpoint(dir / "sharded"); });
+  auto const [zero_error, zero_s] = error_of([] { SafetensorsFile const f("/dev/zero"); });
+  done = true;
+  unblock.join();
+  CHECK(file_s < 1.0);
+  CHECK(index_s < 1.0);
+  CHECK(zero_s < 1.0);
+  CHECK(file_error == "moe: safetensors: '" + fifo.string() +
+                          "' is not a regular file (a FIFO; moe maps whole files, it does not read "
+                          "pipes or devices); pass the path of a .safetensors file");
+  CHECK_THAT(index_error, Catch::Contains("model.safetensors.index.json' is not a regular file (a "
+                                          "FIFO") &&
+                              Catch::EndsWith("pass the path of a model.safetensors.index.json "
+                                              "file"));
+  CHECK_THAT(zero_error, Catch::Contains("'/dev/zero' is not a regular file (a character device"));
 }
 
 TEST_CASE("a moved SafetensorsFile keeps its views valid", "[io][safetensors]") {

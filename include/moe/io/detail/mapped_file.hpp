@@ -10,10 +10,12 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/io/detail/output_file.hpp"
 
 #if __has_include(<sys/mman.h>) && __has_include(<unistd.h>) && __has_include(<fcntl.h>)
 #include <fcntl.h>
@@ -38,11 +40,15 @@ class MappedFile {
  public:
   MappedFile() = default;
 
-  MappedFile(std::filesystem::path const& path, std::string const& context) {
+  /// `expected` ends the message for a path that is not a regular file: what to pass instead.
+  MappedFile(std::filesystem::path const& path, std::string const& context,
+             char const* expected = "the path of a .safetensors file") {
 #if MOE_IO_HAVE_MMAP
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever); on a
+    // regular file it changes nothing, and the mapping never reads through the descriptor.
     int fd = -1;
     do {
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) fail_errno(context, "open", path, errno);
     struct ::stat st {};
@@ -53,8 +59,7 @@ class MappedFile {
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd);
-      moe::detail::fail(context, ": '", path.string(),
-                        "' is not a regular file; pass the path of a .safetensors file");
+      not_regular(context, path, file_kind(st), expected);
     }
     size_ = static_cast<std::size_t>(st.st_size);
     if (size_ > 0) {  // mmap of length 0 fails with EINVAL; an empty file maps to no bytes
@@ -68,6 +73,10 @@ class MappedFile {
     }
     ::close(fd);  // the mapping stays valid
 #else
+    std::error_code ec;
+    if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+      not_regular(context, path, "a directory or device", expected);
+    }
     std::ifstream in(path, std::ios::binary);
     if (!in) fail_errno(context, "open", path, errno);
     in.seekg(0, std::ios::end);
@@ -112,6 +121,14 @@ class MappedFile {
 #endif
     data_ = nullptr;
     size_ = 0;
+  }
+
+  [[noreturn]] static void not_regular(std::string const& context,
+                                       std::filesystem::path const& path, char const* kind,
+                                       char const* expected) {
+    moe::detail::fail(context, ": '", path.string(), "' is not a regular file (", kind,
+                      "; moe maps whole files, it does not read pipes or devices); pass ",
+                      expected);
   }
 
   [[noreturn]] static void fail_errno(std::string const& context, char const* step,

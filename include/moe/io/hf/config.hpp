@@ -1050,7 +1050,7 @@ auto parse_config_file(std::filesystem::path const& path, Parse parse) {
                       "' does not exist; pass the directory of a Hugging Face model (it holds "
                       "config.json and the safetensors weights)");
   }
-  MappedFile const mapped(file, "hf");
+  MappedFile const mapped(file, "hf", "a model directory whose config.json is a regular file");
   std::string_view const text(reinterpret_cast<char const*>(mapped.bytes().data()),
                               mapped.bytes().size());
   return parse(text, file.string());

@@ -218,7 +218,8 @@ class ShardedCheckpoint {
 
   void load_index(std::filesystem::path const& index_path) {
     source_ = index_path.string();
-    detail::MappedFile const file(index_path, "safetensors");
+    detail::MappedFile const file(index_path, "safetensors",
+                                  "the path of a model.safetensors.index.json file");
     std::span<std::byte const> const bytes = file.bytes();
     if (bytes.size() > kMaxHeaderSize) {
       moe::detail::fail("safetensors: ", source_, ": the index is ", bytes.size(),
