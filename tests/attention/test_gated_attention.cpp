@@ -3,6 +3,7 @@
 // parameter and of x, the gate limits (+inf: ungated, -inf: zero), headwise == elementwise for
 // equal gates, the three weight layouts agree for permuted weights, causal and padding masks leak
 // nothing, determinism across threads, and the errors for bad input.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -871,8 +872,10 @@ TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
                       Catch::Contains("not causal"));
 }
 
-TEST_CASE("GatedAttention bf16 weights: the bits of the rounded fp32 layer, training stays fp32",
-          "[attention][gated][bf16]") {
+TEST_CASE(
+    "GatedAttention bf16 weights: the bits of the rounded layer's fp32 packs, training stays "
+    "fp32",
+    "[attention][gated][bf16]") {
   moe::GatedAttentionConfig c;
   c.d_model = 37;  // not a multiple of any SIMD width: the scalar tails read bf16 too
   c.num_heads = 4;
@@ -889,6 +892,8 @@ TEST_CASE("GatedAttention bf16 weights: the bits of the rounded fp32 layer, trai
     if (p.name.find("proj") == std::string_view::npos) continue;
     for (float& v : p.values) v = moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(v));
   }
+  // fp32 panels of the rounded values: the FMA chains the bf16 panels run (widened weights).
+  rounded.pack_weights(moe::experts::WeightFormat::kF32);
   Layer packed = fp32;
   REQUIRE(packed.weight_format() == moe::experts::WeightFormat::kF32);
   packed.pack_weights(moe::experts::WeightFormat::kBf16);
@@ -908,6 +913,8 @@ TEST_CASE("GatedAttention bf16 weights: the bits of the rounded fp32 layer, trai
     rounded.forward({x.data(), T, D}, {y_rounded.data(), T, D}, ws, {&pool});
     fp32.forward({x.data(), T, D}, {y_fp32.data(), T, D}, ws, {&pool});
     REQUIRE(y_packed == y_rounded);
+    for (std::size_t i = 0; i < y.size(); ++i)
+      REQUIRE(y_packed[i] == Approx(y_fp32[i]).margin(1e-2));
     REQUIRE(y_packed != y_fp32);  // the rounding is visible: the test can fail
     // Training forwards read the fp32 parameters.
     cpacked.forward_train({x.data(), T, D}, {y.data(), T, D}, ws);
@@ -933,6 +940,96 @@ TEST_CASE("GatedAttention bf16 weights: the bits of the rounded fp32 layer, trai
   packed.forward({x.data(), 5, D}, {a.data(), 5, D}, ws);
   fp32.forward({x.data(), 5, D}, {b.data(), 5, D}, ws);
   REQUIRE(a == b);
-  REQUIRE_THROWS_WITH(packed.pack_weights(moe::experts::WeightFormat::kQ8_0),
-                      Catch::Contains("fp32 or bf16"));
+  // d_model 37: no block format holds it; q8_0 falls back to bf16 (the chain's end).
+  packed.pack_weights(moe::experts::WeightFormat::kQ8_0);
+  REQUIRE(packed.formats().q == moe::experts::WeightFormat::kBf16);
+  REQUIRE(packed.formats().o == moe::experts::WeightFormat::kQ8_0);  // o's depth H d_h = 32
+}
+
+TEST_CASE(
+    "GatedAttention quantized projections: within the format's error of the dequantized "
+    "layer, cached steps as the recompute, fallbacks, inference-only layers",
+    "[attention][gated][quant]") {
+  using moe::experts::WeightFormat;
+  moe::GatedAttentionConfig c;
+  c.d_model = 256;  // a K-quant block
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.qk_norm = moe::QkNorm::kRmsNorm;
+  c.rope = true;
+  c.qkv_bias = true;
+  c.o_bias = true;
+  using Layer = moe::GatedAttention<gating::HeadwiseGate>;
+  Layer fp32(c);
+  randomize(fp32, 90);
+  Index const D = c.d_model, T = 12;
+  auto const x = random_vector(T * D, 91);
+  moe::ThreadPool pool(2);
+  moe::GatedAttentionWorkspace ws;
+  std::vector<float> y_ref(x.size());
+  fp32.forward({x.data(), T, D}, {y_ref.data(), T, D}, ws, {&pool});
+  float scale = 0.0f;
+  for (float v : y_ref) scale = std::max(scale, std::abs(v));
+  // Bounds relative to the output's largest magnitude: weights and int8 activations quantized.
+  struct Case {
+    WeightFormat f;
+    double bound;
+  };
+  for (Case const k : {Case{WeightFormat::kQ8_0, 0.02}, Case{WeightFormat::kQ6_K, 0.04},
+                       Case{WeightFormat::kQ4_K, 0.15}, Case{WeightFormat::kQ4_0, 0.15}}) {
+    INFO(moe::experts::name(k.f));
+    Layer q = fp32;
+    q.pack_weights(k.f, &pool);
+    REQUIRE(q.formats() == moe::AttentionFormats(k.f));
+    REQUIRE(q.projection_bytes() < fp32.projection_bytes() / 3);
+    std::vector<float> y(x.size()), y1(x.size());
+    q.forward({x.data(), T, D}, {y.data(), T, D}, ws, {&pool});
+    double worst = 0.0;
+    for (std::size_t i = 0; i < y.size(); ++i)
+      worst = std::max(worst, double(std::abs(y[i] - y_ref[i])));
+    CHECK(worst / scale < k.bound);
+    CHECK(worst > 0.0);  // the quantization is visible
+    // One thread or two, the same bits.
+    q.forward({x.data(), T, D}, {y1.data(), T, D}, ws);
+    REQUIRE(y1 == y);
+    // Cached: a prefill and steps give the rows of the full forward (packed projections take
+    // the same FMA chains for any number of rows); accumulate adds them to y.
+    moe::KvCache cache(1, c.num_kv_heads * c.head_dim);
+    Index done = 0;
+    for (Index n : {Index{7}, Index{1}, Index{1}, Index{3}}) {
+      std::vector<float> out(static_cast<std::size_t>(n * D), 0.5f);
+      std::vector<Index> const counts = {n};
+      q.forward_cached({x.data() + done * D, n, D}, {out.data(), n, D}, cache, counts, ws, &pool,
+                       true);
+      for (Index i = 0; i < n * D; ++i) {
+        REQUIRE(out[static_cast<std::size_t>(i)] ==
+                Approx(y[static_cast<std::size_t>(done * D + i)] + 0.5f).margin(1e-5));
+      }
+      done += n;
+    }
+    // Inference only: the fp32 projections freed, the same outputs.
+    q.discard_master_weights();
+    REQUIRE(q.master_weights_discarded());
+    std::vector<float> y2(x.size());
+    q.forward({x.data(), T, D}, {y2.data(), T, D}, ws, {&pool});
+    REQUIRE(y2 == y);
+    REQUIRE_THROWS_WITH(q.q_proj(), Catch::Contains("discarded"));
+    REQUIRE_THROWS_WITH(q.forward_train({x.data(), T, D}, {y2.data(), T, D}, ws),
+                        Catch::Contains("cannot train"));
+  }
+  // A depth no K-quant block divides: q4_k falls back to q4_0 for those projections.
+  c.d_model = 96;
+  Layer narrow(c);
+  randomize(narrow, 92);
+  narrow.pack_weights(WeightFormat::kQ4_K);
+  REQUIRE(narrow.formats() == moe::AttentionFormats(WeightFormat::kQ4_0, WeightFormat::kQ4_0,
+                                                    WeightFormat::kQ4_0, WeightFormat::kQ4_K));
+  std::vector<float> out(std::size_t{2} * 96, 0.0f);
+  moe::KvCache cache(1, c.num_kv_heads * c.head_dim);
+  std::vector<Index> const counts = {2};
+  REQUIRE_THROWS_WITH(narrow.forward_cached({out.data(), 2, 96}, {out.data(), 2, 96}, cache, counts,
+                                            ws, nullptr, true),
+                      Catch::Contains("y must not be x"));
+  REQUIRE_THROWS_WITH(Layer(c).discard_master_weights(), Catch::Contains("not packed"));
 }

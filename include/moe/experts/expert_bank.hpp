@@ -33,53 +33,6 @@
 
 namespace moe::experts {
 
-/// Is f one of the GGUF block formats (multiplied by the integer kernels)?
-constexpr bool is_quantized(WeightFormat f) {
-  return f != WeightFormat::kF32 && f != WeightFormat::kBf16;
-}
-/// The block format of a quantized WeightFormat.
-constexpr quant::Format quant_format(WeightFormat f) {
-  switch (f) {
-    case WeightFormat::kQ6_K:
-      return quant::Format::kQ6_K;
-    case WeightFormat::kQ4_K:
-      return quant::Format::kQ4_K;
-    case WeightFormat::kQ4_0:
-      return quant::Format::kQ4_0;
-    case WeightFormat::kQ3_K:
-      return quant::Format::kQ3_K;
-    case WeightFormat::kQ2_K:
-      return quant::Format::kQ2_K;
-    default:
-      return quant::Format::kQ8_0;
-  }
-}
-/// "fp32", "bf16", "q8_0", "q6_k", "q4_k", "q4_0", "q3_k", "q2_k".
-constexpr char const* name(WeightFormat f) {
-  return f == WeightFormat::kF32    ? "fp32"
-         : f == WeightFormat::kBf16 ? "bf16"
-                                    : quant::name(quant_format(f));
-}
-/// Parses name(f) (case-insensitive; "f32" is fp32 too); moe::Error for anything else.
-inline WeightFormat parse_weight_format(std::string_view s) {
-  std::string lower(s);
-  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-  if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
-  if (lower == "bf16") return WeightFormat::kBf16;
-  for (auto f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
-                 WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
-    if (lower == name(f)) return f;
-  }
-  detail::fail("parse_weight_format: unknown weight format '", s,
-               "'; use one of fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k, q2_k");
-}
-/// Bits per weight of a format as stored by ExpertBank::pack (scales included).
-constexpr double bits_per_weight(WeightFormat f) {
-  return f == WeightFormat::kF32    ? 32.0
-         : f == WeightFormat::kBf16 ? 16.0
-                                    : quant::bits_per_weight(quant_format(f));
-}
-
 /// The formats of one expert's two projections (in = gate and up, down).
 struct ExpertFormat {
   WeightFormat in = WeightFormat::kF32;
@@ -385,15 +338,17 @@ class ExpertBank {
         Index const blk = quant::block_elems(quant_format(f.in));
         detail::check(d_model_ % blk == 0, "ExpertBank::pack: expert ", e,
                       "'s in projection has depth d_model = ", d_model_, ", not a multiple of ",
-                      blk, " as ", name(f.in),
-                      " blocks need; pack it as q8_0/q4_0 (32-blocks), bf16 or fp32");
+                      blk, " as ", name(f.in), " blocks need; pack it as one of ",
+                      formats_holding(fallback_format(f.in), d_model_),
+                      " (resolve_format picks the first)");
       }
       if (is_quantized(f.down)) {
         Index const blk = quant::block_elems(quant_format(f.down));
         detail::check(d_ffn_ % blk == 0, "ExpertBank::pack: expert ", e,
                       "'s down projection has depth d_ffn = ", d_ffn_, ", not a multiple of ", blk,
-                      " as ", name(f.down),
-                      " blocks need; pack it as q8_0/q4_0 (32-blocks), bf16 or fp32");
+                      " as ", name(f.down), " blocks need; pack it as one of ",
+                      formats_holding(fallback_format(f.down), d_ffn_),
+                      " (resolve_format picks the first)");
       }
     }
     Index const np = kernels::panel_width();

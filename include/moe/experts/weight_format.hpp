@@ -1,14 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// WeightFormat: how a layer's packed weights are stored (the enum alone; its names, parsing and
-/// block formats are in moe/experts/expert_bank.hpp).
+/// WeightFormat: how a packed weight matrix is stored (an expert's projections, an attention
+/// projection, an LM head: any matrix the projection engine multiplies), its names, block formats
+/// and bits, and the fallback chain of a format whose blocks do not divide a matrix's depth.
 #pragma once
+
+#include <string>
+#include <string_view>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+#include "moe/quant/blocks.hpp"
 
 namespace moe::experts {
 
-/// Storage of packed weights (ExpertBank::pack per projection of each expert;
-/// GatedAttention::pack_weights for the attention projections, kF32 and kBf16 only).
+/// Storage of packed weights (ExpertBank::pack per projection of each expert; moe::Linear for a
+/// dense matrix: attention projections, LM head, dense MLPs).
 enum class WeightFormat {
   kF32,   ///< fp32 panels: exact
   kBf16,  ///< bf16 panels: half the bytes; inference only (forward_train uses fp32)
@@ -19,6 +27,99 @@ enum class WeightFormat {
   kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernel layout's int8 sub-block scales make it 3.5625)
   kQ2_K,  ///< GGUF Q2_K (2.625 bits, in the kernel layout too)
 };
+
+/// Is f one of the GGUF block formats (multiplied by the integer kernels)?
+constexpr bool is_quantized(WeightFormat f) {
+  return f != WeightFormat::kF32 && f != WeightFormat::kBf16;
+}
+/// The block format of a quantized WeightFormat.
+constexpr quant::Format quant_format(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kQ6_K:
+      return quant::Format::kQ6_K;
+    case WeightFormat::kQ4_K:
+      return quant::Format::kQ4_K;
+    case WeightFormat::kQ4_0:
+      return quant::Format::kQ4_0;
+    case WeightFormat::kQ3_K:
+      return quant::Format::kQ3_K;
+    case WeightFormat::kQ2_K:
+      return quant::Format::kQ2_K;
+    default:
+      return quant::Format::kQ8_0;
+  }
+}
+/// "fp32", "bf16", "q8_0", "q6_k", "q4_k", "q4_0", "q3_k", "q2_k".
+constexpr char const* name(WeightFormat f) {
+  return f == WeightFormat::kF32    ? "fp32"
+         : f == WeightFormat::kBf16 ? "bf16"
+                                    : quant::name(quant_format(f));
+}
+/// Parses name(f) (case-insensitive; "f32" is fp32 too); moe::Error for anything else.
+inline WeightFormat parse_weight_format(std::string_view s) {
+  std::string lower(s);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
+  if (lower == "bf16") return WeightFormat::kBf16;
+  for (auto f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
+                 WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+    if (lower == name(f)) return f;
+  }
+  detail::fail("parse_weight_format: unknown weight format '", s,
+               "'; use one of fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k, q2_k");
+}
+/// Bits per weight of a format as stored by ExpertBank::pack (scales included).
+constexpr double bits_per_weight(WeightFormat f) {
+  return f == WeightFormat::kF32    ? 32.0
+         : f == WeightFormat::kBf16 ? 16.0
+                                    : quant::bits_per_weight(quant_format(f));
+}
+
+/// Can a matrix of depth K (its input width, the length of a row of W [N, K]) be stored in `f`?
+/// fp32 and bf16 hold any K >= 1; a GGUF block format needs K to be a multiple of its block
+/// (32 for Q8_0 and Q4_0, 256 for the K-quants).
+constexpr bool holds_depth(WeightFormat f, Index K) {
+  return K >= 1 && (!is_quantized(f) || K % quant::block_elems(quant_format(f)) == 0);
+}
+
+/// The next format of the fallback chain, for a matrix whose depth `f` cannot hold; each step
+/// keeps about the size or grows it, never the other way (llama.cpp's quantizer does the same per
+/// tensor, with Q5_0 where moe has Q4_0):
+///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q6_k -> q8_0 -> bf16;   bf16 and fp32: none.
+constexpr WeightFormat fallback_format(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kQ2_K:
+    case WeightFormat::kQ3_K:
+    case WeightFormat::kQ4_K:
+      return WeightFormat::kQ4_0;
+    case WeightFormat::kQ6_K:
+    case WeightFormat::kQ4_0:
+      return WeightFormat::kQ8_0;
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kBf16:
+      return WeightFormat::kBf16;
+    default:
+      return WeightFormat::kF32;
+  }
+}
+
+/// The format a matrix of depth K asked to be `f` gets: f when it holds K, else the first format
+/// of f's fallback chain that does (bf16 at the latest). Precondition: K >= 1.
+constexpr WeightFormat resolve_format(WeightFormat f, Index K) {
+  while (!holds_depth(f, K)) f = fallback_format(f);
+  return f;
+}
+
+/// The formats of the chain from `f` on that hold depth K, as "q4_0, q8_0, bf16": what an error
+/// message may suggest instead of a format that cannot hold the shape.
+inline std::string formats_holding(WeightFormat f, Index K) {
+  std::string out;
+  for (WeightFormat g = f;; g = fallback_format(g)) {
+    if (holds_depth(g, K)) out += (out.empty() ? "" : ", ") + std::string(name(g));
+    if (g == WeightFormat::kBf16 || g == WeightFormat::kF32) break;
+  }
+  return out + (out.find("fp32") == std::string::npos ? ", fp32" : "");
+}
 
 /// The arithmetic of training forwards and backwards over an expert bank
 /// (ExpertBank::set_train_compute, FfnLayerBase::set_train_compute).

@@ -483,7 +483,9 @@ inline Prefetch prefetch_slices(char const* const* next, int ops, Index bytes, I
 ///   quant: quantized panels (pack_quant_panels) of 32 columns, multiplied by quant_cols.
 /// Exactly one of f32[0], bf16[0], raw[0], quant[0].data is set. The caller chooses dot_products by
 /// the size of the whole projection (not of one call), so a row's arithmetic never depends on the
-/// split.
+/// split. `widen_bf16`: bf16 panels are always widened to fp32 in registers (fp32 activations, the
+/// FMA chain of fp32 panels of the same values: bitwise that product), never multiplied by bf16
+/// dot products (AVX512-BF16, AMX) that round the activations (moe::Linear's bf16 matrices).
 struct WeightPanels {
   float const* f32[2] = {nullptr, nullptr};
   std::uint32_t const* bf16[2] = {nullptr, nullptr};
@@ -491,6 +493,7 @@ struct WeightPanels {
   Index raw_rows[2] = {0, 0};
   bool dot_products = false;
   QuantWeights quant[2] = {};
+  bool widen_bf16 = false;
 };
 
 /// The panel a caller multiplies after an expert_cols call (for example its next work item's
@@ -683,14 +686,14 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
   bool const bf16 = w.bf16[0] != nullptr;
 #if MOE_HAS_AMX_BF16
   if constexpr (NP == 32) {
-    if (bf16 && bf16_amx<Arch>()) {
+    if (bf16 && !w.widen_bf16 && bf16_amx<Arch>()) {
       detail::expert_cols_amx<Epi, Arch>(a, M, K, w, p0, p1, epi, pairs, partial);
       return;
     }
   }
 #endif
   // vdpbf16ps: activations as bf16 pairs, from a.pairs or rounded once per row chunk into scratch.
-  bool const dp = bf16 && bf16_dot_products<Arch>();
+  bool const dp = bf16 && !w.widen_bf16 && bf16_dot_products<Arch>();
   Index const kp_all = (K + 1) / 2;  // bf16 pairs of a row
   Index kc = k_slice > 0 ? k_slice : expert_k_slice<Ops>();
   kc = std::min(K, (kc + 1) / 2 * 2);  // even: bf16 pairs never straddle slices

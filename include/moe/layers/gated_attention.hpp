@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/expert_types.hpp"
 #include "moe/experts/weight_format.hpp"
 #include "moe/gating/sdpa_gate.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
@@ -25,8 +27,8 @@
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
-#include "moe/layers/detail/projections.hpp"
 #include "moe/layers/kv_cache.hpp"
+#include "moe/layers/linear.hpp"
 #include "moe/layers/stages/work.hpp"
 
 namespace moe {
@@ -76,26 +78,40 @@ struct GatedAttentionConfig {
   bool rope_interleaved = false;
 };
 
+/// The formats of an attention layer's packed projections (GatedAttention::pack_weights): q
+/// (and a gate projection), k, v and o. One format converts to all four.
+struct AttentionFormats {
+  experts::WeightFormat q = experts::WeightFormat::kF32, k = experts::WeightFormat::kF32,
+                        v = experts::WeightFormat::kF32, o = experts::WeightFormat::kF32;
+  AttentionFormats() = default;
+  AttentionFormats(experts::WeightFormat all) : q(all), k(all), v(all), o(all) {}  // NOLINT
+  AttentionFormats(experts::WeightFormat q_, experts::WeightFormat k_, experts::WeightFormat v_,
+                   experts::WeightFormat o_)
+      : q(q_), k(k_), v(v_), o(o_) {}
+  bool operator==(AttentionFormats const&) const = default;
+};
+
 /// What a GatedAttention call writes besides its output, and what forward_train keeps for
 /// backward (see GatedAttention). Reused across calls: it grows to the largest call and then
 /// allocates nothing, forward or backward.
 struct GatedAttentionWorkspace {
-  std::vector<float> qg;        ///< [T, P] q_proj (+ gate_proj) output: queries, gate logits
-  std::vector<float> k_raw;     ///< [T, KV d_h] k_proj output (before norm / RoPE)
-  std::vector<float> v;         ///< [T, KV d_h] values
-  std::vector<float> q;         ///< [T, H d_h] queries after norm and RoPE
-  std::vector<float> k;         ///< [T, KV d_h] keys after norm and RoPE
-  std::vector<float> attn;      ///< [T, H d_h] SDPA output A
-  std::vector<float> gate;      ///< [T, H w] sigmoid gates s
-  std::vector<float> gated;     ///< [T, H d_h] A * s, the input of o_proj (gated layers only)
-  std::vector<float> lse;       ///< [batch, H, S] row logsumexp of the SDPA (training)
-  std::vector<float> rstd_q;    ///< [T, H] RMSNorm 1/rms of each query head
-  std::vector<float> rstd_k;    ///< [T, KV]
-  std::vector<float> rope_cos;  ///< [T, rotary_dim / 2]
-  std::vector<float> rope_sin;  ///< [T, rotary_dim / 2]
-  std::vector<float> scratch;   ///< per-thread SDPA and panel scratch
-  detail::ProjectionQueue queue;
-  stages::GradTasks grad_tasks;        ///< backward weight-gradient items, reused across calls
+  std::vector<float> qg;          ///< [T, P] q_proj (+ gate_proj) output: queries, gate logits
+  std::vector<float> k_raw;       ///< [T, KV d_h] k_proj output (before norm / RoPE)
+  std::vector<float> v;           ///< [T, KV d_h] values
+  std::vector<float> q;           ///< [T, H d_h] queries after norm and RoPE
+  std::vector<float> k;           ///< [T, KV d_h] keys after norm and RoPE
+  std::vector<float> attn;        ///< [T, H d_h] SDPA output A
+  std::vector<float> gate;        ///< [T, H w] sigmoid gates s
+  std::vector<float> gated;       ///< [T, H d_h] A * s, the input of o_proj (gated layers only)
+  std::vector<float> lse;         ///< [batch, H, S] row logsumexp of the SDPA (training)
+  std::vector<float> rstd_q;      ///< [T, H] RMSNorm 1/rms of each query head
+  std::vector<float> rstd_k;      ///< [T, KV]
+  std::vector<float> rope_cos;    ///< [T, rotary_dim / 2]
+  std::vector<float> rope_sin;    ///< [T, rotary_dim / 2]
+  std::vector<float> scratch;     ///< per-thread SDPA scratch
+  stages::ProjectionQueue queue;  ///< the projections, on the engine of the experts
+  LinearInput input;              ///< a projection's input rows (int8 rows for quantized packs)
+  stages::GradTasks grad_tasks;   ///< backward weight-gradient items, reused across calls
   stages::ThreadScratch grad_scratch;  ///< per-thread scratch of the weight gradients
 
   // Training only (forward_train fills, backward reads).
@@ -361,37 +377,73 @@ class GatedAttention {
     return p_.groups();
   }
 
-  /// How forward() and forward_cached() read the projection weights (q, gate, k, v, o):
-  /// kF32, the fp32 parameters (the default), or kBf16, a copy of them rounded to bf16 (nearest
-  /// even) made here: half the bytes a decode step streams, each weight widened to fp32 as it is
-  /// loaded (fp32 arithmetic, so the output equals, bitwise, that of a layer whose fp32 weights
-  /// are those bf16 values). forward_train and backward always use the fp32 parameters. The
-  /// copy costs half the projections' fp32 memory. It is dropped (kF32 again) by any non-const
-  /// accessor of the weights (q_proj(), gate_proj(), k_proj(), v_proj(), o_proj(),
-  /// parameters()), so it never goes stale: pack after the last write. Throws moe::Error for a
-  /// quantized format.
-  void pack_weights(experts::WeightFormat format) {
-    detail::check(format == experts::WeightFormat::kF32 || format == experts::WeightFormat::kBf16,
-                  "GatedAttention::pack_weights: the attention projections are kept in fp32 or "
-                  "bf16 (WeightFormat::kF32 or kBf16); quantized formats are for the experts");
+  /// Packs the projections (q, gate, k, v, o) for forward() and forward_cached() in the
+  /// formats `f` says, as moe::Linear matrices on the experts' engine: kF32 panels (exact: the
+  /// same product for any number of rows), kBf16 (rounded to nearest even, widened to fp32 as
+  /// they are loaded: bitwise the output of a layer whose fp32 weights are those bf16 values), or
+  /// a GGUF block format (int8 activations, docs/quantization.md); a format whose blocks do not
+  /// divide a projection's depth falls back along its chain (experts::resolve_format; formats()
+  /// says what each got). Unpacked, those forwards multiply the fp32 parameters in place.
+  /// forward_train and backward always use the fp32 parameters. The packs are dropped (unpacked
+  /// again) by any non-const accessor of the weights (q_proj(), gate_proj(), k_proj(),
+  /// v_proj(), o_proj(), parameters()), so they never go stale: pack after the last write.
+  /// Packed in parallel on `pool` when given (the same packs). Throws moe::Error for non-finite
+  /// weights in a quantized format.
+  void pack_weights(AttentionFormats const& f, ThreadPool* pool = nullptr) {
     unpack();
-    if (format == experts::WeightFormat::kF32) return;
-    auto copy = [](HugePageVector<float> const& w, HugePageVector<std::uint16_t>& out) {
-      out.resize(w.size());
-      kernels::round_to_bf16(w.data(), w.size(), out.data());
-    };
-    copy(p_.q_proj, b16_.q_proj);
-    copy(p_.gate_proj, b16_.gate_proj);
-    copy(p_.k_proj, b16_.k_proj);
-    copy(p_.v_proj, b16_.v_proj);
-    copy(p_.o_proj, b16_.o_proj);
+    Index const D = c_.d_model;
+    packs_.q = Linear(ConstMatrixView<float>(p_.q_proj.data(), q_proj_rows(), D), f.q, {}, pool);
+    if (separate_gate()) {
+      packs_.gate =
+          Linear(ConstMatrixView<float>(p_.gate_proj.data(), gate_cols(), D), f.q, {}, pool);
+    }
+    packs_.k = Linear(ConstMatrixView<float>(p_.k_proj.data(), kv_dim(), D), f.k, {}, pool);
+    packs_.v = Linear(ConstMatrixView<float>(p_.v_proj.data(), kv_dim(), D), f.v, {}, pool);
+    packs_.o = Linear(ConstMatrixView<float>(p_.o_proj.data(), D, q_dim()), f.o, {}, pool);
   }
-  /// kBf16 after pack_weights(kBf16) (and no write access since), else kF32.
-  experts::WeightFormat weight_format() const {
-    return b16_.o_proj.empty() ? experts::WeightFormat::kF32 : experts::WeightFormat::kBf16;
+  /// Frees the projections' fp32 parameters (q, gate, k, v, o), keeping their packs: an
+  /// inference-only layer, as a decoder keeps it (norms, biases and sinks stay). forward() and
+  /// forward_cached() give the same results; afterwards forward_train, parameters(),
+  /// make_gradients(), pack_weights() and the non-const projection accessors throw moe::Error.
+  /// Irreversible. Precondition (checked): packed().
+  void discard_master_weights() {
+    detail::check(packed(),
+                  "GatedAttention::discard_master_weights: the projections are not packed; "
+                  "pack_weights() first (the packs are what inference then reads)");
+    p_.q_proj = {};
+    p_.gate_proj = {};
+    p_.k_proj = {};
+    p_.v_proj = {};
+    p_.o_proj = {};
+    discarded_ = true;
+  }
+  /// Were the fp32 projection weights discarded (discard_master_weights)?
+  bool master_weights_discarded() const { return discarded_; }
+  /// Are the projections packed (pack_weights, and no write access since)?
+  bool packed() const { return !packs_.o.empty(); }
+  /// The formats the packs hold (after any fallback; all kF32 when not packed).
+  AttentionFormats formats() const {
+    if (!packed()) return {};
+    return {packs_.q.format(), packs_.k.format(), packs_.v.format(), packs_.o.format()};
+  }
+  /// The packs' format when all four share one (kF32 when not packed); formats() otherwise.
+  experts::WeightFormat weight_format() const { return formats().q; }
+  /// Bytes of the packed projections (what a forward over packed weights streams), or of the fp32
+  /// parameters when not packed.
+  std::size_t projection_bytes() const {
+    if (packed()) {
+      return packs_.q.bytes() + packs_.gate.bytes() + packs_.k.bytes() + packs_.v.bytes() +
+             packs_.o.bytes();
+    }
+    return (p_.q_proj.size() + p_.gate_proj.size() + p_.k_proj.size() + p_.v_proj.size() +
+            p_.o_proj.size()) *
+           sizeof(float);
   }
   /// Zero gradients shaped like parameters().
   Gradients make_gradients() const {
+    detail::check(!discarded_,
+                  "GatedAttention::make_gradients: the projections' fp32 weights were discarded "
+                  "(discard_master_weights); an inference-only layer has no gradients");
     Gradients g = p_;
     g.zero();
     return g;
@@ -409,6 +461,9 @@ class GatedAttention {
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
                      AttentionOptions const& opt = {}) const {
     check_call(x, y, opt);
+    detail::check(!discarded_,
+                  "GatedAttention::forward_train: the projections' fp32 weights were discarded "
+                  "(discard_master_weights); an inference-only layer cannot train");
     Index const T = x.rows, D = c_.d_model;
     ws.x.resize(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
@@ -425,18 +480,22 @@ class GatedAttention {
   /// length(s) + new_tokens[s] - 1. Their keys and values are appended to the cache (which
   /// grows if needed), each new query attends causally (with the sliding window and sinks) to
   /// its sequence's cached prefix and the new tokens up to itself, and y [T, D] gets the
-  /// outputs; y may be x. A prefill is the first call, a decode step a call with 1 token per
-  /// sequence. The result equals the last rows of forward() over the whole sequence (batch 1,
-  /// positions from 0), up to float rounding of the projections: they take the few-row path
-  /// below 8 rows (kernels::kPanelMinRows), so a 1-token step and a long recompute round
+  /// outputs; y may be x (with `accumulate`, y += the outputs instead: a residual added in o_proj's
+  /// epilogue; y must not be x then). A prefill is the first call, a decode step a call with 1
+  /// token per sequence. The result equals the last rows of forward() over the whole sequence
+  /// (batch 1, positions from 0), up to float rounding of the projections: they take the few-row
+  /// path below 8 rows (kernels::kPanelMinRows), so a 1-token step and a long recompute round
   /// differently (measured ~1e-7 relative, tested within 1e-5); the SDPA of a row does not
   /// depend on the other rows. Inference only (no backward); needs causal attention. Throws
   /// moe::Error for a cache of another kv_dim, a new_tokens of another size than
   /// cache.sequences(), negative counts or a sum other than T.
   void forward_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
                       std::span<Index const> new_tokens, GatedAttentionWorkspace& ws,
-                      ThreadPool* pool = nullptr) const {
+                      ThreadPool* pool = nullptr, bool accumulate = false) const {
     check_call(x, y, {});
+    detail::check(!accumulate || x.data != y.data || x.rows == 0,
+                  "GatedAttention::forward_cached: accumulate adds the output to y, so y must not "
+                  "be x");
     detail::check(c_.causal,
                   "GatedAttention::forward_cached: the layer is not causal; a KV cache serves "
                   "causal decoding only");
@@ -454,7 +513,7 @@ class GatedAttention {
         " tokens but the layer's sliding_window is ", c_.sliding_window,
         " (0: the whole prefix); give this layer a cache without a window (or one of at "
         "least its sliding_window)");
-    run_cached(x, y, cache, new_tokens, ws, pool);
+    run_cached(x, y, cache, new_tokens, ws, pool, accumulate);
     ws.trained = false;
   }
 
@@ -523,7 +582,7 @@ class GatedAttention {
 
   void check_call(ConstMatrixView<float> x, MatrixView<float> y,
                   AttentionOptions const& opt) const {
-    detail::check(!p_.q_proj.empty(),
+    detail::check(!p_.q_proj.empty() || discarded_,
                   "GatedAttention: the layer was default-constructed; "
                   "construct it from a GatedAttentionConfig first");
     detail::check(x.cols == c_.d_model, "GatedAttention: x has ", x.cols,
@@ -562,7 +621,7 @@ class GatedAttention {
 
   void run_forward(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
                    AttentionOptions const& opt, bool train) const {
-    Index const T = x.rows, D = c_.d_model, H = c_.num_heads, KV = c_.num_kv_heads;
+    Index const T = x.rows, H = c_.num_heads, KV = c_.num_kv_heads;
     Index const dh = c_.head_dim, w = gate_width(), P = qg_cols(), HD = q_dim(), KD = kv_dim();
     Index const B = opt.batch, S = B > 0 ? T / B : 0, hr = half_rot();
     ThreadPool* pool = opt.pool;
@@ -585,8 +644,7 @@ class GatedAttention {
     if (T == 0) return;
 
     // 1. Projections: [Q | gamma] (or Q and gamma), K, V.
-    enqueue_qkv(x, ws, !train);
-    ws.queue.run(pool, ws.scratch.data(), per);
+    run_qkv(x, ws, !train, pool);
 
     // 2. Per token: RoPE angles, q/k norm and RoPE, gate logits gathered.
     Index const tiles = (T + kTileRows - 1) / kTileRows;
@@ -623,21 +681,7 @@ class GatedAttention {
 
     // 5. y = O W_o^T.
     float const* o = gated ? ws.gated.data() : ws.attn.data();
-    ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, !train), D);
-    ws.queue.run(pool, ws.scratch.data(), per);
-    add_o_bias(y, pool);
-  }
-
-  /// y[t] += b_o for every row (with o_bias).
-  void add_o_bias(MatrixView<float> y, ThreadPool* pool) const {
-    if (p_.o_bias.empty()) return;
-    Index const T = y.rows, D = c_.d_model;
-    parallel_for(pool, (T + kTileRows - 1) / kTileRows, [&](Index i, int) {
-      for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
-        float* r = y.row(t);
-        for (Index c = 0; c < D; ++c) r[c] += p_.o_bias[static_cast<std::size_t>(c)];
-      }
-    });
+    run_o(ConstMatrixView<float>(o, T, HD), y, ws, !train, false, pool);
   }
 
   /// acc[c] += sum over rows t (ascending) of m[t][c], split by column blocks over the pool:
@@ -653,30 +697,63 @@ class GatedAttention {
     });
   }
 
-  /// C = A W^T with W's fp32 parameters, or its bf16 copy when `inference` and it exists.
-  static detail::ProjectionQueue::Job job(float const* a, Index lda, Index rows,
-                                          HugePageVector<float> const& w,
-                                          HugePageVector<std::uint16_t> const& w16, Index depth,
-                                          float* c, Index ldc, bool inference) {
-    detail::ProjectionQueue::Job j{a, lda, rows, w.data(), depth, c, ldc};
-    if (inference && !w16.empty()) j.w_bf16 = w16.data();
+  /// The engine's job C = A W^T (+ bias; c += with `accumulate`) for one projection: its pack
+  /// when `inference` and pack_weights made one, else its fp32 parameters w [rows_w, depth] in
+  /// place (dot products for fewer than kernels::kPanelMinRows rows, panels packed per call from
+  /// there on).
+  static detail::ExpertJob proj_job(kernels::RowSource a, Index rows, Linear const& pack,
+                                    HugePageVector<float> const& w, Index rows_w, Index depth,
+                                    float* c, Index ldc, bool inference,
+                                    HugePageVector<float> const* bias = nullptr,
+                                    bool accumulate = false) {
+    detail::ExpertJob j;
+    if (inference && !pack.empty()) {
+      j = linear_job(pack, a, rows, c, ldc, accumulate);
+    } else {
+      j.kind = detail::ExpertJob::Kind::kStore;
+      j.a = a;
+      j.rows = rows;
+      j.depth = depth;
+      j.w.raw[0] = w.data();
+      j.w.raw_rows[0] = rows_w;
+      j.w.dot_products = rows < kernels::kPanelMinRows;
+      j.c = c;
+      j.ldc = ldc;
+      j.cols = rows_w;
+      j.accumulate = accumulate;
+    }
+    if (bias && !bias->empty()) j.bias = bias->data();
     return j;
   }
+  static bool quantized(Linear const& pack) {
+    return !pack.empty() && experts::is_quantized(pack.format());
+  }
 
-  /// [Q | gamma] (or Q and gamma), K and V of every row of x, queued on ws.queue (from the bf16
-  /// copies when `inference` and pack_weights made them).
-  void enqueue_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference) const {
+  /// [Q | gamma] (or Q and gamma), K and V of every row of x (from the packs when `inference`
+  /// and pack_weights made them), run on ws.queue; the q/k/v biases are added by prepare_row.
+  void run_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference,
+               ThreadPool* pool) const {
     Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
-    float const* a = x.data;
-    Index const lda = x.row_stride;
-    ws.queue.add(job(a, lda, T, p_.q_proj, b16_.q_proj, D, ws.qg.data(), P, inference),
-                 q_proj_rows());
+    bool const q8 = inference && (quantized(packs_.q) || quantized(packs_.gate) ||
+                                  quantized(packs_.k) || quantized(packs_.v));
+    kernels::RowSource const a = ws.input.prepare(x, q8, pool);
+    ws.queue.add(proj_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(), P, inference));
     if (separate_gate()) {
-      ws.queue.add(job(a, lda, T, p_.gate_proj, b16_.gate_proj, D, ws.qg.data() + HD, P, inference),
-                   gate_cols());
+      ws.queue.add(proj_job(a, T, packs_.gate, p_.gate_proj, gate_cols(), D, ws.qg.data() + HD, P,
+                            inference));
     }
-    ws.queue.add(job(a, lda, T, p_.k_proj, b16_.k_proj, D, ws.k_raw.data(), KD, inference), KD);
-    ws.queue.add(job(a, lda, T, p_.v_proj, b16_.v_proj, D, ws.v.data(), KD, inference), KD);
+    ws.queue.add(proj_job(a, T, packs_.k, p_.k_proj, KD, D, ws.k_raw.data(), KD, inference));
+    ws.queue.add(proj_job(a, T, packs_.v, p_.v_proj, KD, D, ws.v.data(), KD, inference));
+    ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
+  }
+
+  /// y = O W_o^T + b_o (y += with `accumulate`: the residual added in the epilogue).
+  void run_o(ConstMatrixView<float> o, MatrixView<float> y, GatedAttentionWorkspace& ws,
+             bool inference, bool accumulate, ThreadPool* pool) const {
+    kernels::RowSource const a = ws.input.prepare(o, inference && quantized(packs_.o), pool);
+    ws.queue.add(proj_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data, y.row_stride,
+                          inference, &p_.o_bias, accumulate));
+    ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 
   /// Row t at position pos: RoPE angles into ws.rope_cos / rope_sin, its queries (norm, RoPE)
@@ -744,9 +821,9 @@ class GatedAttention {
   }
 
   void run_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
-                  std::span<Index const> new_tokens, GatedAttentionWorkspace& ws,
-                  ThreadPool* pool) const {
-    Index const T = x.rows, D = c_.d_model, H = c_.num_heads, dh = c_.head_dim;
+                  std::span<Index const> new_tokens, GatedAttentionWorkspace& ws, ThreadPool* pool,
+                  bool accumulate) const {
+    Index const T = x.rows, H = c_.num_heads, dh = c_.head_dim;
     Index const w = gate_width(), P = qg_cols(), HD = q_dim(), KD = kv_dim(), hr = half_rot();
     Index const B = cache.sequences();
     auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
@@ -776,8 +853,7 @@ class GatedAttention {
     }
     if (T == 0) return;
 
-    enqueue_qkv(x, ws, true);
-    ws.queue.run(pool, ws.scratch.data(), per);
+    run_qkv(x, ws, true, pool);
 
     // Queries into ws.q; keys and values into the cache (at absolute positions).
     Index const tiles = (T + kTileRows - 1) / kTileRows;
@@ -862,9 +938,7 @@ class GatedAttention {
       });
     }
     float const* o = gated ? ws.gated.data() : ws.attn.data();
-    ws.queue.add(job(o, HD, T, p_.o_proj, b16_.o_proj, HD, y.data, y.row_stride, true), D);
-    ws.queue.run(pool, ws.scratch.data(), per);
-    add_o_bias(y, pool);
+    run_o(ConstMatrixView<float>(o, T, HD), y, ws, true, accumulate, pool);
   }
 
   void run_backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
@@ -1058,16 +1132,23 @@ class GatedAttention {
     });
   }
 
-  /// Drops the bf16 copies of pack_weights.
-  void unpack() { b16_ = {}; }
+  /// Drops the packs of pack_weights (before a write: throws once the weights are discarded).
+  void unpack() {
+    detail::check(!discarded_,
+                  "GatedAttention: the projections' fp32 weights were discarded "
+                  "(discard_master_weights); this layer is inference-only and cannot be written, "
+                  "repacked or trained");
+    packs_ = {};
+  }
 
   GatedAttentionConfig c_{};
   std::vector<float> yarn_inv_freq_;  ///< [rotary_dim / 2] with YaRN RoPE, else empty
   Parameters p_;
-  /// pack_weights(kBf16): bf16 copies of the projections (all empty: kF32).
-  struct Bf16Copies {
-    HugePageVector<std::uint16_t> q_proj, gate_proj, k_proj, v_proj, o_proj;
-  } b16_;
+  /// pack_weights: the projections as the engine's packed matrices (all empty: not packed).
+  struct Packs {
+    Linear q, gate, k, v, o;
+  } packs_;
+  bool discarded_ = false;  ///< discard_master_weights() was called
 };
 
 }  // namespace moe

@@ -40,6 +40,7 @@ struct ExpertJob {
   Index ldh = 0;
   float const* bias = nullptr;  ///< biased experts: [cols] (kStore) or [P] (hidden kinds)
   kernels::GluClamp clamp{};    ///< hidden kinds of a clamped GLU expert
+  bool accumulate = false;      ///< kStore without scale or stream: c += a W^T (+ bias)
 };
 
 /// Routed expert outputs of at least this many bytes (about the last-level cache) are written
@@ -211,7 +212,8 @@ void run_expert_item(std::vector<ExpertJob> const& jobs, ExpertItem const& item,
                                        job.cols,
                                        job.scale ? job.scale + item.r0 : nullptr,
                                        job.stream,
-                                       job.bias};
+                                       job.bias,
+                                       job.accumulate};
       kernels::expert_cols(a, M, job.depth, job.w, item.p0, item.p1, epi, s, 0, after);
       if (job.stream) kernels::simd::stream_fence();
       break;

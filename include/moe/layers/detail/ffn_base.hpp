@@ -161,6 +161,20 @@ class FfnLayerBase {
     if constexpr (Shared::has_experts) shared_.bank().pack(format, pool);
   }
 
+  /// pack_weights with one ExpertFormat (in and down projections) for every routed expert and
+  /// one for every shared expert (ExpertBank::pack's per-expert form; the same preconditions).
+  void pack_weights(experts::ExpertFormat routed, experts::ExpertFormat shared,
+                    ThreadPool* pool = nullptr) {
+    std::vector<experts::ExpertFormat> const r(static_cast<std::size_t>(bank_.num_experts()),
+                                               routed);
+    bank_.pack(r, pool);
+    if constexpr (Shared::has_experts) {
+      std::vector<experts::ExpertFormat> const s(
+          static_cast<std::size_t>(shared_.bank().num_experts()), shared);
+      shared_.bank().pack(s, pool);
+    }
+  }
+
   /// The arithmetic of training steps over the routed and shared experts
   /// (ExpertBank::set_train_compute): TrainCompute::kF32 (the default, exact) or kBf16, bf16
   /// operands with fp32 accumulation, fp32 master weights and gradients, on the CPU's bf16 unit
