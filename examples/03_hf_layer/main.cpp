@@ -52,6 +52,7 @@
 #include <variant>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "../common/output_check.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/quantize.hpp"
@@ -70,13 +71,7 @@ constexpr char kUsage[] =
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo,
                 Index hi = INT32_MAX) {
-  std::string const& s = args.at(key);
-  Index v = -1;
-  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
-    fail(key, " '", s, "' is not an integer in [", lo, ", ", hi, "]; ", kUsage);
-  }
-  return v;
+  return moe_cli::parse_integer<Index>(key, args.at(key), lo, hi);
 }
 
 // The float matrix `name` [rows, cols] of a safetensors file (rows < 0: any; else the T rows of

@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "../common/output_check.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/hf.hpp"
@@ -49,13 +50,7 @@ constexpr char kUsage[] =
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo,
                 Index hi) {
-  std::string const& s = args.at(key);
-  Index v = -1;
-  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
-    fail(key, " '", s, "' is not an integer in [", lo, ", ", hi, "]; ", kUsage);
-  }
-  return v;
+  return moe_cli::parse_integer<Index>(key, args.at(key), lo, hi);
 }
 
 std::vector<float> read_matrix(std::string const& path, char const* name, Index& rows, Index cols) {

@@ -27,6 +27,7 @@
 #include <variant>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/quantize.hpp"
 #include "moe/io/hf.hpp"
@@ -51,12 +52,7 @@ double parse_double(std::string const& key, std::string const& s) {
 }
 
 Index parse_int(std::string const& key, std::string const& s, Index lo, Index hi) {
-  Index v = 0;
-  auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
-    fail(key, " '", s, "' is not an integer in [", lo, ", ", hi, "]; ", kUsage);
-  }
-  return v;
+  return moe_cli::parse_integer<Index>(key, s, lo, hi);
 }
 
 template <class Layer>

@@ -25,8 +25,10 @@
 // generated token (the distribution it was drawn from, before temperature); it may not be a file
 // the model reads (config.json, weights, shards; by device and inode), an existing directory or
 // other non-regular file, or in a missing directory (refused before the model is loaded).
-// Greedy by default (temperature 0). Exit status 0 on success, 1 with one line on stderr
-// otherwise.
+// Greedy by default (temperature 0). Integer options are read as typed and range-checked
+// (--max-new-tokens at most 2^20 = 1048576, --threads 1 to 1024, --seed 0 to 2^64 - 1): a value
+// out of range is an error naming the option, the value and the range. Exit status 0 on
+// success, 1 with one line on stderr otherwise.
 
 #include <algorithm>
 #include <chrono>
@@ -39,8 +41,10 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "../common/output_check.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -72,19 +76,11 @@ struct Args {
                            "q3_k|q2_k] [--kv-cache fp32|bf16]");
 }
 
-long parse_long(std::string const& flag, std::string const& s, long lo) {
-  std::size_t used = 0;
-  long v = 0;
-  try {
-    v = std::stol(s, &used);
-  } catch (std::exception const&) {
-    used = 0;
-  }
-  if (used != s.size() || s.empty() || v < lo) {
-    usage_error(flag + " needs an integer >= " + std::to_string(lo) + ", got '" + s + "'");
-  }
-  return v;
-}
+/// Most tokens --max-new-tokens asks for (2^20, above the context length of every family this
+/// tool runs): the KV cache is sized up front for the prompt and every new token, and the sum
+/// must not overflow.
+constexpr long kMaxNewTokens = 1L << 20;
+
 double parse_double(std::string const& flag, std::string const& s, double lo, double hi) {
   std::size_t used = 0;
   double v = 0;
@@ -117,15 +113,18 @@ Args parse(int argc, char** argv) {
       std::size_t p = 0;
       while (p <= s.size()) {
         std::size_t const q = std::min(s.find(',', p), s.size());
-        a.prompt.push_back(parse_long("--prompt-ids", s.substr(p, q - p), 0));
+        a.prompt.push_back(moe_cli::parse_integer<std::int64_t>(
+            "--prompt-ids", std::string_view(s).substr(p, q - p), 0, INT64_MAX));
         p = q + 1;
       }
       have_prompt = true;
     } else if (f == "--max-new-tokens") {
-      a.max_new = parse_long(f, value(), 0);
+      a.max_new = moe_cli::parse_integer<long>(
+          f, value(), 0, kMaxNewTokens,
+          "at most 2^20: the KV cache is sized for the prompt and every new token");
       have_n = true;
     } else if (f == "--threads") {
-      a.threads = static_cast<int>(parse_long(f, value(), 1));
+      a.threads = moe_cli::parse_integer<int>(f, value(), 1, moe::ThreadPool::kMaxThreads);
     } else if (f == "--no-cache") {
       a.cache = false;
     } else if (f == "--temperature") {
@@ -133,7 +132,7 @@ Args parse(int argc, char** argv) {
     } else if (f == "--top-p") {
       a.top_p = parse_double(f, value(), 1e-6, 1.0);
     } else if (f == "--seed") {
-      a.seed = static_cast<std::uint64_t>(parse_long(f, value(), 0));
+      a.seed = moe_cli::parse_integer<std::uint64_t>(f, value(), 0, UINT64_MAX);
     } else if (f == "--logits") {
       a.logits_out = value();
     } else if (f == "--dense") {

@@ -7,7 +7,9 @@
 #   logits  moe_generate --logits naming a file of the model (also through a hard link), a
 #           directory or a file in a missing directory: refused (exit 1, one line) before the
 #           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
-#           a run that got as far as loading would fail with another message), model unchanged.
+#           a run that got as far as loading would fail with another message), model unchanged;
+#   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
+#           moe_run_hf_attention and moe_quantize: exit 1, one line naming option, value, range.
 cmake_minimum_required(VERSION 3.25)
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -119,6 +121,40 @@ elseif(MODE STREQUAL "logits")
       endif()
     endforeach()
   endforeach()
+elseif(MODE STREQUAL "integers")
+  # Integer options are read as typed (no wrap-around to a small value) and range-checked before
+  # the model is read; the message names the option, the value and the range.
+  set(dir "${WORK_DIR}/qwen3_moe")
+  make_checkpoint("${dir}" qwen3_moe)
+  set(x "${dir}/x.safetensors")
+  set(y "${WORK_DIR}/y.safetensors")
+  set(layer "--model^${dir}^--input^${x}^--output^${y}")
+  set(gen "--model^${dir}^--prompt-ids^1^--max-new-tokens^1")
+  set(cases
+      "GENERATE|--threads '4294967298' is not an integer in \\[1, 1024\\]|${gen}^--threads^4294967298"
+      "GENERATE|--threads '2147483648' is not an integer in \\[1, 1024\\]|${gen}^--threads^2147483648"
+      "GENERATE|--threads '0' is not an integer in \\[1, 1024\\]|${gen}^--threads^0"
+      "GENERATE|--max-new-tokens '9223372036854775807' is not an integer in \\[0, 1048576\\]. at most 2\\^20|--model^${dir}^--prompt-ids^1^--max-new-tokens^9223372036854775807"
+      "GENERATE|--max-new-tokens '18446744073709551617' is not an integer|--model^${dir}^--prompt-ids^1^--max-new-tokens^18446744073709551617"
+      "GENERATE|--max-new-tokens '1048577' is not an integer in \\[0, 1048576\\]|--model^${dir}^--prompt-ids^1^--max-new-tokens^1048577"
+      "GENERATE|--max-new-tokens '-1' is not an integer|--model^${dir}^--prompt-ids^1^--max-new-tokens^-1"
+      "GENERATE|--seed '18446744073709551616' is not an integer in \\[0, 18446744073709551615\\]|${gen}^--seed^18446744073709551616"
+      "GENERATE|--seed '-1' is not an integer|${gen}^--seed^-1"
+      "GENERATE|--prompt-ids '99999999999999999999' is not an integer|--model^${dir}^--prompt-ids^1,99999999999999999999^--max-new-tokens^1"
+      "GENERATE|--prompt-ids ' 2' is not an integer|--model^${dir}^--prompt-ids^1, 2^--max-new-tokens^1"
+      "RUN_HF_LAYER|--threads '4294967298' is not an integer in \\[1, 1024\\]|${layer}^--layer^1^--threads^4294967298"
+      "RUN_HF_LAYER|--layer '4294967297' is not an integer in \\[0, 2147483647\\]|${layer}^--layer^4294967297"
+      "RUN_HF_LAYER|--layer '\\+1' is not an integer|${layer}^--layer^+1"
+      "RUN_HF_ATTENTION|--threads '2147483648' is not an integer in \\[1, 1024\\]|${layer}^--layer^1^--threads^2147483648"
+      "RUN_HF_ATTENTION|--layer '1e3' is not an integer|${layer}^--layer^1e3"
+      "QUANTIZE|--threads '4294967298' is not an integer in \\[1, 1024\\]|--model^${dir}^--layer^1^--bits^4^--method^uniform^--out^${WORK_DIR}/q^--threads^4294967298"
+      "QUANTIZE|--layer '4294967297' is not an integer in \\[0, 1048576\\]|--model^${dir}^--layer^4294967297^--bits^4^--method^uniform^--out^${WORK_DIR}/q")
+  foreach(case IN LISTS cases)
+    string(REPLACE "|" ";" parts "${case}")
+    list(POP_FRONT parts tool want)
+    string(REPLACE "^" ";" parts "${parts}")
+    expect("${tool} ${parts}" 1 1 "^[a-z_]+: moe: ${want}" "${${tool}}" ${parts})
+  endforeach()
 else()
-  message(FATAL_ERROR "MODE must be fifo or logits")
+  message(FATAL_ERROR "MODE must be fifo, logits or integers")
 endif()
