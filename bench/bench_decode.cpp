@@ -16,14 +16,19 @@
 //                                        C = 4096, 16384 of random keys and values in an fp32 /
 //                                        bf16 cache (moe::KvFormat), side by side
 //
-// dense:1 keeps the LM head and the attention projections in bf16, as a Hugging Face Qwen3
-// checkpoint stores them and as load_hf_decoder keeps them (DenseWeights::kAsStored); dense:0 in
-// fp32, as a model converted to fp32 (or loaded with DenseWeights::kF32). Both compute in fp32;
-// the embedding is bf16 in both (one row a step).
+// w: the weights of every matrix (each multiplied by moe's one projection engine, moe::Linear):
+//   w:0  fp32 dense (embedding, attention, LM head), bf16 experts (a model converted to fp32)
+//   w:1  bf16 dense, bf16 experts (a Hugging Face BF16 checkpoint as load_hf_decoder keeps it)
+//   w:2  bf16 dense, q4_k experts (the step the Q4_K_M mix is compared with: experts quantized,
+//        the rest as stored)
+//   w:3  llama.cpp's Q4_K_M mix (DecoderOptions::q4_k_m(): q4_k, q6_k on the LM head and on
+//        attn_v / ffn_down of half the layers)
+// Only one routed-expert layer is quantized (30-60 s for 600 M weights); the 4 layers are copies
+// of it (separate memory: each step still streams 4 layers' experts from DRAM).
 //
 // Counters: tokens/s; for decode also the bytes one step must read (every layer's attention
-// weights and the KV cache of the context, the 8 active experts' bf16 weights and the router,
-// the LM head and the token's embedding row), that over the time as GB/s, and roofline = that /
+// packs and the KV cache of the context, the 8 active experts' packs and the router, the LM
+// head's pack and the token's embedding row), that over the time as GB/s, and roofline = that /
 // the machine's read bandwidth (bench/machine.hpp: 4 prefetched streams per thread over 4x the
 // read sweep's last-level cache, at least 512 MiB), measured in pairs: one read of that buffer
 // after every step (untimed), and bw GB/s = the reads' bytes over their summed time; plus the
@@ -34,7 +39,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -61,86 +68,96 @@ void fill(std::span<float> v, float bound, std::uint64_t seed) {
   moe::fill_uniform(v, -bound, bound, seed);
 }
 
-/// The LM head in both precisions; set_dense() moves one into the decoder.
-struct LmHeads {
-  moe::models::WeightMatrix f32, bf16;
-};
-LmHeads& spare_heads() {
-  static LmHeads h;
-  return h;
+/// The formats of configuration w (see the top of this file).
+moe::models::DecoderOptions options_of(int w) {
+  using moe::experts::WeightFormat;
+  moe::models::DecoderOptions o;
+  if (w == 3) return moe::models::DecoderOptions::q4_k_m();
+  o.dense = w == 0 ? WeightFormat::kF32 : WeightFormat::kBf16;
+  o.experts = w == 2 ? WeightFormat::kQ4_K : WeightFormat::kBf16;
+  return o;
 }
 
-Decoder& decoder() {
-  static Decoder d = [] {
-    Decoder dec;
-    moe::models::DecoderConfig& c = dec.config;
-    c.moe.family = moe::io::HfFamily::kQwen3Moe;
-    c.moe.hidden_size = kH;
-    c.moe.num_experts = kE;
-    c.moe.num_experts_per_tok = kTopK;
-    c.moe.expert_intermediate_size = kI;
-    c.moe.norm_topk_prob = true;
-    c.moe.num_hidden_layers = kLayers;
-    c.vocab_size = kVocab;
-    c.num_hidden_layers = kLayers;
-    c.num_attention_heads = kHeads;
-    c.num_key_value_heads = kKv;
-    c.head_dim = kDh;
-    c.rope_theta = 1e6f;
-    c.rms_norm_eps = 1e-6f;
-    c.qk_norm = true;
-    dec.embed = moe::models::WeightMatrix::zeros(kVocab, kH);
-    fill(dec.embed.f32, 1.0f, 1);
-    dec.embed.to_bf16();
-    LmHeads& heads = spare_heads();
-    heads.f32 = moe::models::WeightMatrix::zeros(kVocab, kH);
-    fill(heads.f32.f32, 0.02f, 2);
-    heads.bf16 = heads.f32;
-    heads.bf16.to_bf16();
-    dec.norm.assign(static_cast<std::size_t>(kH), 1.0f);
-    moe::GatedAttentionConfig ac;
-    ac.d_model = kH;
-    ac.num_heads = kHeads;
-    ac.num_kv_heads = kKv;
-    ac.head_dim = kDh;
-    ac.qk_norm = moe::QkNorm::kRmsNorm;
-    ac.rope = true;
-    ac.rope_theta = 1e6f;
-    for (Index L = 0; L < kLayers; ++L) {
-      Decoder::Block b{moe::GatedAttention<moe::gating::NoGate>(ac), {}, {}, std::nullopt, {}};
-      std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
-      for (auto const& p : b.attention.parameters()) {
-        if (std::string_view(p.name).find("norm") == std::string_view::npos) {
-          fill(p.values, 0.02f, seed++);
-        }
-      }
-      b.input_norm.assign(static_cast<std::size_t>(kH), 1.0f);
-      b.post_norm.assign(static_cast<std::size_t>(kH), 1.0f);
-      b.moe.emplace(moe::presets::make_qwen3_moe({kH, kI, kE, kTopK, true}));
-      fill(b.moe->experts().edit().parameters(), 0.02f, seed++);
-      auto w = b.moe->router_weight();
-      fill({w.data, static_cast<std::size_t>(w.rows * w.cols)}, 0.05f, seed++);
-      b.moe->pack_weights(moe::experts::WeightFormat::kBf16, &pool());
-      b.moe->discard_master_weights();  // as load_hf_decoder: only the bf16 pack stays
-      dec.blocks.push_back(std::move(b));
-    }
-    return dec;
-  }();
-  return d;
-}
-
-/// The LM head and the attention projections in bf16 (DenseWeights::kAsStored for a bf16
-/// checkpoint) or fp32.
-Decoder& set_dense(bool bf16) {
-  Decoder& dec = decoder();
-  LmHeads& heads = spare_heads();
-  if (!dec.lm_head.empty()) std::swap(dec.lm_head, dec.lm_head.is_bf16() ? heads.bf16 : heads.f32);
-  std::swap(dec.lm_head, bf16 ? heads.bf16 : heads.f32);
-  for (auto& b : dec.blocks) {
-    b.attention.pack_weights(bf16 ? moe::experts::WeightFormat::kBf16
-                                  : moe::experts::WeightFormat::kF32);
+/// The decoder of configuration w, built once (the same random weights for every w).
+Decoder const& decoder(int w) {
+  static std::optional<Decoder> built[4];
+  std::optional<Decoder>& slot = built[w];
+  if (slot) return *slot;
+  for (auto& other : built) other.reset();  // one configuration in memory at a time
+  using moe::models::MatrixClass;
+  moe::models::DecoderOptions const opt = options_of(w);
+  Decoder dec;
+  moe::models::DecoderConfig& c = dec.config;
+  c.moe.family = moe::io::HfFamily::kQwen3Moe;
+  c.moe.hidden_size = kH;
+  c.moe.num_experts = kE;
+  c.moe.num_experts_per_tok = kTopK;
+  c.moe.expert_intermediate_size = kI;
+  c.moe.norm_topk_prob = true;
+  c.moe.num_hidden_layers = kLayers;
+  c.vocab_size = kVocab;
+  c.num_hidden_layers = kLayers;
+  c.num_attention_heads = kHeads;
+  c.num_key_value_heads = kKv;
+  c.head_dim = kDh;
+  c.rope_theta = 1e6f;
+  c.rms_norm_eps = 1e-6f;
+  c.qk_norm = true;
+  auto format = [&](MatrixClass m, Index L, Index depth) {
+    return moe::experts::resolve_format(opt.format_of(m, L, kLayers, kE, false, true), depth);
+  };
+  {
+    std::vector<float> v(static_cast<std::size_t>(kVocab * kH));
+    fill(v, 1.0f, 1);
+    dec.embed = moe::models::Embedding::pack({v.data(), kVocab, kH},
+                                             format(MatrixClass::kEmbedding, 0, kH));
+    fill(v, 0.02f, 2);
+    dec.lm_head = moe::Linear({v.data(), kVocab, kH}, format(MatrixClass::kLmHead, kLayers - 1, kH),
+                              {}, &pool());
   }
-  return dec;
+  dec.norm.assign(static_cast<std::size_t>(kH), 1.0f);
+  moe::GatedAttentionConfig ac;
+  ac.d_model = kH;
+  ac.num_heads = kHeads;
+  ac.num_kv_heads = kKv;
+  ac.head_dim = kDh;
+  ac.qk_norm = moe::QkNorm::kRmsNorm;
+  ac.rope = true;
+  ac.rope_theta = 1e6f;
+  // One routed-expert layer per ffn_down format the mix asks for, quantized once, then copied.
+  std::optional<moe::presets::Qwen3Moe> moe_layers[2];
+  for (Index L = 0; L < kLayers; ++L) {
+    Decoder::Block b{moe::GatedAttention<moe::gating::NoGate>(ac), {}, {}, std::nullopt, {}};
+    std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
+    for (auto const& p : b.attention.parameters()) {
+      if (std::string_view(p.name).find("norm") == std::string_view::npos) {
+        fill(p.values, 0.02f, seed++);
+      }
+    }
+    b.attention.pack_weights(
+        {format(MatrixClass::kAttnQ, L, kH), format(MatrixClass::kAttnK, L, kH),
+         format(MatrixClass::kAttnV, L, kH), format(MatrixClass::kAttnO, L, kHeads * kDh)},
+        &pool());
+    b.attention.discard_master_weights();
+    b.input_norm.assign(static_cast<std::size_t>(kH), 1.0f);
+    b.post_norm.assign(static_cast<std::size_t>(kH), 1.0f);
+    moe::experts::ExpertFormat const ef{format(MatrixClass::kExpertsIn, L, kH),
+                                        format(MatrixClass::kExpertsDown, L, kI)};
+    std::optional<moe::presets::Qwen3Moe>& m =
+        moe_layers[ef.down == moe::experts::WeightFormat::kQ6_K ? 1 : 0];
+    if (!m) {
+      m.emplace(moe::presets::make_qwen3_moe({kH, kI, kE, kTopK, true}));
+      fill(m->experts().edit().parameters(), 0.02f, 1000);
+      auto rw = m->router_weight();
+      fill({rw.data, static_cast<std::size_t>(rw.rows * rw.cols)}, 0.05f, 1001);
+      m->pack_weights(ef, ef, &pool());
+      m->discard_master_weights();  // as load_hf_decoder: only the pack stays
+    }
+    b.moe.emplace(*m);
+    dec.blocks.push_back(std::move(b));
+  }
+  slot.emplace(std::move(dec));
+  return *slot;
 }
 
 std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
@@ -172,7 +189,7 @@ double read_seconds() {
 }
 
 void BM_Decoder_Prefill(benchmark::State& state) {
-  Decoder const& dec = set_dense(state.range(1) != 0);
+  Decoder const& dec = decoder(static_cast<int>(state.range(1)));
   Index const T = state.range(0);
   auto const ids = tokens(T, 7);
   std::vector<float> logits(static_cast<std::size_t>(kVocab));
@@ -191,15 +208,8 @@ void BM_Decoder_Prefill(benchmark::State& state) {
   state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
   state.counters["other%"] = 100.0 * st.other_seconds / total;
 }
-BENCHMARK(BM_Decoder_Prefill)
-    ->ArgNames({"T", "dense"})
-    ->Args({512, 1})
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond);
-
 void BM_Decoder_Decode(benchmark::State& state) {
-  bool const bf16 = state.range(1) != 0;
-  Decoder const& dec = set_dense(bf16);
+  Decoder const& dec = decoder(static_cast<int>(state.range(1)));
   Index const ctx = state.range(0);
   // kv: -1 fp32 cache filled by a prefill; 0 / 1 an fp32 / bf16 cache filled with random keys
   // and values (a step's work does not depend on them; no prefill of 16k tokens per row).
@@ -242,13 +252,13 @@ void BM_Decoder_Decode(benchmark::State& state) {
   }
   double const bw = static_cast<double>(reader_buffer().size()) * 4.0 *
                     static_cast<double>(state.iterations()) / reading;
-  double const dense_bytes = bf16 ? 2.0 : 4.0;  // per LM-head / attention weight
-  double const attn_weights =
-      dense_bytes * static_cast<double>(kH) * static_cast<double>(2 * kHeads * kDh + 2 * kKv * kDh);
   double const kv_bytes = static_cast<double>(ctx + 1) * 2.0 * kKv * kDh * (kv_bf16 ? 2.0 : 4.0);
-  double const experts = static_cast<double>(kTopK) * 3.0 * kH * kI * 2.0 + 4.0 * kE * kH;
-  double const bytes =
-      kLayers * (attn_weights + kv_bytes + experts) + dense_bytes * kVocab * kH + 2.0 * kH;
+  double experts = 0.0;
+  for (auto const& b : dec.blocks) {
+    experts += kTopK * static_cast<double>(b.moe->experts().packed_bytes(0)) + 4.0 * kE * kH;
+  }
+  double const bytes = static_cast<double>(dec.dense_bytes_per_step()) + kLayers * kv_bytes +
+                       experts + static_cast<double>(dec.embed.bytes()) / kVocab;
   double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
   state.counters["tokens/s"] =
       benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
@@ -261,21 +271,34 @@ void BM_Decoder_Decode(benchmark::State& state) {
   state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
   state.counters["other%"] = 100.0 * st.other_seconds / total;
 }
-BENCHMARK(BM_Decoder_Decode)
-    ->ArgNames({"ctx", "dense", "kv"})
-    ->ArgsProduct({{0, 1024, 4096}, {0, 1}, {-1}})
-    ->ArgsProduct({{4096, 16384}, {1}, {0, 1}})
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond);
+// Rows grouped by w, so that each configuration is built once (decoder() keeps one at a time).
+void register_rows() {
+  for (int w : {0, 1, 2, 3}) {
+    if (w > 0) {
+      benchmark::RegisterBenchmark("BM_Decoder_Prefill", BM_Decoder_Prefill)
+          ->ArgNames({"T", "w"})
+          ->Args({512, w})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+    auto* rows = benchmark::RegisterBenchmark("BM_Decoder_Decode", BM_Decoder_Decode)
+                     ->ArgNames({"ctx", "w", "kv"})
+                     ->ArgsProduct({{0, 1024, 4096}, {w}, {-1}});
+    if (w == 1) rows->ArgsProduct({{4096, 16384}, {1}, {0, 1}});
+    rows->UseRealTime()->Unit(benchmark::kMillisecond);
+  }
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  register_rows();
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
   benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
   benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, " +
-                                             std::to_string(kLayers) + " layers, bf16 experts");
+                                             std::to_string(kLayers) +
+                                             " layers, weights by w (see bench_decode.cpp)");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

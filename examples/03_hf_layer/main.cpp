@@ -149,7 +149,17 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
         }
       }
     } else {
-      layer.pack_weights(format, pool);
+      // A format whose blocks do not divide a projection's depth falls back (q4_k -> q4_0 ->
+      // q8_0 -> bf16, q6_k -> q8_0 -> bf16): one warning line says which.
+      std::vector<std::string> const fell = layer.pack_weights_with_fallback(format, pool);
+      std::string line;
+      for (std::string const& f : fell) line += (line.empty() ? "" : "; ") + f;
+      if (!line.empty()) {
+        std::fprintf(stderr,
+                     "moe_run_hf_layer: warning: fell back where %s blocks do not divide "
+                     "the depth: %s\n",
+                     moe::experts::name(format), line.c_str());
+      }
     }
   } else if (args.count("--grad") == 0 && !layer.experts().packed()) {
     // Packed fp32 weights: the same kernels for every batch, so a token's output does not

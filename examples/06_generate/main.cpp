@@ -12,14 +12,18 @@
 // Command line:
 //   moe_generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [--threads N] [--no-cache]
 //                [--temperature T --top-p P --seed S] [--logits OUT.safetensors]
-//                [--dense as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k]
+//                [--dense as-stored|FORMAT] [--experts FORMAT] [--mix q4_k_m]
 //                [--kv-cache fp32|bf16]
+// FORMAT: fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k or q2_k.
 // --dense: the embedding, LM head, attention and dense-MLP weights (as-stored, the default,
 // keeps a BF16 checkpoint's in bf16: half the bytes a step reads, the same logits as fp32
-// copies). --experts: the MoE experts' format (fp32 default; the others quantize them at load,
-// docs/quantization.md). --kv-cache: how the KV cache holds keys and values (fp32 default;
-// bf16 halves its bytes, moe::KvFormat). Prints the generated ids on stdout (one line,
-// comma-separated) and the timings on stderr.
+// copies; a block format quantizes them at load). --experts: the MoE experts' format (fp32
+// default; the others quantize them at load, docs/quantization.md). --mix q4_k_m: llama.cpp's
+// Q4_K_M choice per matrix (models::DecoderOptions::q4_k_m; overrides --dense and --experts). A
+// format whose blocks do not divide a matrix's depth falls back (q4_k -> q4_0 -> q8_0 -> bf16,
+// q6_k -> q8_0 -> bf16): one warning line lists the matrices that did. --kv-cache: how the KV cache
+// holds keys and values (fp32 default; bf16 halves its bytes, moe::KvFormat). Prints the generated
+// ids on stdout (one line, comma-separated) and the timings on stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
 // their scale, docs/decoding.md). --logits writes "logits" [N, vocab] F32, one row per
 // generated token (the distribution it was drawn from, before temperature); it may not be a file
@@ -39,6 +43,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -72,8 +77,8 @@ struct Args {
                            "; usage: moe_generate --model DIR --prompt-ids 1,2,3 "
                            "--max-new-tokens N [--threads N] [--no-cache] [--temperature T "
                            "--top-p P --seed S] [--logits OUT.safetensors] [--dense "
-                           "as-stored|fp32|bf16] [--experts fp32|bf16|q8_0|q6_k|q4_k|q4_0|"
-                           "q3_k|q2_k] [--kv-cache fp32|bf16]");
+                           "as-stored|FORMAT] [--experts FORMAT] [--mix q4_k_m] [--kv-cache "
+                           "fp32|bf16] (FORMAT: fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k)");
 }
 
 /// Most tokens --max-new-tokens asks for (2^20, above the context length of every family this
@@ -136,7 +141,13 @@ Args parse(int argc, char** argv) {
     } else if (f == "--logits") {
       a.logits_out = value();
     } else if (f == "--dense") {
-      a.weights.dense = moe::models::parse_dense_weights(value());
+      std::string const v = value();
+      a.weights.dense =
+          v == "as-stored" ? std::nullopt : std::optional(moe::experts::parse_weight_format(v));
+    } else if (f == "--mix") {
+      std::string const v = value();
+      if (v != "q4_k_m") usage_error("--mix '" + v + "': the one mix is q4_k_m");
+      a.weights.mix = moe::models::DecoderOptions::Mix::kQ4_K_M;
     } else if (f == "--experts") {
       a.weights.experts = moe::experts::parse_weight_format(value());
     } else if (f == "--kv-cache") {
@@ -266,12 +277,39 @@ int main(int argc, char** argv) {
     }
     std::string const formats = std::visit(
         [&](auto const& d) {
-          bool const attn_bf16 = !d.blocks.empty() && d.blocks.front().attention.weight_format() ==
-                                                          moe::experts::WeightFormat::kBf16;
+          // The formats of the first layer (a mix varies them per layer).
+          std::string attn = "-", experts = "-";
+          if (!d.blocks.empty()) {
+            moe::AttentionFormats const f = d.blocks.front().attention.formats();
+            attn = moe::experts::name(f.q);
+            if (!(f == moe::AttentionFormats(f.q))) {
+              attn = attn + "/" + moe::experts::name(f.k) + "/" + moe::experts::name(f.v) + "/" +
+                     moe::experts::name(f.o);
+            }
+          }
+          for (auto const& b : d.blocks) {
+            if (!b.moe) continue;
+            auto const ef = b.moe->experts().packed_formats();
+            if (ef.empty()) break;
+            experts = moe::experts::name(ef[0].in);
+            if (ef[0].down != ef[0].in) experts = experts + "/" + moe::experts::name(ef[0].down);
+            break;
+          }
+          std::string fell;
+          for (moe::models::Fallback const& f : d.fallbacks) {
+            fell += (fell.empty() ? "" : ", ") + f.matrix + " " + moe::experts::name(f.asked) +
+                    " -> " + moe::experts::name(f.chosen) + " (depth " + std::to_string(f.depth) +
+                    ")";
+          }
+          if (!fell.empty()) {
+            std::fprintf(stderr,
+                         "moe_generate: warning: %zu matrices have depths their format's blocks "
+                         "do not divide and fell back: %s\n",
+                         d.fallbacks.size(), fell.c_str());
+          }
           return std::string(d.config.moe.model_type()) + ", " + std::to_string(d.blocks.size()) +
-                 " layers; LM head " + (d.output_weights().is_bf16() ? "bf16" : "fp32") +
-                 ", attention " + (attn_bf16 ? "bf16" : "fp32") + ", experts " +
-                 moe::experts::name(a.weights.experts) + ", KV cache " +
+                 " layers; LM head " + moe::experts::name(d.lm_head.format()) + ", attention " +
+                 attn + ", experts " + experts + ", KV cache " +
                  (a.kv == moe::KvFormat::kBf16 ? "bf16" : "fp32");
         },
         dec);

@@ -18,6 +18,7 @@
 #include <map>
 #include <numbers>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -388,12 +389,14 @@ void check_generation(Tiny const& t, std::string const& name) {
   std::visit(
       [&](auto const& dec) {
         REQUIRE(dec.blocks.size() == static_cast<std::size_t>(t.L));
-        // F32 checkpoint: the embedding (and LM head) are read in place from the mapped file.
+        // F32 checkpoint: the embedding is read in place from the mapped file, the LM head (the
+        // embedding's values when tied) packed as fp32 panels; no fallback.
         REQUIRE(dec.embed.f32_view != nullptr);
         REQUIRE(dec.embed.f32.empty());
         REQUIRE(dec.mapped != nullptr);
-        REQUIRE((dec.lm_head.f32_view != nullptr) == !t.tie);
-        REQUIRE(dec.lm_head.empty() == t.tie);
+        REQUIRE(dec.lm_head.format() == moe::experts::WeightFormat::kF32);
+        REQUIRE(dec.lm_head.rows() == t.V);
+        REQUIRE(dec.fallbacks.empty());
         Attention const at = attention_of(t);
         for (auto const& b : dec.blocks) {
           auto const& ac = b.attention.config();
@@ -550,7 +553,7 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
   t.H = 32;  // q8_0 experts below need depths that are multiples of 32
   t.I_moe = 32;
   using moe::experts::WeightFormat;
-  using moe::models::DenseWeights;
+  using Dense = std::optional<WeightFormat>;
   Tensors m = make_tensors(t, 800);
   for (auto& [n, v] : m) {  // the values a BF16 checkpoint holds
     for (float& x : v) x = moe::kernels::bf16_to_float(moe::kernels::float_to_bf16(x));
@@ -558,26 +561,31 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
   fs::path const d16 = write_model(t, m, name + "_bf16", true);
   fs::path const d32 = write_model(t, m, name + "_f32", false);
   moe::ThreadPool pool(2);
-  auto load = [&](fs::path const& dir, DenseWeights dense, moe::ThreadPool* p = nullptr) {
+  auto load = [&](fs::path const& dir, Dense dense, moe::ThreadPool* p = nullptr) {
     moe::models::DecoderOptions o;
     o.dense = dense;
     return moe::models::load_hf_decoder(dir, p, o);
   };
-  auto const as_stored16 = load(d16, DenseWeights::kAsStored);
-  auto const as_stored32 = load(d32, DenseWeights::kAsStored);
-  auto const forced32 = load(d16, DenseWeights::kF32);
-  auto const forced16 = load(d32, DenseWeights::kBf16, &pool);
+  auto const as_stored16 = load(d16, std::nullopt);
+  auto const as_stored32 = load(d32, std::nullopt);
+  auto const forced32 = load(d16, WeightFormat::kF32);
+  auto const forced16 = load(d32, WeightFormat::kBf16, &pool);
   std::visit(
       [&](auto const& dec) {
-        // BF16 tensors stay bf16, read in place from the mapped file.
+        // BF16 tensors stay bf16: the embedding read in place from the mapped file, every
+        // multiplied matrix packed as bf16.
         REQUIRE(dec.embed.bf16_view != nullptr);
         REQUIRE(dec.mapped != nullptr);
-        REQUIRE(dec.lm_head.empty() == t.tie);
-        REQUIRE((dec.lm_head.bf16_view != nullptr) == !t.tie);
+        REQUIRE(dec.lm_head.format() == WeightFormat::kBf16);
         for (Index l = 0; l < t.L; ++l) {
           auto const& b = dec.blocks[static_cast<std::size_t>(l)];
-          REQUIRE(b.attention.weight_format() == WeightFormat::kBf16);
-          if (!b.moe) REQUIRE((b.mlp.gate.is_bf16() && b.mlp.up.is_bf16() && b.mlp.down.is_bf16()));
+          REQUIRE(b.attention.formats() == moe::AttentionFormats(WeightFormat::kBf16));
+          REQUIRE(b.attention.master_weights_discarded());
+          if (!b.moe) {
+            REQUIRE(b.mlp.gate.format() == WeightFormat::kBf16);
+            REQUIRE(b.mlp.up.format() == WeightFormat::kBf16);
+            REQUIRE(b.mlp.down.format() == WeightFormat::kBf16);
+          }
           // The experts' fp32 weights are gone once packed (I_moe = 32 fills whole panels): the
           // logits compared below come from the packs alone.
           if (b.moe) REQUIRE_FALSE(b.moe->experts().has_master_weights());
@@ -586,7 +594,7 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
       as_stored16);
   std::visit(
       [&](auto const& dec) {
-        REQUIRE(!dec.embed.is_bf16());
+        REQUIRE(dec.embed.format == WeightFormat::kF32);
         REQUIRE(dec.embed.f32.size() == static_cast<std::size_t>(t.V * t.H));  // converted, held
         REQUIRE(dec.blocks.front().attention.weight_format() == WeightFormat::kF32);
       },
@@ -629,6 +637,84 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
   INFO("q8_0 experts: max |diff| " << diff << " of max |logit| " << scale);
   REQUIRE(diff > 0.0);
   REQUIRE(diff <= 0.05 * scale);
+  // Every matrix quantized: the formats asked for, the fallbacks where a depth is not whole
+  // blocks (I_dense = 20: the dense down_proj has no 32-block format; bf16), the logits within
+  // the documented bound (docs/decoding.md: q8_0 within 10% of the largest logit on these
+  // random tiny models of width 32; real models: perplexity, not measured here).
+  auto prefill_diff = [&](std::vector<float> const& l) {
+    double d = 0.0;
+    for (Index i = 0; i < t.V; ++i) {
+      d = std::max(d, static_cast<double>(std::fabs(l[static_cast<std::size_t>(i)] -
+                                                    want[static_cast<std::size_t>(i)])));
+    }
+    return d;
+  };
+  moe::models::DecoderOptions all8;
+  all8.dense = WeightFormat::kQ8_0;
+  all8.experts = WeightFormat::kQ8_0;
+  auto const q8 = moe::models::load_hf_decoder(d16, &pool, all8);
+  std::visit(
+      [&](auto const& dec) {
+        REQUIRE(dec.embed.format == WeightFormat::kQ8_0);
+        REQUIRE(dec.lm_head.format() == WeightFormat::kQ8_0);
+        for (auto const& b : dec.blocks) {
+          REQUIRE(b.attention.formats() == moe::AttentionFormats(WeightFormat::kQ8_0));
+          if (!b.moe) {
+            REQUIRE(b.mlp.gate.format() == WeightFormat::kQ8_0);
+            REQUIRE(b.mlp.down.format() == WeightFormat::kBf16);  // depth 20
+          }
+        }
+        for (moe::models::Fallback const& f : dec.fallbacks) {
+          INFO(f.matrix);
+          REQUIRE(f.asked == WeightFormat::kQ8_0);
+          REQUIRE(f.chosen == WeightFormat::kBf16);
+          REQUIRE(f.depth % 32 != 0);
+          REQUIRE_THAT(f.matrix, Catch::Contains("mlp.down_proj.weight"));
+        }
+        REQUIRE(dec.dense_bytes_per_step() > 0);
+      },
+      q8);
+  double const d8 = prefill_diff(logits(q8, &pool));
+  INFO("q8_0 everywhere: max |diff| " << d8 << " of max |logit| " << scale);
+  REQUIRE(d8 > 0.0);
+  REQUIRE(d8 <= 0.1 * scale);
+  REQUIRE(logits(q8, nullptr) == logits(q8, &pool));  // one thread or two: the same bits
+  auto const mix = moe::models::load_hf_decoder(d16, &pool, moe::models::DecoderOptions::q4_k_m());
+  std::visit(
+      [&](auto const& dec) {
+        // H = 32: no K-quant holds it; q6_k falls back to q8_0, q4_k to q4_0.
+        REQUIRE(dec.lm_head.format() == WeightFormat::kQ8_0);
+        auto const head = std::find_if(dec.fallbacks.begin(), dec.fallbacks.end(),
+                                       [](auto const& f) { return f.matrix.find("lm_head") == 0; });
+        REQUIRE(head != dec.fallbacks.end());
+        REQUIRE(head->asked == WeightFormat::kQ6_K);
+        REQUIRE(head->chosen == WeightFormat::kQ8_0);
+        REQUIRE(head->depth == t.H);
+        REQUIRE(dec.embed.format == (t.tie ? WeightFormat::kQ8_0 : WeightFormat::kQ4_0));
+        for (Index l = 0; l < t.L; ++l) {
+          auto const& b = dec.blocks[static_cast<std::size_t>(l)];
+          bool const more = moe::models::DecoderOptions::more_bits(l, t.L);
+          bool const eight = t.E == 8;
+          moe::AttentionFormats const f = b.attention.formats();
+          REQUIRE(f.q == WeightFormat::kQ4_0);
+          REQUIRE(f.v == (eight || more ? WeightFormat::kQ8_0 : WeightFormat::kQ4_0));
+          if (b.moe) {
+            REQUIRE(b.moe->experts().packed_formats()[0] ==
+                    moe::experts::ExpertFormat{WeightFormat::kQ4_0,
+                                               more ? WeightFormat::kQ8_0 : WeightFormat::kQ4_0});
+          }
+        }
+        REQUIRE_FALSE(dec.fallbacks.empty());
+      },
+      mix);
+  // 4-bit blocks of 32 uniform random weights flip this toy model's routing: no useful logit
+  // bound here (each format's error is bounded per matrix in the Linear and attention tests);
+  // the mix runs, finite, on fewer bytes than q8_0.
+  for (float const v : logits(mix, &pool)) REQUIRE(std::isfinite(v));
+  auto const bytes = [](moe::models::AnyDecoder const& any) {
+    return std::visit([](auto const& dec) { return dec.dense_bytes_per_step(); }, any);
+  };
+  REQUIRE(bytes(mix) < bytes(q8));
 }
 
 }  // namespace

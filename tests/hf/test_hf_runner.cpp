@@ -225,12 +225,29 @@ TEST_CASE("moe_run_hf_layer: --weights runs the experts quantized, as the librar
     std::vector<float> const got = moe::io::to_float(out.tensor("y"));
     REQUIRE(got == y);  // the same kernels, bitwise (thread-count invariant)
   }
-  REQUIRE(run_runner(args("q4_k", false), dir / "stderr.txt") == 1);
   auto text = [&] {
     std::vector<std::byte> const err = iotest::read_file(dir / "stderr.txt");
     return std::string(reinterpret_cast<char const*>(err.data()), err.size());
   };
-  REQUIRE_THAT(text(), Contains("depth d_model = 64") && Contains("q4_k"));
+  // q4_k's 256-blocks divide neither depth: every projection falls back to q4_0 (the chain's
+  // next format that holds 64 and 32), said in one warning line; the output is q4_0's.
+  REQUIRE(run_runner(args("q4_k", false), dir / "stderr.txt") == 0);
+  REQUIRE_THAT(text(), Contains("warning: fell back where q4_k blocks do not divide the depth") &&
+                           Contains("routed experts' gate/up: q4_k -> q4_0 (depth 64)") &&
+                           Contains("routed experts' down: q4_k -> q4_0 (depth 32)"));
+  {
+    presets::Qwen3Moe packed = layer;
+    packed.pack_weights(moe::experts::WeightFormat::kQ4_0);
+    std::vector<float> y(x.size());
+    moe::MoeFfnWorkspace ws;
+    packed.forward({x.data(), T, D}, {y.data(), T, D}, ws);
+    REQUIRE(moe::io::to_float(moe::io::SafetensorsFile(dir / "y.safetensors").tensor("y")) == y);
+  }
+  // The library's strict pack names only formats that hold the depth.
+  presets::Qwen3Moe strict = layer;
+  REQUIRE_THROWS_WITH(
+      strict.pack_weights(moe::experts::WeightFormat::kQ4_K),
+      Contains("depth d_model = 64") && Contains("pack it as one of q4_0, q8_0, bf16, fp32"));
   REQUIRE(run_runner(args("q8_0", true), dir / "stderr.txt") == 1);
   REQUIRE_THAT(text(), Contains("--weights q8_0 is for inference"));
   REQUIRE(run_runner(args("int3", false), dir / "stderr.txt") == 1);

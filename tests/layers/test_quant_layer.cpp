@@ -182,7 +182,7 @@ TEST_CASE("Quantized packs of shapes their blocks do not divide are errors", "[l
   moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu> layer(96, 64, {4, 2, true, 1.0f});
   CHECK_THROWS_WITH(layer.pack_weights(WeightFormat::kQ4_K),
                     Catch::Contains("depth d_model = 96") && Catch::Contains("q4_k") &&
-                        Catch::Contains("q8_0/q4_0"));
+                        Catch::Contains("pack it as one of q4_0, q8_0, bf16, fp32"));
   layer.pack_weights(WeightFormat::kQ8_0);  // 32-blocks divide 96 and 64
   CHECK(layer.experts().packed_quant_any());
   std::vector<experts::ExpertFormat> const three(3);

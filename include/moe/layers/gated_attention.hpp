@@ -706,22 +706,10 @@ class GatedAttention {
                                     float* c, Index ldc, bool inference,
                                     HugePageVector<float> const* bias = nullptr,
                                     bool accumulate = false) {
-    detail::ExpertJob j;
-    if (inference && !pack.empty()) {
-      j = linear_job(pack, a, rows, c, ldc, accumulate);
-    } else {
-      j.kind = detail::ExpertJob::Kind::kStore;
-      j.a = a;
-      j.rows = rows;
-      j.depth = depth;
-      j.w.raw[0] = w.data();
-      j.w.raw_rows[0] = rows_w;
-      j.w.dot_products = rows < kernels::kPanelMinRows;
-      j.c = c;
-      j.ldc = ldc;
-      j.cols = rows_w;
-      j.accumulate = accumulate;
-    }
+    detail::ExpertJob j = inference && !pack.empty() ? linear_job(pack, a, rows, c, ldc)
+                                                     : stages::raw_job(a.base, a.ld, rows, w.data(),
+                                                                       depth, c, ldc, rows_w);
+    j.accumulate = accumulate;
     if (bias && !bias->empty()) j.bias = bias->data();
     return j;
   }

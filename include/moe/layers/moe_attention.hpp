@@ -30,7 +30,6 @@
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/detail/expert_jobs.hpp"
 #include "moe/layers/detail/ffn_base.hpp"
-#include "moe/layers/detail/projections.hpp"
 #include "moe/layers/kv_cache.hpp"
 #include "moe/layers/stages/combine.hpp"
 #include "moe/layers/stages/routed_experts.hpp"
@@ -101,7 +100,7 @@ struct MoeAttentionWorkspace {
   stages::SharedStage shared;  ///< the layer's own shared experts: gates, activations, outputs
   std::vector<float> rope_cos, rope_sin;  ///< [T, rotary_dim / 2]
   std::vector<float> scratch;             ///< per-thread SDPA / panel scratch
-  detail::ProjectionQueue queue;          ///< query, key and gate projections
+  stages::ProjectionQueue queue;          ///< query, key and gate projections (fp32, in place)
   stages::ProjectionQueue expert_queue;   ///< the experts' projections (and the router's)
   std::vector<detail::AttentionSdpaItem> sdpa_items;  ///< work items, reused across calls
   stages::GradTasks grad_tasks;                       ///< weight-gradient items of a backward
@@ -629,37 +628,38 @@ void MoeAttention<Rt, Xp, Sh, Gt>::run_forward(ConstMatrixView<float> x, MatrixV
     Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
     float const* xr = ws.x_rows.data() + r0 * D;
     if (rk > 0) {
-      ws.queue.add({xr, D, n, q_a_.data() + e * rk * D, D, ws.q_low.data() + r0 * rk, rk}, rk);
+      ws.queue.add(stages::raw_job(xr, D, n, q_a_.data() + e * rk * D, D, ws.q_low.data() + r0 * rk,
+                                   rk, rk));
     } else {
-      ws.queue.add({xr, D, n, q_a_.data() + e * dk * D, D, ws.q_rows.data() + r0 * dk, dk}, dk);
+      ws.queue.add(stages::raw_job(xr, D, n, q_a_.data() + e * dk * D, D,
+                                   ws.q_rows.data() + r0 * dk, dk, dk));
     }
     if (gated) {
-      ws.queue.add({xr, D, n, gate_proj_.data() + e * w * D, D, ws.gate.data() + r0 * w, w}, w);
+      ws.queue.add(stages::raw_job(xr, D, n, gate_proj_.data() + e * w * D, D,
+                                   ws.gate.data() + r0 * w, w, w));
     }
   }
   if (c_.residual_query) {
-    ws.queue.add({x.data, x.row_stride, T, q_res_.data(), D, ws.q_res.data(), dk}, dk);
+    ws.queue.add(
+        stages::raw_job(x.data, x.row_stride, T, q_res_.data(), D, ws.q_res.data(), dk, dk));
   }
-  ws.queue.add({x.data, x.row_stride, T, k_proj_.data(), D, ws.k.data(), dk}, dk);
+  ws.queue.add(stages::raw_job(x.data, x.row_stride, T, k_proj_.data(), D, ws.k.data(), dk, dk));
   for (Index s = 0; s < ns; ++s) {
-    ws.queue.add({x.data, x.row_stride, T, shared_q_.data() + s * dk * D, D,
-                  ws.q_sh.data() + s * T * dk, dk},
-                 dk);
+    ws.queue.add(stages::raw_job(x.data, x.row_stride, T, shared_q_.data() + s * dk * D, D,
+                                 ws.q_sh.data() + s * T * dk, dk, dk));
     if (gated) {
-      ws.queue.add({x.data, x.row_stride, T, gate_proj_.data() + (E + s) * w * D, D,
-                    ws.gate.data() + (R + s * T) * w, w},
-                   w);
+      ws.queue.add(stages::raw_job(x.data, x.row_stride, T, gate_proj_.data() + (E + s) * w * D, D,
+                                   ws.gate.data() + (R + s * T) * w, w, w));
     }
   }
-  ws.queue.run(pool, ws.scratch.data(), per);
+  ws.queue.run<Expert, SharedX>(pool);
   if (rk > 0) {
     for (Index e = 0; e < E; ++e) {
       Index const r0 = plan.expert_offsets[e], n = plan.expert_rows(e);
-      ws.queue.add({ws.q_low.data() + r0 * rk, rk, n, q_b_.data() + e * dk * rk, rk,
-                    ws.q_rows.data() + r0 * dk, dk},
-                   dk);
+      ws.queue.add(stages::raw_job(ws.q_low.data() + r0 * rk, rk, n, q_b_.data() + e * dk * rk, rk,
+                                   ws.q_rows.data() + r0 * dk, dk, dk));
     }
-    ws.queue.run(pool, ws.scratch.data(), per);
+    ws.queue.run<Expert, SharedX>(pool);
   }
 
   // 3. RoPE; routed queries to token-major order (+ residual query).

@@ -25,131 +25,227 @@
 #include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/expert_types.hpp"
 #include "moe/experts/weight_format.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/rms_norm.hpp"
-#include "moe/layers/detail/projections.hpp"
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/kv_cache.hpp"
+#include "moe/layers/linear.hpp"
 #include "moe/layers/presets.hpp"
 #include "moe/models/decoder_config.hpp"
 
 namespace moe::models {
 
-/// How the decoder stores its dense weights: the embedding, the LM head, the attention
-/// projections and the dense MLPs (the MoE experts: DecoderOptions::experts).
-enum class DenseWeights {
-  /// bf16 tensors stay bf16 (half the bytes; each weight is widened to fp32 as it is loaded, so
-  /// the logits equal, bitwise, those of fp32 copies of the same values), F32 tensors stay fp32,
-  /// F16 ones become fp32.
-  kAsStored,
-  kF32,   ///< all fp32 (exact for every dtype)
-  kBf16,  ///< all bf16: F32 and F16 tensors rounded to bf16 (nearest even)
+/// The classes of a decoder's matrices, for choosing their formats (DecoderOptions).
+enum class MatrixClass {
+  kEmbedding,    ///< model.embed_tokens.weight (rows read, never multiplied)
+  kLmHead,       ///< lm_head.weight, or the embedding's values when tied
+  kAttnQ,        ///< q_proj (and a gate projection)
+  kAttnK,        ///< k_proj
+  kAttnV,        ///< v_proj
+  kAttnO,        ///< o_proj
+  kDenseGateUp,  ///< a dense MLP's gate_proj and up_proj
+  kDenseDown,    ///< a dense MLP's down_proj
+  kExpertsIn,    ///< routed and shared experts' gate and up projections
+  kExpertsDown,  ///< routed and shared experts' down projections
 };
 
-/// "as-stored", "fp32", "bf16".
-constexpr char const* name(DenseWeights w) {
-  return w == DenseWeights::kAsStored ? "as-stored" : w == DenseWeights::kF32 ? "fp32" : "bf16";
+/// "embedding", "lm_head", "attn_q", "attn_k", "attn_v", "attn_o", "dense_gate_up",
+/// "dense_down", "experts_in", "experts_down".
+constexpr char const* name(MatrixClass c) {
+  constexpr char const* kNames[] = {"embedding",  "lm_head",     "attn_q",        "attn_k",
+                                    "attn_v",     "attn_o",      "dense_gate_up", "dense_down",
+                                    "experts_in", "experts_down"};
+  return kNames[static_cast<int>(c)];
 }
 
-/// The DenseWeights called `s` (see name()); throws moe::Error for any other string.
-inline DenseWeights parse_dense_weights(std::string_view s) {
-  for (DenseWeights w : {DenseWeights::kAsStored, DenseWeights::kF32, DenseWeights::kBf16}) {
-    if (s == name(w)) return w;
-  }
-  moe::detail::fail("parse_dense_weights: unknown dense-weight mode '", s,
-                    "'; use one of as-stored, fp32, bf16");
-}
-
-/// How load_hf_decoder keeps a checkpoint's weights.
+/// How load_hf_decoder stores each class of matrices. Every matrix is multiplied by the engine of
+/// the experts (moe::Linear), in fp32, bf16 or a GGUF block format; a format whose blocks do not
+/// divide a matrix's depth falls back along its chain (experts::resolve_format), and
+/// Decoder::fallbacks lists where it did.
+///   - `dense` (unset: as stored: BF16 tensors bf16, F32/F16/F8 tensors fp32) is the format of
+///     the embedding, the LM head, the attention projections and the dense MLPs, unless the
+///     class's own field is set (`embedding`, `lm_head`, `attention`, `dense_mlp`);
+///   - `experts`, `shared_experts` (unset: `experts`): the MoE layers' routed and shared experts;
+///   - `mix = kQ4_K_M`: llama.cpp's Q4_K_M choice per matrix (llama-quant.cpp, read 2026-12-06;
+///     overrides the fields above): every matrix q4_k except the LM head (q6_k; the embedding
+///     too when tied), attn_v and every ffn_down (dense, experts, shared) in the layers
+///     use_more_bits picks (q6_k: L < n/8, L >= 7n/8, or (L - n/8) % 3 == 2; half of them), and
+///     with exactly 8 experts (Mixtral) attn_k and attn_v in q8_0 and attn_o in q6_k (llama.cpp
+///     uses Q5_K, which moe lacks); fallbacks as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here).
 struct DecoderOptions {
-  DenseWeights dense = DenseWeights::kAsStored;
-  /// The MoE layers' routed and shared experts (MoeFfn::pack_weights): kF32 is exact; kBf16 and
-  /// the GGUF block formats quantize them at load time (forward only, see docs/quantization.md).
+  enum class Mix { kUniform, kQ4_K_M };
+  std::optional<experts::WeightFormat> dense;
+  std::optional<experts::WeightFormat> embedding, lm_head, attention, dense_mlp;
   experts::WeightFormat experts = experts::WeightFormat::kF32;
+  std::optional<experts::WeightFormat> shared_experts;
+  Mix mix = Mix::kUniform;
+
+  /// llama.cpp's Q4_K_M mix (see above).
+  static DecoderOptions q4_k_m() {
+    DecoderOptions o;
+    o.mix = Mix::kQ4_K_M;
+    return o;
+  }
+
+  /// llama.cpp's use_more_bits(L, n): the layers whose attn_v and ffn_down Q4_K_M keeps in q6_k.
+  static constexpr bool more_bits(Index layer, Index layers) {
+    return layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
+  }
+
+  /// The format asked for a matrix of class `c` in layer `layer` of `layers` (`experts`: the
+  /// model's routed experts; `tied`: the LM head is the embedding; `stored_bf16`: the tensor is
+  /// BF16 in the checkpoint), before any fallback. `shared`: a shared expert's projection.
+  experts::WeightFormat format_of(MatrixClass c, Index layer, Index layers, Index num_experts,
+                                  bool tied, bool stored_bf16, bool shared = false) const {
+    using experts::WeightFormat;
+    if (mix == Mix::kQ4_K_M) {
+      bool const more = more_bits(layer, layers), eight = num_experts == 8;
+      switch (c) {
+        case MatrixClass::kLmHead:
+          return WeightFormat::kQ6_K;
+        case MatrixClass::kEmbedding:
+          return tied ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
+        case MatrixClass::kAttnK:
+          return eight ? WeightFormat::kQ8_0 : WeightFormat::kQ4_K;
+        case MatrixClass::kAttnV:
+          return eight ? WeightFormat::kQ8_0 : more ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
+        case MatrixClass::kAttnO:
+          return eight ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
+        case MatrixClass::kDenseDown:
+        case MatrixClass::kExpertsDown:
+          return more ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
+        default:
+          return WeightFormat::kQ4_K;
+      }
+    }
+    if (c == MatrixClass::kExpertsIn || c == MatrixClass::kExpertsDown) {
+      return shared && shared_experts ? *shared_experts : experts;
+    }
+    std::optional<WeightFormat> own;
+    switch (c) {
+      case MatrixClass::kEmbedding:
+        own = embedding;
+        break;
+      case MatrixClass::kLmHead:
+        own = lm_head;
+        break;
+      case MatrixClass::kDenseGateUp:
+      case MatrixClass::kDenseDown:
+        own = dense_mlp;
+        break;
+      default:
+        own = attention;
+        break;
+    }
+    if (own) return *own;
+    if (dense) return *dense;
+    return stored_bf16 ? WeightFormat::kBf16 : WeightFormat::kF32;
+  }
 };
 
-/// A [rows, cols] row-major weight matrix of the decoder, fp32 or bf16 (the top half of each
-/// float, as std::uint16_t), held on 2 MiB pages (a decode step streams the LM head, and 4 KiB
-/// pages cost it ~5% of its read rate in TLB misses) or read in place from the mapped
-/// checkpoint. Exactly one of f32, bf16, f32_view, bf16_view holds the values (none: empty).
-struct WeightMatrix {
+/// A matrix of a loaded decoder that got another format than the one asked for (its blocks do
+/// not divide the matrix's depth; experts::resolve_format).
+struct Fallback {
+  std::string matrix;                   ///< e.g. "model.layers.3.mlp.down_proj.weight"
+  experts::WeightFormat asked, chosen;  ///< the format asked for and the one it got
+  Index depth = 0;                      ///< the depth that asked's blocks do not divide
+};
+
+/// The token embedding [V, H]: rows read by token id (never multiplied), stored in fp32, bf16
+/// (each value as the top half of a float), or GGUF blocks row by row (row r: the bytes
+/// quant::row_bytes(format, H) of a GGUF tensor's row; read through ggml's dequantizer), or read in
+/// place from the mapped checkpoint (fp32 or bf16).
+struct Embedding {
   Index rows = 0, cols = 0;
+  experts::WeightFormat format = experts::WeightFormat::kF32;
   HugePageVector<float> f32;
   HugePageVector<std::uint16_t> bf16;
+  HugePageVector<std::byte> blocks;
   float const* f32_view = nullptr;
   std::uint16_t const* bf16_view = nullptr;
 
-  /// A held fp32 matrix of zeros.
-  static WeightMatrix zeros(Index rows, Index cols) {
-    WeightMatrix m;
-    m.rows = rows;
-    m.cols = cols;
-    m.f32.assign(static_cast<std::size_t>(rows * cols), 0.0f);
-    return m;
+  /// Rows of w [V, H] stored in `format` (quantized with ggml's reference quantizer; the caller
+  /// resolved the format for H).
+  static Embedding pack(ConstMatrixView<float> w, experts::WeightFormat format) {
+    Embedding e;
+    e.rows = w.rows;
+    e.cols = w.cols;
+    e.format = format;
+    std::size_t const n = static_cast<std::size_t>(w.rows * w.cols);
+    if (format == experts::WeightFormat::kF32) {
+      e.f32.resize(n);
+      for (Index r = 0; r < w.rows; ++r) std::copy(w.row(r), w.row(r) + w.cols, &e.f32[r * w.cols]);
+    } else if (format == experts::WeightFormat::kBf16) {
+      e.bf16.resize(n);
+      for (Index r = 0; r < w.rows; ++r)
+        kernels::round_to_bf16(w.row(r), w.cols, &e.bf16[r * w.cols]);
+    } else {
+      quant::Format const qf = experts::quant_format(format);
+      Index const rb = quant::row_bytes(qf, w.cols);
+      e.blocks.resize(static_cast<std::size_t>(w.rows * rb));
+      for (Index r = 0; r < w.rows; ++r) {
+        quant::quantize_row(qf, w.row(r), w.cols, e.blocks.data() + r * rb);
+      }
+    }
+    return e;
   }
-  bool empty() const { return f32_data() == nullptr && bf16_data() == nullptr; }
-  bool is_bf16() const { return bf16_data() != nullptr; }
   bool in_place() const { return f32_view != nullptr || bf16_view != nullptr; }
-  float const* f32_data() const { return f32_view ? f32_view : f32.empty() ? nullptr : f32.data(); }
-  std::uint16_t const* bf16_data() const {
-    return bf16_view ? bf16_view : bf16.empty() ? nullptr : bf16.data();
+  /// Bytes of the stored values.
+  std::size_t bytes() const {
+    if (!blocks.empty()) return blocks.size();
+    return static_cast<std::size_t>(rows * cols) * (format == experts::WeightFormat::kBf16 ? 2 : 4);
   }
-  /// Bytes of the values (what a product with every row reads).
-  std::size_t bytes() const { return static_cast<std::size_t>(rows * cols) * (is_bf16() ? 2 : 4); }
-  /// out[c] = row r, widened to fp32 (exact).
+  /// out[c] = row r, exact (widened or dequantized).
   void read_row(Index r, float* out) const {
-    if (std::uint16_t const* b = bf16_data()) {
+    if (!blocks.empty()) {
+      quant::Format const qf = experts::quant_format(format);
+      quant::dequantize_row(qf, blocks.data() + r * quant::row_bytes(qf, cols), cols, out);
+    } else if (std::uint16_t const* b = bf16_view      ? bf16_view
+                                        : bf16.empty() ? nullptr
+                                                       : bf16.data()) {
       for (Index c = 0; c < cols; ++c) out[c] = kernels::bf16_to_float(b[r * cols + c]);
     } else {
-      float const* f = f32_data() + r * cols;
+      float const* f = (f32_view ? f32_view : f32.data()) + r * cols;
       std::copy(f, f + cols, out);
     }
-  }
-  /// Rounds the values to bf16 (nearest even) into held storage; no-op when already bf16.
-  void to_bf16() {
-    float const* f = f32_data();
-    if (f == nullptr) return;
-    HugePageVector<std::uint16_t> b(static_cast<std::size_t>(rows * cols));
-    kernels::round_to_bf16(f, b.size(), b.data());
-    *this = WeightMatrix{rows, cols, {}, std::move(b), nullptr, nullptr};
-  }
-  /// The projection C[:, 0:rows] = A W^T (A [n, cols], lda; C ldc) as a ProjectionQueue job.
-  moe::detail::ProjectionQueue::Job job(float const* a, Index lda, Index n, float* c,
-                                        Index ldc) const {
-    moe::detail::ProjectionQueue::Job j{a, lda, n, f32_data(), cols, c, ldc};
-    j.w_bf16 = bf16_data();
-    return j;
   }
 };
 
 /// A dense SwiGLU MLP (Qwen3-MoE's layers outside the sparse step):
-///   y = W_down (silu(W_gate x) * (W_up x)),  W_gate, W_up [I, H], W_down [H, I].
+///   y = W_down (silu(W_gate x) * (W_up x)),  W_gate, W_up [I, H], W_down [H, I],
+/// on the engine of the experts: gate and up in one pass with silu(g) * u in the epilogue (one
+/// GLU job, as a routed expert's), then down (its output added to the residual in its epilogue).
 struct DenseMlp {
-  WeightMatrix gate, up;  ///< [I, H] each
-  WeightMatrix down;      ///< [H, I]
+  Linear gate, up;  ///< [I, H] each, one format
+  Linear down;      ///< [H, I]
 
-  Index intermediate() const { return gate.rows; }
+  Index intermediate() const { return gate.rows(); }
+  std::size_t bytes() const { return gate.bytes() + up.bytes() + down.bytes(); }
 
-  /// y [T, H] = MLP(x [T, H]); `m`, `scratch` and `q` are reused buffers.
-  void forward(ConstMatrixView<float> x, MatrixView<float> y, std::vector<float>& m,
-               std::vector<float>& scratch, moe::detail::ProjectionQueue& q,
-               ThreadPool* pool) const {
-    Index const T = x.rows, H = down.rows, I = gate.rows;
-    m.resize(static_cast<std::size_t>(T * 2 * I));
-    Index const per = kernels::panel_scratch_size(std::max(H, I));
-    scratch.resize(static_cast<std::size_t>((pool ? pool->size() : 1) * per));
-    q.add(gate.job(x.data, x.row_stride, T, m.data(), 2 * I), I);
-    q.add(up.job(x.data, x.row_stride, T, m.data() + I, 2 * I), I);
-    q.run(pool, scratch.data(), per);
-    for (Index t = 0; t < T; ++t) {
-      float* row = m.data() + t * 2 * I;
-      kernels::glu<kernels::Activation::kSilu>(row, row + I, row, I);
-    }
-    q.add(down.job(m.data(), 2 * I, T, y.data, y.row_stride), H);
-    q.run(pool, scratch.data(), per);
+  /// h [T, H] += MLP(x [T, H]); `m` is a reused buffer.
+  void forward_add(ConstMatrixView<float> x, MatrixView<float> h, std::vector<float>& m,
+                   stages::ProjectionQueue& q, LinearInput& input, ThreadPool* pool) const {
+    Index const T = x.rows, I = gate.rows();
+    m.resize(static_cast<std::size_t>(T * I));
+    moe::detail::ExpertJob job;
+    job.kind = moe::detail::ExpertJob::Kind::kRoutedHidden;
+    job.a = input.prepare(x, experts::is_quantized(gate.format()), pool);
+    job.rows = T;
+    job.depth = gate.depth();
+    job.w = Linear::glu_panels(gate, up);
+    job.c = m.data();
+    job.ldc = I;
+    job.cols = I;
+    q.add(job);
+    q.run<experts::SwiGlu, experts::SwiGlu>(pool);
+    ConstMatrixView<float> const mv(m.data(), T, I);
+    q.add(linear_job(down, input.prepare(mv, experts::is_quantized(down.format()), pool), T, h.data,
+                     h.row_stride, true));
+    q.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 };
 
@@ -159,9 +255,10 @@ struct DecoderState {
   std::vector<KvCache> caches;  ///< one per layer
   GatedAttentionWorkspace attention;
   MoeFfnWorkspace ffn;
-  std::vector<float> h, normed, tmp, mlp_hidden, scratch, last;
+  std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
-  moe::detail::ProjectionQueue queue;       ///< dense MLP and LM-head projections
+  stages::ProjectionQueue queue;            ///< dense MLP and LM-head projections
+  LinearInput input;                        ///< their input rows
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
   /// LM head).
@@ -188,14 +285,15 @@ struct DecoderState {
 /// or over all heads), projection biases and sliding window (DecoderConfig). RMSNorm:
 /// x / sqrt(mean x^2 + eps) * w.
 ///
-/// Weights (see DecoderOptions): the embedding, LM head, attention and dense-MLP projections are
-/// kept in fp32 or bf16 (DenseWeights; by default as the checkpoint stores them); the
-/// embedding, LM head and dense MLPs are read in place from the mapped file where the dtype and
-/// alignment allow (`mapped` then keeps it open), the attention projections are copied
-/// (GatedAttention::pack_weights(kBf16) for bf16). The MoE layers' experts are packed in
-/// DecoderOptions::experts (fp32 panels by default, so an FFN row never depends on the batch it
-/// runs in), and their fp32 weights discarded (MoeFfn::discard_master_weights: a decoder does not
-/// train; only the pack stays in memory).
+/// Weights (see DecoderOptions): every matrix in the format its class asks for (by default as
+/// the checkpoint stores it: BF16 tensors bf16, the rest fp32), each multiplied by the engine of
+/// the experts (moe::Linear: the attention projections through GatedAttention::pack_weights, the
+/// dense MLPs, the LM head); the embedding's rows are read (in place from the mapped file when it
+/// is fp32 or bf16 as stored: `mapped` then keeps it open). The MoE layers' experts are packed in
+/// their formats and their fp32 weights discarded (MoeFfn::discard_master_weights: a decoder does
+/// not train; only the pack stays in memory). Residuals are added in the epilogues of o_proj and
+/// of the dense MLPs' down_proj. A token's logits do not depend on the batch it runs in, with
+/// packed experts (every projection's output element is one FMA chain of its row).
 template <class Moe>
 class Decoder {
  public:
@@ -207,17 +305,25 @@ class Decoder {
   };
 
   DecoderConfig config;
-  WeightMatrix embed;         ///< [V, H] model.embed_tokens.weight
+  Embedding embed;            ///< [V, H] model.embed_tokens.weight
   std::vector<Block> blocks;  ///< model.layers.L
   std::vector<float> norm;    ///< [H] model.norm.weight
-  WeightMatrix lm_head;       ///< [V, H] lm_head.weight (empty when tied: the embedding is used)
-  /// The checkpoint, kept open while a matrix above is read in place from it (else null).
+  /// [V, H] lm_head.weight, or the embedding's values when tied (packed in the LM head's format).
+  Linear lm_head;
+  /// The checkpoint, kept open while the embedding is read in place from it (else null).
   std::shared_ptr<io::ShardedCheckpoint const> mapped;
+  /// The matrices that got another format than DecoderOptions asked for, in load order.
+  std::vector<Fallback> fallbacks;
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
-  /// The LM head's weights: lm_head, or the embedding when tied.
-  WeightMatrix const& output_weights() const { return lm_head.empty() ? embed : lm_head; }
+  /// Bytes of the dense matrices a decode step of one token streams: every attention
+  /// projection, dense MLP and the LM head (the embedding's one row aside).
+  std::size_t dense_bytes_per_step() const {
+    std::size_t n = lm_head.bytes();
+    for (Block const& b : blocks) n += b.attention.projection_bytes() + b.mlp.bytes();
+    return n;
+  }
 
   /// A state for `sequences` sequences with room for `capacity` tokens each (it grows), its
   /// caches holding keys and values as `kv` says (KvFormat::kBf16: half the bytes a step reads
@@ -283,20 +389,20 @@ class Decoder {
       Block const& b = blocks[L];
       rms_rows(h, b.input_norm, normed, pool);
       lap(nullptr);
-      b.attention.forward_cached(normed, tmp, st.caches[L], new_tokens, st.attention, pool);
+      // h += Attn(normed): the residual added in o_proj's epilogue.
+      b.attention.forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
       lap(&attention);
-      add_rows(h, tmp, pool);
       rms_rows(h, b.post_norm, normed, pool);
       lap(nullptr);
       if (b.moe) {
         ForwardOptions opt;
         opt.pool = pool;
         b.moe->forward(normed, tmp, st.ffn, opt);
+        add_rows(h, tmp, pool);
       } else {
-        b.mlp.forward(normed, tmp, st.mlp_hidden, st.scratch, st.queue, pool);
+        b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, st.input, pool);
       }
       lap(&ffn);
-      add_rows(h, tmp, pool);
     }
     // The last new token of each sequence with one: final norm, LM head.
     std::vector<Index>& last_rows = st.last_rows;
@@ -317,10 +423,11 @@ class Decoder {
                         config.rms_norm_eps, H, st.last.data() + i * H);
     }
     size(st.tmp, std::max(T * H, n * V));
-    Index const per = kernels::panel_scratch_size(H);
-    size(st.scratch, (pool ? pool->size() : 1) * per);
-    st.queue.add(output_weights().job(st.last.data(), H, n, st.tmp.data(), V), V);
-    st.queue.run(pool, st.scratch.data(), per);
+    ConstMatrixView<float> const last(st.last.data(), n, H);
+    st.queue.add(linear_job(lm_head,
+                            st.input.prepare(last, experts::is_quantized(lm_head.format()), pool),
+                            n, st.tmp.data(), V));
+    st.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
     for (Index i = 0; i < n; ++i) {
       std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
                 logits.row(seqs[static_cast<std::size_t>(i)]));
@@ -401,48 +508,59 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
   return io::detail::read_hf_tensor(ckpt, ht, moe_config ? *moe_config : default_blocks, 0, "");
 }
 
-/// Does `mode` keep a tensor of `dtype` in bf16?
-inline bool keeps_bf16(io::Dtype dtype, DenseWeights mode) {
-  return mode == DenseWeights::kBf16 ||
-         (mode == DenseWeights::kAsStored && dtype == io::Dtype::kBf16);
-}
+/// What load_decoder threads through: the checkpoint, the options, and the fallbacks it records.
+struct Loading {
+  io::ShardedCheckpoint const& ckpt;
+  DecoderConfig const& c;
+  DecoderOptions const& options;
+  ThreadPool* pool;
+  std::vector<Fallback>& fallbacks;
+  std::string why;
 
-/// Tensor `name` of `ckpt` (checked against `shape`) as a WeightMatrix stored as `mode` says,
-/// in place in the mapped file when its dtype is the one kept and its data is aligned for it.
-inline WeightMatrix read_matrix(io::ShardedCheckpoint const& ckpt, std::string const& name,
-                                std::vector<std::int64_t> const& shape, std::string const& why,
-                                DenseWeights mode, io::HfMoeConfig const* moe_config = nullptr) {
-  io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
-  WeightMatrix m;
-  m.rows = shape.front();
-  m.cols = static_cast<Index>(t.num_elements()) / std::max<Index>(1, m.rows);
-  bool const keep_bf16 = keeps_bf16(t.dtype, mode);
+  bool tied() const { return c.tie_word_embeddings; }
+  /// The format for a matrix of class `cls` in layer L, of depth `depth`, stored as `dtype`:
+  /// the options' choice, resolved (a fallback recorded under `matrix`).
+  experts::WeightFormat format(std::string const& matrix, MatrixClass cls, Index L, Index depth,
+                               io::Dtype dtype, bool shared = false) const {
+    experts::WeightFormat const asked = options.format_of(
+        cls, L, c.num_hidden_layers, c.moe.num_experts, tied(), dtype == io::Dtype::kBf16, shared);
+    experts::WeightFormat const chosen = experts::resolve_format(asked, depth);
+    if (chosen != asked) fallbacks.push_back({matrix, asked, chosen, depth});
+    return chosen;
+  }
+  /// Tensor `name` [rows, depth] as a Linear of class `cls` in layer L.
+  Linear linear(std::string const& name, Index rows, Index depth, MatrixClass cls, Index L) const {
+    io::TensorView const& t = checked_tensor(ckpt, name, {rows, depth}, why);
+    experts::WeightFormat const f = format(name, cls, L, depth, t.dtype);
+    std::vector<float> const v = read_tensor(ckpt, name, {rows, depth}, why, &c.moe);
+    return Linear(ConstMatrixView<float>(v.data(), rows, depth), f, {}, pool);
+  }
+};
+
+/// The embedding in the format DecoderOptions asks for, read in place from the mapped file when
+/// that is its dtype (F32 or BF16) and its data is aligned for it.
+inline Embedding read_embedding(Loading const& ld, Index V, Index H) {
+  std::string const name = "model.embed_tokens.weight";
+  io::TensorView const& t = checked_tensor(ld.ckpt, name, {V, H}, ld.why);
+  experts::WeightFormat const f = ld.format(name, MatrixClass::kEmbedding, 0, H, t.dtype);
   auto const addr = reinterpret_cast<std::uintptr_t>(t.bytes.data());
   bool const little = std::endian::native == std::endian::little;
-  if (keep_bf16 && t.dtype == io::Dtype::kBf16) {
-    if (little && addr % alignof(std::uint16_t) == 0) {
-      m.bf16_view = reinterpret_cast<std::uint16_t const*>(t.bytes.data());
-    } else {
-      m.bf16.resize(static_cast<std::size_t>(t.num_elements()));
-      for (std::size_t i = 0; i < m.bf16.size(); ++i) {
-        m.bf16[i] = io::detail::load_le<std::uint16_t>(t.bytes.data() + 2 * i);
-      }
-    }
-    return m;
+  Embedding e;
+  e.rows = V;
+  e.cols = H;
+  e.format = f;
+  if (little && f == experts::WeightFormat::kBf16 && t.dtype == io::Dtype::kBf16 &&
+      addr % alignof(std::uint16_t) == 0) {
+    e.bf16_view = reinterpret_cast<std::uint16_t const*>(t.bytes.data());
+    return e;
   }
-  if (t.dtype == io::Dtype::kF32 && little && addr % alignof(float) == 0 && !keep_bf16) {
-    m.f32_view = reinterpret_cast<float const*>(t.bytes.data());
-    return m;
+  if (little && f == experts::WeightFormat::kF32 && t.dtype == io::Dtype::kF32 &&
+      addr % alignof(float) == 0) {
+    e.f32_view = reinterpret_cast<float const*>(t.bytes.data());
+    return e;
   }
-  if (t.dtype == io::Dtype::kF8E4M3) {  // dequantised (kAsStored keeps it in fp32)
-    std::vector<float> const v = read_tensor(ckpt, name, shape, why, moe_config);
-    m.f32.assign(v.begin(), v.end());
-  } else {
-    m.f32.resize(static_cast<std::size_t>(t.num_elements()));
-    io::to_float(t, m.f32);
-  }
-  if (keep_bf16) m.to_bf16();
-  return m;
+  std::vector<float> const v = read_tensor(ld.ckpt, name, {V, H}, ld.why, &ld.c.moe);
+  return Embedding::pack(ConstMatrixView<float>(v.data(), V, H), f);
 }
 
 template <class Moe>
@@ -450,21 +568,31 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
                           std::shared_ptr<io::ShardedCheckpoint const> const& mapped,
                           DecoderOptions const& options, ThreadPool* pool) {
   io::ShardedCheckpoint const& ckpt = *mapped;
-  DenseWeights const mode = options.dense;
   Decoder<Moe> d;
   d.config = c;
+  Loading const ld{ckpt,
+                   c,
+                   options,
+                   pool,
+                   d.fallbacks,
+                   "a decoder checkpoint holds the embedding, every layer, the final norm and "
+                   "(untied) lm_head"};
+  std::string const& why = ld.why;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
-  std::string const why =
-      "a decoder checkpoint holds the embedding, every layer, the final "
-      "norm and (untied) lm_head";
-  d.embed = read_matrix(ckpt, "model.embed_tokens.weight", {V, H}, why, mode);
+  d.embed = read_embedding(ld, V, H);
   d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
-  if (!c.tie_word_embeddings) {
-    d.lm_head = read_matrix(ckpt, "lm_head.weight", {V, H},
-                            "tie_word_embeddings is false, so lm_head.weight is needed", mode);
+  if (c.tie_word_embeddings) {
+    // The LM head multiplies the embedding's values, packed in the LM head's format.
+    std::string const name = "model.embed_tokens.weight";
+    experts::WeightFormat const f = ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead,
+                                              c.num_hidden_layers - 1, H, ckpt.find(name)->dtype);
+    std::vector<float> const v = read_tensor(ckpt, name, {V, H}, why, &c.moe);
+    d.lm_head = Linear(ConstMatrixView<float>(v.data(), V, H), f, {}, pool);
+  } else {
+    d.lm_head = ld.linear("lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
   }
-  bool in_place = d.embed.in_place() || d.lm_head.in_place();
+  if (d.embed.in_place()) d.mapped = mapped;
   GatedAttentionConfig ac;
   ac.d_model = H;
   ac.num_heads = nh;
@@ -496,16 +624,21 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     auto view_span = [](MatrixView<float> m) {
       return std::span<float>(m.data, static_cast<std::size_t>(m.rows * m.cols));
     };
-    bool attention_bf16 = true;
-    auto load_projection = [&](MatrixView<float> dst, std::string const& name,
-                               std::vector<std::int64_t> const& shape) {
+    // Each projection's format, resolved for its depth (a fallback recorded).
+    auto projection = [&](MatrixView<float> dst, std::string const& name,
+                          std::vector<std::int64_t> const& shape, MatrixClass cls) {
       load_into(view_span(dst), name, shape);
-      attention_bf16 = attention_bf16 && keeps_bf16(ckpt.find(p + name)->dtype, mode);
+      return ld.format(p + name, cls, L, shape[1], ckpt.find(p + name)->dtype);
     };
-    load_projection(b.attention.q_proj(), "self_attn.q_proj.weight", {nh * dh, H});
-    load_projection(b.attention.k_proj(), "self_attn.k_proj.weight", {kv * dh, H});
-    load_projection(b.attention.v_proj(), "self_attn.v_proj.weight", {kv * dh, H});
-    load_projection(b.attention.o_proj(), "self_attn.o_proj.weight", {H, nh * dh});
+    AttentionFormats f;
+    f.q = projection(b.attention.q_proj(), "self_attn.q_proj.weight", {nh * dh, H},
+                     MatrixClass::kAttnQ);
+    f.k = projection(b.attention.k_proj(), "self_attn.k_proj.weight", {kv * dh, H},
+                     MatrixClass::kAttnK);
+    f.v = projection(b.attention.v_proj(), "self_attn.v_proj.weight", {kv * dh, H},
+                     MatrixClass::kAttnV);
+    f.o = projection(b.attention.o_proj(), "self_attn.o_proj.weight", {H, nh * dh},
+                     MatrixClass::kAttnO);
     if (c.qk_norm) {
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
       load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
@@ -518,25 +651,37 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
     if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
-    if (attention_bf16) b.attention.pack_weights(experts::WeightFormat::kBf16);
+    b.attention.pack_weights(f, pool);
+    b.attention.discard_master_weights();  // a decoder never trains: keep only the packs
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
     if (c.moe.is_moe_layer(L)) {
       b.moe.emplace(io::load_hf_layer<Moe>(c.moe, ckpt, L).layer);
-      b.moe->pack_weights(options.experts, pool);
+      Moe& m = *b.moe;
+      std::string const experts = p + "mlp.experts";
+      io::Dtype const stored = io::Dtype::kF32;  // expert formats never follow the dtype
+      experts::ExpertFormat routed{
+          ld.format(experts + " (gate/up)", MatrixClass::kExpertsIn, L, H, stored),
+          ld.format(experts + " (down)", MatrixClass::kExpertsDown, L, m.d_ffn(), stored)};
+      experts::ExpertFormat shared = routed;
+      if constexpr (Moe::Shared::has_experts) {
+        std::string const sh = p + "mlp.shared_experts";
+        Index const Fs = m.shared_experts().bank().d_ffn();
+        shared = {ld.format(sh + " (gate/up)", MatrixClass::kExpertsIn, L, H, stored, true),
+                  ld.format(sh + " (down)", MatrixClass::kExpertsDown, L, Fs, stored, true)};
+      }
+      m.pack_weights(routed, shared, pool);
       // A decoder never trains: keep only the pack (unless inference would read the fp32
       // weights: GLU experts of an odd width in an fp32 or bf16 pack).
-      if (b.moe->can_discard_master_weights()) b.moe->discard_master_weights();
+      if (m.can_discard_master_weights()) m.discard_master_weights();
     } else {
       Index const I = c.intermediate_size;
-      b.mlp.gate = read_matrix(ckpt, p + "mlp.gate_proj.weight", {I, H}, why, mode, &c.moe);
-      b.mlp.up = read_matrix(ckpt, p + "mlp.up_proj.weight", {I, H}, why, mode, &c.moe);
-      b.mlp.down = read_matrix(ckpt, p + "mlp.down_proj.weight", {H, I}, why, mode, &c.moe);
-      in_place = in_place || b.mlp.gate.in_place() || b.mlp.up.in_place() || b.mlp.down.in_place();
+      b.mlp.gate = ld.linear(p + "mlp.gate_proj.weight", I, H, MatrixClass::kDenseGateUp, L);
+      b.mlp.up = ld.linear(p + "mlp.up_proj.weight", I, H, MatrixClass::kDenseGateUp, L);
+      b.mlp.down = ld.linear(p + "mlp.down_proj.weight", H, I, MatrixClass::kDenseDown, L);
     }
     d.blocks.push_back(std::move(b));
   }
-  if (in_place) d.mapped = mapped;
   return d;
 }
 

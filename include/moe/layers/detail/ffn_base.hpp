@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -173,6 +174,33 @@ class FfnLayerBase {
           static_cast<std::size_t>(shared_.bank().num_experts()), shared);
       shared_.bank().pack(s, pool);
     }
+  }
+
+  /// pack_weights(format) where a projection whose depth `format`'s blocks do not divide (the
+  /// in projections' d_model, the down projections' d_ffn) gets the first format of its
+  /// fallback chain that holds it (experts::resolve_format). Returns one line per projection
+  /// class that fell back, e.g. "routed experts' down: q4_k -> q4_0 (depth 2880)"; empty when
+  /// none did.
+  std::vector<std::string> pack_weights_with_fallback(experts::WeightFormat format,
+                                                      ThreadPool* pool = nullptr) {
+    std::vector<std::string> fell;
+    auto resolve = [&](char const* what, Index depth) {
+      experts::WeightFormat const f = experts::resolve_format(format, depth);
+      if (f != format) {
+        fell.push_back(std::string(what) + ": " + experts::name(format) + " -> " +
+                       experts::name(f) + " (depth " + std::to_string(depth) + ")");
+      }
+      return f;
+    };
+    experts::ExpertFormat const routed{resolve("routed experts' gate/up", d_model_),
+                                       resolve("routed experts' down", bank_.d_ffn())};
+    experts::ExpertFormat shared = routed;
+    if constexpr (Shared::has_experts) {
+      shared = {resolve("shared experts' gate/up", d_model_),
+                resolve("shared experts' down", shared_.bank().d_ffn())};
+    }
+    pack_weights(routed, shared, pool);
+    return fell;
   }
 
   /// The arithmetic of training steps over the routed and shared experts

@@ -85,6 +85,26 @@ class ProjectionQueue {
   Index depth_ = 0;
 };
 
+/// C[:, 0:cols] = A W^T with W [cols, depth] fp32 rows read in place, as a job of a
+/// ProjectionQueue: dot products (each weight row streamed once) for fewer than
+/// kernels::kPanelMinRows rows, panels packed per call into scratch from there on (the path
+/// depends on `rows` alone, so a row's bits do not depend on the column split or the threads).
+inline detail::ExpertJob raw_job(float const* a, Index lda, Index rows, float const* w, Index depth,
+                                 float* c, Index ldc, Index cols) {
+  detail::ExpertJob j;
+  j.kind = detail::ExpertJob::Kind::kStore;
+  j.a = kernels::RowSource{a, lda};
+  j.rows = rows;
+  j.depth = depth;
+  j.w.raw[0] = w;
+  j.w.raw_rows[0] = cols;
+  j.w.dot_products = rows < kernels::kPanelMinRows;
+  j.c = c;
+  j.ldc = ldc;
+  j.cols = cols;
+  return j;
+}
+
 /// The weights of a projection as expert_cols reads them (see detail::expert_weights); raw
 /// weights go through dot products when the projection has fewer than kPanelMinRows rows in
 /// `path_rows` (the rows the single-process layer gives it).
