@@ -216,3 +216,43 @@ TEST_CASE("Linear: errors", "[linear]") {
                       Catch::Contains("W[1, 5] = inf cannot be quantized to q8_0"));
   REQUIRE_NOTHROW(Linear({w.data(), 4, 32}, WeightFormat::kF32));  // fp32 keeps it as it is
 }
+
+TEST_CASE("LinearQueue: products queued together give the bits of each alone", "[linear][quant]") {
+  Index const K = 64, T = 6;
+  std::vector<float> const w1 = test::random_vector(48 * K, 20),
+                           w2 = test::random_vector(40 * K, 21);
+  std::vector<float> const x = test::random_vector(T * K, 22), x2 = test::random_vector(T * K, 23);
+  Linear const a({w1.data(), 48, K}, WeightFormat::kQ8_0),
+      b({w2.data(), 40, K}, WeightFormat::kQ4_0);
+  Linear const c({w2.data(), 40, K}, WeightFormat::kBf16);
+  Linear const g({w2.data(), 40, K}, WeightFormat::kQ8_0),
+      u({w1.data(), 40, K}, WeightFormat::kQ8_0);
+  std::vector<float> ya(static_cast<std::size_t>(T * 48)), yb(static_cast<std::size_t>(T * 40)),
+      yc(yb.size(), 1.0f), m(yb.size());
+  moe::ThreadPool pool(2);
+  moe::LinearQueue q;
+  q.add(a, {x.data(), T, K}, {ya.data(), T, 48});
+  q.add(b, {x.data(), T, K}, {yb.data(), T, 40});  // x quantized once for both
+  q.add(c, {x2.data(), T, K}, {yc.data(), T, 40}, true);
+  q.add_swiglu(g, u, {x2.data(), T, K}, {m.data(), T, 40});
+  q.run(&pool);
+  std::vector<float> ra(ya.size()), rb(yb.size()), rc(yc.size(), 1.0f), rg(m.size()), ru(m.size());
+  run(a, x, T, ra, nullptr);
+  run(b, x, T, rb, nullptr);
+  run(c, x2, T, rc, nullptr, true);
+  run(g, x2, T, rg, nullptr);
+  run(u, x2, T, ru, nullptr);
+  REQUIRE(ya == ra);
+  REQUIRE(yb == rb);
+  REQUIRE(yc == rc);
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    REQUIRE(m[i] == Approx(rg[i] / (1.0f + std::exp(-rg[i])) * ru[i]).epsilon(1e-5).margin(1e-6));
+  }
+  // Reused: the same bits again.
+  std::vector<float> again(ya.size());
+  q.add(a, {x.data(), T, K}, {again.data(), T, 48});
+  q.run(nullptr);
+  REQUIRE(again == ya);
+  REQUIRE_THROWS_WITH(q.add(a, {x.data(), T, K}, {ya.data(), T, 40}),
+                      Catch::Contains("they must be [T, 64] and [T, 48]"));
+}

@@ -4,7 +4,8 @@
 /// Linear: a dense weight matrix of any WeightFormat (attention projections, LM head, dense
 /// MLPs), packed once and multiplied by the same engine as the experts (stages::ProjectionQueue:
 /// kernels::expert_cols, its epilogues, claim-ahead scheduling and prefetch), and LinearInput,
-/// the activation rows prepared once for every Linear that reads them.
+/// the activation rows prepared once for every Linear that reads them, and LinearQueue, the public
+/// way to run products of them.
 #pragma once
 
 #include <algorithm>
@@ -207,5 +208,92 @@ inline detail::ExpertJob linear_job(Linear const& w, kernels::RowSource a, Index
   job.accumulate = accumulate;
   return job;
 }
+
+/// Products of Linear matrices, queued and run together on the engine (one parallel pass over
+/// all their items): y = x W^T + b (or y +=), and GLU pairs m = silu(x W_g^T) * (x W_u^T). The
+/// rows of each input that a quantized matrix reads are quantized once per run, however many
+/// matrices read them. Every output element is computed by one item in a fixed order: the same
+/// bits for any pool size. Reused across calls (no allocation once grown). The views must stay
+/// valid until run(); an output must not be an input of the same run.
+class LinearQueue {
+ public:
+  /// Queues y = x W^T + b (with `accumulate`, y += x W^T + b: a residual added in the epilogue).
+  /// Throws moe::Error unless x is [T, w.depth()] and y [T, w.rows()].
+  void add(Linear const& w, ConstMatrixView<float> x, MatrixView<float> y,
+           bool accumulate = false) {
+    check_shapes(w, x, y.rows, y.cols, w.rows(), "add");
+    detail::ExpertJob j =
+        linear_job(w, {x.data, x.row_stride}, x.rows, y.data, y.row_stride, accumulate);
+    pending_.push_back({j, input_of(x, experts::is_quantized(w.format()))});
+  }
+  /// Queues m = silu(x W_g^T) * (x W_u^T) (SwiGLU; gate and up of one shape and format, in one
+  /// pass with the activation in the epilogue). m is [T, gate.rows()].
+  void add_swiglu(Linear const& gate, Linear const& up, ConstMatrixView<float> x,
+                  MatrixView<float> m) {
+    check_shapes(gate, x, m.rows, m.cols, gate.rows(), "add_swiglu");
+    detail::ExpertJob j;
+    j.kind = detail::ExpertJob::Kind::kRoutedHidden;
+    j.a = {x.data, x.row_stride};
+    j.rows = x.rows;
+    j.depth = gate.depth();
+    j.w = Linear::glu_panels(gate, up);
+    j.c = m.data;
+    j.ldc = m.row_stride;
+    j.cols = gate.rows();
+    pending_.push_back({j, input_of(x, experts::is_quantized(gate.format()))});
+  }
+  /// Runs and clears the queue.
+  void run(ThreadPool* pool) {
+    for (std::size_t i = 0; i < inputs_.size(); ++i) {
+      Input const& in = inputs_[i];
+      kernels::RowSource const a = buffers_[i].prepare(in.x, true, pool);
+      for (Pending& p : pending_) {
+        if (p.input == static_cast<Index>(i)) {
+          p.job.a.q8 = a.q8;
+          p.job.a.ldq = a.ldq;
+        }
+      }
+    }
+    for (Pending const& p : pending_) queue_.add(p.job);
+    queue_.run<experts::SwiGlu, experts::SwiGlu>(pool);
+    pending_.clear();
+    inputs_.clear();
+  }
+
+ private:
+  struct Pending {
+    detail::ExpertJob job;
+    Index input = -1;  ///< the quantized input it reads (index into inputs_), or -1
+  };
+  struct Input {
+    ConstMatrixView<float> x;
+  };
+  static void check_shapes(Linear const& w, ConstMatrixView<float> x, Index out_rows,
+                           Index out_cols, Index cols, char const* who) {
+    detail::check(!w.empty() && x.cols == w.depth() && out_rows == x.rows && out_cols == cols,
+                  "LinearQueue::", who, ": x is [", x.rows, ", ", x.cols, "] and the output [",
+                  out_rows, ", ", out_cols, "] for a matrix [", w.rows(), ", ", w.depth(),
+                  "]; they must be [T, ", w.depth(), "] and [T, ", cols, "]");
+  }
+  /// The index of x among this run's quantized inputs (added if new), or -1.
+  Index input_of(ConstMatrixView<float> x, bool quantized) {
+    if (!quantized) return -1;
+    for (std::size_t i = 0; i < inputs_.size(); ++i) {
+      ConstMatrixView<float> const& y = inputs_[i].x;
+      if (y.data == x.data && y.rows == x.rows && y.cols == x.cols &&
+          y.row_stride == x.row_stride) {
+        return static_cast<Index>(i);
+      }
+    }
+    inputs_.push_back({x});
+    if (buffers_.size() < inputs_.size()) buffers_.resize(inputs_.size());
+    return static_cast<Index>(inputs_.size() - 1);
+  }
+
+  stages::ProjectionQueue queue_;
+  std::vector<Pending> pending_;
+  std::vector<Input> inputs_;
+  std::vector<LinearInput> buffers_;
+};
 
 }  // namespace moe

@@ -228,24 +228,14 @@ struct DenseMlp {
 
   /// h [T, H] += MLP(x [T, H]); `m` is a reused buffer.
   void forward_add(ConstMatrixView<float> x, MatrixView<float> h, std::vector<float>& m,
-                   stages::ProjectionQueue& q, LinearInput& input, ThreadPool* pool) const {
+                   LinearQueue& q, ThreadPool* pool) const {
     Index const T = x.rows, I = gate.rows();
     m.resize(static_cast<std::size_t>(T * I));
-    moe::detail::ExpertJob job;
-    job.kind = moe::detail::ExpertJob::Kind::kRoutedHidden;
-    job.a = input.prepare(x, experts::is_quantized(gate.format()), pool);
-    job.rows = T;
-    job.depth = gate.depth();
-    job.w = Linear::glu_panels(gate, up);
-    job.c = m.data();
-    job.ldc = I;
-    job.cols = I;
-    q.add(job);
-    q.run<experts::SwiGlu, experts::SwiGlu>(pool);
-    ConstMatrixView<float> const mv(m.data(), T, I);
-    q.add(linear_job(down, input.prepare(mv, experts::is_quantized(down.format()), pool), T, h.data,
-                     h.row_stride, true));
-    q.run<experts::SwiGlu, experts::SwiGlu>(pool);
+    MatrixView<float> const mv(m.data(), T, I);
+    q.add_swiglu(gate, up, x, mv);
+    q.run(pool);
+    q.add(down, mv, h, true);
+    q.run(pool);
   }
 };
 
@@ -257,8 +247,7 @@ struct DecoderState {
   MoeFfnWorkspace ffn;
   std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
-  stages::ProjectionQueue queue;            ///< dense MLP and LM-head projections
-  LinearInput input;                        ///< their input rows
+  LinearQueue queue;                        ///< dense MLP and LM-head projections
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
   /// LM head).
@@ -400,7 +389,7 @@ class Decoder {
         b.moe->forward(normed, tmp, st.ffn, opt);
         add_rows(h, tmp, pool);
       } else {
-        b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, st.input, pool);
+        b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, pool);
       }
       lap(&ffn);
     }
@@ -423,11 +412,9 @@ class Decoder {
                         config.rms_norm_eps, H, st.last.data() + i * H);
     }
     size(st.tmp, std::max(T * H, n * V));
-    ConstMatrixView<float> const last(st.last.data(), n, H);
-    st.queue.add(linear_job(lm_head,
-                            st.input.prepare(last, experts::is_quantized(lm_head.format()), pool),
-                            n, st.tmp.data(), V));
-    st.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
+    st.queue.add(lm_head, ConstMatrixView<float>(st.last.data(), n, H),
+                 MatrixView<float>(st.tmp.data(), n, V));
+    st.queue.run(pool);
     for (Index i = 0; i < n; ++i) {
       std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
                 logits.row(seqs[static_cast<std::size_t>(i)]));
