@@ -666,6 +666,13 @@ TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[a
   layer.forward_train({x.data(), 10, 6}, {y.data(), 10, 6}, ws);
   REQUIRE_THROWS_WITH(layer.backward(ws, {y.data(), 9, 6}, {dx.data(), 9, 6}, g),
                       Catch::Contains("must be [10, 6]"));
+  // Another layer's training forward: refused, never read as this layer's.
+  moe::GatedAttention<gating::HeadwiseGate> other(c);
+  REQUIRE_THROWS_WITH(other.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g),
+                      Catch::Contains("holds another layer's training forward"));
+  layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g);  // its own: fine, once
+  REQUIRE_THROWS_WITH(layer.backward(ws, {y.data(), 10, 6}, {dx.data(), 10, 6}, g),
+                      Catch::Contains("call forward_train first"));
   moe::GatedAttention<gating::HeadwiseGate> empty;
   REQUIRE_THROWS_WITH(empty.forward({x.data(), 10, 6}, {y.data(), 10, 6}, ws),
                       Catch::Contains("default-constructed"));

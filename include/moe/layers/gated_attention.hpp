@@ -130,7 +130,9 @@ struct GatedAttentionWorkspace {
   std::vector<float> delta;         ///< [batch, H, S]
   std::vector<float> norm_partial;  ///< [token tiles, 2 d_h] q/k norm weight gradients
   std::vector<float> sink_partial;  ///< [batch, H] dL/d(sink) per sequence and head
-  bool trained = false;
+  /// Which layer's forward_train filled the training fields, for what shapes (empty: none since
+  /// the last backward); backward checks it.
+  stages::Stamp stamp;
 
   // forward_cached only.
   std::vector<Index> row_seq;    ///< [T] sequence of each new row
@@ -454,7 +456,7 @@ class GatedAttention {
                AttentionOptions const& opt = {}) const {
     check_call(x, y, opt);
     run_forward(x, y, ws, opt, false);
-    ws.trained = false;
+    ws.stamp = {};
   }
 
   /// forward() that also keeps in `ws` what backward needs (see the class comment).
@@ -472,7 +474,7 @@ class GatedAttention {
     AttentionOptions o = opt;
     o.key_mask = ws.key_mask;
     run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
-    ws.trained = true;
+    ws.stamp = {this, T, D, c_.num_heads, c_.head_dim};
   }
 
   /// Decoding with a KvCache: x [T, D] holds new tokens of the cache's sequences, new_tokens[s]
@@ -514,7 +516,7 @@ class GatedAttention {
         " (0: the whole prefix); give this layer a cache without a window (or one of at "
         "least its sliding_window)");
     run_cached(x, y, cache, new_tokens, ws, pool, accumulate);
-    ws.trained = false;
+    ws.stamp = {};
   }
 
   /// Backward of the last forward_train on `ws`: dx [T, D] = dL/dx (overwritten) and every
@@ -522,9 +524,13 @@ class GatedAttention {
   /// for any pool size. Call once per forward_train.
   void backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads, ThreadPool* pool = nullptr) const {
-    detail::check(ws.trained,
+    detail::check(ws.stamp.filled(),
                   "GatedAttention::backward: the workspace holds no training forward; call "
                   "forward_train first (and backward only once per forward)");
+    detail::check(ws.stamp.layer == this,
+                  "GatedAttention::backward: the workspace holds another layer's training "
+                  "forward; give each layer its own workspace (or call this layer's "
+                  "forward_train first)");
     Index const T = static_cast<Index>(ws.x.size()) / c_.d_model, D = c_.d_model;
     detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
                   "GatedAttention::backward: dy and dx must be [", T, ", ", D,
@@ -540,7 +546,7 @@ class GatedAttention {
     detail::check(same,
                   "GatedAttention::backward: gradients do not match this layer; use "
                   "make_gradients()");
-    ws.trained = false;
+    ws.stamp = {};
     run_backward(ws, dy, dx, grads, pool);
   }
 
