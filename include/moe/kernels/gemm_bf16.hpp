@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "moe/core/config.hpp"
+#include "moe/core/float16.hpp"
 #include "moe/core/types.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/simd.hpp"
@@ -21,16 +22,9 @@
 
 namespace moe::kernels {
 
-/// float -> bf16 with round-to-nearest-even (NaN stays NaN, quiet). The bf16 value is the top 16
-/// bits of the float.
-MOE_ALWAYS_INLINE std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  // Branch-free (a select), so that loops over it vectorize.
-  std::uint32_t const r =
-      (u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<std::uint16_t>(r);
-}
+/// float -> bf16 with round-to-nearest-even (NaN stays NaN, quiet): moe's one definition
+/// (moe/core/float16.hpp). The bf16 value is the top 16 bits of the float.
+using ::moe::float_to_bf16;
 /// dst[i] = float_to_bf16(src[i]) for i < n: the bf16 copy of an fp32 weight matrix.
 inline void round_to_bf16(float const* src, std::size_t n, std::uint16_t* dst) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);

@@ -30,8 +30,8 @@
 #include <type_traits>
 
 #include "moe/core/error.hpp"
+#include "moe/core/float16.hpp"
 #include "moe/core/types.hpp"
-#include "moe/io/safetensors/convert.hpp"
 
 namespace moe::quant {
 
@@ -166,7 +166,7 @@ inline int nearest_int(float v) {
   return (i & 0x007fffff) - 0x00400000;
 }
 
-inline std::uint16_t fp16(float v) { return io::float_to_f16(v); }
+inline std::uint16_t fp16(float v) { return moe::float_to_f16(v); }
 
 /// ggml's `d ? 1.0f/d : 0.0f`, and 0 too where 1/d overflows (a block of subnormal weights, whose
 /// fp16 scale is 0 anyway): levels stay finite, never an undefined float-to-int conversion.
@@ -174,7 +174,7 @@ inline float inverse(float d) {
   float const id = d != 0.0f ? 1.0f / d : 0.0f;
   return std::isfinite(id) ? id : 0.0f;
 }
-inline float fp32(std::uint16_t h) { return io::f16_to_float(h); }
+inline float fp32(std::uint16_t h) { return moe::f16_to_float(h); }
 
 constexpr float kGroupMaxEps = 1e-15f;
 
