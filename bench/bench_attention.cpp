@@ -42,6 +42,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/experts/expert_types.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/moe_attention.hpp"

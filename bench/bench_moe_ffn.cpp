@@ -44,6 +44,7 @@
 #include "moe/core/types.hpp"
 #include "moe/core/views.hpp"
 #include "moe/kernels/combine.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/kernels/plan.hpp"
 #include "moe/layers/moe_ffn.hpp"

@@ -43,6 +43,7 @@
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/layers/presets.hpp"
 #include "moe/routing/stats.hpp"
 

@@ -35,6 +35,7 @@
 #include "moe/gating/sdpa_gate.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/combine.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/expert_gemm.hpp"
 #include "moe/kernels/gather.hpp"
 #include "moe/kernels/gemm.hpp"

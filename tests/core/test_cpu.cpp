@@ -11,6 +11,7 @@
 #include <string>
 
 #include "moe/core/cpu.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/expert_gemm.hpp"
 
 namespace {

@@ -17,8 +17,8 @@
 #endif
 
 // The units this build's kernels are compiled for (the compiler's target flags); whether the CPU
-// running them has them is asked at run time (core/cpu.hpp: bf16_kernel(), amx_bf16_usable(),
-// quant_kernel()).
+// running them has them is asked at run time (kernels/dispatch.hpp: bf16_kernel(),
+// amx_bf16_usable(), quant_kernel()).
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MOE_HAS_AVX512BF16 1  ///< AVX512-BF16 dot products (vdpbf16ps)
 #else

@@ -25,6 +25,7 @@
 #include "moe/experts/expert_types.hpp"
 #include "moe/experts/weight_format.hpp"
 #include "moe/kernels/activations.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/gemm_strided.hpp"

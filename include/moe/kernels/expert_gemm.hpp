@@ -27,6 +27,7 @@
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/detail/amx_bf16.hpp"
 #include "moe/kernels/detail/diagnostics_push.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/gemm.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_packed.hpp"

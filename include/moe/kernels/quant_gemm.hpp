@@ -31,6 +31,7 @@
 #include "moe/core/types.hpp"
 #include "moe/kernels/detail/amx.hpp"
 #include "moe/kernels/detail/diagnostics_push.hpp"
+#include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/gemm_packed.hpp"
 #include "moe/kernels/row_source.hpp"
 #include "moe/kernels/simd.hpp"
