@@ -329,6 +329,27 @@ TEST_CASE("build_plan is a stable counting sort of the selection", "[kernels][pl
   REQUIRE_THROWS_WITH(kernels::build_plan(bad, plan), Catch::Contains("names expert 5"));
 }
 
+/// The panel path of a projection, as the kernels' tests drive it: C[:, c0:c1] = A W^T with
+/// M < kPanelMinRows through gemm_nt and otherwise through pack_panel + gemm_panel per panel (c0 a
+/// multiple of panel_width()); W fp32 or bf16. `scratch` holds panel_scratch_size(K) floats.
+template <class Wt>
+void project_cols(float const* A, Index lda, Index M, Wt const* W, Index ldw, Index K, Index c0,
+                  Index c1, float* C, Index ldc, float* scratch) {
+  if (M <= 0 || c1 <= c0) return;
+  if (M < kernels::kPanelMinRows) {
+    kernels::gemm_nt(A, lda, W + c0 * ldw, ldw, C + c0, ldc, M, c1 - c0, K);
+    return;
+  }
+  constexpr Index NP = kernels::panel_width();
+  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
+  float* panel = scratch + ((64 - addr % 64) % 64) / sizeof(float);
+  for (Index n0 = c0; n0 < c1; n0 += NP) {
+    Index const nc = std::min(NP, c1 - n0);
+    kernels::pack_panel(W, ldw, n0, nc, K, panel);
+    kernels::gemm_panel(A, lda, panel, M, K, C + n0, ldc, nc);
+  }
+}
+
 TEST_CASE("gemm_nt and project_cols match a double GEMM for every tail size", "[kernels][gemm]") {
   constexpr Index NP = kernels::panel_width();
   std::vector<float> scratch(static_cast<std::size_t>(kernels::panel_scratch_size(300)));
@@ -341,14 +362,11 @@ TEST_CASE("gemm_nt and project_cols match a double GEMM for every tail size", "[
         auto W = test::random_vector(N * K, 92 + static_cast<std::uint64_t>(N));
         std::vector<float> C(static_cast<std::size_t>(M * ldc), 5.0f), C2(C), C3(C);
         kernels::gemm_nt(A.data(), lda, W.data(), K, C.data(), ldc, M, N, K);
-        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, N, C2.data(), ldc,
-                              scratch.data());
+        project_cols(A.data(), lda, M, W.data(), K, K, 0, N, C2.data(), ldc, scratch.data());
         // Split at a panel boundary, as two work items would.
         Index const split = std::min(N, NP);
-        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, split, C3.data(), ldc,
-                              scratch.data());
-        kernels::project_cols(A.data(), lda, M, W.data(), K, K, split, N, C3.data(), ldc,
-                              scratch.data());
+        project_cols(A.data(), lda, M, W.data(), K, K, 0, split, C3.data(), ldc, scratch.data());
+        project_cols(A.data(), lda, M, W.data(), K, K, split, N, C3.data(), ldc, scratch.data());
         // Column by column (gemm_nt groups far-apart columns into one tile when N >= 16): the
         // same bits as the whole call.
         std::vector<float> C4(C);
@@ -379,9 +397,8 @@ TEST_CASE("A row's projection does not depend on the other rows of the batch", "
   auto A = test::random_vector(20 * K, 94);
   std::vector<float> scratch(static_cast<std::size_t>(kernels::panel_scratch_size(K)));
   std::vector<float> all(20 * N), part(12 * N);
-  kernels::project_cols(A.data(), K, 20, W.data(), K, K, 0, N, all.data(), N, scratch.data());
-  kernels::project_cols(A.data() + 8 * K, K, 12, W.data(), K, K, 0, N, part.data(), N,
-                        scratch.data());
+  project_cols(A.data(), K, 20, W.data(), K, K, 0, N, all.data(), N, scratch.data());
+  project_cols(A.data() + 8 * K, K, 12, W.data(), K, K, 0, N, part.data(), N, scratch.data());
   for (Index i = 0; i < 12 * N; ++i) REQUIRE(part[i] == all[8 * N + i]);
 }
 
@@ -410,10 +427,8 @@ TEST_CASE("bf16 weights give the bits of their fp32 copies in gemm_nt and projec
         kernels::gemm_nt(A.data(), lda, W.data(), K, want.data(), ldc, M, N, K, true);
         kernels::gemm_nt(A.data(), lda, W16.data(), K, got.data(), ldc, M, N, K, true);
         REQUIRE(got == want);
-        kernels::project_cols(A.data(), lda, M, W.data(), K, K, 0, N, want.data(), ldc,
-                              scratch.data());
-        kernels::project_cols(A.data(), lda, M, W16.data(), K, K, 0, N, got.data(), ldc,
-                              scratch.data());
+        project_cols(A.data(), lda, M, W.data(), K, K, 0, N, want.data(), ldc, scratch.data());
+        project_cols(A.data(), lda, M, W16.data(), K, K, 0, N, got.data(), ldc, scratch.data());
         REQUIRE(got == want);
         for (Index i = 0; i < M; ++i) {
           for (Index j = 0; j < N; ++j) {

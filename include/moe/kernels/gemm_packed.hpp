@@ -266,48 +266,10 @@ void gemm_panel(float const* A, Index lda, float const* panel, Index M, Index K,
 /// packed panels (packing is amortised over the rows).
 inline constexpr Index kPanelMinRows = 8;
 
-/// Floats of panel scratch project_cols needs for depth K (plus room to align it to 64 bytes).
+/// Floats of scratch one panel of depth K needs (plus room to align it to 64 bytes).
 template <class Arch = simd::DefaultArch>
 constexpr Index panel_scratch_size(Index K) {
   return K * panel_width<Arch>() + 16;
-}
-
-/// The projection every expert, shared expert and router uses, on output columns [c0, c1):
-///   C[i, c] = sum_k A[i, k] W[c, k]     A [M, K] (lda), W [N, K] (ldw), C [M, N] (ldc)
-/// with M < kPanelMinRows through gemm_nt and otherwise through pack_panel + gemm_panel (c0 must
-/// then be a multiple of panel_width()). The path depends only on M, so results are bitwise
-/// reproducible for a given M however columns are split across threads. `scratch` holds
-/// panel_scratch_size(K) floats. Allocates nothing. W may be bf16 (std::uint16_t): then the
-/// result equals, bitwise, that of its widened fp32 copy, reading half the bytes.
-template <class Arch = simd::DefaultArch, class Wt = float>
-void project_cols(float const* A, Index lda, Index M, Wt const* W, Index ldw, Index K, Index c0,
-                  Index c1, float* C, Index ldc, float* scratch) {
-  if (M <= 0 || c1 <= c0) return;
-  if (M < kPanelMinRows) {
-    gemm_nt<Arch>(A, lda, W + c0 * ldw, ldw, C + c0, ldc, M, c1 - c0, K);
-    return;
-  }
-  constexpr Index NP = panel_width<Arch>();
-  auto const addr = reinterpret_cast<std::uintptr_t>(scratch);
-  float* panel = scratch + ((64 - addr % 64) % 64) / sizeof(float);
-  for (Index n0 = c0; n0 < c1; n0 += NP) {
-    Index const nc = std::min(NP, c1 - n0);
-    pack_panel<Arch>(W, ldw, n0, nc, K, panel);
-    gemm_panel<Arch>(A, lda, panel, M, K, C + n0, ldc, nc);
-  }
-}
-
-/// project_cols with weights packed ahead of time: `panels` holds ceil(N / NP) contiguous
-/// [K, NP] panels of W (see pack_panel); columns [c0, c1) with c0 a multiple of NP. Same
-/// per-element arithmetic as the packed path of project_cols (bitwise equal for M >=
-/// kPanelMinRows).
-template <class Arch = simd::DefaultArch>
-void project_cols_packed(float const* A, Index lda, Index M, float const* panels, Index K, Index c0,
-                         Index c1, float* C, Index ldc) {
-  constexpr Index NP = panel_width<Arch>();
-  for (Index n0 = c0; n0 < c1; n0 += NP) {
-    gemm_panel<Arch>(A, lda, panels + (n0 / NP) * K * NP, M, K, C + n0, ldc, std::min(NP, c1 - n0));
-  }
 }
 
 }  // namespace moe::kernels
