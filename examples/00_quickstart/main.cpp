@@ -18,6 +18,7 @@
 //   cmake --preset release && cmake --build build/release --target moe_quickstart
 //   ./build/release/examples/moe_quickstart            # Qwen3 shape, 512 tokens
 //   ./build/release/examples/moe_quickstart --small    # D 64, F 32, E 8, K 2, 16 tokens (ctest)
+//   ./build/release/examples/moe_quickstart --help     # the options, one line each
 // Memory: the Qwen3 shape peaks at about 4.9 GB (printed at the end, getrusage ru_maxrss): 2.42 GB
 // of fp32 expert weights, their 2.42 GB fp32 panel copy from pack_weights (the layer keeps the
 // [out, in] weights for reads, edits and training; forward streams the panels; an inference-only
@@ -25,8 +26,8 @@
 // weights, activations and workspace. The run takes 10-25 s on a shared 2-core
 // machine, most of it the kernel handing out fresh pages while the weights are zeroed, filled and
 // packed; progress lines say which phase it is in.
-// Exit status: 0 on success, 1 if the output has a non-finite value or moe reports an error,
-// 2 on a bad argument.
+// Exit status: 0 on success (and for --help / -h), 1 if the output has a non-finite value or moe
+// reports an error, 2 on an unknown argument (one line on stderr).
 
 #include <sys/resource.h>
 
@@ -40,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -185,16 +187,22 @@ int run(bool small) {
   return 0;
 }
 
+constexpr moe_cli::Option kOptions[] = {
+    {"--small", "D 64, F 32, E 8, top-2, 16 tokens (the ctest run), not Qwen3-30B-A3B (4.9 GB)"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {"moe_quickstart", "[--small]", kOptions};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool small = false;
   for (int i = 1; i < argc; ++i) {
+    if (moe_cli::is_help(argv[i])) return moe_cli::print_help(kUsage);
     if (std::strcmp(argv[i], "--small") == 0) {
       small = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--small]\n", argv[0]);
-      return 2;
+      return moe_cli::print_unknown_argument(kUsage, argv[i]);
     }
   }
   try {

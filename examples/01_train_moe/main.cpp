@@ -26,8 +26,10 @@
 //   cmake --preset release && cmake --build build/release --target moe_train_example
 //   ./build/release/examples/moe_train_example [--small] [--out DIR]    (DIR defaults to ".")
 //   default: D 32, E 8, 300 steps (about a second); --small: D 16, E 4, 60 steps (the ctest test).
-// Exit status: 0 on success; 1 if a variant's final loss is not below half its initial loss (see
-// kMaxLossRatio) or moe reports an error; 2 on a bad argument.
+//   --help / -h lists the options, one line each.
+// Exit status: 0 on success (and for --help); 1 if a variant's final loss is not below half its
+// initial loss (see kMaxLossRatio) or moe reports an error; 2 on an unknown argument or --out
+// without a directory (one line on stderr).
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/balance/aux_free_bias.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -351,19 +354,31 @@ int run(bool small, std::string const& dir) {
   return ok ? 0 : 1;
 }
 
+constexpr moe_cli::Option kOptions[] = {
+    {"--small", "D 16, E 4, 60 steps (the ctest run) instead of D 32, E 8, 300 steps"},
+    {"--out DIR", "write train_load.csv and train_load.svg there (default: the current directory)"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {"moe_train_example", "[--small] [--out DIR]", kOptions};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool small = false;
   std::string dir = ".";
   for (int i = 1; i < argc; ++i) {
+    if (moe_cli::is_help(argv[i])) return moe_cli::print_help(kUsage);
     if (std::strcmp(argv[i], "--small") == 0) {
       small = true;
-    } else if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
+    } else if (std::strcmp(argv[i], "--out") == 0) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "moe_train_example: --out needs a directory; %s\n",
+                     "moe_train_example --help lists the options");
+        return moe_cli::kExitUsage;
+      }
       dir = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--small] [--out DIR]\n", argv[0]);
-      return 2;
+      return moe_cli::print_unknown_argument(kUsage, argv[i]);
     }
   }
   try {

@@ -22,7 +22,9 @@
 //   cmake --preset release && cmake --build build/release --target moe_gated_block_example
 //   ./build/release/examples/moe_gated_block_example           # D 2048, T 512, E 64
 //   ./build/release/examples/moe_gated_block_example --small   # D 64, T 32, E 8 (the ctest test)
-// Exit status: 0 on success, 1 on a non-finite output or a moe error, 2 on a bad argument.
+//   ./build/release/examples/moe_gated_block_example --help    # the options, one line each
+// Exit status: 0 on success (and for --help / -h), 1 on a non-finite output or a moe error, 2 on
+// an unknown argument (one line on stderr).
 
 #include <algorithm>
 #include <chrono>
@@ -34,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/kernels/rms_norm.hpp"
@@ -145,16 +148,22 @@ int run(bool small) {
   return 0;
 }
 
+constexpr moe_cli::Option kOptions[] = {
+    {"--small", "D 64, T 32, E 8 (the ctest run) instead of D 2048, T 512, E 64 (0.8 GB)"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {"moe_gated_block_example", "[--small]", kOptions};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool small = false;
   for (int i = 1; i < argc; ++i) {
+    if (moe_cli::is_help(argv[i])) return moe_cli::print_help(kUsage);
     if (std::strcmp(argv[i], "--small") == 0) {
       small = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--small]\n", argv[0]);
-      return 2;
+      return moe_cli::print_unknown_argument(kUsage, argv[i]);
     }
   }
   try {

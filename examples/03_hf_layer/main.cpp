@@ -30,8 +30,10 @@
 // y, router_logits, dx or a gradient is an error (count and first position; nothing written)
 // unless --allow-nonfinite. The output may not be one of the inputs (--input, --grad, a file of
 // --model; by device and inode) nor an existing non-regular file (directory, link, FIFO, device).
-// --threads is at most moe::ThreadPool::kMaxThreads (1024).
-// Exit status: 0 on success; 1 with a one-line message on stderr for any bad input or error.
+// --threads is at most moe::ThreadPool::kMaxThreads (1024). --help / -h lists the options, one
+// line each, on stdout.
+// Exit status: 0 on success (and for --help); 2 on an unknown argument (one line on stderr
+// pointing at --help); 1 with a one-line message on stderr for any other bad input or error.
 
 #include <algorithm>
 #include <charconv>
@@ -63,11 +65,23 @@ namespace {
 using moe::Index;
 using moe::detail::fail;
 
-constexpr char kUsage[] =
-    "usage: moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors "
-    "[--grad DY.safetensors] [--threads N] "
-    "[--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>] [--strict] "
-    "[--allow-nonfinite]";
+constexpr moe_cli::Option kOptions[] = {
+    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--layer L", "the MoE layer to run, 0 to 2^31 - 1"},
+    {"--input X.safetensors", "\"x\" [T, hidden], F32, BF16 or F16"},
+    {"--output Y.safetensors", "written: y, router_logits, topk_ids, topk_weights (F32, ids I64)"},
+    {"--grad DY.safetensors", "also run backward on \"dy\" [T, hidden]: writes dx, grad.<name>"},
+    {"--threads N", "worker threads, 1 to 1024 (default: the core count)"},
+    {"--weights FORMAT", "pack the experts: fp32 bf16 q8_0 q6_k q4_k q4_0 q3_k q2_k alphaq:<bits>"},
+    {"--strict", "loader warnings (unknown config keys, unread tensors) are errors"},
+    {"--allow-nonfinite", "write non-finite outputs instead of failing"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {
+    "moe_run_hf_layer",
+    "--model DIR --layer L --input X.safetensors --output Y.safetensors [options]", kOptions};
+/// Ends the messages of a bad command line.
+constexpr char kSeeHelp[] = "moe_run_hf_layer --help lists the options";
 
 Index parse_int(std::map<std::string, std::string> const& args, std::string const& key, Index lo,
                 Index hi = INT32_MAX) {
@@ -213,25 +227,22 @@ int main_impl(int argc, char** argv) {
   std::map<std::string, std::string> args;
   for (int i = 1; i < argc; i += 2) {
     std::string const key = argv[i];
-    if (key == "--help" || key == "-h") {
-      std::printf("%s\n", kUsage);
-      std::exit(0);
-    }
+    if (moe_cli::is_help(key)) return moe_cli::print_help(kUsage);
     if (key == "--strict" || key == "--allow-nonfinite") {  // switches: no value
-      if (!args.emplace(key, "").second) fail(key, " is given twice; ", kUsage);
+      if (!args.emplace(key, "").second) fail(key, " is given twice; ", kSeeHelp);
       --i;
       continue;
     }
     std::string_view const flags[] = {"--model", "--layer",   "--input",  "--output",
                                       "--grad",  "--threads", "--weights"};
     if (std::find(std::begin(flags), std::end(flags), key) == std::end(flags)) {
-      fail("unknown argument '", key, "'; ", kUsage);
+      return moe_cli::print_unknown_argument(kUsage, key);
     }
-    if (i + 1 >= argc) fail(key, " needs a value; ", kUsage);
-    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kUsage);
+    if (i + 1 >= argc) fail(key, " needs a value; ", kSeeHelp);
+    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kSeeHelp);
   }
   for (char const* required : {"--model", "--layer", "--input", "--output"}) {
-    if (args.count(required) == 0) fail("missing ", required, "; ", kUsage);
+    if (args.count(required) == 0) fail("missing ", required, "; ", kSeeHelp);
   }
   Index const layer = parse_int(args, "--layer", 0);
   Index threads = std::clamp(static_cast<Index>(std::thread::hardware_concurrency()), Index{1},

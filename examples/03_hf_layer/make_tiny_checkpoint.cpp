@@ -19,8 +19,11 @@
 // interleave_moe_layer_step 2) or gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite).
 // --use-bias: ERNIE 4.5 with use_bias (biased experts and shared expert). --mxfp4: gpt-oss with
 // its experts in MXFP4 blocks (the weights rounded to MXFP4 first; quantization_config in
-// config.json), as the published gpt-oss checkpoints store them.
-// Exit status: 0 on success, 1 with a message on stderr otherwise.
+// config.json), as the published gpt-oss checkpoints store them. --shards N: 1 to 1024 (and at
+// most the layer's tensor count), read with moe_cli::parse_integer. --help / -h lists the
+// options, one line each, on stdout.
+// Exit status: 0 on success (and for --help), 2 on an unknown argument (one line on stderr
+// pointing at --help), 1 with a message on stderr otherwise.
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/core/random.hpp"
 #include "moe/io/hf.hpp"
 
@@ -146,19 +150,28 @@ void write(std::string const& dir, moe::io::HfMoeConfig const& config,
   moe::io::save_hf_layer(dir, config, 1, layer, options);
 }
 
+constexpr moe_cli::Option kOptions[] = {
+    {"DIR", "the directory to write (created if missing)"},
+    {"MODEL_TYPE",
+     "one of: mixtral qwen2_moe qwen3_moe deepseek_v3 olmoe qwen3_next glm4_moe "
+     "deepseek_v2 minimax_m2 ernie4_5_moe llama4_text gpt_oss"},
+    {"--shards N", "write N shards and model.safetensors.index.json, 1 to 1024 (default 1)"},
+    {"--bf16", "store the weights in BF16 (default F32)"},
+    {"--fused", "fused experts.gate_up_proj and experts.down_proj, not a tensor per expert"},
+    {"--use-bias", "ernie4_5_moe with use_bias: biased experts and shared expert"},
+    {"--mxfp4", "gpt_oss with its experts in MXFP4 blocks, as released"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {"moe_hf_make_tiny_checkpoint", "DIR MODEL_TYPE [options]",
+                                   kOptions};
+
 int run(int argc, char** argv) {
-  if (argc < 3) {
-    std::fprintf(stderr,
-                 "usage: %s DIR MODEL_TYPE [--shards N] [--bf16] [--fused] [--use-bias] "
-                 "[--mxfp4]\n",
-                 argv[0]);
-    return 1;
-  }
-  std::string const dir = argv[1], type = argv[2];
+  std::vector<std::string> positional;  // DIR, MODEL_TYPE
   moe::io::HfSaveOptions options;
   bool use_bias = false, mxfp4 = false;
-  for (int i = 3; i < argc; ++i) {
+  for (int i = 1; i < argc; ++i) {
     std::string const arg = argv[i];
+    if (moe_cli::is_help(arg)) return moe_cli::print_help(kUsage);
     if (arg == "--use-bias") {
       use_bias = true;
     } else if (arg == "--mxfp4") {
@@ -167,13 +180,21 @@ int run(int argc, char** argv) {
       options.dtype = moe::io::Dtype::kBf16;
     } else if (arg == "--fused") {
       options.fused_experts = true;
-    } else if (arg == "--shards" && i + 1 < argc) {
-      options.shards = std::stoi(argv[++i]);
+    } else if (arg == "--shards") {
+      if (i + 1 >= argc) moe::detail::fail("--shards needs a value");
+      options.shards = moe_cli::parse_integer<int>(arg, argv[++i], 1, 1024);
+    } else if (arg.starts_with("-") || positional.size() == 2) {
+      return moe_cli::print_unknown_argument(kUsage, arg);
     } else {
-      std::fprintf(stderr, "unknown argument '%s'\n", arg.c_str());
-      return 1;
+      positional.push_back(arg);
     }
   }
+  if (positional.size() != 2) {
+    moe::detail::fail(
+        "DIR and MODEL_TYPE are required; moe_hf_make_tiny_checkpoint --help lists "
+        "the options");
+  }
+  std::string const &dir = positional[0], &type = positional[1];
   // A config.json with only model_type (and top-k: deepseek_v2 has no default) takes the
   // family's (large) defaults: set tiny sizes.
   std::string json = "{\"num_experts_per_tok\": 2, \"model_type\": \"";

@@ -3,7 +3,8 @@
 # RUNNER (moe_run_hf_layer), WORK_DIR (scratch), MODE (cases below: "what|arg^arg^..."):
 #   ok   a tiny checkpoint per family (sharded, BF16 and fused variants among them); the runner's
 #        forward and --grad runs must exit 0 and write the output file;
-#   bad  bad inputs: each run must exit 1 with exactly one line on stderr naming the problem.
+#   bad  bad inputs: each run must exit 1 (2 for an unknown argument, a usage error) with exactly
+#        one line on stderr naming the problem.
 cmake_minimum_required(VERSION 3.25)
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -63,15 +64,19 @@ elseif(MODE STREQUAL "bad")
     string(REPLACE "|" ";" parts "${case}")
     list(POP_FRONT parts what)
     string(REPLACE "^" ";" parts "${parts}")
+    set(want 1)
+    if(what STREQUAL "unknown flag")
+      set(want 2)
+    endif()
     execute_process(COMMAND "${RUNNER}" ${parts} RESULT_VARIABLE rc OUTPUT_VARIABLE out
                     ERROR_VARIABLE err)
     string(REGEX MATCHALL "\n" newlines "${err}")
     list(LENGTH newlines lines)
-    if(NOT rc EQUAL 1 OR NOT lines EQUAL 1 OR NOT err MATCHES "^moe_run_hf_layer: ")
-      message(FATAL_ERROR "${what}: expected exit 1 and one line on stderr, got exit ${rc} and:\n${err}")
+    if(NOT rc EQUAL want OR NOT lines EQUAL 1 OR NOT err MATCHES "^moe_run_hf_layer: ")
+      message(FATAL_ERROR "${what}: expected exit ${want} and one line on stderr, got exit ${rc} and:\n${err}")
     endif()
     string(STRIP "${err}" err)
-    message(STATUS "${what}: exit 1, ${err}")
+    message(STATUS "${what}: exit ${rc}, ${err}")
   endforeach()
 else()
   message(FATAL_ERROR "MODE must be ok or bad")

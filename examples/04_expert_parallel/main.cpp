@@ -25,10 +25,14 @@
 //   options: --tokens N (global batch, default 512) --threads t (per rank, default 1)
 //            --reps r (timed repetitions, default 5) --experts E --d-model D --d-ffn F --top-k K
 //            --train (also time a training step) --small (D 64, F 32, E 8, K 2, 24 tokens)
+//            --check; --help / -h lists them, one line each, with their ranges. Integers are
+//            read as typed (moe_cli::parse_integer: the whole string, no wrap-around) and
+//            range-checked.
 // Output (rank 0): one line per measurement, e.g.
 //   forward  P=2 t=1 T=512  ms=...  tokens/s=...  sent/rank=... MB  recv/rank=... MB  remote
 //   rows=...%
-// Exit status: 0 on success, 1 on a moe error or a failed --check, 2 on a bad argument.
+// Exit status: 0 on success (and for --help), 1 on a moe error or a failed --check, 2 on a bad
+// argument (an unknown one, a missing value, an integer out of range: one line on stderr).
 
 #include <mpi.h>
 
@@ -42,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/cli.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/dist/expert_parallel.hpp"
@@ -219,45 +224,78 @@ int run(Options const& o) {
   return ok ? 0 : 1;
 }
 
-bool parse(int argc, char** argv, Options& o) {
-  for (int i = 1; i < argc; ++i) {
-    std::string const a = argv[i];
-    auto next = [&](long lo) -> long {
-      if (i + 1 >= argc) return -1;
-      long const v = std::strtol(argv[++i], nullptr, 10);
-      return v >= lo ? v : -1;
-    };
-    long v = 0;
-    if (a == "--small") {
-      o.d_model = 64;
-      o.d_ffn = 32;
-      o.experts = 8;
-      o.top_k = 2;
-      o.tokens = 24;
-      o.reps = 3;
-    } else if (a == "--train") {
-      o.train = true;
-    } else if (a == "--check") {
-      o.check = true;
-    } else if (a == "--tokens" && (v = next(0)) >= 0) {
-      o.tokens = v;
-    } else if (a == "--threads" && (v = next(1)) >= 1) {
-      o.threads = static_cast<int>(v);
-    } else if (a == "--reps" && (v = next(1)) >= 1) {
-      o.reps = static_cast<int>(v);
-    } else if (a == "--experts" && (v = next(1)) >= 1) {
-      o.experts = v;
-    } else if (a == "--d-model" && (v = next(1)) >= 1) {
-      o.d_model = v;
-    } else if (a == "--d-ffn" && (v = next(1)) >= 1) {
-      o.d_ffn = v;
-    } else if (a == "--top-k" && (v = next(1)) >= 1) {
-      o.top_k = v;
-    } else {
-      return false;
+constexpr moe_cli::Option kOptions[] = {
+    {"--small", "D 64, F 32, E 8, top-2, 24 tokens, 3 repetitions (the ctest run)"},
+    {"--train", "also time a training step (forward_train + backward)"},
+    {"--check", "compare with the single-process MoeFfn, bitwise (small shapes: it holds all E)"},
+    {"--tokens N", "global batch, split over the ranks, 0 to 2^24 (default 512)"},
+    {"--threads N", "worker threads per rank, 1 to 1024 (default 1)"},
+    {"--reps N", "timed repetitions, 1 to 10^6 (default 5)"},
+    {"--experts E", "experts, spread over the ranks, 1 to 65536 (default 128)"},
+    {"--d-model D", "hidden size, 1 to 65536 (default 2048)"},
+    {"--d-ffn F", "expert intermediate size, 1 to 262144 (default 768)"},
+    {"--top-k K", "experts per token, 1 to E (default 8)"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {
+    "moe_expert_parallel", "[options]   (run as: mpirun -n P moe_expert_parallel ...)", kOptions};
+
+/// What parse() decided: run, or exit with this status (after MPI_Finalize).
+enum class Parsed { kRun, kHelp, kBad };
+
+/// Reads the options into `o`. Every rank parses the same argv; only rank 0 (`me`) prints the
+/// usage or the one-line error.
+Parsed parse(int argc, char** argv, Options& o, int me) {
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string const a = argv[i];
+      // The value of integer option a, read as typed and within [lo, hi] (moe::Error otherwise).
+      auto const next = [&](Index lo, Index hi) {
+        if (i + 1 >= argc) moe::detail::fail(a, " needs a value");
+        return moe_cli::parse_integer<Index>(a, argv[++i], lo, hi);
+      };
+      if (moe_cli::is_help(a)) {
+        if (me == 0) (void)moe_cli::print_help(kUsage);
+        return Parsed::kHelp;
+      } else if (a == "--small") {
+        o.d_model = 64;
+        o.d_ffn = 32;
+        o.experts = 8;
+        o.top_k = 2;
+        o.tokens = 24;
+        o.reps = 3;
+      } else if (a == "--train") {
+        o.train = true;
+      } else if (a == "--check") {
+        o.check = true;
+      } else if (a == "--tokens") {
+        o.tokens = next(0, Index{1} << 24);
+      } else if (a == "--threads") {
+        o.threads = static_cast<int>(next(1, moe::ThreadPool::kMaxThreads));
+      } else if (a == "--reps") {
+        o.reps = static_cast<int>(next(1, 1000000));
+      } else if (a == "--experts") {
+        o.experts = next(1, 65536);
+      } else if (a == "--d-model") {
+        o.d_model = next(1, 65536);
+      } else if (a == "--d-ffn") {
+        o.d_ffn = next(1, 262144);
+      } else if (a == "--top-k") {
+        o.top_k = next(1, 65536);
+      } else {
+        if (me == 0) (void)moe_cli::print_unknown_argument(kUsage, a);
+        return Parsed::kBad;
+      }
     }
+  } catch (std::exception const& e) {  // moe::Error: a missing or bad value
+    if (me == 0) {
+      std::fprintf(stderr,
+                   "moe_expert_parallel: %s; moe_expert_parallel --help lists the options\n",
+                   e.what());
+    }
+    return Parsed::kBad;
   }
-  return true;
+  return Parsed::kRun;
 }
 
 }  // namespace
@@ -269,14 +307,9 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   Options o;
   int status = 0;
-  if (!parse(argc, argv, o)) {
-    if (me == 0) {
-      std::fprintf(stderr,
-                   "usage: mpirun -n P moe_expert_parallel [--small] [--train] [--check] "
-                   "[--tokens N] [--threads t] [--reps r] [--experts E] [--d-model D] "
-                   "[--d-ffn F] [--top-k K]\n");
-    }
-    status = 2;
+  Parsed const parsed = parse(argc, argv, o, me);
+  if (parsed != Parsed::kRun) {
+    status = parsed == Parsed::kHelp ? moe_cli::kExitHelp : moe_cli::kExitUsage;
   } else {
     try {
       status = run(o);

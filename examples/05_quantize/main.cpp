@@ -14,7 +14,9 @@
 // (if any) takes the uniform choice at B. Writes OUT/config.json, OUT/model.safetensors (the
 // layer, its expert projections in the chosen formats: docs/quantization.md "Checkpoints") and
 // OUT/quant_report.tsv (expert, projection, alpha, format, bits, relative error), and prints a
-// summary. Exit status 0, or 1 with a one-line message on stderr.
+// summary. --help / -h lists the options, one line each, on stdout. Exit status 0 (and for
+// --help), 2 on an unknown argument (one line on stderr pointing at --help), or 1 with a one-line
+// message on stderr.
 
 #include <charconv>
 #include <cstdio>
@@ -38,15 +40,28 @@ using moe::Index;
 using moe::detail::fail;
 namespace experts = moe::experts;
 
-constexpr char kUsage[] =
-    "usage: moe_quantize --model DIR --layer L --bits B --method alphaq|uniform --out DIR "
-    "[--threads N] [--alpha-power P] [--candidates q4_0,q4_k,q6_k,q8_0,bf16]";
+constexpr moe_cli::Option kOptions[] = {
+    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--layer L", "the MoE layer to quantize, 0 to 2^20"},
+    {"--bits B", "average bits a weight over the routed experts, in [0, 64] (4.5: q4_k's)"},
+    {"--method M", "alphaq (a format per projection from its spectrum) or uniform"},
+    {"--out DIR", "a new directory: config.json, model.safetensors, quant_report.tsv"},
+    {"--threads N", "worker threads, 1 to 1024 (default: the core count)"},
+    {"--alpha-power P", "AlphaQ's exponent on alpha, in [0, 64] (default 3)"},
+    {"--candidates LIST", "formats to choose from (default: q2_k,q3_k,q4_0,q4_k,q6_k,q8_0,bf16)"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {
+    "moe_quantize", "--model DIR --layer L --bits B --method alphaq|uniform --out DIR [options]",
+    kOptions};
+/// Ends the messages of a bad command line.
+constexpr char kSeeHelp[] = "moe_quantize --help lists the options";
 
 double parse_double(std::string const& key, std::string const& s) {
   double v = 0;
   auto const [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size() || !(v >= 0) || v > 64) {
-    fail(key, " '", s, "' is not a number in [0, 64]; ", kUsage);
+    fail(key, " '", s, "' is not a number in [0, 64]; ", kSeeHelp);
   }
   return v;
 }
@@ -126,18 +141,15 @@ int main_impl(int argc, char** argv) {
                                     "--out",   "--threads", "--alpha-power", "--candidates"};
   for (int i = 1; i < argc; i += 2) {
     std::string const key = argv[i];
-    if (key == "--help" || key == "-h") {
-      std::printf("%s\n", kUsage);
-      return 0;
-    }
+    if (moe_cli::is_help(key)) return moe_cli::print_help(kUsage);
     bool known = false;
     for (auto f : flags) known = known || f == key;
-    if (!known) fail("unknown argument '", key, "'; ", kUsage);
-    if (i + 1 >= argc) fail(key, " needs a value; ", kUsage);
-    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kUsage);
+    if (!known) return moe_cli::print_unknown_argument(kUsage, key);
+    if (i + 1 >= argc) fail(key, " needs a value; ", kSeeHelp);
+    if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kSeeHelp);
   }
   for (char const* required : {"--model", "--layer", "--bits", "--method", "--out"}) {
-    if (args.count(required) == 0) fail("missing ", required, "; ", kUsage);
+    if (args.count(required) == 0) fail("missing ", required, "; ", kSeeHelp);
   }
   Index const layer = parse_int("--layer", args.at("--layer"), 0, 1 << 20);
   Index threads = std::clamp(static_cast<Index>(std::thread::hardware_concurrency()), Index{1},

@@ -31,8 +31,9 @@
 // other non-regular file, or in a missing directory (refused before the model is loaded).
 // Greedy by default (temperature 0). Integer options are read as typed and range-checked
 // (--max-new-tokens at most 2^20 = 1048576, --threads 1 to 1024, --seed 0 to 2^64 - 1): a value
-// out of range is an error naming the option, the value and the range. Exit status 0 on
-// success, 1 with one line on stderr otherwise.
+// out of range is an error naming the option, the value and the range. --help / -h lists the
+// options, one line each, on stdout. Exit status 0 on success (and for --help), 2 on an unknown
+// argument (one line on stderr pointing at --help), 1 with one line on stderr otherwise.
 
 #include <algorithm>
 #include <chrono>
@@ -72,13 +73,29 @@ struct Args {
   moe::KvFormat kv = moe::KvFormat::kF32;
 };
 
+constexpr moe_cli::Option kOptions[] = {
+    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--prompt-ids I,J,...", "the prompt's token ids, comma-separated, each in [0, vocab)"},
+    {"--max-new-tokens N", "tokens to generate, 0 to 2^20 = 1048576"},
+    {"--threads N", "worker threads, 1 to 1024 (default 1)"},
+    {"--no-cache", "recompute the whole sequence at every step instead of using the KV cache"},
+    {"--temperature T", "sample from softmax(logits / T), T in [0, 100] (default 0: greedy)"},
+    {"--top-p P", "sample among the likeliest tokens of total probability P, (0, 1] (default 1)"},
+    {"--seed S", "sampling seed, 0 to 2^64 - 1 (default 0)"},
+    {"--logits OUT.safetensors", "write \"logits\" [N, vocab] F32, one row per new token"},
+    {"--dense FORMAT",
+     "embedding, LM head, attention, dense MLPs: as-stored (default) or a FORMAT"},
+    {"--experts FORMAT",
+     "MoE experts; FORMAT: fp32 (default), bf16, q8_0, q6_k, q4_k, q4_0, q3_k, q2_k"},
+    {"--mix q4_k_m", "llama.cpp's Q4_K_M choice per matrix (overrides --dense and --experts)"},
+    {"--kv-cache FORMAT", "how the KV cache holds keys and values: fp32 (default) or bf16"},
+    {"-h, --help", "print this help and exit"},
+};
+constexpr moe_cli::Usage kUsage = {
+    "moe_generate", "--model DIR --prompt-ids I,J,... --max-new-tokens N [options]", kOptions};
+
 [[noreturn]] void usage_error(std::string const& what) {
-  throw std::runtime_error(what +
-                           "; usage: moe_generate --model DIR --prompt-ids 1,2,3 "
-                           "--max-new-tokens N [--threads N] [--no-cache] [--temperature T "
-                           "--top-p P --seed S] [--logits OUT.safetensors] [--dense "
-                           "as-stored|FORMAT] [--experts FORMAT] [--mix q4_k_m] [--kv-cache "
-                           "fp32|bf16] (FORMAT: fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k)");
+  throw std::runtime_error(what + "; moe_generate --help lists the options");
 }
 
 /// Most tokens --max-new-tokens asks for (2^20, above the context length of every family this
@@ -110,7 +127,9 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(f + " needs a value");
       return argv[++i];
     };
-    if (f == "--model") {
+    if (moe_cli::is_help(f)) {
+      moe_cli::exit_help(kUsage);
+    } else if (f == "--model") {
       a.model = value();
       have_model = true;
     } else if (f == "--prompt-ids") {
@@ -155,7 +174,7 @@ Args parse(int argc, char** argv) {
       if (v != "fp32" && v != "bf16") usage_error("--kv-cache '" + v + "': use fp32 or bf16");
       a.kv = v == "bf16" ? moe::KvFormat::kBf16 : moe::KvFormat::kF32;
     } else {
-      usage_error("unknown argument '" + f + "'");
+      moe_cli::exit_unknown_argument(kUsage, f);
     }
   }
   if (!have_model || !have_prompt || !have_n) {

@@ -9,7 +9,8 @@
 #           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
 #           a run that got as far as loading would fail with another message), model unchanged;
 #   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
-#           moe_run_hf_attention and moe_quantize: exit 1, one line naming option, value, range.
+#           moe_run_hf_attention, moe_quantize and moe_hf_make_tiny_checkpoint: exit 1, one line
+#           naming option, value, range.
 cmake_minimum_required(VERSION 3.25)
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -148,7 +149,9 @@ elseif(MODE STREQUAL "integers")
       "RUN_HF_ATTENTION|--threads '2147483648' is not an integer in \\[1, 1024\\]|${layer}^--layer^1^--threads^2147483648"
       "RUN_HF_ATTENTION|--layer '1e3' is not an integer|${layer}^--layer^1e3"
       "QUANTIZE|--threads '4294967298' is not an integer in \\[1, 1024\\]|--model^${dir}^--layer^1^--bits^4^--method^uniform^--out^${WORK_DIR}/q^--threads^4294967298"
-      "QUANTIZE|--layer '4294967297' is not an integer in \\[0, 1048576\\]|--model^${dir}^--layer^4294967297^--bits^4^--method^uniform^--out^${WORK_DIR}/q")
+      "QUANTIZE|--layer '4294967297' is not an integer in \\[0, 1048576\\]|--model^${dir}^--layer^4294967297^--bits^4^--method^uniform^--out^${WORK_DIR}/q"
+      "MAKER|--shards '4294967298' is not an integer in \\[1, 1024\\]|${WORK_DIR}/m^qwen3_moe^--shards^4294967298"
+      "MAKER|--shards '2x' is not an integer in \\[1, 1024\\]|${WORK_DIR}/m^qwen3_moe^--shards^2x")
   foreach(case IN LISTS cases)
     string(REPLACE "|" ";" parts "${case}")
     list(POP_FRONT parts tool want)
