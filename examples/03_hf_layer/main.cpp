@@ -32,6 +32,8 @@
 // --model; by device and inode) nor an existing non-regular file (directory, link, FIFO, device).
 // --threads is at most moe::ThreadPool::kMaxThreads (1024). --help / -h lists the options, one
 // line each, on stdout.
+// A successful run prints one line on stderr naming the output and what it holds (stdout stays
+// empty).
 // Exit status: 0 on success (and for --help); 2 on an unknown argument (one line on stderr
 // pointing at --help); 1 with a one-line message on stderr for any other bad input or error.
 
@@ -188,6 +190,7 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
   moe::ForwardOptions opt;
   opt.pool = pool;
   moe::io::SafetensorsWriter out;
+  std::size_t gradients = 0;
   if (args.count("--grad") == 0) {
     layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, opt);
   } else {
@@ -205,6 +208,7 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
       std::vector<float> const g = moe::io::hf_gradient_values(grads, t);
       check_finite(args, name, g, t.shape.empty() ? 1 : t.shape.back());
       out.add_f32(name, t.shape, g);
+      ++gradients;
     }
   }
   check_finite(args, "y", y, D);
@@ -221,6 +225,14 @@ void run(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& 
       .add("topk_ids", moe::io::Dtype::kI64, {T, K}, ids)
       .add_f32("topk_weights", {T, K}, sel.weight);
   out.save(args.at("--output"));
+  auto const ll = [](Index v) { return static_cast<long long>(v); };
+  std::string const grads =
+      args.count("--grad") == 0 ? "" : moe::io::detail::concat(", dx and ", gradients, " grad.*");
+  std::fprintf(stderr,
+               "moe_run_hf_layer: wrote %s: layer %lld (%s), %lld tokens: y [%lld, %lld], "
+               "router_logits [%lld, %lld], topk_ids and topk_weights [%lld, %lld]%s\n",
+               args.at("--output").c_str(), ll(hf.layer_index), hf.config.model_type(), ll(T),
+               ll(T), ll(D), ll(T), ll(E), ll(T), ll(K), grads.c_str());
 }
 
 int main_impl(int argc, char** argv) {

@@ -22,6 +22,8 @@
 // config.json), as the published gpt-oss checkpoints store them. --shards N: 1 to 1024 (and at
 // most the layer's tensor count), read with moe_cli::parse_integer. --help / -h lists the
 // options, one line each, on stdout.
+// A successful run prints one line on stderr: the directory, the family, the layer's sizes and
+// the tensors written.
 // Exit status: 0 on success (and for --help), 2 on an unknown argument (one line on stderr
 // pointing at --help), 1 with a message on stderr otherwise.
 
@@ -271,6 +273,27 @@ int run(int argc, char** argv) {
   moe::io::SafetensorsWriter()
       .add_f32("dy", {5, H}, dy)
       .save(std::filesystem::path(dir) / "dy.safetensors");
+  // What was written, read back from the checkpoint.
+  std::filesystem::path const index = std::filesystem::path(dir) / "model.safetensors.index.json";
+  bool const sharded = std::filesystem::exists(index);
+  moe::io::ShardedCheckpoint const written =
+      sharded ? moe::io::ShardedCheckpoint::open_index(index)
+              : moe::io::ShardedCheckpoint::open_single(std::filesystem::path(dir) /
+                                                        "model.safetensors");
+  std::string const files = sharded
+                                ? moe::io::detail::concat(written.num_shards(), " shards + index")
+                                : std::string("model.safetensors");
+  std::fprintf(stderr,
+               "moe_hf_make_tiny_checkpoint: wrote %s: %s, MoE layer 1 of 2 (hidden %lld, %lld "
+               "experts, top-%lld), %zu tensors (%s) in %s, x.safetensors and dy.safetensors "
+               "[5, %lld]\n",
+               dir.c_str(), c.model_type(), static_cast<long long>(H),
+               static_cast<long long>(c.num_experts), static_cast<long long>(c.num_experts_per_tok),
+               written.names().size(),
+               mxfp4                                    ? "MXFP4 experts"
+               : options.dtype == moe::io::Dtype::kBf16 ? "BF16"
+                                                        : "F32",
+               files.c_str(), static_cast<long long>(H));
   return 0;
 }
 

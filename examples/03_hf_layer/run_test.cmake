@@ -2,7 +2,8 @@
 # ctest driver of examples/03_hf_layer (cmake -P). Variables: MAKER (moe_hf_make_tiny_checkpoint),
 # RUNNER (moe_run_hf_layer), WORK_DIR (scratch), MODE (cases below: "what|arg^arg^..."):
 #   ok   a tiny checkpoint per family (sharded, BF16 and fused variants among them); the runner's
-#        forward and --grad runs must exit 0 and write the output file;
+#        forward and --grad runs must exit 0, write the output file, print nothing on stdout and
+#        end stderr with the line saying what they wrote (the maker prints one such line too);
 #   bad  bad inputs: each run must exit 1 (2 for an unknown argument, a usage error) with exactly
 #        one line on stderr naming the problem.
 cmake_minimum_required(VERSION 3.25)
@@ -14,6 +15,9 @@ function(make_checkpoint dir type)
                   ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "${MAKER} ${dir} ${type} ${ARGN} failed (${rc}): ${err}")
+  endif()
+  if(NOT err MATCHES "^moe_hf_make_tiny_checkpoint: wrote [^\n]*: ${type}, MoE layer 1 of 2 [^\n]* tensors [^\n]*\n$")
+    message(FATAL_ERROR "${MAKER} ${dir} ${type} ${ARGN}: expected one line saying what it wrote, got:\n${err}")
   endif()
 endfunction()
 
@@ -32,9 +36,17 @@ if(MODE STREQUAL "ok")
       file(REMOVE "${dir}/y.safetensors")
       execute_process(COMMAND "${RUNNER}" --model "${dir}" --layer 1 --input "${dir}/x.safetensors"
                               --output "${dir}/y.safetensors" ${grad}
-                      RESULT_VARIABLE rc ERROR_VARIABLE err)
+                      RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
       if(NOT rc EQUAL 0 OR NOT EXISTS "${dir}/y.safetensors")
         message(FATAL_ERROR "moe_run_hf_layer on ${case} ${grad} failed (${rc}): ${err}")
+      endif()
+      set(want "moe_run_hf_layer: wrote ${dir}/y.safetensors: layer 1 \\(${type}\\), 5 tokens: y \\[5, [0-9]+\\], router_logits \\[5, 8\\], topk_ids and topk_weights \\[5, [0-9]+\\]")
+      if(grad)
+        string(APPEND want ", dx and [0-9]+ grad\\.\\*")
+      endif()
+      if(NOT out STREQUAL "" OR NOT "\n${err}" MATCHES "\n${want}\n$")
+        message(FATAL_ERROR "moe_run_hf_layer on ${case} ${grad}: expected nothing on stdout and "
+                            "stderr ending with '${want}'; got stdout:\n${out}\nstderr:\n${err}")
       endif()
       file(SIZE "${dir}/y.safetensors" size)
       message(STATUS "${case} ${grad}: ok, ${size} bytes of output")

@@ -444,9 +444,16 @@ TEST_CASE("moe_run_hf_layer: messages name the real cause", "[hf][runner]") {
 TEST_CASE("moe_run_hf_layer: extra expert tensors and unknown config keys warn; --strict fails",
           "[hf][runner]") {
   fs::path const dir = tiny_runner_model("runner_strict");
-  // Clean checkpoint: no warning at all, --strict passes.
-  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--strict"), dir / "stderr.txt") == 0);
-  REQUIRE(text_of(dir / "stderr.txt").empty());
+  // Clean checkpoint: no warning at all, --strict passes; stderr is the one line that says what
+  // was written, stdout stays empty.
+  REQUIRE(run_runner(runner_args(dir, dir / "y.safetensors", "--strict") + " >" +
+                         quoted(dir / "stdout.txt"),
+                     dir / "stderr.txt") == 0);
+  REQUIRE(text_of(dir / "stdout.txt").empty());
+  REQUIRE(text_of(dir / "stderr.txt") ==
+          "moe_run_hf_layer: wrote " + (dir / "y.safetensors").string() +
+              ": layer 1 (qwen3_moe), 3 tokens: y [3, 8], router_logits [3, 4], topk_ids and "
+              "topk_weights [3, 2]\n");
 
   // A 5th expert although config.json says 4.
   {
