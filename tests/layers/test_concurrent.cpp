@@ -9,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <latch>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -310,4 +311,84 @@ TEST_CASE("Two threads sharing one ThreadPool: concurrent parallel_for calls are
     CHECK(caught[0] == 20);
     CHECK(caught[1] == 0);
   }
+}
+
+TEST_CASE("A workspace used by two calls at once is refused, not shared", "[concurrent][in_use]") {
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
+  Layer layer(32, 32, {4, 2, true, 1.0f});
+  randomize_ffn(layer, 51);
+  auto const x = random_vector(4 * 32, 52);
+  std::vector<float> y(x.size());
+  moe::MoeFfnWorkspace ws;
+  {
+    // Another call holds the workspace (as a second thread's forward would): refused at once.
+    auto const held = ws.in_use.enter("test");
+    REQUIRE_THROWS_WITH(
+        layer.forward({x.data(), 4, 32}, {y.data(), 4, 32}, ws),
+        Catch::Contains("MoeFfn::forward: the workspace is in use by another call"));
+    REQUIRE_THROWS_WITH(layer.route({x.data(), 4, 32}, ws), Catch::Contains("MoeFfn::route"));
+    REQUIRE_THROWS_WITH(layer.forward_train({x.data(), 4, 32}, {y.data(), 4, 32}, ws),
+                        Catch::Contains("MoeFfn::forward_train"));
+  }
+  layer.forward({x.data(), 4, 32}, {y.data(), 4, 32}, ws);  // released: fine again
+  moe::MoeFfnWorkspace copy = ws;                           // a copy is a free workspace
+  layer.forward({x.data(), 4, 32}, {y.data(), 4, 32}, copy);
+  // An exception inside a call releases the workspace too.
+  std::vector<float> bad(x);
+  bad[3] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS(layer.forward({bad.data(), 4, 32}, {y.data(), 4, 32}, ws));
+  layer.forward({x.data(), 4, 32}, {y.data(), 4, 32}, ws);
+
+  moe::GatedAttentionConfig c;
+  c.d_model = 32;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  moe::GatedAttention<gating::NoGate> attn(c);
+  randomize_params(attn, 53);
+  moe::GatedAttentionWorkspace aws;
+  moe::KvCache cache(1, 16);
+  std::vector<Index> const counts = {4};
+  auto const held = aws.in_use.enter("test");
+  REQUIRE_THROWS_WITH(attn.forward({x.data(), 4, 32}, {y.data(), 4, 32}, aws),
+                      Catch::Contains("GatedAttention::forward: the workspace is in use"));
+  REQUIRE_THROWS_WITH(attn.forward_cached({x.data(), 4, 32}, {y.data(), 4, 32}, cache, counts, aws),
+                      Catch::Contains("GatedAttention::forward_cached"));
+}
+
+TEST_CASE("Two threads on one workspace: every overlapping call is refused, none corrupts",
+          "[concurrent][in_use]") {
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, experts::SwiGlu>;
+  Layer layer(64, 64, {8, 2, true, 1.0f});
+  randomize_ffn(layer, 61);
+  Index const T = 64;
+  auto const x = random_vector(T * 64, 62);
+  std::vector<float> want(x.size());
+  {
+    moe::MoeFfnWorkspace own;
+    layer.forward({x.data(), T, 64}, {want.data(), T, 64}, own);
+  }
+  moe::MoeFfnWorkspace shared;
+  std::atomic<int> refused{0}, ran{0};
+  std::atomic<bool> wrong{false};
+  std::latch start(2);
+  auto caller = [&] {
+    std::vector<float> y(x.size());
+    start.arrive_and_wait();
+    for (int i = 0; i < 50; ++i) {
+      try {
+        layer.forward({x.data(), T, 64}, {y.data(), T, 64}, shared);
+        ++ran;
+        if (y != want) wrong = true;
+      } catch (moe::Error const&) {
+        ++refused;
+      }
+    }
+  };
+  std::thread a(caller), b(caller);
+  a.join();
+  b.join();
+  REQUIRE(ran + refused == 100);
+  REQUIRE(ran > 0);  // a call is refused only while the other thread's call runs
+  REQUIRE_FALSE(wrong);
 }

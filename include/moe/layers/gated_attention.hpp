@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/in_use.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -110,8 +111,9 @@ struct GatedAttentionWorkspace {
   std::vector<float> rope_sin;    ///< [T, rotary_dim / 2]
   std::vector<float> scratch;     ///< per-thread SDPA scratch
   stages::ProjectionQueue queue;  ///< the projections, on the engine of the experts
-  LinearInput input;              ///< a projection's input rows (int8 rows for quantized packs)
-  stages::GradTasks grad_tasks;   ///< backward weight-gradient items, reused across calls
+  InUse in_use;       ///< a call holds it: a second, overlapping call on this workspace throws
+  LinearInput input;  ///< a projection's input rows (int8 rows for quantized packs)
+  stages::GradTasks grad_tasks;        ///< backward weight-gradient items, reused across calls
   stages::ThreadScratch grad_scratch;  ///< per-thread scratch of the weight gradients
 
   // Training only (forward_train fills, backward reads).
@@ -454,6 +456,7 @@ class GatedAttention {
   /// y = GatedAttention(x). See the class comment.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
                AttentionOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("GatedAttention::forward");
     check_call(x, y, opt);
     run_forward(x, y, ws, opt, false);
     ws.stamp = {};
@@ -462,6 +465,7 @@ class GatedAttention {
   /// forward() that also keeps in `ws` what backward needs (see the class comment).
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, GatedAttentionWorkspace& ws,
                      AttentionOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("GatedAttention::forward_train");
     check_call(x, y, opt);
     detail::check(!discarded_,
                   "GatedAttention::forward_train: the projections' fp32 weights were discarded "
@@ -494,6 +498,7 @@ class GatedAttention {
   void forward_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
                       std::span<Index const> new_tokens, GatedAttentionWorkspace& ws,
                       ThreadPool* pool = nullptr, bool accumulate = false) const {
+    auto const busy = ws.in_use.enter("GatedAttention::forward_cached");
     check_call(x, y, {});
     detail::check(!accumulate || x.data != y.data || x.rows == 0,
                   "GatedAttention::forward_cached: accumulate adds the output to y, so y must not "
@@ -524,6 +529,7 @@ class GatedAttention {
   /// for any pool size. Call once per forward_train.
   void backward(GatedAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads, ThreadPool* pool = nullptr) const {
+    auto const busy = ws.in_use.enter("GatedAttention::backward");
     detail::check(ws.stamp.filled(),
                   "GatedAttention::backward: the workspace holds no training forward; call "
                   "forward_train first (and backward only once per forward)");

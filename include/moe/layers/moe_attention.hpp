@@ -14,6 +14,7 @@
 
 #include "moe/core/concepts.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/in_use.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
 #include "moe/core/selection.hpp"
@@ -72,6 +73,7 @@ struct AttentionSdpaItem {
 /// MoeAttention). "Expert-major" rows follow the RoutingPlan (sorted by expert); "token-major"
 /// rows follow plan.token_rows (sorted by token), so each sequence's queries are contiguous.
 struct MoeAttentionWorkspace {
+  InUse in_use;  ///< a call holds it: a second, overlapping call on this workspace throws
   std::vector<float> logits;  ///< [T, E] router logits
   Selection selection;
   RoutingPlan plan;
@@ -307,6 +309,7 @@ class MoeAttention {
   /// y = MoeAttention(x). See the class comment.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
                AttentionOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("MoeAttention::forward");
     check_call(x, y, opt);
     ws.stamp = {};
     run_forward(x, y, ws, opt, false);
@@ -324,6 +327,7 @@ class MoeAttention {
   void forward_cached(ConstMatrixView<float> x, MatrixView<float> y, KvCache& cache,
                       std::span<Index const> new_tokens, MoeAttentionWorkspace& ws,
                       ThreadPool* pool = nullptr) const {
+    auto const busy = ws.in_use.enter("MoeAttention::forward_cached");
     AttentionOptions o;
     o.pool = pool;
     check_call(x, y, o);
@@ -361,6 +365,7 @@ class MoeAttention {
   /// forward() keeping in `ws` what backward needs.
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MoeAttentionWorkspace& ws,
                      AttentionOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("MoeAttention::forward_train");
     check_call(x, y, opt);
     Index const T = x.rows, D = c_.d_model;
     ws.stamp = {};
@@ -380,6 +385,7 @@ class MoeAttention {
   void backward(MoeAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads, Bank& expert_grads,
                 ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
+    auto const busy = ws.in_use.enter("MoeAttention::backward");
     detail::check(ws.stamp.filled(),
                   "MoeAttention::backward: the workspace holds no training forward; call "
                   "forward_train first (and backward only once per forward)");

@@ -14,6 +14,7 @@
 #include "moe/balance/none.hpp"
 #include "moe/core/concepts.hpp"
 #include "moe/core/error.hpp"
+#include "moe/core/in_use.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/core/parameters.hpp"
 #include "moe/core/routing_plan.hpp"
@@ -63,9 +64,11 @@ struct DefaultMoe {
 /// Selection, the RoutingPlan, the balance loss) are apart from the stages' buffers and from the
 /// training cache. Reused across calls: once it has seen the largest batch (or after
 /// `MoeFfn::reserve`), a forward allocates nothing, and so does a backward. One workspace per
-/// concurrent caller; the layer itself is read-only during forward. A training forward
+/// concurrent caller (a second, overlapping call on one workspace throws moe::Error: `in_use`); the
+/// layer itself is read-only during forward. A training forward
 /// (`forward_train`) also keeps here what `backward` needs, stamped with the layer that made it.
 struct MoeFfnWorkspace : stages::RoutingResults {
+  InUse in_use;  ///< a call holds it: a second, overlapping call on this workspace throws
   // Results of the last call (stages::RoutingResults): logits [T, E], selection, plan, aux_loss.
 
   // The stages' buffers.
@@ -190,6 +193,23 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
   void route(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("MoeFfn::route");
+    route_impl(x, ws, opt);
+  }
+
+  /// y = MoE(x): route, run the routed and shared experts, combine. See the class comment.
+  void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
+               ForwardOptions const& opt = {}) const {
+    auto const busy = ws.in_use.enter("MoeFfn::forward");
+    check_input(x);
+    check_output(x, y);
+    route_impl(x, ws, opt);
+    run_experts(x, ws.plan, y, ws, opt.pool, false);
+    ws.train.stamp = {};
+  }
+
+ private:
+  void route_impl(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt) const {
     check_input(x);
     this->check_policies();
     Index const T = x.rows, E = num_experts();
@@ -206,21 +226,13 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
         balance_.aux_loss(BalanceInputs{logits, ws.selection, ws.plan, {}, opt.token_mask});
   }
 
-  /// y = MoE(x): route, run the routed and shared experts, combine. See the class comment.
-  void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
-               ForwardOptions const& opt = {}) const {
-    check_input(x);
-    check_output(x, y);
-    route(x, ws, opt);
-    run_experts(x, ws.plan, y, ws, opt.pool, false);
-    ws.train.stamp = {};
-  }
-
+ public:
   /// y = MoE(x) with a routing decision made elsewhere (another layer's ws.plan, a plan shared by
   /// several expert banks, or one built by hand). The plan is validated first; ws.selection and
   /// ws.logits are left untouched.
   void forward_with_plan(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
                          MoeFfnWorkspace& ws, ThreadPool* pool = nullptr) const {
+    auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
     check_input(x);
     check_output(x, y);
     plan.validate(x.rows, num_experts());
@@ -239,6 +251,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// the routing controls are not supported here (they are an inference-time control).
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
                      ForwardOptions const& opt = {}) {
+    auto const busy = ws.in_use.enter("MoeFfn::forward_train");
     check_input(x);
     check_output(x, y);
     detail::check(!opt.controls || opt.controls->weight_multiplier.empty(),
@@ -252,7 +265,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     ws.train.x.resize(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.train.x.data() + t * D);
     ConstMatrixView<float> xc(ws.train.x.data(), T, D);
-    route(xc, ws, opt);
+    route_impl(xc, ws, opt);
     ws.train.token_mask.assign(opt.token_mask.begin(), opt.token_mask.end());
     run_experts(xc, ws.plan, y, ws, opt.pool, true);
     ws.train.defaults.clear();
@@ -281,6 +294,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   void backward(MoeFfnWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads,
                 ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
+    auto const busy = ws.in_use.enter("MoeFfn::backward");
     detail::check(ws.train.stamp.filled(),
                   "MoeFfn::backward: the workspace holds no training forward; call "
                   "forward_train first (and backward only once per forward)");

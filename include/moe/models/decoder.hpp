@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/in_use.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
@@ -248,6 +249,7 @@ struct DecoderState {
   std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
   LinearQueue queue;                        ///< dense MLP and LM-head projections
+  InUse in_use;  ///< forward() holds it: a second, overlapping call on this state throws
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
   /// LM head).
@@ -337,6 +339,7 @@ class Decoder {
   /// another shape.
   void forward(std::span<std::int64_t const> tokens, std::span<Index const> new_tokens,
                DecoderState& st, MatrixView<float> logits, ThreadPool* pool = nullptr) const {
+    auto const busy = st.in_use.enter("Decoder::forward");
     Index const H = hidden(), V = vocab(), T = static_cast<Index>(tokens.size());
     Index const B = st.caches.empty() ? 0 : st.caches.front().sequences();
     moe::detail::check(static_cast<Index>(st.caches.size()) == static_cast<Index>(blocks.size()),
