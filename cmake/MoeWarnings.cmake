@@ -2,6 +2,9 @@
 # Warning flags for moe's own targets (tests, benches, examples). Never put on the exported target.
 add_library(moe_warnings INTERFACE)
 target_compile_options(moe_warnings INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Werror)
+# Our SSE2 builds (the portable preset, the *_sse2 tests) are SSE2 on purpose: no compile-time
+# note about it (moe/core/config.hpp says it to consumers that forgot -march).
+target_compile_definitions(moe_warnings INTERFACE MOE_NO_ARCH_WARNING)
 if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   # GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
   # GEMM packing is inlined with -march=native (GCC PR 105593, a false positive in system

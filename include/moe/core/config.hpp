@@ -16,6 +16,15 @@
 #define MOE_RESTRICT
 #endif
 
+// A build for x86-64 without AVX2 runs every kernel on SSE2, several times slower than the AVX2
+// and AVX-512 kernels most machines can run: said at compile time (a note, not a warning, so
+// -Werror builds go on). Silence it with -DMOE_NO_ARCH_WARNING (moe's own SSE2 builds do), or
+// build with -march=native (or the -march of the machines you target).
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(__AVX2__) && !defined(MOE_NO_ARCH_WARNING)
+#pragma message( \
+    "moe: compiled without AVX2 (no -march flag?): the kernels run on SSE2, several times slower than on AVX2 / AVX-512; build with -march=native (CMake: target_compile_options(app PRIVATE -march=native)) or define MOE_NO_ARCH_WARNING to silence this")
+#endif
+
 // The units this build's kernels are compiled for (the compiler's target flags); whether the CPU
 // running them has them is asked at run time (kernels/dispatch.hpp: bf16_kernel(),
 // amx_bf16_usable(), quant_kernel()).
