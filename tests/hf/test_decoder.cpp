@@ -1128,6 +1128,15 @@ TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
                           R"({"model_type": "qwen2_moe", "num_hidden_layers": 2,
                               "use_sliding_window": true})"),
                       Contains("use_sliding_window"));
+  // Numbers out of range say so (they read as 0 or overflow), not "must be a finite number".
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+                              "rms_norm_eps": 1e-999})"),
+                      Contains("rms_norm_eps") && Contains("out of range"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+                              "rms_norm_eps": 1e-60})"),
+                      Contains("rms_norm_eps = 1e-60 is so small that it reads as 0 in a float"));
   {  // The released configs' keys: rope_scaling null, v5 rope_parameters, GLM's head_dim
     auto const glm = moe::models::parse_decoder_config(
         R"({"model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096,

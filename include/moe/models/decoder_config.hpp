@@ -195,6 +195,9 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   auto as_float = [&](double v, char const* key) {
     fail_if(!(std::fabs(v) <= std::numeric_limits<float>::max()), key, " = ", v,
             " does not fit a float");
+    fail_if(v != 0.0 && static_cast<float>(v) == 0.0f, key, " = ", v,
+            " is so small that it reads as 0 in a float (the model computes in fp32); fix "
+            "config.json");
     return static_cast<float>(v);
   };
   c.rope_theta = as_float(rope.theta, "rope_theta");

@@ -735,6 +735,11 @@ class HfConfigReader {
     if (v->kind != JsonKind::kNumber) bad(key, *v, "a number");
     double value = 0.0;
     auto const [end, ec] = std::from_chars(v->text.data(), v->text.data() + v->text.size(), value);
+    if (ec == std::errc::result_out_of_range) {
+      bad(key, *v,
+          "a number a double can hold (this one is out of range: too large, or so small "
+          "that it would read as 0)");
+    }
     if (ec != std::errc() || end != v->text.data() + v->text.size() || !std::isfinite(value)) {
       bad(key, *v, "a finite number");
     }
