@@ -320,6 +320,9 @@ int main(int argc, char** argv) {
                     " -> " + moe::experts::name(f.chosen) + " (depth " + std::to_string(f.depth) +
                     ")";
           }
+          for (std::string const& w : d.warnings) {
+            std::fprintf(stderr, "moe_generate: warning: %s\n", w.c_str());
+          }
           if (!fell.empty()) {
             std::fprintf(stderr,
                          "moe_generate: warning: %zu matrices have depths their format's blocks "

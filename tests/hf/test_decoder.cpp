@@ -1279,4 +1279,31 @@ TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
     REQUIRE_THAT(err, Catch::StartsWith("moe_generate: "));
   }
 }
+
+TEST_CASE(
+    "Decoder: tied embeddings with an lm_head.weight in the checkpoint: a warning, the "
+    "embedding is the LM head",
+    "[models][decoder][generate]") {
+  Tiny t;  // untied: the checkpoint holds lm_head.weight
+  Tensors const m = make_tensors(t, 950);
+  fs::path const dir = write_model(t, m, "decoder_tied_with_head");
+  Tiny tied = t;
+  tied.tie = true;
+  iotest::write_text(dir / "config.json", config_json(tied));
+  auto const any = moe::models::load_hf_decoder(dir);
+  std::visit(
+      [&](auto const& dec) {
+        REQUIRE(dec.warnings.size() == 1);
+        REQUIRE_THAT(dec.warnings[0], Catch::Contains("lm_head.weight is not read"));
+        REQUIRE(dec.lm_head.rows() == t.V);  // packed from the embedding (the tied tests
+                                             // check the logits)
+      },
+      any);
+  auto const plain = moe::models::load_hf_decoder(write_model(t, m, "decoder_untied_plain"));
+  std::visit([](auto const& dec) { REQUIRE(dec.warnings.empty()); }, plain);
+  std::string const base = "--model '" + dir.string() + "' --prompt-ids 3,17 --max-new-tokens 2";
+  REQUIRE(run_generate(base, dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"),
+               Catch::Contains("moe_generate: warning: config.json sets tie_word_embeddings"));
+}
 #endif

@@ -305,6 +305,9 @@ class Decoder {
   std::shared_ptr<io::ShardedCheckpoint const> mapped;
   /// The matrices that got another format than DecoderOptions asked for, in load order.
   std::vector<Fallback> fallbacks;
+  /// What the load noticed but did not refuse, one sentence each (e.g. an lm_head.weight that
+  /// tie_word_embeddings leaves unread); moe_generate prints them.
+  std::vector<std::string> warnings;
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
@@ -573,6 +576,12 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   d.embed = read_embedding(ld, V, H);
   d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
   if (c.tie_word_embeddings) {
+    if (ckpt.find("lm_head.weight") != nullptr) {
+      d.warnings.push_back(
+          "config.json sets tie_word_embeddings, so the checkpoint's lm_head.weight is not read "
+          "(the LM head is model.embed_tokens.weight); set tie_word_embeddings to false if "
+          "lm_head.weight is the model's output matrix");
+    }
     // The LM head multiplies the embedding's values, packed in the LM head's format.
     std::string const name = "model.embed_tokens.weight";
     experts::WeightFormat const f = ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead,
