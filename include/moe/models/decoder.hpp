@@ -531,8 +531,11 @@ struct Loading {
 };
 
 /// The embedding in the format DecoderOptions asks for, read in place from the mapped file when
-/// that is its dtype (F32 or BF16) and its data is aligned for it.
-inline Embedding read_embedding(Loading const& ld, Index V, Index H) {
+/// that is its dtype (F32 or BF16) and its data is aligned for it. When it is converted and
+/// `values` is given, the float values it was made from are moved there (a tied LM head packs
+/// them: the tensor is read once).
+inline Embedding read_embedding(Loading const& ld, Index V, Index H,
+                                std::vector<float>* values = nullptr) {
   std::string const name = "model.embed_tokens.weight";
   io::TensorView const& t = checked_tensor(ld.ckpt, name, {V, H}, ld.why);
   experts::WeightFormat const f = ld.format(name, MatrixClass::kEmbedding, 0, H, t.dtype);
@@ -552,8 +555,10 @@ inline Embedding read_embedding(Loading const& ld, Index V, Index H) {
     e.f32_view = reinterpret_cast<float const*>(t.bytes.data());
     return e;
   }
-  std::vector<float> const v = read_tensor(ld.ckpt, name, {V, H}, ld.why, &ld.c.moe);
-  return Embedding::pack(ConstMatrixView<float>(v.data(), V, H), f);
+  std::vector<float> v = read_tensor(ld.ckpt, name, {V, H}, ld.why, &ld.c.moe);
+  e = Embedding::pack(ConstMatrixView<float>(v.data(), V, H), f);
+  if (values) *values = std::move(v);
+  return e;
 }
 
 template <class Moe>
@@ -573,7 +578,8 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   std::string const& why = ld.why;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
-  d.embed = read_embedding(ld, V, H);
+  std::vector<float> embedding_values;  // the embedding's floats, when converted and tied
+  d.embed = read_embedding(ld, V, H, c.tie_word_embeddings ? &embedding_values : nullptr);
   d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
   if (c.tie_word_embeddings) {
     if (ckpt.find("lm_head.weight") != nullptr) {
@@ -586,8 +592,14 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     std::string const name = "model.embed_tokens.weight";
     experts::WeightFormat const f = ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead,
                                               c.num_hidden_layers - 1, H, ckpt.find(name)->dtype);
-    std::vector<float> const v = read_tensor(ckpt, name, {V, H}, why, &c.moe);
-    d.lm_head = Linear(ConstMatrixView<float>(v.data(), V, H), f, {}, pool);
+    // The values the embedding was made from: its fp32 view in place, the floats read_embedding
+    // converted, or (a bf16 view) read here.
+    if (d.embed.f32_view == nullptr && embedding_values.empty()) {
+      embedding_values = read_tensor(ckpt, name, {V, H}, why, &c.moe);
+    }
+    float const* w = d.embed.f32_view ? d.embed.f32_view : embedding_values.data();
+    d.lm_head = Linear(ConstMatrixView<float>(w, V, H), f, {}, pool);
+    embedding_values = {};  // V x H floats: freed before the layers load
   } else {
     d.lm_head = ld.linear("lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
   }
