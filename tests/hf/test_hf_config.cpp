@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // config.json: the keys of each family, their transformers defaults, aliases, which layers are
 // MoE layers, and hf_config_json() round trips.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moe/io/hf/config.hpp"
@@ -559,5 +561,51 @@ TEST_CASE("hf_config_json round-trips every family", "[hf][config]") {
       REQUIRE(b.routed_scaling_factor == 1.25f);
     }
     for (moe::Index L = 0; L < 6; ++L) REQUIRE(b.is_moe_layer(L) == a.is_moe_layer(L));
+  }
+}
+
+TEST_CASE("every family's description is consistent", "[hf][config]") {
+  using moe::io::hf_family;
+  using moe::io::HfFamilySpec;
+  std::vector<std::string_view> types;
+  for (HfFamily const family : moe::io::kHfFamilies) {
+    HfFamilySpec const& s = hf_family(family);
+    INFO(s.model_type);
+    REQUIRE(s.family == family);
+    REQUIRE(std::find(types.begin(), types.end(), s.model_type) == types.end());
+    types.push_back(s.model_type);
+    REQUIRE(s.architecture.ends_with("ForCausalLM"));
+    REQUIRE_FALSE(s.experts_keys.empty());
+    REQUIRE_FALSE(s.top_k_keys.empty());
+    REQUIRE(s.hidden_size > 0);
+    REQUIRE(s.width > 0);
+    REQUIRE(s.experts > 0);
+    REQUIRE((s.top_k > 0) != !s.top_k_required.empty());
+    REQUIRE((s.shared == moe::io::HfShared::kNone || s.shared == moe::io::HfShared::kExpertWidth) ==
+            s.shared_key.empty());
+    // A family that decodes has its decoder defaults; one that does not says what moe lacks.
+    if (s.decoder.lacks.empty()) {
+      REQUIRE(s.decoder.vocab_size > 0);
+      REQUIRE(s.decoder.heads > 0);
+      REQUIRE(s.decoder.rms_norm_eps > 0.0);
+    }
+    // A config.json with the model type alone (DeepSeek-V2 needs its top-k) takes the record's
+    // defaults.
+    std::string json = std::string(R"({"model_type": ")") + hf_model_type(family) + "\"";
+    if (!s.top_k_required.empty()) json += R"(, "num_experts_per_tok": 2)";
+    HfMoeConfig const c = parse_hf_config(json + "}");
+    REQUIRE(c.hidden_size == s.hidden_size);
+    REQUIRE(c.expert_intermediate_size == s.width);
+    REQUIRE(c.num_experts == s.experts);
+    REQUIRE(c.num_experts_per_tok == (s.top_k_required.empty() ? s.top_k : 2));
+    REQUIRE(c.unknown_keys.empty());
+    // Every alias the parser reads is read, and is never reported as an unknown key (Mixtral's
+    // n_routed_experts once was).
+    for (std::string_view const key : s.experts_keys) {
+      HfMoeConfig const a =
+          parse_hf_config(moe::io::detail::concat(json, ", \"", key, "\": ", 2 * s.experts, "}"));
+      REQUIRE(a.num_experts == 2 * s.experts);
+      REQUIRE(a.unknown_keys.empty());
+    }
   }
 }

@@ -501,6 +501,12 @@ inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::st
   return io::detail::read_hf_tensor(ckpt, ht, moe_config ? *moe_config : default_blocks, 0, "");
 }
 
+/// Is Decoder<Moe> an alternative of AnyDecoder (without instantiating Decoder<Moe>)?
+template <class Moe, class... D>
+constexpr bool decodes_as(std::variant<D...>*) {
+  return (std::is_same_v<Decoder<Moe>, D> || ...);
+}
+
 /// What load_decoder threads through: the checkpoint, the options, and the fallbacks it records.
 struct Loading {
   io::ShardedCheckpoint const& ckpt;
@@ -709,20 +715,15 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
   io::detail::check_model_dir(model_dir);
   DecoderConfig const c = read_decoder_config(model_dir);
   auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
-  switch (c.moe.family) {
-    case io::HfFamily::kMixtral:
-      return detail::load_decoder<presets::MixtralMoe>(c, ckpt, options, pool);
-    case io::HfFamily::kQwen2Moe:
-      return detail::load_decoder<presets::Qwen2Moe>(c, ckpt, options, pool);
-    case io::HfFamily::kGlm4Moe:
-    case io::HfFamily::kMinimaxM2:
-    case io::HfFamily::kErnie45Moe:
-      return detail::load_decoder<presets::DeepseekV3Moe>(c, ckpt, options, pool);
-    case io::HfFamily::kGptOss:
-      return detail::load_decoder<presets::GptOssMoe>(c, ckpt, options, pool);
-    default:  // qwen3_moe, olmoe (parse_decoder_config refused the others)
-      return detail::load_decoder<presets::Qwen3Moe>(c, ckpt, options, pool);
-  }
+  return io::visit_hf_layer_type(
+      c.moe.family, [&]<class Moe>(std::type_identity<Moe>) -> AnyDecoder {
+        if constexpr (detail::decodes_as<Moe>(static_cast<AnyDecoder*>(nullptr))) {
+          return detail::load_decoder<Moe>(c, ckpt, options, pool);
+        } else {  // parse_decoder_config refused the family (HfDecoderFacts::lacks)
+          moe::detail::fail("models: ", model_dir.string(), ": ", c.moe.model_type(),
+                            " does not decode");
+        }
+      });
 }
 
 }  // namespace moe::models

@@ -90,38 +90,19 @@ struct DecoderConfig {
 
 namespace detail {
 
-/// The transformers defaults of a decoding family (see DecoderConfig).
-struct DecoderDefaults {
-  Index vocab, heads, kv_heads;  ///< kv_heads 0: = heads
-  double theta, eps;
-  Index dense_intermediate;  ///< 0: the family has no dense MLP layers
-};
+/// Does `family` decode (its description has no HfDecoderFacts::lacks)?
+inline bool decodes(io::HfFamily family) { return io::hf_family(family).decoder.lacks.empty(); }
 
-inline bool decodes(io::HfFamily f) {
-  using F = io::HfFamily;
-  return f == F::kQwen3Moe || f == F::kMixtral || f == F::kQwen2Moe || f == F::kOlmoe ||
-         f == F::kGlm4Moe || f == F::kMinimaxM2 || f == F::kGptOss || f == F::kErnie45Moe;
-}
-
-inline DecoderDefaults decoder_defaults(io::HfFamily f) {
-  switch (f) {
-    case io::HfFamily::kMixtral:
-      return {32000, 32, 8, 1e6, 1e-5, 0};
-    case io::HfFamily::kQwen2Moe:
-      return {151936, 16, 16, 10000.0, 1e-6, 5632};
-    case io::HfFamily::kOlmoe:
-      return {50304, 16, 0, 10000.0, 1e-5, 0};
-    case io::HfFamily::kGlm4Moe:
-      return {151552, 96, 8, 10000.0, 1e-5, 10944};
-    case io::HfFamily::kMinimaxM2:
-      return {200064, 48, 8, 5e6, 1e-6, 0};
-    case io::HfFamily::kGptOss:
-      return {201088, 64, 8, 150000.0, 1e-5, 0};
-    case io::HfFamily::kErnie45Moe:
-      return {103424, 20, 4, 500000.0, 1e-5, 12288};
-    default:  // qwen3_moe
-      return {151936, 32, 4, 10000.0, 1e-6, 6144};
+/// The model types of the families whose decoder facts satisfy `pred`, as a list for messages.
+template <class Pred>
+std::string model_types_where(Pred pred) {
+  std::string out;
+  for (io::HfFamily const f : io::kHfFamilies) {
+    if (pred(io::hf_family(f).decoder)) {
+      out += io::detail::concat(out.empty() ? "" : ", ", io::hf_model_type(f));
+    }
   }
+  return out;
 }
 
 }  // namespace detail
@@ -133,23 +114,17 @@ inline DecoderDefaults decoder_defaults(io::HfFamily f) {
 /// checks them).
 inline DecoderConfig parse_decoder_config(std::string_view text,
                                           std::string const& source = "config.json") {
-  using io::HfFamily;
   using io::detail::JsonKind;
   DecoderConfig c;
   c.moe = io::parse_hf_config(text, source);
-  HfFamily const family = c.moe.family;
-  if (!detail::decodes(family)) {
-    char const* const missing =
-        family == HfFamily::kQwen3Next ? "its Gated DeltaNet (linear attention) layers"
-        : family == HfFamily::kLlama4  ? "its chunked and NoPE attention layers"
-                                       : "multi-head latent attention (MLA)";
-    moe::detail::fail("models: ", source, ": model_type \"", c.moe.model_type(),
-                      "\" has no decoder in moe yet (moe lacks ", missing,
-                      "); moe::models decodes qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, "
-                      "minimax_m2, gpt_oss and ernie4_5_moe models (the other families load "
-                      "layer by layer through moe/io/hf.hpp)");
+  io::HfDecoderFacts const& def = c.moe.spec().decoder;
+  if (!def.lacks.empty()) {
+    moe::detail::fail(
+        "models: ", source, ": model_type \"", c.moe.model_type(),
+        "\" has no decoder in moe yet (moe lacks ", def.lacks, "); moe::models decodes ",
+        detail::model_types_where([](io::HfDecoderFacts const& d) { return d.lacks.empty(); }),
+        " models (the other families load layer by layer through moe/io/hf.hpp)");
   }
-  detail::DecoderDefaults const def = detail::decoder_defaults(family);
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
   io::HfMoeConfig keys;
   io::detail::HfConfigReader r(root, source, keys);
@@ -163,25 +138,21 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
                      ": num_hidden_layers = ", c.num_hidden_layers,
                      " is not a model the decoder can hold (at most 65536 layers); fix "
                      "config.json");
-  c.vocab_size = r.integer({"vocab_size"}, def.vocab, 1);
+  c.vocab_size = r.integer({"vocab_size"}, def.vocab_size, 1);
   c.num_attention_heads = r.integer({"num_attention_heads"}, def.heads, 1);
   c.num_key_value_heads = r.integer({"num_key_value_heads"},
                                     def.kv_heads > 0 ? def.kv_heads : c.num_attention_heads, 1);
   Index const H = c.moe.hidden_size;
-  Index const head_default = family == HfFamily::kMinimaxM2 ? 128
-                             : family == HfFamily::kGptOss  ? 64
-                                                            : H / c.num_attention_heads;
-  c.head_dim = r.integer({"head_dim"}, head_default, 1);
+  c.head_dim =
+      r.integer({"head_dim"}, def.head_dim > 0 ? def.head_dim : H / c.num_attention_heads, 1);
   c.intermediate_size =
-      def.dense_intermediate > 0 ? r.integer({"intermediate_size"}, def.dense_intermediate, 1) : 0;
-  bool const gpt_oss = family == HfFamily::kGptOss;
-  io::detail::HfRope rope = io::detail::read_hf_rope(r, source, def.theta, gpt_oss);
-  if (gpt_oss && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
-    // GptOssConfig's default rope_scaling.
-    rope.yarn = true;
-    rope.yarn_factor = 32.0;
-    rope.original_max_position = 4096;
-    rope.truncate = false;
+      def.dense_width > 0 ? r.integer({"intermediate_size"}, def.dense_width, 1) : 0;
+  io::detail::HfRope rope = io::detail::read_hf_rope(r, source, def.rope_theta, def.yarn);
+  if (def.yarn && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
+    rope.yarn = true;  // the family's default rope_scaling
+    rope.yarn_factor = def.yarn_factor;
+    rope.original_max_position = def.yarn_original_max_position;
+    rope.truncate = def.yarn_truncate;
   }
   if (rope.yarn) {
     c.yarn.factor = static_cast<float>(rope.yarn_factor);
@@ -201,12 +172,35 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
     return static_cast<float>(v);
   };
   c.rope_theta = as_float(rope.theta, "rope_theta");
-  c.rms_norm_eps = as_float(r.number("rms_norm_eps", def.eps), "rms_norm_eps");
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", family == HfFamily::kErnie45Moe);
-  bool attention_bias = false;
+  c.rms_norm_eps = as_float(r.number("rms_norm_eps", def.rms_norm_eps), "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", def.tie_word_embeddings);
+
+  // Attention: q/k norms, biases, rotary dimensions, interleaved RoPE, sinks.
+  using io::HfAttentionBias;
+  c.qk_norm = def.qk_norm != io::HfQkNorm::kNone &&
+              (def.qk_norm_key.empty() || r.boolean(def.qk_norm_key, def.qk_norm_default));
+  if (def.qk_norm == io::HfQkNorm::kAllHeads) c.qk_norm_scope = QkNormScope::kAllHeads;
+  bool attention_bias = def.bias == HfAttentionBias::kAllOnByDefault;
   if (io::detail::JsonValue const* b = r.find("attention_bias")) {
     if (b->kind != JsonKind::kBool) r.bad("attention_bias", *b, "true or false");
     attention_bias = b->boolean;
+  }
+  fail_if(attention_bias && def.bias == HfAttentionBias::kNone,
+          "attention_bias = true is not supported for ", c.moe.model_type(),
+          " (its attention has no projection biases in transformers)");
+  switch (def.bias) {
+    case HfAttentionBias::kQkvKey:
+      c.qkv_bias = r.boolean("qkv_bias", true);
+      break;
+    case HfAttentionBias::kQkv:
+      c.qkv_bias = attention_bias;
+      break;
+    case HfAttentionBias::kAll:
+    case HfAttentionBias::kAllOnByDefault:
+      c.qkv_bias = c.o_bias = attention_bias;
+      break;
+    case HfAttentionBias::kNone:
+      break;
   }
   // int(head_dim * partial_rotary_factor), as transformers computes the rotary dimension.
   auto rotary_of = [&](double factor) {
@@ -214,68 +208,29 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
             " must be in (0, 1]");
     return static_cast<Index>(static_cast<double>(c.head_dim) * factor);
   };
-  bool const partial = family == HfFamily::kGlm4Moe || family == HfFamily::kMinimaxM2;
-  fail_if(rope.yarn && !gpt_oss, "rope_type \"yarn\" is read for gpt_oss only");
+  bool const partial = def.rotary != io::HfRotary::kFull;
+  fail_if(rope.yarn && !def.yarn, "rope_type \"yarn\" is read for ",
+          detail::model_types_where([](io::HfDecoderFacts const& d) { return d.yarn; }), " only");
   fail_if(!partial && rope.factor_set && rope.factor != 1.0,
           "partial_rotary_factor = ", rope.factor, " is not supported for ", c.moe.model_type(),
           " (its attention rotates the whole head)");
-  switch (family) {
-    case HfFamily::kQwen3Moe:
-      c.qk_norm = true;
-      break;
-    case HfFamily::kQwen2Moe:
-      c.qkv_bias = r.boolean("qkv_bias", true);
-      break;
-    case HfFamily::kOlmoe:
-      c.qk_norm = true;
-      c.qk_norm_scope = QkNormScope::kAllHeads;
-      c.qkv_bias = c.o_bias = attention_bias;
-      fail_if(r.find("clip_qkv") != nullptr,
-              "clip_qkv is not supported (moe's attention does not clamp q, k and v); OLMoE "
-              "releases set it null");
-      break;
-    case HfFamily::kGlm4Moe:
-      c.qkv_bias = attention_bias;
-      c.qk_norm = r.boolean("use_qk_norm", false);
-      c.rotary_dim = rotary_of(rope.factor_set ? rope.factor : 0.5);
-      break;
-    case HfFamily::kGptOss:
-      c.qkv_bias = c.o_bias = r.boolean("attention_bias", true);
-      c.sinks = true;
-      break;
-    case HfFamily::kErnie45Moe:
-      c.rope_interleaved = true;
-      fail_if(c.moe.use_bias,
-              "use_bias = true is not supported by the ernie4_5_moe decoder (it would add "
-              "biases to the attention, the dense MLPs and the LM head; released models set it "
-              "false)");
-      break;
-    case HfFamily::kMinimaxM2: {
-      c.qk_norm = r.boolean("use_qk_norm", true);
-      c.qk_norm_scope = QkNormScope::kAllHeads;
-      std::string const type = r.string("qk_norm_type", "per_layer");
-      fail_if(c.qk_norm && type != "per_layer", "qk_norm_type \"", type,
-              "\" is not supported; moe reads MiniMax-M2's \"per_layer\" q/k norms (one RMSNorm "
-              "over all heads)");
-      c.rotary_dim =
-          rope.factor_set ? rotary_of(rope.factor) : r.integer({"rotary_dim"}, c.head_dim / 2, 0);
-      break;
-    }
-    default:
-      break;
+  if (def.rotary == io::HfRotary::kFactor) {
+    c.rotary_dim = rotary_of(rope.factor_set ? rope.factor : def.rotary_factor);
+  } else if (def.rotary == io::HfRotary::kRotaryDim) {
+    c.rotary_dim =
+        rope.factor_set ? rotary_of(rope.factor) : r.integer({"rotary_dim"}, c.head_dim / 2, 0);
   }
-  bool const has_biases = family == HfFamily::kQwen2Moe || family == HfFamily::kOlmoe ||
-                          family == HfFamily::kGlm4Moe || gpt_oss;
-  fail_if(attention_bias && !has_biases, "attention_bias = true is not supported for ",
-          c.moe.model_type(), " (its attention has no projection biases in transformers)");
+  c.rope_interleaved = def.rope_interleaved;
+  c.sinks = def.sinks;
+  if (def.check != nullptr) def.check(r, c.moe, c.qk_norm, source);
   c.layer_windows.assign(static_cast<std::size_t>(c.num_hidden_layers), 0);
-  if (family == HfFamily::kMixtral) {
+  if (def.sliding == io::HfSliding::kEveryLayer) {
     if (r.find("sliding_window") != nullptr) {
       c.sliding_window = r.integer({"sliding_window"}, 0, 1);
     }
     std::fill(c.layer_windows.begin(), c.layer_windows.end(), c.sliding_window);
-  } else if (gpt_oss) {
-    c.sliding_window = r.integer({"sliding_window"}, 128, 1);
+  } else if (def.sliding == io::HfSliding::kLayerTypes) {
+    c.sliding_window = r.integer({"sliding_window"}, def.sliding_window, 1);
     std::vector<std::string> types;
     if (io::detail::JsonValue const* lt = r.find("layer_types")) {
       if (lt->kind != JsonKind::kArray) r.bad("layer_types", *lt, "an array of strings");
@@ -289,7 +244,7 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
       fail_if(static_cast<Index>(types.size()) != c.num_hidden_layers, "layer_types has ",
               types.size(), " entries but num_hidden_layers = ", c.num_hidden_layers,
               "; give one per layer");
-    } else {  // GptOssConfig: sliding on the even layers
+    } else {  // GptOssConfig's default: sliding on the even layers
       for (Index L = 0; L < c.num_hidden_layers; ++L) {
         types.emplace_back(L % 2 == 0 ? "sliding_attention" : "full_attention");
       }

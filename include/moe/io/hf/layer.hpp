@@ -179,33 +179,50 @@ static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
 /// bias, groups and normalisation).
 template <class Layer>
 constexpr bool hf_family_matches(HfFamily family) noexcept {
-  switch (family) {
-    case HfFamily::kMixtral:
+  switch (hf_family(family).layer_type) {
+    case HfLayerType::kMixtral:
       return std::is_same_v<Layer, presets::MixtralMoe>;
-    case HfFamily::kQwen2Moe:
-    case HfFamily::kQwen3Next:
+    case HfLayerType::kQwen2Moe:
       return std::is_same_v<Layer, presets::Qwen2Moe>;
-    case HfFamily::kQwen3Moe:
-    case HfFamily::kOlmoe:
+    case HfLayerType::kQwen3Moe:
       return std::is_same_v<Layer, presets::Qwen3Moe>;
-    case HfFamily::kDeepseekV3:
-    case HfFamily::kGlm4Moe:
-    case HfFamily::kDeepseekV2:
-    case HfFamily::kMinimaxM2:
-    case HfFamily::kErnie45Moe:
+    case HfLayerType::kDeepseekV3:
       return std::is_same_v<Layer, presets::DeepseekV3Moe>;
-    case HfFamily::kLlama4:
+    case HfLayerType::kLlama4:
       return std::is_same_v<Layer, presets::Llama4Moe>;
-    case HfFamily::kGptOss:
+    case HfLayerType::kGptOss:
       return std::is_same_v<Layer, presets::GptOssMoe>;
   }
   return false;
+}
+
+/// Calls f(presets::XMoe{}) -- a tag of the preset layer type that holds `family`'s layers
+/// (HfFamilySpec::layer_type) -- and returns what it returns: the one dispatch from a family
+/// to a C++ type.
+template <class F>
+decltype(auto) visit_hf_layer_type(HfFamily family, F&& f) {
+  switch (hf_family(family).layer_type) {
+    case HfLayerType::kMixtral:
+      return f(std::type_identity<presets::MixtralMoe>{});
+    case HfLayerType::kQwen2Moe:
+      return f(std::type_identity<presets::Qwen2Moe>{});
+    case HfLayerType::kQwen3Moe:
+      return f(std::type_identity<presets::Qwen3Moe>{});
+    case HfLayerType::kDeepseekV3:
+      return f(std::type_identity<presets::DeepseekV3Moe>{});
+    case HfLayerType::kLlama4:
+      return f(std::type_identity<presets::Llama4Moe>{});
+    case HfLayerType::kGptOss:
+      break;
+  }
+  return f(std::type_identity<presets::GptOssMoe>{});
 }
 
 namespace detail {
 /// The router of a DeepseekV3Moe-type layer for config `c` (GLM-4.5, DeepSeek-V2, MiniMax-M2
 /// and ERNIE 4.5 differ from DeepSeek-V3 in scores, groups, bias and normalisation only).
 inline routing::GroupLimitedTopK hf_group_router(HfMoeConfig const& c) {
+  HfGroupRouting const& how = c.spec().routing;
   routing::GroupLimitedTopK r;
   r.num_experts = c.num_experts;
   r.top_k = c.num_experts_per_tok;
@@ -213,30 +230,11 @@ inline routing::GroupLimitedTopK hf_group_router(HfMoeConfig const& c) {
   r.topk_group = c.topk_group;
   r.normalize = c.norm_topk_prob;
   r.scale = c.routed_scaling_factor;
+  if (c.scoring_func == "softmax") r.scoring = routing::ScoreFunction::kSoftmax;
+  if (how.group_max) r.group_score = routing::GroupScore::kMax;
+  if (how.exact_norm) r.norm_epsilon = 0.0f;
+  if (how.norm_min) r.norm_min = c.moe_norm_min;
   if (c.has_selection_bias()) r.bias.assign(static_cast<std::size_t>(c.num_experts), 0.0f);
-  switch (c.family) {
-    case HfFamily::kDeepseekV2:
-      r.scoring = routing::ScoreFunction::kSoftmax;
-      r.group_score = routing::GroupScore::kMax;
-      r.normalize = false;
-      break;
-    case HfFamily::kMinimaxM2:
-      r.n_group = r.topk_group = 1;
-      r.normalize = true;
-      r.norm_epsilon = 0.0f;
-      r.scale = 1.0f;
-      break;
-    case HfFamily::kErnie45Moe:
-      r.n_group = r.topk_group = 1;
-      r.scoring = routing::ScoreFunction::kSoftmax;
-      r.normalize = true;
-      r.norm_epsilon = 0.0f;
-      r.norm_min = c.moe_norm_min;
-      r.scale = 1.0f;
-      break;
-    default:  // DeepSeek-V3, GLM-4.5
-      break;
-  }
   return r;
 }
 }  // namespace detail
@@ -885,20 +883,14 @@ inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor con
 inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
                               HfLoadOptions const& options) {
   std::vector<std::string> candidates;
-  if (c.family == HfFamily::kGptOss) {
+  if (c.spec().storage != HfExpertStorage::kPerExpertOrFused) {  // always fused (Llama 4, gpt-oss)
     HfLayout layout = hf_default_layout(c.family, layer);
-    if (!options.prefix.empty()) layout.prefix = options.prefix;
-    return layout;
-  }
-  if (c.family == HfFamily::kLlama4) {
-    // Text-only checkpoints: model.layers.L.feed_forward.; the multimodal Llama4ForConditional-
-    // Generation nests them under language_model. (or a prefix given by the caller).
-    HfLayout layout = hf_default_layout(c.family, layer);
+    std::string const router = concat(layout.prefix, c.spec().names.router);
     if (!options.prefix.empty()) {
       layout.prefix = options.prefix;
     } else if (std::string const nested = concat("language_model.", layout.prefix);
-               !ckpt.contains(concat(layout.prefix, "router.weight")) &&
-               ckpt.contains(concat(nested, "router.weight"))) {
+               !ckpt.contains(router) && ckpt.contains(concat("language_model.", router))) {
+      // Llama4ForConditionalGeneration nests the text model under language_model.
       layout.prefix = nested;
     }
     return layout;
@@ -976,10 +968,11 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
   experts::WeightFormat shared[3] = {};
   bool quantized = false;
   moe::detail::check(!(config.has_expert_biases() && out.layout.fused_experts &&
-                       config.family == HfFamily::kErnie45Moe),
-                     "hf: ", checkpoint.source(), ": layer ", layer,
-                     " stores its ERNIE 4.5 experts fused (experts.gate_up_proj), which has no "
-                     "biases, but config.json sets use_bias = true; use a per-expert checkpoint");
+                       config.spec().storage == HfExpertStorage::kPerExpertOrFused),
+                     "hf: ", checkpoint.source(), ": layer ", layer, " stores its ",
+                     config.model_type(),
+                     " experts fused (experts.gate_up_proj), which has no biases, but "
+                     "config.json sets use_bias = true; use a per-expert checkpoint");
   for (std::size_t ti = 0; ti < out.tensors.size(); ++ti) {
     HfTensor const& t = out.tensors[ti];
     if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
@@ -1080,27 +1073,9 @@ inline HfAnyLayer load_hf_moe_layer(std::filesystem::path const& model_dir, Inde
                       config.model_type(), " model as an MoE layer: ", why, "; pick an MoE layer");
   }
   ShardedCheckpoint const checkpoint = open_checkpoint(model_dir);
-  switch (config.family) {
-    case HfFamily::kMixtral:
-      return load_hf_layer<presets::MixtralMoe>(config, checkpoint, layer, options);
-    case HfFamily::kQwen2Moe:
-    case HfFamily::kQwen3Next:
-      return load_hf_layer<presets::Qwen2Moe>(config, checkpoint, layer, options);
-    case HfFamily::kQwen3Moe:
-    case HfFamily::kOlmoe:
-      return load_hf_layer<presets::Qwen3Moe>(config, checkpoint, layer, options);
-    case HfFamily::kDeepseekV3:
-    case HfFamily::kGlm4Moe:
-    case HfFamily::kDeepseekV2:
-    case HfFamily::kMinimaxM2:
-    case HfFamily::kErnie45Moe:
-      return load_hf_layer<presets::DeepseekV3Moe>(config, checkpoint, layer, options);
-    case HfFamily::kLlama4:
-      return load_hf_layer<presets::Llama4Moe>(config, checkpoint, layer, options);
-    case HfFamily::kGptOss:
-      return load_hf_layer<presets::GptOssMoe>(config, checkpoint, layer, options);
-  }
-  moe::detail::fail("hf: ", model_dir.string(), ": unknown model family");
+  return visit_hf_layer_type(config.family, [&]<class Layer>(std::type_identity<Layer>) {
+    return HfAnyLayer(load_hf_layer<Layer>(config, checkpoint, layer, options));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1300,8 +1275,8 @@ void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const
   moe::detail::check(static_cast<Index>(formats.size()) == layer.num_experts(), "hf: ", where, ": ",
                      formats.size(), " formats for ", layer.num_experts(),
                      " experts; give one per expert");
-  moe::detail::check(config.family != HfFamily::kLlama4 && config.family != HfFamily::kGptOss,
-                     "hf: ", where, ": ", config.model_type(),
+  moe::detail::check(config.spec().storage == HfExpertStorage::kPerExpertOrFused, "hf: ", where,
+                     ": ", config.model_type(),
                      " stores its experts fused ([E, H, 2I]), which quantized checkpoints "
                      "(one tensor per expert and projection) do not support yet; quantize the "
                      "loaded layer with pack_weights instead");

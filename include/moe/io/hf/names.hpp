@@ -91,7 +91,7 @@ struct HfTensor {
 /// Does the family name its experts' projections w1 (gate), w3 (up), w2 (down) under a
 /// "block_sparse_moe." module, as Mixtral does (Mixtral, MiniMax-M2)?
 inline bool hf_mixtral_names(HfFamily family) noexcept {
-  return family == HfFamily::kMixtral || family == HfFamily::kMinimaxM2;
+  return !hf_family(family).names.v4_module.empty();
 }
 
 /// Where a layer's tensors live in the checkpoint.
@@ -107,23 +107,15 @@ struct HfLayout {
 
 /// The default layout of layer `layer`: per-expert tensors under "model.layers.L.mlp." (or
 /// "model.layers.L.block_sparse_moe." for Mixtral, unless `fused_experts`, which transformers
-/// v5 names "model.layers.L.mlp.").
+/// v5 names "model.layers.L.mlp."); families that always fuse their experts (Llama 4 under
+/// "feed_forward.", gpt-oss) are fused whatever `fused_experts` says.
 inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_experts = false) {
+  HfTensorNames const& names = hf_family(family).names;
   HfLayout layout;
-  if (family == HfFamily::kGptOss) {  // always fused, under mlp.
-    layout.fused_experts = true;
-    layout.prefix = detail::concat("model.layers.", layer, ".mlp.");
-    return layout;
-  }
-  if (family == HfFamily::kLlama4) {  // always fused, under feed_forward.
-    layout.fused_experts = true;
-    layout.prefix = detail::concat("model.layers.", layer, ".feed_forward.");
-    return layout;
-  }
-  layout.fused_experts = fused_experts;
-  bool const mixtral_v4 = hf_mixtral_names(family) && !fused_experts;
-  layout.prefix =
-      detail::concat("model.layers.", layer, mixtral_v4 ? ".block_sparse_moe." : ".mlp.");
+  layout.fused_experts =
+      fused_experts || hf_family(family).storage != HfExpertStorage::kPerExpertOrFused;
+  bool const v4 = !names.v4_module.empty() && !layout.fused_experts;
+  layout.prefix = detail::concat("model.layers.", layer, ".", v4 ? names.v4_module : names.module);
   return layout;
 }
 
@@ -154,69 +146,69 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
   std::vector<HfTensor> out;
   std::int64_t const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size;
   std::string const& p = layout.prefix;
+  HfFamilySpec const& spec = c.spec();
+  HfTensorNames const& names = spec.names;
   auto add = [&](std::string name, HfPart part, Index expert, std::vector<std::int64_t> shape) {
     out.push_back(HfTensor{std::move(name), part, expert, std::move(shape)});
   };
-  bool const llama4 = c.family == HfFamily::kLlama4;
-  if (c.family == HfFamily::kGptOss) {
-    add(p + "router.weight", HfPart::kRouter, -1, {E, H});
-    add(p + "router.bias", HfPart::kRouterBias, -1, {E});
-    if (c.mxfp4) {
-      add(p + "experts.gate_up_proj_blocks", HfPart::kExpertsGateUpBlocks, -1,
-          {E, 2 * I, H / 32, 16});
-      add(p + "experts.gate_up_proj_scales", HfPart::kExpertsGateUpScales, -1, {E, 2 * I, H / 32});
-    } else {
-      add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpI, -1, {E, H, 2 * I});
-    }
-    add(p + "experts.gate_up_proj_bias", HfPart::kExpertsGateUpBias, -1, {E, 2 * I});
-    if (c.mxfp4) {
-      add(p + "experts.down_proj_blocks", HfPart::kExpertsDownBlocks, -1, {E, H, I / 32, 16});
-      add(p + "experts.down_proj_scales", HfPart::kExpertsDownScales, -1, {E, H, I / 32});
-    } else {
-      add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
-    }
-    add(p + "experts.down_proj_bias", HfPart::kExpertsDownBias, -1, {E, H});
-    return out;
+  add(detail::concat(p, names.router), HfPart::kRouter, -1, {E, H});
+  if (c.has_router_bias()) add(p + "router.bias", HfPart::kRouterBias, -1, {E});
+  if (c.has_selection_bias()) {
+    add(detail::concat(p, names.selection_bias), HfPart::kSelectionBias, -1,
+        names.selection_bias_row ? std::vector<std::int64_t>{1, E} : std::vector<std::int64_t>{E});
   }
-  add(p + (llama4 ? "router.weight" : "gate.weight"), HfPart::kRouter, -1, {E, H});
-  if (c.family == HfFamily::kMinimaxM2) {
-    add(p + "e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
-  } else if (c.family == HfFamily::kErnie45Moe) {
-    add(p + "moe_statics.e_score_correction_bias", HfPart::kSelectionBias, -1, {1, E});
-  } else if (c.has_selection_bias()) {
-    add(p + "gate.e_score_correction_bias", HfPart::kSelectionBias, -1, {E});
-  }
-  if (llama4) {
-    add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpT, -1, {E, H, 2 * I});
-    add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
-  } else if (layout.fused_experts) {
-    add(p + "experts.gate_up_proj", HfPart::kExpertsGateUp, -1, {E, 2 * I, H});
-    add(p + "experts.down_proj", HfPart::kExpertsDown, -1, {E, H, I});
-  } else {
-    bool const mixtral = hf_mixtral_names(c.family);
-    for (Index e = 0; e < E; ++e) {
-      std::string const base = detail::concat(p, "experts.", e, ".");
-      add(base + (mixtral ? "w1.weight" : "gate_proj.weight"), HfPart::kExpertGate, e, {I, H});
-      add(base + (mixtral ? "w3.weight" : "up_proj.weight"), HfPart::kExpertUp, e, {I, H});
-      add(base + (mixtral ? "w2.weight" : "down_proj.weight"), HfPart::kExpertDown, e, {H, I});
-      if (c.has_expert_biases()) {
-        add(base + "gate_proj.bias", HfPart::kExpertGateBias, e, {I});
-        add(base + "up_proj.bias", HfPart::kExpertUpBias, e, {I});
-        add(base + "down_proj.bias", HfPart::kExpertDownBias, e, {H});
+  switch (spec.storage) {
+    case HfExpertStorage::kFusedInterleaved:
+      if (c.mxfp4) {
+        add(p + "experts.gate_up_proj_blocks", HfPart::kExpertsGateUpBlocks, -1,
+            {E, 2 * I, H / 32, 16});
+        add(p + "experts.gate_up_proj_scales", HfPart::kExpertsGateUpScales, -1,
+            {E, 2 * I, H / 32});
+      } else {
+        add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpI, -1, {E, H, 2 * I});
       }
-    }
+      add(p + "experts.gate_up_proj_bias", HfPart::kExpertsGateUpBias, -1, {E, 2 * I});
+      if (c.mxfp4) {
+        add(p + "experts.down_proj_blocks", HfPart::kExpertsDownBlocks, -1, {E, H, I / 32, 16});
+        add(p + "experts.down_proj_scales", HfPart::kExpertsDownScales, -1, {E, H, I / 32});
+      } else {
+        add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
+      }
+      add(p + "experts.down_proj_bias", HfPart::kExpertsDownBias, -1, {E, H});
+      break;
+    case HfExpertStorage::kFusedTransposed:
+      add(p + "experts.gate_up_proj", HfPart::kExpertsGateUpT, -1, {E, H, 2 * I});
+      add(p + "experts.down_proj", HfPart::kExpertsDownT, -1, {E, I, H});
+      break;
+    case HfExpertStorage::kPerExpertOrFused:
+      if (layout.fused_experts) {
+        add(p + "experts.gate_up_proj", HfPart::kExpertsGateUp, -1, {E, 2 * I, H});
+        add(p + "experts.down_proj", HfPart::kExpertsDown, -1, {E, H, I});
+        break;
+      }
+      for (Index e = 0; e < E; ++e) {
+        std::string const base = detail::concat(p, "experts.", e, ".");
+        add(detail::concat(base, names.gate, ".weight"), HfPart::kExpertGate, e, {I, H});
+        add(detail::concat(base, names.up, ".weight"), HfPart::kExpertUp, e, {I, H});
+        add(detail::concat(base, names.down, ".weight"), HfPart::kExpertDown, e, {H, I});
+        if (c.has_expert_biases()) {
+          add(detail::concat(base, names.gate, ".bias"), HfPart::kExpertGateBias, e, {I});
+          add(detail::concat(base, names.up, ".bias"), HfPart::kExpertUpBias, e, {I});
+          add(detail::concat(base, names.down, ".bias"), HfPart::kExpertDownBias, e, {H});
+        }
+      }
+      break;
   }
   std::int64_t const Is = c.shared_intermediate_size();
   if (Is > 0) {
-    std::string const s =
-        p + (c.has_shared_expert_gate() || llama4 ? "shared_expert." : "shared_experts.");
-    add(s + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
-    add(s + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
-    add(s + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});
+    std::string const sh = detail::concat(p, names.shared_module);
+    add(sh + "gate_proj.weight", HfPart::kSharedGate, -1, {Is, H});
+    add(sh + "up_proj.weight", HfPart::kSharedUp, -1, {Is, H});
+    add(sh + "down_proj.weight", HfPart::kSharedDown, -1, {H, Is});
     if (c.has_expert_biases()) {
-      add(s + "gate_proj.bias", HfPart::kSharedGateBias, -1, {Is});
-      add(s + "up_proj.bias", HfPart::kSharedUpBias, -1, {Is});
-      add(s + "down_proj.bias", HfPart::kSharedDownBias, -1, {H});
+      add(sh + "gate_proj.bias", HfPart::kSharedGateBias, -1, {Is});
+      add(sh + "up_proj.bias", HfPart::kSharedUpBias, -1, {Is});
+      add(sh + "down_proj.bias", HfPart::kSharedDownBias, -1, {H});
     }
   }
   if (c.has_shared_expert_gate()) {
