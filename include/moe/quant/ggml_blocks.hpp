@@ -1,0 +1,629 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// More GGUF weight blocks, for reading GGUF files: the byte layouts of ggml's Q4_1, Q5_0, Q5_1,
+/// Q5_K, IQ4_NL, IQ4_XS and MXFP4 (ggml-common.h), their reference dequantizers
+/// (ggml-quants.c: dequantize_row_*) and reference quantizers (quantize_row_*_ref), written
+/// here from those definitions, and F16 / BF16 rows. A row of n weights is n / block_elems_v<B>
+/// consecutive blocks, as in a GGUF tensor. Per format (d, m, dmin: fp16; q: the level):
+///
+/// - Q4_1: 32 weights in 20 bytes (5 bits a weight): d, m, 16 bytes of nibbles;
+///   weight j = d * q + m, q in [0, 16) (j < 16: low nibble of qs[j]; else high of qs[j - 16]).
+/// - Q5_0: 32 in 22 (5.5): d, qh (the 5th bits, bit j for weight j), 16 bytes of nibbles;
+///   d * (q - 16), q in [0, 32).
+/// - Q5_1: 32 in 24 (6): d, m, qh, nibbles; d * q + m, q in [0, 32).
+/// - Q5_K: 256 in 176 (5.5): d, dmin, 12 bytes of 6-bit scales and mins packed as Q4_K's,
+///   32 bytes of 5th bits, 128 of nibbles; d * sc[i / 32] * q - dmin * m[i / 32].
+/// - IQ4_NL: 32 in 18 (4.5): d, nibbles as Q4_0's; d * kIq4nlValues[q].
+/// - IQ4_XS: 256 in 136 (4.25): d, 8 6-bit scales (high 2 bits in scales_h, low 4 in
+///   scales_l), nibbles per 32; d * (ls[i / 32] - 32) * kIq4nlValues[q].
+/// - MXFP4: 32 in 17 (4.25): an E8M0 exponent e and nibbles as Q4_0's; an E2M1 value per
+///   nibble. ggml stores the E2M1 values doubled (kMxfp4Values) and halves the scale instead:
+///   weight = kMxfp4Values[q] * 2^(e - 128) (ggml_e8m0_to_fp32_half), the same number as
+///   e2m1(q) * 2^(e - 127).
+///
+/// As in blocks.hpp the arithmetic is ggml's operation for operation, each product rounded
+/// before it is added (detail::mul), so the bytes and floats do not depend on compiler flags;
+/// multi-byte fields are read as the host's integers (little-endian hosts, as GGUF). Typed
+/// pointers must be aligned for the block (alignof is 1 or 2; GGUF tensor data is 32-aligned).
+/// NaN policy as blocks.hpp's: the quantizers refuse a non-finite weight (moe::Error naming its
+/// position); the dequantizers decode any bytes. Where ggml's reference is undefined (a
+/// float-to-int conversion of a NaN or out-of-range value, an uninitialized level), moe's
+/// choice is documented at the function; everywhere else the bytes are ggml's.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "moe/core/error.hpp"
+#include "moe/core/float16.hpp"
+#include "moe/core/types.hpp"
+#include "moe/quant/blocks.hpp"
+
+namespace moe::quant {
+
+/// ggml block types, byte for byte (static_asserts below check the sizes).
+struct BlockQ4_1 {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint16_t m;      ///< fp16 min (added)
+  std::uint8_t qs[16];  ///< weight j in the low nibble of qs[j], weight j + 16 in the high one
+};
+struct BlockQ5_0 {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
+  std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
+};
+struct BlockQ5_1 {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint16_t m;      ///< fp16 min (added)
+  std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
+  std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
+};
+struct BlockQ5_K {
+  std::uint16_t d;          ///< fp16 super-block scale of the sub-block scales
+  std::uint16_t dmin;       ///< fp16 super-block scale of the sub-block mins
+  std::uint8_t scales[12];  ///< 8 6-bit scales and 8 6-bit mins (get_scale_min)
+  std::uint8_t qh[32];      ///< 5th bits: bit 2c (+ 1) of qh[l] for weight 64 c + l (+ 32)
+  std::uint8_t qs[128];     ///< per 64 weights: 32 bytes, weight l low nibble, l + 32 high
+};
+struct BlockIQ4_NL {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint8_t qs[16];  ///< indices into kIq4nlValues, as Q4_0's nibbles
+};
+struct BlockIQ4_XS {
+  std::uint16_t d;           ///< fp16 super-block scale
+  std::uint16_t scales_h;    ///< bits 2 ib + 1 .. 2 ib: high 2 bits of 32-block ib's scale
+  std::uint8_t scales_l[4];  ///< low 4 bits: block ib in nibble ib % 2 of scales_l[ib / 2]
+  std::uint8_t qs[128];      ///< per 32 weights 16 bytes of indices, as Q4_0's nibbles
+};
+struct BlockMXFP4 {
+  std::uint8_t e;       ///< E8M0 shared exponent
+  std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
+static_assert(sizeof(BlockQ5_K) == 176);
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
+static_assert(sizeof(BlockMXFP4) == 17);
+
+/// Weights per block of a ggml block type.
+template <class Block>
+inline constexpr Index block_elems_v = 32;
+template <>
+inline constexpr Index block_elems_v<BlockQ5_K> = 256;
+template <>
+inline constexpr Index block_elems_v<BlockIQ4_XS> = 256;
+
+/// ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS.
+inline constexpr std::int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
+/// ggml's kvalues_mxfp4 (kvalues_fp4): the E2M1 values doubled, codes 8..15 the negatives
+/// (code 8, -0, decodes as +0).
+inline constexpr std::int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                                 0, -1, -2, -3, -4, -6, -8, -12};
+
+namespace detail {
+
+/// ggml_e8m0_to_fp32_half: 2^(e - 128) as a float (e = 0, 1: the subnormals 2^-128, 2^-127;
+/// e = 255 gives 2^127, no NaN, as ggml's).
+inline float e8m0_to_fp32_half(std::uint8_t e) {
+  std::uint32_t const bits = e < 2 ? 0x00200000u << e : static_cast<std::uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/// Checks that a row of n weights is whole blocks of `elems` (n a positive multiple).
+inline void check_block_row(Index n, Index elems, char const* format, char const* who) {
+  moe::detail::check(n > 0 && n % elems == 0, who, ": rows of ", n, " weights cannot be ", format,
+                     " (its blocks hold ", elems,
+                     " weights; GGUF rows are whole blocks); pass a positive multiple of ", elems);
+}
+
+/// Checks that the n weights at x are finite (the quantizers' precondition).
+inline void check_finite_row(float const* x, Index n, char const* who) {
+  for (Index i = 0; i < n; ++i) {
+    moe::detail::check(std::isfinite(x[i]), who, ": weight ", i, " of the row is ", x[i],
+                       "; only finite weights can be quantized (fix or drop the tensor)");
+  }
+}
+
+/// ggml's (int8_t)(v) for a v its quantizers produce, then MIN(hi, .): v truncated towards zero
+/// and clamped to [0, hi]. ggml's conversion is undefined for a NaN or v <= -129 (reached only
+/// through an infinite inverse scale, which moe avoids with detail::inverse): 0 here.
+inline int trunc_level(float v, int hi) {
+  if (!(v > -1.0f)) return 0;
+  return v >= static_cast<float>(hi) ? hi : static_cast<int>(v);
+}
+
+/// ggml best_index_int8: the index of the nearest of n ascending values (the upper on a tie
+/// only if it is strictly nearer, as ggml's comparison).
+inline int best_index_int8(int n, std::int8_t const* val, float x) {
+  if (x <= static_cast<float>(val[0])) return 0;
+  if (x >= static_cast<float>(val[n - 1])) return n - 1;
+  int ml = 0, mu = n - 1;
+  while (mu - ml > 1) {
+    int const mav = (ml + mu) / 2;
+    if (x < static_cast<float>(val[mav])) {
+      mu = mav;
+    } else {
+      ml = mav;
+    }
+  }
+  return x - static_cast<float>(val[mu - 1]) < static_cast<float>(val[mu]) - x ? mu - 1 : mu;
+}
+
+/// The 32-bit little-endian value of 4 bytes.
+inline std::uint32_t load_le32(std::uint8_t const* p) {
+  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
+         (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
+}
+inline void store_le32(std::uint32_t v, std::uint8_t* p) {
+  for (int b = 0; b < 4; ++b) p[b] = static_cast<std::uint8_t>(v >> (8 * b));
+}
+
+/// ggml quantize_row_iq4_nl_impl without importance weights (weight = x^2) for one super-block
+/// of `super` weights in 32-blocks, with kIq4nlValues: per 32-block the best scale of 2 ntry + 1
+/// candidates (none for ntry < 0), then for super > 32 6-bit block scales under dh. L holds the
+/// levels across calls: a block of |x| < 1e-15 keeps the levels L had (ggml's too; its first
+/// block's are uninitialized, moe's caller starts L at zero).
+inline void quantize_iq4_impl(int super, float const* x, std::uint16_t* dh, std::uint8_t* q4,
+                              std::uint16_t* scales_h, std::uint8_t* scales_l, float* scales,
+                              std::uint8_t* L, int ntry) {
+  constexpr std::int8_t const* values = kIq4nlValues;
+  float const v0 = static_cast<float>(values[0]);
+  float weight[32];
+  std::memset(q4, 0, static_cast<std::size_t>(super / 2));
+  *dh = fp16(0.f);
+  float max_scale = 0, amax_scale = 0;
+  int const nblocks = super / 32;
+  for (int ib = 0; ib < nblocks; ++ib) {
+    float const* xb = x + 32 * ib;
+    std::uint8_t* Lb = L + 32 * ib;
+    for (int j = 0; j < 32; ++j) weight[j] = mul(xb[j], xb[j]);
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; ++j) {
+      float const ax = std::fabs(xb[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = xb[j];
+      }
+    }
+    if (amax < kGroupMaxEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    float d = ntry > 0 ? -max / v0 : max / v0;
+    float id = 1 / d;
+    float sumqx = 0, sumq2 = 0;
+    for (int j = 0; j < 32; ++j) {
+      int const l = best_index_int8(16, values, mul(id, xb[j]));
+      Lb[j] = static_cast<std::uint8_t>(l);
+      float const q = static_cast<float>(values[l]), w = weight[j];
+      sumqx += mul(mul(w, q), xb[j]);
+      sumq2 += mul(mul(w, q), q);
+    }
+    d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
+    float best = mul(d, sumqx);
+    for (int itry = -ntry; itry <= ntry; ++itry) {
+      id = static_cast<float>(itry + values[0]) / max;
+      sumqx = sumq2 = 0;
+      for (int j = 0; j < 32; ++j) {
+        int const l = best_index_int8(16, values, mul(id, xb[j]));
+        float const q = static_cast<float>(values[l]), w = weight[j];
+        sumqx += mul(mul(w, q), xb[j]);
+        sumq2 += mul(mul(w, q), q);
+      }
+      if (sumq2 > 0 && mul(sumqx, sumqx) > mul(best, sumq2)) {
+        d = sumqx / sumq2;
+        best = mul(d, sumqx);
+      }
+    }
+    scales[ib] = d;
+    if (std::fabs(d) > amax_scale) {
+      amax_scale = std::fabs(d);
+      max_scale = d;
+    }
+  }
+  if (nblocks > 1) {
+    *scales_h = 0;
+    float const d = -max_scale / 32;  // -0.0 for an all-zero super-block, as ggml
+    *dh = fp16(d);
+    float const id = d != 0.0f ? 1 / d : 0.f;
+    for (int ib = 0; ib < nblocks; ++ib) {
+      int l = nearest_int(mul(id, scales[ib]));
+      l = l < -32 ? -32 : (l > 31 ? 31 : l);
+      float const dl = mul(d, static_cast<float>(l));
+      float const idl = dl != 0.0f ? 1 / dl : 0.f;
+      std::uint8_t* Lb = L + 32 * ib;
+      float const* xb = x + 32 * ib;
+      for (int j = 0; j < 32; ++j) {
+        Lb[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(idl, xb[j])));
+      }
+      l += 32;
+      auto const l_l = static_cast<std::uint8_t>(l & 0xF);
+      auto const l_h = static_cast<std::uint16_t>(l >> 4);
+      scales_l[ib / 2] =
+          ib % 2 == 0 ? l_l : static_cast<std::uint8_t>(scales_l[ib / 2] | (l_l << 4));
+      *scales_h = static_cast<std::uint16_t>(*scales_h | (l_h << (2 * (ib % 8))));
+    }
+  } else {
+    *dh = fp16(scales[0]);
+    if (ntry > 0) {
+      float const id = scales[0] != 0.0f ? 1 / scales[0] : 0.f;
+      for (int j = 0; j < super; ++j) {
+        L[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(id, x[j])));
+      }
+    }
+  }
+  for (int i = 0; i < super / 32; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      q4[16 * i + j] = static_cast<std::uint8_t>(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
+    }
+  }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// One block (ggml quantize_row_*_ref and dequantize_row_* for one block), overloads of
+// blocks.hpp's quantize_block / dequantize_block.
+
+/// Q4_1: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)).
+inline void quantize_block(float const* x, BlockQ4_1& y) {
+  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
+  for (int j = 0; j < 32; ++j) {
+    if (x[j] < min) min = x[j];
+    if (x[j] > max) max = x[j];
+  }
+  float const d = (max - min) / 15;
+  float const id = detail::inverse(d);
+  y.d = detail::fp16(d);
+  y.m = detail::fp16(min);
+  for (int j = 0; j < 16; ++j) {
+    int const lo = detail::trunc_level(detail::mul(x[j] - min, id) + 0.5f, 15);
+    int const hi = detail::trunc_level(detail::mul(x[j + 16] - min, id) + 0.5f, 15);
+    y.qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
+  }
+}
+inline void dequantize_block(BlockQ4_1 const& b, float* y) {
+  float const d = detail::fp32(b.d), m = detail::fp32(b.m);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(static_cast<float>(b.qs[j] & 0x0F), d) + m;
+    y[j + 16] = detail::mul(static_cast<float>(b.qs[j] >> 4), d) + m;
+  }
+}
+
+/// Q5_0: d = max / -16 (max: the first value of largest magnitude), q = min(31, trunc(x / d +
+/// 16.5)).
+inline void quantize_block(float const* x, BlockQ5_0& y) {
+  float const d = detail::signed_absmax(x, 32) / -16;
+  float const id = detail::inverse(d);
+  y.d = detail::fp16(d);
+  std::uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    int const lo = detail::trunc_level(detail::mul(x[j], id) + 16.5f, 31);
+    int const hi = detail::trunc_level(detail::mul(x[j + 16], id) + 16.5f, 31);
+    y.qs[j] = static_cast<std::uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
+    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
+  }
+  detail::store_le32(qh, y.qh);
+}
+inline void dequantize_block(BlockQ5_0 const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  std::uint32_t const qh = detail::load_le32(b.qh);
+  for (int j = 0; j < 16; ++j) {
+    int const x0 = static_cast<int>((b.qs[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16;
+    int const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
+    y[j] = detail::mul(static_cast<float>(x0), d);
+    y[j + 16] = detail::mul(static_cast<float>(x1), d);
+  }
+}
+
+/// Q5_1: d = (max - min) / 31, q = trunc((x - min) / d + 0.5) (ggml's (uint8_t) cast; the value
+/// is at most 31.5 plus rounding, so the clamp to 31 never changes a defined result).
+inline void quantize_block(float const* x, BlockQ5_1& y) {
+  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
+  for (int j = 0; j < 32; ++j) {
+    if (x[j] < min) min = x[j];
+    if (x[j] > max) max = x[j];
+  }
+  float const d = (max - min) / 31;
+  float const id = detail::inverse(d);
+  y.d = detail::fp16(d);
+  y.m = detail::fp16(min);
+  std::uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    int const lo = detail::trunc_level(detail::mul(x[j] - min, id) + 0.5f, 31);
+    int const hi = detail::trunc_level(detail::mul(x[j + 16] - min, id) + 0.5f, 31);
+    y.qs[j] = static_cast<std::uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
+    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
+  }
+  detail::store_le32(qh, y.qh);
+}
+inline void dequantize_block(BlockQ5_1 const& b, float* y) {
+  float const d = detail::fp32(b.d), m = detail::fp32(b.m);
+  std::uint32_t const qh = detail::load_le32(b.qh);
+  for (int j = 0; j < 16; ++j) {
+    auto const x0 = static_cast<int>((b.qs[j] & 0x0F) | (((qh >> j) & 1u) << 4));
+    auto const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
+    y[j] = detail::mul(static_cast<float>(x0), d) + m;
+    y[j + 16] = detail::mul(static_cast<float>(x1), d) + m;
+  }
+}
+
+/// Q5_K: Q4_K's algorithm with 5-bit levels: per 32 weights make_qkx2_quants (nmax 31, rmin
+/// -0.5, rdelta 0.1, 15 steps, weights av_x + |x|), 6-bit scales and mins, then the levels again
+/// from the stored scales.
+inline void quantize_block(float const* x, BlockQ5_K& y) {
+  using detail::mul;
+  std::uint8_t L[256], Laux[32];
+  float weights[32], mins[8], scales[8];
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 8; ++j) {
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
+    float const av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
+    scales[j] = detail::make_qkx2_quants(32, 31, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
+                                         -0.5f, 0.1f, 15, false);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  float const inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  float const inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  for (int j = 0; j < 8; ++j) {
+    // ggml stores nearest_int into a uint8_t, then clamps to 63 (the value is never negative).
+    auto ls = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_scale, scales[j])));
+    auto lm = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_min, mins[j])));
+    ls = ls < 63 ? ls : 63;
+    lm = lm < 63 ? lm : 63;
+    if (j < 4) {
+      y.scales[j] = ls;
+      y.scales[j + 4] = lm;
+    } else {
+      y.scales[j + 4] = static_cast<std::uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      y.scales[j - 4] = static_cast<std::uint8_t>(y.scales[j - 4] | ((ls >> 4) << 6));
+      y.scales[j] = static_cast<std::uint8_t>(y.scales[j] | ((lm >> 4) << 6));
+    }
+  }
+  y.d = detail::fp16(max_scale / 63.f);
+  y.dmin = detail::fp16(max_min / 63.f);
+  for (int j = 0; j < 8; ++j) {
+    std::uint8_t sc, m;
+    get_scale_min(j, y.scales, &sc, &m);
+    float const d = mul(detail::fp32(y.d), static_cast<float>(sc));
+    if (d == 0.0f) continue;
+    float const dm = mul(detail::fp32(y.dmin), static_cast<float>(m));
+    for (int ii = 0; ii < 32; ++ii) {
+      int const l = detail::nearest_int((x[32 * j + ii] + dm) / d);
+      L[32 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > 31 ? 31 : l));
+    }
+  }
+  std::memset(y.qh, 0, sizeof y.qh);
+  std::uint8_t m1 = 1, m2 = 2;
+  std::uint8_t* ql = y.qs;
+  for (int n = 0; n < 256; n += 64, ql += 32) {
+    for (int j = 0; j < 32; ++j) {
+      int l1 = L[n + j], l2 = L[n + j + 32];
+      if (l1 > 15) {
+        l1 -= 16;
+        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m1);
+      }
+      if (l2 > 15) {
+        l2 -= 16;
+        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m2);
+      }
+      ql[j] = static_cast<std::uint8_t>(l1 | (l2 << 4));
+    }
+    m1 = static_cast<std::uint8_t>(m1 << 2);
+    m2 = static_cast<std::uint8_t>(m2 << 2);
+  }
+}
+inline void dequantize_block(BlockQ5_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d), min = detail::fp32(b.dmin);
+  std::uint8_t const* ql = b.qs;
+  std::uint8_t u1 = 1, u2 = 2;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32) {
+    std::uint8_t sc, m;
+    get_scale_min(is, b.scales, &sc, &m);
+    float const d1 = mul(d, static_cast<float>(sc)), m1 = mul(min, static_cast<float>(m));
+    get_scale_min(is + 1, b.scales, &sc, &m);
+    float const d2 = mul(d, static_cast<float>(sc)), m2 = mul(min, static_cast<float>(m));
+    for (int l = 0; l < 32; ++l) {
+      int const q = (ql[l] & 0xF) + ((b.qh[l] & u1) != 0 ? 16 : 0);
+      *y++ = mul(d1, static_cast<float>(q)) - m1;
+    }
+    for (int l = 0; l < 32; ++l) {
+      int const q = (ql[l] >> 4) + ((b.qh[l] & u2) != 0 ? 16 : 0);
+      *y++ = mul(d2, static_cast<float>(q)) - m2;
+    }
+    u1 = static_cast<std::uint8_t>(u1 << 2);
+    u2 = static_cast<std::uint8_t>(u2 << 2);
+  }
+}
+
+/// IQ4_NL (ggml quantize_row_iq4_nl_ref: no importance weights, no scale search): d0 = max /
+/// -127, each level the nearest of kIq4nlValues to x / d0, d the x^2-weighted least-squares
+/// scale of those levels. `L` carries levels from block to block of a row (detail::
+/// quantize_iq4_impl); start it at zero.
+inline void quantize_block(float const* x, BlockIQ4_NL& y, std::uint8_t (&L)[32]) {
+  std::uint16_t unused_h = 0;
+  float scale = 0;
+  detail::quantize_iq4_impl(32, x, &y.d, y.qs, &unused_h, nullptr, &scale, L, -1);
+}
+inline void dequantize_block(BlockIQ4_NL const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] & 0xF]));
+    y[j + 16] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] >> 4]));
+  }
+}
+
+/// IQ4_XS (ggml quantize_row_iq4_xs_ref, i.e. quantize_iq4_xs without importance weights): per
+/// 32 weights the best of 15 scales (x^2-weighted), then 6-bit scales under d = -max / 32.
+inline void quantize_block(float const* x, BlockIQ4_XS& y) {
+  std::uint8_t L[256] = {};
+  float scales[8];
+  detail::quantize_iq4_impl(256, x, &y.d, y.qs, &y.scales_h, y.scales_l, scales, L, 7);
+}
+/// The 6-bit scale (0..63, used as ls - 32) of 32-block ib of an IQ4_XS block.
+inline int iq4xs_scale(BlockIQ4_XS const& b, int ib) {
+  return ((b.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((b.scales_h >> (2 * ib)) & 3) << 4);
+}
+inline void dequantize_block(BlockIQ4_XS const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  std::uint8_t const* qs = b.qs;
+  for (int ib = 0; ib < 8; ++ib, y += 32, qs += 16) {
+    float const dl = detail::mul(d, static_cast<float>(iq4xs_scale(b, ib) - 32));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] & 0xF]));
+      y[j + 16] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] >> 4]));
+    }
+  }
+}
+
+/// MXFP4 (ggml quantize_row_mxfp4_ref): e = floor(log2(amax)) - 2 + 127 (0 for amax = 0), each
+/// code the first of kMxfp4Values nearest to x / 2^(e - 128). ggml's conversion to uint8_t is
+/// undefined for amax < 2^-125 (a negative e): e = 0 here, the smallest scale. The exponent
+/// comes from the C library's log2f, as ggml's does.
+inline void quantize_block(float const* x, BlockMXFP4& y) {
+  float amax = 0;
+  for (int j = 0; j < 32; ++j) {
+    if (amax < std::fabs(x[j])) amax = std::fabs(x[j]);
+  }
+  float const ef = amax > 0.0f ? std::floor(std::log2(amax)) - 2 + 127 : 0.0f;
+  auto const e = static_cast<std::uint8_t>(ef > 0.0f ? ef : 0.0f);
+  float const d = detail::e8m0_to_fp32_half(e);
+  y.e = e;
+  auto best = [d](float v) {
+    int best_index = 0;
+    float best_err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[0]), d) - v);
+    for (int i = 1; i < 16; ++i) {
+      float const err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[i]), d) - v);
+      if (err < best_err) {
+        best_index = i;
+        best_err = err;
+      }
+    }
+    return best_index;
+  };
+  for (int j = 0; j < 16; ++j) {
+    y.qs[j] = static_cast<std::uint8_t>(best(x[j]) | (best(x[j + 16]) << 4));
+  }
+}
+inline void dequantize_block(BlockMXFP4 const& b, float* y) {
+  float const d = detail::e8m0_to_fp32_half(b.e);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] & 0x0F]), d);
+    y[j + 16] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] >> 4]), d);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows: n weights (a positive multiple of block_elems_v<Block>; moe::Error otherwise) from or to
+// n / block_elems_v<Block> blocks. The quantizers also throw moe::Error for a non-finite weight.
+
+namespace detail {
+template <class Block>
+void dequantize_ggml_row(Block const* blocks, float* out, Index n, char const* format,
+                         char const* who) {
+  constexpr Index elems = block_elems_v<Block>;
+  check_block_row(n, elems, format, who);
+  for (Index b = 0; b < n / elems; ++b) dequantize_block(blocks[b], out + b * elems);
+}
+template <class Block>
+void quantize_ggml_row(float const* x, Block* blocks, Index n, char const* format,
+                       char const* who) {
+  constexpr Index elems = block_elems_v<Block>;
+  check_block_row(n, elems, format, who);
+  check_finite_row(x, n, who);
+  for (Index b = 0; b < n / elems; ++b) {
+    Block blk;
+    std::memset(&blk, 0, sizeof blk);
+    quantize_block(x + b * elems, blk);
+    blocks[b] = blk;
+  }
+}
+}  // namespace detail
+
+inline void dequantize_row_q4_1(BlockQ4_1 const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "q4_1", "quant::dequantize_row_q4_1");
+}
+inline void dequantize_row_q5_0(BlockQ5_0 const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "q5_0", "quant::dequantize_row_q5_0");
+}
+inline void dequantize_row_q5_1(BlockQ5_1 const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "q5_1", "quant::dequantize_row_q5_1");
+}
+inline void dequantize_row_q5_k(BlockQ5_K const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "q5_k", "quant::dequantize_row_q5_k");
+}
+inline void dequantize_row_iq4_nl(BlockIQ4_NL const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "iq4_nl", "quant::dequantize_row_iq4_nl");
+}
+inline void dequantize_row_iq4_xs(BlockIQ4_XS const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "iq4_xs", "quant::dequantize_row_iq4_xs");
+}
+inline void dequantize_row_mxfp4(BlockMXFP4 const* blocks, float* out, Index n) {
+  detail::dequantize_ggml_row(blocks, out, n, "mxfp4", "quant::dequantize_row_mxfp4");
+}
+
+inline void quantize_row_q4_1_ref(float const* x, BlockQ4_1* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "q4_1", "quant::quantize_row_q4_1_ref");
+}
+inline void quantize_row_q5_0_ref(float const* x, BlockQ5_0* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "q5_0", "quant::quantize_row_q5_0_ref");
+}
+inline void quantize_row_q5_1_ref(float const* x, BlockQ5_1* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "q5_1", "quant::quantize_row_q5_1_ref");
+}
+inline void quantize_row_q5_k_ref(float const* x, BlockQ5_K* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "q5_k", "quant::quantize_row_q5_k_ref");
+}
+inline void quantize_row_iq4_xs_ref(float const* x, BlockIQ4_XS* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "iq4_xs", "quant::quantize_row_iq4_xs_ref");
+}
+inline void quantize_row_mxfp4_ref(float const* x, BlockMXFP4* blocks, Index n) {
+  detail::quantize_ggml_row(x, blocks, n, "mxfp4", "quant::quantize_row_mxfp4_ref");
+}
+/// IQ4_NL's levels of a block whose weights are all below 1e-15 in magnitude are the previous
+/// block's (ggml's reference leaves its level buffer as it was; for the row's first block,
+/// uninitialized in ggml, zero here). They decode to +-0 either way (d = 0).
+inline void quantize_row_iq4_nl_ref(float const* x, BlockIQ4_NL* blocks, Index n) {
+  char const* who = "quant::quantize_row_iq4_nl_ref";
+  detail::check_block_row(n, 32, "iq4_nl", who);
+  detail::check_finite_row(x, n, who);
+  std::uint8_t L[32] = {};
+  for (Index b = 0; b < n / 32; ++b) {
+    BlockIQ4_NL blk;
+    std::memset(&blk, 0, sizeof blk);
+    quantize_block(x + b * 32, blk, L);
+    blocks[b] = blk;
+  }
+}
+
+/// F16 and BF16 rows: n >= 0 values converted one by one (moe/core/float16.hpp; to 16 bits with
+/// round-to-nearest-even, NaN kept quiet, as ggml's conversions).
+inline void dequantize_row_f16(std::uint16_t const* in, float* out, Index n) {
+  moe::detail::check(n >= 0, "quant::dequantize_row_f16: negative length ", n);
+  for (Index i = 0; i < n; ++i) out[i] = moe::f16_to_float(in[i]);
+}
+inline void dequantize_row_bf16(std::uint16_t const* in, float* out, Index n) {
+  moe::detail::check(n >= 0, "quant::dequantize_row_bf16: negative length ", n);
+  for (Index i = 0; i < n; ++i) out[i] = moe::bf16_to_float(in[i]);
+}
+inline void quantize_row_f16_ref(float const* x, std::uint16_t* out, Index n) {
+  moe::detail::check(n >= 0, "quant::quantize_row_f16_ref: negative length ", n);
+  for (Index i = 0; i < n; ++i) out[i] = moe::float_to_f16(x[i]);
+}
+inline void quantize_row_bf16_ref(float const* x, std::uint16_t* out, Index n) {
+  moe::detail::check(n >= 0, "quant::quantize_row_bf16_ref: negative length ", n);
+  for (Index i = 0; i < n; ++i) out[i] = moe::float_to_bf16(x[i]);
+}
+
+}  // namespace moe::quant
