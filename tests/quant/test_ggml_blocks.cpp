@@ -3,15 +3,18 @@
 // checked against ggml's formulas written out here, reference quantizers on hand-computed
 // blocks, the round trip's error and its fixed points, the tables' spot values.
 #include <algorithm>
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <span>
 #include <vector>
 
 #include "moe/core/random.hpp"
 #include "moe/quant/ggml_blocks.hpp"
+#include "moe/quant/ggml_iq_blocks.hpp"
 
 using moe::Index;
 namespace quant = moe::quant;
@@ -480,4 +483,297 @@ TEST_CASE("ggml blocks: bad rows are errors naming the cause", "[quant]") {
   quant::BlockMXFP4 mx[8] = {};
   CHECK_THROWS_WITH(quant::quantize_row_mxfp4_ref(x.data(), mx, 256),
                     Catch::Contains("weight 77") && Catch::Contains("finite"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The codebook formats (moe/quant/ggml_iq_blocks.hpp).
+
+namespace {
+
+/// Byte j of a grid entry as it lies in memory (how ggml reads it).
+int entry_byte(std::uint64_t entry, int j) {
+  unsigned char b[8];
+  std::memcpy(b, &entry, 8);
+  return b[j];
+}
+int entry_byte(std::uint32_t entry, int j) {
+  unsigned char b[4];
+  std::memcpy(b, &entry, 4);
+  return b[j];
+}
+
+/// Whether weight j of 8 is negated under 7 stored sign bits: bit j, the 8th by even parity.
+bool negated(unsigned s7, int j) {
+  return j < 7 ? ((s7 >> j) & 1u) != 0 : (std::popcount(s7) & 1) != 0;
+}
+
+/// A seeded stream of small integers for filling blocks.
+struct Lcg {
+  std::uint32_t state;
+  unsigned next(unsigned bound) {
+    state = state * 1664525u + 1013904223u;
+    return (state >> 8) % bound;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("ggml IQ blocks: sizes are ggml's", "[quant]") {
+  CHECK(sizeof(quant::BlockIQ2_XXS) == 2 + 256 / 8 * 2);               // 66
+  CHECK(sizeof(quant::BlockIQ2_XS) == 2 + 256 / 8 * 2 + 256 / 32);     // 74
+  CHECK(sizeof(quant::BlockIQ2_S) == 2 + 256 / 4 + 256 / 16);          // 82
+  CHECK(sizeof(quant::BlockIQ3_XXS) == 2 + 3 * (256 / 8));             // 98
+  CHECK(sizeof(quant::BlockIQ3_S) == 2 + 13 * (256 / 32) + 256 / 64);  // 110
+  CHECK(sizeof(quant::BlockIQ1_S) == 2 + 256 / 8 + 256 / 16);          // 50
+  CHECK(sizeof(quant::BlockIQ1_M) == 256 / 8 + 256 / 16 + 256 / 32);   // 56
+  CHECK(offsetof(quant::BlockIQ2_S, qh) == 66);
+  CHECK(offsetof(quant::BlockIQ3_S, signs) == 74);
+  CHECK(offsetof(quant::BlockIQ3_S, scales) == 106);
+  CHECK(offsetof(quant::BlockIQ1_S, qh) == 34);
+  CHECK(offsetof(quant::BlockIQ1_M, scales) == 48);
+  CHECK(quant::block_elems_v<quant::BlockIQ1_M> == 256);
+  CHECK(quant::kIq1Delta == 0.125f);
+}
+
+TEST_CASE("ggml IQ blocks: the grids and sign tables are ggml-common.h's", "[quant]") {
+  for (int j = 0; j < 8; ++j) CHECK(quant::kKmaskIq2xs[j] == 1 << j);
+  for (unsigned s = 0; s < 128; ++s) {
+    INFO("ksigns " << s);
+    for (int j = 0; j < 8; ++j) CHECK((((quant::kKsignsIq2xs[s] >> j) & 1) != 0) == negated(s, j));
+  }
+  // First, middle and last entries as ggml-common.h (d99724f2) writes them, and a checksum of
+  // each whole table (sum of (i + 1) * entry mod 2^64, computed from ggml-common.h's text).
+  auto checksum = [](auto const& table) {
+    std::uint64_t s = 0;
+    for (std::size_t i = 0; i < std::size(table); ++i) s += (i + 1) * std::uint64_t{table[i]};
+    return s;
+  };
+  CHECK(quant::kIq2xxsGrid[0] == 0x0808080808080808);
+  CHECK(quant::kIq2xxsGrid[129] == 0x082b2b08082b0808);
+  CHECK(quant::kIq2xxsGrid[255] == 0x2b2b2b1908081908);
+  CHECK(checksum(quant::kIq2xxsGrid) == 0xcb9ca27f96a681f5);
+  CHECK(quant::kIq2xsGrid[0] == 0x0808080808080808);
+  CHECK(quant::kIq2xsGrid[257] == 0x1908080808082b19);
+  CHECK(quant::kIq2xsGrid[511] == 0x2b2b2b2b2b2b2b2b);
+  CHECK(checksum(quant::kIq2xsGrid) == 0xa3bb3aa0abccb48c);
+  CHECK(quant::kIq2sGrid[0] == 0x0808080808080808);
+  CHECK(quant::kIq2sGrid[513] == 0x1908081919080819);
+  CHECK(quant::kIq2sGrid[1023] == 0x2b2b2b2b2b2b2b2b);
+  CHECK(checksum(quant::kIq2sGrid) == 0x20f0afd18f24c859);
+  CHECK(quant::kIq3xxsGrid[0] == 0x04040404);
+  CHECK(quant::kIq3xxsGrid[129] == 0x141c3e24);
+  CHECK(quant::kIq3xxsGrid[255] == 0x3e341c04);
+  CHECK(checksum(quant::kIq3xxsGrid) == 0x11be6d9a520e);
+  CHECK(quant::kIq3sGrid[0] == 0x01010101);
+  CHECK(quant::kIq3sGrid[257] == 0x05090705);
+  CHECK(quant::kIq3sGrid[511] == 0x0f0f0101);
+  CHECK(checksum(quant::kIq3sGrid) == 0x114b10ed9fb0);
+  CHECK(quant::kIq1sGrid[0] == 0xffffffffffffffff);
+  CHECK(quant::kIq1sGrid[1025] == 0x000000000000ffff);
+  CHECK(quant::kIq1sGrid[2047] == 0x0101010101010101);
+  CHECK(checksum(quant::kIq1sGrid) == 0x05749c55a8776663);
+  CHECK(checksum(quant::kKsignsIq2xs) == 0x12ba80);
+  // Every byte is one of the format's magnitudes (IQ1: an int8 -1, 0 or 1).
+  auto bytes_in = [](auto const& table, std::vector<int> allowed) {
+    for (auto entry : table) {
+      for (std::size_t j = 0; j < sizeof entry; ++j) {
+        int const b = entry_byte(entry, static_cast<int>(j));
+        if (std::find(allowed.begin(), allowed.end(), b) == allowed.end()) return false;
+      }
+    }
+    return true;
+  };
+  CHECK(bytes_in(quant::kIq2xxsGrid, {8, 25, 43}));
+  CHECK(bytes_in(quant::kIq2xsGrid, {8, 25, 43}));
+  CHECK(bytes_in(quant::kIq2sGrid, {8, 25, 43}));
+  CHECK(bytes_in(quant::kIq3xxsGrid, {4, 12, 20, 28, 36, 44, 52, 62}));
+  CHECK(bytes_in(quant::kIq3sGrid, {1, 3, 5, 7, 9, 11, 13, 15}));
+  CHECK(bytes_in(quant::kIq1sGrid, {0x00, 0x01, 0xFF}));
+}
+
+TEST_CASE("ggml IQ blocks: IQ2_XXS, IQ2_XS and IQ2_S decode hand-built blocks", "[quant]") {
+  // Per 32-block ib and 8-group l: grid index, 7 (IQ2_S: 8) sign bits and a 4-bit scale s per
+  // 32 (IQ2_XXS) or per 16; weight = d (0.5 + s) / 4 * magnitude, negated by its sign bit.
+  float const d = 0.5f;
+  float want_xxs[256], want_xs[256], want_s[256];
+  quant::BlockIQ2_XXS xxs;
+  quant::BlockIQ2_XS xs;
+  quant::BlockIQ2_S s;
+  std::memset(&xxs, 0, sizeof xxs);
+  std::memset(&xs, 0, sizeof xs);
+  std::memset(&s, 0, sizeof s);
+  xxs.d = xs.d = s.d = 0x3800;
+  Lcg rng{17};
+  for (int ib = 0; ib < 8; ++ib) {
+    unsigned const sc = rng.next(16), sc_lo = rng.next(16), sc_hi = rng.next(16);
+    xxs.qs[4 * ib + 3] = static_cast<std::uint16_t>(sc << 12);
+    xs.scales[ib] = s.scales[ib] = static_cast<std::uint8_t>(sc_lo | (sc_hi << 4));
+    for (int l = 0; l < 4; ++l) {
+      // IQ2_XXS: index byte l of the group's first 32 bits, signs at bit 7 l of the second.
+      unsigned const i8 = ib == 0 && l == 0 ? 0 : rng.next(256), s7 = rng.next(128);
+      auto* words = xxs.qs + 4 * ib;
+      words[l / 2] = static_cast<std::uint16_t>(words[l / 2] | (i8 << (8 * (l % 2))));
+      std::uint32_t const sign_word = s7 << (7 * l);
+      words[2] = static_cast<std::uint16_t>(words[2] | (sign_word & 0xFFFF));
+      words[3] = static_cast<std::uint16_t>(words[3] | (sign_word >> 16));
+      // IQ2_XS: a 16-bit word, 9-bit index and 7 sign bits.
+      unsigned const i9 = rng.next(512), t7 = rng.next(128);
+      xs.qs[4 * ib + l] = static_cast<std::uint16_t>(i9 | (t7 << 9));
+      // IQ2_S: low index byte in qs, 2 high bits at bit 2 l of qh[ib], a full sign byte.
+      unsigned const i10 = rng.next(1024), s8 = rng.next(256);
+      s.qs[4 * ib + l] = static_cast<std::uint8_t>(i10 & 0xFF);
+      s.qh[ib] = static_cast<std::uint8_t>(s.qh[ib] | ((i10 >> 8) << (2 * l)));
+      s.qs[32 + 4 * ib + l] = static_cast<std::uint8_t>(s8);
+      float const db_xxs = d * (0.5f + static_cast<float>(sc)) * 0.25f;
+      float const db_16 = d * (0.5f + static_cast<float>(l < 2 ? sc_lo : sc_hi)) * 0.25f;
+      for (int j = 0; j < 8; ++j) {
+        int const w = 32 * ib + 8 * l + j;
+        float const m1 = static_cast<float>(entry_byte(quant::kIq2xxsGrid[i8], j));
+        float const m2 = static_cast<float>(entry_byte(quant::kIq2xsGrid[i9], j));
+        float const m3 = static_cast<float>(entry_byte(quant::kIq2sGrid[i10], j));
+        want_xxs[w] = (negated(s7, j) ? -1.f : 1.f) * db_xxs * m1;
+        want_xs[w] = (negated(t7, j) ? -1.f : 1.f) * db_16 * m2;
+        want_s[w] = (((s8 >> j) & 1u) != 0 ? -1.f : 1.f) * db_16 * m3;
+      }
+    }
+  }
+  float y[256];
+  quant::dequantize_row_iq2_xxs(&xxs, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq2_xxs weight " << w);
+    CHECK(y[w] == want_xxs[w]);
+  }
+  // Group 0 of IQ2_XXS by hand: grid point 0 (all 8s), scale s: 0.5 (0.5 + s) / 4 * 8 = 0.5 + s.
+  unsigned const s0 = xxs.qs[3] >> 12;
+  CHECK(std::fabs(y[0]) == 0.5f + static_cast<float>(s0));
+  quant::dequantize_row_iq2_xs(&xs, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq2_xs weight " << w);
+    CHECK(y[w] == want_xs[w]);
+  }
+  quant::dequantize_row_iq2_s(&s, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq2_s weight " << w);
+    CHECK(y[w] == want_s[w]);
+  }
+}
+
+TEST_CASE("ggml IQ blocks: IQ3_XXS and IQ3_S decode hand-built blocks", "[quant]") {
+  // Each 8-group is two 4-magnitude grid points. IQ3_XXS: 8-bit indices, per 32 a word of 4 x 7
+  // sign bits and a 4-bit scale s on top, weight d (0.5 + s) / 2 * magnitude; IQ3_S: 9-bit
+  // indices (9th bits 2 l, 2 l + 1 of qh[ib]), sign bytes, 4-bit scales per 32 (two a byte),
+  // weight d (1 + 2 s) * magnitude.
+  float const d = 0.25f;
+  float want_xxs[256], want_s[256];
+  quant::BlockIQ3_XXS xxs;
+  quant::BlockIQ3_S s;
+  std::memset(&xxs, 0, sizeof xxs);
+  std::memset(&s, 0, sizeof s);
+  xxs.d = s.d = 0x3400;
+  Lcg rng{29};
+  for (int ib = 0; ib < 8; ++ib) {
+    unsigned const sc = rng.next(16), sc3 = rng.next(16);
+    std::uint32_t word = sc << 28;
+    s.scales[ib / 2] = static_cast<std::uint8_t>(s.scales[ib / 2] | (sc3 << (4 * (ib % 2))));
+    for (int l = 0; l < 4; ++l) {
+      unsigned const a = rng.next(256), b = rng.next(256), s7 = rng.next(128);
+      xxs.qs[8 * ib + 2 * l] = static_cast<std::uint8_t>(a);
+      xxs.qs[8 * ib + 2 * l + 1] = static_cast<std::uint8_t>(b);
+      word |= s7 << (7 * l);
+      unsigned const a9 = rng.next(512), b9 = rng.next(512), s8 = rng.next(256);
+      s.qs[8 * ib + 2 * l] = static_cast<std::uint8_t>(a9 & 0xFF);
+      s.qs[8 * ib + 2 * l + 1] = static_cast<std::uint8_t>(b9 & 0xFF);
+      s.qh[ib] =
+          static_cast<std::uint8_t>(s.qh[ib] | ((a9 >> 8) << (2 * l)) | ((b9 >> 8) << (2 * l + 1)));
+      s.signs[4 * ib + l] = static_cast<std::uint8_t>(s8);
+      float const db = d * (0.5f + static_cast<float>(sc)) * 0.5f;
+      float const db3 = d * static_cast<float>(1 + 2 * sc3);
+      for (int j = 0; j < 8; ++j) {
+        int const w = 32 * ib + 8 * l + j;
+        float const m = static_cast<float>(entry_byte(quant::kIq3xxsGrid[j < 4 ? a : b], j % 4));
+        float const m3 = static_cast<float>(entry_byte(quant::kIq3sGrid[j < 4 ? a9 : b9], j % 4));
+        want_xxs[w] = (negated(s7, j) ? -1.f : 1.f) * db * m;
+        want_s[w] = (((s8 >> j) & 1u) != 0 ? -1.f : 1.f) * db3 * m3;
+      }
+    }
+    for (int k = 0; k < 4; ++k)
+      xxs.qs[64 + 4 * ib + k] = static_cast<std::uint8_t>(word >> (8 * k));
+  }
+  float y[256];
+  quant::dequantize_row_iq3_xxs(&xxs, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq3_xxs weight " << w);
+    CHECK(y[w] == want_xxs[w]);
+  }
+  quant::dequantize_row_iq3_s(&s, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq3_s weight " << w);
+    CHECK(y[w] == want_s[w]);
+  }
+}
+
+TEST_CASE("ggml IQ blocks: IQ1_S and IQ1_M decode hand-built blocks", "[quant]") {
+  // Grid values g in {-1, 0, 1}, 11-bit indices; weight = d (2 s + 1) (g + delta), delta
+  // +-1/8. IQ1_S: per 32, qh[ib] holds 4 x 3 high index bits, s (bits 12..14) and delta's sign
+  // (bit 15). IQ1_M: per 8-group a nibble of qh (3 high index bits, delta's sign), 3-bit scales
+  // per 16 (4 in each 16-bit scale word), and d's fp16 bits in the words' top nibbles.
+  float want_s[256], want_m[256];
+  quant::BlockIQ1_S s;
+  quant::BlockIQ1_M m;
+  std::memset(&s, 0, sizeof s);
+  std::memset(&m, 0, sizeof m);
+  s.d = 0x3800;  // 0.5
+  // IQ1_M's d = 0.75 = fp16 0x3A00: nibbles 0x0, 0x0, 0xA, 0x3 on top of words 0..3.
+  std::uint16_t words[4] = {0x0000, 0x0000, 0xA000, 0x3000};
+  Lcg rng{41};
+  for (int ib = 0; ib < 8; ++ib) {
+    unsigned const sc = rng.next(8), neg = rng.next(2);
+    unsigned const sc1 = rng.next(8), sc2 = rng.next(8);
+    s.qh[ib] = static_cast<std::uint16_t>((sc << 12) | (neg << 15));
+    words[ib / 2] = static_cast<std::uint16_t>(words[ib / 2] | (sc1 << (6 * (ib % 2))) |
+                                               (sc2 << (6 * (ib % 2) + 3)));
+    for (int l = 0; l < 4; ++l) {
+      unsigned const i11 = rng.next(2048), j11 = rng.next(2048), neg_m = rng.next(2);
+      s.qs[4 * ib + l] = static_cast<std::uint8_t>(i11 & 0xFF);
+      s.qh[ib] = static_cast<std::uint16_t>(s.qh[ib] | ((i11 >> 8) << (3 * l)));
+      m.qs[4 * ib + l] = static_cast<std::uint8_t>(j11 & 0xFF);
+      std::uint8_t& qh = m.qh[2 * ib + l / 2];
+      qh = static_cast<std::uint8_t>(qh | (((j11 >> 8) | (neg_m << 3)) << (4 * (l % 2))));
+      float const dl = 0.5f * static_cast<float>(2 * sc + 1);
+      float const dlm = 0.75f * static_cast<float>(2 * (l < 2 ? sc1 : sc2) + 1);
+      float const delta = neg != 0 ? -0.125f : 0.125f, delta_m = neg_m != 0 ? -0.125f : 0.125f;
+      for (int j = 0; j < 8; ++j) {
+        int const w = 32 * ib + 8 * l + j;
+        auto const g = static_cast<std::int8_t>(entry_byte(quant::kIq1sGrid[i11], j));
+        auto const gm = static_cast<std::int8_t>(entry_byte(quant::kIq1sGrid[j11], j));
+        want_s[w] = dl * (static_cast<float>(g) + delta);
+        want_m[w] = dlm * (static_cast<float>(gm) + delta_m);
+      }
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    m.scales[2 * k] = static_cast<std::uint8_t>(words[k] & 0xFF);
+    m.scales[2 * k + 1] = static_cast<std::uint8_t>(words[k] >> 8);
+  }
+  CHECK(quant::iq1m_scale_bits(m) == 0x3A00);
+  float y[256];
+  quant::dequantize_row_iq1_s(&s, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq1_s weight " << w);
+    CHECK(y[w] == want_s[w]);
+  }
+  quant::dequantize_row_iq1_m(&m, y, 256);
+  for (int w = 0; w < 256; ++w) {
+    INFO("iq1_m weight " << w);
+    CHECK(y[w] == want_m[w]);
+  }
+}
+
+TEST_CASE("ggml IQ blocks: rows are whole blocks", "[quant]") {
+  quant::BlockIQ2_XXS b[2] = {};
+  std::vector<float> y(512);
+  quant::dequantize_row_iq2_xxs(b, y.data(), 512);
+  for (float v : y) CHECK(v == 0.0f);
+  CHECK_THROWS_WITH(quant::dequantize_row_iq3_s(nullptr, y.data(), 128),
+                    Catch::Contains("128 weights cannot be iq3_s"));
 }
