@@ -129,9 +129,9 @@ inline void check_finite_row(float const* x, Index n, char const* who) {
   }
 }
 
-/// ggml's (int8_t)(v) for a v its quantizers produce, then MIN(hi, .): v truncated towards zero
-/// and clamped to [0, hi]. ggml's conversion is undefined for a NaN or v <= -129 (reached only
-/// through an infinite inverse scale, which moe avoids with detail::inverse): 0 here.
+/// ggml's MIN(hi, (int8_t)(v)) for the level of a legacy quantizer: v truncated towards zero and
+/// clamped to [0, hi]. In ggml's defined cases v > -1 (x >= min, or |x / d| <= 16); a NaN
+/// (only from an infinite inverse scale, which moe avoids with detail::inverse) gives 0 here.
 inline int trunc_level(float v, int hi) {
   if (!(v > -1.0f)) return 0;
   return v >= static_cast<float>(hi) ? hi : static_cast<int>(v);
