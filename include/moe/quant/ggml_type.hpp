@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -112,18 +113,27 @@ inline constexpr std::array<GgmlTypeInfo, 35> kGgmlTypes = {{
     {GgmlType::kQ2_0, "Q2_0", 64, 2 + 64 / 4, true},
 }};
 
+namespace detail {
+// The index of id `id` in kGgmlTypes, or -1. (Indices, not pointers: GCC does not fold pointer
+// comparisons in constant expressions under -fsanitize.)
+constexpr int ggml_type_index(std::uint32_t id) noexcept {
+  for (std::size_t i = 0; i < kGgmlTypes.size(); ++i) {
+    if (static_cast<std::uint32_t>(kGgmlTypes[i].type) == id) return static_cast<int>(i);
+  }
+  return -1;
+}
+}  // namespace detail
+
 /// The entry of ggml type id `id`, or nullptr for an id ggml does not define (or removed).
 constexpr GgmlTypeInfo const* ggml_type_info(std::uint32_t id) noexcept {
-  for (GgmlTypeInfo const& info : kGgmlTypes) {
-    if (static_cast<std::uint32_t>(info.type) == id) return &info;
-  }
-  return nullptr;
+  int const i = detail::ggml_type_index(id);
+  return i < 0 ? nullptr : &kGgmlTypes[static_cast<std::size_t>(i)];
 }
 
-/// The entry of `type` (never nullptr for an enumerator).
+/// The entry of `type` (for a value that is no enumerator: F32's).
 constexpr GgmlTypeInfo const& ggml_type_info(GgmlType type) noexcept {
-  GgmlTypeInfo const* info = ggml_type_info(static_cast<std::uint32_t>(type));
-  return info != nullptr ? *info : kGgmlTypes[0];
+  int const i = detail::ggml_type_index(static_cast<std::uint32_t>(type));
+  return kGgmlTypes[i < 0 ? 0 : static_cast<std::size_t>(i)];
 }
 
 /// "Q4_K" for GgmlType::kQ4_K.
@@ -144,6 +154,6 @@ static_assert(ggml_type_info(GgmlType::kQ6_K).block_bytes == 210);
 static_assert(ggml_type_info(GgmlType::kQ8_0).block_bytes == 34);
 static_assert(ggml_type_info(GgmlType::kIQ3_S).block_bytes == 110);
 static_assert(ggml_type_info(GgmlType::kTQ1_0).block_bytes == 54);
-static_assert(ggml_type_info(4u) == nullptr && ggml_type_info(31u) == nullptr);
+static_assert(detail::ggml_type_index(4) < 0 && detail::ggml_type_index(31) < 0);
 
 }  // namespace moe::quant
