@@ -66,10 +66,8 @@ struct GgmlTypeInfo {
   bool quantized;                ///< a block format (not F32/F16/BF16/F64/I8..I64)
 };
 
-namespace detail {
-// ggml's QK_K, the super-block of the k-quants and i-quants.
-inline constexpr std::uint32_t kQkK = 256;
-}  // namespace detail
+/// ggml's QK_K: the elements of a super-block of the k-quants and i-quants.
+inline constexpr std::uint32_t kGgmlQkK = 256;
 
 /// Every known type, sorted by id. Block sizes are ggml-common.h's static_asserts, evaluated.
 inline constexpr std::array<GgmlTypeInfo, 35> kGgmlTypes = {{
@@ -81,58 +79,55 @@ inline constexpr std::array<GgmlTypeInfo, 35> kGgmlTypes = {{
     {GgmlType::kQ5_1, "Q5_1", 32, 2 + 2 + 4 + 16, true},
     {GgmlType::kQ8_0, "Q8_0", 32, 2 + 32, true},
     {GgmlType::kQ8_1, "Q8_1", 32, 2 + 2 + 32, true},
-    {GgmlType::kQ2_K, "Q2_K", detail::kQkK, 2 + 2 + detail::kQkK / 16 + detail::kQkK / 4, true},
-    {GgmlType::kQ3_K, "Q3_K", detail::kQkK, 2 + detail::kQkK / 4 + detail::kQkK / 8 + 12, true},
-    {GgmlType::kQ4_K, "Q4_K", detail::kQkK, 2 + 2 + 12 + detail::kQkK / 2, true},
-    {GgmlType::kQ5_K, "Q5_K", detail::kQkK, 2 + 2 + 12 + detail::kQkK / 2 + detail::kQkK / 8, true},
-    {GgmlType::kQ6_K, "Q6_K", detail::kQkK, 2 + detail::kQkK / 16 + 3 * detail::kQkK / 4, true},
-    {GgmlType::kQ8_K, "Q8_K", detail::kQkK, 4 + detail::kQkK + detail::kQkK / 16 * 2, true},
-    {GgmlType::kIQ2_XXS, "IQ2_XXS", detail::kQkK, 2 + detail::kQkK / 8 * 2, true},
-    {GgmlType::kIQ2_XS, "IQ2_XS", detail::kQkK, 2 + detail::kQkK / 8 * 2 + detail::kQkK / 32, true},
-    {GgmlType::kIQ3_XXS, "IQ3_XXS", detail::kQkK, 2 + 3 * (detail::kQkK / 8), true},
-    {GgmlType::kIQ1_S, "IQ1_S", detail::kQkK, 2 + detail::kQkK / 8 + detail::kQkK / 16, true},
+    {GgmlType::kQ2_K, "Q2_K", kGgmlQkK, 2 + 2 + kGgmlQkK / 16 + kGgmlQkK / 4, true},
+    {GgmlType::kQ3_K, "Q3_K", kGgmlQkK, 2 + kGgmlQkK / 4 + kGgmlQkK / 8 + 12, true},
+    {GgmlType::kQ4_K, "Q4_K", kGgmlQkK, 2 + 2 + 12 + kGgmlQkK / 2, true},
+    {GgmlType::kQ5_K, "Q5_K", kGgmlQkK, 2 + 2 + 12 + kGgmlQkK / 2 + kGgmlQkK / 8, true},
+    {GgmlType::kQ6_K, "Q6_K", kGgmlQkK, 2 + kGgmlQkK / 16 + 3 * kGgmlQkK / 4, true},
+    {GgmlType::kQ8_K, "Q8_K", kGgmlQkK, 4 + kGgmlQkK + kGgmlQkK / 16 * 2, true},
+    {GgmlType::kIQ2_XXS, "IQ2_XXS", kGgmlQkK, 2 + kGgmlQkK / 8 * 2, true},
+    {GgmlType::kIQ2_XS, "IQ2_XS", kGgmlQkK, 2 + kGgmlQkK / 8 * 2 + kGgmlQkK / 32, true},
+    {GgmlType::kIQ3_XXS, "IQ3_XXS", kGgmlQkK, 2 + 3 * (kGgmlQkK / 8), true},
+    {GgmlType::kIQ1_S, "IQ1_S", kGgmlQkK, 2 + kGgmlQkK / 8 + kGgmlQkK / 16, true},
     {GgmlType::kIQ4_NL, "IQ4_NL", 32, 2 + 16, true},
-    {GgmlType::kIQ3_S, "IQ3_S", detail::kQkK, 2 + 13 * (detail::kQkK / 32) + detail::kQkK / 64,
-     true},
-    {GgmlType::kIQ2_S, "IQ2_S", detail::kQkK, 2 + detail::kQkK / 4 + detail::kQkK / 16, true},
-    {GgmlType::kIQ4_XS, "IQ4_XS", detail::kQkK, 2 + 2 + detail::kQkK / 64 + detail::kQkK / 2, true},
+    {GgmlType::kIQ3_S, "IQ3_S", kGgmlQkK, 2 + 13 * (kGgmlQkK / 32) + kGgmlQkK / 64, true},
+    {GgmlType::kIQ2_S, "IQ2_S", kGgmlQkK, 2 + kGgmlQkK / 4 + kGgmlQkK / 16, true},
+    {GgmlType::kIQ4_XS, "IQ4_XS", kGgmlQkK, 2 + 2 + kGgmlQkK / 64 + kGgmlQkK / 2, true},
     {GgmlType::kI8, "I8", 1, 1, false},
     {GgmlType::kI16, "I16", 1, 2, false},
     {GgmlType::kI32, "I32", 1, 4, false},
     {GgmlType::kI64, "I64", 1, 8, false},
     {GgmlType::kF64, "F64", 1, 8, false},
-    {GgmlType::kIQ1_M, "IQ1_M", detail::kQkK,
-     detail::kQkK / 8 + detail::kQkK / 16 + detail::kQkK / 32, true},
+    {GgmlType::kIQ1_M, "IQ1_M", kGgmlQkK, kGgmlQkK / 8 + kGgmlQkK / 16 + kGgmlQkK / 32, true},
     {GgmlType::kBF16, "BF16", 1, 2, false},
-    {GgmlType::kTQ1_0, "TQ1_0", detail::kQkK,
-     2 + detail::kQkK / 64 + (detail::kQkK - 4 * detail::kQkK / 64) / 5, true},
-    {GgmlType::kTQ2_0, "TQ2_0", detail::kQkK, 2 + detail::kQkK / 4, true},
+    {GgmlType::kTQ1_0, "TQ1_0", kGgmlQkK, 2 + kGgmlQkK / 64 + (kGgmlQkK - 4 * kGgmlQkK / 64) / 5,
+     true},
+    {GgmlType::kTQ2_0, "TQ2_0", kGgmlQkK, 2 + kGgmlQkK / 4, true},
     {GgmlType::kMXFP4, "MXFP4", 32, 1 + 16, true},
     {GgmlType::kNVFP4, "NVFP4", 64, 4 + 32, true},
     {GgmlType::kQ1_0, "Q1_0", 128, 2 + 128 / 8, true},
     {GgmlType::kQ2_0, "Q2_0", 64, 2 + 64 / 4, true},
 }};
 
-namespace detail {
-// The index of id `id` in kGgmlTypes, or -1. (Indices, not pointers: GCC does not fold pointer
-// comparisons in constant expressions under -fsanitize.)
+/// The index of ggml type id `id` in kGgmlTypes, or -1. (Indices, not pointers: GCC does not
+/// fold pointer comparisons in constant expressions under -fsanitize.) No `detail` namespace
+/// here: moe::quant's headers call moe::detail::fail as `detail::fail`.
 constexpr int ggml_type_index(std::uint32_t id) noexcept {
   for (std::size_t i = 0; i < kGgmlTypes.size(); ++i) {
     if (static_cast<std::uint32_t>(kGgmlTypes[i].type) == id) return static_cast<int>(i);
   }
   return -1;
 }
-}  // namespace detail
 
 /// The entry of ggml type id `id`, or nullptr for an id ggml does not define (or removed).
 constexpr GgmlTypeInfo const* ggml_type_info(std::uint32_t id) noexcept {
-  int const i = detail::ggml_type_index(id);
+  int const i = ggml_type_index(id);
   return i < 0 ? nullptr : &kGgmlTypes[static_cast<std::size_t>(i)];
 }
 
 /// The entry of `type` (for a value that is no enumerator: F32's).
 constexpr GgmlTypeInfo const& ggml_type_info(GgmlType type) noexcept {
-  int const i = detail::ggml_type_index(static_cast<std::uint32_t>(type));
+  int const i = ggml_type_index(static_cast<std::uint32_t>(type));
   return kGgmlTypes[i < 0 ? 0 : static_cast<std::size_t>(i)];
 }
 
@@ -154,6 +149,6 @@ static_assert(ggml_type_info(GgmlType::kQ6_K).block_bytes == 210);
 static_assert(ggml_type_info(GgmlType::kQ8_0).block_bytes == 34);
 static_assert(ggml_type_info(GgmlType::kIQ3_S).block_bytes == 110);
 static_assert(ggml_type_info(GgmlType::kTQ1_0).block_bytes == 54);
-static_assert(detail::ggml_type_index(4) < 0 && detail::ggml_type_index(31) < 0);
+static_assert(ggml_type_index(4) < 0 && ggml_type_index(31) < 0);
 
 }  // namespace moe::quant
