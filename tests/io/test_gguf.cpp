@@ -349,7 +349,7 @@ TEST_CASE("Tensors of several ggml types and 1 to 4 dimensions round-trip", "[io
   }
 }
 
-TEST_CASE("GGUF versions 2 and 3 are read; the writer writes either", "[io][gguf]") {
+TEST_CASE("GGUF versions 2 and 3 are read, and the writer writes either", "[io][gguf]") {
   for (std::uint32_t const version : {2u, 3u}) {
     GgufWriter w;
     w.set_version(version).set("k", "v");
@@ -626,7 +626,7 @@ TEST_CASE("Malformed GGUF files are refused with a message naming the problem", 
   }
 }
 
-TEST_CASE("GgufFile maps a saved file; errors name the path", "[io][gguf]") {
+TEST_CASE("GgufFile maps a saved file, and its errors name the path", "[io][gguf]") {
   std::filesystem::path const dir = iotest::scratch_dir("gguf_save");
   GgufWriter w;
   w.set("general.architecture", "olmoe").set_alignment(64);
