@@ -26,7 +26,10 @@
 #include "hf/hf_moe_reference.hpp"
 #include "io/io_test_support.hpp"
 #include "moe/core/random.hpp"
+#include "moe/io/gguf.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/models/gguf_decoder.hpp"
+#include "moe/quant/blocks.hpp"
 
 namespace {
 
@@ -1307,3 +1310,214 @@ TEST_CASE(
                Catch::Contains("moe_generate: warning: config.json sets tie_word_embeddings"));
 }
 #endif
+
+// ---- GGUF files (llama.cpp's layout) decode as the Hugging Face checkpoint of their values.
+
+namespace {
+
+using moe::quant::GgmlType;
+
+/// ggml's dimension order of a row-major shape: ne[0] is the last (contiguous) dimension.
+std::vector<std::int64_t> ggml_ne(Shape const& shape) { return {shape.rbegin(), shape.rend()}; }
+
+/// The GGUF file of tiny model `t` from its Hugging Face tensors `m`, named, shaped and
+/// described as llama.cpp's convert_hf_to_gguf.py writes a qwen3moe / qwen2moe model (the
+/// names are spelt out here, independently of moe's mapping). Every tensor is stored as `type`
+/// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
+/// `stored` receives the values the file holds, under the Hugging Face names.
+fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
+                    Tensors& stored) {
+  std::string const arch = t.type == "qwen3_moe" ? "qwen3moe" : "qwen2moe";
+  moe::io::GgufWriter w;
+  using V = moe::io::GgufMetadataValue;
+  auto u32 = [](Index v) { return V(static_cast<std::uint32_t>(v)); };
+  w.set("general.architecture", V(arch));
+  w.set(arch + ".block_count", u32(t.L));
+  w.set(arch + ".context_length", u32(4096));
+  w.set(arch + ".embedding_length", u32(t.H));
+  w.set(arch + ".feed_forward_length", u32(t.I_dense));
+  w.set(arch + ".attention.head_count", u32(t.heads));
+  w.set(arch + ".attention.head_count_kv", u32(t.kv));
+  w.set(arch + ".attention.key_length", u32(t.dh));
+  w.set(arch + ".attention.value_length", u32(t.dh));
+  w.set(arch + ".rope.freq_base", V(static_cast<float>(t.theta)));
+  w.set(arch + ".attention.layer_norm_rms_epsilon", V(static_cast<float>(t.eps)));
+  w.set(arch + ".expert_count", u32(t.E));
+  w.set(arch + ".expert_used_count", u32(t.k));
+  w.set(arch + ".expert_feed_forward_length", u32(t.I_moe));
+  if (arch == "qwen2moe") w.set(arch + ".expert_shared_feed_forward_length", u32(12));
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& s : tensor_specs(t)) shapes[s.name] = s.shape;
+  // Adds GGUF tensor `gguf` from the Hugging Face tensors `hf` (one, or the experts' stack).
+  auto add = [&](std::string const& gguf, std::vector<std::string> const& hf, Shape shape) {
+    std::vector<float> values;
+    for (std::string const& n : hf) values.insert(values.end(), m.at(n).begin(), m.at(n).end());
+    Index const cols = shape.back();
+    bool const halves = type == GgmlType::kF16 || type == GgmlType::kBF16;  // every tensor
+    GgmlType const ty = halves || (shape.size() >= 2 && cols % 32 == 0) ? type : GgmlType::kF32;
+    std::vector<std::byte> bytes;
+    std::vector<float> back(values.size());
+    if (ty == GgmlType::kF32) {
+      bytes.resize(values.size() * 4);
+      std::memcpy(bytes.data(), values.data(), bytes.size());
+      back = values;
+    } else if (ty == GgmlType::kF16 || ty == GgmlType::kBF16) {
+      std::vector<std::uint16_t> h(values.size());
+      for (std::size_t i = 0; i < h.size(); ++i) {
+        h[i] = ty == GgmlType::kF16 ? moe::float_to_f16(values[i]) : moe::float_to_bf16(values[i]);
+        back[i] = ty == GgmlType::kF16 ? moe::f16_to_float(h[i]) : moe::bf16_to_float(h[i]);
+      }
+      bytes.resize(h.size() * 2);
+      std::memcpy(bytes.data(), h.data(), bytes.size());
+    } else {
+      auto const n = static_cast<Index>(values.size());
+      bytes.resize(static_cast<std::size_t>(n / 32 * 34));
+      moe::quant::quantize_row(moe::quant::Format::kQ8_0, values.data(), n, bytes.data());
+      moe::quant::dequantize_row(moe::quant::Format::kQ8_0, bytes.data(), n, back.data());
+    }
+    w.add_tensor(gguf, ty, ggml_ne(shape), bytes);
+    std::size_t at = 0;
+    for (std::string const& n : hf) {
+      stored[n].assign(back.begin() + static_cast<std::ptrdiff_t>(at),
+                       back.begin() + static_cast<std::ptrdiff_t>(at + m.at(n).size()));
+      at += m.at(n).size();
+    }
+  };
+  auto one = [&](std::string const& gguf, std::string const& hf) {
+    add(gguf, {hf}, shapes.at(hf));
+  };
+  one("token_embd.weight", "model.embed_tokens.weight");
+  one("output_norm.weight", "model.norm.weight");
+  if (!t.tie) one("output.weight", "lm_head.weight");
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const b = concat("blk.", l, "."), p = concat("model.layers.", l, ".");
+    one(b + "attn_norm.weight", p + "input_layernorm.weight");
+    one(b + "ffn_norm.weight", p + "post_attention_layernorm.weight");
+    for (char const* x : {"q", "k", "v"}) {
+      one(concat(b, "attn_", x, ".weight"), concat(p, "self_attn.", x, "_proj.weight"));
+      if (m.count(concat(p, "self_attn.", x, "_proj.bias"))) {
+        one(concat(b, "attn_", x, ".bias"), concat(p, "self_attn.", x, "_proj.bias"));
+      }
+    }
+    one(b + "attn_output.weight", p + "self_attn.o_proj.weight");
+    if (m.count(p + "self_attn.q_norm.weight")) {
+      one(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight");
+      one(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight");
+    }
+    if (is_dense(t, l)) {
+      for (char const* x : {"gate", "up", "down"}) {
+        one(concat(b, "ffn_", x, ".weight"), concat(p, "mlp.", x, "_proj.weight"));
+      }
+      continue;
+    }
+    one(b + "ffn_gate_inp.weight", p + "mlp.gate.weight");
+    for (char const* x : {"gate", "up", "down"}) {
+      std::vector<std::string> experts;
+      for (Index e = 0; e < t.E; ++e)
+        experts.push_back(concat(p, "mlp.experts.", e, ".", x, "_proj.weight"));
+      Shape shape = shapes.at(experts[0]);
+      shape.insert(shape.begin(), t.E);
+      add(concat(b, "ffn_", x, "_exps.weight"), experts, shape);
+      if (t.type == "qwen2_moe") {
+        one(concat(b, "ffn_", x, "_shexp.weight"),
+            concat(p, "mlp.shared_expert.", x, "_proj.weight"));
+      }
+    }
+    if (t.type == "qwen2_moe") {  // [1, H] in transformers, [H] in GGUF
+      add(b + "ffn_gate_inp_shexp.weight", {p + "mlp.shared_expert_gate.weight"}, {t.H});
+    }
+  }
+  fs::path const file = iotest::scratch_dir(name) / "model.gguf";
+  w.save(file);
+  return file;
+}
+
+/// Greedy decoding of a few steps with each decoder; every step's logits bit for bit alike.
+void check_same_decoding(moe::models::AnyDecoder const& a, moe::models::AnyDecoder const& b,
+                         Index V) {
+  std::visit(
+      [&](auto const& da, auto const& db) {
+        if constexpr (std::is_same_v<decltype(da), decltype(db)>) {
+          std::vector<std::int64_t> ids = {3, 17, 5, 9};
+          auto sa = da.make_state(1);
+          auto sb = db.make_state(1);
+          std::vector<float> la(static_cast<std::size_t>(V)), lb(la.size());
+          std::vector<Index> counts = {static_cast<Index>(ids.size())};
+          da.forward(ids, counts, sa, {la.data(), 1, V});
+          db.forward(ids, counts, sb, {lb.data(), 1, V});
+          for (int step = 0; step < 4; ++step) {
+            INFO("step " << step);
+            REQUIRE(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+            std::vector<std::int64_t> const next = {argmax(la.data(), V)};
+            counts = {1};
+            da.forward(next, counts, sa, {la.data(), 1, V});
+            db.forward(next, counts, sb, {lb.data(), 1, V});
+          }
+        } else {
+          FAIL("the two decoders are of different MoE types");
+        }
+      },
+      a, b);
+}
+
+}  // namespace
+
+TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the values it holds",
+          "[models][decoder][gguf]") {
+  struct Case {
+    std::string type;
+    GgmlType stored;
+    bool bf16_checkpoint;
+  };
+  for (Case const& c :
+       {Case{"qwen3_moe", GgmlType::kF32, false}, Case{"qwen2_moe", GgmlType::kF32, false},
+        Case{"qwen3_moe", GgmlType::kF16, false}, Case{"qwen3_moe", GgmlType::kBF16, true},
+        Case{"qwen3_moe", GgmlType::kQ8_0, false}, Case{"qwen2_moe", GgmlType::kQ8_0, false}}) {
+    INFO(c.type << " stored as " << moe::quant::ggml_type_name(c.stored));
+    Tiny t;
+    t.type = c.type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;  // whole 32-blocks in every matrix's rows
+    t.tie = c.stored == GgmlType::kF16;      // output.weight absent: tied
+    Tensors const m = make_tensors(t, 900);
+    Tensors stored;
+    std::string const tag = concat("gguf_", c.type, "_", moe::quant::ggml_type_name(c.stored));
+    fs::path const gguf = write_gguf(t, m, tag, c.stored, stored);
+    REQUIRE(moe::models::is_gguf_file(gguf));
+    REQUIRE_FALSE(moe::models::is_gguf_file(gguf.parent_path()));
+    fs::path const dir = write_model(t, stored, tag + "_hf", c.bf16_checkpoint);
+    moe::models::AnyDecoder const from_gguf = moe::models::load_gguf_decoder(gguf);
+    moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir);
+    check_same_decoding(from_gguf, from_hf, t.V);
+    std::visit(
+        [&](auto const& d) {
+          bool const quantized = c.stored == GgmlType::kQ8_0;
+          bool said = false;
+          for (std::string const& w : d.warnings)
+            said = said || w.find("Q8_0 tensor(s) decoded") != std::string::npos;
+          REQUIRE(said == quantized);
+          REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
+          REQUIRE_FALSE(d.blocks[1].moe.has_value());  // mlp_only_layers {1}: no ffn_gate_inp
+        },
+        from_gguf);
+  }
+}
+
+TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
+          "[models][decoder][gguf]") {
+  using V = moe::io::GgufMetadataValue;
+  moe::io::GgufWriter w;
+  w.set("general.architecture", V(std::string("deepseek2")));
+  fs::path const file = iotest::scratch_dir("gguf_refused") / "model.gguf";
+  w.save(file);
+  REQUIRE_THROWS_WITH(
+      moe::models::load_gguf_decoder(file),
+      Catch::Contains("'deepseek2' is not one moe reads yet") && Catch::Contains("\"qwen3moe\""));
+  moe::io::GgufWriter q;
+  q.set("general.architecture", V(std::string("qwen3moe")));
+  q.set("qwen3moe.block_count", V(std::uint32_t{2}));
+  q.set("qwen3moe.embedding_length", V(std::uint32_t{32}));
+  fs::path const partial = iotest::scratch_dir("gguf_partial") / "model.gguf";
+  q.save(partial);
+  REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(partial),
+                      Catch::Contains("qwen3moe.expert_feed_forward_length"));
+}

@@ -702,6 +702,20 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   return d;
 }
 
+/// The decoder of config `c` over checkpoint `ckpt`, in the family's MoE type.
+inline AnyDecoder load_any_decoder(DecoderConfig const& c,
+                                   std::shared_ptr<io::ShardedCheckpoint const> const& ckpt,
+                                   ThreadPool* pool, DecoderOptions const& options) {
+  return io::visit_hf_layer_type(
+      c.moe.family, [&]<class Moe>(std::type_identity<Moe>) -> AnyDecoder {
+        if constexpr (decodes_as<Moe>(static_cast<AnyDecoder*>(nullptr))) {
+          return load_decoder<Moe>(c, ckpt, options, pool);
+        } else {  // parse_decoder_config refused the family (HfDecoderFacts::lacks)
+          moe::detail::fail("models: ", ckpt->source(), ": ", c.moe.model_type(),
+                            " does not decode");
+        }
+      });
+}
 }  // namespace detail
 
 /// Loads the whole model in `model_dir` (config.json, model.safetensors or the sharded index):
@@ -715,15 +729,7 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
   io::detail::check_model_dir(model_dir);
   DecoderConfig const c = read_decoder_config(model_dir);
   auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
-  return io::visit_hf_layer_type(
-      c.moe.family, [&]<class Moe>(std::type_identity<Moe>) -> AnyDecoder {
-        if constexpr (detail::decodes_as<Moe>(static_cast<AnyDecoder*>(nullptr))) {
-          return detail::load_decoder<Moe>(c, ckpt, options, pool);
-        } else {  // parse_decoder_config refused the family (HfDecoderFacts::lacks)
-          moe::detail::fail("models: ", model_dir.string(), ": ", c.moe.model_type(),
-                            " does not decode");
-        }
-      });
+  return detail::load_any_decoder(c, ckpt, pool, options);
 }
 
 }  // namespace moe::models

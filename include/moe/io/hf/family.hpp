@@ -176,6 +176,15 @@ struct HfDecoderFacts {
                 std::string const& source) = nullptr;
 };
 
+/// How llama.cpp's GGUF files hold a family (moe/io/gguf/hf_view.hpp reads them as a Hugging
+/// Face model). An empty `arch`: moe does not read the family's GGUF files yet.
+struct HfGgufFacts {
+  std::string_view arch = {};  ///< general.architecture ("qwen3moe")
+  /// Whether llama.cpp renormalises the top-k weights when the file has no
+  /// {arch}.expert_weights_norm (its build function hard-codes it per architecture).
+  bool norm_topk = false;
+};
+
 /// One model family: its names, config.json keys and transformers defaults, layer layout,
 /// tensor names, routing and decoder facts. Every field has one reader (see the field's
 /// comment); the hooks hold what no field can say.
@@ -217,6 +226,7 @@ struct HfFamilySpec {
   std::span<std::string_view const> more_keys = {};  ///< a second list (shared with another family)
 
   HfDecoderFacts decoder = {};
+  HfGgufFacts gguf = {};
 
   /// Reads the family's keys beyond the fields above (after them, before the layer rule's).
   void (*read)(detail::HfConfigReader& r, HfMoeConfig& c) = nullptr;

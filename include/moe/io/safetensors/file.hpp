@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -80,6 +81,31 @@ class SafetensorsFile {
   explicit SafetensorsFile(std::vector<std::byte>&& buffer, std::string display_name = "<memory>")
       : owned_(std::move(buffer)), bytes_(owned_), name_(std::move(display_name)) {
     parse();
+  }
+
+  /// A checkpoint that no safetensors file backs: `tensors` (unique names, each
+  /// bytes.size() == num_elements * dtype size, or a U8 view of quantized rows) point into
+  /// memory that `owner` keeps alive, such as a GGUF file's mapping (moe/io/gguf/checkpoint.hpp
+  /// presents a GGUF model this way). Throws moe::Error for a duplicate name or a view whose
+  /// size does not match its dtype and shape.
+  static SafetensorsFile from_views(std::vector<TensorView> tensors, Metadata metadata,
+                                    std::shared_ptr<void const> owner, std::string display_name) {
+    SafetensorsFile f;
+    f.name_ = std::move(display_name);
+    f.keep_alive_ = std::move(owner);
+    f.metadata_ = std::move(metadata);
+    f.tensors_ = std::move(tensors);
+    for (std::size_t i = 0; i < f.tensors_.size(); ++i) {
+      TensorView const& t = f.tensors_[i];
+      std::uint64_t const want =
+          (static_cast<std::uint64_t>(t.num_elements()) * dtype_bits(t.dtype) + 7) / 8;
+      moe::detail::check(t.bytes.size() == want, "safetensors: ", f.name_, ": tensor ",
+                         detail::printable_name(t.name), " views ", t.bytes.size(),
+                         " bytes but its dtype and shape need ", want);
+      moe::detail::check(f.index_.emplace(t.name, i).second, "safetensors: ", f.name_, ": tensor ",
+                         detail::printable_name(t.name), " appears twice");
+    }
+    return f;
   }
 
   SafetensorsFile(SafetensorsFile&&) noexcept = default;
@@ -414,8 +440,11 @@ class SafetensorsFile {
     }
   }
 
+  SafetensorsFile() = default;  // from_views()
+
   detail::MappedFile file_;
-  std::vector<std::byte> owned_;  // the image when constructed from a moved-in vector
+  std::shared_ptr<void const> keep_alive_;  // from_views(): what owns the viewed memory
+  std::vector<std::byte> owned_;            // the image when constructed from a moved-in vector
   std::span<std::byte const> bytes_;
   std::string name_;
   std::vector<TensorView> tensors_;

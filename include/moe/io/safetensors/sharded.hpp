@@ -71,6 +71,24 @@ class ShardedCheckpoint {
     return checkpoint;
   }
 
+  /// A checkpoint of one already open file (e.g. SafetensorsFile::from_views()); `source`
+  /// names it in messages.
+  static ShardedCheckpoint from_file(SafetensorsFile file, std::string source) {
+    ShardedCheckpoint checkpoint;
+    checkpoint.source_ = std::move(source);
+    auto shard = std::make_unique<Shard>();
+    shard->name = checkpoint.source_;
+    shard->path = checkpoint.source_;
+    shard->file = std::make_unique<SafetensorsFile>(std::move(file));
+    std::call_once(shard->once, [] {});
+    shard->opened.store(true, std::memory_order_release);
+    checkpoint.shards_.push_back(std::move(shard));
+    for (TensorView const& t : checkpoint.shards_[0]->file->tensors()) {
+      checkpoint.by_name_.emplace(t.name, 0);
+    }
+    return checkpoint;
+  }
+
   ShardedCheckpoint(ShardedCheckpoint&&) noexcept = default;
   ShardedCheckpoint& operator=(ShardedCheckpoint&&) noexcept = default;
   ShardedCheckpoint(ShardedCheckpoint const&) = delete;

@@ -37,6 +37,7 @@ inline constexpr HfFamilySpec kQwen2Moe = {
                 .rms_norm_eps = 1e-6,
                 .dense_width = 5632,
                 .bias = HfAttentionBias::kQkvKey},
+    .gguf = {.arch = "qwen2moe", .norm_topk = false},
 };
 
 }  // namespace moe::io::families

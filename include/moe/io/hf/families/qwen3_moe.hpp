@@ -29,6 +29,7 @@ inline constexpr HfFamilySpec kQwen3Moe = {
                 .rms_norm_eps = 1e-6,
                 .dense_width = 6144,
                 .qk_norm = HfQkNorm::kPerHead},
+    .gguf = {.arch = "qwen3moe", .norm_topk = true},
 };
 
 }  // namespace moe::io::families

@@ -1,0 +1,277 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// A llama.cpp GGUF model seen as a Hugging Face one: the config.json its metadata implies and
+/// a checkpoint of its tensors under the Hugging Face names, so that every loader of moe (the
+/// MoE layer loader, the whole-model decoder) reads a GGUF file as it reads a model directory.
+///
+/// Tensors stored as F32, F16 or BF16 are viewed in place in the mapped file (an expert of a
+/// merged [E, rows, cols] tensor is a slice of it); every other type is decoded to fp32 at
+/// load (quant::ggml_dequantize, bit-exact with ggml) and the loaders pack it in the formats
+/// they are asked for. The families whose HfFamilySpec::gguf names a llama.cpp architecture
+/// are read: qwen3moe and qwen2moe.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/types.hpp"
+#include "moe/io/gguf/model.hpp"
+#include "moe/io/hf/config.hpp"
+#include "moe/io/hf/names.hpp"
+#include "moe/io/safetensors/file.hpp"
+#include "moe/io/safetensors/sharded.hpp"
+#include "moe/quant/ggml_dequantize.hpp"
+#include "moe/quant/ggml_type.hpp"
+
+namespace moe::io {
+
+/// A GGUF model as a Hugging Face model (gguf_as_hf()).
+struct GgufAsHf {
+  HfFamily family = HfFamily::kQwen3Moe;
+  /// The config.json its metadata implies (parse_hf_config / parse_decoder_config read it).
+  std::string config_json;
+  /// Its tensors under the Hugging Face names; keeps the GGUF mapping and the decoded buffers
+  /// alive.
+  std::shared_ptr<ShardedCheckpoint const> checkpoint;
+  /// What the reading noticed, one sentence each: tensors decoded to fp32 (by type), GGUF
+  /// tensors no Hugging Face name maps to.
+  std::vector<std::string> warnings;
+};
+
+namespace detail {
+
+/// The Hugging Face name of GGUF tensor `name` of a `family` model, or nullopt. A merged
+/// expert tensor (blk.L.ffn_*_exps.weight) maps to the per-expert name with "{e}" for the
+/// expert.
+inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_view name) {
+  if (name == "token_embd.weight") return "model.embed_tokens.weight";
+  if (name == "output_norm.weight") return "model.norm.weight";
+  if (name == "output.weight") return "lm_head.weight";
+  if (!name.starts_with("blk.")) return std::nullopt;
+  std::size_t const dot = name.find('.', 4);
+  if (dot == std::string_view::npos) return std::nullopt;
+  std::string_view const layer = name.substr(4, dot - 4);
+  if (layer.empty() ||
+      !std::all_of(layer.begin(), layer.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    return std::nullopt;
+  }
+  std::string_view const rest = name.substr(dot + 1);
+  std::string const p = concat("model.layers.", layer, ".");
+  HfTensorNames const& n = hf_family(family).names;
+  Index const L = std::stoi(std::string(layer));
+  std::string const moe = hf_default_layout(family, L, false).prefix;
+  // Attention, norms and dense MLPs: the names every decoding family shares.
+  static constexpr std::pair<std::string_view, std::string_view> kLayer[] = {
+      {"attn_norm.weight", "input_layernorm.weight"},
+      {"ffn_norm.weight", "post_attention_layernorm.weight"},
+      {"attn_q.weight", "self_attn.q_proj.weight"},
+      {"attn_k.weight", "self_attn.k_proj.weight"},
+      {"attn_v.weight", "self_attn.v_proj.weight"},
+      {"attn_output.weight", "self_attn.o_proj.weight"},
+      {"attn_q.bias", "self_attn.q_proj.bias"},
+      {"attn_k.bias", "self_attn.k_proj.bias"},
+      {"attn_v.bias", "self_attn.v_proj.bias"},
+      {"attn_output.bias", "self_attn.o_proj.bias"},
+      {"attn_q_norm.weight", "self_attn.q_norm.weight"},
+      {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+      {"attn_sinks.weight", "self_attn.sinks"},
+      {"ffn_gate.weight", "mlp.gate_proj.weight"},
+      {"ffn_up.weight", "mlp.up_proj.weight"},
+      {"ffn_down.weight", "mlp.down_proj.weight"}};
+  for (auto const& [gguf, hf] : kLayer) {
+    if (rest == gguf) return p + std::string(hf);
+  }
+  // The MoE block, named as the family's HfTensorNames say.
+  if (rest == "ffn_gate_inp.weight") return concat(moe, n.router);
+  if (rest == "exp_probs_b.bias" && !n.selection_bias.empty()) {
+    return concat(moe, n.selection_bias);
+  }
+  if (rest == "ffn_gate_exps.weight") return concat(moe, "experts.{e}.", n.gate, ".weight");
+  if (rest == "ffn_up_exps.weight") return concat(moe, "experts.{e}.", n.up, ".weight");
+  if (rest == "ffn_down_exps.weight") return concat(moe, "experts.{e}.", n.down, ".weight");
+  if (rest == "ffn_gate_shexp.weight") return concat(moe, n.shared_module, "gate_proj.weight");
+  if (rest == "ffn_up_shexp.weight") return concat(moe, n.shared_module, "up_proj.weight");
+  if (rest == "ffn_down_shexp.weight") return concat(moe, n.shared_module, "down_proj.weight");
+  if (rest == "ffn_gate_inp_shexp.weight") return concat(moe, "shared_expert_gate.weight");
+  return std::nullopt;
+}
+
+/// What a GgufAsHf checkpoint's views point into: the mapped model and the decoded tensors.
+struct GgufHolder {
+  explicit GgufHolder(std::filesystem::path const& path) : model(path) {}
+  GgufModel model;
+  std::vector<std::unique_ptr<std::vector<float>>> decoded;
+};
+
+}  // namespace detail
+
+/// Reads the GGUF model at `path` (a file, or any shard of a split model) as a Hugging Face
+/// model of the family whose HfFamilySpec::gguf.arch is its general.architecture.
+///
+/// config.json keys from the metadata ({arch} = general.architecture): num_hidden_layers =
+/// block_count, hidden_size = embedding_length, the experts' width = expert_feed_forward_length,
+/// their count = expert_count, top-k = expert_used_count, norm_topk_prob = expert_weights_norm
+/// (else llama.cpp's choice for the architecture), the shared expert's width =
+/// expert_shared_feed_forward_length, num_attention_heads = attention.head_count,
+/// num_key_value_heads = attention.head_count_kv, head_dim = attention.key_length,
+/// rope_theta = rope.freq_base, rms_norm_eps = attention.layer_norm_rms_epsilon,
+/// max_position_embeddings = context_length, the dense layers' width = feed_forward_length;
+/// vocab_size = the rows of token_embd.weight; tie_word_embeddings when output.weight is
+/// absent; q/k/v biases when attn_q.bias is there; mlp_only_layers = the layers without
+/// ffn_gate_inp.weight. Throws moe::Error naming the file for an architecture moe does not
+/// read, a missing key, or a tensor type that cannot be decoded.
+inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
+  auto holder = std::make_shared<detail::GgufHolder>(path);
+  GgufModel const& model = holder->model;
+  GgufFile const& meta = model.metadata();
+  std::string const src = meta.display_name();
+  std::string_view const arch = meta.string("general.architecture");
+  GgufAsHf out;
+  bool found = false;
+  std::string supported;
+  for (HfFamily const f : kHfFamilies) {
+    std::string_view const a = hf_family(f).gguf.arch;
+    if (a.empty()) continue;
+    supported += detail::concat(supported.empty() ? "" : ", ", "\"", a, "\"");
+    if (a == arch) out.family = f, found = true;
+  }
+  if (!found) {
+    moe::detail::fail("gguf: ", src, ": general.architecture ", detail::printable_name(arch),
+                      " is not one moe reads yet (it reads ", supported,
+                      "); use a Hugging Face checkpoint of the model");
+  }
+  HfFamilySpec const& spec = hf_family(out.family);
+  auto key = [&](std::string_view k) { return detail::concat(arch, ".", k); };
+  auto count = [&](std::string_view k) {
+    std::uint64_t const v = meta.integer(key(k));
+    moe::detail::check(v >= 1 && v < (std::uint64_t{1} << 31), "gguf: ", src, ": ", key(k), " = ",
+                       v, " must be in [1, 2^31); the file is corrupt");
+    return static_cast<Index>(v);
+  };
+
+  // config.json: the family's own key names, so that parse_hf_config reads it as any other.
+  detail::HfJsonWriter w;
+  w.string("model_type", spec.model_type);
+  Index const layers = count("block_count");
+  Index const H = count("embedding_length");
+  w.integer("num_hidden_layers", layers);
+  w.integer("hidden_size", H);
+  w.string("hidden_act", "silu");
+  w.integer(spec.width_key, count("expert_feed_forward_length"));
+  w.integer(spec.experts_keys.front(), count("expert_count"));
+  w.integer(spec.top_k_keys.front(), count("expert_used_count"));
+  if (spec.norm_topk == HfNormTopK::kKey) {
+    w.boolean("norm_topk_prob", meta.boolean_or(key("expert_weights_norm"), spec.gguf.norm_topk));
+  }
+  if (spec.shared == HfShared::kGated) {
+    w.integer(spec.shared_key, count("expert_shared_feed_forward_length"));
+  }
+  if (spec.layer_rule == HfLayerRule::kSparseStep) {
+    std::vector<Index> dense;
+    for (Index L = 0; L < layers; ++L) {
+      if (!model.has_tensor(detail::concat("blk.", L, ".ffn_gate_inp.weight"))) dense.push_back(L);
+    }
+    w.integers("mlp_only_layers", dense);
+  }
+  Index const heads = count("attention.head_count");
+  w.integer("num_attention_heads", heads);
+  w.integer("num_key_value_heads",
+            meta.has(key("attention.head_count_kv")) ? count("attention.head_count_kv") : heads);
+  if (meta.has(key("attention.key_length"))) w.integer("head_dim", count("attention.key_length"));
+  w.number("rope_theta", static_cast<float>(meta.number_or(key("rope.freq_base"), 10000.0)));
+  w.number("rms_norm_eps",
+           static_cast<float>(meta.number(key("attention.layer_norm_rms_epsilon"))));
+  if (meta.has(key("context_length"))) {
+    w.integer("max_position_embeddings", count("context_length"));
+  }
+  if (spec.decoder.dense_width > 0 && meta.has(key("feed_forward_length"))) {
+    w.integer("intermediate_size", count("feed_forward_length"));
+  }
+  GgufTensorInfo const& embed = model.tensor("token_embd.weight");
+  w.integer("vocab_size", embed.shape().front());
+  w.boolean("tie_word_embeddings", !model.has_tensor("output.weight"));
+  if (spec.decoder.bias == HfAttentionBias::kQkvKey) {
+    w.boolean("qkv_bias", model.has_tensor("blk.0.attn_q.bias"));
+  }
+  out.config_json = w.finish();
+
+  // The tensors under their Hugging Face names.
+  std::vector<TensorView> views;
+  std::map<std::string, Index> decoded_types;  // type name -> tensors decoded
+  std::size_t unmapped = 0;
+  std::string first_unmapped;
+  for (std::string_view const name : model.names()) {
+    GgufTensorInfo const& t = model.tensor(name);
+    std::optional<std::string> const hf = detail::gguf_to_hf_name(out.family, name);
+    if (!hf) {
+      if (unmapped++ == 0) first_unmapped = std::string(name);
+      continue;
+    }
+    std::vector<std::int64_t> shape = t.shape();
+    if (name.ends_with("ffn_gate_inp_shexp.weight") && shape.size() == 1) {
+      shape.insert(shape.begin(), 1);  // [H] in GGUF, [1, H] in transformers
+    }
+    Dtype dtype = Dtype::kF32;
+    std::span<std::byte const> bytes = t.data;
+    if (t.type == quant::GgmlType::kF16) {
+      dtype = Dtype::kF16;
+    } else if (t.type == quant::GgmlType::kBF16) {
+      dtype = Dtype::kBf16;
+    } else if (t.type != quant::GgmlType::kF32) {
+      auto values =
+          std::make_unique<std::vector<float>>(static_cast<std::size_t>(t.num_elements()));
+      quant::ggml_dequantize(t.type, t.data, t.num_elements(), values->data());
+      bytes = std::as_bytes(std::span<float const>(*values));
+      holder->decoded.push_back(std::move(values));
+      ++decoded_types[std::string(quant::ggml_type_name(t.type))];
+    }
+    std::size_t const at = hf->find("{e}");
+    if (at == std::string::npos) {
+      views.push_back(TensorView{*hf, dtype, std::move(shape), bytes});
+      continue;
+    }
+    moe::detail::check(shape.size() == 3, "gguf: ", src, ": tensor ", detail::printable_name(name),
+                       " has shape ", detail::shape_string(shape),
+                       " but merged expert weights are 3-D [experts, rows, cols]");
+    std::size_t const per_expert = bytes.size() / static_cast<std::size_t>(shape[0]);
+    for (std::int64_t e = 0; e < shape[0]; ++e) {
+      std::string expert_name = *hf;
+      expert_name.replace(at, 3, std::to_string(e));
+      views.push_back(
+          TensorView{std::move(expert_name),
+                     dtype,
+                     {shape[1], shape[2]},
+                     bytes.subspan(static_cast<std::size_t>(e) * per_expert, per_expert)});
+    }
+  }
+  for (auto const& [type, n] : decoded_types) {
+    out.warnings.push_back(detail::concat(n, " ", type,
+                                  " tensor(s) decoded to fp32 at load (bit-exact with ggml) and "
+                                  "packed in the formats asked for; moe does not yet run them "
+                                  "in place as stored"));
+  }
+  if (unmapped > 0) {
+    out.warnings.push_back(detail::concat(unmapped,
+                                  " GGUF tensor(s) have no Hugging Face name and are "
+                                  "not read (first: ",
+                                  detail::printable_name(first_unmapped), ")"));
+  }
+  SafetensorsFile file = SafetensorsFile::from_views(std::move(views), {}, holder, src);
+  out.checkpoint =
+      std::make_shared<ShardedCheckpoint const>(ShardedCheckpoint::from_file(std::move(file), src));
+  return out;
+}
+
+}  // namespace moe::io

@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// load_gguf_decoder: a whole model from a llama.cpp GGUF file, through the same loader as a
+/// Hugging Face directory (moe/io/gguf/hf_view.hpp presents the file as one).
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <variant>
+
+#include "moe/core/thread_pool.hpp"
+#include "moe/io/gguf/hf_view.hpp"
+#include "moe/models/decoder.hpp"
+
+namespace moe::models {
+
+/// Loads the GGUF model at `path` (a .gguf file, or any shard of a split one) as
+/// load_hf_decoder() loads a directory: io::gguf_as_hf() gives the config.json its metadata
+/// implies and its tensors under the Hugging Face names; `options` choose the formats as for
+/// a directory (a tensor the file stores quantized is decoded to fp32 and packed in the format
+/// asked for: by default fp32). What the reading noticed (tensors decoded, tensors not read)
+/// is added to Decoder::warnings. Throws moe::Error naming the file for an architecture moe
+/// does not read, and as load_hf_decoder.
+inline AnyDecoder load_gguf_decoder(std::filesystem::path const& path, ThreadPool* pool = nullptr,
+                                    DecoderOptions const& options = {}) {
+  io::GgufAsHf const g = io::gguf_as_hf(path);
+  DecoderConfig const c = parse_decoder_config(g.config_json, path.string());
+  AnyDecoder any = detail::load_any_decoder(c, g.checkpoint, pool, options);
+  std::visit(
+      [&](auto& d) { d.warnings.insert(d.warnings.begin(), g.warnings.begin(), g.warnings.end()); },
+      any);
+  return any;
+}
+
+/// Whether `path` names a GGUF file (by its magic, not its name); false for a directory.
+inline bool is_gguf_file(std::filesystem::path const& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return false;
+  char magic[4] = {};
+  bool const ok = std::fread(magic, 1, 4, f) == 4;
+  std::fclose(f);
+  return ok && magic[0] == 'G' && magic[1] == 'G' && magic[2] == 'U' && magic[3] == 'F';
+}
+
+}  // namespace moe::models
