@@ -2,15 +2,18 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
 // moe_generate: load a whole Hugging Face Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
-// MiniMax-M2, gpt-oss or ERNIE 4.5 checkpoint and generate tokens.
+// MiniMax-M2, gpt-oss or ERNIE 4.5 checkpoint, or a llama.cpp GGUF file of a Qwen3-MoE or
+// Qwen2-MoE model, and generate tokens.
 //
-// What it shows: moe::models::load_hf_decoder() (every layer through the library's loaders),
+// What it shows: moe::models::load_hf_decoder() / load_gguf_decoder() (every layer through the
+// library's loaders),
 // a KV-cached prefill and decode loop (Decoder::forward with DecoderState), greedy or
 // temperature / top-p sampling, and the numbers a user asks first: prefill and decode
 // tokens/s and the KV-cache bytes per token.
 //
 // Command line:
-//   moe_generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [--threads N] [--no-cache]
+//   moe_generate --model DIR|FILE.gguf --prompt-ids 1,2,3 --max-new-tokens N [--threads N]
+//                [--no-cache]
 //                [--temperature T --top-p P --seed S] [--logits OUT.safetensors]
 //                [--dense as-stored|FORMAT] [--experts FORMAT] [--mix q4_k_m]
 //                [--kv-cache fp32|bf16]
@@ -56,6 +59,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/safetensors.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/models/gguf_decoder.hpp"
 
 namespace {
 
@@ -74,7 +78,9 @@ struct Args {
 };
 
 constexpr moe_cli::Option kOptions[] = {
-    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--model DIR|FILE.gguf",
+     "checkpoint: config.json + model.safetensors (or the index and its shards), or a GGUF "
+     "file (any shard of a split one; qwen3moe, qwen2moe)"},
     {"--prompt-ids I,J,...", "the prompt's token ids, comma-separated, each in [0, vocab)"},
     {"--max-new-tokens N", "tokens to generate, 0 to 2^20 = 1048576"},
     {"--threads N", "worker threads, 1 to 1024 (default 1)"},
@@ -92,7 +98,8 @@ constexpr moe_cli::Option kOptions[] = {
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
-    "moe_generate", "--model DIR --prompt-ids I,J,... --max-new-tokens N [options]", kOptions};
+    "moe_generate", "--model DIR|FILE.gguf --prompt-ids I,J,... --max-new-tokens N [options]",
+    kOptions};
 
 [[noreturn]] void usage_error(std::string const& what) {
   throw std::runtime_error(what + "; moe_generate --help lists the options");
@@ -286,7 +293,9 @@ int main(int argc, char** argv) {
     if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
     auto const t0 = Clock::now();
     moe::models::AnyDecoder const dec =
-        moe::models::load_hf_decoder(a.model, pool.get(), a.weights);
+        moe::io::is_gguf_file(a.model)
+            ? moe::models::load_gguf_decoder(a.model, pool.get(), a.weights)
+            : moe::models::load_hf_decoder(a.model, pool.get(), a.weights);
     moe::Index const vocab = std::visit([](auto const& d) { return d.vocab(); }, dec);
     for (std::int64_t const id : a.prompt) {
       if (id >= vocab) {

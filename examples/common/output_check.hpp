@@ -18,14 +18,24 @@
 
 #include "moe/core/error.hpp"
 #include "moe/io/detail/output_file.hpp"
+#include "moe/io/gguf/model.hpp"
 #include "moe/io/safetensors/sharded.hpp"
 
 namespace moe_cli {
 
 /// The files of the model directory `model` that loading it reads: config.json, and
-/// model.safetensors or the index and every shard it names (opens only the index). Only
-/// config.json when `model` is not a directory (loading it then fails with its own message).
+/// model.safetensors or the index and every shard it names (opens only the index); for a GGUF
+/// file, every shard of the model. Only config.json when `model` is neither (loading it then
+/// fails with its own message).
 inline std::vector<std::filesystem::path> model_inputs(std::filesystem::path const& model) {
+  if (moe::io::is_gguf_file(model)) {
+    moe::io::GgufModel const gguf(model);
+    std::vector<std::filesystem::path> inputs;
+    for (std::size_t i = 0; i < gguf.num_shards(); ++i) {
+      inputs.emplace_back(gguf.shard(i).display_name());
+    }
+    return inputs;
+  }
   std::vector<std::filesystem::path> inputs = {model / "config.json"};
   std::error_code ec;
   if (std::filesystem::is_directory(model, ec)) {

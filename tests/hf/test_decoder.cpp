@@ -1482,8 +1482,8 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
     Tensors stored;
     std::string const tag = concat("gguf_", c.type, "_", moe::quant::ggml_type_name(c.stored));
     fs::path const gguf = write_gguf(t, m, tag, c.stored, stored);
-    REQUIRE(moe::models::is_gguf_file(gguf));
-    REQUIRE_FALSE(moe::models::is_gguf_file(gguf.parent_path()));
+    REQUIRE(moe::io::is_gguf_file(gguf));
+    REQUIRE_FALSE(moe::io::is_gguf_file(gguf.parent_path()));
     fs::path const dir = write_model(t, stored, tag + "_hf", c.bf16_checkpoint);
     moe::models::AnyDecoder const from_gguf = moe::models::load_gguf_decoder(gguf);
     moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir);
@@ -1520,4 +1520,37 @@ TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
   q.save(partial);
   REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(partial),
                       Catch::Contains("qwen3moe.expert_feed_forward_length"));
+}
+
+TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; bad ones fail",
+          "[models][decoder][generate][gguf]") {
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  Tensors const m = make_tensors(t, 901);
+  Tensors stored;
+  fs::path const gguf = write_gguf(t, m, "generate_gguf", GgmlType::kQ8_0, stored);
+  fs::path const dir = write_model(t, stored, "generate_gguf_hf");
+  std::string const tail = " --prompt-ids 3,17,5 --max-new-tokens 4 --logits '";
+  REQUIRE(run_generate(
+              "--model '" + gguf.string() + "'" + tail + (dir / "g.safetensors").string() + "'",
+              dir) == 0);
+  std::string const ids = text_of(dir / "out.txt");
+  REQUIRE_THAT(text_of(dir / "err.txt"), Catch::Contains("Q8_0 tensor(s) decoded to fp32"));
+  REQUIRE(
+      run_generate("--model '" + dir.string() + "'" + tail + (dir / "h.safetensors").string() + "'",
+                   dir) == 0);
+  REQUIRE(text_of(dir / "out.txt") == ids);
+  moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
+  REQUIRE(moe::io::to_float(g.tensor("logits")) == moe::io::to_float(h.tensor("logits")));
+  // --logits may not overwrite the model; a truncated GGUF file fails in one line.
+  std::vector<std::byte> const before = iotest::read_file(gguf);
+  REQUIRE(run_generate("--model '" + gguf.string() + "'" + tail + gguf.string() + "'", dir) == 1);
+  REQUIRE(iotest::read_file(gguf) == before);
+  fs::path const cut = dir / "cut.gguf";
+  iotest::write_file(cut, std::vector<std::byte>(before.begin(), before.begin() + 200));
+  REQUIRE(run_generate("--model '" + cut.string() + "' --prompt-ids 1 --max-new-tokens 1", dir) ==
+          1);
+  std::string const err = text_of(dir / "err.txt");
+  REQUIRE(std::count(err.begin(), err.end(), '\n') == 1);
+  REQUIRE_THAT(err, Catch::StartsWith("moe_generate: ") && Catch::Contains("cut.gguf"));
 }

@@ -5,10 +5,8 @@
 /// Hugging Face directory (moe/io/gguf/hf_view.hpp presents the file as one).
 #pragma once
 
-#include <cstdio>
 #include <filesystem>
 #include <string>
-#include <system_error>
 #include <variant>
 
 #include "moe/core/thread_pool.hpp"
@@ -33,18 +31,6 @@ inline AnyDecoder load_gguf_decoder(std::filesystem::path const& path, ThreadPoo
       [&](auto& d) { d.warnings.insert(d.warnings.begin(), g.warnings.begin(), g.warnings.end()); },
       any);
   return any;
-}
-
-/// Whether `path` names a GGUF file (by its magic, not its name); false for a directory.
-inline bool is_gguf_file(std::filesystem::path const& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) return false;
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return false;
-  char magic[4] = {};
-  bool const ok = std::fread(magic, 1, 4, f) == 4;
-  std::fclose(f);
-  return ok && magic[0] == 'G' && magic[1] == 'G' && magic[2] == 'U' && magic[3] == 'F';
 }
 
 }  // namespace moe::models

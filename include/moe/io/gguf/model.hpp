@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -224,5 +225,17 @@ class GgufModel {
   // Tensor name (a view of the GgufTensorInfo's name) -> (shard, info).
   std::map<std::string_view, std::pair<std::size_t, GgufTensorInfo const*>, std::less<>> index_;
 };
+
+/// Whether `path` names a GGUF file (by its magic, not its name); false for a directory.
+inline bool is_gguf_file(std::filesystem::path const& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return false;
+  char magic[4] = {};
+  bool const ok = std::fread(magic, 1, 4, f) == 4;
+  std::fclose(f);
+  return ok && magic[0] == 'G' && magic[1] == 'G' && magic[2] == 'U' && magic[3] == 'F';
+}
 
 }  // namespace moe::io
