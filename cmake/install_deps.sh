@@ -4,7 +4,8 @@
 # Idempotent: does nothing when everything is already installed. Run as root (or via sudo).
 set -euo pipefail
 packages=(g++ cmake make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format clang-14
-          libclang-rt-14-dev libopenmpi-dev openmpi-bin python3)
+          libclang-rt-14-dev libopenmpi-dev openmpi-bin python3
+          libpcre2-dev libicu-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

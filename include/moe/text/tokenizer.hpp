@@ -1,0 +1,1126 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// moe::text::Tokenizer: byte-level BPE (GPT-2 style, as Qwen2/Qwen3, DeepSeek-V3 and gpt-oss
+/// use it) loaded from a Hugging Face tokenizer.json, with encode, decode and a decoder that
+/// streams whole UTF-8 characters. Needs PCRE2 (pre-tokenizer regexes, Unicode properties) and
+/// ICU (the NFC normalizer); the CMake target moe::text links both (docs/tokenizer.md).
+#pragma once
+
+#ifndef PCRE2_CODE_UNIT_WIDTH
+#define PCRE2_CODE_UNIT_WIDTH 8
+#endif
+#include <pcre2.h>
+#include <unicode/unorm2.h>
+#include <unicode/ustring.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/io/detail/json.hpp"
+
+namespace moe::text {
+
+namespace detail {
+
+using io::detail::concat;
+
+/// The UTF-8 encoding of code point `cp` appended to `out`.
+inline void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+/// GPT-2's bytes_to_unicode: the code point that stands for each byte in byte-level tokens
+/// (printable Latin-1 bytes stand for themselves, the other 68 for U+0100.. in byte order).
+inline std::array<std::uint32_t, 256> const& byte_to_code_point() {
+  static std::array<std::uint32_t, 256> const table = [] {
+    std::array<std::uint32_t, 256> t{};
+    std::uint32_t next = 256;
+    for (std::uint32_t b = 0; b < 256; ++b) {
+      bool const printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+      t[b] = printable ? b : next++;
+    }
+    return t;
+  }();
+  return table;
+}
+
+/// Decodes one well-formed UTF-8 character at `s[i]` (the caller validated the text); advances i.
+inline std::uint32_t next_code_point(std::string_view s, std::size_t& i) {
+  auto const c = static_cast<unsigned char>(s[i]);
+  std::size_t len = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+  std::uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+  for (std::size_t k = 1; k < len && i + k < s.size(); ++k) {
+    cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  }
+  i += len;
+  return cp;
+}
+
+/// Length of the longest prefix of `s[i..]` that starts a well-formed UTF-8 sequence, as
+/// WHATWG's decoder and Rust's from_utf8_lossy count a "maximal subpart" (at least 1), and
+/// whether that prefix is a whole character.
+inline std::size_t utf8_prefix(std::string_view s, std::size_t i, bool& complete) {
+  auto const c = static_cast<unsigned char>(s[i]);
+  complete = false;
+  if (c < 0x80) {
+    complete = true;
+    return 1;
+  }
+  std::size_t len = 0;
+  unsigned lo = 0x80, hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) {
+    len = 2;
+  } else if (c == 0xE0) {
+    len = 3, lo = 0xA0;
+  } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
+    len = 3;
+  } else if (c == 0xED) {
+    len = 3, hi = 0x9F;
+  } else if (c == 0xF0) {
+    len = 4, lo = 0x90;
+  } else if (c >= 0xF1 && c <= 0xF3) {
+    len = 4;
+  } else if (c == 0xF4) {
+    len = 4, hi = 0x8F;
+  } else {
+    return 1;
+  }
+  std::size_t k = 1;
+  for (; k < len && i + k < s.size(); ++k) {
+    auto const b = static_cast<unsigned char>(s[i + k]);
+    unsigned const l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
+    if (b < l || b > h) return k;
+  }
+  complete = k == len;
+  return k;
+}
+
+/// `bytes` as UTF-8 with every ill-formed maximal subpart replaced by U+FFFD (what
+/// transformers' and tokenizers' decoders do).
+inline std::string utf8_lossy(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  std::size_t i = 0;
+  while (i < bytes.size()) {
+    bool complete = false;
+    std::size_t const n = utf8_prefix(bytes, i, complete);
+    if (complete) {
+      out.append(bytes.substr(i, n));
+    } else {
+      out += "\xEF\xBF\xBD";
+    }
+    i += n;
+  }
+  return out;
+}
+
+/// A compiled PCRE2 pattern (UTF, Unicode properties, JIT when the library has it), shared by
+/// copies of the tokenizer; matching allocates its own match data, so const use is thread-safe.
+class Regex {
+ public:
+  Regex() = default;
+  Regex(std::string const& pattern, bool literal, std::string_view where) {
+    int error = 0;
+    PCRE2_SIZE error_offset = 0;
+    std::uint32_t const options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0u);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                     options, &error, &error_offset, nullptr);
+    if (code == nullptr) {
+      std::array<PCRE2_UCHAR, 256> message{};
+      pcre2_get_error_message(error, message.data(), message.size());
+      moe::detail::fail(where, ": the pre-tokenizer regex ", io::detail::printable_name(pattern),
+                        " does not compile with PCRE2 (",
+                        reinterpret_cast<char const*>(message.data()), " at offset ", error_offset,
+                        "); this tokenizer is not supported yet");
+    }
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if no JIT
+    code_.reset(code, pcre2_code_free);
+  }
+
+  /// Calls `piece(begin, end, matched)` for the matches of the pattern in `text` and the text
+  /// between them, in order, none empty (the "Isolated" split behaviour of tokenizers).
+  template <class Piece>
+  void split(std::string_view text, Piece&& piece) const {
+    std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> data(
+        pcre2_match_data_create_from_pattern(code_.get(), nullptr), pcre2_match_data_free);
+    auto const* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+    std::size_t pos = 0, last = 0;
+    while (pos <= text.size()) {
+      int const rc = pcre2_match(code_.get(), subject, text.size(), pos, PCRE2_NO_UTF_CHECK,
+                                 data.get(), nullptr);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) moe::detail::fail("text: tokenizer: PCRE2 match error ", rc);
+      PCRE2_SIZE const* ov = pcre2_get_ovector_pointer(data.get());
+      std::size_t const b = ov[0], e = ov[1];
+      if (e == b) {  // an empty match: skip one character
+        if (b >= text.size()) break;
+        std::size_t next = b;
+        next_code_point(text, next);
+        pos = next;
+        continue;
+      }
+      if (b > last) piece(last, b, false);
+      piece(b, e, true);
+      last = pos = e;
+    }
+    if (last < text.size()) piece(last, text.size(), false);
+  }
+
+ private:
+  std::shared_ptr<pcre2_code> code_;
+};
+
+/// NFC of valid UTF-8 `text` by ICU (unchanged when ICU's quick check says it already is).
+inline std::string nfc(std::string_view text) {
+  bool ascii = true;
+  for (char const c : text) ascii = ascii && static_cast<unsigned char>(c) < 0x80;
+  if (ascii) return std::string(text);
+  UErrorCode status = U_ZERO_ERROR;
+  UNormalizer2 const* norm = unorm2_getNFCInstance(&status);
+  auto const check = [&](char const* what) {
+    if (U_FAILURE(status)) {
+      moe::detail::fail("text: tokenizer: ICU ", what, " failed: ", u_errorName(status));
+    }
+  };
+  check("unorm2_getNFCInstance");
+  std::vector<UChar> utf16(text.size() + 1);
+  std::int32_t len16 = 0;
+  u_strFromUTF8(utf16.data(), static_cast<std::int32_t>(utf16.size()), &len16, text.data(),
+                static_cast<std::int32_t>(text.size()), &status);
+  check("u_strFromUTF8");
+  if (unorm2_quickCheck(norm, utf16.data(), len16, &status) == UNORM_YES && U_SUCCESS(status)) {
+    return std::string(text);
+  }
+  status = U_ZERO_ERROR;
+  std::vector<UChar> out16(static_cast<std::size_t>(len16) * 3 + 16);
+  std::int32_t const n = unorm2_normalize(norm, utf16.data(), len16, out16.data(),
+                                          static_cast<std::int32_t>(out16.size()), &status);
+  check("unorm2_normalize");
+  std::string out(static_cast<std::size_t>(n) * 3 + 4, '\0');
+  std::int32_t out_len = 0;
+  u_strToUTF8(out.data(), static_cast<std::int32_t>(out.size()), &out_len, out16.data(), n,
+              &status);
+  check("u_strToUTF8");
+  out.resize(static_cast<std::size_t>(out_len));
+  return out;
+}
+
+/// GPT-2's pre-tokenizer pattern (tokenizers' ByteLevel with use_regex true).
+inline constexpr char kGpt2Pattern[] =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+/// Token strings to ids: an open-addressing table of indices into one vector of strings (a
+/// node-based std::unordered_map spends most of a 200k-token load in cache misses).
+class TokenTable {
+ public:
+  void reserve(std::size_t n) {
+    tokens_.reserve(n);
+    ids_.reserve(n);
+    if (slots_.size() < 2 * n) rehash(std::bit_ceil(2 * n));
+  }
+  std::size_t size() const noexcept { return tokens_.size(); }
+  bool empty() const noexcept { return tokens_.empty(); }
+  /// Adds `token` with `id`; a token seen before keeps its last id (as serde_json's maps do).
+  void insert(std::string token, std::int32_t id) {
+    if (2 * (tokens_.size() + 1) > slots_.size())
+      rehash(std::max<std::size_t>(64, 2 * slots_.size()));
+    std::size_t const mask = slots_.size() - 1;
+    for (std::size_t i = hash(token) & mask;; i = (i + 1) & mask) {
+      if (slots_[i] < 0) {
+        slots_[i] = static_cast<std::int32_t>(tokens_.size());
+        tokens_.push_back(std::move(token));
+        ids_.push_back(id);
+        return;
+      }
+      if (tokens_[slots_[i]] == token) {
+        ids_[slots_[i]] = id;
+        return;
+      }
+    }
+  }
+  std::int32_t find(std::string_view token) const noexcept {
+    if (slots_.empty()) return -1;
+    std::size_t const mask = slots_.size() - 1;
+    for (std::size_t i = hash(token) & mask;; i = (i + 1) & mask) {
+      if (slots_[i] < 0) return -1;
+      if (tokens_[slots_[i]] == token) return ids_[slots_[i]];
+    }
+  }
+  /// Calls f(token, id) for every entry.
+  template <class F>
+  void for_each(F&& f) const {
+    for (std::size_t i = 0; i < tokens_.size(); ++i) f(tokens_[i], ids_[i]);
+  }
+
+ private:
+  static std::size_t hash(std::string_view s) noexcept {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a, then a final mix
+    for (char const c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    return static_cast<std::size_t>(h ^ (h >> 29));
+  }
+  void rehash(std::size_t capacity) {
+    slots_.assign(capacity, -1);
+    std::size_t const mask = capacity - 1;
+    for (std::size_t k = 0; k < tokens_.size(); ++k) {
+      std::size_t i = hash(tokens_[k]) & mask;
+      while (slots_[i] >= 0) i = (i + 1) & mask;
+      slots_[i] = static_cast<std::int32_t>(k);
+    }
+  }
+  std::vector<std::string> tokens_;
+  std::vector<std::int32_t> ids_;
+  std::vector<std::int32_t> slots_;
+};
+
+/// BPE merges: the pair of token ids (a << 32 | b) to the merge's rank and the merged token's id,
+/// in an open-addressing table.
+class MergeTable {
+ public:
+  struct Merge {
+    std::int32_t rank;
+    std::int32_t id;
+  };
+  static std::uint64_t key(std::int32_t a, std::int32_t b) noexcept {
+    return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) |
+           static_cast<std::uint32_t>(b);
+  }
+  void reserve(std::size_t n) {
+    if (slots_.size() < 2 * n) rehash(std::bit_ceil(2 * n));
+  }
+  /// The first merge of a pair wins (a later duplicate has a worse rank).
+  void insert(std::uint64_t k, Merge m) {
+    if (2 * (size_ + 1) > slots_.size()) rehash(std::max<std::size_t>(64, 2 * slots_.size()));
+    std::size_t const mask = slots_.size() - 1;
+    for (std::size_t i = mix(k) & mask;; i = (i + 1) & mask) {
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Slot{k, m};
+        ++size_;
+        return;
+      }
+      if (slots_[i].key == k) return;
+    }
+  }
+  Merge const* find(std::uint64_t k) const noexcept {
+    if (slots_.empty()) return nullptr;
+    std::size_t const mask = slots_.size() - 1;
+    for (std::size_t i = mix(k) & mask;; i = (i + 1) & mask) {
+      if (slots_[i].key == k) return &slots_[i].merge;
+      if (slots_[i].key == kEmpty) return nullptr;
+    }
+  }
+
+ private:
+  static constexpr std::uint64_t kEmpty = ~std::uint64_t{0};
+  struct Slot {
+    std::uint64_t key = kEmpty;
+    Merge merge{};
+  };
+  static std::size_t mix(std::uint64_t k) noexcept {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    return static_cast<std::size_t>(k);
+  }
+  void rehash(std::size_t capacity) {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(capacity, Slot{});
+    size_ = 0;
+    for (Slot const& s : old) {
+      if (s.key != kEmpty) insert(s.key, s.merge);
+    }
+  }
+  std::vector<Slot> slots_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace detail
+
+/// An added token of tokenizer.json ("added_tokens"): matched in the raw text before anything
+/// else, longest first.
+struct AddedToken {
+  std::string content;
+  std::int32_t id = 0;
+  bool special = false;
+  bool lstrip = false;  ///< absorbs the whitespace before it
+  bool rstrip = false;  ///< absorbs the whitespace after it
+};
+
+/// A byte-level BPE tokenizer of a Hugging Face tokenizer.json. Copies share the compiled
+/// regexes; const member functions may be called from several threads at once.
+class Tokenizer {
+ public:
+  /// Parses a tokenizer.json document (`json`) and, if not empty, tokenizer_config.json
+  /// (`config_json`: add_bos_token / bos_token / eos_token). `source` names the document in
+  /// error messages. Throws moe::Error (one line) on bad JSON or anything not supported.
+  static Tokenizer from_hf_json(std::string_view json, std::string_view config_json = {},
+                                std::string_view source = "tokenizer.json") {
+    Tokenizer t;
+    t.parse(json, source);
+    if (!config_json.empty()) t.parse_config(config_json, source);
+    t.finish();
+    return t;
+  }
+
+  /// Reads `path`: a tokenizer.json file, or a directory holding tokenizer.json (and, if there,
+  /// tokenizer_config.json).
+  static Tokenizer from_hf_file(std::filesystem::path const& path) {
+    namespace fs = std::filesystem;
+    fs::path json = path, config;
+    if (fs::is_directory(path)) {
+      json = path / "tokenizer.json";
+      if (fs::exists(path / "tokenizer_config.json")) config = path / "tokenizer_config.json";
+    } else if (fs::exists(path.parent_path() / "tokenizer_config.json")) {
+      config = path.parent_path() / "tokenizer_config.json";
+    }
+    std::string const text = read_file(json);
+    std::string const config_text = config.empty() ? std::string() : read_file(config);
+    return from_hf_json(text, config_text, json.string());
+  }
+
+  /// Token ids of `utf8` (which must be well-formed UTF-8). Added tokens written in the text
+  /// are recognised; `add_special_tokens` adds what the post-processor adds (BOS for
+  /// DeepSeek-V3, nothing for Qwen).
+  std::vector<std::int32_t> encode(std::string_view utf8, bool add_special_tokens = true) const {
+    std::size_t const bad = io::detail::find_invalid_utf8(utf8);
+    if (bad != std::string_view::npos) {
+      moe::detail::fail("text: tokenizer: encode: the text is not well-formed UTF-8 at byte ", bad,
+                        "; pass UTF-8 text");
+    }
+    std::vector<std::int32_t> ids;
+    if (add_special_tokens) ids.insert(ids.end(), prefix_ids_.begin(), prefix_ids_.end());
+    std::size_t seg = 0, i = 0;
+    auto const flush = [&](std::size_t end) {
+      if (end > seg) encode_segment(utf8.substr(seg, end - seg), ids);
+    };
+    while (i < utf8.size()) {
+      AddedToken const* hit = match_added(utf8, i);
+      if (hit == nullptr) {
+        ++i;
+        continue;
+      }
+      std::size_t begin = i, end = i + hit->content.size();
+      if (hit->lstrip) {
+        while (begin > seg && is_space(utf8[begin - 1])) --begin;
+      }
+      flush(begin);
+      ids.push_back(hit->id);
+      if (hit->rstrip) {
+        while (end < utf8.size() && is_space(utf8[end])) ++end;
+      }
+      seg = i = end;
+    }
+    flush(utf8.size());
+    if (add_special_tokens) ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
+    return ids;
+  }
+
+  /// The text of `ids` (special tokens included unless `skip_special_tokens`); byte sequences
+  /// that are not UTF-8 become U+FFFD. Throws moe::Error for an id outside the vocabulary.
+  std::string decode(std::span<std::int32_t const> ids, bool skip_special_tokens = false) const {
+    std::string bytes;
+    for (std::int32_t const id : ids) append_bytes(id, skip_special_tokens, bytes);
+    return detail::utf8_lossy(bytes);
+  }
+
+  /// The bytes token `id` stands for (before UTF-8 repair), appended to `out`.
+  void append_bytes(std::int32_t id, bool skip_special_tokens, std::string& out) const {
+    if (id < 0 || static_cast<std::size_t>(id) >= id_bytes_.size() || !has_id_[id]) {
+      moe::detail::fail("text: tokenizer: decode: token id ", id, " is not in the vocabulary (",
+                        vocab_size(), " ids)");
+    }
+    if (skip_special_tokens && is_special_[id]) return;
+    out += id_bytes_[id];
+  }
+
+  /// One past the largest token id.
+  std::size_t vocab_size() const noexcept { return id_bytes_.size(); }
+  /// The id of token `token` as written in tokenizer.json (byte-level form for vocab entries).
+  std::optional<std::int32_t> token_to_id(std::string_view token) const {
+    if (std::int32_t const id = vocab_.find(token); id >= 0) return id;
+    for (AddedToken const& a : added_) {
+      if (a.content == token) return a.id;
+    }
+    return std::nullopt;
+  }
+  std::optional<std::int32_t> bos_id() const noexcept { return bos_id_; }
+  std::optional<std::int32_t> eos_id() const noexcept { return eos_id_; }
+  std::vector<AddedToken> const& added_tokens() const noexcept { return added_; }
+  bool is_special(std::int32_t id) const noexcept {
+    return id >= 0 && static_cast<std::size_t>(id) < is_special_.size() && is_special_[id];
+  }
+
+ private:
+  struct Split {
+    detail::Regex regex;
+  };
+  static bool is_space(char c) noexcept {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+  }
+
+  static std::string read_file(std::filesystem::path const& path) {
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in) {
+      moe::detail::fail("text: tokenizer: cannot open ", path.string(),
+                        "; pass a tokenizer.json file or the model directory holding it");
+    }
+    std::string text(static_cast<std::size_t>(in.tellg()), '\0');
+    in.seekg(0);
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    if (!in) moe::detail::fail("text: tokenizer: cannot read ", path.string());
+    return text;
+  }
+
+  [[noreturn]] static void unsupported(std::string_view source, std::string_view what) {
+    moe::detail::fail("text: ", source, ": ", what,
+                      " is not supported yet (byte-level BPE only; see docs/tokenizer.md)");
+  }
+
+  static std::uint64_t pair_key(std::int32_t a, std::int32_t b) noexcept {
+    return detail::MergeTable::key(a, b);
+  }
+
+  // --- parsing -------------------------------------------------------------------------------
+
+  /// A JSON value kept as text (for the small parts of the document: normalizer, pre_tokenizer,
+  /// decoder, post_processor), parsed again with a cursor of its own.
+  static std::string_view raw_value(io::detail::JsonCursor& cur, std::string_view json) {
+    cur.peek();
+    std::size_t const begin = cur.offset();
+    cur.skip_value();
+    return json.substr(begin, cur.offset() - begin);
+  }
+
+  static io::detail::JsonCursor cursor(std::string_view json, std::string_view source) {
+    return io::detail::JsonCursor(json, detail::concat("text: ", source), "tokenizer.json",
+                                  "pass a Hugging Face tokenizer.json");
+  }
+
+  /// Reads an object member by member: `member(key, cursor)` must consume each value.
+  template <class Member>
+  static void for_members(io::detail::JsonCursor& cur, Member&& member) {
+    if (cur.peek() != io::detail::JsonKind::kObject) return cur.syntax_error("expected an object");
+    cur.begin_object();
+    std::string key;
+    bool first = true;
+    while (cur.next_member(key, first)) member(key, cur);
+  }
+
+  static std::string read_string_or_null(io::detail::JsonCursor& cur) {
+    if (cur.peek() == io::detail::JsonKind::kNull) {
+      cur.read_null();
+      return {};
+    }
+    return cur.read_string();
+  }
+
+  void parse(std::string_view json, std::string_view source) {
+    source_ = std::string(source);
+    std::size_t const bad = io::detail::find_invalid_utf8(json);
+    if (bad != std::string_view::npos) {
+      moe::detail::fail("text: ", source, ": not UTF-8 at byte ", bad,
+                        "; pass a Hugging Face tokenizer.json");
+    }
+    auto cur = cursor(json, source);
+    std::string_view normalizer = "null", pre_tokenizer = "null", decoder = "null",
+                     post_processor = "null";
+    bool have_model = false;
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "model") {
+        have_model = true;
+        parse_model(c);
+      } else if (key == "added_tokens") {
+        parse_added(c);
+      } else if (key == "normalizer") {
+        normalizer = raw_value(c, json);
+      } else if (key == "pre_tokenizer") {
+        pre_tokenizer = raw_value(c, json);
+      } else if (key == "decoder") {
+        decoder = raw_value(c, json);
+      } else if (key == "post_processor") {
+        post_processor = raw_value(c, json);
+      } else {
+        c.skip_value();
+      }
+    });
+    cur.finish();
+    if (!have_model) moe::detail::fail("text: ", source, ": no \"model\"; not a tokenizer.json");
+    parse_normalizer(normalizer);
+    parse_pre_tokenizer(pre_tokenizer);
+    parse_decoder(decoder);
+    post_processor_ = std::string(post_processor);
+  }
+
+  void parse_model(io::detail::JsonCursor& cur) {
+    std::string type;
+    bool have_vocab = false;
+    std::vector<std::pair<std::string, std::string>> merges;  // when "merges" precedes "vocab"
+    std::int32_t rank = 0;
+    std::string joined;
+    auto const add_merge = [&](std::string const& a, std::string const& b) {
+      if (vocab_.empty()) {
+        merges.emplace_back(a, b);
+        return;
+      }
+      joined.assign(a).append(b);
+      std::int32_t const ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(joined);
+      if (ia < 0 || ib < 0 || iab < 0) {
+        moe::detail::fail("text: ", source_, ": merge ", rank, " (",
+                          io::detail::printable_name(a + " " + b),
+                          ") names a token that is not in the vocab");
+      }
+      merges_.insert(pair_key(ia, ib), {rank++, iab});
+    };
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "type") {
+        type = c.read_string();
+      } else if (key == "vocab") {
+        have_vocab = true;
+        if (c.peek() != io::detail::JsonKind::kObject) {
+          unsupported(source_, "a \"vocab\" that is not an object");
+        }
+        vocab_.reserve(1 << 18);
+        for_members(c, [&](std::string const& token, io::detail::JsonCursor& v) {
+          io::detail::JsonNumber const n = v.read_number();
+          if (!n.is_u64 || n.value > 0x7FFFFFFF) {
+            moe::detail::fail("text: ", source_, ": vocab id of ",
+                              io::detail::printable_name(token), " is not an integer in [0, 2^31)");
+          }
+          vocab_.insert(token, static_cast<std::int32_t>(n.value));
+        });
+      } else if (key == "merges") {
+        merges_.reserve(vocab_.size() + 1024);
+        c.begin_array();
+        bool first = true;
+        while (c.next_element(first)) {
+          if (c.peek() == io::detail::JsonKind::kString) {
+            std::string const m = c.read_string();
+            std::size_t const sp = m.find(' ');
+            if (sp == std::string::npos || m.find(' ', sp + 1) != std::string::npos) {
+              moe::detail::fail("text: ", source_, ": merge ", io::detail::printable_name(m),
+                                " is not two tokens separated by one space");
+            }
+            add_merge(m.substr(0, sp), m.substr(sp + 1));
+          } else {
+            c.begin_array();
+            bool f = true;
+            std::string parts[2];
+            int n = 0;
+            while (c.next_element(f)) {
+              std::string s = c.read_string();
+              if (n < 2) parts[n] = std::move(s);
+              ++n;
+            }
+            if (n != 2) moe::detail::fail("text: ", source_, ": a merge is not a pair of tokens");
+            add_merge(parts[0], parts[1]);
+          }
+        }
+      } else if (key == "dropout") {
+        if (c.peek() != io::detail::JsonKind::kNull) unsupported(source_, "BPE dropout");
+        c.read_null();
+      } else if (key == "byte_fallback") {
+        if (c.read_bool()) unsupported(source_, "BPE byte_fallback (SentencePiece-style BPE)");
+      } else if (key == "ignore_merges") {
+        ignore_merges_ = c.read_bool();
+      } else if (key == "continuing_subword_prefix" || key == "end_of_word_suffix") {
+        if (!read_string_or_null(c).empty()) unsupported(source_, concat_key("BPE ", key));
+      } else {
+        c.skip_value();
+      }
+    });
+    if (type != "BPE") {
+      unsupported(source_, detail::concat("model type ", io::detail::printable_name(type)));
+    }
+    if (!have_vocab) moe::detail::fail("text: ", source_, ": the model has no \"vocab\"");
+    if (vocab_.empty() && !merges.empty()) {
+      moe::detail::fail("text: ", source_, ": merges but an empty vocab");
+    }
+    for (auto const& [a, b] : merges) add_merge(a, b);
+  }
+
+  static std::string concat_key(std::string_view a, std::string_view b) {
+    return std::string(a) + std::string(b);
+  }
+
+  void parse_added(io::detail::JsonCursor& cur) {
+    cur.begin_array();
+    bool first = true;
+    while (cur.next_element(first)) {
+      AddedToken a;
+      bool have_id = false;
+      for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+        if (key == "id") {
+          io::detail::JsonNumber const n = c.read_number();
+          if (!n.is_u64 || n.value > 0x7FFFFFFF) {
+            moe::detail::fail("text: ", source_, ": an added token's id is not in [0, 2^31)");
+          }
+          a.id = static_cast<std::int32_t>(n.value);
+          have_id = true;
+        } else if (key == "content") {
+          a.content = c.read_string();
+        } else if (key == "special") {
+          a.special = c.read_bool();
+        } else if (key == "lstrip") {
+          a.lstrip = c.read_bool();
+        } else if (key == "rstrip") {
+          a.rstrip = c.read_bool();
+        } else {
+          c.skip_value();
+        }
+      });
+      if (!have_id || a.content.empty()) {
+        moe::detail::fail("text: ", source_, ": an added token has no id or an empty content");
+      }
+      added_.push_back(std::move(a));
+    }
+  }
+
+  void parse_normalizer(std::string_view json) {
+    auto cur = cursor(json, source_);
+    if (cur.peek() == io::detail::JsonKind::kNull) return;
+    parse_normalizer_object(cur);
+  }
+
+  void parse_normalizer_object(io::detail::JsonCursor& cur) {
+    std::string type;
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "type") {
+        type = c.read_string();
+      } else if (key == "normalizers") {
+        c.begin_array();
+        bool first = true;
+        while (c.next_element(first)) parse_normalizer_object(c);
+      } else {
+        c.skip_value();
+      }
+    });
+    if (type == "NFC") {
+      nfc_ = true;
+    } else if (type != "Sequence") {
+      unsupported(source_, detail::concat("normalizer ", io::detail::printable_name(type)));
+    }
+  }
+
+  void parse_pre_tokenizer(std::string_view json) {
+    auto cur = cursor(json, source_);
+    if (cur.peek() == io::detail::JsonKind::kNull) {
+      unsupported(source_, "a tokenizer without a pre-tokenizer");
+    }
+    parse_pre_tokenizer_object(cur);
+    if (!byte_level_) unsupported(source_, "a pre-tokenizer without ByteLevel");
+  }
+
+  void parse_pre_tokenizer_object(io::detail::JsonCursor& cur) {
+    std::string type, pattern, behavior = "Isolated";
+    bool literal = false, invert = false, use_regex = true, add_prefix_space = false;
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "type") {
+        type = c.read_string();
+      } else if (key == "pretokenizers") {
+        c.begin_array();
+        bool first = true;
+        while (c.next_element(first)) parse_pre_tokenizer_object(c);
+      } else if (key == "pattern") {
+        for_members(c, [&](std::string const& kind, io::detail::JsonCursor& p) {
+          literal = kind == "String";
+          if (kind != "String" && kind != "Regex") {
+            unsupported(source_, detail::concat("a Split pattern of kind ", kind));
+          }
+          pattern = p.read_string();
+        });
+      } else if (key == "behavior") {
+        behavior = c.read_string();
+      } else if (key == "invert") {
+        invert = c.read_bool();
+      } else if (key == "use_regex") {
+        use_regex = c.read_bool();
+      } else if (key == "add_prefix_space") {
+        add_prefix_space = c.read_bool();
+      } else {
+        c.skip_value();
+      }
+    });
+    if (type == "Sequence") return;
+    if (byte_level_) unsupported(source_, "a pre-tokenizer after ByteLevel");
+    if (type == "Split") {
+      if (behavior != "Isolated" || invert) {
+        unsupported(source_,
+                    detail::concat("a Split with behavior ", behavior, invert ? " inverted" : ""));
+      }
+      splits_.push_back(Split{detail::Regex(pattern, literal, source_)});
+    } else if (type == "ByteLevel") {
+      byte_level_ = true;
+      add_prefix_space_ = add_prefix_space;
+      if (use_regex) splits_.push_back(Split{detail::Regex(detail::kGpt2Pattern, false, source_)});
+    } else {
+      unsupported(source_, detail::concat("pre-tokenizer ", io::detail::printable_name(type)));
+    }
+  }
+
+  void parse_decoder(std::string_view json) {
+    auto cur = cursor(json, source_);
+    std::string type = "null";
+    if (cur.peek() != io::detail::JsonKind::kNull) {
+      for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+        if (key == "type") {
+          type = c.read_string();
+        } else {
+          c.skip_value();
+        }
+      });
+    }
+    if (type != "ByteLevel") {
+      unsupported(source_, detail::concat("decoder ", io::detail::printable_name(type),
+                                          " (ByteLevel expected)"));
+    }
+  }
+
+  /// The post-processor: ByteLevel or null add nothing; TemplateProcessing's "single" template
+  /// adds its special tokens around the text.
+  void parse_post_processor() {
+    auto cur = cursor(post_processor_, source_);
+    if (cur.peek() == io::detail::JsonKind::kNull) return;
+    std::string type;
+    std::vector<std::string> before, after;
+    std::unordered_map<std::string, std::vector<std::int32_t>> special;
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "type") {
+        type = c.read_string();
+      } else if (key == "single") {
+        c.begin_array();
+        bool first = true, seen_text = false;
+        while (c.next_element(first)) {
+          for_members(c, [&](std::string const& kind, io::detail::JsonCursor& p) {
+            if (kind == "Sequence") {
+              seen_text = true;
+              p.skip_value();
+            } else if (kind == "SpecialToken") {
+              for_members(p, [&](std::string const& k, io::detail::JsonCursor& q) {
+                if (k == "id") {
+                  (seen_text ? after : before).push_back(q.read_string());
+                } else {
+                  q.skip_value();
+                }
+              });
+            } else {
+              p.skip_value();
+            }
+          });
+        }
+      } else if (key == "special_tokens") {
+        for_members(c, [&](std::string const& name, io::detail::JsonCursor& s) {
+          for_members(s, [&](std::string const& k, io::detail::JsonCursor& q) {
+            if (k == "ids") {
+              q.begin_array();
+              bool f = true;
+              while (q.next_element(f)) {
+                special[name].push_back(static_cast<std::int32_t>(q.read_number().value));
+              }
+            } else {
+              q.skip_value();
+            }
+          });
+        });
+      } else {
+        c.skip_value();
+      }
+    });
+    if (type == "ByteLevel") return;
+    if (type != "TemplateProcessing") {
+      unsupported(source_, detail::concat("post-processor ", io::detail::printable_name(type)));
+    }
+    auto const ids = [&](std::vector<std::string> const& names, std::vector<std::int32_t>& out) {
+      for (std::string const& name : names) {
+        auto const it = special.find(name);
+        if (it == special.end()) {
+          moe::detail::fail("text: ", source_, ": the post-processor's template names ",
+                            io::detail::printable_name(name), ", which it does not define");
+        }
+        out.insert(out.end(), it->second.begin(), it->second.end());
+      }
+    };
+    ids(before, prefix_ids_);
+    ids(after, suffix_ids_);
+  }
+
+  /// tokenizer_config.json: bos_token / eos_token (a string or an AddedToken object) and
+  /// add_bos_token (transformers' Llama tokenizers add BOS when the post-processor does not).
+  void parse_config(std::string_view json, std::string_view source) {
+    auto cur =
+        io::detail::JsonCursor(json, detail::concat("text: ", source), "tokenizer_config.json",
+                               "pass a Hugging Face tokenizer_config.json");
+    auto const token = [&](io::detail::JsonCursor& c) {
+      std::string content;
+      if (c.peek() == io::detail::JsonKind::kObject) {
+        for_members(c, [&](std::string const& k, io::detail::JsonCursor& q) {
+          if (k == "content") {
+            content = q.read_string();
+          } else {
+            q.skip_value();
+          }
+        });
+      } else {
+        content = read_string_or_null(c);
+      }
+      return content;
+    };
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "bos_token") {
+        bos_token_ = token(c);
+      } else if (key == "eos_token") {
+        eos_token_ = token(c);
+      } else if (key == "add_bos_token") {
+        add_bos_ = c.read_bool();
+      } else {
+        c.skip_value();
+      }
+    });
+  }
+
+  void finish() {
+    std::int32_t max_id = -1;
+    vocab_.for_each([&](std::string const&, std::int32_t id) { max_id = std::max(max_id, id); });
+    for (AddedToken const& a : added_) max_id = std::max(max_id, a.id);
+    auto const n = static_cast<std::size_t>(max_id + 1);
+    id_bytes_.assign(n, std::string());
+    has_id_.assign(n, false);
+    is_special_.assign(n, false);
+    // Byte-level tokens back to bytes; a token with a character outside the byte alphabet is
+    // its own UTF-8 (tokenizers' ByteLevel decoder does the same).
+    std::array<std::int16_t, 512> to_byte;  // code point -> byte, -1 for none
+    to_byte.fill(-1);
+    auto const& table = detail::byte_to_code_point();
+    for (int b = 0; b < 256; ++b) to_byte[table[b]] = static_cast<std::int16_t>(b);
+    auto const bytes_of = [&](std::string const& token) {
+      std::string out;
+      std::size_t i = 0;
+      while (i < token.size()) {
+        std::uint32_t const cp = detail::next_code_point(token, i);
+        if (cp >= to_byte.size() || to_byte[cp] < 0) return token;
+        out += static_cast<char>(to_byte[cp]);
+      }
+      return out;
+    };
+    vocab_.for_each([&](std::string const& token, std::int32_t id) {
+      id_bytes_[id] = bytes_of(token);
+      has_id_[id] = true;
+    });
+    for (AddedToken const& a : added_) {
+      id_bytes_[a.id] = bytes_of(a.content);
+      has_id_[a.id] = true;
+      is_special_[a.id] = a.special;
+    }
+    for (int b = 0; b < 256; ++b) {
+      std::string s;
+      detail::append_utf8(s, table[b]);
+      byte_ids_[b] = vocab_.find(s);
+    }
+    // Added tokens by first byte, longest first.
+    std::vector<std::size_t> order(added_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return added_[a].content.size() > added_[b].content.size();
+    });
+    for (std::size_t const i : order) {
+      added_by_byte_[static_cast<unsigned char>(added_[i].content[0])].push_back(i);
+    }
+    parse_post_processor();
+    if (auto const id = named_id(bos_token_)) bos_id_ = id;
+    if (auto const id = named_id(eos_token_)) eos_id_ = id;
+    if (add_bos_ && prefix_ids_.empty() && bos_id_) prefix_ids_.push_back(*bos_id_);
+  }
+
+  std::optional<std::int32_t> named_id(std::string const& token) const {
+    if (token.empty()) return std::nullopt;
+    return token_to_id(token);
+  }
+
+  // --- encoding ------------------------------------------------------------------------------
+
+  AddedToken const* match_added(std::string_view text, std::size_t i) const {
+    for (std::size_t const k : added_by_byte_[static_cast<unsigned char>(text[i])]) {
+      AddedToken const& a = added_[k];
+      if (text.compare(i, a.content.size(), a.content) == 0) return &a;
+    }
+    return nullptr;
+  }
+
+  void encode_segment(std::string_view text, std::vector<std::int32_t>& ids) const {
+    std::string normalized;
+    if (nfc_) {
+      normalized = detail::nfc(text);
+      text = normalized;
+    }
+    std::string prefixed;
+    if (add_prefix_space_ && !text.empty() && text[0] != ' ') {
+      prefixed = " " + std::string(text);
+      text = prefixed;
+    }
+    split_from(0, text, ids);
+  }
+
+  /// Applies splits_[level..] to `text`, then BPE to each piece.
+  void split_from(std::size_t level, std::string_view text, std::vector<std::int32_t>& ids) const {
+    if (level == splits_.size()) return bpe(text, ids);
+    splits_[level].regex.split(text, [&](std::size_t b, std::size_t e, bool) {
+      split_from(level + 1, text.substr(b, e - b), ids);
+    });
+  }
+
+  /// Byte-level BPE of one pre-token: merges by rank (leftmost first among equal ranks), as
+  /// tokenizers' Word::merge_all does it.
+  void bpe(std::string_view piece, std::vector<std::int32_t>& ids) const {
+    if (ignore_merges_) {
+      std::string token;
+      auto const& table = detail::byte_to_code_point();
+      for (char const c : piece) detail::append_utf8(token, table[static_cast<unsigned char>(c)]);
+      if (std::int32_t const id = vocab_.find(token); id >= 0) {
+        ids.push_back(id);
+        return;
+      }
+    }
+    struct Symbol {
+      std::int32_t id;
+      std::int32_t prev;
+      std::int32_t next;
+      bool alive;
+    };
+    std::vector<Symbol> sym;
+    sym.reserve(piece.size());
+    for (std::size_t i = 0; i < piece.size(); ++i) {
+      std::int32_t const id = byte_ids_[static_cast<unsigned char>(piece[i])];
+      if (id < 0) {
+        moe::detail::fail("text: ", source_, ": the vocab has no token for byte ",
+                          static_cast<int>(static_cast<unsigned char>(piece[i])),
+                          "; not a byte-level BPE vocabulary");
+      }
+      auto const n = static_cast<std::int32_t>(i);
+      sym.push_back(Symbol{id, n - 1, n + 1, true});
+    }
+    if (sym.size() > 1) {
+      struct Candidate {
+        std::int32_t rank, pos, id;
+        bool operator>(Candidate const& o) const noexcept {
+          return rank != o.rank ? rank > o.rank : pos > o.pos;
+        }
+      };
+      std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue;
+      auto const n = static_cast<std::int32_t>(sym.size());
+      auto const consider = [&](std::int32_t pos) {
+        std::int32_t const next = sym[pos].next;
+        if (next >= n) return;
+        if (auto const* m = merges_.find(pair_key(sym[pos].id, sym[next].id))) {
+          queue.push(Candidate{m->rank, pos, m->id});
+        }
+      };
+      for (std::int32_t i = 0; i + 1 < n; ++i) consider(i);
+      while (!queue.empty()) {
+        Candidate const top = queue.top();
+        queue.pop();
+        Symbol& left = sym[top.pos];
+        if (!left.alive || left.next >= n) continue;
+        Symbol& right = sym[left.next];
+        auto const* m = merges_.find(pair_key(left.id, right.id));
+        if (m == nullptr || m->id != top.id) continue;
+        left.id = top.id;
+        right.alive = false;
+        left.next = right.next;
+        if (right.next < n) sym[right.next].prev = top.pos;
+        if (left.prev >= 0) consider(left.prev);
+        consider(top.pos);
+      }
+    }
+    for (Symbol const& s : sym) {
+      if (s.alive) ids.push_back(s.id);
+    }
+  }
+
+  std::string source_;
+  detail::TokenTable vocab_;
+  detail::MergeTable merges_;
+  std::vector<AddedToken> added_;
+  std::array<std::vector<std::size_t>, 256> added_by_byte_{};
+  std::array<std::int32_t, 256> byte_ids_{};
+  std::vector<Split> splits_;
+  std::vector<std::string> id_bytes_;
+  std::vector<bool> has_id_, is_special_;
+  std::vector<std::int32_t> prefix_ids_, suffix_ids_;
+  std::string post_processor_, bos_token_, eos_token_;
+  std::optional<std::int32_t> bos_id_, eos_id_;
+  bool nfc_ = false, byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false;
+  bool add_bos_ = false;
+};
+
+/// Turns ids into text as they are produced: push() returns the text of the whole UTF-8
+/// characters completed so far (a character split over several tokens is held back until its
+/// last byte arrives; bytes that can never form a character become U+FFFD), finish() the rest.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(Tokenizer const& tokenizer, bool skip_special_tokens = false)
+      : tokenizer_(&tokenizer), skip_special_(skip_special_tokens) {}
+
+  std::string push(std::int32_t id) {
+    tokenizer_->append_bytes(id, skip_special_, pending_);
+    // Everything up to the start of a trailing incomplete (but still possible) character.
+    std::size_t cut = pending_.size();
+    std::size_t i = 0;
+    while (i < pending_.size()) {
+      bool complete = false;
+      std::size_t const n = detail::utf8_prefix(pending_, i, complete);
+      if (!complete && i + n == pending_.size() && n < 4 &&
+          static_cast<unsigned char>(pending_[i]) >= 0xC2 &&
+          static_cast<unsigned char>(pending_[i]) <= 0xF4) {
+        cut = i;
+        break;
+      }
+      i += n;
+    }
+    std::string out = detail::utf8_lossy(std::string_view(pending_).substr(0, cut));
+    pending_.erase(0, cut);
+    return out;
+  }
+
+  /// The held-back bytes (U+FFFD for an unfinished character), and a reset.
+  std::string finish() {
+    std::string out = detail::utf8_lossy(pending_);
+    pending_.clear();
+    return out;
+  }
+
+ private:
+  Tokenizer const* tokenizer_;
+  bool skip_special_;
+  std::string pending_;
+};
+
+}  // namespace moe::text
