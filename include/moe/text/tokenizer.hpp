@@ -596,7 +596,7 @@ class Tokenizer {
       std::int32_t const ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(joined);
       if (ia < 0 || ib < 0 || iab < 0) {
         moe::detail::fail("text: ", source_, ": merge ", rank, " (",
-                          io::detail::printable_name(a + " " + b),
+                          io::detail::printable_name(detail::concat(a, ' ', b)),
                           ") names a token that is not in the vocab");
       }
       merges_.insert(pair_key(ia, ib), {rank++, iab});
@@ -653,7 +653,7 @@ class Tokenizer {
       } else if (key == "ignore_merges") {
         ignore_merges_ = c.read_bool();
       } else if (key == "continuing_subword_prefix" || key == "end_of_word_suffix") {
-        if (!read_string_or_null(c).empty()) unsupported(source_, concat_key("BPE ", key));
+        if (!read_string_or_null(c).empty()) unsupported(source_, detail::concat("BPE ", key));
       } else {
         c.skip_value();
       }
@@ -666,10 +666,6 @@ class Tokenizer {
       moe::detail::fail("text: ", source_, ": merges but an empty vocab");
     }
     for (auto const& [a, b] : merges) add_merge(a, b);
-  }
-
-  static std::string concat_key(std::string_view a, std::string_view b) {
-    return std::string(a) + std::string(b);
   }
 
   void parse_added(io::detail::JsonCursor& cur) {
@@ -983,7 +979,9 @@ class Tokenizer {
     }
     std::string prefixed;
     if (add_prefix_space_ && !text.empty() && text[0] != ' ') {
-      prefixed = " " + std::string(text);
+      prefixed.reserve(text.size() + 1);
+      prefixed += ' ';
+      prefixed += text;
       text = prefixed;
     }
     split_from(0, text, ids);
