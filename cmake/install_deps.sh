@@ -6,6 +6,10 @@ set -euo pipefail
 packages=(g++ cmake make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format clang-14
           libclang-rt-14-dev libopenmpi-dev openmpi-bin python3
           libpcre2-dev libicu-dev)
+# node and npm run the tokenizer's oracle test (tests/text/oracle); Debian's, unless a node is
+# already on the PATH.
+command -v node >/dev/null 2>&1 || packages+=(nodejs)
+command -v npm >/dev/null 2>&1 || packages+=(npm)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
