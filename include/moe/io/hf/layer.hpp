@@ -38,65 +38,52 @@ namespace moe::io {
 // ---------------------------------------------------------------------------------------------
 // Families, preset configs and layer types.
 
+namespace detail {
+/// An HfMoeConfig of `family` with these sizes; the top-k weights renormalised as the family
+/// does (`norm` where config.json decides it).
+inline HfMoeConfig hf_sized(HfFamily family, Index hidden, Index width, Index experts, Index top_k,
+                            bool norm = false) {
+  HfMoeConfig c;
+  c.family = family;
+  c.hidden_size = hidden;
+  c.expert_intermediate_size = width;
+  c.num_experts = experts;
+  c.num_experts_per_tok = top_k;
+  HfNormTopK const rule = c.spec().norm_topk;
+  c.norm_topk_prob = rule == HfNormTopK::kAlways || (rule == HfNormTopK::kKey && norm);
+  return c;
+}
+}  // namespace detail
+
 /// HfMoeConfig of a preset configuration (the inverse of the mapping load_hf_layer() uses).
 /// num_hidden_layers stays -1 (unknown) and every layer counts as an MoE layer.
 inline HfMoeConfig hf_config(presets::MixtralConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kMixtral;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.intermediate_size;
-  c.num_experts = p.num_local_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = true;
-  return c;
+  return detail::hf_sized(HfFamily::kMixtral, p.hidden_size, p.intermediate_size,
+                          p.num_local_experts, p.num_experts_per_tok);
 }
 inline HfMoeConfig hf_config(presets::Qwen2MoeConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kQwen2Moe;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.moe_intermediate_size;
+  HfMoeConfig c = detail::hf_sized(HfFamily::kQwen2Moe, p.hidden_size, p.moe_intermediate_size,
+                                   p.num_experts, p.num_experts_per_tok, p.norm_topk_prob);
   c.shared_expert_intermediate_size = p.shared_expert_intermediate_size;
-  c.num_experts = p.num_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = p.norm_topk_prob;
   return c;
 }
 inline HfMoeConfig hf_config(presets::Qwen3MoeConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kQwen3Moe;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.moe_intermediate_size;
-  c.num_experts = p.num_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = p.norm_topk_prob;
-  return c;
+  return detail::hf_sized(HfFamily::kQwen3Moe, p.hidden_size, p.moe_intermediate_size,
+                          p.num_experts, p.num_experts_per_tok, p.norm_topk_prob);
 }
 inline HfMoeConfig hf_config(presets::DeepseekV3Config const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kDeepseekV3;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.moe_intermediate_size;
-  c.num_experts = p.n_routed_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
+  HfMoeConfig c = detail::hf_sized(HfFamily::kDeepseekV3, p.hidden_size, p.moe_intermediate_size,
+                                   p.n_routed_experts, p.num_experts_per_tok, p.norm_topk_prob);
   c.n_group = p.n_group;
   c.topk_group = p.topk_group;
   c.routed_scaling_factor = p.routed_scaling_factor;
   c.n_shared_experts = p.n_shared_experts;
-  c.norm_topk_prob = p.norm_topk_prob;
-  c.first_k_dense_replace = 0;
   return c;
 }
 inline HfMoeConfig hf_config(presets::OlmoeConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kOlmoe;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.intermediate_size;
-  c.num_experts = p.num_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = p.norm_topk_prob;
-  return c;
+  return detail::hf_sized(HfFamily::kOlmoe, p.hidden_size, p.intermediate_size, p.num_experts,
+                          p.num_experts_per_tok, p.norm_topk_prob);
 }
-
 inline HfMoeConfig hf_config(presets::Qwen3NextConfig const& p) {
   HfMoeConfig c = hf_config(presets::Qwen2MoeConfig{
       p.hidden_size, p.moe_intermediate_size, p.shared_expert_intermediate_size, p.num_experts,
@@ -121,47 +108,26 @@ inline HfMoeConfig hf_config(presets::DeepseekV2Config const& p) {
   return c;
 }
 inline HfMoeConfig hf_config(presets::MinimaxM2Config const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kMinimaxM2;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.intermediate_size;
-  c.num_experts = p.num_local_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = true;
-  return c;
+  return detail::hf_sized(HfFamily::kMinimaxM2, p.hidden_size, p.intermediate_size,
+                          p.num_local_experts, p.num_experts_per_tok);
 }
 inline HfMoeConfig hf_config(presets::Llama4Config const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kLlama4;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.intermediate_size;
-  c.num_experts = p.num_local_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  return c;
+  return detail::hf_sized(HfFamily::kLlama4, p.hidden_size, p.intermediate_size,
+                          p.num_local_experts, p.num_experts_per_tok);
 }
 inline HfMoeConfig hf_config(presets::Ernie45MoeConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kErnie45Moe;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.moe_intermediate_size;
-  c.num_experts = p.moe_num_experts;
-  c.num_experts_per_tok = p.moe_k;
+  HfMoeConfig c = detail::hf_sized(HfFamily::kErnie45Moe, p.hidden_size, p.moe_intermediate_size,
+                                   p.moe_num_experts, p.moe_k);
   c.n_shared_experts = p.moe_num_shared_experts;
   c.moe_layer_start_index = 0;  // every layer an MoE layer, as the other preset configs
   c.moe_norm_min = p.moe_norm_min;
-  c.norm_topk_prob = true;
   c.scoring_func = "softmax";
   c.use_bias = p.use_bias;
   return c;
 }
 inline HfMoeConfig hf_config(presets::GptOssConfig const& p) {
-  HfMoeConfig c;
-  c.family = HfFamily::kGptOss;
-  c.hidden_size = p.hidden_size;
-  c.expert_intermediate_size = p.intermediate_size;
-  c.num_experts = p.num_local_experts;
-  c.num_experts_per_tok = p.num_experts_per_tok;
-  c.norm_topk_prob = true;
+  HfMoeConfig c = detail::hf_sized(HfFamily::kGptOss, p.hidden_size, p.intermediate_size,
+                                   p.num_local_experts, p.num_experts_per_tok);
   c.swiglu_limit = p.swiglu_limit;
   c.swiglu_alpha = p.swiglu_alpha;
   return c;
