@@ -1,9 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Every error class of config.json parsing and layer loading: each throws moe::Error naming the
 // file, the key or tensor, what is wrong and how to fix it. Also FP8 blockwise dequantisation.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -289,4 +296,85 @@ TEST_CASE("FP8 blockwise weights are dequantised with weight_scale_inv", "[hf][f
       moe::io::load_hf_layer<presets::DeepseekV3Moe>(dir, 0),
       Contains("_scale_inv' is F32 [4, 1] but the 4x4 blocks") && Contains("need F32 [2, 2]"));
   (void)bad_scale;
+}
+
+TEST_CASE("A config.json implying a huge layer is refused by its shapes before any allocation",
+          "[hf][errors]") {
+  // The checkpoint is 8 wide; config.json implies 128 experts of 65536 x 65536 (terabytes).
+  // The loader compares every tensor header with config.json before it allocates the layer, so
+  // the error is the shape, at once. Run in a child under an address-space limit of 1 GiB more
+  // than it has: a loader that allocated first would fail with std::bad_alloc (exit 2) instead
+  // of committing the machine's memory.
+  fs::path const dir = tiny_qwen2("huge_config");
+  iotest::write_text(dir / "config.json",
+                     R"({"model_type": "qwen2_moe", "hidden_size": 65536,
+                         "moe_intermediate_size": 65536, "shared_expert_intermediate_size": 65536,
+                         "num_experts": 128, "num_experts_per_tok": 2})");
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  pid_t const pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    long pages = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    rlim_t const limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) +
+                         (rlim_t{1} << 30);
+    struct rlimit const rl = {limit, limit};
+    ::setrlimit(RLIMIT_AS, &rl);
+    std::string message;
+    int code = 3;
+    try {
+      load_qwen2(dir);
+      message = "loaded";
+    } catch (moe::Error const& e) {
+      message = e.what();
+      code = 0;
+    } catch (std::bad_alloc const&) {
+      message = "std::bad_alloc";
+      code = 2;
+    } catch (std::exception const& e) {
+      message = e.what();
+    }
+    if (::write(pipe_fds[1], message.data(), message.size()) < 0) code = 4;
+    ::_exit(code);
+  }
+  ::close(pipe_fds[1]);
+  std::string message;
+  char buffer[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
+    message.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(pipe_fds[0]);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  INFO(message);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  CHECK_THAT(message, Contains("tensor 'model.layers.0.mlp.gate.weight' has shape [4, 8] but "
+                               "config.json implies [128, 65536]") &&
+                          Contains("check that config.json belongs to these weights"));
+}
+
+TEST_CASE("A config.json that is a link to a device says config.json is not a regular file",
+          "[hf][errors]") {
+  fs::path const dir = tiny_qwen2("config_device");
+  fs::remove(dir / "config.json");
+  fs::create_symlink("/dev/zero", dir / "config.json");
+  auto const message = [&] {
+    try {
+      load_qwen2(dir);
+    } catch (moe::Error const& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  }();
+  CHECK_THAT(message, Contains("config.json' is not a regular file (a character device") &&
+                          Contains("config.json is a regular file") &&
+                          !Contains(".safetensors file"));
+  CHECK_THROWS_WITH(moe::io::read_hf_config(dir),
+                    Contains("is not a regular file") && !Contains(".safetensors file"));
 }

@@ -311,6 +311,17 @@ class Decoder {
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
+  /// The context the model was trained for (config.json's max_position_embeddings; 0: not
+  /// known). Longer contexts run, outside what the model was trained on.
+  Index max_context() const { return config.max_position_embeddings; }
+  /// A warning (one sentence) when a context of `tokens` tokens (prompt and new tokens) is longer
+  /// than max_context(), else empty.
+  std::string context_warning(Index tokens) const {
+    if (max_context() <= 0 || tokens <= max_context()) return {};
+    return io::detail::concat("a context of ", tokens, " tokens is longer than the ", max_context(),
+                              " the model was trained for (config.json's "
+                              "max_position_embeddings); the tokens past it may be poor");
+  }
   /// Bytes of the dense matrices a decode step of one token streams: every attention
   /// projection, dense MLP and the LM head (the embedding's one row aside).
   std::size_t dense_bytes_per_step() const {
@@ -567,6 +578,51 @@ inline Embedding read_embedding(Loading const& ld, Index V, Index H,
   return e;
 }
 
+/// Checks every tensor of the model against config.json from the checkpoint's headers (presence,
+/// dtype, shape; the MoE layers as the layer loader checks them) before anything is allocated:
+/// a config.json implying a huge model for small tensors is refused by its shapes at once, not
+/// after committing the memory it implies. The shapes are those load_decoder reads.
+inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConfig const& c,
+                                  std::string const& why) {
+  Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
+              kv = c.num_key_value_heads, dh = c.head_dim;
+  checked_tensor(ckpt, "model.embed_tokens.weight", {V, H}, why);
+  checked_tensor(ckpt, "model.norm.weight", {H}, why);
+  if (!c.tie_word_embeddings) checked_tensor(ckpt, "lm_head.weight", {V, H}, why);
+  for (Index L = 0; L < c.num_hidden_layers; ++L) {
+    std::string const p = io::detail::concat("model.layers.", L, ".");
+    auto check = [&](char const* name, std::vector<std::int64_t> const& shape) {
+      checked_tensor(ckpt, p + name, shape, why);
+    };
+    check("self_attn.q_proj.weight", {nh * dh, H});
+    check("self_attn.k_proj.weight", {kv * dh, H});
+    check("self_attn.v_proj.weight", {kv * dh, H});
+    check("self_attn.o_proj.weight", {H, nh * dh});
+    if (c.qk_norm) {
+      bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+      check("self_attn.q_norm.weight", {all ? nh * dh : dh});
+      check("self_attn.k_norm.weight", {all ? kv * dh : dh});
+    }
+    if (c.qkv_bias) {
+      check("self_attn.q_proj.bias", {nh * dh});
+      check("self_attn.k_proj.bias", {kv * dh});
+      check("self_attn.v_proj.bias", {kv * dh});
+    }
+    if (c.o_bias) check("self_attn.o_proj.bias", {H});
+    if (c.sinks) check("self_attn.sinks", {nh});
+    check("input_layernorm.weight", {H});
+    check("post_attention_layernorm.weight", {H});
+    if (c.moe.is_moe_layer(L)) {
+      io::detail::checked_hf_layer_tensors(c.moe, ckpt, L);
+    } else {
+      Index const I = c.intermediate_size;
+      check("mlp.gate_proj.weight", {I, H});
+      check("mlp.up_proj.weight", {I, H});
+      check("mlp.down_proj.weight", {H, I});
+    }
+  }
+}
+
 template <class Moe>
 Decoder<Moe> load_decoder(DecoderConfig const& c,
                           std::shared_ptr<io::ShardedCheckpoint const> const& mapped,
@@ -582,6 +638,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
                    "a decoder checkpoint holds the embedding, every layer, the final norm and "
                    "(untied) lm_head"};
   std::string const& why = ld.why;
+  check_decoder_tensors(ckpt, c, why);  // before anything is allocated
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
   std::vector<float> embedding_values;  // the embedding's floats, when converted and tied

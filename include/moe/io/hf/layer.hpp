@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <new>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -710,24 +712,42 @@ inline std::string defaulted_note(HfMoeConfig const& c) {
   return note + ", which took their transformers defaults)";
 }
 
-/// Reads tensor `t` as floats, checking presence, dtype and shape; dequantises FP8 blockwise
-/// weights (F8_E4M3 with a "<name>_scale_inv" F32 tensor of [ceil(rows/br), ceil(cols/bc)]).
 /// The metadata key save_hf_layer_quantized records tensor `name`'s stored format under.
 inline std::string quant_key(std::string const& name) { return concat("moe.quant.", name); }
 
-inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor const& t,
-                                         HfMoeConfig const& c, Index layer,
-                                         std::string const& prefix,
-                                         experts::WeightFormat* stored = nullptr) {
+/// Tensor `t`'s view, its presence, dtype and shape checked against config.json from the header
+/// alone (no data is read): a U8 GGUF-block tensor marked by save_hf_layer_quantized, F32 /
+/// BF16 / F16, or a 2-D F8_E4M3 weight with its "<name>_scale_inv" F32 / BF16 / F16 tensor of
+/// [ceil(rows/br), ceil(cols/bc)] blocks; an MXFP4 blocks or scales tensor is U8 of its shape.
+inline TensorView const& checked_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor const& t,
+                                           HfMoeConfig const& c, Index layer,
+                                           std::string const& prefix) {
   std::string const& src = ckpt.source();
   TensorView const* view = ckpt.find(t.name);
+  if (hf_is_mxfp4(t.part)) {
+    if (view == nullptr) {
+      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " (U8 ",
+                        shape_string(t.shape),
+                        ") is missing; config.json says the experts are "
+                        "MXFP4 (quantization_config.quant_method \"mxfp4\"); ",
+                        missing_tensor_hint(ckpt, c, layer, prefix));
+    }
+    if (view->dtype != Dtype::kU8 || view->shape != t.shape) {
+      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " is ",
+                        dtype_name(view->dtype), " ", shape_string(view->shape), " but MXFP4 ",
+                        "storage of these experts is U8 ", shape_string(t.shape), " (hidden_size ",
+                        c.hidden_size, ", ", c.num_experts, " experts of width ",
+                        c.expert_intermediate_size, defaulted_note(c),
+                        "); check that config.json belongs to these weights");
+    }
+    return *view;
+  }
   if (view == nullptr) {
     moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " (", shape_string(t.shape),
                       ") is missing; ", missing_tensor_hint(ckpt, c, layer, prefix));
   }
   if (std::string const* f = ckpt.shard_metadata(t.name, quant_key(t.name))) {
     experts::WeightFormat const format = experts::parse_weight_format(*f);
-    if (stored) *stored = format;
     if (experts::is_quantized(format)) {
       quant::Format const q = experts::quant_format(format);
       moe::detail::check(t.shape.size() == 2, "hf: ", src, ": tensor ", printable_name(t.name),
@@ -743,12 +763,7 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
                           "; a ", *f, " tensor of ", shape_string(t.shape), " is U8 ",
                           shape_string(want), " (GGUF blocks, row by row)");
       }
-      std::vector<float> values(static_cast<std::size_t>(rows * cols));
-      std::span<std::byte const> const bytes = view->bytes;
-      for (Index r = 0; r < rows; ++r) {
-        quant::dequantize_row(q, bytes.data() + r * want[1], cols, values.data() + r * cols);
-      }
-      return values;
+      return *view;
     }
   }
   bool const fp8 = view->dtype == Dtype::kF8E4M3;
@@ -767,8 +782,7 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
                       c.expert_intermediate_size, defaulted_note(c),
                       "); check that config.json belongs to these weights");
   }
-  std::vector<float> values = to_float(*view);
-  if (!fp8) return values;
+  if (!fp8) return *view;
   std::string const scale_name = concat(t.name, "_scale_inv");
   TensorView const* scale = ckpt.find(scale_name);
   if (scale == nullptr) {
@@ -790,11 +804,43 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
                       shape_string(scale_shape),
                       "; check quantization_config.weight_block_size in config.json");
   }
-  std::vector<float> const s = to_float(*scale);
+  return *view;
+}
+
+/// Reads tensor `t` as floats, checked as checked_hf_tensor() does; dequantises GGUF blocks
+/// (`stored` receives their format) and FP8 blockwise weights (w = q * scale_inv of its block).
+inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor const& t,
+                                         HfMoeConfig const& c, Index layer,
+                                         std::string const& prefix,
+                                         experts::WeightFormat* stored = nullptr) {
+  TensorView const& view = checked_hf_tensor(ckpt, t, c, layer, prefix);
+  if (std::string const* f = ckpt.shard_metadata(t.name, quant_key(t.name))) {
+    experts::WeightFormat const format = experts::parse_weight_format(*f);
+    if (stored) *stored = format;
+    if (experts::is_quantized(format)) {
+      quant::Format const q = experts::quant_format(format);
+      Index const rows = t.shape[0], cols = t.shape[1];
+      std::int64_t const row_bytes = quant::row_bytes(q, cols);
+      std::vector<float> values(static_cast<std::size_t>(rows * cols));
+      std::span<std::byte const> const bytes = view.bytes;
+      for (Index r = 0; r < rows; ++r) {
+        quant::dequantize_row(q, bytes.data() + r * row_bytes, cols, values.data() + r * cols);
+      }
+      return values;
+    }
+  }
+  std::vector<float> values = to_float(view);
+  if (view.dtype != Dtype::kF8E4M3) return values;
+  TensorView const& scale = *ckpt.find(concat(t.name, "_scale_inv"));
+  std::int64_t const rows = t.shape[0], cols = t.shape[1];
+  std::int64_t const br = c.fp8_block_rows > 0 ? c.fp8_block_rows : 128;
+  std::int64_t const bc = c.fp8_block_cols > 0 ? c.fp8_block_cols : 128;
+  std::int64_t const scale_cols = (cols + bc - 1) / bc;
+  std::vector<float> const s = to_float(scale);
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t k = 0; k < cols; ++k) {
       values[static_cast<std::size_t>(r * cols + k)] *=
-          s[static_cast<std::size_t>((r / br) * scale_shape[1] + k / bc)];
+          s[static_cast<std::size_t>((r / br) * scale_cols + k / bc)];
     }
   }
   return values;
@@ -807,25 +853,8 @@ inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor con
                                      HfTensor const& scales, HfMoeConfig const& c, Index layer,
                                      std::string const& prefix) {
   std::string const& src = ckpt.source();
-  TensorView const* bv = ckpt.find(blocks.name);
-  TensorView const* sv = ckpt.find(scales.name);
-  for (auto [view, t] : {std::pair{bv, &blocks}, std::pair{sv, &scales}}) {
-    if (view == nullptr) {
-      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t->name), " (U8 ",
-                        shape_string(t->shape),
-                        ") is missing; config.json says the experts are "
-                        "MXFP4 (quantization_config.quant_method \"mxfp4\"); ",
-                        missing_tensor_hint(ckpt, c, layer, prefix));
-    }
-    if (view->dtype != Dtype::kU8 || view->shape != t->shape) {
-      moe::detail::fail("hf: ", src, ": tensor ", printable_name(t->name), " is ",
-                        dtype_name(view->dtype), " ", shape_string(view->shape), " but MXFP4 ",
-                        "storage of these experts is U8 ", shape_string(t->shape), " (hidden_size ",
-                        c.hidden_size, ", ", c.num_experts, " experts of width ",
-                        c.expert_intermediate_size, defaulted_note(c),
-                        "); check that config.json belongs to these weights");
-    }
-  }
+  TensorView const* bv = &checked_hf_tensor(ckpt, blocks, c, layer, prefix);
+  TensorView const* sv = &checked_hf_tensor(ckpt, scales, c, layer, prefix);
   std::size_t const groups = static_cast<std::size_t>(scales.num_elements());
   auto const* b = reinterpret_cast<std::uint8_t const*>(bv->bytes.data());
   auto const* e8 = reinterpret_cast<std::uint8_t const*>(sv->bytes.data());
@@ -843,6 +872,37 @@ inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor con
     }
   }
   return out;
+}
+
+/// The bytes of fp32 weights the tensors `ts` hold (for messages; saturates instead of
+/// overflowing).
+inline std::uint64_t hf_layer_bytes(std::vector<HfTensor> const& ts) {
+  std::uint64_t total = 0;
+  for (HfTensor const& t : ts) {
+    std::uint64_t n = 4;
+    for (std::int64_t const d : t.shape) {
+      auto const u = static_cast<std::uint64_t>(std::max<std::int64_t>(d, 0));
+      n = u != 0 && n > UINT64_MAX / u ? UINT64_MAX : n * u;
+    }
+    total = total > UINT64_MAX - n ? UINT64_MAX : total + n;
+  }
+  return total;
+}
+
+/// make() (which allocates), with std::bad_alloc and std::length_error turned into a moe::Error
+/// naming what() -- what was being allocated, and its bytes -- so that running out of memory
+/// says what for, instead of a bare "std::bad_alloc".
+template <class Make, class What>
+auto allocating(Make&& make, What&& what) -> decltype(make()) {
+  try {
+    return make();
+  } catch (std::bad_alloc const&) {
+    moe::detail::fail(what(),
+                      " cannot be allocated (out of memory); free memory or load a "
+                      "smaller model");
+  } catch (std::length_error const&) {
+    moe::detail::fail(what(), " is more than a vector can hold; check the sizes in config.json");
+  }
 }
 
 /// Finds the layer's module prefix and whether its experts are fused.
@@ -890,6 +950,18 @@ inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& 
   return layout;
 }
 
+/// The layout and tensors of MoE layer `layer`, every tensor's presence, dtype and shape checked
+/// against config.json from the checkpoint's headers (checked_hf_tensor()): no tensor data is
+/// read and nothing is allocated for the layer.
+inline std::pair<HfLayout, std::vector<HfTensor>> checked_hf_layer_tensors(
+    HfMoeConfig const& config, ShardedCheckpoint const& checkpoint, Index layer,
+    HfLoadOptions const& options = {}) {
+  HfLayout layout = detect_layout(checkpoint, config, layer, options);
+  std::vector<HfTensor> tensors = hf_layer_tensors(config, layout);
+  for (HfTensor const& t : tensors) checked_hf_tensor(checkpoint, t, config, layer, layout.prefix);
+  return {std::move(layout), std::move(tensors)};
+}
+
 }  // namespace detail
 
 /// Loads MoE layer `layer` of a model whose config.json is `config` from `checkpoint`, into the
@@ -912,22 +984,32 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
     moe::detail::fail("hf: ", checkpoint.source(), ": cannot load layer ", layer, " of this ",
                       config.model_type(), " model as an MoE layer: ", why, "; pick an MoE layer");
   }
-  HfLayer<Layer> out{config,
-                     layer,
-                     detail::detect_layout(checkpoint, config, layer, options),
-                     {},
-                     make_hf_layer<Layer>(config),
-                     {},
-                     {},
-                     {}};
-  out.tensors = hf_layer_tensors(config, out.layout);
-  out.warnings = detail::hf_load_warnings(config, checkpoint, out.layout.prefix, out.tensors);
-  if (options.strict && !out.warnings.empty()) {
+  // Every tensor's header against config.json before the layer is allocated: a config.json that
+  // implies a huge layer for small tensors is refused by its shapes at once, with no memory
+  // committed to (and zero-filled for) the layer it implies.
+  auto [layout, tensors] = detail::checked_hf_layer_tensors(config, checkpoint, layer, options);
+  std::vector<std::string> warnings =
+      detail::hf_load_warnings(config, checkpoint, layout.prefix, tensors);
+  if (options.strict && !warnings.empty()) {
     std::string all;
-    for (std::string const& w : out.warnings) all += detail::concat(all.empty() ? "" : "; ", w);
+    for (std::string const& w : warnings) all += detail::concat(all.empty() ? "" : "; ", w);
     moe::detail::fail("hf: ", checkpoint.source(), ": ", all,
                       " (strict loading; fix the checkpoint or load without strict)");
   }
+  std::uint64_t const bytes = detail::hf_layer_bytes(tensors);
+  HfLayer<Layer> out{config,
+                     layer,
+                     layout,
+                     std::move(tensors),
+                     detail::allocating([&] { return make_hf_layer<Layer>(config); },
+                                        [&] {
+                                          return detail::concat("hf: ", checkpoint.source(),
+                                                                ": layer ", layer, " (", bytes,
+                                                                " bytes of fp32 weights)");
+                                        }),
+                     {},
+                     {},
+                     std::move(warnings)};
   Index const E = config.num_experts;
   std::vector<experts::WeightFormat> gate(static_cast<std::size_t>(E)), up(gate.size()),
       down(gate.size());
