@@ -332,6 +332,11 @@ int main(int argc, char** argv) {
           for (std::string const& w : d.warnings) {
             std::fprintf(stderr, "moe_generate: warning: %s\n", w.c_str());
           }
+          if (std::string const w = d.context_warning(static_cast<moe::Index>(a.prompt.size()) +
+                                                      static_cast<moe::Index>(a.max_new));
+              !w.empty()) {
+            std::fprintf(stderr, "moe_generate: warning: %s\n", w.c_str());
+          }
           if (!fell.empty()) {
             std::fprintf(stderr,
                          "moe_generate: warning: %zu matrices have depths their format's blocks "

@@ -1309,6 +1309,40 @@ TEST_CASE(
   REQUIRE_THAT(text_of(dir / "err.txt"),
                Catch::Contains("moe_generate: warning: config.json sets tie_word_embeddings"));
 }
+TEST_CASE("Decoder: a context longer than max_position_embeddings is a warning",
+          "[models][decoder][generate]") {
+  Tiny const t;
+  Tensors const m = make_tensors(t, 960);
+  fs::path const dir = write_model(t, m, "decoder_max_position");
+  auto const plain = moe::models::load_hf_decoder(dir);  // config.json without the key
+  std::visit(
+      [](auto const& dec) {
+        REQUIRE(dec.max_context() == 0);
+        REQUIRE(dec.context_warning(1 << 20).empty());
+      },
+      plain);
+  std::string j = config_json(t);
+  j.resize(j.rfind('}'));
+  iotest::write_text(dir / "config.json", j + ", \"max_position_embeddings\": 4}");
+  auto const any = moe::models::load_hf_decoder(dir);
+  std::visit(
+      [](auto const& dec) {
+        REQUIRE(dec.max_context() == 4);
+        REQUIRE(dec.context_warning(4).empty());
+        REQUIRE_THAT(dec.context_warning(5),
+                     Catch::Contains("a context of 5 tokens is longer than the 4 the model was "
+                                     "trained for (config.json's max_position_embeddings)"));
+      },
+      any);
+  std::string const model = "--model '" + dir.string() + "' --prompt-ids 3,17 --max-new-tokens ";
+  REQUIRE(run_generate(model + "2", dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"), !Catch::Contains("warning"));
+  REQUIRE(run_generate(model + "3", dir) == 0);
+  std::string const err = text_of(dir / "err.txt");
+  REQUIRE_THAT(err, Catch::Contains("moe_generate: warning: a context of 5 tokens is longer than "
+                                    "the 4 the model was trained for"));
+  REQUIRE(err.find("warning") == err.rfind("warning"));  // one warning line
+}
 #endif
 
 // ---- GGUF files (llama.cpp's layout) decode as the Hugging Face checkpoint of their values.

@@ -57,6 +57,8 @@ namespace moe::models {
 /// - rotary_dim: glm4_moe int(head_dim * partial_rotary_factor); minimax_m2 rotary_dim.
 /// - rms_norm_eps (also the q/k norms'): 1e-6 / 1e-5 / 1e-6 / 1e-5 / 1e-5 / 1e-6 / 1e-5 / 1e-5.
 /// - tie_word_embeddings: false (ernie4_5_moe: true); true: lm_head = embed_tokens.
+/// - max_position_embeddings: 0 when absent (no limit known); only warned about
+///   (Decoder::context_warning()).
 /// - sliding_window: mixtral, every layer (null: none); gpt_oss (128), the layers layer_types
 ///   calls "sliding_attention" (default: the even ones); use_sliding_window must be false
 ///   (qwen3_moe, qwen2_moe).
@@ -86,6 +88,10 @@ struct DecoderConfig {
   bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
   bool rope_interleaved = false;  ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5)
+  /// config.json's max_position_embeddings, the context the model was trained for (0: absent).
+  /// A longer context is not refused (RoPE runs at any position) but is outside what the model
+  /// was trained on: Decoder::context_warning() says so, moe_generate prints it.
+  Index max_position_embeddings = 0;
 };
 
 namespace detail {
@@ -174,6 +180,9 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   c.rope_theta = as_float(rope.theta, "rope_theta");
   c.rms_norm_eps = as_float(r.number("rms_norm_eps", def.rms_norm_eps), "rms_norm_eps");
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", def.tie_word_embeddings);
+  if (r.find("max_position_embeddings") != nullptr) {
+    c.max_position_embeddings = r.integer({"max_position_embeddings"}, 0, 1);
+  }
 
   // Attention: q/k norms, biases, rotary dimensions, interleaved RoPE, sinks.
   using io::HfAttentionBias;
