@@ -15,8 +15,8 @@
 // layer, its expert projections in the chosen formats: docs/quantization.md "Checkpoints") and
 // OUT/quant_report.tsv (expert, projection, alpha, format, bits, relative error), and prints a
 // summary. --help / -h lists the options, one line each, on stdout. Exit status 0 (and for
-// --help), 2 on an unknown argument (one line on stderr pointing at --help), or 1 with a one-line
-// message on stderr.
+// --help), 2 on an unknown argument or an empty --candidates list or item (one line on stderr
+// pointing at --help), or 1 with a one-line message on stderr.
 
 #include <charconv>
 #include <cstdio>
@@ -72,7 +72,7 @@ Index parse_int(std::string const& key, std::string const& s, Index lo, Index hi
 
 template <class Layer>
 void quantize(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> const& args,
-              moe::ThreadPool* pool) {
+              std::vector<experts::WeightFormat> const& candidates, moe::ThreadPool* pool) {
   Layer& layer = hf.layer;
   double const bits = parse_double("--bits", args.at("--bits"));
   std::string const& m = args.at("--method");
@@ -84,15 +84,7 @@ void quantize(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> co
   if (args.count("--alpha-power") != 0) {
     opt.alpha_power = parse_double("--alpha-power", args.at("--alpha-power"));
   }
-  if (args.count("--candidates") != 0) {
-    opt.candidates.clear();
-    std::string_view list = args.at("--candidates");
-    while (!list.empty()) {
-      std::size_t const comma = list.find(',');
-      opt.candidates.push_back(experts::parse_weight_format(list.substr(0, comma)));
-      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
-    }
-  }
+  if (!candidates.empty()) opt.candidates = candidates;
   std::fprintf(stderr, "moe_quantize: %lld experts, spectra and errors of every projection...\n",
                static_cast<long long>(layer.num_experts()));
   experts::QuantPlan const plan = experts::plan_quantization(layer.experts(), bits, method, opt);
@@ -152,6 +144,26 @@ int main_impl(int argc, char** argv) {
     if (args.count(required) == 0) fail("missing ", required, "; ", kSeeHelp);
   }
   Index const layer = parse_int("--layer", args.at("--layer"), 0, 1 << 20);
+  // --candidates: a comma-separated list of format names; an empty list or item is a usage
+  // error (exit 2), not the default list.
+  std::vector<experts::WeightFormat> candidates;
+  if (args.count("--candidates") != 0) {
+    std::string_view list = args.at("--candidates");
+    for (bool more = true; more;) {
+      std::size_t const comma = list.find(',');
+      std::string_view const item = list.substr(0, comma);
+      if (item.empty()) {
+        std::fprintf(stderr,
+                     "moe_quantize: --candidates '%s' has an empty format name; give a "
+                     "comma-separated list such as q4_k,q6_k,q8_0,bf16 (%s)\n",
+                     args.at("--candidates").c_str(), kSeeHelp);
+        return moe_cli::kExitUsage;
+      }
+      candidates.push_back(experts::parse_weight_format(item));
+      more = comma != std::string_view::npos;
+      if (more) list = list.substr(comma + 1);
+    }
+  }
   Index threads = std::clamp(static_cast<Index>(std::thread::hardware_concurrency()), Index{1},
                              Index{moe::ThreadPool::kMaxThreads});
   if (args.count("--threads") != 0)
@@ -164,7 +176,7 @@ int main_impl(int argc, char** argv) {
          "model's config.json and weights, pass a new directory");
   }
   moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(args.at("--model"), layer);
-  std::visit([&](auto& loaded) { quantize(loaded, args, pool.get()); }, hf);
+  std::visit([&](auto& loaded) { quantize(loaded, args, candidates, pool.get()); }, hf);
   return 0;
 }
 

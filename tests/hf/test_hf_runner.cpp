@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hf/hf_test_support.hpp"
@@ -316,6 +317,33 @@ TEST_CASE("moe_quantize: AlphaQ and uniform checkpoints that moe_run_hf_layer ru
   std::vector<std::byte> const err = iotest::read_file(bad.string() + ".err");
   REQUIRE_THAT(std::string(reinterpret_cast<char const*>(err.data()), err.size()),
                Contains("moe_quantize: ") && Contains("below the smallest candidate"));
+  // --candidates: an empty list or item is a usage error (exit 2, one line) before the model is
+  // read; candidates that cannot hold a depth (64 is no multiple of 256) name the shape.
+  auto quantize_with = [&](std::string const& candidates) {
+    std::string command = "'";
+    command.append(MOE_QUANTIZE).append("' ");
+    command.append(
+        words({"--model", quoted(dir), "--layer 1 --bits 8 --method alphaq --out", quoted(bad),
+               "--candidates", candidates, "2>", quoted(fs::path(bad.string() + ".err"))}));
+    int const status = std::system(command.c_str());
+    std::vector<std::byte> const e = iotest::read_file(bad.string() + ".err");
+    return std::pair{WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+                     std::string(reinterpret_cast<char const*>(e.data()), e.size())};
+  };
+  for (std::string const list : {"''", "q4_k,,q8_0", "q8_0,"}) {
+    INFO(list);
+    auto const [status, text] = quantize_with(list);
+    REQUIRE(status == 2);
+    REQUIRE(std::count(text.begin(), text.end(), '\n') == 1);
+    REQUIRE_THAT(text, Contains("moe_quantize: --candidates") &&
+                           Contains("has an empty format name") && Contains("--help"));
+  }
+  auto const [status, text] = quantize_with("q4_k,q6_k");
+  REQUIRE(status == 1);  // after the progress line, one line of error
+  REQUIRE_THAT(text, Contains("\nmoe_quantize: moe: plan_quantization: no candidate format (q4_k, "
+                              "q6_k) holds the in projections' depth d_model = 64") &&
+                         Contains("the shape is the problem, not the budget") &&
+                         Contains("(q4_0, q8_0, bf16, fp32)") && !Contains("raise the budget"));
 }
 #endif
 

@@ -208,3 +208,28 @@ TEST_CASE("alphaq: on a bank of heavy-tailed and Gaussian experts AlphaQ beats u
   auto const again = experts::plan_quantization(bank, budget, experts::AllocationMethod::kAlphaQ);
   CHECK(again.formats == aq.formats);
 }
+
+TEST_CASE("plan_quantization: a depth no candidate holds is the shape's fault, not the budget's",
+          "[quant][alphaq]") {
+  // d_ffn = 48: no 32- or 256-block divides it, so only bf16 and fp32 hold the down projections.
+  experts::ExpertBank<experts::SwiGlu> bank(2, 64, 48);
+  experts::QuantOptions opt;
+  opt.candidates = {WeightFormat::kQ4_0, WeightFormat::kQ4_K, WeightFormat::kQ8_0};
+  for (auto const method :
+       {experts::AllocationMethod::kUniform, experts::AllocationMethod::kAlphaQ}) {
+    REQUIRE_THROWS_WITH(
+        experts::plan_quantization(bank, 64.0, method, opt),
+        Catch::Contains("no candidate format (q4_0, q4_k, q8_0) holds the down projections' "
+                        "depth d_ffn = 48") &&
+            Catch::Contains("the shape is the problem, not the budget") &&
+            Catch::Contains("(bf16, fp32)") && !Catch::Contains("raise the budget"));
+  }
+  // The shapes held (d_model 64, d_ffn 32 by q4_0), the budget too low for it: the least budget.
+  experts::ExpertBank<experts::SwiGlu> held(2, 64, 32);
+  opt.candidates = {WeightFormat::kQ2_K, WeightFormat::kQ4_0};
+  for (auto const method :
+       {experts::AllocationMethod::kUniform, experts::AllocationMethod::kAlphaQ}) {
+    REQUIRE_THROWS_WITH(experts::plan_quantization(held, 3.0, method, opt),
+                        Catch::Contains("raise the budget to at least 4.5 bits"));
+  }
+}

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "moe/core/error.hpp"
@@ -130,6 +131,33 @@ QuantPlan plan_quantization(Bank const& bank, double average_bits, AllocationMet
   moe::detail::check(F >= 1, "plan_quantization: no candidate formats");
   std::sort(candidates.begin(), candidates.end(),
             [](WeightFormat a, WeightFormat b) { return bits_per_weight(a) < bits_per_weight(b); });
+  // The shapes before the budget (and before any spectrum): a depth no candidate's blocks divide
+  // is not cured by more bits; say which formats hold it. `min_bits`: the cheapest candidate
+  // that holds each depth (what the budget must at least allow).
+  double min_bits[2] = {};
+  for (int unit = 0; unit < 2; ++unit) {
+    Index const depth = unit == 0 ? bank.d_model() : bank.d_ffn();
+    auto const held = std::find_if(candidates.begin(), candidates.end(),
+                                   [&](WeightFormat f) { return holds_depth(f, depth); });
+    if (held != candidates.end()) {
+      min_bits[unit] = bits_per_weight(*held);
+      continue;
+    }
+    std::string asked, holding;
+    for (WeightFormat const f : candidates)
+      asked += (asked.empty() ? "" : ", ") + std::string(name(f));
+    for (WeightFormat const f :
+         {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0, WeightFormat::kQ4_K,
+          WeightFormat::kQ6_K, WeightFormat::kQ8_0, WeightFormat::kBf16, WeightFormat::kF32}) {
+      if (holds_depth(f, depth)) holding += (holding.empty() ? "" : ", ") + std::string(name(f));
+    }
+    moe::detail::fail(
+        "plan_quantization: no candidate format (", asked, ") holds the ",
+        unit == 0 ? "in projections' depth d_model = " : "down projections' depth d_ffn = ", depth,
+        ": their blocks do not divide it, so the shape is the problem, not the "
+        "budget; add a format that holds it to the candidates (",
+        holding, ")");
+  }
   Index const F_rows = Bank::Expert::gated ? 2 : 1;
   auto matrices = [&](Index e, int unit) {
     std::vector<ConstMatrixView<float>> m;
@@ -181,7 +209,8 @@ QuantPlan plan_quantization(Bank const& bank, double average_bits, AllocationMet
     moe::detail::check(best >= 0, "plan_quantization: no candidate format has at most ",
                        average_bits,
                        " bits a weight and fits the bank's shapes (d_model = ", bank.d_model(),
-                       ", d_ffn = ", bank.d_ffn(), "); raise the budget");
+                       ", d_ffn = ", bank.d_ffn(), "); raise the budget to at least ",
+                       std::max(min_bits[0], min_bits[1]), " bits");
     std::fill(choice.begin(), choice.end(), best);
     for (Index u = 0; u < 2 * E; ++u) {
       plan.objective +=
@@ -199,8 +228,14 @@ QuantPlan plan_quantization(Bank const& bank, double average_bits, AllocationMet
     std::vector<double> bits;
     for (WeightFormat f : candidates) bits.push_back(bits_per_weight(f));
     quant::Allocation const a = quant::allocate_bits(units, bits, average_bits);
+    double const least = (static_cast<double>(in_weights) * min_bits[0] +
+                          static_cast<double>(down_weights) * min_bits[1]) /
+                         static_cast<double>(in_weights + down_weights);
     moe::detail::check(std::isfinite(a.objective), "plan_quantization: no choice of ",
-                       "formats fits both the budget and the bank's shapes; raise the budget");
+                       "formats fits both the budget of ", average_bits,
+                       " bits a weight and the bank's shapes (d_model = ", bank.d_model(),
+                       ", d_ffn = ", bank.d_ffn(), "); raise the budget to at least ", least,
+                       " bits");
     choice = a.choice;
     plan.objective = a.objective;
     plan.average_bits = a.average_bits;
