@@ -879,6 +879,30 @@ TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
                       Catch::Contains("not causal"));
 }
 
+TEST_CASE("KV cache: a reserve that cannot be allocated names its tokens and bytes",
+          "[attention][cache]") {
+  moe::KvCache cache(1, 8, 4);
+  std::vector<float> const row(8, 1.5f);
+  cache.make_room(0, 1);
+  cache.store_key(0, 0, row.data());
+  cache.store_value(0, 0, row.data());
+  cache.advance(0, 1);
+  // 2^50 tokens x 64 bytes = 2^56 bytes: the allocation fails (std::bad_alloc before).
+  REQUIRE_THROWS_WITH(cache.reserve(Index{1} << 50),
+                      Catch::Contains("KvCache::reserve: room for 1125899906842624 tokens x 1 "
+                                      "sequence(s) x 64 bytes a token = 72057594037927936 "
+                                      "bytes cannot be allocated") &&
+                          Catch::Contains("reserve fewer tokens"));
+  // 2^60 tokens: more bytes than an address space holds, refused before allocating.
+  REQUIRE_THROWS_WITH(cache.reserve(Index{1} << 60),
+                      Catch::Contains("is more than a process can address"));
+  // The cache is unchanged.
+  REQUIRE(cache.capacity() == 4);
+  REQUIRE(cache.length(0) == 1);
+  REQUIRE(cache.keys(0)[7] == 1.5f);
+  REQUIRE(cache.values(0)[0] == 1.5f);
+}
+
 TEST_CASE(
     "GatedAttention bf16 weights: the bits of the rounded layer's fp32 packs, training stays "
     "fp32",

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -109,24 +111,50 @@ class KvCache {
     return {v16_.data() + vblock(s), static_cast<std::size_t>(rows(s) * value_dim_)};
   }
 
-  /// Room for `capacity` tokens per sequence (never shrinks; keeps the cached rows).
+  /// Room for `capacity` tokens per sequence (never shrinks; keeps the cached rows). Throws
+  /// moe::Error naming the tokens and bytes when they cannot be allocated (the cache is then
+  /// unchanged).
   void reserve(Index capacity) {
     if (capacity <= capacity_) return;
-    auto grow = [&](auto& store, Index width) {
-      using V = std::remove_reference_t<decltype(store)>;
-      V bigger(static_cast<std::size_t>(sequences() * capacity * width));
+    // The bytes asked for, in double (no overflow for any Index); more than 2^62 cannot be
+    // addressed, and std::bad_alloc or std::length_error from the allocation itself are caught
+    // here, so a caller asking for 2^50 tokens hears what and how much, not a bare bad_alloc.
+    double const bytes = static_cast<double>(sequences()) * static_cast<double>(capacity) *
+                         static_cast<double>(bytes_per_token());
+    auto too_big = [&](auto const& shown, char const* why) {
+      detail::fail("KvCache::reserve: room for ", capacity, " tokens x ", sequences(),
+                   " sequence(s) x ", bytes_per_token(), " bytes a token = ", shown, " bytes ", why,
+                   "; reserve fewer tokens (the context the model will see)");
+    };
+    if (bytes > 0x1p62) too_big(bytes, "is more than a process can address");
+    auto const exact = static_cast<std::uint64_t>(bytes_per_token()) *
+                       static_cast<std::uint64_t>(sequences()) *
+                       static_cast<std::uint64_t>(capacity);
+    auto grown = [&](auto const& store, Index width) {
+      std::remove_cvref_t<decltype(store)> bigger(
+          static_cast<std::size_t>(sequences() * capacity * width));
       for (Index s = 0; s < sequences(); ++s) {
         auto const from = store.begin() + static_cast<std::ptrdiff_t>(s * capacity_ * width);
         std::copy(from, from + rows(s) * width, bigger.begin() + s * capacity * width);
       }
-      store = std::move(bigger);
+      return bigger;
     };
-    if (is_bf16()) {
-      grow(k16_, key_dim_);
-      grow(v16_, value_dim_);
-    } else {
-      grow(k_, key_dim_);
-      grow(v_, value_dim_);
+    try {  // both stores are allocated before either replaces the old one
+      if (is_bf16()) {
+        auto k = grown(k16_, key_dim_);
+        auto v = grown(v16_, value_dim_);
+        k16_ = std::move(k);
+        v16_ = std::move(v);
+      } else {
+        auto k = grown(k_, key_dim_);
+        auto v = grown(v_, value_dim_);
+        k_ = std::move(k);
+        v_ = std::move(v);
+      }
+    } catch (std::bad_alloc const&) {
+      too_big(exact, "cannot be allocated (out of memory)");
+    } catch (std::length_error const&) {
+      too_big(exact, "is more than a vector can hold");
     }
     capacity_ = capacity;
   }
