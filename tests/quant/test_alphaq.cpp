@@ -3,6 +3,7 @@
 // known exponent, the spectrum of a known matrix, alpha of heavy-tailed vs Gaussian matrices,
 // the allocation against brute force, and AlphaQ against uniform on a bank of mixed spectra.
 #include <Eigen/Dense>
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <random>
@@ -226,6 +227,16 @@ TEST_CASE("plan_quantization: a depth no candidate holds is the shape's fault, n
   }
   // The shapes held (d_model 64, d_ffn 32 by q4_0), the budget too low for it: the least budget.
   experts::ExpertBank<experts::SwiGlu> held(2, 64, 32);
+  {
+    auto ed = held.edit();
+    for (Index e = 0; e < 2; ++e) {
+      for (moe::MatrixView<float> const m : {ed.in_proj(e), ed.down_proj(e)}) {
+        std::vector<float> const w =
+            gaussian(m.rows * m.cols, 1.0, static_cast<std::uint64_t>(300 + e));
+        std::copy(w.begin(), w.end(), m.data);
+      }
+    }
+  }
   opt.candidates = {WeightFormat::kQ2_K, WeightFormat::kQ4_0};
   for (auto const method :
        {experts::AllocationMethod::kUniform, experts::AllocationMethod::kAlphaQ}) {
