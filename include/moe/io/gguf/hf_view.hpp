@@ -257,16 +257,17 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
     }
   }
   for (auto const& [type, n] : decoded_types) {
-    out.warnings.push_back(detail::concat(n, " ", type,
-                                  " tensor(s) decoded to fp32 at load (bit-exact with ggml) and "
-                                  "packed in the formats asked for; moe does not yet run them "
-                                  "in place as stored"));
+    out.warnings.push_back(
+        detail::concat(n, " ", type,
+                       " tensor(s) decoded to fp32 at load (bit-exact with ggml) and "
+                       "packed in the formats asked for; moe does not yet run them "
+                       "in place as stored"));
   }
   if (unmapped > 0) {
     out.warnings.push_back(detail::concat(unmapped,
-                                  " GGUF tensor(s) have no Hugging Face name and are "
-                                  "not read (first: ",
-                                  detail::printable_name(first_unmapped), ")"));
+                                          " GGUF tensor(s) have no Hugging Face name and are "
+                                          "not read (first: ",
+                                          detail::printable_name(first_unmapped), ")"));
   }
   SafetensorsFile file = SafetensorsFile::from_views(std::move(views), {}, holder, src);
   out.checkpoint =
