@@ -9,12 +9,14 @@
 /// merged [E, rows, cols] tensor is a slice of it); every other type is decoded to fp32 at
 /// load (quant::ggml_dequantize, bit-exact with ggml) and the loaders pack it in the formats
 /// they are asked for. The families whose HfFamilySpec::gguf names a llama.cpp architecture
-/// are read: qwen3moe and qwen2moe.
+/// are read: qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, ernie4_5-moe and llama (Mixtral:
+/// its q/k rows, which the converter permuted for ggml's interleaved RoPE, are put back).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -73,9 +75,12 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
   Index const L = std::stoi(std::string(layer));
   std::string const moe = hf_default_layout(family, L, false).prefix;
   // Attention, norms and dense MLPs: the names every decoding family shares.
+  if (rest.starts_with(hf_family(family).gguf.mlp_norm) &&
+      rest.substr(hf_family(family).gguf.mlp_norm.size()) == ".weight") {
+    return p + "post_attention_layernorm.weight";
+  }
   static constexpr std::pair<std::string_view, std::string_view> kLayer[] = {
       {"attn_norm.weight", "input_layernorm.weight"},
-      {"ffn_norm.weight", "post_attention_layernorm.weight"},
       {"attn_q.weight", "self_attn.q_proj.weight"},
       {"attn_k.weight", "self_attn.k_proj.weight"},
       {"attn_v.weight", "self_attn.v_proj.weight"},
@@ -113,6 +118,7 @@ struct GgufHolder {
   explicit GgufHolder(std::filesystem::path const& path) : model(path) {}
   GgufModel model;
   std::vector<std::unique_ptr<std::vector<float>>> decoded;
+  std::vector<std::unique_ptr<std::vector<std::byte>>> rearranged;  // permuted q/k rows
 };
 
 }  // namespace detail
@@ -164,31 +170,65 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   // config.json: the family's own key names, so that parse_hf_config reads it as any other.
   detail::HfJsonWriter w;
   w.string("model_type", spec.model_type);
-  Index const layers = count("block_count");
+  Index layers = count("block_count");
+  if (!spec.gguf.extra_layers_key.empty()) {  // multi-token-prediction layers: not decoded
+    layers -= static_cast<Index>(meta.integer_or(key(spec.gguf.extra_layers_key), 0));
+    moe::detail::check(layers >= 1, "gguf: ", src, ": ", key("block_count"),
+                       " leaves no layer "
+                       "beside the ",
+                       key(spec.gguf.extra_layers_key), "; the file is corrupt");
+  }
   Index const H = count("embedding_length");
   w.integer("num_hidden_layers", layers);
   w.integer("hidden_size", H);
   w.string("hidden_act", "silu");
-  w.integer(spec.width_key, count("expert_feed_forward_length"));
+  w.integer(spec.width_key, count(spec.gguf.width_key));
   w.integer(spec.experts_keys.front(), count("expert_count"));
   w.integer(spec.top_k_keys.front(), count("expert_used_count"));
   if (spec.norm_topk == HfNormTopK::kKey) {
     w.boolean("norm_topk_prob", meta.boolean_or(key("expert_weights_norm"), spec.gguf.norm_topk));
   }
+  auto count_or = [&](std::string_view k, Index fallback) {
+    return meta.has(key(k)) ? static_cast<Index>(meta.integer(key(k))) : fallback;
+  };
   if (spec.shared == HfShared::kGated) {
     w.integer(spec.shared_key, count("expert_shared_feed_forward_length"));
+  } else if (spec.shared == HfShared::kCount) {
+    w.integer(spec.shared_key, count_or("expert_shared_count", 0));
   }
-  if (spec.layer_rule == HfLayerRule::kSparseStep) {
-    std::vector<Index> dense;
-    for (Index L = 0; L < layers; ++L) {
-      if (!model.has_tensor(detail::concat("blk.", L, ".ffn_gate_inp.weight"))) dense.push_back(L);
+  if (spec.grouped) {
+    w.integer("n_group", count_or("expert_group_count", 1));
+    w.integer("topk_group", count_or("expert_group_used_count", 1));
+    w.number("routed_scaling_factor",
+             static_cast<float>(meta.number_or(key("expert_weights_scale"), 1.0)));
+  }
+  switch (spec.layer_rule) {
+    case HfLayerRule::kSparseStep: {  // the layers without a router are dense
+      std::vector<Index> dense;
+      for (Index L = 0; L < layers; ++L) {
+        if (!model.has_tensor(detail::concat("blk.", L, ".ffn_gate_inp.weight"))) {
+          dense.push_back(L);
+        }
+      }
+      w.integers("mlp_only_layers", dense);
+      break;
     }
-    w.integers("mlp_only_layers", dense);
+    case HfLayerRule::kFirstK:
+    case HfLayerRule::kFirstKFreq:
+      w.integer("first_k_dense_replace", count_or("leading_dense_block_count", 0));
+      break;
+    case HfLayerRule::kRange:
+      w.integer("moe_layer_start_index", count_or("leading_dense_block_count", 0));
+      w.integer("moe_layer_interval", count_or("interleave_moe_layer_step", 1));
+      break;
+    default:
+      break;
   }
   Index const heads = count("attention.head_count");
+  Index const kv_heads =
+      meta.has(key("attention.head_count_kv")) ? count("attention.head_count_kv") : heads;
   w.integer("num_attention_heads", heads);
-  w.integer("num_key_value_heads",
-            meta.has(key("attention.head_count_kv")) ? count("attention.head_count_kv") : heads);
+  w.integer("num_key_value_heads", kv_heads);
   if (meta.has(key("attention.key_length"))) w.integer("head_dim", count("attention.key_length"));
   w.number("rope_theta", static_cast<float>(meta.number_or(key("rope.freq_base"), 10000.0)));
   w.number("rms_norm_eps",
@@ -202,8 +242,35 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   GgufTensorInfo const& embed = model.tensor("token_embd.weight");
   w.integer("vocab_size", embed.shape().front());
   w.boolean("tie_word_embeddings", !model.has_tensor("output.weight"));
-  if (spec.decoder.bias == HfAttentionBias::kQkvKey) {
-    w.boolean("qkv_bias", model.has_tensor("blk.0.attn_q.bias"));
+  bool const biased = model.has_tensor("blk.0.attn_q.bias");
+  switch (spec.decoder.bias) {
+    case HfAttentionBias::kQkvKey:
+      w.boolean("qkv_bias", biased);
+      break;
+    case HfAttentionBias::kNone:
+      break;
+    default:
+      w.boolean("attention_bias", biased);
+      break;
+  }
+  if (!spec.decoder.qk_norm_key.empty()) {
+    w.boolean(spec.decoder.qk_norm_key, model.has_tensor("blk.0.attn_q_norm.weight"));
+  }
+  if (spec.decoder.rotary != HfRotary::kFull && meta.has(key("rope.dimension_count"))) {
+    Index const rotary = count("rope.dimension_count");
+    Index const head_dim =
+        meta.has(key("attention.key_length")) ? count("attention.key_length") : H / heads;
+    if (spec.decoder.rotary == HfRotary::kRotaryDim) {
+      w.integer("rotary_dim", rotary);
+    } else {  // int(head_dim * factor) must give back `rotary`: aim between two integers
+      w.number("partial_rotary_factor",
+               rotary >= head_dim ? 1.0f
+                                  : static_cast<float>((static_cast<double>(rotary) + 0.5) /
+                                                       static_cast<double>(head_dim)));
+    }
+  }
+  if (spec.decoder.sliding == HfSliding::kEveryLayer && meta.has(key("attention.sliding_window"))) {
+    w.integer("sliding_window", count("attention.sliding_window"));
   }
   out.config_json = w.finish();
 
@@ -220,8 +287,10 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       continue;
     }
     std::vector<std::int64_t> shape = t.shape();
-    if (name.ends_with("ffn_gate_inp_shexp.weight") && shape.size() == 1) {
-      shape.insert(shape.begin(), 1);  // [H] in GGUF, [1, H] in transformers
+    if ((name.ends_with("ffn_gate_inp_shexp.weight") ||
+         (name.ends_with("exp_probs_b.bias") && spec.names.selection_bias_row)) &&
+        shape.size() == 1) {
+      shape.insert(shape.begin(), 1);  // [n] in GGUF, [1, n] in transformers
     }
     Dtype dtype = Dtype::kF32;
     std::span<std::byte const> bytes = t.data;
@@ -236,6 +305,31 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       bytes = std::as_bytes(std::span<float const>(*values));
       holder->decoded.push_back(std::move(values));
       ++decoded_types[std::string(quant::ggml_type_name(t.type))];
+    }
+    if (spec.gguf.permuted_qk &&
+        (name.ends_with(".attn_q.weight") || name.ends_with(".attn_k.weight") ||
+         name.ends_with(".attn_q.bias") || name.ends_with(".attn_k.bias"))) {
+      // llama.cpp's converter interleaved each head's two rotary halves (row (h, half, j) at
+      // h d + 2 j + half); put row h d + 2 j + half back at h d + half d / 2 + j.
+      bool const is_q = name.find(".attn_q.") != std::string_view::npos;
+      Index const groups = is_q ? heads : kv_heads;
+      Index const rows = shape.front();
+      moe::detail::check(rows % (2 * groups) == 0, "gguf: ", src, ": tensor ",
+                         detail::printable_name(name), " has ", rows,
+                         " rows, not whole pairs of rows per head; the file is corrupt");
+      std::size_t const row = bytes.size() / static_cast<std::size_t>(rows);
+      Index const d = rows / groups;
+      auto undone = std::make_unique<std::vector<std::byte>>(bytes.size());
+      for (Index h = 0; h < groups; ++h) {
+        for (Index j = 0; j < d / 2; ++j) {
+          for (Index half = 0; half < 2; ++half) {
+            std::memcpy(undone->data() + static_cast<std::size_t>(h * d + half * (d / 2) + j) * row,
+                        bytes.data() + static_cast<std::size_t>(h * d + 2 * j + half) * row, row);
+          }
+        }
+      }
+      bytes = *undone;
+      holder->rearranged.push_back(std::move(undone));
     }
     std::size_t const at = hf->find("{e}");
     if (at == std::string::npos) {

@@ -183,6 +183,17 @@ struct HfGgufFacts {
   /// Whether llama.cpp renormalises the top-k weights when the file has no
   /// {arch}.expert_weights_norm (its build function hard-codes it per architecture).
   bool norm_topk = false;
+  /// The metadata key of the experts' width: "expert_feed_forward_length", or
+  /// "feed_forward_length" where the converter writes the expert width there (llama, olmoe).
+  std::string_view width_key = "expert_feed_forward_length";
+  /// q_proj / k_proj rows are stored permuted for ggml's interleaved RoPE (llama.cpp's
+  /// LlamaModel.permute): the reader undoes it.
+  bool permuted_qk = false;
+  /// The pre-MLP norm's tensor: "ffn_norm", or "post_attention_norm" (glm4moe).
+  std::string_view mlp_norm = "ffn_norm";
+  /// block_count includes this many multi-token-prediction layers (glm4moe:
+  /// "nextn_predict_layers"); empty: none.
+  std::string_view extra_layers_key = {};
 };
 
 /// One model family: its names, config.json keys and transformers defaults, layer layout,

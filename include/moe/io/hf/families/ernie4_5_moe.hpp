@@ -81,6 +81,7 @@ inline constexpr HfFamilySpec kErnie45Moe = {
                 .tie_word_embeddings = true,
                 .rope_interleaved = true,
                 .check = detail::check_ernie4_5_moe_decoder},
+    .gguf = {.arch = "ernie4_5-moe"},
     .read = detail::read_ernie4_5_moe,
     .write = detail::write_ernie4_5_moe,
     .validate = detail::validate_ernie4_5_moe,

@@ -60,6 +60,9 @@ inline constexpr HfFamilySpec kGlm4Moe = {
                 .bias = HfAttentionBias::kQkv,
                 .rotary = HfRotary::kFactor,
                 .rotary_factor = 0.5},
+    .gguf = {.arch = "glm4moe",
+             .mlp_norm = "post_attention_norm",
+             .extra_layers_key = "nextn_predict_layers"},
     .read = detail::read_glm4_moe,
     .write = write_groups,
 };

@@ -87,6 +87,7 @@ inline constexpr HfFamilySpec kMinimaxM2 = {
                 .qk_norm_default = true,
                 .rotary = HfRotary::kRotaryDim,
                 .check = detail::check_minimax_m2_decoder},
+    .gguf = {.arch = "minimax-m2"},
     .read = detail::read_minimax_m2,
 };
 

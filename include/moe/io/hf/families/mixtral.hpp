@@ -33,6 +33,7 @@ inline constexpr HfFamilySpec kMixtral = {
                 .rope_theta = 1e6,
                 .rms_norm_eps = 1e-5,
                 .sliding = HfSliding::kEveryLayer},
+    .gguf = {.arch = "llama", .width_key = "feed_forward_length", .permuted_qk = true},
 };
 
 }  // namespace moe::io::families

@@ -45,6 +45,7 @@ inline constexpr HfFamilySpec kOlmoe = {
                 .qk_norm = HfQkNorm::kAllHeads,
                 .bias = HfAttentionBias::kAll,
                 .check = detail::check_olmoe_decoder},
+    .gguf = {.arch = "olmoe", .width_key = "feed_forward_length"},
 };
 
 }  // namespace moe::io::families
