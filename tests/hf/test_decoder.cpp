@@ -46,8 +46,9 @@ struct Tiny {
   double theta = 1000.0, eps = 1e-6;
   Index window = 0;  // Mixtral sliding_window
   bool tie = false;
-  Index fp8_block = 0;  // > 0: config.json says FP8 with square blocks of this size
-  bool mxfp4 = false;   // gpt-oss: config.json says the experts are MXFP4
+  Index fp8_block = 0;        // > 0: config.json says FP8 with square blocks of this size
+  bool mxfp4 = false;         // gpt-oss: config.json says the experts are MXFP4
+  float swiglu_limit = 0.5f;  // gpt-oss: small, so that the clamps take effect
 };
 
 /// What the family's attention has (DecoderConfig's table), as the test's config.json sets it.
@@ -97,7 +98,7 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = true;
   }
-  if (t.type == "gpt_oss") c.swiglu_limit = 0.5f;        // the clamps take effect
+  if (t.type == "gpt_oss") c.swiglu_limit = t.swiglu_limit;
   if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;  // layer 0 dense (start index 1)
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
   c.mxfp4 = t.mxfp4;
@@ -1392,7 +1393,7 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
   std::map<std::string, std::string> const archs = {
       {"qwen3_moe", "qwen3moe"}, {"qwen2_moe", "qwen2moe"},    {"olmoe", "olmoe"},
       {"glm4_moe", "glm4moe"},   {"minimax_m2", "minimax-m2"}, {"ernie4_5_moe", "ernie4_5-moe"},
-      {"mixtral", "llama"}};
+      {"mixtral", "llama"},      {"gpt_oss", "gpt-oss"}};
   std::string const arch = archs.at(t.type);
   bool const mixtral_names = t.type == "mixtral" || t.type == "minimax_m2";
   moe::io::GgufWriter w;
@@ -1433,6 +1434,12 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
     w.set(arch + ".rope.dimension_count", u32(t.dh / 2));
     w.set(arch + ".expert_gating_func", u32(2));
   }
+  if (arch == "gpt-oss") {
+    w.set(arch + ".attention.sliding_window", u32(t.window));
+    w.set(arch + ".rope.scaling.type", V("yarn"));
+    w.set(arch + ".rope.scaling.factor", V(32.0f));
+    w.set(arch + ".rope.scaling.original_context_length", u32(kYarnOriginal));
+  }
   if (arch == "ernie4_5-moe") {
     w.set(arch + ".leading_dense_block_count", u32(1));
     w.set(arch + ".interleave_moe_layer_step", u32(1));
@@ -1444,9 +1451,12 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
   // Adds GGUF tensor `gguf` from the Hugging Face tensors `hf` (one, or the experts' stack);
   // `groups` > 0: q/k rows permuted as the "llama" converter does.
   auto add = [&](std::string const& gguf, std::vector<std::string> const& hf, Shape shape,
-                 Index groups = 0) {
+                 Index groups = 0, Tensors const* src = nullptr) {
+    Tensors const& from = src != nullptr ? *src : m;
     std::vector<float> values;
-    for (std::string const& n : hf) values.insert(values.end(), m.at(n).begin(), m.at(n).end());
+    for (std::string const& n : hf) {
+      values.insert(values.end(), from.at(n).begin(), from.at(n).end());
+    }
     Index const cols = shape.back();
     Index const row = shape.size() == 1 ? 1 : cols;
     if (groups > 0) values = llama_permute(values, groups, row);
@@ -1477,8 +1487,8 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
     std::size_t at = 0;
     for (std::string const& n : hf) {
       stored[n].assign(back.begin() + static_cast<std::ptrdiff_t>(at),
-                       back.begin() + static_cast<std::ptrdiff_t>(at + m.at(n).size()));
-      at += m.at(n).size();
+                       back.begin() + static_cast<std::ptrdiff_t>(at + from.at(n).size()));
+      at += from.at(n).size();
     }
   };
   auto one = [&](std::string const& gguf, std::string const& hf, Index groups = 0) {
@@ -1490,8 +1500,10 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
   for (Index l = 0; l < t.L; ++l) {
     std::string const b = concat("blk.", l, "."), p = concat("model.layers.", l, ".");
     one(b + "attn_norm.weight", p + "input_layernorm.weight");
-    one(b + (arch == "glm4moe" ? "post_attention_norm.weight" : "ffn_norm.weight"),
+    bool const post_norm = arch == "glm4moe" || arch == "gpt-oss";
+    one(b + (post_norm ? "post_attention_norm.weight" : "ffn_norm.weight"),
         p + "post_attention_layernorm.weight");
+    if (m.count(p + "self_attn.sinks")) one(b + "attn_sinks.weight", p + "self_attn.sinks");
     for (char const* x : {"q", "k", "v"}) {
       std::string const hf = concat(p, "self_attn.", x, "_proj.");
       // llama permutes q and k (weight and bias) for ggml's interleaved RoPE.
@@ -1511,6 +1523,60 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
       for (char const* x : {"gate", "up", "down"}) {
         one(concat(b, "ffn_", x, ".weight"), concat(p, "mlp.", x, "_proj.weight"));
       }
+      continue;
+    }
+    if (arch == "gpt-oss") {
+      // transformers: experts.gate_up_proj [E, H, 2I] (column 2j gate j, 2j + 1 up j), its
+      // bias [E, 2I] likewise, down_proj [E, I, H]; llama.cpp: ffn_gate_exps / ffn_up_exps
+      // [E, I, H], their biases [E, I], ffn_down_exps [E, H, I].
+      std::string const q = p + "mlp.";
+      one(b + "ffn_gate_inp.weight", q + "router.weight");
+      one(b + "ffn_gate_inp.bias", q + "router.bias");
+      one(b + "ffn_down_exps.bias", q + "experts.down_proj_bias");
+      Index const E = t.E, I = t.I_moe, H = t.H;
+      std::vector<float> const& gu = m.at(q + "experts.gate_up_proj");
+      std::vector<float> const& gub = m.at(q + "experts.gate_up_proj_bias");
+      std::vector<float> const& dn = m.at(q + "experts.down_proj");
+      Tensors split;  // the GGUF tensors' values
+      for (char const* x : {"gate", "up"}) {
+        Index const odd = *x == 'u' ? 1 : 0;
+        std::vector<float>& wv = split[concat("gguf.", x, ".w")];
+        std::vector<float>& bv = split[concat("gguf.", x, ".b")];
+        for (Index e = 0; e < E; ++e) {
+          for (Index j = 0; j < I; ++j) {
+            for (Index h = 0; h < H; ++h) wv.push_back(gu[(e * H + h) * 2 * I + 2 * j + odd]);
+            bv.push_back(gub[e * 2 * I + 2 * j + odd]);
+          }
+        }
+      }
+      std::vector<float>& dv = split["gguf.down.w"];
+      for (Index e = 0; e < E; ++e) {
+        for (Index h = 0; h < H; ++h) {
+          for (Index i = 0; i < I; ++i) dv.push_back(dn[(e * I + i) * H + h]);
+        }
+      }
+      // Each through add(), which reads its values from `src` and records what the file holds.
+      add(b + "ffn_gate_exps.weight", {"gguf.gate.w"}, {E, I, H}, 0, &split);
+      add(b + "ffn_up_exps.weight", {"gguf.up.w"}, {E, I, H}, 0, &split);
+      add(b + "ffn_down_exps.weight", {"gguf.down.w"}, {E, H, I}, 0, &split);
+      add(b + "ffn_gate_exps.bias", {"gguf.gate.b"}, {E, I}, 0, &split);
+      add(b + "ffn_up_exps.bias", {"gguf.up.b"}, {E, I}, 0, &split);
+      std::vector<float> gu_back(gu.size()), gub_back(gub.size()), dn_back(dn.size());
+      for (Index e = 0; e < E; ++e) {
+        for (Index j = 0; j < I; ++j) {
+          for (Index h = 0; h < H; ++h) {
+            gu_back[(e * H + h) * 2 * I + 2 * j] = stored["gguf.gate.w"][(e * I + j) * H + h];
+            gu_back[(e * H + h) * 2 * I + 2 * j + 1] = stored["gguf.up.w"][(e * I + j) * H + h];
+            dn_back[(e * I + j) * H + h] = stored["gguf.down.w"][(e * H + h) * I + j];
+          }
+          gub_back[e * 2 * I + 2 * j] = stored["gguf.gate.b"][e * I + j];
+          gub_back[e * 2 * I + 2 * j + 1] = stored["gguf.up.b"][e * I + j];
+        }
+      }
+      for (auto const& [k, v] : split) stored.erase(k);
+      stored[q + "experts.gate_up_proj"] = gu_back;
+      stored[q + "experts.gate_up_proj_bias"] = gub_back;
+      stored[q + "experts.down_proj"] = dn_back;
       continue;
     }
     std::string const moe = p + (mixtral_names ? "block_sparse_moe." : "mlp.");
@@ -1601,12 +1667,17 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
         Case{"qwen3_moe", GgmlType::kQ8_0, false}, Case{"qwen2_moe", GgmlType::kQ8_0, false},
         Case{"olmoe", GgmlType::kF32, false}, Case{"glm4_moe", GgmlType::kF32, false},
         Case{"minimax_m2", GgmlType::kF32, false}, Case{"ernie4_5_moe", GgmlType::kQ8_0, false},
-        Case{"mixtral", GgmlType::kF32, false}, Case{"mixtral", GgmlType::kQ8_0, false}}) {
+        Case{"mixtral", GgmlType::kF32, false}, Case{"mixtral", GgmlType::kQ8_0, false},
+        Case{"gpt_oss", GgmlType::kF32, false}, Case{"gpt_oss", GgmlType::kQ8_0, false}}) {
     INFO(c.type << " stored as " << moe::quant::ggml_type_name(c.stored));
     Tiny t;
     t.type = c.type;
     t.H = 32, t.I_dense = 32, t.I_moe = 32;  // whole 32-blocks in every matrix's rows
     t.tie = c.stored == GgmlType::kF16;      // output.weight absent: tied
+    if (c.type == "gpt_oss") {
+      t.window = 3;
+      t.swiglu_limit = 7.0f;  // a GGUF file has no limit: llama.cpp and moe use gpt-oss's 7
+    }
     Tensors const m = make_tensors(t, 900);
     Tensors stored;
     std::string const tag = concat("gguf_", c.type, "_", moe::quant::ggml_type_name(c.stored));

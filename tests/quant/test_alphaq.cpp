@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -243,4 +244,22 @@ TEST_CASE("plan_quantization: a depth no candidate holds is the shape's fault, n
     REQUIRE_THROWS_WITH(experts::plan_quantization(held, 3.0, method, opt),
                         Catch::Contains("raise the budget to at least 4.5 bits"));
   }
+}
+
+TEST_CASE(
+    "allocate_bits: a unit only formats above the budget can hold gives an infinite "
+    "objective, never a read before its table",
+    "[quant][alphaq]") {
+  double const inf = std::numeric_limits<double>::infinity();
+  // Format 0 (2.625 bits) cannot hold either unit; format 1 (4.5 bits) can.
+  std::vector<moe::quant::AllocationUnit> const units = {{32, 1.0, {inf, 1.0}},
+                                                         {32, 2.0, {inf, 0.5}}};
+  std::vector<double> const bits = {2.625, 4.5};
+  moe::quant::Allocation const tight = moe::quant::allocate_bits(units, bits, 3.0);
+  REQUIRE(std::isinf(tight.objective));
+  REQUIRE(tight.choice == std::vector<int>{0, 0});
+  moe::quant::Allocation const enough = moe::quant::allocate_bits(units, bits, 4.5);
+  REQUIRE(enough.choice == std::vector<int>{1, 1});
+  REQUIRE(enough.objective == 1.0 * 1.0 + 2.0 * 0.5);
+  REQUIRE(enough.average_bits == 4.5);
 }

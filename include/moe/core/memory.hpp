@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <new>
@@ -13,9 +14,23 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace moe {
+
+/// The machine's physical memory in bytes (sysconf), or 0 when it cannot be read: a buffer
+/// that is zero-filled at once (a KV cache, a layer's weights) and larger than this cannot be
+/// had, whatever the allocator's overcommit would promise.
+inline std::uint64_t physical_memory_bytes() noexcept {
+#if defined(__unix__) && defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+  long const pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) {
+    return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
+  }
+#endif
+  return 0;
+}
 
 /// Bytes of one transparent huge page on x86-64 Linux.
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;

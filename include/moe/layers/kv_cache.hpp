@@ -11,6 +11,7 @@
 #include <new>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -130,6 +131,13 @@ class KvCache {
     auto const exact = static_cast<std::uint64_t>(bytes_per_token()) *
                        static_cast<std::uint64_t>(sequences()) *
                        static_cast<std::uint64_t>(capacity);
+    // The stores are zero-filled at once: more than the machine's memory cannot be had (and is
+    // refused before asking the allocator, which a sanitizer would abort on).
+    if (std::uint64_t const ram = physical_memory_bytes(); ram > 0 && exact > ram) {
+      std::string const why =
+          "is more than this machine's " + std::to_string(ram) + " bytes of memory";
+      too_big(exact, why.c_str());
+    }
     auto grown = [&](auto const& store, Index width) {
       std::remove_cvref_t<decltype(store)> bigger(
           static_cast<std::size_t>(sequences() * capacity * width));

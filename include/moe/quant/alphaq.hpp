@@ -135,8 +135,10 @@ struct Allocation {
 
 /// Exact minimum of sum_u w_u e_u(f_u) over one candidate per unit subject to
 /// sum_u n_u bits[f_u] <= budget_bits * sum_u n_u. bits[f] must be multiples of 1/32 (every GGUF
-/// and float format is); moe::Error if no choice fits the budget. Ties keep the lower-index
-/// candidate of the last unit first (deterministic).
+/// and float format is); moe::Error if no choice fits the budget. An error may be +infinity (the
+/// format cannot hold the unit); when every choice within the budget has one, the result's
+/// objective is +infinity (and its choice all 0). Ties keep the lower-index candidate of the
+/// last unit first (deterministic).
 inline Allocation allocate_bits(std::vector<AllocationUnit> const& units,
                                 std::vector<double> const& bits, double budget_bits) {
   Index const U = static_cast<Index>(units.size());
@@ -203,6 +205,12 @@ inline Allocation allocate_bits(std::vector<AllocationUnit> const& units,
   Allocation out;
   out.choice.assign(static_cast<std::size_t>(U), 0);
   out.objective = prev[static_cast<std::size_t>(bstar)];
+  if (!std::isfinite(out.objective)) {
+    // Every choice within the budget has an infinite error (a unit whose depth only formats
+    // above the budget can hold): nothing to trace back; the caller says why.
+    out.objective = kInf;
+    return out;
+  }
   Index b = bstar;
   double used = 0;
   for (Index u = U - 1; u >= 0; --u) {

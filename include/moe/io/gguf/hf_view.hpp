@@ -9,8 +9,9 @@
 /// merged [E, rows, cols] tensor is a slice of it); every other type is decoded to fp32 at
 /// load (quant::ggml_dequantize, bit-exact with ggml) and the loaders pack it in the formats
 /// they are asked for. The families whose HfFamilySpec::gguf names a llama.cpp architecture
-/// are read: qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, ernie4_5-moe and llama (Mixtral:
-/// its q/k rows, which the converter permuted for ggml's interleaved RoPE, are put back).
+/// are read: qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, ernie4_5-moe, gpt-oss (its split
+/// gate / up experts joined into transformers' interleaved layout) and llama (Mixtral: its q/k
+/// rows, which the converter permuted for ggml's interleaved RoPE, are put back).
 #pragma once
 
 #include <algorithm>
@@ -100,6 +101,13 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
   }
   // The MoE block, named as the family's HfTensorNames say.
   if (rest == "ffn_gate_inp.weight") return concat(moe, n.router);
+  if (rest == "ffn_gate_inp.bias" && hf_family(family).router_bias) {
+    return concat(moe, "router.bias");
+  }
+  if (rest == "ffn_down_exps.bias" &&
+      hf_family(family).storage == HfExpertStorage::kFusedInterleaved) {
+    return concat(moe, "experts.down_proj_bias");
+  }
   if (rest == "exp_probs_b.bias" && !n.selection_bias.empty()) {
     return concat(moe, n.selection_bias);
   }
@@ -111,6 +119,22 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
   if (rest == "ffn_down_shexp.weight") return concat(moe, n.shared_module, "down_proj.weight");
   if (rest == "ffn_gate_inp_shexp.weight") return concat(moe, "shared_expert_gate.weight");
   return std::nullopt;
+}
+
+/// Tensor `t` as floats (decoded whatever its type).
+inline std::vector<float> gguf_floats(GgufTensorInfo const& t) {
+  std::vector<float> out(static_cast<std::size_t>(t.num_elements()));
+  quant::ggml_dequantize(t.type, t.data, t.num_elements(), out.data());
+  return out;
+}
+
+/// Is `rest` (a blk.L. tensor name without its prefix) one of the expert tensors that
+/// gpt-oss's GGUF splits and transformers keeps fused and interleaved (built by
+/// gguf_interleaved_experts())?
+inline bool gguf_split_expert(std::string_view rest) {
+  return rest == "ffn_gate_exps.weight" || rest == "ffn_up_exps.weight" ||
+         rest == "ffn_down_exps.weight" || rest == "ffn_gate_exps.bias" ||
+         rest == "ffn_up_exps.bias";
 }
 
 /// What a GgufAsHf checkpoint's views point into: the mapped model and the decoded tensors.
@@ -231,6 +255,18 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   w.integer("num_key_value_heads", kv_heads);
   if (meta.has(key("attention.key_length"))) w.integer("head_dim", count("attention.key_length"));
   w.number("rope_theta", static_cast<float>(meta.number_or(key("rope.freq_base"), 10000.0)));
+  if (spec.decoder.yarn && meta.string_or(key("rope.scaling.type"), "") == "yarn") {
+    // llama.cpp reads the factor and the original context; the betas it keeps at 32 and 1
+    // (transformers' defaults too), and the family's truncation.
+    w.raw("rope_scaling",
+          detail::concat(
+              "{\"rope_type\": \"yarn\", \"factor\": ",
+              detail::json_float(static_cast<float>(meta.number(key("rope.scaling.factor")))),
+              ", \"original_max_position_embeddings\": ",
+              count("rope.scaling.original_context_length"),
+              ", \"beta_fast\": 32.0, \"beta_slow\": 1.0, \"truncate\": ",
+              spec.decoder.yarn_truncate ? "true" : "false", "}"));
+  }
   w.number("rms_norm_eps",
            static_cast<float>(meta.number(key("attention.layer_norm_rms_epsilon"))));
   if (meta.has(key("context_length"))) {
@@ -269,7 +305,7 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
                                                        static_cast<double>(head_dim)));
     }
   }
-  if (spec.decoder.sliding == HfSliding::kEveryLayer && meta.has(key("attention.sliding_window"))) {
+  if (spec.decoder.sliding != HfSliding::kRefused && meta.has(key("attention.sliding_window"))) {
     w.integer("sliding_window", count("attention.sliding_window"));
   }
   out.config_json = w.finish();
@@ -281,6 +317,10 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   std::string first_unmapped;
   for (std::string_view const name : model.names()) {
     GgufTensorInfo const& t = model.tensor(name);
+    if (spec.storage == HfExpertStorage::kFusedInterleaved && name.starts_with("blk.") &&
+        detail::gguf_split_expert(name.substr(name.find('.', 4) + 1))) {
+      continue;  // joined below
+    }
     std::optional<std::string> const hf = detail::gguf_to_hf_name(out.family, name);
     if (!hf) {
       if (unmapped++ == 0) first_unmapped = std::string(name);
@@ -348,6 +388,66 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
                      dtype,
                      {shape[1], shape[2]},
                      bytes.subspan(static_cast<std::size_t>(e) * per_expert, per_expert)});
+    }
+  }
+  if (spec.storage == HfExpertStorage::kFusedInterleaved) {
+    // gpt-oss: llama.cpp splits transformers' experts.gate_up_proj [E, H, 2I] (x @ W, column
+    // 2j gate j, 2j + 1 up j) into ffn_gate_exps and ffn_up_exps [E, I, H], and stores
+    // down_proj [E, I, H] as ffn_down_exps [E, H, I]; join and transpose them back.
+    for (Index L = 0; L < layers; ++L) {
+      std::string const b = detail::concat("blk.", L, ".");
+      GgufTensorInfo const* gate = model.find_tensor(b + "ffn_gate_exps.weight");
+      if (gate == nullptr) continue;
+      GgufTensorInfo const& up = model.tensor(b + "ffn_up_exps.weight");
+      GgufTensorInfo const& down = model.tensor(b + "ffn_down_exps.weight");
+      std::vector<std::int64_t> const gs = gate->shape(), ds = down.shape();
+      moe::detail::check(gs.size() == 3 && up.shape() == gs && ds.size() == 3 && ds[0] == gs[0] &&
+                             ds[1] == gs[2] && ds[2] == gs[1],
+                         "gguf: ", src, ": layer ", L, "'s ffn_gate_exps ",
+                         detail::shape_string(gs), ", ffn_up_exps ",
+                         detail::shape_string(up.shape()), " and ffn_down_exps ",
+                         detail::shape_string(ds),
+                         " are not [E, I, H], [E, I, H] and [E, H, I]; the file is corrupt");
+      Index const E = gs[0], I = gs[1], HH = gs[2];
+      std::vector<float> const g = detail::gguf_floats(*gate), u = detail::gguf_floats(up),
+                               d = detail::gguf_floats(down);
+      auto gate_up = std::make_unique<std::vector<float>>(static_cast<std::size_t>(E * HH * 2 * I));
+      auto down_t = std::make_unique<std::vector<float>>(static_cast<std::size_t>(E * I * HH));
+      for (Index e = 0; e < E; ++e) {
+        for (Index j = 0; j < I; ++j) {
+          for (Index h = 0; h < HH; ++h) {
+            std::size_t const at = static_cast<std::size_t>((e * HH + h) * 2 * I + 2 * j);
+            (*gate_up)[at] = g[static_cast<std::size_t>((e * I + j) * HH + h)];
+            (*gate_up)[at + 1] = u[static_cast<std::size_t>((e * I + j) * HH + h)];
+            (*down_t)[static_cast<std::size_t>((e * I + j) * HH + h)] =
+                d[static_cast<std::size_t>((e * HH + h) * I + j)];
+          }
+        }
+      }
+      std::string const p = hf_default_layout(out.family, L).prefix;
+      auto view = [&](std::string hf_name, std::vector<std::int64_t> shape,
+                      std::unique_ptr<std::vector<float>> values) {
+        views.push_back(TensorView{std::move(hf_name), Dtype::kF32, std::move(shape),
+                                   std::as_bytes(std::span<float const>(*values))});
+        holder->decoded.push_back(std::move(values));
+      };
+      view(p + "experts.gate_up_proj", {E, HH, 2 * I}, std::move(gate_up));
+      view(p + "experts.down_proj", {E, I, HH}, std::move(down_t));
+      GgufTensorInfo const* gb = model.find_tensor(b + "ffn_gate_exps.bias");
+      GgufTensorInfo const* ub = model.find_tensor(b + "ffn_up_exps.bias");
+      if (gb != nullptr && ub != nullptr) {
+        std::vector<float> const gv = detail::gguf_floats(*gb), uv = detail::gguf_floats(*ub);
+        moe::detail::check(gv.size() == static_cast<std::size_t>(E * I) && uv.size() == gv.size(),
+                           "gguf: ", src, ": layer ", L,
+                           "'s ffn_gate_exps.bias / ffn_up_exps.bias "
+                           "are not [E, I]; the file is corrupt");
+        auto bias = std::make_unique<std::vector<float>>(2 * gv.size());
+        for (std::size_t i = 0; i < gv.size(); ++i) {
+          (*bias)[2 * i] = gv[i];
+          (*bias)[2 * i + 1] = uv[i];
+        }
+        view(p + "experts.gate_up_proj_bias", {E, 2 * I}, std::move(bias));
+      }
     }
   }
   for (auto const& [type, n] : decoded_types) {

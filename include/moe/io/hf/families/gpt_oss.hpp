@@ -79,6 +79,7 @@ inline constexpr HfFamilySpec kGptOss = {
                 .yarn_truncate = false,
                 .sliding = HfSliding::kLayerTypes,
                 .sliding_window = 128},
+    .gguf = {.arch = "gpt-oss", .mlp_norm = "post_attention_norm"},
     .read = detail::read_gpt_oss,
     .write = detail::write_gpt_oss,
     .validate = detail::validate_gpt_oss,
