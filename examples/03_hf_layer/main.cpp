@@ -6,11 +6,11 @@
 // from a file, optionally with its backward pass.
 //
 // What it shows: moe::io::load_hf_moe_layer() (config.json + model.safetensors or index and
-// shards -> the family's preset MoeFfn), forward or forward_train + backward, and
-// moe::io::add_hf_gradients() naming each gradient "grad." + its checkpoint name.
-// Why: scripts compare moe against PyTorch/transformers layer by layer with it (docs/hf.md).
-// Command line (scripts depend on it):
-//   moe_run_hf_layer --model DIR --layer L --input X.safetensors --output Y.safetensors
+// shards -> the family's preset MoeFfn; a llama.cpp GGUF file through load_gguf_moe_layer()),
+// forward or forward_train + backward, and moe::io::add_hf_gradients() naming each gradient "grad."
+// + its checkpoint name. Why: scripts compare moe against PyTorch/transformers layer by layer with
+// it (docs/hf.md). Command line (scripts depend on it):
+//   moe_run_hf_layer --model DIR|FILE.gguf --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
 //                    [--weights fp32|bf16|q8_0|q6_k|q4_k|q4_0|q3_k|q2_k|alphaq:<average bits>]
 //                    [--strict] [--allow-nonfinite]
@@ -60,6 +60,7 @@
 #include "../common/output_check.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/quantize.hpp"
+#include "moe/io/gguf/layer.hpp"
 #include "moe/io/hf.hpp"
 
 namespace {
@@ -68,7 +69,9 @@ using moe::Index;
 using moe::detail::fail;
 
 constexpr moe_cli::Option kOptions[] = {
-    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--model DIR|FILE.gguf",
+     "checkpoint: config.json + model.safetensors (or the index and its shards), or a GGUF "
+     "file of an architecture docs/gguf.md lists"},
     {"--layer L", "the MoE layer to run, 0 to 2^31 - 1"},
     {"--input X.safetensors", "\"x\" [T, hidden], F32, BF16 or F16"},
     {"--output Y.safetensors", "written: y, router_logits, topk_ids, topk_weights (F32, ids I64)"},
@@ -81,7 +84,8 @@ constexpr moe_cli::Option kOptions[] = {
 };
 constexpr moe_cli::Usage kUsage = {
     "moe_run_hf_layer",
-    "--model DIR --layer L --input X.safetensors --output Y.safetensors [options]", kOptions};
+    "--model DIR|FILE.gguf --layer L --input X.safetensors --output Y.safetensors [options]",
+    kOptions};
 /// Ends the messages of a bad command line.
 constexpr char kSeeHelp[] = "moe_run_hf_layer --help lists the options";
 
@@ -275,7 +279,9 @@ int main_impl(int argc, char** argv) {
 
   moe::io::HfLoadOptions options;
   options.strict = args.count("--strict") != 0;
-  moe::io::HfAnyLayer hf = moe::io::load_hf_moe_layer(model, layer, options);
+  moe::io::HfAnyLayer hf = moe::io::is_gguf_file(model)
+                               ? moe::io::load_gguf_moe_layer(model, layer, options)
+                               : moe::io::load_hf_moe_layer(model, layer, options);
   std::visit(
       [](auto const& loaded) {
         for (std::string const& w : loaded.warnings) {

@@ -27,6 +27,7 @@
 #include "io/io_test_support.hpp"
 #include "moe/core/random.hpp"
 #include "moe/io/gguf.hpp"
+#include "moe/io/gguf/layer.hpp"
 #include "moe/models/decoder.hpp"
 #include "moe/models/gguf_decoder.hpp"
 #include "moe/quant/blocks.hpp"
@@ -1702,6 +1703,51 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
         },
         from_gguf);
   }
+}
+
+TEST_CASE("load_gguf_moe_layer: a GGUF MoE layer loads as the directory's of its values",
+          "[models][decoder][gguf]") {
+  for (auto const& [type, stored_as] : {std::pair{std::string("qwen2_moe"), GgmlType::kF32},
+                                        std::pair{std::string("mixtral"), GgmlType::kQ8_0},
+                                        std::pair{std::string("gpt_oss"), GgmlType::kQ8_0},
+                                        std::pair{std::string("glm4_moe"), GgmlType::kF32}}) {
+    INFO(type);
+    Tiny t;
+    t.type = type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    if (type == "gpt_oss") t.window = 3, t.swiglu_limit = 7.0f;
+    Tensors const m = make_tensors(t, 902);
+    Tensors stored;
+    std::string const tag = "gguf_layer_" + type;
+    fs::path const gguf = write_gguf(t, m, tag, stored_as, stored);
+    fs::path const dir = write_model(t, stored, tag + "_hf");
+    Index const L = type == "glm4_moe" ? 1 : 0;  // GLM's layer 0 is dense
+    moe::io::HfAnyLayer const a = moe::io::load_gguf_moe_layer(gguf, L);
+    moe::io::HfAnyLayer const b = moe::io::load_hf_moe_layer(dir, L);
+    REQUIRE(a.index() == b.index());
+    std::visit(
+        [&](auto const& la) {
+          auto const& lb = std::get<std::remove_cvref_t<decltype(la)>>(b);
+          REQUIRE(la.tensors.size() == lb.tensors.size());
+          for (std::size_t i = 0; i < la.tensors.size(); ++i) {
+            INFO(la.tensors[i].name);
+            REQUIRE(la.tensors[i].name == lb.tensors[i].name);
+            REQUIRE(moe::io::hf_tensor_values(la.layer, la.tensors[i]) ==
+                    moe::io::hf_tensor_values(lb.layer, lb.tensors[i]));
+          }
+          for (std::string const& w : la.warnings) {  // no config.json: nothing "lacks" a key
+            REQUIRE(w.find("config.json lacks") == std::string::npos);
+          }
+        },
+        a);
+  }
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  Tensors stored;
+  fs::path const gguf =
+      write_gguf(t, make_tensors(t, 903), "gguf_layer_dense", GgmlType::kF32, stored);
+  REQUIRE_THROWS_WITH(moe::io::load_gguf_moe_layer(gguf, 1),
+                      Catch::Contains("cannot load layer 1") && Catch::Contains("mlp_only_layers"));
 }
 
 TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
