@@ -3,7 +3,7 @@
 //
 // moe_generate: load a whole Hugging Face Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
 // MiniMax-M2, gpt-oss or ERNIE 4.5 checkpoint, or a llama.cpp GGUF file (qwen3moe, qwen2moe,
-// olmoe, glm4moe, minimax-m2, ernie4_5-moe, llama/Mixtral), and generate tokens.
+// olmoe, glm4moe, minimax-m2, ernie4_5-moe, gpt-oss, llama/Mixtral), and generate tokens.
 //
 // What it shows: moe::models::load_hf_decoder() / load_gguf_decoder() (every layer through the
 // library's loaders),
@@ -81,7 +81,7 @@ constexpr moe_cli::Option kOptions[] = {
     {"--model DIR|FILE.gguf",
      "checkpoint: config.json + model.safetensors (or the index and its shards), or a GGUF "
      "file (any shard of a split one; qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, "
-     "ernie4_5-moe, llama/Mixtral)"},
+     "ernie4_5-moe, gpt-oss, llama/Mixtral)"},
     {"--prompt-ids I,J,...", "the prompt's token ids, comma-separated, each in [0, vocab)"},
     {"--max-new-tokens N", "tokens to generate, 0 to 2^20 = 1048576"},
     {"--threads N", "worker threads, 1 to 1024 (default 1)"},
