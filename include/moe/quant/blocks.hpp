@@ -384,6 +384,46 @@ inline void quantize_block(float const* x, BlockQ4_0& y) {
   }
 }
 
+namespace detail {
+/// The second half of Q4_K's and Q5_K's quantizer, as ggml: the 8 sub-block scales and mins to
+/// 6 bits each (packed into `packed`, with their fp16 maxima `d` and `dmin`), then the levels
+/// L[0, 256) of x again from the stored scales, in [0, nmax].
+inline void pack_k_scales(float const* x, float const* scales, float const* mins, float max_scale,
+                          float max_min, std::uint8_t* packed, std::uint16_t& d,
+                          std::uint16_t& dmin, std::uint8_t* L, int nmax) {
+  float const inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  float const inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  for (int j = 0; j < 8; ++j) {
+    // ggml stores nearest_int into a uint8_t, then clamps to 63 (the value is never negative).
+    auto ls = static_cast<std::uint8_t>(nearest_int(mul(inv_scale, scales[j])));
+    auto lm = static_cast<std::uint8_t>(nearest_int(mul(inv_min, mins[j])));
+    ls = ls < 63 ? ls : 63;
+    lm = lm < 63 ? lm : 63;
+    if (j < 4) {
+      packed[j] = ls;
+      packed[j + 4] = lm;
+    } else {
+      packed[j + 4] = static_cast<std::uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      packed[j - 4] = static_cast<std::uint8_t>(packed[j - 4] | ((ls >> 4) << 6));
+      packed[j] = static_cast<std::uint8_t>(packed[j] | ((lm >> 4) << 6));
+    }
+  }
+  d = fp16(max_scale / 63.f);
+  dmin = fp16(max_min / 63.f);
+  for (int j = 0; j < 8; ++j) {
+    std::uint8_t sc, m;
+    get_scale_min(j, packed, &sc, &m);
+    float const dj = mul(fp32(d), static_cast<float>(sc));
+    if (dj == 0.0f) continue;
+    float const dm = mul(fp32(dmin), static_cast<float>(m));
+    for (int ii = 0; ii < 32; ++ii) {
+      int const l = nearest_int((x[32 * j + ii] + dm) / dj);
+      L[32 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > nmax ? nmax : l));
+    }
+  }
+}
+}  // namespace detail
+
 inline void quantize_block(float const* x, BlockQ4_K& y) {
   using detail::mul;
   std::uint8_t L[256], Laux[32];
@@ -399,36 +439,7 @@ inline void quantize_block(float const* x, BlockQ4_K& y) {
     if (scales[j] > max_scale) max_scale = scales[j];
     if (mins[j] > max_min) max_min = mins[j];
   }
-  float const inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
-  float const inv_min = max_min > 0 ? 63.f / max_min : 0.f;
-  for (int j = 0; j < 8; ++j) {
-    // ggml stores nearest_int into a uint8_t, then clamps to 63 (the value is never negative).
-    auto ls = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_scale, scales[j])));
-    auto lm = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_min, mins[j])));
-    ls = ls < 63 ? ls : 63;
-    lm = lm < 63 ? lm : 63;
-    if (j < 4) {
-      y.scales[j] = ls;
-      y.scales[j + 4] = lm;
-    } else {
-      y.scales[j + 4] = static_cast<std::uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
-      y.scales[j - 4] = static_cast<std::uint8_t>(y.scales[j - 4] | ((ls >> 4) << 6));
-      y.scales[j] = static_cast<std::uint8_t>(y.scales[j] | ((lm >> 4) << 6));
-    }
-  }
-  y.d = detail::fp16(max_scale / 63.f);
-  y.dmin = detail::fp16(max_min / 63.f);
-  for (int j = 0; j < 8; ++j) {
-    std::uint8_t sc, m;
-    get_scale_min(j, y.scales, &sc, &m);
-    float const d = mul(detail::fp32(y.d), static_cast<float>(sc));
-    if (d == 0.0f) continue;
-    float const dm = mul(detail::fp32(y.dmin), static_cast<float>(m));
-    for (int ii = 0; ii < 32; ++ii) {
-      int const l = detail::nearest_int((x[32 * j + ii] + dm) / d);
-      L[32 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > 15 ? 15 : l));
-    }
-  }
+  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 15);
   std::uint8_t* q = y.qs;
   for (int j = 0; j < 256; j += 64) {
     for (int l = 0; l < 32; ++l) q[l] = static_cast<std::uint8_t>(L[j + l] | (L[j + l + 32] << 4));

@@ -373,36 +373,7 @@ inline void quantize_block(float const* x, BlockQ5_K& y) {
     if (scales[j] > max_scale) max_scale = scales[j];
     if (mins[j] > max_min) max_min = mins[j];
   }
-  float const inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
-  float const inv_min = max_min > 0 ? 63.f / max_min : 0.f;
-  for (int j = 0; j < 8; ++j) {
-    // ggml stores nearest_int into a uint8_t, then clamps to 63 (the value is never negative).
-    auto ls = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_scale, scales[j])));
-    auto lm = static_cast<std::uint8_t>(detail::nearest_int(mul(inv_min, mins[j])));
-    ls = ls < 63 ? ls : 63;
-    lm = lm < 63 ? lm : 63;
-    if (j < 4) {
-      y.scales[j] = ls;
-      y.scales[j + 4] = lm;
-    } else {
-      y.scales[j + 4] = static_cast<std::uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
-      y.scales[j - 4] = static_cast<std::uint8_t>(y.scales[j - 4] | ((ls >> 4) << 6));
-      y.scales[j] = static_cast<std::uint8_t>(y.scales[j] | ((lm >> 4) << 6));
-    }
-  }
-  y.d = detail::fp16(max_scale / 63.f);
-  y.dmin = detail::fp16(max_min / 63.f);
-  for (int j = 0; j < 8; ++j) {
-    std::uint8_t sc, m;
-    get_scale_min(j, y.scales, &sc, &m);
-    float const d = mul(detail::fp32(y.d), static_cast<float>(sc));
-    if (d == 0.0f) continue;
-    float const dm = mul(detail::fp32(y.dmin), static_cast<float>(m));
-    for (int ii = 0; ii < 32; ++ii) {
-      int const l = detail::nearest_int((x[32 * j + ii] + dm) / d);
-      L[32 * j + ii] = static_cast<std::uint8_t>(l < 0 ? 0 : (l > 31 ? 31 : l));
-    }
-  }
+  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 31);
   std::memset(y.qh, 0, sizeof y.qh);
   std::uint8_t m1 = 1, m2 = 2;
   std::uint8_t* ql = y.qs;

@@ -41,24 +41,7 @@ namespace detail {
 
 using io::detail::concat;
 
-/// The UTF-8 encoding of code point `cp` appended to `out`.
-inline void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
+using io::detail::append_utf8;
 
 /// GPT-2's bytes_to_unicode: the code point that stands for each byte in byte-level tokens
 /// (printable Latin-1 bytes stand for themselves, the other 68 for U+0100.. in byte order).
