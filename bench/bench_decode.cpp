@@ -104,7 +104,8 @@ Decoder const& decoder(int w) {
   c.rms_norm_eps = 1e-6f;
   c.qk_norm = true;
   auto format = [&](MatrixClass m, Index L, Index depth) {
-    return moe::experts::resolve_format(opt.format_of(m, L, kLayers, kE, false, true), depth);
+    return moe::experts::resolve_format(
+        opt.format_of(m, L, kLayers, kE, false, moe::experts::WeightFormat::kBf16), depth);
   };
   {
     std::vector<float> v(static_cast<std::size_t>(kVocab * kH));

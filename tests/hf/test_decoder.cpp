@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <numbers>
 #include <numeric>
@@ -31,6 +32,8 @@
 #include "moe/models/decoder.hpp"
 #include "moe/models/gguf_decoder.hpp"
 #include "moe/quant/blocks.hpp"
+#include "moe/quant/ggml_blocks.hpp"
+#include "moe/quant/ggml_dequantize.hpp"
 
 namespace {
 
@@ -1351,6 +1354,7 @@ TEST_CASE("Decoder: a context longer than max_position_embeddings is a warning",
 
 namespace {
 
+using moe::experts::WeightFormat;
 using moe::quant::GgmlType;
 
 /// ggml's dimension order of a row-major shape: ne[0] is the last (contiguous) dimension.
@@ -1389,8 +1393,11 @@ std::vector<float> llama_unpermute(std::vector<float> const& w, Index groups, In
 /// are spelt out here, independently of moe's mapping). Every tensor is stored as `type`
 /// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
 /// `stored` receives the values the file holds, under the Hugging Face names (q/k un-permuted).
+/// `type_of`, when given, chooses each tensor's type instead (by GGUF name and shape; F32, F16,
+/// BF16, Q8_0, Q6_K, Q4_K, Q4_0 or Q5_K).
+using TypeOf = std::function<GgmlType(std::string const& gguf, Shape const& shape)>;
 fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
-                    Tensors& stored) {
+                    Tensors& stored, TypeOf const& type_of = {}) {
   std::map<std::string, std::string> const archs = {
       {"qwen3_moe", "qwen3moe"}, {"qwen2_moe", "qwen2moe"},    {"olmoe", "olmoe"},
       {"glm4_moe", "glm4moe"},   {"minimax_m2", "minimax-m2"}, {"ernie4_5_moe", "ernie4_5-moe"},
@@ -1462,14 +1469,30 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
     Index const row = shape.size() == 1 ? 1 : cols;
     if (groups > 0) values = llama_permute(values, groups, row);
     bool const halves = type == GgmlType::kF16 || type == GgmlType::kBF16;  // every tensor
-    GgmlType const ty = halves || (shape.size() >= 2 && cols % 32 == 0) ? type : GgmlType::kF32;
+    GgmlType const ty = type_of                                           ? type_of(gguf, shape)
+                        : halves || (shape.size() >= 2 && cols % 32 == 0) ? type
+                                                                          : GgmlType::kF32;
     std::vector<std::byte> bytes;
     std::vector<float> back(values.size());
-    if (ty == GgmlType::kF32) {
+    if (ty == GgmlType::kQ5_K) {
+      auto const n = static_cast<Index>(values.size());
+      bytes.resize(static_cast<std::size_t>(n / 256 * sizeof(moe::quant::BlockQ5_K)));
+      moe::quant::quantize_row_q5_k_ref(values.data(),
+                                        reinterpret_cast<moe::quant::BlockQ5_K*>(bytes.data()), n);
+      moe::quant::ggml_dequantize(ty, bytes, n, back.data());
+    } else if (ty != GgmlType::kF32 && ty != GgmlType::kF16 && ty != GgmlType::kBF16) {
+      std::optional<WeightFormat> const f = moe::experts::native_format(ty);
+      REQUIRE(f.has_value());
+      moe::quant::Format const qf = moe::experts::quant_format(*f);
+      auto const n = static_cast<Index>(values.size());
+      bytes.resize(static_cast<std::size_t>(moe::quant::row_bytes(qf, n)));
+      moe::quant::quantize_row(qf, values.data(), n, bytes.data());
+      moe::quant::ggml_dequantize(ty, bytes, n, back.data());
+    } else if (ty == GgmlType::kF32) {
       bytes.resize(values.size() * 4);
       std::memcpy(bytes.data(), values.data(), bytes.size());
       back = values;
-    } else if (ty == GgmlType::kF16 || ty == GgmlType::kBF16) {
+    } else {  // F16 or BF16
       std::vector<std::uint16_t> h(values.size());
       for (std::size_t i = 0; i < h.size(); ++i) {
         h[i] = ty == GgmlType::kF16 ? moe::float_to_f16(values[i]) : moe::float_to_bf16(values[i]);
@@ -1477,11 +1500,6 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
       }
       bytes.resize(h.size() * 2);
       std::memcpy(bytes.data(), h.data(), bytes.size());
-    } else {
-      auto const n = static_cast<Index>(values.size());
-      bytes.resize(static_cast<std::size_t>(n / 32 * 34));
-      moe::quant::quantize_row(moe::quant::Format::kQ8_0, values.data(), n, bytes.data());
-      moe::quant::dequantize_row(moe::quant::Format::kQ8_0, bytes.data(), n, back.data());
     }
     w.add_tensor(gguf, ty, ggml_ne(shape), bytes);
     if (groups > 0) back = llama_unpermute(back, groups, row);
@@ -1687,15 +1705,36 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
     REQUIRE_FALSE(moe::io::is_gguf_file(gguf.parent_path()));
     fs::path const dir = write_model(t, stored, tag + "_hf", c.bf16_checkpoint);
     moe::models::AnyDecoder const from_gguf = moe::models::load_gguf_decoder(gguf);
-    moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir);
-    check_same_decoding(from_gguf, from_hf, t.V);
+    // The GGUF's Q8_0 matrices run as stored (q8_0 packs of its blocks); the directory holds
+    // their values, which Q8_0's quantizer turns back into the same blocks.
+    bool const quantized = c.stored == GgmlType::kQ8_0;
+    moe::models::DecoderOptions q8;
+    if (quantized) {
+      q8.dense = WeightFormat::kQ8_0;
+      // gpt-oss's experts are joined and transposed into transformers' layout: decoded.
+      if (c.type != "gpt_oss") q8.experts = WeightFormat::kQ8_0;
+    }
+    moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir, nullptr, q8);
+    if (c.type == "qwen2_moe" && quantized) {
+      // Its shared expert's down projection (12 wide: no 32-blocks) stays F32 in the file, which
+      // one shared_experts format cannot say: ask the same formats of both (a format asked that
+      // is the stored one still runs the file's blocks).
+      check_same_decoding(moe::models::load_gguf_decoder(gguf, nullptr, q8), from_hf, t.V);
+    } else {
+      check_same_decoding(from_gguf, from_hf, t.V);
+    }
     std::visit(
         [&](auto const& d) {
-          bool const quantized = c.stored == GgmlType::kQ8_0;
-          bool said = false;
-          for (std::string const& w : d.warnings)
-            said = said || w.find("Q8_0 tensor(s) decoded") != std::string::npos;
-          REQUIRE(said == quantized);
+          for (std::string const& w : d.warnings) {
+            INFO(w);
+            REQUIRE(w.find("decoded") == std::string::npos);  // every tensor runs as stored
+          }
+          if (quantized) {
+            REQUIRE(d.embed.blocks_view != nullptr);  // read in place from the mapped file
+            REQUIRE(d.embed.format == WeightFormat::kQ8_0);
+            REQUIRE(d.lm_head.format() == WeightFormat::kQ8_0);
+            REQUIRE(d.blocks[0].attention.formats().v == WeightFormat::kQ8_0);
+          }
           REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
           for (Index l = 0; l < t.L; ++l) {
             REQUIRE(d.blocks[static_cast<std::size_t>(l)].moe.has_value() == !is_dense(t, l));
@@ -1703,6 +1742,110 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
         },
         from_gguf);
   }
+}
+
+TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re-quantized",
+          "[models][decoder][gguf]") {
+  // Types as llama.cpp's Q4_K_M writes them: Q4_K, with Q6_K for the output matrix, attn_v and
+  // the experts' ffn_down; the dense layer's ffn_down in Q5_K, which moe has no kernel for.
+  Tiny t;
+  t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;  // whole 256-blocks in every row
+  Tensors const m = make_tensors(t, 904);
+  TypeOf const type_of = [](std::string const& g, Shape const& shape) {
+    if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
+    if (g == "output.weight" || g.find("attn_v.") != std::string::npos ||
+        g.find("ffn_down_exps") != std::string::npos) {
+      return GgmlType::kQ6_K;
+    }
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
+    return GgmlType::kQ4_K;
+  };
+  Tensors stored;
+  fs::path const gguf = write_gguf(t, m, "gguf_q4_k_m", GgmlType::kF32, stored, type_of);
+  moe::io::GgufModel const file(gguf);
+  moe::models::AnyDecoder const any = moe::models::load_gguf_decoder(gguf);
+  auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
+  // Every matrix in its stored format; the Q5_K one as q8_0, with a warning that says so.
+  REQUIRE(d.embed.format == WeightFormat::kQ4_K);
+  std::span<std::byte const> const embd = file.tensor("token_embd.weight").data;
+  REQUIRE(d.embed.blocks_view != nullptr);  // in the decoder's mapping of the file
+  REQUIRE(std::memcmp(d.embed.blocks_view, embd.data(), embd.size()) == 0);
+  REQUIRE(d.lm_head.format() == WeightFormat::kQ6_K);
+  bool said = false;
+  for (std::string const& w : d.warnings) {
+    said = said || (w.find("1 Q5_K tensor(s): moe has no Q5_K kernel yet") != std::string::npos &&
+                    w.find("packed as q8_0") != std::string::npos);
+  }
+  REQUIRE(said);
+  // The packs are the file's blocks, re-packed: byte for byte what pack_quant_panels makes of
+  // them (a re-quantization would give other scales).
+  auto same_pack = [](moe::kernels::QuantWeights const& q, WeightFormat f, std::byte const* rows,
+                      Index N, Index K) {
+    REQUIRE(q.format == moe::experts::quant_format(f));
+    Index const panels = (N + moe::kernels::kQuantPanelCols - 1) / moe::kernels::kQuantPanelCols;
+    moe::HugePageVector<std::byte> want(static_cast<std::size_t>(panels * q.panel_bytes));
+    moe::kernels::pack_quant_panels(q.format, rows, N, K, want.data());
+    REQUIRE(std::memcmp(q.data, want.data(), want.size()) == 0);
+  };
+  same_pack(d.lm_head.panels().quant[0], WeightFormat::kQ6_K,
+            file.tensor("output.weight").data.data(), t.V, t.H);
+  for (Index l = 0; l < t.L; ++l) {
+    INFO("layer " << l);
+    auto const& b = d.blocks[static_cast<std::size_t>(l)];
+    moe::AttentionFormats const f = b.attention.formats();
+    REQUIRE((f.q == WeightFormat::kQ4_K && f.k == WeightFormat::kQ4_K &&
+             f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
+    REQUIRE(b.attention.master_weights_discarded());
+    std::string const p = concat("blk.", l, ".");
+    if (!b.moe) {
+      REQUIRE(b.mlp.gate.format() == WeightFormat::kQ4_K);
+      REQUIRE(b.mlp.down.format() == WeightFormat::kQ8_0);  // Q5_K: decoded, then q8_0
+      same_pack(b.mlp.gate.panels().quant[0], WeightFormat::kQ4_K,
+                file.tensor(p + "ffn_gate.weight").data.data(), t.I_dense, t.H);
+      continue;
+    }
+    auto const& bank = b.moe->experts();
+    std::span<std::byte const> const gate = file.tensor(p + "ffn_gate_exps.weight").data,
+                                     up = file.tensor(p + "ffn_up_exps.weight").data,
+                                     down = file.tensor(p + "ffn_down_exps.weight").data;
+    for (Index e = 0; e < t.E; ++e) {
+      REQUIRE(bank.packed_formats()[static_cast<std::size_t>(e)] ==
+              moe::experts::ExpertFormat{WeightFormat::kQ4_K, WeightFormat::kQ6_K});
+      auto const in = bank.packed_in_quant(e);
+      std::size_t const in_bytes = gate.size() / static_cast<std::size_t>(t.E),
+                        down_bytes = down.size() / static_cast<std::size_t>(t.E);
+      same_pack(in[0], WeightFormat::kQ4_K, gate.data() + e * in_bytes, t.I_moe, t.H);
+      same_pack(in[1], WeightFormat::kQ4_K, up.data() + e * in_bytes, t.I_moe, t.H);
+      same_pack(bank.packed_down_quant(e)[0], WeightFormat::kQ6_K, down.data() + e * down_bytes,
+                t.H, t.I_moe);
+    }
+  }
+  // The logits: those of the values the blocks hold, in fp32, up to the int8 activations the
+  // block kernels multiply (docs/quantization.md).
+  fs::path const dir = write_model(t, stored, "gguf_q4_k_m_hf");
+  moe::models::AnyDecoder const reference = moe::models::load_hf_decoder(dir);
+  auto const& ref = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(reference);
+  std::vector<std::int64_t> const ids = {3, 17, 5, 9};
+  std::vector<Index> const counts = {4};
+  std::vector<float> got(static_cast<std::size_t>(t.V)), want(got.size());
+  auto sa = d.make_state(1);
+  auto sb = ref.make_state(1);
+  d.forward(ids, counts, sa, {got.data(), 1, t.V});
+  ref.forward(ids, counts, sb, {want.data(), 1, t.V});
+  double worst = 0, scale = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::abs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(want[i])));
+  }
+  INFO("worst " << worst << " of " << scale);
+  REQUIRE(worst <= 0.03 * scale);
+  // Formats asked for replace the stored ones (the experts re-quantized from their values).
+  moe::models::DecoderOptions o;
+  o.experts = WeightFormat::kQ8_0;
+  moe::models::AnyDecoder const asked = moe::models::load_gguf_decoder(gguf, nullptr, o);
+  auto const& da = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(asked);
+  REQUIRE(da.blocks[0].moe->experts().packed_format() == WeightFormat::kQ8_0);
+  REQUIRE(da.blocks[0].attention.formats().q == WeightFormat::kQ4_K);
 }
 
 TEST_CASE("load_gguf_moe_layer: a GGUF MoE layer loads as the directory's of its values",
@@ -1784,10 +1927,11 @@ TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; 
               "--model '" + gguf.string() + "'" + tail + (dir / "g.safetensors").string() + "'",
               dir) == 0);
   std::string const ids = text_of(dir / "out.txt");
-  REQUIRE_THAT(text_of(dir / "err.txt"), Catch::Contains("Q8_0 tensor(s) decoded to fp32"));
-  REQUIRE(
-      run_generate("--model '" + dir.string() + "'" + tail + (dir / "h.safetensors").string() + "'",
-                   dir) == 0);
+  // Its Q8_0 matrices run as stored: as the directory of their values packed in q8_0.
+  REQUIRE_THAT(text_of(dir / "err.txt"), !Catch::Contains("decoded"));
+  REQUIRE(run_generate("--model '" + dir.string() + "' --dense q8_0 --experts q8_0" + tail +
+                           (dir / "h.safetensors").string() + "'",
+                       dir) == 0);
   REQUIRE(text_of(dir / "out.txt") == ids);
   moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
   REQUIRE(moe::io::to_float(g.tensor("logits")) == moe::io::to_float(h.tensor("logits")));

@@ -6,11 +6,13 @@
 // the GLU pair, the fallback chain and the errors.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "moe/core/float16.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/layers/linear.hpp"
@@ -202,6 +204,66 @@ TEST_CASE("Linear: a format whose blocks do not divide the depth falls back alon
   REQUIRE(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0);
   Linear const odd({w.data(), N, 40}, WeightFormat::kQ8_0);  // 40: no 32-block format holds it
   REQUIRE(odd.format() == WeightFormat::kBf16);
+}
+
+TEST_CASE("Linear::from_blocks: stored GGUF blocks run as stored, never re-quantized",
+          "[linear][quant]") {
+  Index const N = 70, K = 512, T = 5;
+  std::vector<float> const w = test::random_vector(N * K, 21, -0.5f, 0.5f);
+  std::vector<float> const x = test::random_vector(T * K, 22);
+  moe::ThreadPool pool(2);
+  for (WeightFormat f : kAll) {
+    if (!moe::experts::is_quantized(f)) continue;
+    INFO(moe::experts::name(f));
+    quant::Format const qf = moe::experts::quant_format(f);
+    quant::QuantMatrix const q = quant::QuantMatrix::quantize({w.data(), N, K}, qf);
+    // The blocks of quantize_row are what the Linear constructor packs: the same bits.
+    Linear const stored = Linear::from_blocks(f, q.row(0), N, K, {}, &pool);
+    Linear const made({w.data(), N, K}, f);
+    REQUIRE(stored.format() == f);
+    REQUIRE(stored.bytes() == made.bytes());
+    std::vector<float> ys(static_cast<std::size_t>(T * N)), ym(ys.size());
+    run(stored, x, T, ys, &pool);
+    run(made, x, T, ym, nullptr);
+    REQUIRE(std::memcmp(ys.data(), ym.data(), ys.size() * sizeof(float)) == 0);
+    // Blocks edited by hand (every fp16 block scale d times 0.75) multiply as the values
+    // ggml's dequantizer gives them: the reference is the dequantized matrix.
+    quant::QuantMatrix odd = q;
+    for (Index r = 0; r < N; ++r) {
+      for (Index b = 0; b < K / quant::block_elems(qf); ++b) {
+        std::byte* blk = odd.row(r) + b * quant::block_bytes(qf);
+        std::uint16_t d;
+        std::size_t const at = qf == quant::Format::kQ6_K   ? 208
+                               : qf == quant::Format::kQ3_K ? 108
+                               : qf == quant::Format::kQ2_K ? 80
+                                                            : 0;
+        std::memcpy(&d, blk + at, 2);
+        d = moe::float_to_f16(0.75f * moe::f16_to_float(d));
+        std::memcpy(blk + at, &d, 2);
+      }
+    }
+    std::vector<float> deq(static_cast<std::size_t>(N * K));
+    odd.dequantize({deq.data(), N, K});
+    Linear const from_odd = Linear::from_blocks(f, odd.row(0), N, K);
+    std::vector<float> y(static_cast<std::size_t>(T * N));
+    run(from_odd, x, T, y, &pool);
+    std::vector<double> const xe = effective_inputs(x, T, K, f);
+    for (Index t = 0; t < T; ++t) {
+      for (Index n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (Index k = 0; k < K; ++k) {
+          ref += xe[t * K + k] * deq[n * K + k];
+          mag += std::abs(xe[t * K + k] * deq[n * K + k]);
+        }
+        REQUIRE(std::abs(y[t * N + n] - ref) <= 2e-5 * mag);
+      }
+    }
+  }
+  std::vector<std::byte> const blocks(static_cast<std::size_t>(4 * 34));
+  REQUIRE_THROWS_WITH(Linear::from_blocks(WeightFormat::kBf16, blocks.data(), 4, 32),
+                      Catch::Contains("bf16 is not a block format"));
+  REQUIRE_THROWS_WITH(Linear::from_blocks(WeightFormat::kQ8_0, blocks.data(), 1, 48),
+                      Catch::Contains("rows of 48 weights are not whole q8_0 blocks of 32"));
 }
 
 TEST_CASE("Linear: errors", "[linear]") {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -40,6 +41,17 @@ struct ExpertFormat {
   WeightFormat down = WeightFormat::kF32;
   bool operator==(ExpertFormat const&) const = default;
 };
+
+/// One projection of an expert: a GLU expert's gate, up and down; an MLP expert's up (its in
+/// projection) and down.
+enum class Projection { kGate, kUp, kDown };
+
+/// Stored GGUF blocks that ExpertBank::pack re-packs instead of quantizing the fp32 weights:
+/// stored(e, p, f) returns the rows of expert e's projection p (a GGUF tensor's rows, row r at
+/// r * quant::row_bytes(quant_format(f), depth)) when they are stored in block format f and
+/// encode exactly that projection's fp32 weights (the caller's promise: a loader that decoded
+/// these blocks into the weights), else nullptr. Called from pack's worker threads.
+using StoredBlocks = std::function<std::byte const*(Index expert, Projection p, WeightFormat f)>;
 
 /// Owns the weights of `num_experts` experts that all compute `Expert` (a GLU or an MLP), in
 /// the Hugging Face [out, in] row-major convention, one contiguous block per expert:
@@ -321,7 +333,12 @@ class ExpertBank {
   }
   /// Packs expert e's projections in formats[e] (one entry per expert): experts of different
   /// formats in one bank (mixed precision, e.g. an AlphaQ allocation) run in one forward.
-  void pack(std::span<ExpertFormat const> formats, ThreadPool* pool = nullptr) {
+  ///
+  /// With `stored`, a quantized projection whose stored blocks it returns is re-packed from them
+  /// (as stored: never re-quantized, the same values) instead of quantized from its fp32
+  /// weights; the others are quantized as above.
+  void pack(std::span<ExpertFormat const> formats, ThreadPool* pool = nullptr,
+            StoredBlocks const& stored = {}) {
     require_masters("pack");
     detail::check(!editing(),
                   "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
@@ -404,24 +421,37 @@ class ExpertBank {
                         "can be quantized (fix the weights or pack this expert as fp32/bf16)");
         }
       };
-      if (is_quantized(sl.in.format)) scan(in_ptr(e), P * D, "in");
-      if (is_quantized(sl.down.format)) scan(down_ptr(e), D * F, "down");
+      auto from_blocks = [&](Projection p, WeightFormat f) {
+        return stored && is_quantized(f) && stored(e, p, f) != nullptr;
+      };
+      Projection const in0 = Expert::gated ? Projection::kGate : Projection::kUp;
+      bool const in_stored = from_blocks(in0, sl.in.format) &&
+                             (!Expert::gated || from_blocks(Projection::kUp, sl.in.format));
+      if (is_quantized(sl.in.format) && !in_stored) scan(in_ptr(e), P * D, "in");
+      if (is_quantized(sl.down.format) && !from_blocks(Projection::kDown, sl.down.format))
+        scan(down_ptr(e), D * F, "down");
     }
-    auto pack_quant = [&](float const* w, Index rows, Index depth,
+    auto pack_quant = [&](Index e, Projection proj, float const* w, Index rows, Index depth,
                           typename Slot::Part const& part) {
       quant::Format const qf = quant_format(part.format);
+      std::byte* const dst = packed_q_.data() + part.offset;
+      if (std::byte const* blocks = stored ? stored(e, proj, part.format) : nullptr) {
+        kernels::pack_quant_panels(qf, blocks, rows, depth, dst);
+        return;
+      }
       Index const rb = quant::row_bytes(qf, depth);
       std::vector<std::byte> rows_q(static_cast<std::size_t>(rows * rb));
       for (Index r = 0; r < rows; ++r) {
         quant::quantize_row(qf, w + r * depth, depth, rows_q.data() + r * rb);
       }
-      kernels::pack_quant_panels(qf, rows_q.data(), rows, depth, packed_q_.data() + part.offset);
+      kernels::pack_quant_panels(qf, rows_q.data(), rows, depth, dst);
     };
     parallel_for(pool, num_experts_, [&](Index e, int) {
       Slot const& sl = slots[static_cast<std::size_t>(e)];
       if (is_quantized(sl.in.format)) {
-        pack_quant(in_ptr(e), Expert::gated ? F : P, D, sl.in);
-        if constexpr (Expert::gated) pack_quant(in_ptr(e) + F * D, F, D, sl.up);
+        pack_quant(e, Expert::gated ? Projection::kGate : Projection::kUp, in_ptr(e),
+                   Expert::gated ? F : P, D, sl.in);
+        if constexpr (Expert::gated) pack_quant(e, Projection::kUp, in_ptr(e) + F * D, F, D, sl.up);
       } else {
         for (Index p = 0; p < in_panels; ++p) {
           Index const nc = std::min(np, P - p * np);
@@ -435,7 +465,7 @@ class ExpertBank {
         }
       }
       if (is_quantized(sl.down.format)) {
-        pack_quant(down_ptr(e), D, F, sl.down);
+        pack_quant(e, Projection::kDown, down_ptr(e), D, F, sl.down);
       } else {
         for (Index p = 0; p < down_panels; ++p) {
           Index const nc = std::min(np, D - p * np);

@@ -6,12 +6,14 @@
 /// and bits, and the fallback chain of a format whose blocks do not divide a matrix's depth.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "moe/core/error.hpp"
 #include "moe/core/types.hpp"
 #include "moe/quant/blocks.hpp"
+#include "moe/quant/ggml_type.hpp"
 
 namespace moe::experts {
 
@@ -119,6 +121,53 @@ inline std::string formats_holding(WeightFormat f, Index K) {
     if (g == WeightFormat::kBf16 || g == WeightFormat::kF32) break;
   }
   return out + (out.find("fp32") == std::string::npos ? ", fp32" : "");
+}
+
+/// The ggml tensor type that stores a format's values exactly as the format does (kF32: F32,
+/// kBf16: BF16, a block format: its GGUF type): what a GGUF file or a moe_quantize checkpoint
+/// records for a matrix stored in `f`.
+constexpr quant::GgmlType ggml_type(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kF32:
+      return quant::GgmlType::kF32;
+    case WeightFormat::kBf16:
+      return quant::GgmlType::kBF16;
+    case WeightFormat::kQ8_0:
+      return quant::GgmlType::kQ8_0;
+    case WeightFormat::kQ6_K:
+      return quant::GgmlType::kQ6_K;
+    case WeightFormat::kQ4_K:
+      return quant::GgmlType::kQ4_K;
+    case WeightFormat::kQ4_0:
+      return quant::GgmlType::kQ4_0;
+    case WeightFormat::kQ3_K:
+      return quant::GgmlType::kQ3_K;
+    case WeightFormat::kQ2_K:
+      return quant::GgmlType::kQ2_K;
+  }
+  return quant::GgmlType::kF32;
+}
+
+/// The format that multiplies ggml type `t` as stored (its blocks re-packed for the kernels, the
+/// values unchanged): F32, BF16, Q8_0, Q6_K, Q4_K, Q4_0, Q3_K and Q2_K have one; nullopt for the
+/// others (F16, Q4_1, Q5_0, Q5_1, Q5_K, the IQ types, MXFP4, ...), which moe decodes at load.
+constexpr std::optional<WeightFormat> native_format(quant::GgmlType t) {
+  for (WeightFormat f :
+       {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kQ6_K,
+        WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+    if (ggml_type(f) == t) return f;
+  }
+  return std::nullopt;
+}
+
+/// The format a matrix stored as ggml type `t` is loaded into when no format is asked for: its
+/// native format, else (a block type without a kernel in moe: Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL,
+/// IQ4_XS, MXFP4, IQ1..IQ3) q8_0, which holds each of them to within a 255th of its block's
+/// largest weight at 8.5 bits a weight (the weights are decoded bit-exactly with ggml, then
+/// quantized with Q8_0's fast reference quantizer), and fp32 for F16 and the other float types.
+constexpr WeightFormat load_format(quant::GgmlType t) {
+  if (std::optional<WeightFormat> const f = native_format(t)) return *f;
+  return quant::ggml_type_info(t).quantized ? WeightFormat::kQ8_0 : WeightFormat::kF32;
 }
 
 /// The arithmetic of training forwards and backwards over an expert bank

@@ -421,6 +421,35 @@ class GatedAttention {
     p_.o_proj = {};
     discarded_ = true;
   }
+  /// Makes the layer inference-only with projections packed elsewhere (a loader that builds them
+  /// from stored blocks with Linear::from_blocks, or from values with the Linear constructor):
+  /// q [q_proj_rows, D] (with the gate rows when the gate is fused into q_proj), k and v
+  /// [kv_dim, D], o [D, q_dim], `gate` [gate_cols, D] exactly when the gate is a separate
+  /// projection; none with a bias (the layer adds its own). The fp32 projection weights are
+  /// freed as discard_master_weights() does, with the same consequences. Throws moe::Error for a
+  /// pack of another shape, a pack with a bias, or a missing or unexpected gate.
+  void adopt_packed_weights(Linear q, Linear k, Linear v, Linear o, Linear gate = {}) {
+    Index const D = c_.d_model;
+    auto check = [&](Linear const& l, char const* what, Index rows, Index depth) {
+      detail::check(l.rows() == rows && l.depth() == depth && l.bias().empty(),
+                    "GatedAttention::adopt_packed_weights: ", what, " is [", l.rows(), ", ",
+                    l.depth(), "]", l.bias().empty() ? "" : " with a bias",
+                    " but this layer needs [", rows, ", ", depth, "] without a bias");
+    };
+    check(q, "q", q_proj_rows(), D);
+    check(k, "k", kv_dim(), D);
+    check(v, "v", kv_dim(), D);
+    check(o, "o", D, q_dim());
+    if (separate_gate()) {
+      check(gate, "gate", gate_cols(), D);
+    } else {
+      detail::check(gate.empty(),
+                    "GatedAttention::adopt_packed_weights: this layer has no separate "
+                    "gate projection; pass none");
+    }
+    packs_ = {std::move(q), std::move(gate), std::move(k), std::move(v), std::move(o)};
+    discard_master_weights();
+  }
   /// Were the fp32 projection weights discarded (discard_master_weights)?
   bool master_weights_discarded() const { return discarded_; }
   /// Are the projections packed (pack_weights, and no write access since)?

@@ -108,6 +108,41 @@ class Linear {
     }
   }
 
+  /// W [N, K] stored as GGUF blocks of the block format `format`, row by row (row n: the
+  /// quant::row_bytes(quant_format(format), K) bytes at rows + n * that, a GGUF tensor's rows),
+  /// packed as stored: the blocks are re-packed for the integer kernels, never re-quantized, so
+  /// the product is that of the values ggml's dequantizer gives. In parallel on `pool` (the same
+  /// pack without). Throws moe::Error for a format that is not a block format, an empty matrix,
+  /// a depth that is not whole blocks, or a bias of another length.
+  static Linear from_blocks(experts::WeightFormat format, std::byte const* rows, Index N, Index K,
+                            std::span<float const> bias = {}, ThreadPool* pool = nullptr) {
+    detail::check(experts::is_quantized(format), "Linear::from_blocks: ", experts::name(format),
+                  " is not a block format; build an fp32 or bf16 Linear from its values");
+    detail::check(N >= 1 && K >= 1 && rows != nullptr, "Linear::from_blocks: the matrix is [", N,
+                  ", ", K, "]; it needs at least one row and one column");
+    quant::Format const qf = experts::quant_format(format);
+    detail::check(K % quant::block_elems(qf) == 0, "Linear::from_blocks: rows of ", K,
+                  " weights are not whole ", experts::name(format), " blocks of ",
+                  quant::block_elems(qf));
+    detail::check(bias.empty() || static_cast<Index>(bias.size()) == N,
+                  "Linear::from_blocks: the bias has ", bias.size(), " values but W has ", N,
+                  " rows; pass one per row (or none)");
+    Linear l;
+    l.rows_ = N;
+    l.depth_ = K;
+    l.requested_ = l.format_ = format;
+    l.bias_.assign(bias.begin(), bias.end());
+    Index const panels = (N + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols;
+    l.panel_bytes_ = kernels::quant_panel_bytes(qf, K);
+    l.quant_.assign(static_cast<std::size_t>(panels * l.panel_bytes_), std::byte{0});
+    Index const rb = quant::row_bytes(qf, K);
+    parallel_for(pool, panels, [&](Index p, int) {
+      Index const r0 = p * kernels::kQuantPanelCols, n = std::min(kernels::kQuantPanelCols, N - r0);
+      kernels::pack_quant_panels(qf, rows + r0 * rb, n, K, l.quant_.data() + p * l.panel_bytes_);
+    });
+    return l;
+  }
+
   bool empty() const { return rows_ == 0; }
   Index rows() const { return rows_; }    ///< N (outputs)
   Index depth() const { return depth_; }  ///< K (inputs)

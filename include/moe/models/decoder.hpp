@@ -67,21 +67,29 @@ constexpr char const* name(MatrixClass c) {
 /// the experts (moe::Linear), in fp32, bf16 or a GGUF block format; a format whose blocks do not
 /// divide a matrix's depth falls back along its chain (experts::resolve_format), and
 /// Decoder::fallbacks lists where it did.
-///   - `dense` (unset: as stored: BF16 tensors bf16, F32/F16/F8 tensors fp32) is the format of
-///     the embedding, the LM head, the attention projections and the dense MLPs, unless the
-///     class's own field is set (`embedding`, `lm_head`, `attention`, `dense_mlp`);
-///   - `experts`, `shared_experts` (unset: `experts`): the MoE layers' routed and shared experts;
+///   - `dense` (unset: as stored: BF16 tensors bf16, F32/F16/F8 tensors fp32, GGUF blocks in
+///     their format: see below) is the format of the embedding, the LM head, the attention
+///     projections and the dense MLPs, unless the class's own field is set (`embedding`,
+///     `lm_head`, `attention`, `dense_mlp`);
+///   - `experts`, `shared_experts` (unset: `experts`): the MoE layers' routed and shared experts
+///     (both unset: as stored when the checkpoint stores them as GGUF blocks, per expert, else
+///     fp32);
 ///   - `mix = kQ4_K_M`: llama.cpp's Q4_K_M choice per matrix (llama-quant.cpp, read 2026-12-06;
 ///     overrides the fields above): every matrix q4_k except the LM head (q6_k; the embedding
 ///     too when tied), attn_v and every ffn_down (dense, experts, shared) in the layers
 ///     use_more_bits picks (q6_k: L < n/8, L >= 7n/8, or (L - n/8) % 3 == 2; half of them), and
 ///     with exactly 8 experts (Mixtral) attn_k and attn_v in q8_0 and attn_o in q6_k (llama.cpp
 ///     uses Q5_K, which moe lacks); fallbacks as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here).
+/// Matrices stored as GGUF blocks (a GGUF file's quantized tensors, a moe_quantize checkpoint:
+/// moe/io/block_tensor.hpp) run as stored wherever their format is the one chosen: the blocks
+/// are re-packed for the kernels, never re-quantized. "As stored" for a block type moe has no
+/// kernel for (Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3 types) is q8_0
+/// (experts::load_format): decoded bit-exactly, then quantized to Q8_0.
 struct DecoderOptions {
   enum class Mix { kUniform, kQ4_K_M };
   std::optional<experts::WeightFormat> dense;
   std::optional<experts::WeightFormat> embedding, lm_head, attention, dense_mlp;
-  experts::WeightFormat experts = experts::WeightFormat::kF32;
+  std::optional<experts::WeightFormat> experts;
   std::optional<experts::WeightFormat> shared_experts;
   Mix mix = Mix::kUniform;
 
@@ -97,11 +105,19 @@ struct DecoderOptions {
     return layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
   }
 
+  /// Do these options choose the experts' formats (otherwise they stay as stored)?
+  bool asks_experts(bool shared) const {
+    return mix == Mix::kQ4_K_M || experts.has_value() || (shared && shared_experts.has_value());
+  }
+
   /// The format asked for a matrix of class `c` in layer `layer` of `layers` (`experts`: the
-  /// model's routed experts; `tied`: the LM head is the embedding; `stored_bf16`: the tensor is
-  /// BF16 in the checkpoint), before any fallback. `shared`: a shared expert's projection.
+  /// model's routed experts; `tied`: the LM head is the embedding; `stored`: how the checkpoint
+  /// stores the tensor, as the format that holds it: kF32 for F32, F16 and F8 tensors, kBf16
+  /// for BF16, experts::load_format of a GGUF block type), before any fallback. `shared`: a
+  /// shared expert's projection.
   experts::WeightFormat format_of(MatrixClass c, Index layer, Index layers, Index num_experts,
-                                  bool tied, bool stored_bf16, bool shared = false) const {
+                                  bool tied, experts::WeightFormat stored,
+                                  bool shared = false) const {
     using experts::WeightFormat;
     if (mix == Mix::kQ4_K_M) {
       bool const more = more_bits(layer, layers), eight = num_experts == 8;
@@ -124,7 +140,9 @@ struct DecoderOptions {
       }
     }
     if (c == MatrixClass::kExpertsIn || c == MatrixClass::kExpertsDown) {
-      return shared && shared_experts ? *shared_experts : experts;
+      if (shared && shared_experts) return *shared_experts;
+      if (experts) return *experts;
+      return experts::is_quantized(stored) ? stored : WeightFormat::kF32;
     }
     std::optional<WeightFormat> own;
     switch (c) {
@@ -144,7 +162,7 @@ struct DecoderOptions {
     }
     if (own) return *own;
     if (dense) return *dense;
-    return stored_bf16 ? WeightFormat::kBf16 : WeightFormat::kF32;
+    return stored;
   }
 };
 
@@ -159,7 +177,7 @@ struct Fallback {
 /// The token embedding [V, H]: rows read by token id (never multiplied), stored in fp32, bf16
 /// (each value as the top half of a float), or GGUF blocks row by row (row r: the bytes
 /// quant::row_bytes(format, H) of a GGUF tensor's row; read through ggml's dequantizer), or read in
-/// place from the mapped checkpoint (fp32 or bf16).
+/// place from the mapped checkpoint (fp32, bf16, or GGUF blocks as stored).
 struct Embedding {
   Index rows = 0, cols = 0;
   experts::WeightFormat format = experts::WeightFormat::kF32;
@@ -168,6 +186,7 @@ struct Embedding {
   HugePageVector<std::byte> blocks;
   float const* f32_view = nullptr;
   std::uint16_t const* bf16_view = nullptr;
+  std::byte const* blocks_view = nullptr;  ///< rows of `format` blocks in the mapped checkpoint
 
   /// Rows of w [V, H] stored in `format` (quantized with ggml's reference quantizer; the caller
   /// resolved the format for H).
@@ -194,17 +213,22 @@ struct Embedding {
     }
     return e;
   }
-  bool in_place() const { return f32_view != nullptr || bf16_view != nullptr; }
+  bool in_place() const {
+    return f32_view != nullptr || bf16_view != nullptr || blocks_view != nullptr;
+  }
   /// Bytes of the stored values.
   std::size_t bytes() const {
-    if (!blocks.empty()) return blocks.size();
+    if (experts::is_quantized(format)) {
+      return static_cast<std::size_t>(rows * quant::row_bytes(experts::quant_format(format), cols));
+    }
     return static_cast<std::size_t>(rows * cols) * (format == experts::WeightFormat::kBf16 ? 2 : 4);
   }
   /// out[c] = row r, exact (widened or dequantized).
   void read_row(Index r, float* out) const {
-    if (!blocks.empty()) {
+    if (experts::is_quantized(format)) {
       quant::Format const qf = experts::quant_format(format);
-      quant::dequantize_row(qf, blocks.data() + r * quant::row_bytes(qf, cols), cols, out);
+      std::byte const* b = blocks_view ? blocks_view : blocks.data();
+      quant::dequantize_row(qf, b + r * quant::row_bytes(qf, cols), cols, out);
     } else if (std::uint16_t const* b = bf16_view      ? bf16_view
                                         : bf16.empty() ? nullptr
                                                        : bf16.data()) {
@@ -474,7 +498,8 @@ using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::Mix
 
 namespace detail {
 
-/// Tensor `name` of `ckpt`, checked: present, of `shape`, F32, BF16 or F16.
+/// Tensor `name` of `ckpt`, checked: present, of `shape`, F32, BF16 or F16 (F8_E4M3 for a
+/// matrix), or a matrix stored as GGUF blocks (io::find_block_tensor checks its view).
 inline io::TensorView const& checked_tensor(io::ShardedCheckpoint const& ckpt,
                                             std::string const& name,
                                             std::vector<std::int64_t> const& shape,
@@ -483,6 +508,7 @@ inline io::TensorView const& checked_tensor(io::ShardedCheckpoint const& ckpt,
   moe::detail::check(t != nullptr, "models: ", ckpt.source(), ": tensor ",
                      io::detail::printable_name(name), " (", io::detail::shape_string(shape),
                      ") is missing; ", why);
+  if (shape.size() == 2 && io::find_block_tensor(ckpt, name, shape[0], shape[1])) return *t;
   moe::detail::check(
       t->shape == shape, "models: ", ckpt.source(), ": tensor ", io::detail::printable_name(name),
       " has shape ", io::detail::shape_string(t->shape), " but config.json implies ",
@@ -496,20 +522,45 @@ inline io::TensorView const& checked_tensor(io::ShardedCheckpoint const& ckpt,
   return *t;
 }
 
+/// Matrix `name` [rows, cols] of `ckpt` when it is stored as GGUF blocks, else nullopt.
+inline std::optional<io::BlockTensor> block_tensor(io::ShardedCheckpoint const& ckpt,
+                                                   std::string const& name,
+                                                   std::vector<std::int64_t> const& shape) {
+  if (shape.size() != 2) return std::nullopt;
+  return io::find_block_tensor(ckpt, name, shape[0], shape[1]);
+}
+
 /// Tensor `name` of `ckpt` as floats, checked against `shape`; an F8_E4M3 matrix is
 /// dequantised with its "<name>_scale_inv" blocks (config.moe's quantization_config, as the MoE
-/// loader does for the experts).
+/// loader does for the experts), GGUF blocks with ggml's dequantizers.
 inline std::vector<float> read_tensor(io::ShardedCheckpoint const& ckpt, std::string const& name,
                                       std::vector<std::int64_t> const& shape,
                                       std::string const& why,
                                       io::HfMoeConfig const* moe_config = nullptr) {
   io::TensorView const& t = checked_tensor(ckpt, name, shape, why);
+  if (std::optional<io::BlockTensor> const b = block_tensor(ckpt, name, shape)) {
+    return b->dequantize();
+  }
   if (t.dtype != io::Dtype::kF8E4M3) return io::to_float(t);
   static io::HfMoeConfig const default_blocks{};  // 128 x 128 FP8 blocks
   io::HfTensor ht;
   ht.name = name;
   ht.shape = shape;
   return io::detail::read_hf_tensor(ckpt, ht, moe_config ? *moe_config : default_blocks, 0, "");
+}
+
+/// How `ckpt` stores matrix `name` of `shape`, as the format that holds it without loss (the
+/// `stored` of DecoderOptions::format_of): a block type's experts::load_format, kBf16 for BF16,
+/// else kF32.
+inline experts::WeightFormat stored_format(io::ShardedCheckpoint const& ckpt,
+                                           std::string const& name,
+                                           std::vector<std::int64_t> const& shape) {
+  if (std::optional<io::BlockTensor> const b = block_tensor(ckpt, name, shape)) {
+    return experts::load_format(b->type);
+  }
+  io::TensorView const* t = ckpt.find(name);
+  return t != nullptr && t->dtype == io::Dtype::kBf16 ? experts::WeightFormat::kBf16
+                                                      : experts::WeightFormat::kF32;
 }
 
 /// Is Decoder<Moe> an alternative of AnyDecoder (without instantiating Decoder<Moe>)?
@@ -528,40 +579,53 @@ struct Loading {
   std::string why;
 
   bool tied() const { return c.tie_word_embeddings; }
-  /// The format for a matrix of class `cls` in layer L, of depth `depth`, stored as `dtype`:
-  /// the options' choice, resolved (a fallback recorded under `matrix`).
+  /// The format for a matrix of class `cls` in layer L, of depth `depth`, stored as `stored`
+  /// (stored_format): the options' choice, resolved (a fallback recorded under `matrix`).
   experts::WeightFormat format(std::string const& matrix, MatrixClass cls, Index L, Index depth,
-                               io::Dtype dtype, bool shared = false) const {
-    experts::WeightFormat const asked = options.format_of(
-        cls, L, c.num_hidden_layers, c.moe.num_experts, tied(), dtype == io::Dtype::kBf16, shared);
+                               experts::WeightFormat stored, bool shared = false) const {
+    experts::WeightFormat const asked =
+        options.format_of(cls, L, c.num_hidden_layers, c.moe.num_experts, tied(), stored, shared);
     experts::WeightFormat const chosen = experts::resolve_format(asked, depth);
     if (chosen != asked) fallbacks.push_back({matrix, asked, chosen, depth});
     return chosen;
   }
-  /// Tensor `name` [rows, depth] as a Linear of class `cls` in layer L.
+  /// Tensor `name` [rows, depth] as a Linear of class `cls` in layer L: its stored blocks
+  /// re-packed when the format chosen is theirs, else its values packed in that format.
   Linear linear(std::string const& name, Index rows, Index depth, MatrixClass cls, Index L) const {
-    io::TensorView const& t = checked_tensor(ckpt, name, {rows, depth}, why);
-    experts::WeightFormat const f = format(name, cls, L, depth, t.dtype);
-    std::vector<float> const v = read_tensor(ckpt, name, {rows, depth}, why, &c.moe);
+    std::vector<std::int64_t> const shape = {rows, depth};
+    checked_tensor(ckpt, name, shape, why);
+    experts::WeightFormat const f = format(name, cls, L, depth, stored_format(ckpt, name, shape));
+    if (std::optional<io::BlockTensor> const b = block_tensor(ckpt, name, shape);
+        b && b->runs_as(f)) {
+      return Linear::from_blocks(f, b->row(0), rows, depth, {}, pool);
+    }
+    std::vector<float> const v = read_tensor(ckpt, name, shape, why, &c.moe);
     return Linear(ConstMatrixView<float>(v.data(), rows, depth), f, {}, pool);
   }
 };
 
 /// The embedding in the format DecoderOptions asks for, read in place from the mapped file when
-/// that is its dtype (F32 or BF16) and its data is aligned for it. When it is converted and
-/// `values` is given, the float values it was made from are moved there (a tied LM head packs
-/// them: the tensor is read once).
+/// that is how it is stored (F32, BF16 or GGUF blocks) and its data is aligned for it. When it
+/// is converted and `values` is given, the float values it was made from are moved there (a tied
+/// LM head packs them: the tensor is read once).
 inline Embedding read_embedding(Loading const& ld, Index V, Index H,
                                 std::vector<float>* values = nullptr) {
   std::string const name = "model.embed_tokens.weight";
-  io::TensorView const& t = checked_tensor(ld.ckpt, name, {V, H}, ld.why);
-  experts::WeightFormat const f = ld.format(name, MatrixClass::kEmbedding, 0, H, t.dtype);
+  std::vector<std::int64_t> const shape = {V, H};
+  io::TensorView const& t = checked_tensor(ld.ckpt, name, shape, ld.why);
+  experts::WeightFormat const f =
+      ld.format(name, MatrixClass::kEmbedding, 0, H, stored_format(ld.ckpt, name, shape));
   auto const addr = reinterpret_cast<std::uintptr_t>(t.bytes.data());
   bool const little = std::endian::native == std::endian::little;
   Embedding e;
   e.rows = V;
   e.cols = H;
   e.format = f;
+  if (std::optional<io::BlockTensor> const b = block_tensor(ld.ckpt, name, shape);
+      b && b->runs_as(f)) {
+    e.blocks_view = b->row(0);  // dequantize_row reads its blocks with memcpy: any alignment
+    return e;
+  }
   if (little && f == experts::WeightFormat::kBf16 && t.dtype == io::Dtype::kBf16 &&
       addr % alignof(std::uint16_t) == 0) {
     e.bf16_view = reinterpret_cast<std::uint16_t const*>(t.bytes.data());
@@ -572,7 +636,7 @@ inline Embedding read_embedding(Loading const& ld, Index V, Index H,
     e.f32_view = reinterpret_cast<float const*>(t.bytes.data());
     return e;
   }
-  std::vector<float> v = read_tensor(ld.ckpt, name, {V, H}, ld.why, &ld.c.moe);
+  std::vector<float> v = read_tensor(ld.ckpt, name, shape, ld.why, &ld.c.moe);
   e = Embedding::pack(ConstMatrixView<float>(v.data(), V, H), f);
   if (values) *values = std::move(v);
   return e;
@@ -651,17 +715,25 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
           "(the LM head is model.embed_tokens.weight); set tie_word_embeddings to false if "
           "lm_head.weight is the model's output matrix");
     }
-    // The LM head multiplies the embedding's values, packed in the LM head's format.
+    // The LM head multiplies the embedding's values, packed in the LM head's format (its stored
+    // blocks re-packed when that is their format).
     std::string const name = "model.embed_tokens.weight";
-    experts::WeightFormat const f = ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead,
-                                              c.num_hidden_layers - 1, H, ckpt.find(name)->dtype);
-    // The values the embedding was made from: its fp32 view in place, the floats read_embedding
-    // converted, or (a bf16 view) read here.
-    if (d.embed.f32_view == nullptr && embedding_values.empty()) {
-      embedding_values = read_tensor(ckpt, name, {V, H}, why, &c.moe);
+    std::vector<std::int64_t> const shape = {V, H};
+    experts::WeightFormat const f =
+        ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead, c.num_hidden_layers - 1, H,
+                  stored_format(ckpt, name, shape));
+    if (std::optional<io::BlockTensor> const b = block_tensor(ckpt, name, shape);
+        b && b->runs_as(f)) {
+      d.lm_head = Linear::from_blocks(f, b->row(0), V, H, {}, pool);
+    } else {
+      // The values the embedding was made from: its fp32 view in place, the floats
+      // read_embedding converted, or (a bf16 or block view) read here.
+      if (d.embed.f32_view == nullptr && embedding_values.empty()) {
+        embedding_values = read_tensor(ckpt, name, shape, why, &c.moe);
+      }
+      float const* w = d.embed.f32_view ? d.embed.f32_view : embedding_values.data();
+      d.lm_head = Linear(ConstMatrixView<float>(w, V, H), f, {}, pool);
     }
-    float const* w = d.embed.f32_view ? d.embed.f32_view : embedding_values.data();
-    d.lm_head = Linear(ConstMatrixView<float>(w, V, H), f, {}, pool);
     embedding_values = {};  // V x H floats: freed before the layers load
   } else {
     d.lm_head = ld.linear("lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
@@ -695,24 +767,13 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       std::vector<float> const v = read_tensor(ckpt, p + name, shape, why, &c.moe);
       std::copy(v.begin(), v.end(), dst.begin());
     };
-    auto view_span = [](MatrixView<float> m) {
-      return std::span<float>(m.data, static_cast<std::size_t>(m.rows * m.cols));
-    };
-    // Each projection's format, resolved for its depth (a fallback recorded).
-    auto projection = [&](MatrixView<float> dst, std::string const& name,
-                          std::vector<std::int64_t> const& shape, MatrixClass cls) {
-      load_into(view_span(dst), name, shape);
-      return ld.format(p + name, cls, L, shape[1], ckpt.find(p + name)->dtype);
-    };
-    AttentionFormats f;
-    f.q = projection(b.attention.q_proj(), "self_attn.q_proj.weight", {nh * dh, H},
-                     MatrixClass::kAttnQ);
-    f.k = projection(b.attention.k_proj(), "self_attn.k_proj.weight", {kv * dh, H},
-                     MatrixClass::kAttnK);
-    f.v = projection(b.attention.v_proj(), "self_attn.v_proj.weight", {kv * dh, H},
-                     MatrixClass::kAttnV);
-    f.o = projection(b.attention.o_proj(), "self_attn.o_proj.weight", {H, nh * dh},
-                     MatrixClass::kAttnO);
+    // The projections, each in its format (stored blocks re-packed as they are where that is
+    // their format); the layer keeps only these packs (a decoder never trains).
+    b.attention.adopt_packed_weights(
+        ld.linear(p + "self_attn.q_proj.weight", nh * dh, H, MatrixClass::kAttnQ, L),
+        ld.linear(p + "self_attn.k_proj.weight", kv * dh, H, MatrixClass::kAttnK, L),
+        ld.linear(p + "self_attn.v_proj.weight", kv * dh, H, MatrixClass::kAttnV, L),
+        ld.linear(p + "self_attn.o_proj.weight", H, nh * dh, MatrixClass::kAttnO, L));
     if (c.qk_norm) {
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
       load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
@@ -725,26 +786,36 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
     if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
-    b.attention.pack_weights(f, pool);
-    b.attention.discard_master_weights();  // a decoder never trains: keep only the packs
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
     if (c.moe.is_moe_layer(L)) {
-      b.moe.emplace(io::load_hf_layer<Moe>(c.moe, ckpt, L).layer);
+      // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks
+      // re-packed); that pack stays unless the options choose other formats.
+      io::HfLayer<Moe> loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L);
+      b.moe.emplace(std::move(loaded.layer));
       Moe& m = *b.moe;
-      std::string const experts = p + "mlp.experts";
-      io::Dtype const stored = io::Dtype::kF32;  // expert formats never follow the dtype
-      experts::ExpertFormat routed{
-          ld.format(experts + " (gate/up)", MatrixClass::kExpertsIn, L, H, stored),
-          ld.format(experts + " (down)", MatrixClass::kExpertsDown, L, m.d_ffn(), stored)};
-      experts::ExpertFormat shared = routed;
+      auto choose = [&](auto& bank, std::vector<experts::ExpertFormat> const& stored,
+                        std::string const& who, bool shared) {
+        if (!ld.options.asks_experts(shared) && !stored.empty()) return;  // as stored
+        experts::ExpertFormat const s =
+            stored.empty() ? experts::ExpertFormat{} : stored.front();  // uniform in a GGUF
+        experts::ExpertFormat const f{
+            ld.format(who + " (gate/up)", MatrixClass::kExpertsIn, L, H, s.in, shared),
+            ld.format(who + " (down)", MatrixClass::kExpertsDown, L, bank.d_ffn(), s.down, shared)};
+        std::vector<experts::ExpertFormat> const all(static_cast<std::size_t>(bank.num_experts()),
+                                                     f);
+        if (bank.packed() && std::equal(all.begin(), all.end(), stored.begin(), stored.end())) {
+          return;  // the loader's pack: the stored blocks, re-packed
+        }
+        bank.pack(all, pool);
+      };
+      choose(m.experts(), loaded.stored_formats, p + "mlp.experts", false);
       if constexpr (Moe::Shared::has_experts) {
-        std::string const sh = p + "mlp.shared_experts";
-        Index const Fs = m.shared_experts().bank().d_ffn();
-        shared = {ld.format(sh + " (gate/up)", MatrixClass::kExpertsIn, L, H, stored, true),
-                  ld.format(sh + " (down)", MatrixClass::kExpertsDown, L, Fs, stored, true)};
+        if (m.shared_experts().count() > 0) {
+          choose(m.shared_experts().bank(), loaded.stored_shared_formats, p + "mlp.shared_experts",
+                 true);
+        }
       }
-      m.pack_weights(routed, shared, pool);
       // A decoder never trains: keep only the pack (unless inference would read the fp32
       // weights: GLU experts of an odd width in an fp32 or bf16 pack).
       if (m.can_discard_master_weights()) m.discard_master_weights();

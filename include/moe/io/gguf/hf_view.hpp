@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -30,6 +32,8 @@
 
 #include "moe/core/error.hpp"
 #include "moe/core/types.hpp"
+#include "moe/experts/weight_format.hpp"
+#include "moe/io/block_tensor.hpp"
 #include "moe/io/gguf/model.hpp"
 #include "moe/io/hf/config.hpp"
 #include "moe/io/hf/names.hpp"
@@ -312,7 +316,10 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
 
   // The tensors under their Hugging Face names.
   std::vector<TensorView> views;
+  Metadata metadata;                           // "moe.quant.<name>" of the block tensors
   std::map<std::string, Index> decoded_types;  // type name -> tensors decoded
+  std::map<std::string, Index> block_types;    // type name -> tensors kept as blocks
+  constexpr std::size_t npos = std::string::npos;
   std::size_t unmapped = 0;
   std::string first_unmapped;
   for (std::string_view const name : model.names()) {
@@ -334,10 +341,31 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
     }
     Dtype dtype = Dtype::kF32;
     std::span<std::byte const> bytes = t.data;
+    // A quantized matrix (or merged experts) stays in its blocks, in place: a U8 view of its rows
+    // marked with its type (moe/io/block_tensor.hpp); the loaders run it as stored.
+    bool const blocks = quant::ggml_type_info(t.type).quantized &&
+                        (shape.size() == 2 || (shape.size() == 3 && hf->find("{e}") != npos));
     if (t.type == quant::GgmlType::kF16) {
       dtype = Dtype::kF16;
     } else if (t.type == quant::GgmlType::kBF16) {
       dtype = Dtype::kBf16;
+    } else if (blocks) {
+      dtype = Dtype::kU8;
+      std::string const mark = block_type_value(t.type);
+      std::size_t const at = hf->find("{e}");
+      if (at == npos) {
+        metadata[block_type_key(*hf)] = mark;
+      } else {
+        for (std::int64_t e = 0; e < shape[0]; ++e) {
+          std::string expert_name = *hf;
+          expert_name.replace(at, 3, std::to_string(e));
+          metadata[block_type_key(expert_name)] = mark;
+        }
+      }
+      ++block_types[std::string(quant::ggml_type_name(t.type))];
+      shape.back() =
+          static_cast<std::int64_t>(bytes.size()) /
+          std::accumulate(shape.begin(), shape.end() - 1, std::int64_t{1}, std::multiplies<>());
     } else if (t.type != quant::GgmlType::kF32) {
       auto values =
           std::make_unique<std::vector<float>>(static_cast<std::size_t>(t.num_elements()));
@@ -451,11 +479,20 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
     }
   }
   for (auto const& [type, n] : decoded_types) {
-    out.warnings.push_back(
-        detail::concat(n, " ", type,
-                       " tensor(s) decoded to fp32 at load (bit-exact with ggml) and "
-                       "packed in the formats asked for; moe does not yet run them "
-                       "in place as stored"));
+    out.warnings.push_back(detail::concat(n, " ", type,
+                                          " tensor(s) decoded to fp32 at load (bit-exact with "
+                                          "ggml): moe does not run them as stored in this "
+                                          "layout"));
+  }
+  for (auto const& [type, n] : block_types) {
+    quant::GgmlType const t = *quant::parse_ggml_type(type);
+    if (experts::native_format(t)) continue;  // runs as stored
+    out.warnings.push_back(detail::concat(
+        n, " ", type, " tensor(s): moe has no ", type,
+        " kernel yet; they are decoded at load (bit-exact with ggml) and, unless another format "
+        "is asked for, packed as ",
+        experts::name(experts::load_format(t)), " (",
+        experts::bits_per_weight(experts::load_format(t)), " bits a weight)"));
   }
   if (unmapped > 0) {
     out.warnings.push_back(detail::concat(unmapped,
@@ -463,7 +500,8 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
                                           "not read (first: ",
                                           detail::printable_name(first_unmapped), ")"));
   }
-  SafetensorsFile file = SafetensorsFile::from_views(std::move(views), {}, holder, src);
+  SafetensorsFile file =
+      SafetensorsFile::from_views(std::move(views), std::move(metadata), holder, src);
   out.checkpoint =
       std::make_shared<ShardedCheckpoint const>(ShardedCheckpoint::from_file(std::move(file), src));
   return out;

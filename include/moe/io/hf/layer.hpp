@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
@@ -27,6 +28,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/views.hpp"
 #include "moe/experts/expert_bank.hpp"
+#include "moe/io/block_tensor.hpp"
 #include "moe/io/detail/json.hpp"
 #include "moe/io/detail/output_file.hpp"
 #include "moe/io/hf/config.hpp"
@@ -712,9 +714,6 @@ inline std::string defaulted_note(HfMoeConfig const& c) {
   return note + ", which took their transformers defaults)";
 }
 
-/// The metadata key save_hf_layer_quantized records tensor `name`'s stored format under.
-inline std::string quant_key(std::string const& name) { return concat("moe.quant.", name); }
-
 /// Tensor `t`'s view, its presence, dtype and shape checked against config.json from the header
 /// alone (no data is read): a U8 GGUF-block tensor marked by save_hf_layer_quantized, F32 /
 /// BF16 / F16, or a 2-D F8_E4M3 weight with its "<name>_scale_inv" F32 / BF16 / F16 tensor of
@@ -746,25 +745,13 @@ inline TensorView const& checked_hf_tensor(ShardedCheckpoint const& ckpt, HfTens
     moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " (", shape_string(t.shape),
                       ") is missing; ", missing_tensor_hint(ckpt, c, layer, prefix));
   }
-  if (std::string const* f = ckpt.shard_metadata(t.name, quant_key(t.name))) {
-    experts::WeightFormat const format = experts::parse_weight_format(*f);
-    if (experts::is_quantized(format)) {
-      quant::Format const q = experts::quant_format(format);
-      moe::detail::check(t.shape.size() == 2, "hf: ", src, ": tensor ", printable_name(t.name),
-                         " is marked ", *f, " but only 2-D weights can be quantized");
-      Index const rows = t.shape[0], cols = t.shape[1];
-      moe::detail::check(cols % quant::block_elems(q) == 0, "hf: ", src, ": tensor ",
-                         printable_name(t.name), " is marked ", *f, " but its rows of ", cols,
-                         " weights are not whole ", quant::block_elems(q), "-blocks");
-      std::vector<std::int64_t> const want = {rows, quant::row_bytes(q, cols)};
-      if (view->dtype != Dtype::kU8 || view->shape != want) {
-        moe::detail::fail("hf: ", src, ": tensor ", printable_name(t.name), " is marked ", *f,
-                          " but is ", dtype_name(view->dtype), " ", shape_string(view->shape),
-                          "; a ", *f, " tensor of ", shape_string(t.shape), " is U8 ",
-                          shape_string(want), " (GGUF blocks, row by row)");
-      }
-      return *view;
-    }
+  if (t.shape.size() == 2) {
+    if (find_block_tensor(ckpt, t.name, t.shape[0], t.shape[1])) return *view;
+  } else if (std::string const* mark = ckpt.shard_metadata(t.name, block_type_key(t.name))) {
+    std::optional<quant::GgmlType> const type = parse_block_type(*mark);
+    moe::detail::check(!type || !quant::ggml_type_info(*type).quantized, "hf: ", src, ": tensor ",
+                       printable_name(t.name), " is marked ", *mark,
+                       " but only 2-D weights are stored as blocks");
   }
   bool const fp8 = view->dtype == Dtype::kF8E4M3;
   bool const float_type =
@@ -814,20 +801,15 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
                                          std::string const& prefix,
                                          experts::WeightFormat* stored = nullptr) {
   TensorView const& view = checked_hf_tensor(ckpt, t, c, layer, prefix);
-  if (std::string const* f = ckpt.shard_metadata(t.name, quant_key(t.name))) {
-    experts::WeightFormat const format = experts::parse_weight_format(*f);
-    if (stored) *stored = format;
-    if (experts::is_quantized(format)) {
-      quant::Format const q = experts::quant_format(format);
-      Index const rows = t.shape[0], cols = t.shape[1];
-      std::int64_t const row_bytes = quant::row_bytes(q, cols);
-      std::vector<float> values(static_cast<std::size_t>(rows * cols));
-      std::span<std::byte const> const bytes = view.bytes;
-      for (Index r = 0; r < rows; ++r) {
-        quant::dequantize_row(q, bytes.data() + r * row_bytes, cols, values.data() + r * cols);
+  if (std::string const* mark = ckpt.shard_metadata(t.name, block_type_key(t.name))) {
+    if (t.shape.size() == 2) {
+      if (std::optional<BlockTensor> const b =
+              find_block_tensor(ckpt, t.name, t.shape[0], t.shape[1])) {
+        if (stored) *stored = experts::load_format(b->type);
+        return b->dequantize();
       }
-      return values;
     }
+    if (stored) *stored = experts::parse_weight_format(*mark);
   }
   std::vector<float> values = to_float(view);
   if (view.dtype != Dtype::kF8E4M3) return values;
@@ -873,6 +855,61 @@ inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor con
   }
   return out;
 }
+
+/// The experts' projections a checkpoint stores as blocks of a native format (load_hf_layer
+/// re-packs them as stored): per routed expert gate, up and down, and the shared expert's.
+class StoredExpertBlocks {
+ public:
+  explicit StoredExpertBlocks(Index experts) : routed_(static_cast<std::size_t>(experts)) {}
+  /// Records that `part` of `expert` (ignored for the shared expert's parts) is stored as
+  /// `rows`, blocks of `format`.
+  void add(HfPart part, Index expert, std::byte const* rows, experts::WeightFormat format) {
+    Stored const s{rows, format};
+    switch (part) {
+      case HfPart::kExpertGate:
+        routed_.at(static_cast<std::size_t>(expert))[0] = s;
+        break;
+      case HfPart::kExpertUp:
+        routed_.at(static_cast<std::size_t>(expert))[1] = s;
+        break;
+      case HfPart::kExpertDown:
+        routed_.at(static_cast<std::size_t>(expert))[2] = s;
+        break;
+      case HfPart::kSharedGate:
+        shared_[0] = s;
+        break;
+      case HfPart::kSharedUp:
+        shared_[1] = s;
+        break;
+      case HfPart::kSharedDown:
+        shared_[2] = s;
+        break;
+      default:
+        break;
+    }
+  }
+  /// The experts::StoredBlocks of the routed experts and of the shared one: a projection's
+  /// blocks when they were stored in the format asked for, else nullptr.
+  experts::StoredBlocks routed() const {
+    return [this](Index e, experts::Projection p, experts::WeightFormat f) {
+      return routed_[static_cast<std::size_t>(e)][static_cast<std::size_t>(p)].in(f);
+    };
+  }
+  experts::StoredBlocks shared() const {
+    return [this](Index, experts::Projection p, experts::WeightFormat f) {
+      return shared_[static_cast<std::size_t>(p)].in(f);
+    };
+  }
+
+ private:
+  struct Stored {
+    std::byte const* rows = nullptr;
+    experts::WeightFormat format = experts::WeightFormat::kF32;
+    std::byte const* in(experts::WeightFormat f) const { return f == format ? rows : nullptr; }
+  };
+  std::vector<std::array<Stored, 3>> routed_;
+  std::array<Stored, 3> shared_{};
+};
 
 /// The bytes of fp32 weights the tensors `ts` hold (for messages; saturates instead of
 /// overflowing).
@@ -1015,6 +1052,7 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
       down(gate.size());
   experts::WeightFormat shared[3] = {};
   bool quantized = false;
+  detail::StoredExpertBlocks blocks(E);  // the experts' projections stored as native blocks
   moe::detail::check(!(config.has_expert_biases() && out.layout.fused_experts &&
                        config.spec().storage == HfExpertStorage::kPerExpertOrFused),
                      "hf: ", checkpoint.source(), ": layer ", layer, " stores its ",
@@ -1031,11 +1069,17 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
       continue;
     }
     experts::WeightFormat stored = experts::WeightFormat::kF32;
-    quantized =
-        quantized || checkpoint.shard_metadata(t.name, detail::quant_key(t.name)) != nullptr;
+    bool const marked = checkpoint.shard_metadata(t.name, block_type_key(t.name)) != nullptr;
+    quantized = quantized || marked;
     std::vector<float> const values =
         detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix, &stored);
     auto const e = static_cast<std::size_t>(t.expert);
+    if (marked && t.shape.size() == 2) {
+      if (std::optional<BlockTensor> const b =
+              find_block_tensor(checkpoint, t.name, t.shape[0], t.shape[1])) {
+        if (b->native()) blocks.add(t.part, t.expert, b->row(0), *b->native());
+      }
+    }
     if (t.part == HfPart::kExpertGate) gate[e] = stored;
     if (t.part == HfPart::kExpertUp) up[e] = stored;
     if (t.part == HfPart::kExpertDown) down[e] = stored;
@@ -1052,21 +1096,29 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
     detail::scatter_tensor(t, values, out.layer);
   }
   if (quantized) {
+    // Gate and up are one in projection of one format: where a file stores them in two (GGUF
+    // files may), the one with more bits a weight (the other is quantized from its weights).
+    auto in_format = [&](experts::WeightFormat g, experts::WeightFormat u, std::string const& who) {
+      if (g == u) return g;
+      experts::WeightFormat const f =
+          experts::bits_per_weight(g) >= experts::bits_per_weight(u) ? g : u;
+      out.warnings.push_back(detail::concat(who, "'s gate and up projections are stored as ",
+                                            experts::name(g), " and ", experts::name(u),
+                                            "; moe packs them as one in projection, in ",
+                                            experts::name(f), " (the other is re-quantized)"));
+      return f;
+    };
     for (Index e = 0; e < E; ++e) {
       auto const i = static_cast<std::size_t>(e);
-      moe::detail::check(gate[i] == up[i], "hf: ", checkpoint.source(), ": expert ", e,
-                         "'s gate and up projections are stored as ", experts::name(gate[i]),
-                         " and ", experts::name(up[i]),
-                         "; moe packs them as one in projection, so they must share a format");
-      out.stored_formats.push_back({gate[i], down[i]});
+      out.stored_formats.push_back(
+          {in_format(gate[i], up[i], detail::concat("expert ", e)), down[i]});
     }
-    out.layer.experts().pack(out.stored_formats);
+    out.layer.experts().pack(out.stored_formats, nullptr, blocks.routed());
     if constexpr (Layer::Shared::has_experts) {
       if (out.layer.shared_experts().count() > 0) {
-        moe::detail::check(shared[0] == shared[1], "hf: ", checkpoint.source(),
-                           ": the shared expert's gate and up projections must share a format");
-        out.stored_shared_formats.push_back({shared[0], shared[2]});
-        out.layer.shared_experts().bank().pack(out.stored_shared_formats);
+        out.stored_shared_formats.push_back(
+            {in_format(shared[0], shared[1], "the shared expert"), shared[2]});
+        out.layer.shared_experts().bank().pack(out.stored_shared_formats, nullptr, blocks.shared());
       }
     }
   }
@@ -1356,7 +1408,7 @@ void save_hf_layer_quantized(std::filesystem::path const& dir, HfMoeConfig const
       default:
         projection = false;
     }
-    if (projection) writer.set_metadata(detail::quant_key(t.name), experts::name(f));
+    if (projection) writer.set_metadata(block_type_key(t.name), experts::name(f));
     if (experts::is_quantized(f)) {
       quant::Format const q = experts::quant_format(f);
       Index const rows = t.shape[0], cols = t.shape[1];

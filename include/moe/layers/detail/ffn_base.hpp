@@ -163,16 +163,21 @@ class FfnLayerBase {
   }
 
   /// pack_weights with one ExpertFormat (in and down projections) for every routed expert and
-  /// one for every shared expert (ExpertBank::pack's per-expert form; the same preconditions).
+  /// one for every shared expert (ExpertBank::pack's per-expert form; the same preconditions),
+  /// re-packing the stored blocks `routed_stored` / `shared_stored` give as they are
+  /// (experts::StoredBlocks; a loader's promise that they encode the weights exactly).
   void pack_weights(experts::ExpertFormat routed, experts::ExpertFormat shared,
-                    ThreadPool* pool = nullptr) {
+                    ThreadPool* pool = nullptr, experts::StoredBlocks const& routed_stored = {},
+                    experts::StoredBlocks const& shared_stored = {}) {
     std::vector<experts::ExpertFormat> const r(static_cast<std::size_t>(bank_.num_experts()),
                                                routed);
-    bank_.pack(r, pool);
+    bank_.pack(r, pool, routed_stored);
     if constexpr (Shared::has_experts) {
       std::vector<experts::ExpertFormat> const s(
           static_cast<std::size_t>(shared_.bank().num_experts()), shared);
-      shared_.bank().pack(s, pool);
+      shared_.bank().pack(s, pool, shared_stored);
+    } else {
+      (void)shared_stored;
     }
   }
 
