@@ -5,13 +5,15 @@
 /// a checkpoint of its tensors under the Hugging Face names, so that every loader of moe (the
 /// MoE layer loader, the whole-model decoder) reads a GGUF file as it reads a model directory.
 ///
-/// Tensors stored as F32, F16 or BF16 are viewed in place in the mapped file (an expert of a
-/// merged [E, rows, cols] tensor is a slice of it); every other type is decoded to fp32 at
-/// load (quant::ggml_dequantize, bit-exact with ggml) and the loaders pack it in the formats
-/// they are asked for. The families whose HfFamilySpec::gguf names a llama.cpp architecture
-/// are read: qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, ernie4_5-moe, gpt-oss (its split
-/// gate / up experts joined into transformers' interleaved layout) and llama (Mixtral: its q/k
-/// rows, which the converter permuted for ggml's interleaved RoPE, are put back).
+/// Every tensor is viewed in place in the mapped file (an expert of a merged [E, rows, cols]
+/// tensor is a slice of it): F32, F16 and BF16 as themselves, a quantized matrix as a U8 view of
+/// its block rows marked with its type (moe/io/block_tensor.hpp), which the loaders run as
+/// stored or decode (bit-exact with ggml) when moe has no kernel for the type; only 1-D
+/// quantized tensors are decoded here. The families whose HfFamilySpec::gguf names a llama.cpp
+/// architecture are read: qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, ernie4_5-moe, gpt-oss
+/// (its split experts as per-expert gate_proj / up_proj / down_proj tensors with biases, which
+/// the gpt-oss layer loader reads besides transformers' fused layout) and llama (Mixtral: its
+/// q/k rows, which the converter permuted for ggml's interleaved RoPE, are put back).
 #pragma once
 
 #include <algorithm>
@@ -108,37 +110,21 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
   if (rest == "ffn_gate_inp.bias" && hf_family(family).router_bias) {
     return concat(moe, "router.bias");
   }
-  if (rest == "ffn_down_exps.bias" &&
-      hf_family(family).storage == HfExpertStorage::kFusedInterleaved) {
-    return concat(moe, "experts.down_proj_bias");
-  }
   if (rest == "exp_probs_b.bias" && !n.selection_bias.empty()) {
     return concat(moe, n.selection_bias);
   }
   if (rest == "ffn_gate_exps.weight") return concat(moe, "experts.{e}.", n.gate, ".weight");
   if (rest == "ffn_up_exps.weight") return concat(moe, "experts.{e}.", n.up, ".weight");
   if (rest == "ffn_down_exps.weight") return concat(moe, "experts.{e}.", n.down, ".weight");
+  // gpt-oss's expert biases [E, rows], per expert as ERNIE's use_bias names them.
+  if (rest == "ffn_gate_exps.bias") return concat(moe, "experts.{e}.", n.gate, ".bias");
+  if (rest == "ffn_up_exps.bias") return concat(moe, "experts.{e}.", n.up, ".bias");
+  if (rest == "ffn_down_exps.bias") return concat(moe, "experts.{e}.", n.down, ".bias");
   if (rest == "ffn_gate_shexp.weight") return concat(moe, n.shared_module, "gate_proj.weight");
   if (rest == "ffn_up_shexp.weight") return concat(moe, n.shared_module, "up_proj.weight");
   if (rest == "ffn_down_shexp.weight") return concat(moe, n.shared_module, "down_proj.weight");
   if (rest == "ffn_gate_inp_shexp.weight") return concat(moe, "shared_expert_gate.weight");
   return std::nullopt;
-}
-
-/// Tensor `t` as floats (decoded whatever its type).
-inline std::vector<float> gguf_floats(GgufTensorInfo const& t) {
-  std::vector<float> out(static_cast<std::size_t>(t.num_elements()));
-  quant::ggml_dequantize(t.type, t.data, t.num_elements(), out.data());
-  return out;
-}
-
-/// Is `rest` (a blk.L. tensor name without its prefix) one of the expert tensors that
-/// gpt-oss's GGUF splits and transformers keeps fused and interleaved (built by
-/// gguf_interleaved_experts())?
-inline bool gguf_split_expert(std::string_view rest) {
-  return rest == "ffn_gate_exps.weight" || rest == "ffn_up_exps.weight" ||
-         rest == "ffn_down_exps.weight" || rest == "ffn_gate_exps.bias" ||
-         rest == "ffn_up_exps.bias";
 }
 
 /// What a GgufAsHf checkpoint's views point into: the mapped model and the decoded tensors.
@@ -324,10 +310,6 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   std::string first_unmapped;
   for (std::string_view const name : model.names()) {
     GgufTensorInfo const& t = model.tensor(name);
-    if (spec.storage == HfExpertStorage::kFusedInterleaved && name.starts_with("blk.") &&
-        detail::gguf_split_expert(name.substr(name.find('.', 4) + 1))) {
-      continue;  // joined below
-    }
     std::optional<std::string> const hf = detail::gguf_to_hf_name(out.family, name);
     if (!hf) {
       if (unmapped++ == 0) first_unmapped = std::string(name);
@@ -343,8 +325,9 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
     std::span<std::byte const> bytes = t.data;
     // A quantized matrix (or merged experts) stays in its blocks, in place: a U8 view of its rows
     // marked with its type (moe/io/block_tensor.hpp); the loaders run it as stored.
-    bool const blocks = quant::ggml_type_info(t.type).quantized &&
-                        (shape.size() == 2 || (shape.size() == 3 && hf->find("{e}") != npos));
+    bool const merged = hf->find("{e}") != npos;
+    bool const blocks = quant::ggml_type_info(t.type).quantized && !name.ends_with(".bias") &&
+                        shape.size() == (merged ? 3u : 2u);
     if (t.type == quant::GgmlType::kF16) {
       dtype = Dtype::kF16;
     } else if (t.type == quant::GgmlType::kBF16) {
@@ -404,78 +387,18 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       views.push_back(TensorView{*hf, dtype, std::move(shape), bytes});
       continue;
     }
-    moe::detail::check(shape.size() == 3, "gguf: ", src, ": tensor ", detail::printable_name(name),
-                       " has shape ", detail::shape_string(shape),
-                       " but merged expert weights are 3-D [experts, rows, cols]");
+    bool const bias = name.ends_with(".bias");
+    moe::detail::check(shape.size() == (bias ? 2u : 3u) && shape[0] > 0, "gguf: ", src, ": tensor ",
+                       detail::printable_name(name), " has shape ", detail::shape_string(shape),
+                       bias ? " but merged expert biases are 2-D [experts, rows]"
+                            : " but merged expert weights are 3-D [experts, rows, cols]");
     std::size_t const per_expert = bytes.size() / static_cast<std::size_t>(shape[0]);
     for (std::int64_t e = 0; e < shape[0]; ++e) {
       std::string expert_name = *hf;
       expert_name.replace(at, 3, std::to_string(e));
-      views.push_back(
-          TensorView{std::move(expert_name),
-                     dtype,
-                     {shape[1], shape[2]},
-                     bytes.subspan(static_cast<std::size_t>(e) * per_expert, per_expert)});
-    }
-  }
-  if (spec.storage == HfExpertStorage::kFusedInterleaved) {
-    // gpt-oss: llama.cpp splits transformers' experts.gate_up_proj [E, H, 2I] (x @ W, column
-    // 2j gate j, 2j + 1 up j) into ffn_gate_exps and ffn_up_exps [E, I, H], and stores
-    // down_proj [E, I, H] as ffn_down_exps [E, H, I]; join and transpose them back.
-    for (Index L = 0; L < layers; ++L) {
-      std::string const b = detail::concat("blk.", L, ".");
-      GgufTensorInfo const* gate = model.find_tensor(b + "ffn_gate_exps.weight");
-      if (gate == nullptr) continue;
-      GgufTensorInfo const& up = model.tensor(b + "ffn_up_exps.weight");
-      GgufTensorInfo const& down = model.tensor(b + "ffn_down_exps.weight");
-      std::vector<std::int64_t> const gs = gate->shape(), ds = down.shape();
-      moe::detail::check(gs.size() == 3 && up.shape() == gs && ds.size() == 3 && ds[0] == gs[0] &&
-                             ds[1] == gs[2] && ds[2] == gs[1],
-                         "gguf: ", src, ": layer ", L, "'s ffn_gate_exps ",
-                         detail::shape_string(gs), ", ffn_up_exps ",
-                         detail::shape_string(up.shape()), " and ffn_down_exps ",
-                         detail::shape_string(ds),
-                         " are not [E, I, H], [E, I, H] and [E, H, I]; the file is corrupt");
-      Index const E = gs[0], I = gs[1], HH = gs[2];
-      std::vector<float> const g = detail::gguf_floats(*gate), u = detail::gguf_floats(up),
-                               d = detail::gguf_floats(down);
-      auto gate_up = std::make_unique<std::vector<float>>(static_cast<std::size_t>(E * HH * 2 * I));
-      auto down_t = std::make_unique<std::vector<float>>(static_cast<std::size_t>(E * I * HH));
-      for (Index e = 0; e < E; ++e) {
-        for (Index j = 0; j < I; ++j) {
-          for (Index h = 0; h < HH; ++h) {
-            std::size_t const at = static_cast<std::size_t>((e * HH + h) * 2 * I + 2 * j);
-            (*gate_up)[at] = g[static_cast<std::size_t>((e * I + j) * HH + h)];
-            (*gate_up)[at + 1] = u[static_cast<std::size_t>((e * I + j) * HH + h)];
-            (*down_t)[static_cast<std::size_t>((e * I + j) * HH + h)] =
-                d[static_cast<std::size_t>((e * HH + h) * I + j)];
-          }
-        }
-      }
-      std::string const p = hf_default_layout(out.family, L).prefix;
-      auto view = [&](std::string hf_name, std::vector<std::int64_t> shape,
-                      std::unique_ptr<std::vector<float>> values) {
-        views.push_back(TensorView{std::move(hf_name), Dtype::kF32, std::move(shape),
-                                   std::as_bytes(std::span<float const>(*values))});
-        holder->decoded.push_back(std::move(values));
-      };
-      view(p + "experts.gate_up_proj", {E, HH, 2 * I}, std::move(gate_up));
-      view(p + "experts.down_proj", {E, I, HH}, std::move(down_t));
-      GgufTensorInfo const* gb = model.find_tensor(b + "ffn_gate_exps.bias");
-      GgufTensorInfo const* ub = model.find_tensor(b + "ffn_up_exps.bias");
-      if (gb != nullptr && ub != nullptr) {
-        std::vector<float> const gv = detail::gguf_floats(*gb), uv = detail::gguf_floats(*ub);
-        moe::detail::check(gv.size() == static_cast<std::size_t>(E * I) && uv.size() == gv.size(),
-                           "gguf: ", src, ": layer ", L,
-                           "'s ffn_gate_exps.bias / ffn_up_exps.bias "
-                           "are not [E, I]; the file is corrupt");
-        auto bias = std::make_unique<std::vector<float>>(2 * gv.size());
-        for (std::size_t i = 0; i < gv.size(); ++i) {
-          (*bias)[2 * i] = gv[i];
-          (*bias)[2 * i + 1] = uv[i];
-        }
-        view(p + "experts.gate_up_proj_bias", {E, 2 * I}, std::move(bias));
-      }
+      views.push_back(TensorView{
+          std::move(expert_name), dtype, std::vector<std::int64_t>(shape.begin() + 1, shape.end()),
+          bytes.subspan(static_cast<std::size_t>(e) * per_expert, per_expert)});
     }
   }
   for (auto const& [type, n] : decoded_types) {

@@ -946,7 +946,7 @@ auto allocating(Make&& make, What&& what) -> decltype(make()) {
 inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
                               HfLoadOptions const& options) {
   std::vector<std::string> candidates;
-  if (c.spec().storage != HfExpertStorage::kPerExpertOrFused) {  // always fused (Llama 4, gpt-oss)
+  if (c.spec().storage != HfExpertStorage::kPerExpertOrFused) {  // fused (Llama 4, gpt-oss)
     HfLayout layout = hf_default_layout(c.family, layer);
     std::string const router = concat(layout.prefix, c.spec().names.router);
     if (!options.prefix.empty()) {
@@ -955,6 +955,13 @@ inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& 
                !ckpt.contains(router) && ckpt.contains(concat("language_model.", router))) {
       // Llama4ForConditionalGeneration nests the text model under language_model.
       layout.prefix = nested;
+    }
+    // gpt-oss one tensor per expert (a GGUF file's split experts, moe/io/gguf/hf_view.hpp).
+    if (c.spec().storage == HfExpertStorage::kFusedInterleaved &&
+        !ckpt.contains(concat(layout.prefix, "experts.gate_up_proj")) &&
+        !ckpt.contains(concat(layout.prefix, "experts.gate_up_proj_blocks")) &&
+        ckpt.contains(concat(layout.prefix, "experts.0.gate_proj.weight"))) {
+      layout.fused_experts = false;
     }
     return layout;
   }

@@ -139,7 +139,9 @@ inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_exper
 ///   gpt-oss:     router.weight, router.bias, experts.gate_up_proj [E, H, 2I] (interleaved),
 ///                experts.gate_up_proj_bias [E, 2I], experts.down_proj [E, I, H],
 ///                experts.down_proj_bias [E, H]; with MXFP4 experts.gate_up_proj_blocks /
-///                _scales and experts.down_proj_blocks / _scales instead of the two weights
+///                _scales and experts.down_proj_blocks / _scales instead of the two weights;
+///                or, with layout.fused_experts false (a GGUF file's split experts),
+///                experts.j.{gate,up,down}_proj.{weight,bias}
 ///   ERNIE 4.5 with use_bias: also experts.j.{gate,up,down}_proj.bias and
 ///                shared_experts.{gate,up,down}_proj.bias (per-expert layout only)
 inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout const& layout) {
@@ -157,7 +159,13 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
     add(detail::concat(p, names.selection_bias), HfPart::kSelectionBias, -1,
         names.selection_bias_row ? std::vector<std::int64_t>{1, E} : std::vector<std::int64_t>{E});
   }
-  switch (spec.storage) {
+  // gpt-oss's experts one tensor per expert (a GGUF file's split experts) are read as the
+  // per-expert layout of the other families, biases included.
+  HfExpertStorage const storage =
+      spec.storage == HfExpertStorage::kFusedInterleaved && !layout.fused_experts
+          ? HfExpertStorage::kPerExpertOrFused
+          : spec.storage;
+  switch (storage) {
     case HfExpertStorage::kFusedInterleaved:
       if (c.mxfp4) {
         add(p + "experts.gate_up_proj_blocks", HfPart::kExpertsGateUpBlocks, -1,
