@@ -2,9 +2,10 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// moe::text::Tokenizer: byte-level BPE (GPT-2 style, as Qwen2/Qwen3, DeepSeek-V3 and gpt-oss
-/// use it) loaded from a Hugging Face tokenizer.json, with encode, decode and a decoder that
-/// streams whole UTF-8 characters. Needs PCRE2 (pre-tokenizer regexes, Unicode properties) and
-/// ICU (the NFC normalizer); the CMake target moe::text links both (docs/tokenizer.md).
+/// use it) loaded from a Hugging Face tokenizer.json or from a GGUF file's tokenizer.ggml.*
+/// metadata, with encode, decode and a decoder that streams whole UTF-8 characters. Needs PCRE2
+/// (pre-tokenizer regexes, Unicode properties) and ICU (the NFC normalizer); the CMake target
+/// moe::text links both (docs/tokenizer.md).
 #pragma once
 
 #ifndef PCRE2_CODE_UNIT_WIDTH
@@ -34,6 +35,7 @@
 
 #include "moe/core/error.hpp"
 #include "moe/io/detail/json.hpp"
+#include "moe/io/gguf/file.hpp"
 
 namespace moe::text {
 
@@ -223,6 +225,59 @@ inline std::string nfc(std::string_view text) {
 inline constexpr char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+/// Qwen2's split (Qwen2/2.5/3, DeepSeek-R1's Qwen distills): one digit at a time.
+inline constexpr char kQwen2Pattern[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+/// Llama 3's split (also GLM-4's): up to three digits at a time.
+inline constexpr char kLlama3Pattern[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+/// o200k's split (gpt-oss, GPT-4o): cased words with their contractions, up to three digits.
+inline constexpr char kO200kPattern[] =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+/// DeepSeek-V3's three splits, applied one after the other: digits in threes, runs of CJK
+/// ideographs and kana, then words and punctuation.
+inline constexpr char kDeepSeekV3Digits[] = R"(\p{N}{1,3})";
+inline constexpr char kDeepSeekV3Cjk[] = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+";
+inline constexpr char kDeepSeekV3Words[] =
+    R"([!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+/// What a GGUF file's tokenizer.ggml.pre name stands for: the splits and the normalizer of the
+/// family's tokenizer.json (the regexes as the Hugging Face tokenizer writes them; llama.cpp's
+/// src/llama-vocab.cpp maps the same names onto hand-adapted copies), whether whole pre-tokens
+/// found in the vocabulary skip the merges, and whether BOS is added when the file does not say.
+struct GgufPreTokenizer {
+  std::vector<char const*> splits;
+  bool nfc = false;
+  bool ignore_merges = false;
+  bool add_bos = false;
+};
+
+/// The pre-tokenizer names from_gguf knows, for error messages.
+inline constexpr char kGgufPreNames[] =
+    "qwen2, deepseek-r1-qwen, deepseek-v3, gpt-4o, minimax-m2, llama-bpe, llama3, llama-v3, glm4, "
+    "chatglm-bpe, olmo, gpt-2";
+
+inline std::optional<GgufPreTokenizer> gguf_pre_tokenizer(std::string_view pre) {
+  if (pre == "qwen2" || pre == "deepseek-r1-qwen") {
+    return GgufPreTokenizer{{kQwen2Pattern}, /*nfc=*/true, false, false};
+  }
+  if (pre == "deepseek-v3") {
+    return GgufPreTokenizer{
+        {kDeepSeekV3Digits, kDeepSeekV3Cjk, kDeepSeekV3Words}, false, false, false};
+  }
+  // gpt-oss's tokenizer.json sets ignore_merges (o200k is tiktoken's: a whole word in the
+  // vocabulary is one token).
+  if (pre == "gpt-4o" || pre == "minimax-m2") {
+    return GgufPreTokenizer{{kO200kPattern}, false, /*ignore_merges=*/true, false};
+  }
+  if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3") {
+    return GgufPreTokenizer{{kLlama3Pattern}, false, /*ignore_merges=*/true, /*add_bos=*/true};
+  }
+  if (pre == "glm4" || pre == "chatglm-bpe") return GgufPreTokenizer{{kLlama3Pattern}, false};
+  if (pre == "olmo" || pre == "gpt-2") return GgufPreTokenizer{{kGpt2Pattern}, false};
+  return std::nullopt;
+}
+
 /// Token strings to ids: an open-addressing table of indices into one vector of strings (a
 /// node-based std::unordered_map spends most of a 200k-token load in cache misses).
 class TokenTable {
@@ -391,6 +446,122 @@ class Tokenizer {
     return from_hf_json(text, config_text, json.string());
   }
 
+  /// Builds the tokenizer a GGUF file holds in its metadata (`file`: a GgufFile, or a
+  /// GgufModel's metadata()), as llama.cpp's convert_hf_to_gguf.py writes it:
+  /// tokenizer.ggml.model "gpt2" (byte-level BPE); `tokens` in id order with `token_type`
+  /// (1 normal, 2 unknown, 6 byte: the vocabulary; 3 control: a special added token; 4
+  /// user-defined: an added token that is not special; 5 unused: a padding slot, not a token);
+  /// `merges` ("a b", by rank); `pre`, the name of the family's pre-tokenizer (qwen2,
+  /// deepseek-v3, gpt-4o, llama-bpe, glm4, olmo, ...: detail::gguf_pre_tokenizer); the ids
+  /// bos_token_id, eos_token_id, eot_token_id, padding_token_id; add_bos_token, add_eos_token.
+  /// Control and user-defined tokens are matched in the text before anything else, longest
+  /// first, as added tokens of a tokenizer.json are. Throws moe::Error naming the file and the
+  /// key for a missing or malformed key, another model ("llama": SentencePiece) or an unknown
+  /// pre-tokenizer.
+  static Tokenizer from_gguf(io::GgufFile const& file) {
+    Tokenizer t;
+    t.source_ = file.display_name();
+    std::string const where = detail::concat(file.display_name(), ": tokenizer.ggml");
+    if (!file.has("tokenizer.ggml.model")) {
+      moe::detail::fail("text: ", file.display_name(),
+                        ": the file has no tokenizer (no tokenizer.ggml.model key); pass the "
+                        "model's tokenizer.json instead");
+    }
+    std::string_view const model = file.string("tokenizer.ggml.model");
+    if (model != "gpt2") {
+      moe::detail::fail("text: ", where, ".model is ", io::detail::printable_name(model),
+                        ", which is not supported yet (only \"gpt2\", byte-level BPE; see "
+                        "docs/tokenizer.md)");
+    }
+    std::string_view const pre = file.string_or("tokenizer.ggml.pre", "");
+    std::optional<detail::GgufPreTokenizer> const p = detail::gguf_pre_tokenizer(pre);
+    if (!p) {
+      moe::detail::fail("text: ", where, ".pre is ",
+                        pre.empty() ? std::string("missing") : io::detail::printable_name(pre),
+                        ", which is not supported (supported: ", detail::kGgufPreNames,
+                        "; see docs/tokenizer.md)");
+    }
+    for (char const* pattern : p->splits) {
+      t.splits_.push_back(Split{detail::Regex(pattern, false, t.source_)});
+    }
+    t.nfc_ = p->nfc;
+    t.ignore_merges_ = p->ignore_merges;
+    t.byte_level_ = true;
+    t.post_processor_ = "null";
+
+    std::span<std::string_view const> const tokens = file.strings("tokenizer.ggml.tokens");
+    std::vector<std::int64_t> types;
+    if (file.has("tokenizer.ggml.token_type")) {
+      types = file.integers("tokenizer.ggml.token_type");
+      if (types.size() != tokens.size()) {
+        moe::detail::fail("text: ", where, ".token_type has ", types.size(), " entries for ",
+                          tokens.size(), " tokens; the file is damaged");
+      }
+    }
+    if (tokens.size() > 0x7FFFFFFF) {
+      moe::detail::fail("text: ", where, ".tokens has more than 2^31 - 1 tokens");
+    }
+    t.vocab_.reserve(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      auto const id = static_cast<std::int32_t>(i);
+      std::string_view const token = tokens[i];
+      std::int64_t const type = types.empty() ? 1 : types[i];
+      if (type == 5) continue;  // unused: "[PAD<i>]" where the model's vocab is padded
+      if (type < 1 || type > 6) {
+        moe::detail::fail("text: ", where, ".token_type of token ", i, " is ", type,
+                          "; expected 1 (normal) to 6 (byte)");
+      }
+      if (token.empty() || io::detail::find_invalid_utf8(token) != std::string_view::npos) {
+        moe::detail::fail("text: ", where, ".tokens: token ", i,
+                          " is empty or not UTF-8; the file is damaged");
+      }
+      t.vocab_.insert(std::string(token), id);
+      if (type == 3 || type == 4) {
+        t.added_.push_back(AddedToken{std::string(token), id, /*special=*/type == 3});
+      }
+    }
+    if (!file.has("tokenizer.ggml.merges")) {
+      moe::detail::fail("text: ", where, ".merges is missing; a BPE tokenizer needs its merges");
+    }
+    std::span<std::string_view const> const merges = file.strings("tokenizer.ggml.merges");
+    t.merges_.reserve(merges.size());
+    std::string joined;
+    for (std::size_t rank = 0; rank < merges.size(); ++rank) {
+      std::string_view const m = merges[rank];
+      std::size_t const sp = m.find(' ', 1);
+      std::int32_t ia = -1, ib = -1, iab = -1;
+      if (sp != std::string_view::npos) {
+        joined.assign(m.substr(0, sp)).append(m.substr(sp + 1));
+        ia = t.vocab_.find(m.substr(0, sp));
+        ib = t.vocab_.find(m.substr(sp + 1));
+        iab = t.vocab_.find(joined);
+      }
+      if (ia < 0 || ib < 0 || iab < 0) {
+        moe::detail::fail("text: ", where, ".merges: merge ", rank, " (",
+                          io::detail::printable_name(m),
+                          ") is not two tokens of the vocabulary separated by a space");
+      }
+      t.merges_.insert(pair_key(ia, ib), {static_cast<std::int32_t>(rank), iab});
+    }
+    auto const special_id = [&](char const* key) -> std::optional<std::int32_t> {
+      std::string const k = detail::concat("tokenizer.ggml.", key);
+      if (!file.has(k)) return std::nullopt;
+      std::uint64_t const id = file.integer(k);
+      // llama.cpp ignores an id outside the vocabulary (with a warning); so does this.
+      if (id >= tokens.size() || (!types.empty() && types[id] == 5)) return std::nullopt;
+      return static_cast<std::int32_t>(id);
+    };
+    t.bos_id_ = special_id("bos_token_id");
+    t.eos_id_ = special_id("eos_token_id");
+    t.eot_id_ = special_id("eot_token_id");
+    t.pad_id_ = special_id("padding_token_id");
+    t.add_bos_ = file.boolean_or("tokenizer.ggml.add_bos_token", p->add_bos);
+    bool const add_eos = file.boolean_or("tokenizer.ggml.add_eos_token", false);
+    t.finish();
+    if (add_eos && t.eos_id_) t.suffix_ids_.push_back(*t.eos_id_);
+    return t;
+  }
+
   /// Token ids of `utf8` (which must be well-formed UTF-8). Added tokens written in the text
   /// are recognised; `add_special_tokens` adds what the post-processor adds (BOS for
   /// DeepSeek-V3, nothing for Qwen).
@@ -458,6 +629,20 @@ class Tokenizer {
   }
   std::optional<std::int32_t> bos_id() const noexcept { return bos_id_; }
   std::optional<std::int32_t> eos_id() const noexcept { return eos_id_; }
+  /// The end-of-turn token a GGUF file names (tokenizer.ggml.eot_token_id); none for a
+  /// tokenizer.json.
+  std::optional<std::int32_t> eot_id() const noexcept { return eot_id_; }
+  /// The padding token a GGUF file names (tokenizer.ggml.padding_token_id).
+  std::optional<std::int32_t> pad_id() const noexcept { return pad_id_; }
+  /// Whether encode(text) (with add_special_tokens) starts with the BOS token.
+  bool adds_bos() const noexcept {
+    return bos_id_ && !prefix_ids_.empty() && prefix_ids_.front() == *bos_id_;
+  }
+  /// Whether `id` is a token of the vocabulary (decode() refuses the others; a GGUF file's
+  /// unused padding slots are not tokens).
+  bool contains(std::int32_t id) const noexcept {
+    return id >= 0 && static_cast<std::size_t>(id) < has_id_.size() && has_id_[id];
+  }
   std::vector<AddedToken> const& added_tokens() const noexcept { return added_; }
   bool is_special(std::int32_t id) const noexcept {
     return id >= 0 && static_cast<std::size_t>(id) < is_special_.size() && is_special_[id];
@@ -1057,7 +1242,7 @@ class Tokenizer {
   std::vector<bool> has_id_, is_special_;
   std::vector<std::int32_t> prefix_ids_, suffix_ids_;
   std::string post_processor_, bos_token_, eos_token_;
-  std::optional<std::int32_t> bos_id_, eos_id_;
+  std::optional<std::int32_t> bos_id_, eos_id_, eot_id_, pad_id_;
   bool nfc_ = false, byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false;
   bool add_bos_ = false;
 };
