@@ -20,7 +20,23 @@ for (const model of ["qwen3", "deepseek_v3", "gptoss"]) {
     ids: Array.from(tokenizer.encode(text, { add_special_tokens: false })),
     ids_special: Array.from(tokenizer.encode(text, { add_special_tokens: true })),
   }));
+  // The chat template of one user message with the generation prompt, where the bundled Jinja
+  // renders the model's template (DeepSeek-V3's; Qwen3's is beyond it, gpt-oss ships none).
+  let chat = [];
+  try {
+    chat = corpus.slice(0, 60).map((text) => {
+      const messages = [{ role: "user", content: text }];
+      const options = { add_generation_prompt: true, return_tensor: false };
+      return {
+        text,
+        chat: tokenizer.apply_chat_template(messages, { ...options, tokenize: false }),
+        ids: Array.from(tokenizer.apply_chat_template(messages, { ...options, tokenize: true })),
+      };
+    });
+  } catch (e) {
+    console.log(`${model}: no chat oracle (${String(e.message).slice(0, 80)})`);
+  }
   const out = path.join(outDir, `oracle_${model}.json`);
-  writeFileSync(out, JSON.stringify({ model, tokenizer: json, cases }));
+  writeFileSync(out, JSON.stringify({ model, tokenizer: json, cases, chat }));
   console.log(`${out}: ${cases.length} strings`);
 }
