@@ -12,11 +12,27 @@
 // tokens/s and the KV-cache bytes per token.
 //
 // Command line:
-//   moe_generate --model DIR|FILE.gguf --prompt-ids 1,2,3 --max-new-tokens N [--threads N]
-//                [--no-cache]
+//   moe_generate --model DIR|FILE.gguf (--prompt-ids 1,2,3 | --prompt TEXT | --prompt-file F)
+//                --max-new-tokens N [--chat] [--ignore-eos] [--print-ids] [--print-prompt-ids]
+//                [--threads N] [--no-cache]
 //                [--temperature T --top-p P --seed S] [--logits OUT.safetensors]
 //                [--dense as-stored|FORMAT] [--experts FORMAT] [--mix q4_k_m]
 //                [--kv-cache fp32|bf16]
+// The prompt: --prompt-ids gives token ids as they are (nothing added; the output is the
+// generated ids on stdout, one line, comma-separated, and generation runs to --max-new-tokens).
+// --prompt TEXT or --prompt-file F (UTF-8) is tokenized with the model's own tokenizer
+// (moe::text::load_model_tokenizer: DIR's tokenizer.json and tokenizer_config.json, or the GGUF
+// file's tokenizer.ggml.* metadata), with BOS when the model adds it; --chat first wraps it as
+// one user turn in the model's chat format with the assistant's generation prompt (ChatML for
+// Qwen, DeepSeek-V3's, gpt-oss's harmony; recognised from the chat template; another template
+// is an error). Then the generated text is printed on stdout as it is produced (whole UTF-8
+// characters, flushed per token), followed by one newline; generation stops at the model's end
+// tokens (EOS, EOT, generation_config.json's eos_token_id, the chat format's end of turn; the
+// end token itself is not printed) unless --ignore-eos, else at --max-new-tokens.
+// --print-ids then prints the generated ids line as --prompt-ids does (the end token included);
+// --print-prompt-ids prints the prompt's ids on stderr. The --prompt options are mutually
+// exclusive. Without the tokenizer in the build (moe::text needs PCRE2 and ICU), --prompt,
+// --prompt-file and --chat are refused in one line saying so; --prompt-ids works.
 // FORMAT: fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k or q2_k.
 // --dense: the embedding, LM head, attention and dense-MLP weights (as-stored, the default,
 // keeps a BF16 checkpoint's in bf16: half the bytes a step reads, the same logits as fp32
@@ -25,8 +41,8 @@
 // Q4_K_M choice per matrix (models::DecoderOptions::q4_k_m; overrides --dense and --experts). A
 // format whose blocks do not divide a matrix's depth falls back (q4_k -> q4_0 -> q8_0 -> bf16,
 // q6_k -> q8_0 -> bf16): one warning line lists the matrices that did. --kv-cache: how the KV cache
-// holds keys and values (fp32 default; bf16 halves its bytes, moe::KvFormat). Prints the generated
-// ids on stdout (one line, comma-separated) and the timings on stderr.
+// holds keys and values (fp32 default; bf16 halves its bytes, moe::KvFormat). The timings go to
+// stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
 // their scale, docs/decoding.md). --logits writes "logits" [N, vocab] F32, one row per
 // generated token (the distribution it was drawn from, before temperature); it may not be a file
@@ -36,7 +52,8 @@
 // (--max-new-tokens at most 2^20 = 1048576, --threads 1 to 1024, --seed 0 to 2^64 - 1): a value
 // out of range is an error naming the option, the value and the range. --help / -h lists the
 // options, one line each, on stdout. Exit status 0 on success (and for --help), 2 on an unknown
-// argument (one line on stderr pointing at --help), 1 with one line on stderr otherwise.
+// argument (one line on stderr pointing at --help), 1 with one line on stderr otherwise (bad or
+// conflicting options, a missing tokenizer.json, ...).
 
 #include <algorithm>
 #include <chrono>
@@ -44,10 +61,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -60,6 +80,9 @@
 #include "moe/io/safetensors.hpp"
 #include "moe/models/decoder.hpp"
 #include "moe/models/gguf_decoder.hpp"
+#if MOE_GENERATE_WITH_TEXT
+#include "moe/text/model_tokenizer.hpp"
+#endif
 
 namespace {
 
@@ -68,6 +91,9 @@ using Clock = std::chrono::steady_clock;
 struct Args {
   std::string model, logits_out;
   std::vector<std::int64_t> prompt;
+  std::string text;  // --prompt or the contents of --prompt-file
+  bool text_mode = false, chat = false, ignore_eos = false, print_ids = false,
+       print_prompt_ids = false;
   long max_new = 16;
   int threads = 1;
   bool cache = true;
@@ -82,7 +108,18 @@ constexpr moe_cli::Option kOptions[] = {
      "checkpoint: config.json + model.safetensors (or the index and its shards), or a GGUF "
      "file (any shard of a split one; qwen3moe, qwen2moe, olmoe, glm4moe, minimax-m2, "
      "ernie4_5-moe, gpt-oss, llama/Mixtral)"},
-    {"--prompt-ids I,J,...", "the prompt's token ids, comma-separated, each in [0, vocab)"},
+    {"--prompt-ids I,J,...",
+     "the prompt's token ids, comma-separated, each in [0, vocab); prints the new ids"},
+    {"--prompt TEXT",
+     "the prompt as text, tokenized with the model's tokenizer (BOS as the model says); prints "
+     "the new text as it is produced, stopping at the model's end tokens"},
+    {"--prompt-file F", "the same, the text read from file F (UTF-8)"},
+    {"--chat",
+     "wrap the text prompt as one user turn in the model's chat format (ChatML, DeepSeek-V3, "
+     "gpt-oss harmony) with the assistant's generation prompt"},
+    {"--ignore-eos", "with a text prompt: go on past the end tokens, to --max-new-tokens"},
+    {"--print-ids", "with a text prompt: also print the new ids' line, as --prompt-ids does"},
+    {"--print-prompt-ids", "print the prompt's ids (after tokenizing and --chat) on stderr"},
     {"--max-new-tokens N", "tokens to generate, 0 to 2^20 = 1048576"},
     {"--threads N", "worker threads, 1 to 1024 (default 1)"},
     {"--no-cache", "recompute the whole sequence at every step instead of using the KV cache"},
@@ -99,7 +136,9 @@ constexpr moe_cli::Option kOptions[] = {
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
-    "moe_generate", "--model DIR|FILE.gguf --prompt-ids I,J,... --max-new-tokens N [options]",
+    "moe_generate",
+    "--model DIR|FILE.gguf (--prompt-ids I,J,... | --prompt TEXT | --prompt-file F) "
+    "--max-new-tokens N [options]",
     kOptions};
 
 [[noreturn]] void usage_error(std::string const& what) {
@@ -128,7 +167,8 @@ double parse_double(std::string const& flag, std::string const& s, double lo, do
 
 Args parse(int argc, char** argv) {
   Args a;
-  bool have_model = false, have_prompt = false, have_n = false;
+  bool have_model = false, have_n = false;
+  int prompts = 0;  // --prompt-ids, --prompt and --prompt-file given
   for (int i = 1; i < argc; ++i) {
     std::string const f = argv[i];
     auto value = [&]() -> std::string {
@@ -149,7 +189,28 @@ Args parse(int argc, char** argv) {
             "--prompt-ids", std::string_view(s).substr(p, q - p), 0, INT64_MAX));
         p = q + 1;
       }
-      have_prompt = true;
+      ++prompts;
+    } else if (f == "--prompt") {
+      a.text = value();
+      a.text_mode = true;
+      ++prompts;
+    } else if (f == "--prompt-file") {
+      std::string const path = value();
+      std::ifstream in(path, std::ios::binary);
+      if (!in) usage_error("--prompt-file: cannot open '" + path + "'");
+      std::ostringstream text;
+      text << in.rdbuf();
+      a.text = text.str();
+      a.text_mode = true;
+      ++prompts;
+    } else if (f == "--chat") {
+      a.chat = true;
+    } else if (f == "--ignore-eos") {
+      a.ignore_eos = true;
+    } else if (f == "--print-ids") {
+      a.print_ids = true;
+    } else if (f == "--print-prompt-ids") {
+      a.print_prompt_ids = true;
     } else if (f == "--max-new-tokens") {
       a.max_new = moe_cli::parse_integer<long>(
           f, value(), 0, kMaxNewTokens,
@@ -185,9 +246,25 @@ Args parse(int argc, char** argv) {
       moe_cli::exit_unknown_argument(kUsage, f);
     }
   }
-  if (!have_model || !have_prompt || !have_n) {
-    usage_error("--model, --prompt-ids and --max-new-tokens are required");
+  if (prompts > 1) {
+    usage_error("--prompt-ids, --prompt and --prompt-file are mutually exclusive; give one");
   }
+  if (!have_model || prompts == 0 || !have_n) {
+    usage_error(
+        "--model, a prompt (--prompt-ids, --prompt or --prompt-file) and --max-new-tokens are "
+        "required");
+  }
+  if (a.chat && !a.text_mode) {
+    usage_error("--chat wraps a text prompt: use it with --prompt or --prompt-file");
+  }
+#if !MOE_GENERATE_WITH_TEXT
+  if (a.text_mode || a.chat) {
+    usage_error(std::string(a.chat ? "--chat" : "a text prompt") +
+                " needs the tokenizer, which this build lacks (moe::text needs PCRE2 and ICU: "
+                "apt-get install libpcre2-dev libicu-dev, then reconfigure and rebuild); "
+                "--prompt-ids works without it");
+  }
+#endif
   return a;
 }
 
@@ -229,8 +306,11 @@ std::int64_t pick(std::vector<float> const& logits, Args const& a, std::uint64_t
   return order[keep - 1];
 }
 
+/// Called with each new id; returns true to stop generating after it.
+using TokenSink = std::function<bool(std::int64_t)>;
+
 template <class Decoder>
-int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool) {
+int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool, TokenSink const& sink) {
   moe::Index const V = dec.vocab();
   std::vector<std::int64_t> ids = a.prompt;
   std::vector<float> logits(static_cast<std::size_t>(V)), all_logits;
@@ -246,11 +326,14 @@ int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool) {
   double const prefill = std::chrono::duration<double>(Clock::now() - t0).count();
   auto const t1 = Clock::now();
   auto last_note = t1;
+  long generated = 0;
   for (long i = 0; i < a.max_new; ++i) {
     if (!a.logits_out.empty()) all_logits.insert(all_logits.end(), logits.begin(), logits.end());
     std::int64_t const next = pick(logits, a, rng);
     ids.push_back(next);
-    if (i + 1 == a.max_new) break;
+    ++generated;
+    bool const stop = sink && sink(next);
+    if (stop || i + 1 == a.max_new) break;
     run(a.cache ? std::vector<std::int64_t>{next} : ids);
     if (Clock::now() - last_note > std::chrono::seconds(1)) {
       last_note = Clock::now();
@@ -258,11 +341,13 @@ int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool) {
     }
   }
   double const decode = std::chrono::duration<double>(Clock::now() - t1).count();
-  for (std::size_t i = a.prompt.size(); i < ids.size(); ++i) {
-    std::printf("%s%lld", i == a.prompt.size() ? "" : ",", static_cast<long long>(ids[i]));
+  if (!a.text_mode) {  // a text prompt's printer printed the text (and --print-ids the ids)
+    for (std::size_t i = a.prompt.size(); i < ids.size(); ++i) {
+      std::printf("%s%lld", i == a.prompt.size() ? "" : ",", static_cast<long long>(ids[i]));
+    }
+    std::printf("\n");
   }
-  std::printf("\n");
-  long const steps = std::max(0L, a.max_new - 1);
+  long const steps = std::max(0L, generated - 1);
   std::fprintf(stderr,
                "moe_generate: prefill %zu tokens in %.3f s (%.1f tokens/s); decode %ld steps in "
                "%.3f s (%.1f tokens/s%s); KV cache %zu bytes per token (%d layers)\n",
@@ -272,18 +357,83 @@ int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool) {
                st.kv_bytes_per_token(), static_cast<int>(dec.blocks.size()));
   if (!a.logits_out.empty()) {
     moe::io::SafetensorsWriter()
-        .add_f32("logits", {static_cast<std::int64_t>(a.max_new), V}, all_logits)
+        .add_f32("logits", {static_cast<std::int64_t>(generated), V}, all_logits)
         .save(a.logits_out);
   }
   return 0;
 }
 
+#if MOE_GENERATE_WITH_TEXT
+/// The text prompt's ids (wrapped in the chat format with --chat), into a.prompt.
+void tokenize_prompt(moe::text::ModelTokenizer const& tok, Args& a) {
+  if (a.chat && tok.chat == moe::text::ChatFormat::kUnknown) {
+    throw std::runtime_error(
+        "--chat: " + tok.source +
+        (tok.chat_template.empty() ? std::string(" comes with no chat template")
+                                   : std::string("'s chat template is not one moe recognises")) +
+        " (moe knows ChatML, DeepSeek-V3 and gpt-oss harmony); wrap the prompt yourself and pass "
+        "it with --prompt");
+  }
+  std::vector<std::int32_t> const ids =
+      a.chat ? tok.encode_chat(a.text) : tok.encode_prompt(a.text);
+  if (ids.empty()) throw std::runtime_error("the prompt is empty; give some text");
+  a.prompt.assign(ids.begin(), ids.end());
+}
+
+/// Prints each new token's text as it comes (whole UTF-8 characters, flushed) and stops at the
+/// model's end tokens unless --ignore-eos; ids the tokenizer does not have (an embedding padded
+/// past the vocabulary) print nothing.
+struct TextPrinter {
+  moe::text::ModelTokenizer const* tok;
+  moe::text::StreamDecoder stream;
+  bool ignore_eos;
+  std::vector<std::int64_t> ids;  // every new id, the end token included
+
+  bool operator()(std::int64_t id) {
+    ids.push_back(id);
+    auto const id32 = static_cast<std::int32_t>(id);
+    if (!ignore_eos && tok->is_end(id32)) return true;
+    if (tok->tokenizer.contains(id32)) {
+      std::string const text = stream.push(id32);
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    }
+    return false;
+  }
+  /// The held-back bytes and the newline; then, with --print-ids, the ids line.
+  void finish(bool print_ids) {
+    std::string text = stream.finish() + "\n";
+    if (print_ids) {
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        text += (i == 0 ? "" : ",") + std::to_string(ids[i]);
+      }
+      text += "\n";
+    }
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  }
+};
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    Args const a = parse(argc, argv);
+    Args a = parse(argc, argv);
+#if MOE_GENERATE_WITH_TEXT
+    // The tokenizer first: a missing tokenizer.json fails before the model is loaded.
+    std::optional<moe::text::ModelTokenizer> tok;
+    if (a.text_mode) {
+      tok = moe::text::load_model_tokenizer(a.model);
+      tokenize_prompt(*tok, a);
+    }
+#endif
     if (a.prompt.empty()) usage_error("--prompt-ids needs at least one id");
+    if (a.print_prompt_ids) {
+      std::string line;
+      for (std::int64_t const id : a.prompt) line += (line.empty() ? "" : ",") + std::to_string(id);
+      std::fprintf(stderr, "moe_generate: prompt ids (%zu): %s\n", a.prompt.size(), line.c_str());
+    }
     // The logits file must not be a file of the model (config.json, a weights file or shard: by
     // device and inode), a directory or other non-regular file, or in a missing directory;
     // checked before the model is loaded, so a refused run reads and writes nothing.
@@ -300,8 +450,10 @@ int main(int argc, char** argv) {
     moe::Index const vocab = std::visit([](auto const& d) { return d.vocab(); }, dec);
     for (std::int64_t const id : a.prompt) {
       if (id >= vocab) {
-        usage_error("--prompt-ids holds " + std::to_string(id) +
-                    ", outside the model's vocabulary [0, " + std::to_string(vocab) + ")");
+        usage_error(std::string(a.text_mode ? "the tokenized prompt" : "--prompt-ids") + " holds " +
+                    std::to_string(id) + ", outside the model's vocabulary [0, " +
+                    std::to_string(vocab) + ")" +
+                    (a.text_mode ? "; the tokenizer does not belong to this model" : ""));
       }
     }
     std::string const formats = std::visit(
@@ -353,7 +505,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe_generate: loaded %s in %.2f s (%s); %s\n", a.model.c_str(),
                  std::chrono::duration<double>(Clock::now() - t0).count(), formats.c_str(),
                  moe::cpu_features().describe().c_str());
-    return std::visit([&](auto const& d) { return generate(d, a, pool.get()); }, dec);
+#if MOE_GENERATE_WITH_TEXT
+    if (tok) {
+      TextPrinter printer{&*tok, moe::text::StreamDecoder(tok->tokenizer), a.ignore_eos, {}};
+      TokenSink const sink = [&](std::int64_t id) { return printer(id); };
+      int const rc =
+          std::visit([&](auto const& d) { return generate(d, a, pool.get(), sink); }, dec);
+      printer.finish(a.print_ids);
+      return rc;
+    }
+#endif
+    return std::visit([&](auto const& d) { return generate(d, a, pool.get(), TokenSink()); }, dec);
   } catch (std::exception const& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');

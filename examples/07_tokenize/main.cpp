@@ -1,15 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // moe_tokenize: the ids a model's tokenizer gives a text, or the text of ids (docs/tokenizer.md).
 //
-//   moe_tokenize --model DIR (--text T | --file F) [--no-bos]
-//   moe_tokenize --model DIR --decode 1,2,3
+//   moe_tokenize --model DIR|FILE.gguf (--text T | --file F) [--no-bos] [--chat]
+//   moe_tokenize --model DIR|FILE.gguf --decode 1,2,3
 //
-// DIR holds the Hugging Face tokenizer.json (and tokenizer_config.json if the model has one).
-// Encoding prints the ids comma-separated on one line, with the special tokens the tokenizer adds
-// around the text (BOS for DeepSeek-V3, none for Qwen) unless --no-bos; special tokens written in
-// the text (<|im_start|>) are recognised either way. --decode prints the text, special tokens
-// included, and nothing else. Errors: one line on stderr, exit status 1; a bad or unknown
-// argument: exit status 2.
+// The tokenizer is the model's (moe::text::load_model_tokenizer): DIR's Hugging Face
+// tokenizer.json (and tokenizer_config.json if the model has one), a tokenizer.json file, or a
+// GGUF file's tokenizer.ggml.* metadata. --chat wraps the text as one user turn in the model's
+// chat format, with the assistant's generation prompt, as moe_generate --chat does (and adds
+// nothing around it: the template writes BOS where the model wants it). Encoding prints the ids
+// comma-separated on one line, with the special tokens the tokenizer adds around the text (BOS for
+// DeepSeek-V3, none for Qwen) unless --no-bos; special tokens written in the text (<|im_start|>)
+// are recognised either way. --decode prints the text, special tokens included, and nothing else.
+// Errors: one line on stderr, exit status 1; a bad or unknown argument: exit status 2.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -21,20 +24,24 @@
 #include <vector>
 
 #include "../common/cli.hpp"
-#include "moe/text/tokenizer.hpp"
+#include "moe/text/model_tokenizer.hpp"
 
 namespace {
 
 constexpr moe_cli::Option kOptions[] = {
-    {"--model DIR", "the model directory (tokenizer.json inside) or a tokenizer.json file"},
+    {"--model DIR|FILE.gguf",
+     "the model directory (tokenizer.json inside), a tokenizer.json file or a GGUF file"},
     {"--text T", "encode the text T"},
     {"--file F", "encode the contents of file F (UTF-8)"},
     {"--no-bos", "add no special tokens around the text (BOS); those in the text still count"},
+    {"--chat", "wrap the text as one user turn in the model's chat format (as moe_generate)"},
     {"--decode I,J,...", "print the text of these ids instead (special tokens included)"},
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
-    "moe_tokenize", "--model DIR (--text T | --file F) [--no-bos] | --model DIR --decode I,J,...",
+    "moe_tokenize",
+    "--model DIR|FILE.gguf (--text T | --file F) [--no-bos] [--chat] | --model DIR|FILE.gguf "
+    "--decode I,J,...",
     kOptions};
 
 struct UsageError : std::runtime_error {
@@ -43,7 +50,7 @@ struct UsageError : std::runtime_error {
 
 struct Args {
   std::string model, text, file, decode;
-  bool have_text = false, have_file = false, have_decode = false, bos = true;
+  bool have_text = false, have_file = false, have_decode = false, bos = true, chat = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -66,6 +73,8 @@ Args parse(int argc, char** argv) {
       a.have_file = true;
     } else if (f == "--no-bos") {
       a.bos = false;
+    } else if (f == "--chat") {
+      a.chat = true;
     } else if (f == "--decode") {
       a.decode = value();
       a.have_decode = true;
@@ -73,10 +82,11 @@ Args parse(int argc, char** argv) {
       moe_cli::exit_unknown_argument(kUsage, f);
     }
   }
-  if (a.model.empty()) throw UsageError("--model DIR is required");
+  if (a.model.empty()) throw UsageError("--model DIR|FILE.gguf is required");
   if (a.have_text + a.have_file + a.have_decode != 1) {
     throw UsageError("give exactly one of --text, --file and --decode");
   }
+  if (a.chat && a.have_decode) throw UsageError("--chat wraps a text to encode, not --decode");
   return a;
 }
 
@@ -99,7 +109,8 @@ int main(int argc, char** argv) {
     return moe_cli::kExitUsage;
   }
   try {
-    auto const tokenizer = moe::text::Tokenizer::from_hf_file(a.model);
+    moe::text::ModelTokenizer const model = moe::text::load_model_tokenizer(a.model);
+    moe::text::Tokenizer const& tokenizer = model.tokenizer;
     if (a.have_decode) {
       std::vector<std::int32_t> ids;
       std::string_view const s = a.decode;
@@ -117,7 +128,14 @@ int main(int argc, char** argv) {
     }
     std::string const text = a.have_file ? read_file(a.file) : a.text;
     std::string line;
-    for (std::int32_t const id : tokenizer.encode(text, a.bos)) {
+    if (a.chat && model.chat == moe::text::ChatFormat::kUnknown) {
+      throw std::runtime_error("--chat: " + model.source +
+                               " has no chat template moe recognises (ChatML, DeepSeek-V3, "
+                               "gpt-oss harmony)");
+    }
+    std::vector<std::int32_t> const ids =
+        a.chat ? model.encode_chat(text) : tokenizer.encode(text, a.bos);
+    for (std::int32_t const id : ids) {
       if (!line.empty()) line += ',';
       line += std::to_string(id);
     }
