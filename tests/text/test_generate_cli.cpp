@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -22,6 +23,7 @@
 #include "moe/io/gguf/writer.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/io/safetensors.hpp"
+#include "moe/quant/ggml_type.hpp"
 #include "text/tiny_tokenizer.hpp"
 
 namespace {
@@ -50,10 +52,13 @@ std::int32_t successor(std::int32_t t) {
   }
 }
 
+using TensorMap = std::map<std::string, std::pair<std::vector<std::int64_t>, std::vector<float>>>;
+
 /// A one-layer Qwen3-MoE checkpoint (2 experts, top-1) in `dir`: h = embed[t] = e_t passes the
 /// layer unchanged (o_proj and the experts' down_proj are zero), the final norm makes it
 /// sqrt(H) e_t, and lm_head[v][t] = 1 for v = successor(t): the next token is successor(last).
-void write_model(fs::path const& dir) {
+/// Returns the tensors (Hugging Face names, row-major shapes).
+TensorMap write_model(fs::path const& dir) {
   moe::io::HfMoeConfig c =
       moe::io::parse_hf_config(R"({"model_type": "qwen3_moe", "num_experts_per_tok": 1})");
   c.hidden_size = kH;
@@ -70,7 +75,7 @@ void write_model(fs::path const& dir) {
               "\"intermediate_size\": 16}");
   tinytok::write(dir / "config.json", j);
 
-  std::map<std::string, std::pair<std::vector<std::int64_t>, std::vector<float>>> t;
+  TensorMap t;
   auto add = [&](std::string const& name, std::vector<std::int64_t> shape, float fill) {
     std::int64_t n = 1;
     for (std::int64_t d : shape) n *= d;
@@ -99,6 +104,100 @@ void write_model(fs::path const& dir) {
   moe::io::SafetensorsWriter w;
   for (auto const& [name, tensor] : t) w.add_f32(name, tensor.first, tensor.second);
   w.save(dir / "model.safetensors");
+  return t;
+}
+
+/// The same model as a llama.cpp qwen3moe GGUF file (F32 tensors under llama.cpp's names, in
+/// ggml order) with the tiny tokenizer in its tokenizer.ggml.* metadata and the chat template.
+void write_gguf_model(TensorMap const& t, fs::path const& path) {
+  using V = moe::io::GgufMetadataValue;
+  auto u32 = [](std::int64_t v) { return V(static_cast<std::uint32_t>(v)); };
+  moe::io::GgufWriter w;
+  std::string const a = "qwen3moe";
+  w.set("general.architecture", a)
+      .set(a + ".block_count", u32(1))
+      .set(a + ".context_length", u32(256))
+      .set(a + ".embedding_length", u32(kH))
+      .set(a + ".feed_forward_length", u32(16))
+      .set(a + ".expert_feed_forward_length", u32(8))
+      .set(a + ".expert_count", u32(2))
+      .set(a + ".expert_used_count", u32(1))
+      .set(a + ".attention.head_count", u32(2))
+      .set(a + ".attention.head_count_kv", u32(1))
+      .set(a + ".attention.key_length", u32(8))
+      .set(a + ".attention.value_length", u32(8))
+      .set(a + ".rope.freq_base", V(1000.0f))
+      .set(a + ".attention.layer_norm_rms_epsilon", V(1e-6f))
+      .set("tokenizer.ggml.model", "gpt2")
+      .set("tokenizer.ggml.pre", "qwen2")
+      .set("tokenizer.ggml.tokens", V::array(std::vector<std::string>{"<|endoftext|>",
+                                                                      "<|im_start|>",
+                                                                      "<|im_end|>",
+                                                                      "a",
+                                                                      "d",
+                                                                      "e",
+                                                                      "h",
+                                                                      "i",
+                                                                      "l",
+                                                                      "n",
+                                                                      "o",
+                                                                      "r",
+                                                                      "s",
+                                                                      "t",
+                                                                      "u",
+                                                                      "w",
+                                                                      "Ġ",
+                                                                      "Ċ",
+                                                                      "!",
+                                                                      ",",
+                                                                      "he",
+                                                                      "ll",
+                                                                      "hell",
+                                                                      "hello",
+                                                                      "Ġw",
+                                                                      "or",
+                                                                      "Ġwor",
+                                                                      "Ġworl",
+                                                                      "Ġworld",
+                                                                      "us",
+                                                                      "use",
+                                                                      "user"}))
+      .set("tokenizer.ggml.token_type",
+           V::array(std::vector<std::int32_t>{3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}))
+      .set("tokenizer.ggml.merges",
+           V::array(std::vector<std::string>{"h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or",
+                                             "Ġwor l", "Ġworl d", "u s", "us e", "use r"}))
+      .set("tokenizer.ggml.eos_token_id", u32(kImEnd))
+      .set("tokenizer.ggml.padding_token_id", u32(kEndOfText))
+      .set("tokenizer.ggml.add_bos_token", false)
+      .set("tokenizer.chat_template", std::string(kChatTemplate));
+  auto add = [&](std::string const& gguf, std::string const& hf) {
+    auto const& [shape, values] = t.at(hf);
+    std::vector<std::int64_t> const ne(shape.rbegin(), shape.rend());
+    std::vector<std::byte> bytes(values.size() * 4);
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+    w.add_tensor(gguf, moe::quant::GgmlType::kF32, ne, bytes);
+  };
+  add("token_embd.weight", "model.embed_tokens.weight");
+  add("output_norm.weight", "model.norm.weight");
+  add("output.weight", "lm_head.weight");
+  std::string const p = "model.layers.0.";
+  add("blk.0.attn_norm.weight", p + "input_layernorm.weight");
+  add("blk.0.ffn_norm.weight", p + "post_attention_layernorm.weight");
+  add("blk.0.attn_q.weight", p + "self_attn.q_proj.weight");
+  add("blk.0.attn_k.weight", p + "self_attn.k_proj.weight");
+  add("blk.0.attn_v.weight", p + "self_attn.v_proj.weight");
+  add("blk.0.attn_output.weight", p + "self_attn.o_proj.weight");
+  add("blk.0.attn_q_norm.weight", p + "self_attn.q_norm.weight");
+  add("blk.0.attn_k_norm.weight", p + "self_attn.k_norm.weight");
+  add("blk.0.ffn_gate_inp.weight", p + "mlp.gate.weight");
+  // The experts are zero: one stacked zero tensor each ([E, I, H] and [E, H, I]).
+  std::vector<std::byte> const zeros(2 * 8 * kH * 4);
+  w.add_tensor("blk.0.ffn_gate_exps.weight", moe::quant::GgmlType::kF32, {kH, 8, 2}, zeros);
+  w.add_tensor("blk.0.ffn_up_exps.weight", moe::quant::GgmlType::kF32, {kH, 8, 2}, zeros);
+  w.add_tensor("blk.0.ffn_down_exps.weight", moe::quant::GgmlType::kF32, {8, kH, 2}, zeros);
+  w.save(path);
 }
 
 fs::path scratch(std::string const& name) {
@@ -216,6 +315,28 @@ TEST_CASE("moe_generate --prompt: the tokenized prompt, the text, EOS, --chat, t
   CHECK(unknown.status == 1);
   CHECK(lines(unknown.err) == 1);
   CHECK_THAT(unknown.err, Catch::Contains("chat template is not one moe recognises"));
+}
+
+TEST_CASE("moe_generate --model FILE.gguf --prompt: the tokenizer from the file's metadata",
+          "[text][generate][gguf]") {
+  fs::path const dir = scratch("generate_text_gguf");
+  TensorMap const t = write_model(dir);
+  write_gguf_model(t, dir / "tiny.gguf");
+  std::string const model = "--model '" + (dir / "tiny.gguf").string() + "' ";
+  Run const text =
+      run(MOE_GENERATE, model + "--prompt 'hello world' --max-new-tokens 10 --print-ids", dir);
+  INFO(text.err);
+  REQUIRE(text.status == 0);
+  CHECK(text.out == "!\nhello\n18,17,23,2\n");
+  Run const chat = run(MOE_GENERATE,
+                       model +
+                           "--prompt 'hello world' --chat --max-new-tokens 10 "
+                           "--print-prompt-ids",
+                       dir);
+  REQUIRE(chat.status == 0);
+  CHECK_THAT(chat.err, Catch::Contains("moe_generate: prompt ids (18): "
+                                       "1,31,17,23,28,2,17,1,3,12,12,7,12,13,3,9,13,17\n"));
+  CHECK(chat.out == "hello\n");
 }
 
 TEST_CASE("moe_tokenize: a GGUF file's tokenizer, encode and decode", "[text][generate]") {
