@@ -150,3 +150,50 @@ TEST_CASE("tokenizer: errors are one line naming what is wrong", "[text]") {
   CHECK_THROWS_WITH(t.encode("a\xFF"), Contains("not well-formed UTF-8 at byte 1"));
   CHECK_THROWS_WITH(t.decode(Ids{99}), Contains("token id 99 is not in the vocabulary"));
 }
+
+TEST_CASE("tokenizer: SentencePiece-style BPE (llama 2): U+2581, byte fallback, BOS, strip",
+          "[text]") {
+  // llama 2's tokenizer.json parts: Prepend + Replace normalizers, no pre-tokenizer, BPE over
+  // characters with byte_fallback and fuse_unk, <s> from the post-processor, and the decoder
+  // Replace(U+2581 -> ' '), ByteFallback, Fuse, Strip(1 leading space).
+  std::string const json = R"({"version": "1.0", "added_tokens": [
+      {"id": 0, "content": "<unk>", "special": true, "lstrip": false, "rstrip": false},
+      {"id": 1, "content": "<s>", "special": true, "lstrip": false, "rstrip": false},
+      {"id": 2, "content": "</s>", "special": true, "lstrip": false, "rstrip": false}],
+    "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+      {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+    "pre_tokenizer": null,
+    "post_processor": {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+    "decoder": {"type": "Sequence", "decoders": [
+      {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+      {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+    "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "fuse_unk": true,
+      "byte_fallback": true,
+      "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "<0xC3>": 3, "<0xA9>": 4, "▁": 5, "a": 6,
+                "b": 7, "▁a": 8, "ab": 9, "▁ab": 10},
+      "merges": ["▁ a", "a b", "▁a b"]}})";
+  Tokenizer const t = Tokenizer::from_hf_json(json);
+  // "ab" -> "▁ab": (▁,a) rank 0 before (a,b) rank 1, then (▁a,b) rank 2.
+  CHECK(t.encode("ab") == Ids{1, 10});
+  CHECK(t.encode("ab", false) == Ids{10});
+  CHECK(t.encode("a b", false) == Ids{8, 5, 7});
+  // é is not in the vocabulary: its two UTF-8 bytes' tokens.
+  CHECK(t.encode("é", false) == Ids{5, 3, 4});
+  // c has no token and no byte token: one <unk> for the run (fuse_unk).
+  CHECK(t.encode("cc", false) == Ids{5, 0});
+  CHECK(t.encode("", false) == Ids{});
+  // After an added token the next text gets its own U+2581 (per segment, as transformers).
+  CHECK(t.encode("</s>ab", false) == Ids{2, 10});
+  CHECK(t.decode(Ids{10}) == "ab");  // the prepended space is stripped
+  CHECK(t.decode(Ids{8, 5, 7}) == "a b");
+  CHECK(t.decode(Ids{5, 3, 4}) == "é");
+  CHECK(t.decode(Ids{1, 10}) == "<s> ab");
+  CHECK(t.decode(Ids{1, 10}, /*skip_special_tokens=*/true) == "ab");
+  StreamDecoder stream(t);
+  std::string text;
+  for (std::int32_t const id : Ids{8, 5, 3, 4}) text += stream.push(id);
+  text += stream.finish();
+  CHECK(text == "a é");
+}

