@@ -2,10 +2,11 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// moe::text::Tokenizer: byte-level BPE (GPT-2 style, as Qwen2/Qwen3, DeepSeek-V3 and gpt-oss
-/// use it) loaded from a Hugging Face tokenizer.json or from a GGUF file's tokenizer.ggml.*
-/// metadata, with encode, decode and a decoder that streams whole UTF-8 characters. Needs PCRE2
-/// (pre-tokenizer regexes, Unicode properties) and ICU (the NFC normalizer); the CMake target
-/// moe::text links both (docs/tokenizer.md).
+/// use it) and SentencePiece-style BPE (llama 2, Mixtral) loaded from a Hugging Face
+/// tokenizer.json or from a GGUF file's tokenizer.ggml.* metadata, with encode, decode and a
+/// decoder that streams whole UTF-8 characters. Needs PCRE2 (pre-tokenizer regexes, Unicode
+/// properties) and ICU (the NFC normalizer); the CMake target moe::text links both
+/// (docs/tokenizer.md).
 #pragma once
 
 #ifndef PCRE2_CODE_UNIT_WIDTH
@@ -447,7 +448,8 @@ struct AddedToken {
   bool rstrip = false;  ///< absorbs the whitespace after it
 };
 
-/// A byte-level BPE tokenizer of a Hugging Face tokenizer.json. Copies share the compiled
+/// A BPE tokenizer (byte-level, or SentencePiece-style over characters with byte fallback) of a
+/// Hugging Face tokenizer.json or a GGUF file. Copies share the compiled
 /// regexes; const member functions may be called from several threads at once.
 class Tokenizer {
  public:
@@ -488,8 +490,10 @@ class Tokenizer {
   /// deepseek-v3, gpt-4o, llama-bpe, glm4, olmo, ...: detail::gguf_pre_tokenizer); the ids
   /// bos_token_id, eos_token_id, eot_token_id, padding_token_id; add_bos_token, add_eos_token.
   /// Control and user-defined tokens are matched in the text before anything else, longest
-  /// first, as added tokens of a tokenizer.json are. Throws moe::Error naming the file and the
-  /// key for a missing or malformed key, another model ("llama": SentencePiece) or an unknown
+  /// first, as added tokens of a tokenizer.json are. tokenizer.ggml.model "llama"
+  /// (SentencePiece BPE) has `scores` instead of merges (spm_merges_from_scores), <0xNN> byte
+  /// tokens (type 6), add_space_prefix (default true) and BOS by default. Throws moe::Error
+  /// naming the file and the key for a missing or malformed key, another model or an unknown
   /// pre-tokenizer.
   static Tokenizer from_gguf(io::GgufFile const& file) {
     Tokenizer t;
