@@ -2,7 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
 // 05_quantize: quantize the experts of one MoE layer of a Hugging Face checkpoint, uniformly or
-// with AlphaQ (a precision per expert from its weights' spectra, no calibration data).
+// with AlphaQ (a precision per expert from its weights' spectra, no calibration data); or write
+// a whole model as a llama.cpp GGUF file in the formats asked for.
 //
 // What it shows: moe::experts::plan_quantization() (alpha per projection, the exact bit
 // allocation under a budget, the report), moe::io::save_hf_layer_quantized() (a checkpoint whose
@@ -10,6 +11,14 @@
 // Command line:
 //   moe_quantize --model DIR --layer L --bits B --method alphaq|uniform --out DIR
 //                [--threads N] [--alpha-power P] [--candidates q4_0,q4_k,q6_k,q8_0,bf16]
+//   moe_quantize --model DIR|FILE.gguf --out FILE.gguf [--mix q4_k_m] [--dense FORMAT]
+//                [--experts FORMAT]
+// The second form (an --out ending in .gguf) writes the whole model (every layer, the
+// embedding, the LM head) in llama.cpp's names, metadata and layouts
+// (models::save_gguf_model), each matrix in the format asked for (--mix q4_k_m: llama.cpp's
+// Q4_K_M choice per matrix; --dense / --experts: one format for those classes; unset: as
+// stored), which moe_generate --model FILE.gguf then runs as stored; it prints one line per
+// type written and the matrices that fell back. No tokenizer metadata is written.
 // B: the average bits a weight over the routed experts (e.g. 4.5 = q4_k's). The shared expert
 // (if any) takes the uniform choice at B. Writes OUT/config.json, OUT/model.safetensors (the
 // layer, its expert projections in the chosen formats: docs/quantization.md "Checkpoints") and
@@ -21,6 +30,7 @@
 #include <charconv>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,6 +43,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/quantize.hpp"
 #include "moe/io/hf.hpp"
+#include "moe/models/gguf_writer.hpp"
 
 namespace {
 
@@ -41,7 +52,9 @@ using moe::detail::fail;
 namespace experts = moe::experts;
 
 constexpr moe_cli::Option kOptions[] = {
-    {"--model DIR", "checkpoint: config.json + model.safetensors, or the index and its shards"},
+    {"--model DIR",
+     "checkpoint: config.json + model.safetensors, or the index and its shards "
+     "(with --out FILE.gguf also a .gguf file)"},
     {"--layer L", "the MoE layer to quantize, 0 to 2^20"},
     {"--bits B", "average bits a weight over the routed experts, in [0, 64] (4.5: q4_k's)"},
     {"--method M", "alphaq (a format per projection from its spectrum) or uniform"},
@@ -49,11 +62,16 @@ constexpr moe_cli::Option kOptions[] = {
     {"--threads N", "worker threads, 1 to 1024 (default: the core count)"},
     {"--alpha-power P", "AlphaQ's exponent on alpha, in [0, 64] (default 3)"},
     {"--candidates LIST", "formats to choose from (default: q2_k,q3_k,q4_0,q4_k,q6_k,q8_0,bf16)"},
+    {"--out FILE.gguf", "instead: the whole model as a llama.cpp GGUF file (no --layer/--bits)"},
+    {"--mix q4_k_m", "with FILE.gguf: llama.cpp's Q4_K_M choice per matrix"},
+    {"--dense FORMAT", "with FILE.gguf: embedding, LM head, attention, dense MLPs (as stored)"},
+    {"--experts FORMAT", "with FILE.gguf: routed and shared experts (default: as stored)"},
     {"-h, --help", "print this help and exit"},
 };
-constexpr moe_cli::Usage kUsage = {
-    "moe_quantize", "--model DIR --layer L --bits B --method alphaq|uniform --out DIR [options]",
-    kOptions};
+constexpr moe_cli::Usage kUsage = {"moe_quantize",
+                                   "--model DIR (--layer L --bits B --method alphaq|uniform --out "
+                                   "DIR | --out FILE.gguf) [options]",
+                                   kOptions};
 /// Ends the messages of a bad command line.
 constexpr char kSeeHelp[] = "moe_quantize --help lists the options";
 
@@ -127,10 +145,44 @@ void quantize(moe::io::HfLayer<Layer>& hf, std::map<std::string, std::string> co
               out.string().c_str());
 }
 
+/// The whole model in `args` as a GGUF file (--out FILE.gguf).
+int write_gguf_model(std::map<std::string, std::string> const& args) {
+  for (char const* layer_only :
+       {"--layer", "--bits", "--method", "--alpha-power", "--candidates", "--threads"}) {
+    if (args.count(layer_only) != 0) {
+      fail(layer_only, " quantizes one layer; --out FILE.gguf writes the whole model in the ",
+           "formats --mix, --dense and --experts ask for. ", kSeeHelp);
+    }
+  }
+  moe::models::DecoderOptions o;
+  if (args.count("--mix") != 0) {
+    if (args.at("--mix") != "q4_k_m") fail("--mix '", args.at("--mix"), "' is not q4_k_m");
+    o = moe::models::DecoderOptions::q4_k_m();
+  }
+  if (args.count("--dense") != 0) o.dense = experts::parse_weight_format(args.at("--dense"));
+  if (args.count("--experts") != 0) o.experts = experts::parse_weight_format(args.at("--experts"));
+  std::filesystem::path const out = args.at("--out"), model = args.at("--model");
+  if (moe::io::same_file(out, model)) fail("--out '", out.string(), "' is the --model file");
+  moe::models::GgufSaveReport const r = moe::models::save_gguf_model(out, model, o);
+  std::string fell;
+  for (moe::models::Fallback const& f : r.fallbacks) {
+    fell += (fell.empty() ? "" : ", ") + f.matrix + " " + experts::name(f.asked) + " -> " +
+            experts::name(f.chosen);
+  }
+  if (!fell.empty()) std::fprintf(stderr, "moe_quantize: warning: fell back: %s\n", fell.c_str());
+  std::printf("moe_quantize: wrote %s:", out.string().c_str());
+  for (auto const& [type, n] : r.tensors_by_type) {
+    std::printf(" %s x%lld", type.c_str(), static_cast<long long>(n));
+  }
+  std::printf(" (tensors)\n");
+  return 0;
+}
+
 int main_impl(int argc, char** argv) {
   std::map<std::string, std::string> args;
   std::string_view const flags[] = {"--model", "--layer",   "--bits",        "--method",
-                                    "--out",   "--threads", "--alpha-power", "--candidates"};
+                                    "--out",   "--threads", "--alpha-power", "--candidates",
+                                    "--mix",   "--dense",   "--experts"};
   for (int i = 1; i < argc; i += 2) {
     std::string const key = argv[i];
     if (moe_cli::is_help(key)) return moe_cli::print_help(kUsage);
@@ -139,6 +191,16 @@ int main_impl(int argc, char** argv) {
     if (!known) return moe_cli::print_unknown_argument(kUsage, key);
     if (i + 1 >= argc) fail(key, " needs a value; ", kSeeHelp);
     if (!args.emplace(key, argv[i + 1]).second) fail(key, " is given twice; ", kSeeHelp);
+  }
+  if (args.count("--out") != 0 && args.at("--out").ends_with(".gguf")) {
+    if (args.count("--model") == 0) fail("missing --model; ", kSeeHelp);
+    return write_gguf_model(args);
+  }
+  for (char const* gguf_only : {"--mix", "--dense", "--experts"}) {
+    if (args.count(gguf_only) != 0) {
+      fail(gguf_only, " chooses formats for --out FILE.gguf (the whole model); one layer takes ",
+           "--bits and --method. ", kSeeHelp);
+    }
   }
   for (char const* required : {"--model", "--layer", "--bits", "--method", "--out"}) {
     if (args.count(required) == 0) fail("missing ", required, "; ", kSeeHelp);

@@ -31,6 +31,7 @@
 #include "moe/io/gguf/layer.hpp"
 #include "moe/models/decoder.hpp"
 #include "moe/models/gguf_decoder.hpp"
+#include "moe/models/gguf_writer.hpp"
 #include "moe/quant/blocks.hpp"
 #include "moe/quant/ggml_blocks.hpp"
 #include "moe/quant/ggml_dequantize.hpp"
@@ -1846,6 +1847,80 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   REQUIRE(da.blocks[0].attention.formats().q == WeightFormat::kQ4_K);
 }
 
+TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for tensor",
+          "[models][decoder][gguf]") {
+  for (std::string const type : {"qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2",
+                                 "ernie4_5_moe", "mixtral", "gpt_oss"}) {
+    INFO(type);
+    Tiny t;
+    t.type = type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    if (type == "gpt_oss") t.window = 3, t.swiglu_limit = 7.0f;
+    Tensors stored;
+    // The test's own writer spells llama.cpp's names and layouts (F32: the values as they are).
+    fs::path const theirs =
+        write_gguf(t, make_tensors(t, 905), "save_" + type, GgmlType::kF32, stored);
+    fs::path const dir = write_model(t, stored, "save_" + type + "_hf");
+    fs::path const ours = dir.parent_path() / ("save_" + type + "_ours.gguf");
+    moe::models::GgufSaveReport const r = moe::models::save_gguf_model(ours, dir);
+    REQUIRE(r.fallbacks.empty());
+    REQUIRE(r.tensors_by_type.size() == 1);  // F32 stays F32
+    moe::io::GgufModel const a(ours), b(theirs);
+    std::size_t matched = 0;
+    for (std::string_view const name : b.names()) {
+      if (name.starts_with(concat("blk.", t.L, "."))) continue;  // GLM's MTP layer: not written
+      INFO(name);
+      REQUIRE(a.has_tensor(name));
+      moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
+      REQUIRE(x.type == y.type);
+      REQUIRE(x.shape() == y.shape());
+      REQUIRE(std::equal(x.data.begin(), x.data.end(), y.data.begin(), y.data.end()));
+      ++matched;
+    }
+    REQUIRE(matched == a.names().size());  // and nothing else
+    check_same_decoding(moe::models::load_gguf_decoder(ours), moe::models::load_hf_decoder(dir),
+                        t.V);
+  }
+  // Formats: llama.cpp's Q4_K_M mix from the directory decodes as the directory packed so (the
+  // same quantizers on the same values); a GGUF file re-written as stored keeps its blocks.
+  Tiny t;
+  t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;
+  Tensors stored;
+  TypeOf const type_of = [](std::string const& g, Shape const& shape) {
+    if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
+    return g.find("attn_v.") != std::string::npos ? GgmlType::kQ6_K : GgmlType::kQ4_K;
+  };
+  fs::path const mixed =
+      write_gguf(t, make_tensors(t, 906), "save_mixed", GgmlType::kF32, stored, type_of);
+  fs::path const dir = write_model(t, stored, "save_mixed_hf");
+  fs::path const q4km = dir.parent_path() / "save_q4_k_m.gguf";
+  moe::models::save_gguf_model(q4km, dir, moe::models::DecoderOptions::q4_k_m());
+  moe::io::GgufModel const q(q4km);
+  REQUIRE(q.tensor("output.weight").type == GgmlType::kQ6_K);
+  REQUIRE(q.tensor("token_embd.weight").type == GgmlType::kQ4_K);
+  REQUIRE(q.tensor("blk.0.ffn_down_exps.weight").type == GgmlType::kQ4_K);
+  REQUIRE(q.tensor("blk.2.ffn_down_exps.weight").type == GgmlType::kQ6_K);  // more_bits(2, 3)
+  REQUIRE(q.tensor("blk.0.ffn_gate_inp.weight").type == GgmlType::kF32);
+  check_same_decoding(
+      moe::models::load_gguf_decoder(q4km),
+      moe::models::load_hf_decoder(dir, nullptr, moe::models::DecoderOptions::q4_k_m()), t.V);
+  fs::path const copy = dir.parent_path() / "save_copy.gguf";
+  moe::models::GgufSaveReport const r = moe::models::save_gguf_model(copy, mixed);
+  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the Q5_K matrix: no kernel, written as q8_0
+  moe::io::GgufModel const a(copy), b(mixed);
+  for (std::string_view const name : b.names()) {
+    INFO(name);
+    moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
+    if (y.type == GgmlType::kQ5_K) {
+      REQUIRE(x.type == GgmlType::kQ8_0);
+      continue;
+    }
+    REQUIRE(x.type == y.type);
+    REQUIRE(std::equal(x.data.begin(), x.data.end(), y.data.begin(), y.data.end()));
+  }
+}
+
 TEST_CASE("load_gguf_moe_layer: a GGUF MoE layer loads as the directory's of its values",
           "[models][decoder][gguf]") {
   for (auto const& [type, stored_as] : {std::pair{std::string("qwen2_moe"), GgmlType::kF32},
@@ -1947,3 +2022,45 @@ TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; 
   REQUIRE_THAT(err, Catch::StartsWith("moe_generate: ") && Catch::Contains("cut.gguf"));
 }
 #endif  // MOE_GENERATE
+
+#if defined(MOE_GENERATE) && defined(MOE_QUANTIZE)
+TEST_CASE("moe_quantize --out FILE.gguf: the whole model in llama.cpp's GGUF, run as stored",
+          "[models][decoder][generate][gguf]") {
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  fs::path const dir = write_model(t, make_tensors(t, 907), "quantize_gguf_hf");
+  fs::path const gguf = dir.parent_path() / "quantize_gguf.gguf";
+  auto quantize = [&](std::string const& args) {
+    std::string command = "'";
+    command.append(MOE_QUANTIZE).append("' ").append(args);
+    command.append(" >'").append((dir / "q_out.txt").string()).append("'");
+    command.append(" 2>'").append((dir / "q_err.txt").string()).append("'");
+    int const status = std::system(command.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  REQUIRE(quantize("--model '" + dir.string() + "' --out '" + gguf.string() + "' --mix q4_k_m") ==
+          0);
+  REQUIRE_THAT(text_of(dir / "q_out.txt"), Catch::StartsWith("moe_quantize: wrote ") &&
+                                               Catch::Contains("Q4_0 x") &&
+                                               Catch::Contains("Q8_0 x"));
+  // 32-wide rows: q4_k falls back to q4_0, q6_k to q8_0, as llama.cpp falls back per tensor.
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("fell back"));
+  // The file runs as stored: what the directory gives packed in the same mix.
+  std::string const tail = " --prompt-ids 3,17,5 --max-new-tokens 4 --logits '";
+  REQUIRE(run_generate(
+              "--model '" + gguf.string() + "'" + tail + (dir / "g.safetensors").string() + "'",
+              dir) == 0);
+  std::string const ids = text_of(dir / "out.txt");
+  REQUIRE(run_generate("--model '" + dir.string() + "' --mix q4_k_m" + tail +
+                           (dir / "h.safetensors").string() + "'",
+                       dir) == 0);
+  REQUIRE(text_of(dir / "out.txt") == ids);
+  moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
+  REQUIRE(moe::io::to_float(g.tensor("logits")) == moe::io::to_float(h.tensor("logits")));
+  // One layer's options with a model file, and the model as its own output: one line, exit 1.
+  REQUIRE(quantize("--model '" + dir.string() + "' --out '" + gguf.string() + "' --layer 0") == 1);
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("--layer quantizes one layer"));
+  REQUIRE(quantize("--model '" + gguf.string() + "' --out '" + gguf.string() + "'") == 1);
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("is the --model file"));
+}
+#endif

@@ -18,8 +18,9 @@ namespace moe::models {
 /// Loads the GGUF model at `path` (a .gguf file, or any shard of a split one) as
 /// load_hf_decoder() loads a directory: io::gguf_as_hf() gives the config.json its metadata
 /// implies and its tensors under the Hugging Face names; `options` choose the formats as for
-/// a directory (a tensor the file stores quantized is decoded to fp32 and packed in the format
-/// asked for: by default fp32). What the reading noticed (tensors decoded, tensors not read)
+/// a directory (unset: as stored, a quantized matrix's blocks re-packed for the kernels, never
+/// re-quantized; a block type moe has no kernel for is decoded and packed as q8_0:
+/// DecoderOptions). What the reading noticed (types without a kernel, tensors not read)
 /// is added to Decoder::warnings. Throws moe::Error naming the file for an architecture moe
 /// does not read, and as load_hf_decoder.
 inline AnyDecoder load_gguf_decoder(std::filesystem::path const& path, ThreadPool* pool = nullptr,

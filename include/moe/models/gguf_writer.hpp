@@ -1,0 +1,363 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// save_gguf_model: a whole decoder checkpoint (a Hugging Face directory, or a GGUF file)
+/// written as a llama.cpp GGUF file: the architecture's metadata keys, llama.cpp's tensor names
+/// and layouts (merged [E, rows, cols] expert tensors, the "llama" architecture's permuted q/k
+/// rows, gpt-oss's split experts), every matrix in the format DecoderOptions chooses. The
+/// inverse of io::gguf_as_hf(): the names are found through its mapping, so what this writes,
+/// load_gguf_decoder() reads back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "moe/core/error.hpp"
+#include "moe/core/float16.hpp"
+#include "moe/core/types.hpp"
+#include "moe/experts/weight_format.hpp"
+#include "moe/io/block_tensor.hpp"
+#include "moe/io/gguf/hf_view.hpp"
+#include "moe/io/gguf/writer.hpp"
+#include "moe/io/hf.hpp"
+#include "moe/models/decoder.hpp"
+#include "moe/models/decoder_config.hpp"
+#include "moe/quant/blocks.hpp"
+
+namespace moe::models {
+
+/// What save_gguf_model wrote: per ggml type, how many tensors; and the matrices whose format
+/// fell back (their blocks do not divide the depth), as load_hf_decoder records them.
+struct GgufSaveReport {
+  std::map<std::string, Index> tensors_by_type;  ///< "Q4_K" -> count
+  std::vector<Fallback> fallbacks;
+};
+
+namespace detail {
+
+/// llama.cpp's LlamaModel.permute of q_proj / k_proj rows (`groups` heads of rows / groups
+/// rows, each row `row` values): row h d + half d / 2 + j goes to h d + 2 j + half.
+inline std::vector<float> gguf_permute_rows(std::vector<float> const& w, Index groups, Index row) {
+  Index const rows = static_cast<Index>(w.size()) / row, d = rows / groups;
+  std::vector<float> out(w.size());
+  for (Index h = 0; h < groups; ++h) {
+    for (Index half = 0; half < 2; ++half) {
+      for (Index j = 0; j < d / 2; ++j) {
+        std::memcpy(out.data() + (h * d + 2 * j + half) * row,
+                    w.data() + (h * d + half * (d / 2) + j) * row,
+                    static_cast<std::size_t>(row) * sizeof(float));
+      }
+    }
+  }
+  return out;
+}
+
+/// `values` [rows of `cols`] stored as ggml type `type` (F32, BF16, or a native block format).
+inline std::vector<std::byte> gguf_encode(quant::GgmlType type, std::vector<float> const& values,
+                                          Index cols) {
+  std::vector<std::byte> out;
+  auto const n = static_cast<Index>(values.size());
+  if (type == quant::GgmlType::kF32) {
+    out.resize(values.size() * sizeof(float));
+    std::memcpy(out.data(), values.data(), out.size());
+  } else if (type == quant::GgmlType::kBF16) {
+    out.resize(values.size() * 2);
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      std::uint16_t const b = float_to_bf16(values[i]);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    }
+  } else {
+    quant::Format const f = experts::quant_format(*experts::native_format(type));
+    Index const rb = quant::row_bytes(f, cols);
+    out.resize(static_cast<std::size_t>(n / cols * rb));
+    for (Index r = 0; r < n / cols; ++r) {
+      quant::quantize_row(f, values.data() + r * cols, cols, out.data() + r * rb);
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// Writes the decoder of config `c` over checkpoint `ckpt` to `path` as a GGUF file (v3) in
+/// llama.cpp's layout for the family's architecture (HfFamilySpec::gguf.arch):
+///   - metadata: general.architecture, {arch}.block_count, context_length, embedding_length,
+///     feed_forward_length / expert_feed_forward_length, attention.head_count,
+///     head_count_kv, key_length, value_length, layer_norm_rms_epsilon, rope.freq_base,
+///     rope.dimension_count, expert_count, expert_used_count and the family's routing keys
+///     (expert_weights_norm, expert_shared_*, expert_group_*, expert_weights_scale,
+///     expert_gating_func, leading_dense_block_count, interleave_moe_layer_step), sliding
+///     window and YaRN keys: what io::gguf_as_hf reads back into the same DecoderConfig;
+///   - tensors: token_embd, output_norm, output (absent when tied), then per layer the
+///     attention, norms, the dense MLP or the MoE block with merged ffn_{gate,up,down}_exps
+///     [E, rows, cols] (any layout the layer loader reads: per-expert, fused, MXFP4, FP8);
+///   - formats: each matrix as `formats` chooses (DecoderOptions::format_of, resolved for its
+///     depth; unset: as stored, so a GGUF or moe_quantize checkpoint's blocks are copied as
+///     they are), norms, biases, routers and gates F32. A format is written as its ggml type
+///     (fp32 F32, bf16 BF16, the block formats theirs, quantized by ggml's reference
+///     quantizers).
+/// No tokenizer metadata is written (moe's tokenizer reads tokenizer.json; docs/gguf.md).
+/// Throws moe::Error for a family without a llama.cpp architecture, and as the loaders do for
+/// missing or mis-shaped tensors.
+inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, DecoderConfig const& c,
+                                      io::ShardedCheckpoint const& ckpt,
+                                      DecoderOptions const& formats = {}) {
+  using quant::GgmlType;
+  io::HfFamilySpec const& spec = c.moe.spec();
+  std::string const arch(spec.gguf.arch);
+  moe::detail::check(!arch.empty(), "models: save_gguf_model: ", c.moe.model_type(),
+                     " has no llama.cpp GGUF architecture moe writes");
+  GgufSaveReport report;
+  Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
+              kv = c.num_key_value_heads, dh = c.head_dim, Lc = c.num_hidden_layers;
+  std::vector<Fallback> fallbacks;
+  std::string const why = "a decoder checkpoint holds every tensor of its layers";
+  detail::Loading const ld{ckpt, c, formats, nullptr, fallbacks, why};
+
+  io::GgufWriter w;
+  using Value = io::GgufMetadataValue;
+  auto key = [&](std::string_view k) { return io::detail::concat(arch, ".", k); };
+  auto u32 = [](Index v) { return Value(static_cast<std::uint32_t>(v)); };
+  w.set("general.architecture", Value(arch));
+  w.set(key("block_count"), u32(Lc));
+  if (!spec.gguf.extra_layers_key.empty()) w.set(key(spec.gguf.extra_layers_key), u32(0));
+  if (c.max_position_embeddings > 0) w.set(key("context_length"), u32(c.max_position_embeddings));
+  w.set(key("embedding_length"), u32(H));
+  w.set(key(spec.gguf.width_key), u32(c.moe.expert_intermediate_size));
+  if (spec.gguf.width_key != "feed_forward_length" && c.intermediate_size > 0) {
+    w.set(key("feed_forward_length"), u32(c.intermediate_size));
+  }
+  w.set(key("attention.head_count"), u32(nh));
+  w.set(key("attention.head_count_kv"), u32(kv));
+  w.set(key("attention.key_length"), u32(dh));
+  w.set(key("attention.value_length"), u32(dh));
+  w.set(key("attention.layer_norm_rms_epsilon"), Value(c.rms_norm_eps));
+  w.set(key("rope.freq_base"), Value(c.rope_theta));
+  w.set(key("rope.dimension_count"), u32(c.rotary_dim > 0 ? c.rotary_dim : dh));
+  w.set(key("expert_count"), u32(c.moe.num_experts));
+  w.set(key("expert_used_count"), u32(c.moe.num_experts_per_tok));
+  if (spec.norm_topk == io::HfNormTopK::kKey) {
+    w.set(key("expert_weights_norm"), Value(c.moe.norm_topk_prob));
+  }
+  if (spec.shared == io::HfShared::kGated) {
+    w.set(key("expert_shared_feed_forward_length"), u32(c.moe.shared_expert_intermediate_size));
+  } else if (spec.shared == io::HfShared::kCount) {
+    w.set(key("expert_shared_count"), u32(c.moe.n_shared_experts));
+  }
+  if (spec.grouped) {
+    w.set(key("expert_group_count"), u32(c.moe.n_group));
+    w.set(key("expert_group_used_count"), u32(c.moe.topk_group));
+    w.set(key("expert_weights_scale"), Value(c.moe.routed_scaling_factor));
+  }
+  if (spec.grouped || c.moe.family == io::HfFamily::kMinimaxM2) {  // 1 softmax, 2 sigmoid
+    w.set(key("expert_gating_func"), u32(c.moe.scoring_func == "sigmoid" ? 2 : 1));
+  }
+  switch (spec.layer_rule) {
+    case io::HfLayerRule::kFirstK:
+    case io::HfLayerRule::kFirstKFreq:
+      w.set(key("leading_dense_block_count"), u32(c.moe.first_k_dense_replace));
+      break;
+    case io::HfLayerRule::kRange:
+      w.set(key("leading_dense_block_count"), u32(c.moe.moe_layer_start_index));
+      w.set(key("interleave_moe_layer_step"), u32(c.moe.moe_layer_interval));
+      break;
+    default:  // kSparseStep: the layers without ffn_gate_inp are dense
+      break;
+  }
+  if (c.sliding_window > 0) w.set(key("attention.sliding_window"), u32(c.sliding_window));
+  if (c.yarn.enabled()) {
+    w.set(key("rope.scaling.type"), Value("yarn"));
+    w.set(key("rope.scaling.factor"), Value(c.yarn.factor));
+    w.set(key("rope.scaling.original_context_length"), u32(c.yarn.original_max_position));
+  }
+
+  // Tensors. A matrix of class `cls` (nullopt: F32, not a matrix the engine multiplies) written
+  // from its stored blocks when they are in the chosen format, else from its values.
+  auto emit = [&](std::string const& gguf, std::vector<std::int64_t> const& shape,
+                  std::optional<MatrixClass> cls, Index L, std::vector<float> values,
+                  std::optional<io::BlockTensor> const& stored, experts::WeightFormat stored_as,
+                  Index permute_groups = 0) {
+    Index const cols = shape.back();
+    experts::WeightFormat f = experts::WeightFormat::kF32;
+    if (cls) {
+      bool const shared = gguf.find("_shexp") != std::string::npos;
+      f = ld.format(gguf, *cls, L, cols, stored_as, shared);
+    }
+    GgmlType const type = experts::ggml_type(f);
+    std::vector<std::byte> bytes;
+    if (stored && stored->runs_as(f) && permute_groups == 0) {
+      bytes.assign(stored->bytes.begin(), stored->bytes.end());
+    } else {
+      if (values.empty() && stored) values = stored->dequantize();
+      if (permute_groups > 0) values = detail::gguf_permute_rows(values, permute_groups, cols);
+      bytes = detail::gguf_encode(type, values, cols);
+    }
+    w.add_tensor(gguf, type, {shape.rbegin(), shape.rend()}, bytes);
+    ++report.tensors_by_type[std::string(quant::ggml_type_name(type))];
+  };
+  // A tensor read from the checkpoint by its Hugging Face name.
+  auto from_ckpt = [&](std::string const& gguf, std::string const& hf,
+                       std::vector<std::int64_t> const& shape, std::optional<MatrixClass> cls,
+                       Index L, Index permute_groups = 0) {
+    std::optional<io::BlockTensor> const b = detail::block_tensor(ckpt, hf, shape);
+    std::vector<float> values;
+    if (!b) values = detail::read_tensor(ckpt, hf, shape, why, &c.moe);
+    emit(gguf, shape, cls, L, std::move(values), b, detail::stored_format(ckpt, hf, shape),
+         permute_groups);
+  };
+  from_ckpt("token_embd.weight", "model.embed_tokens.weight", {V, H}, MatrixClass::kEmbedding, 0);
+  from_ckpt("output_norm.weight", "model.norm.weight", {H}, std::nullopt, 0);
+  if (!c.tie_word_embeddings) {
+    from_ckpt("output.weight", "lm_head.weight", {V, H}, MatrixClass::kLmHead, Lc - 1);
+  }
+  for (Index L = 0; L < Lc; ++L) {
+    std::string const b = io::detail::concat("blk.", L, ".");
+    std::string const p = io::detail::concat("model.layers.", L, ".");
+    bool const permuted = spec.gguf.permuted_qk;
+    from_ckpt(b + "attn_norm.weight", p + "input_layernorm.weight", {H}, std::nullopt, L);
+    from_ckpt(b + "attn_q.weight", p + "self_attn.q_proj.weight", {nh * dh, H}, MatrixClass::kAttnQ,
+              L, permuted ? nh : 0);
+    from_ckpt(b + "attn_k.weight", p + "self_attn.k_proj.weight", {kv * dh, H}, MatrixClass::kAttnK,
+              L, permuted ? kv : 0);
+    from_ckpt(b + "attn_v.weight", p + "self_attn.v_proj.weight", {kv * dh, H}, MatrixClass::kAttnV,
+              L);
+    from_ckpt(b + "attn_output.weight", p + "self_attn.o_proj.weight", {H, nh * dh},
+              MatrixClass::kAttnO, L);
+    if (c.qkv_bias) {
+      // A bias is a column: permuted as rows of one value.
+      auto bias = [&](char const* g, char const* hf, Index rows, Index groups) {
+        std::vector<float> v = detail::read_tensor(ckpt, p + hf, {rows}, why);
+        if (groups > 0) v = detail::gguf_permute_rows(v, groups, 1);
+        emit(b + g, {rows}, std::nullopt, L, std::move(v), std::nullopt,
+             experts::WeightFormat::kF32);
+      };
+      bias("attn_q.bias", "self_attn.q_proj.bias", nh * dh, permuted ? nh : 0);
+      bias("attn_k.bias", "self_attn.k_proj.bias", kv * dh, permuted ? kv : 0);
+      bias("attn_v.bias", "self_attn.v_proj.bias", kv * dh, 0);
+    }
+    if (c.o_bias) {
+      from_ckpt(b + "attn_output.bias", p + "self_attn.o_proj.bias", {H}, std::nullopt, L);
+    }
+    if (c.qk_norm) {
+      bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+      from_ckpt(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", {all ? nh * dh : dh},
+                std::nullopt, L);
+      from_ckpt(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", {all ? kv * dh : dh},
+                std::nullopt, L);
+    }
+    if (c.sinks) from_ckpt(b + "attn_sinks.weight", p + "self_attn.sinks", {nh}, std::nullopt, L);
+    from_ckpt(io::detail::concat(b, spec.gguf.mlp_norm, ".weight"),
+              p + "post_attention_layernorm.weight", {H}, std::nullopt, L);
+    if (!c.moe.is_moe_layer(L)) {
+      Index const I = c.intermediate_size;
+      from_ckpt(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", {I, H},
+                MatrixClass::kDenseGateUp, L);
+      from_ckpt(b + "ffn_up.weight", p + "mlp.up_proj.weight", {I, H}, MatrixClass::kDenseGateUp,
+                L);
+      from_ckpt(b + "ffn_down.weight", p + "mlp.down_proj.weight", {H, I}, MatrixClass::kDenseDown,
+                L);
+      continue;
+    }
+    // The MoE block: its tensors as the layer loader reads them (any layout), named per expert.
+    io::HfLayout layout = io::hf_default_layout(c.moe.family, L, false);
+    layout.fused_experts = false;
+    std::vector<io::HfTensor> const tensors = io::hf_layer_tensors(c.moe, layout);
+    std::map<std::string, io::HfTensor const*> by_name;
+    for (io::HfTensor const& t : tensors) by_name[t.name] = &t;
+    io::visit_hf_layer_type(c.moe.family, [&]<class Moe>(std::type_identity<Moe>) {
+      io::HfLayer<Moe> const loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L);
+      static constexpr std::string_view kMoe[] = {
+          "ffn_gate_inp.weight",      "ffn_gate_inp.bias",   "exp_probs_b.bias",
+          "ffn_gate_exps.weight",     "ffn_up_exps.weight",  "ffn_down_exps.weight",
+          "ffn_gate_exps.bias",       "ffn_up_exps.bias",    "ffn_down_exps.bias",
+          "ffn_gate_shexp.weight",    "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+          "ffn_gate_inp_shexp.weight"};
+      for (std::string_view const rest : kMoe) {
+        std::string const gguf = b + std::string(rest);
+        std::optional<std::string> const hf = io::detail::gguf_to_hf_name(c.moe.family, gguf);
+        if (!hf) continue;
+        std::size_t const at = hf->find("{e}");
+        bool const projection = rest.find(".weight") != std::string_view::npos &&
+                                rest.find("_inp") == std::string_view::npos;
+        std::optional<MatrixClass> const cls = !projection ? std::nullopt
+                                               : rest.starts_with("ffn_down")
+                                                   ? std::optional(MatrixClass::kExpertsDown)
+                                                   : std::optional(MatrixClass::kExpertsIn);
+        if (at == std::string::npos) {
+          auto const it = by_name.find(*hf);
+          if (it == by_name.end()) continue;  // this layer has no such tensor
+          io::HfTensor const& t = *it->second;
+          std::optional<io::BlockTensor> const blocks =
+              projection ? detail::block_tensor(ckpt, t.name, t.shape) : std::nullopt;
+          std::vector<std::int64_t> shape = t.shape;
+          if (!projection && shape.size() == 2 && shape[0] == 1) shape = {shape[1]};
+          emit(gguf, shape, cls, L, io::hf_tensor_values(loaded.layer, t), blocks,
+               blocks ? experts::load_format(blocks->type) : experts::WeightFormat::kF32);
+          continue;
+        }
+        // Merged experts: expert e's tensor, stacked into [E, ...].
+        std::string first = *hf;
+        first.replace(at, 3, "0");
+        auto const it0 = by_name.find(first);
+        if (it0 == by_name.end()) continue;
+        std::vector<std::int64_t> shape = it0->second->shape;
+        Index const E = c.moe.num_experts;
+        std::optional<io::BlockTensor> stored0 =
+            projection ? detail::block_tensor(ckpt, first, shape) : std::nullopt;
+        experts::WeightFormat const stored_as =
+            stored0 ? experts::load_format(stored0->type) : experts::WeightFormat::kF32;
+        // Stored blocks of every expert, in one type: copied when that is the format chosen.
+        std::vector<std::byte> joined;
+        bool all_blocks = stored0.has_value();
+        std::vector<float> values;
+        for (Index e = 0; e < E; ++e) {
+          std::string name = *hf;
+          name.replace(at, 3, std::to_string(e));
+          io::HfTensor const& t = *by_name.at(name);
+          std::optional<io::BlockTensor> const be =
+              projection ? detail::block_tensor(ckpt, name, t.shape) : std::nullopt;
+          all_blocks = all_blocks && be && be->type == stored0->type;
+          if (all_blocks) joined.insert(joined.end(), be->bytes.begin(), be->bytes.end());
+          std::vector<float> const v = io::hf_tensor_values(loaded.layer, t);
+          values.insert(values.end(), v.begin(), v.end());
+        }
+        shape.insert(shape.begin(), E);
+        std::optional<io::BlockTensor> merged;
+        if (all_blocks) {
+          merged = io::BlockTensor{stored0->type, E * shape[1], shape[2], {}};
+          merged->bytes = joined;
+        }
+        emit(gguf, shape, cls, L, std::move(values), merged, stored_as);
+      }
+    });
+  }
+  w.save(path);
+  report.fallbacks = std::move(fallbacks);
+  return report;
+}
+
+/// save_gguf_model of the model in `model_dir` (config.json and its safetensors) or of a GGUF
+/// file (converted to other formats).
+inline GgufSaveReport save_gguf_model(std::filesystem::path const& path,
+                                      std::filesystem::path const& model,
+                                      DecoderOptions const& formats = {}) {
+  if (io::is_gguf_file(model)) {
+    io::GgufAsHf const g = io::gguf_as_hf(model);
+    return save_gguf_model(path, parse_decoder_config(g.config_json, model.string()), *g.checkpoint,
+                           formats);
+  }
+  io::detail::check_model_dir(model);
+  return save_gguf_model(path, read_decoder_config(model), io::open_checkpoint(model), formats);
+}
+
+}  // namespace moe::models
