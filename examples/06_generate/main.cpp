@@ -6,10 +6,10 @@
 // olmoe, glm4moe, minimax-m2, ernie4_5-moe, gpt-oss, llama/Mixtral), and generate tokens.
 //
 // What it shows: moe::models::load_hf_decoder() / load_gguf_decoder() (every layer through the
-// library's loaders),
-// a KV-cached prefill and decode loop (Decoder::forward with DecoderState), greedy or
-// temperature / top-p sampling, and the numbers a user asks first: prefill and decode
-// tokens/s and the KV-cache bytes per token.
+// library's loaders), moe::models::generate() (a KV-cached prefill and decode loop over
+// Decoder::forward, greedy or temperature / top-p sampling by models::Sampler, a callback per
+// token), and the numbers a user asks first: prefill and decode tokens/s and the KV-cache bytes
+// per token.
 //
 // Command line:
 //   moe_generate --model DIR|FILE.gguf (--prompt-ids 1,2,3 | --prompt TEXT | --prompt-file F)
@@ -66,12 +66,13 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "../common/cli.hpp"
@@ -80,6 +81,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/safetensors.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/models/generate.hpp"
 #include "moe/models/gguf_decoder.hpp"
 #if MOE_GENERATE_WITH_TEXT
 #include "moe/text/model_tokenizer.hpp"
@@ -270,96 +272,51 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// Uniform in [0, 1) from a SplitMix64 stream.
-double uniform(std::uint64_t& state) {
-  state += 0x9E3779B97F4A7C15ull;
-  std::uint64_t z = state;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<double>(z >> 11) * 0x1.0p-53;
-}
-
-/// Greedy (temperature 0: the first maximum) or a sample of softmax(logits / T) restricted to
-/// the smallest set of most likely tokens whose probability reaches top_p.
-std::int64_t pick(std::vector<float> const& logits, Args const& a, std::uint64_t& rng) {
-  auto const n = static_cast<std::int64_t>(logits.size());
-  if (a.temperature == 0.0) {
-    return static_cast<std::int64_t>(std::max_element(logits.begin(), logits.end()) -
-                                     logits.begin());
-  }
-  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::int64_t x, std::int64_t y) { return logits[x] > logits[y]; });
-  std::vector<double> p(static_cast<std::size_t>(n));
-  double const mx = logits[order[0]];
-  double sum = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    sum += (p[i] = std::exp((logits[order[i]] - mx) / a.temperature));
-  }
-  std::int64_t keep = 0;
-  double mass = 0.0;
-  while (keep < n && mass < a.top_p * sum) mass += p[keep++];
-  double u = uniform(rng) * mass;
-  for (std::int64_t i = 0; i < keep; ++i) {
-    if ((u -= p[i]) < 0.0) return order[i];
-  }
-  return order[keep - 1];
-}
-
 /// Called with each new id; returns true to stop generating after it.
 using TokenSink = std::function<bool(std::int64_t)>;
 
-template <class Decoder>
-int generate(Decoder const& dec, Args const& a, moe::ThreadPool* pool, TokenSink const& sink) {
-  moe::Index const V = dec.vocab();
-  std::vector<std::int64_t> ids = a.prompt;
-  std::vector<float> logits(static_cast<std::size_t>(V)), all_logits;
-  auto st = dec.make_state(1, static_cast<moe::Index>(a.prompt.size()) + a.max_new, a.kv);
-  std::uint64_t rng = a.seed;
-  auto run = [&](std::vector<std::int64_t> const& tokens) {
-    if (!a.cache) st = dec.make_state(1, static_cast<moe::Index>(tokens.size()), a.kv);
-    std::vector<moe::Index> const n = {static_cast<moe::Index>(tokens.size())};
-    dec.forward(tokens, n, st, {logits.data(), 1, V}, pool);
-  };
-  auto const t0 = Clock::now();
-  run(a.prompt);
-  double const prefill = std::chrono::duration<double>(Clock::now() - t0).count();
-  auto const t1 = Clock::now();
-  auto last_note = t1;
-  long generated = 0;
-  for (long i = 0; i < a.max_new; ++i) {
+/// Generates with moe::models::generate (the library's loop), collecting the logits for
+/// --logits, printing the ids (id mode) and the timings.
+int generate(moe::models::AnyDecoder const& dec, Args const& a, moe::ThreadPool* pool,
+             TokenSink const& sink) {
+  moe::Index const V = std::visit([](auto const& d) { return d.vocab(); }, dec);
+  moe::models::GenerateOptions o;
+  o.max_new_tokens = a.max_new;
+  o.sampling = {a.temperature, a.top_p, a.seed};
+  o.cache = a.cache;
+  o.kv = a.kv;
+  o.pool = pool;
+  std::vector<float> all_logits;
+  auto last_note = Clock::now();
+  long done = 0;
+  o.on_token = [&](std::int64_t id, std::span<float const> logits) {
     if (!a.logits_out.empty()) all_logits.insert(all_logits.end(), logits.begin(), logits.end());
-    std::int64_t const next = pick(logits, a, rng);
-    ids.push_back(next);
-    ++generated;
-    bool const stop = sink && sink(next);
-    if (stop || i + 1 == a.max_new) break;
-    run(a.cache ? std::vector<std::int64_t>{next} : ids);
-    if (Clock::now() - last_note > std::chrono::seconds(1)) {
+    bool const stop = sink && sink(id);
+    if (++done < a.max_new && Clock::now() - last_note > std::chrono::seconds(1)) {
       last_note = Clock::now();
-      std::fprintf(stderr, "moe_generate: %ld of %ld tokens\n", i + 1, a.max_new);
+      std::fprintf(stderr, "moe_generate: %ld of %ld tokens\n", done, a.max_new);
     }
-  }
-  double const decode = std::chrono::duration<double>(Clock::now() - t1).count();
+    return stop;
+  };
+  moe::models::GenerateResult const r = moe::models::generate(dec, a.prompt, o);
   if (!a.text_mode) {  // a text prompt's printer printed the text (and --print-ids the ids)
-    for (std::size_t i = a.prompt.size(); i < ids.size(); ++i) {
-      std::printf("%s%lld", i == a.prompt.size() ? "" : ",", static_cast<long long>(ids[i]));
+    for (std::size_t i = 0; i < r.ids.size(); ++i) {
+      std::printf("%s%lld", i == 0 ? "" : ",", static_cast<long long>(r.ids[i]));
     }
     std::printf("\n");
   }
-  long const steps = std::max(0L, generated - 1);
   std::fprintf(stderr,
-               "moe_generate: prefill %zu tokens in %.3f s (%.1f tokens/s); decode %ld steps in "
+               "moe_generate: prefill %zu tokens in %.3f s (%.1f tokens/s); decode %lld steps in "
                "%.3f s (%.1f tokens/s%s); KV cache %zu bytes per token (%d layers)\n",
-               a.prompt.size(), prefill, static_cast<double>(a.prompt.size()) / prefill, steps,
-               decode, steps > 0 ? static_cast<double>(steps) / decode : 0.0,
-               a.cache ? "" : ", no cache: each step recomputes the prefix",
-               st.kv_bytes_per_token(), static_cast<int>(dec.blocks.size()));
+               a.prompt.size(), r.prefill_seconds,
+               static_cast<double>(a.prompt.size()) / r.prefill_seconds,
+               static_cast<long long>(r.steps), r.decode_seconds,
+               r.steps > 0 ? static_cast<double>(r.steps) / r.decode_seconds : 0.0,
+               a.cache ? "" : ", no cache: each step recomputes the prefix", r.kv_bytes_per_token,
+               static_cast<int>(std::visit([](auto const& d) { return d.blocks.size(); }, dec)));
   if (!a.logits_out.empty()) {
     moe::io::SafetensorsWriter()
-        .add_f32("logits", {static_cast<std::int64_t>(generated), V}, all_logits)
+        .add_f32("logits", {static_cast<std::int64_t>(r.ids.size()), V}, all_logits)
         .save(a.logits_out);
   }
   return 0;
@@ -511,13 +468,12 @@ int main(int argc, char** argv) {
     if (tok) {
       TextPrinter printer{&*tok, moe::text::StreamDecoder(tok->tokenizer), a.ignore_eos, {}};
       TokenSink const sink = [&](std::int64_t id) { return printer(id); };
-      int const rc =
-          std::visit([&](auto const& d) { return generate(d, a, pool.get(), sink); }, dec);
+      int const rc = generate(dec, a, pool.get(), sink);
       printer.finish(a.print_ids);
       return rc;
     }
 #endif
-    return std::visit([&](auto const& d) { return generate(d, a, pool.get(), TokenSink()); }, dec);
+    return generate(dec, a, pool.get(), TokenSink());
   } catch (std::exception const& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');

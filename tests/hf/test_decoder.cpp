@@ -16,10 +16,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numbers>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +32,7 @@
 #include "moe/io/gguf.hpp"
 #include "moe/io/gguf/layer.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/models/generate.hpp"
 #include "moe/models/gguf_decoder.hpp"
 #include "moe/models/gguf_writer.hpp"
 #include "moe/quant/blocks.hpp"
@@ -902,6 +905,89 @@ TEST_CASE(
   // Quantized at load (what a 24 GB machine does with gpt-oss-20b): the same bits from both.
   REQUIRE(logits(d4, moe::experts::WeightFormat::kQ8_0) ==
           logits(d32, moe::experts::WeightFormat::kQ8_0));
+}
+
+TEST_CASE("generate: greedy is the argmax loop; sampling is seeded, top-p and can stop",
+          "[models][decoder]") {
+  Tiny t;
+  fs::path const dir = write_model(t, make_tensors(t, 908), "generate_helper");
+  moe::models::AnyDecoder const any = moe::models::load_hf_decoder(dir);
+  auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
+  std::vector<std::int64_t> const prompt = {3, 17, 5};
+  // The oracle: forward and argmax by hand.
+  std::vector<std::int64_t> want;
+  std::vector<float> first(static_cast<std::size_t>(t.V));
+  {
+    auto st = d.make_state(1);
+    std::vector<float> z(static_cast<std::size_t>(t.V));
+    std::vector<Index> n = {3};
+    d.forward(prompt, n, st, {z.data(), 1, t.V});
+    first = z;
+    n = {1};
+    for (int i = 0; i < 6; ++i) {
+      want.push_back(argmax(z.data(), t.V));
+      d.forward(std::span<std::int64_t const>(&want.back(), 1), n, st, {z.data(), 1, t.V});
+    }
+  }
+  moe::models::GenerateOptions o;
+  o.max_new_tokens = 6;
+  moe::models::GenerateResult const g = moe::models::generate(any, prompt, o);
+  REQUIRE(g.ids == want);
+  REQUIRE(g.steps == 5);
+  REQUIRE(g.kv_bytes_per_token > 0);
+  o.cache = false;
+  REQUIRE(moe::models::generate(d, prompt, o).ids == want);
+  o.cache = true;
+  // A top_p below the likeliest token's probability: greedy at any temperature.
+  o.sampling = {5.0, 1e-9, 7};
+  REQUIRE(moe::models::generate(d, prompt, o).ids == want);
+  // Seeded: the same ids again; another seed, other ids (at a high temperature).
+  o.sampling = {50.0, 1.0, 7};
+  std::vector<std::int64_t> const s7 = moe::models::generate(d, prompt, o).ids;
+  REQUIRE(moe::models::generate(d, prompt, o).ids == s7);
+  bool differs = false;
+  for (std::uint64_t seed = 8; seed < 16 && !differs; ++seed) {
+    o.sampling.seed = seed;
+    differs = moe::models::generate(d, prompt, o).ids != s7;
+  }
+  REQUIRE(differs);
+  // on_token: every id with the logits it came from; true stops after that token.
+  o.sampling = {};
+  std::vector<std::int64_t> seen;
+  o.on_token = [&](std::int64_t id, std::span<float const> z) {
+    if (seen.empty()) REQUIRE(std::equal(z.begin(), z.end(), first.begin(), first.end()));
+    seen.push_back(id);
+    return seen.size() == 2;
+  };
+  REQUIRE(moe::models::generate(d, prompt, o).ids ==
+          std::vector<std::int64_t>(want.begin(), want.begin() + 2));
+  REQUIRE(seen.size() == 2);
+  o.on_token = {};
+  // Bad calls.
+  REQUIRE_THROWS_WITH(moe::models::generate(d, {}, o), Catch::Contains("the prompt is empty"));
+  o.max_new_tokens = -1;
+  REQUIRE_THROWS_WITH(moe::models::generate(d, prompt, o), Catch::Contains("must be >= 0"));
+  o.max_new_tokens = 0;
+  REQUIRE(moe::models::generate(d, prompt, o).ids.empty());
+  REQUIRE_THROWS_WITH(moe::models::Sampler({-1.0, 1.0, 0}), Catch::Contains("temperature = -1"));
+  REQUIRE_THROWS_WITH(moe::models::Sampler({std::nan(""), 1.0, 0}),
+                      Catch::Contains("must be finite"));
+  REQUIRE_THROWS_WITH(moe::models::Sampler({1.0, 0.0, 0}), Catch::Contains("top_p = 0"));
+  REQUIRE_THROWS_WITH(moe::models::Sampler({1.0, 1.5, 0}), Catch::Contains("(0, 1]"));
+  // Sampler: the first maximum, NaN never picked; softmax(z / T) frequencies.
+  moe::models::Sampler greedy;
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(greedy.pick(std::vector<float>{1.0f, nan, 3.0f, 3.0f}) == 2);
+  REQUIRE(greedy.pick(std::vector<float>{nan, nan}) == 0);
+  moe::models::Sampler s({1.0, 1.0, 1});
+  std::vector<float> const z = {0.0f, std::log(3.0f), nan};  // p = 1/4, 3/4, 0
+  int ones = 0;
+  for (int i = 0; i < 4000; ++i) {
+    std::int64_t const id = s.pick(z);
+    REQUIRE(id != 2);
+    ones += id == 1;
+  }
+  REQUIRE(std::abs(ones / 4000.0 - 0.75) < 0.03);  // 4.4 standard deviations
 }
 
 TEST_CASE("Decoder: a bf16 KV cache holds half the bytes; the logits move by its rounding",
