@@ -1481,7 +1481,7 @@ std::vector<float> llama_unpermute(std::vector<float> const& w, Index groups, In
 /// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
 /// `stored` receives the values the file holds, under the Hugging Face names (q/k un-permuted).
 /// `type_of`, when given, chooses each tensor's type instead (by GGUF name and shape; F32, F16,
-/// BF16, Q8_0, Q6_K, Q4_K, Q4_0 or Q5_K).
+/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q4_K, ...) or Q5_0).
 using TypeOf = std::function<GgmlType(std::string const& gguf, Shape const& shape)>;
 fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
                     Tensors& stored, TypeOf const& type_of = {}) {
@@ -1561,11 +1561,11 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
                                                                           : GgmlType::kF32;
     std::vector<std::byte> bytes;
     std::vector<float> back(values.size());
-    if (ty == GgmlType::kQ5_K) {
+    if (ty == GgmlType::kQ5_0) {  // no kernel in moe: decoded at load
       auto const n = static_cast<Index>(values.size());
-      bytes.resize(static_cast<std::size_t>(n / 256 * sizeof(moe::quant::BlockQ5_K)));
-      moe::quant::quantize_row_q5_k_ref(values.data(),
-                                        reinterpret_cast<moe::quant::BlockQ5_K*>(bytes.data()), n);
+      bytes.resize(static_cast<std::size_t>(n / 32 * sizeof(moe::quant::BlockQ5_0)));
+      moe::quant::quantize_row_q5_0_ref(values.data(),
+                                        reinterpret_cast<moe::quant::BlockQ5_0*>(bytes.data()), n);
       moe::quant::ggml_dequantize(ty, bytes, n, back.data());
     } else if (ty != GgmlType::kF32 && ty != GgmlType::kF16 && ty != GgmlType::kBF16) {
       std::optional<WeightFormat> const f = moe::experts::native_format(ty);
@@ -1832,7 +1832,8 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
 TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re-quantized",
           "[models][decoder][gguf]") {
   // Types as llama.cpp's Q4_K_M writes them: Q4_K, with Q6_K for the output matrix, attn_v and
-  // the experts' ffn_down; the dense layer's ffn_down in Q5_K, which moe has no kernel for.
+  // the experts' ffn_down, the dense layer's ffn_down in Q5_K; and attn_k in Q5_0, which moe has
+  // no kernel for.
   Tiny t;
   t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;  // whole 256-blocks in every row
   Tensors const m = make_tensors(t, 904);
@@ -1843,6 +1844,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
       return GgmlType::kQ6_K;
     }
     if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
+    if (g.find("attn_k.") != std::string::npos) return GgmlType::kQ5_0;
     return GgmlType::kQ4_K;
   };
   Tensors stored;
@@ -1850,7 +1852,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::io::GgufModel const file(gguf);
   moe::models::AnyDecoder const any = moe::models::load_gguf_decoder(gguf);
   auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
-  // Every matrix in its stored format; the Q5_K one as q8_0, with a warning that says so.
+  // Every matrix in its stored format; the Q5_0 ones as q8_0, with a warning that says so.
   REQUIRE(d.embed.format == WeightFormat::kQ4_K);
   std::span<std::byte const> const embd = file.tensor("token_embd.weight").data;
   REQUIRE(d.embed.blocks_view != nullptr);  // in the decoder's mapping of the file
@@ -1858,8 +1860,10 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   REQUIRE(d.lm_head.format() == WeightFormat::kQ6_K);
   bool said = false;
   for (std::string const& w : d.warnings) {
-    said = said || (w.find("1 Q5_K tensor(s): moe has no Q5_K kernel yet") != std::string::npos &&
+    said = said || (w.find(concat(t.L, " Q5_0 tensor(s): moe has no Q5_0 kernel yet")) !=
+                        std::string::npos &&
                     w.find("packed as q8_0") != std::string::npos);
+    REQUIRE(w.find("Q5_K") == std::string::npos);  // runs as stored
   }
   REQUIRE(said);
   // The packs are the file's blocks, re-packed: byte for byte what pack_quant_panels makes of
@@ -1878,15 +1882,17 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
     INFO("layer " << l);
     auto const& b = d.blocks[static_cast<std::size_t>(l)];
     moe::AttentionFormats const f = b.attention.formats();
-    REQUIRE((f.q == WeightFormat::kQ4_K && f.k == WeightFormat::kQ4_K &&
+    REQUIRE((f.q == WeightFormat::kQ4_K && f.k == WeightFormat::kQ8_0 &&
              f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
     REQUIRE(b.attention.master_weights_discarded());
     std::string const p = concat("blk.", l, ".");
     if (!b.moe) {
       REQUIRE(b.mlp.gate.format() == WeightFormat::kQ4_K);
-      REQUIRE(b.mlp.down.format() == WeightFormat::kQ8_0);  // Q5_K: decoded, then q8_0
+      REQUIRE(b.mlp.down.format() == WeightFormat::kQ5_K);  // as stored
       same_pack(b.mlp.gate.panels().quant[0], WeightFormat::kQ4_K,
                 file.tensor(p + "ffn_gate.weight").data.data(), t.I_dense, t.H);
+      same_pack(b.mlp.down.panels().quant[0], WeightFormat::kQ5_K,
+                file.tensor(p + "ffn_down.weight").data.data(), t.H, t.I_dense);
       continue;
     }
     auto const& bank = b.moe->experts();

@@ -75,6 +75,7 @@ std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte con
     };
     if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
     if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
+    if (f == quant::Format::kQ5_K) run.operator()<quant::Format::kQ5_K>();
     if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
     if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
     if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
@@ -189,6 +190,45 @@ TEST_CASE("quant kernels: the planar unpacker gives quant_level's levels at both
     if (f == quant::Format::kQ2_K) both.operator()<quant::Format::kQ2_K>();
   }
 }
+
+TEST_CASE("quant kernels: the Q5_K unpacker gives quant_level's levels at both vector widths",
+          "[kernels][quant]") {
+  constexpr quant::Format F = quant::Format::kQ5_K;
+  Index const K = 512, N = 32;
+  // Uniform weights in [-1, 1): about half the levels have the fifth bit set.
+  QOperand op(F, N, K, 12);
+  auto const* levels = reinterpret_cast<std::uint8_t const*>(op.panels.data());
+  int fifth = 0;
+  auto check = [&]<int W>() {
+    using O = kernels::detail::ByteOps<W>;
+    for (Index g = 0; g < K / 256; ++g) {
+      std::uint8_t const* w =
+          levels + g * kernels::quant_group_bytes(F) + kernels::quant_header_bytes(F);
+      for (Index sb = 0; sb < 8; ++sb) {
+        for (Index c0 = 0; c0 < 32; c0 += W / 4) {
+          int next = 0;
+          kernels::detail::q5k_quads<W>(w + sb * 640, c0, [&](int t, typename O::V u) {
+            REQUIRE(t == next++);
+            alignas(64) std::uint8_t got[W];
+            std::memcpy(got, &u, W);
+            for (Index c = c0; c < c0 + W / 4; ++c) {
+              for (Index j = 0; j < 4; ++j) {
+                INFO("W = " << W << " sb = " << sb << " c = " << c << " t = " << t);
+                int const want = kernels::quant_level(F, w, sb * 32 + 4 * t + j, c);
+                REQUIRE(got[(c - c0) * 4 + j] == want);
+                fifth += want >> 4;
+              }
+            }
+          });
+          REQUIRE(next == 8);
+        }
+      }
+    }
+  };
+  check.operator()<32>();
+  check.operator()<64>();
+  CHECK(fifth > 2 * K * N / 4);  // both widths: 2 K N levels, of which over a quarter >= 16
+}
 #endif
 
 TEST_CASE("quant kernels: panels store every format at its own width", "[kernels][quant]") {
@@ -200,6 +240,7 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
   };
   CHECK(bits(quant::Format::kQ8_0) == 8.5);
   CHECK(bits(quant::Format::kQ6_K) == 6.5625);  // 6 + 16 / 256 + 8 x 16 / 256
+  CHECK(bits(quant::Format::kQ5_K) == 5.625);   // 5 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_K) == 4.625);   // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_0) == 4.5);
   CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
@@ -232,6 +273,13 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
         case quant::Format::kQ4_K: {
           quant::BlockQ4_K b;
           return quant::q4k_level(as(&b), i);
+        }
+        case quant::Format::kQ5_K: {  // ggml's dequantize_row_q5_K: nibble + 16 * qh bit
+          quant::BlockQ5_K b;
+          as(&b);
+          int const chunk = i / 64, l = i % 32, hi = i % 64 / 32;
+          int const nib = hi ? b.qs[32 * chunk + l] >> 4 : b.qs[32 * chunk + l] & 0xF;
+          return nib + ((b.qh[l] & (1 << (2 * chunk + hi))) != 0 ? 16 : 0);
         }
         case quant::Format::kQ3_K: {
           quant::BlockQ3_K b;

@@ -28,8 +28,8 @@ namespace quant = moe::quant;
 namespace {
 
 constexpr WeightFormat kAll[] = {WeightFormat::kF32,  WeightFormat::kBf16, WeightFormat::kQ8_0,
-                                 WeightFormat::kQ6_K, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
-                                 WeightFormat::kQ3_K, WeightFormat::kQ2_K};
+                                 WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
+                                 WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K};
 
 /// y [T, N] = x W^T (+ bias) (accumulate: y +=) through the engine's queue.
 void run(Linear const& w, std::vector<float> const& x, Index T, std::vector<float>& y,
@@ -181,6 +181,8 @@ TEST_CASE("Linear: a format whose blocks do not divide the depth falls back alon
   CHECK(resolve_format(WeightFormat::kQ2_K, 128) == WeightFormat::kQ4_0);
   CHECK(resolve_format(WeightFormat::kQ3_K, 96) == WeightFormat::kQ4_0);
   CHECK(resolve_format(WeightFormat::kQ6_K, 2880) == WeightFormat::kQ8_0);
+  CHECK(resolve_format(WeightFormat::kQ5_K, 2880) == WeightFormat::kQ8_0);  // not q4_0: smaller
+  CHECK(resolve_format(WeightFormat::kQ5_K, 512) == WeightFormat::kQ5_K);
   CHECK(resolve_format(WeightFormat::kQ4_K, 200) == WeightFormat::kBf16);  // not even 32-blocks
   CHECK(resolve_format(WeightFormat::kQ8_0, 48) == WeightFormat::kBf16);
   CHECK(resolve_format(WeightFormat::kBf16, 7) == WeightFormat::kBf16);
@@ -189,6 +191,7 @@ TEST_CASE("Linear: a format whose blocks do not divide the depth falls back alon
   CHECK(moe::experts::formats_holding(WeightFormat::kQ4_K, 200) == "bf16, fp32");
   CHECK(moe::experts::formats_holding(WeightFormat::kQ4_K, 96) == "q4_0, q8_0, bf16, fp32");
   CHECK(moe::experts::formats_holding(WeightFormat::kQ6_K, 256) == "q6_k, q8_0, bf16, fp32");
+  CHECK(moe::experts::formats_holding(WeightFormat::kQ5_K, 96) == "q8_0, bf16, fp32");
   // A Linear says what it got, and multiplies in it.
   Index const N = 33, K = 96, T = 2;
   std::vector<float> const w = test::random_vector(N * K, 9);
@@ -236,7 +239,7 @@ TEST_CASE("Linear::from_blocks: stored GGUF blocks run as stored, never re-quant
         std::size_t const at = qf == quant::Format::kQ6_K   ? 208
                                : qf == quant::Format::kQ3_K ? 108
                                : qf == quant::Format::kQ2_K ? 80
-                                                            : 0;
+                                                            : 0;  // Q8_0, Q5_K, Q4_K, Q4_0
         std::memcpy(&d, blk + at, 2);
         d = moe::float_to_f16(0.75f * moe::f16_to_float(d));
         std::memcpy(blk + at, &d, 2);

@@ -91,13 +91,14 @@ TEST_CASE("Quantized experts: every format's layer is within its error of the fp
   auto const x = test::random_vector(T * D, 102);
   auto const y32 = run(layer, x);
   // Relative RMS error of the layer output (measured with these seeds: q8_0 0.0122, q6_k 0.0255,
-  // q4_k 0.097, q4_0 0.113, q3_k 0.219, q2_k 0.412; uniform weights, whose 4-bit rounding is
-  // ~6% a weight; int8 activations in 32-blocks add ~0.01): bounds ~1.35x.
-  WeightFormat const formats[] = {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K,
-                                  WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K};
-  double const bound[] = {0.017, 0.035, 0.13, 0.15, 0.3, 0.55};
-  double err[6];
-  for (int i = 0; i < 6; ++i) {
+  // q5_k 0.0495, q4_k 0.097, q4_0 0.113, q3_k 0.219, q2_k 0.412; uniform weights, whose 4-bit
+  // rounding is ~6% a weight; int8 activations in 32-blocks add ~0.01): bounds ~1.35x.
+  WeightFormat const formats[] = {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K,
+                                  WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K,
+                                  WeightFormat::kQ2_K};
+  double const bound[] = {0.017, 0.035, 0.067, 0.13, 0.15, 0.3, 0.55};
+  double err[7];
+  for (int i = 0; i < 7; ++i) {
     layer.pack_weights(formats[i]);
     REQUIRE(layer.experts().packed_quant_any());
     err[i] = rel_rms(run(layer, x), y32);
@@ -107,8 +108,10 @@ TEST_CASE("Quantized experts: every format's layer is within its error of the fp
     CHECK(err[i] > 1e-4);  // it did run quantized
   }
   CHECK(err[0] <= 2e-2);
-  CHECK(err[2] < err[3]);  // q4_k below q4_0
-  CHECK(err[0] < err[2]);
+  CHECK(err[3] < err[4]);  // q4_k below q4_0
+  CHECK(err[1] < err[2]);  // q6_k below q5_k below q4_k
+  CHECK(err[2] < err[3]);
+  CHECK(err[0] < err[3]);
 }
 
 TEST_CASE("Quantized experts use exactly ggml's dequantized weights", "[layers][quant]") {
@@ -116,8 +119,9 @@ TEST_CASE("Quantized experts use exactly ggml's dequantized weights", "[layers][
   // differ (measured: 0.0098 for every format, the per-32-block rounding of x and of the
   // heavier-tailed activations m); a weight read wrongly would be off by O(1).
   auto const x = test::random_vector(T * D, 112);
-  for (WeightFormat f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ4_K,
-                         WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  for (WeightFormat f :
+       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
+        WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     INFO(experts::name(f));
     Layer layer = make_layer(111);
     Layer deq = layer;
@@ -131,13 +135,13 @@ TEST_CASE("Quantized experts use exactly ggml's dequantized weights", "[layers][
   }
 }
 
-TEST_CASE("Mixed precision: experts of six formats run in one forward", "[layers][quant]") {
+TEST_CASE("Mixed precision: experts of seven formats run in one forward", "[layers][quant]") {
   Layer layer = make_layer(121);
   std::vector<experts::ExpertFormat> const formats = {
       {WeightFormat::kQ8_0, WeightFormat::kQ4_K}, {WeightFormat::kQ4_0, WeightFormat::kQ6_K},
       {WeightFormat::kBf16, WeightFormat::kQ8_0}, {WeightFormat::kF32, WeightFormat::kF32},
       {WeightFormat::kQ4_K, WeightFormat::kBf16}, {WeightFormat::kQ6_K, WeightFormat::kQ4_0},
-      {WeightFormat::kQ4_K, WeightFormat::kQ4_K}, {WeightFormat::kF32, WeightFormat::kQ8_0}};
+      {WeightFormat::kQ5_K, WeightFormat::kQ4_K}, {WeightFormat::kF32, WeightFormat::kQ5_K}};
   Layer deq = layer;
   dequantize_bank(deq.experts(), formats);
   layer.experts().pack(formats);
@@ -188,9 +192,9 @@ TEST_CASE("Quantized packs of shapes their blocks do not divide are errors", "[l
   std::vector<experts::ExpertFormat> const three(3);
   CHECK_THROWS_WITH(layer.experts().pack(three), Catch::Contains("3 formats for 4 experts"));
   CHECK(experts::parse_weight_format("Q4_K") == WeightFormat::kQ4_K);
-  for (WeightFormat f :
-       {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kQ6_K,
-        WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0,
+                         WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
+                         WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     INFO(experts::name(f));
     CHECK(experts::parse_weight_format(experts::name(f)) == f);  // every format's name parses
   }

@@ -195,8 +195,10 @@ TEST_CASE("alphaq: on a bank of heavy-tailed and Gaussian experts AlphaQ beats u
   CHECK(aq.average_bits <= budget + 1e-12);
   CHECK(heavy_bits > gauss_bits);
   // The margin: measured alpha 2.52 (heavy) and 5.28 (Gaussian); at alpha_power 3 AlphaQ's
-  // weighted error is 0.80x uniform's (0.358 vs 0.446; p = 2: 0.99x, p = 4: 0.57x).
-  CHECK(aq.objective < 0.85 * uni.objective);
+  // weighted error is 0.68x uniform's (0.302 vs 0.446: the heavy-tailed experts at q8_0 and
+  // q6_k, the Gaussian ones at q4_k to q6_k, 4 of their 8 projections q5_k; before q5_k was a
+  // candidate 0.80x, 0.358; then p = 2: 0.99x, p = 4: 0.57x).
+  CHECK(aq.objective < 0.75 * uni.objective);
   // At the q3_k budget (3.4375 bits) the low end (q2_k, q3_k) is in play.
   double const low = experts::bits_per_weight(WeightFormat::kQ3_K);
   auto const uni3 = experts::plan_quantization(bank, low, experts::AllocationMethod::kUniform, opt);

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 #include "moe/quant/matrix.hpp"
@@ -49,9 +50,41 @@ TEST_CASE("quant: block sizes and names are ggml's", "[quant]") {
   CHECK(quant::block_bytes(Format::kQ6_K) == 210);
   CHECK(quant::bits_per_weight(Format::kQ4_K) == 4.5);
   CHECK(quant::bits_per_weight(Format::kQ6_K) == 6.5625);
+  CHECK(quant::block_bytes(Format::kQ5_K) == 176);
+  CHECK(quant::bits_per_weight(Format::kQ5_K) == 5.5);
   CHECK(quant::parse_format("Q4_K") == Format::kQ4_K);
   CHECK(quant::parse_format("q8_0") == Format::kQ8_0);
-  CHECK_THROWS_WITH(quant::parse_format("q5_k"), Catch::Contains("use one of q8_0, q6_k"));
+  CHECK(quant::parse_format("Q5_K") == Format::kQ5_K);
+  for (Format f : quant::kFormats) CHECK(quant::parse_format(quant::name(f)) == f);
+  CHECK_THROWS_WITH(quant::parse_format("q5_0"), Catch::Contains("use one of q8_0, q6_k, q5_k"));
+}
+
+TEST_CASE("quant: Q5_K's levels are the integers its decoder multiplies", "[quant]") {
+  // q5k_level (what the kernels pack) against ggml's decoder: weight i = d sc q - dmin m with
+  // q = q5k_level(i), the scale and min of sub-block i / 32, bit for bit.
+  std::vector<float> const w = gaussian(4 * 256, 17);
+  std::vector<quant::BlockQ5_K> blocks(4);
+  quant::quantize_row(Format::kQ5_K, w.data(), 4 * 256, blocks.data());
+  std::vector<float> y(w.size());
+  quant::dequantize_row(Format::kQ5_K, blocks.data(), 4 * 256, y.data());
+  int high = 0;
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    float const d = quant::detail::fp32(blocks[b].d), dmin = quant::detail::fp32(blocks[b].dmin);
+    for (int i = 0; i < 256; ++i) {
+      std::uint8_t sc, m;
+      quant::get_scale_min(i / 32, blocks[b].scales, &sc, &m);
+      int const q = quant::q5k_level(blocks[b], i);
+      REQUIRE(q >= 0);
+      REQUIRE(q < 32);
+      high += q >> 4;
+      float const want =
+          quant::detail::mul(quant::detail::mul(d, static_cast<float>(sc)), static_cast<float>(q)) -
+          quant::detail::mul(dmin, static_cast<float>(m));
+      INFO("block " << b << " weight " << i);
+      REQUIRE(std::memcmp(&want, &y[b * 256 + static_cast<std::size_t>(i)], 4) == 0);
+    }
+  }
+  CHECK(high > 256);  // the fifth bit is exercised
 }
 
 TEST_CASE("quant: Q8_0 of a hand-computed block", "[quant]") {
@@ -221,10 +254,11 @@ TEST_CASE("quant: every format round-trips within its error, finer formats close
   moe::ConstMatrixView<float> const wv(w.data(), rows, cols);
   double prev = 0;
   // Relative Frobenius errors on Gaussian weights (measured with this seed: q8_0 0.00525,
-  // q6_k 0.0175, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step over 32
-  // samples' range predicts 0.005, 0.016, 0.08, 0.08); the bounds leave ~20% room.
-  double const bound[] = {0.0063, 0.021, 0.085, 0.1, 0.18, 0.35};
-  for (int i = 0; i < 6; ++i) {
+  // q6_k 0.0175, q5_k 0.0357, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step
+  // over 32 samples' range predicts 0.005, 0.016, 0.04, 0.08, 0.08); the bounds leave ~20% room.
+  double const bound[] = {0.0063, 0.021, 0.042, 0.085, 0.1, 0.18, 0.35};
+  static_assert(std::size(quant::kFormats) == 7);
+  for (int i = 0; i < 7; ++i) {
     Format const f = quant::kFormats[i];
     auto const q = quant::QuantMatrix::quantize(wv, f);
     CHECK(static_cast<Index>(q.bytes().size()) == rows * quant::row_bytes(f, cols));

@@ -56,11 +56,11 @@ struct QuantPlan {
   double objective = 0;
 };
 
-/// The default candidates: q2_k, q3_k, q4_0, q4_k, q6_k, q8_0, bf16 (GGUF's common formats and
-/// bf16).
+/// The default candidates: q2_k, q3_k, q4_0, q4_k, q5_k, q6_k, q8_0, bf16 (GGUF's common formats
+/// and bf16).
 inline std::vector<WeightFormat> default_candidates() {
   return {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0, WeightFormat::kQ4_K,
-          WeightFormat::kQ6_K, WeightFormat::kQ8_0, WeightFormat::kBf16};
+          WeightFormat::kQ5_K, WeightFormat::kQ6_K, WeightFormat::kQ8_0, WeightFormat::kBf16};
 }
 
 /// Options of plan_quantization.
@@ -146,9 +146,9 @@ QuantPlan plan_quantization(Bank const& bank, double average_bits, AllocationMet
     std::string asked, holding;
     for (WeightFormat const f : candidates)
       asked += (asked.empty() ? "" : ", ") + std::string(name(f));
-    for (WeightFormat const f :
-         {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0, WeightFormat::kQ4_K,
-          WeightFormat::kQ6_K, WeightFormat::kQ8_0, WeightFormat::kBf16, WeightFormat::kF32}) {
+    for (WeightFormat const f : {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0,
+                                 WeightFormat::kQ4_K, WeightFormat::kQ5_K, WeightFormat::kQ6_K,
+                                 WeightFormat::kQ8_0, WeightFormat::kBf16, WeightFormat::kF32}) {
       if (holds_depth(f, depth)) holding += (holding.empty() ? "" : ", ") + std::string(name(f));
     }
     moe::detail::fail(

@@ -8,12 +8,12 @@
 /// per 16: s16) kept beside them. Weights are re-packed once (pack_quant_panels) from GGUF rows
 /// into panels of 32 output columns, every weight an unsigned level u with
 ///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q6_K: offset 32)
-///   w = s * u - m         (Q4_K: s = d * sc, m = dmin * mn)
+///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise)
 /// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
 /// is then, per scale block, one integer sum by `vpdpbusd` (unsigned weight bytes times signed
 /// activation bytes, exact in int32) folded into an fp32 accumulator:
 ///   acc = fma((float)(isum - offset * s) * s_col, da_b, acc)        (offset formats)
-///   acc = fma((float)isum * s_col, da_b, acc); acc = fma(-m_col, da_b * s32_b, acc)   (Q4_K)
+///   acc = fma((float)isum * s_col, da_b, acc); acc = fma(-m_col, da_b * s32_b, acc)   (Q4_K, Q5_K)
 /// over the blocks in ascending k. The ymm (AVX2) and portable kernels do the same integer
 /// sums and the same float operations in the same order, so both give the same bits, for any
 /// row split, tiling or thread count.
@@ -192,6 +192,7 @@ constexpr Index quant_header_bytes(quant::Format f) {
     case quant::Format::kQ4_0:
       return 64;  // fp16 d[32]
     case quant::Format::kQ4_K:
+    case quant::Format::kQ5_K:
       return 640;  // fp16 d[32], fp16 dmin[32], u8 sc[8][32], u8 m[8][32]
     case quant::Format::kQ6_K:
     case quant::Format::kQ3_K:
@@ -208,6 +209,8 @@ constexpr Index quant_level_bits(quant::Format f) {
       return 8;
     case quant::Format::kQ6_K:
       return 6;
+    case quant::Format::kQ5_K:
+      return 5;
     case quant::Format::kQ3_K:
       return 3;
     case quant::Format::kQ2_K:
@@ -220,6 +223,8 @@ constexpr Index quant_level_bits(quant::Format f) {
 constexpr bool quant_is_4bit(quant::Format f) {
   return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
 }
+/// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K)?
+constexpr bool quant_is_5bit(quant::Format f) { return f == quant::Format::kQ5_K; }
 /// Are the levels stored in bit planes per 16-deep sub-block (Q6_K: nibbles and a 2-bit plane;
 /// Q3_K: a 2-bit and a 1-bit plane; Q2_K: a 2-bit plane)?
 constexpr bool quant_is_planar(quant::Format f) {
@@ -227,7 +232,7 @@ constexpr bool quant_is_planar(quant::Format f) {
 }
 /// Does the format have a min per sub-block (w = s u - m) rather than an offset?
 constexpr bool quant_has_min(quant::Format f) {
-  return f == quant::Format::kQ4_K || f == quant::Format::kQ2_K;
+  return f == quant::Format::kQ4_K || f == quant::Format::kQ5_K || f == quant::Format::kQ2_K;
 }
 /// Does the format have per-sub-block scales under a super-block scale (the K-quants)?
 constexpr bool quant_has_sub_scales(quant::Format f) { return quant::block_elems(f) == 256; }
@@ -246,6 +251,13 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
   if (quant_is_4bit(f)) {
     std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
     return (k % 8) >= 4 ? v >> 4 : v & 0xF;
+  }
+  if (quant_is_5bit(f)) {  // a 32-deep sub-block: 512 bytes of nibbles, 128 of fifth bits
+    std::uint8_t const* sub = w + k / 32 * 640;
+    Index const kk = k % 32;
+    std::uint8_t const v = sub[((kk / 8) * 32 + c) * 4 + kk % 4];
+    int const nib = (kk % 8) >= 4 ? v >> 4 : v & 0xF;
+    return nib | ((sub[512 + c * 4 + kk % 4] >> (kk / 4)) & 1) << 4;
   }
   if (!quant_is_planar(f)) return w[((k / 4) * 32 + c) * 4 + k % 4];
   Index const t = k % 16 / 4, j = k % 4;
@@ -266,14 +278,18 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
 ///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
 ///   4-bit (Q4_0, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
 ///     k = 8 o + 4 + j (high);
+///   5-bit (Q5_K), 640 bytes per 32-deep sub-block, k = 4 t + j within it (t = 0..7): bytes
+///     [0, 512) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes [512, 640) the
+///     fifth bits, byte c * 4 + j bit t;
 ///   planar (Q6_K, Q3_K, Q2_K), 64 x bits bytes per 16-deep sub-block, k = 4 t + j within it:
 ///     Q6_K: bytes [0, 256) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes
 ///       [256, 384) the high 2 bits, byte c * 4 + j bits 2 t + 1 .. 2 t;
 ///     Q3_K: bytes [0, 128) the low 2 bits as Q6_K's high ones, bytes [128, 192) the high bit,
 ///       byte (c % 16) * 4 + j bit 4 (c / 16) + t;
 ///     Q2_K: bytes [0, 128) the 2 bits, as Q3_K's low ones.
-/// So every format is stored at its own width (Q6_K 6.56, Q3_K 3.56, Q2_K 2.63 bits a weight
-/// with the header), and a vector of 8 or 16 columns x 4 depths unpacks from aligned loads.
+/// So every format is stored at its own width (Q6_K 6.56, Q5_K 5.63, Q3_K 3.56, Q2_K 2.63 bits a
+/// weight with the header), and a vector of 8 or 16 columns x 4 depths unpacks from aligned
+/// loads.
 inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
                               std::byte* dst) {
   using quant::Format;
@@ -296,6 +312,10 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
         auto put = [&](Index k, int u) {
           if (quant_is_4bit(f)) {
             set(((k / 8) * 32 + c) * 4 + k % 4, (k % 8) >= 4 ? u << 4 : u);
+          } else if (quant_is_5bit(f)) {
+            Index const sub = k / 32 * 640, kk = k % 32;
+            set(sub + ((kk / 8) * 32 + c) * 4 + kk % 4, (kk % 8) >= 4 ? (u & 0xF) << 4 : u & 0xF);
+            set(sub + 512 + c * 4 + kk % 4, (u >> 4) << (kk / 4));
           } else if (!quant_is_planar(f)) {
             set(((k / 4) * 32 + c) * 4 + k % 4, u);
           } else {
@@ -338,6 +358,21 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
               sc[256 + j * 32 + c] = m;
             }
             for (Index k = 0; k < 256; ++k) put(k, quant::q4k_level(b, static_cast<int>(k)));
+            break;
+          }
+          case Format::kQ5_K: {  // Q4_K's header
+            quant::BlockQ5_K b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            d16[32 + c] = b.dmin;
+            auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
+            for (int j = 0; j < 8; ++j) {
+              std::uint8_t s, m;
+              quant::get_scale_min(j, b.scales, &s, &m);
+              sc[j * 32 + c] = s;
+              sc[256 + j * 32 + c] = m;
+            }
+            for (Index k = 0; k < 256; ++k) put(k, quant::q5k_level(b, static_cast<int>(k)));
             break;
           }
           case Format::kQ3_K: {
@@ -384,8 +419,8 @@ struct QuantWeights {
 
 namespace detail {
 
-/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8, Q3_K 4); Q4_K and
-/// Q2_K have a min instead.
+/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8, Q3_K 4); Q4_K, Q5_K
+/// and Q2_K have a min instead.
 constexpr int quant_offset_shift(quant::Format f) {
   switch (f) {
     case quant::Format::kQ8_0:
@@ -400,8 +435,10 @@ constexpr int quant_offset_shift(quant::Format f) {
 }
 /// Depth of one integer sum (a scale block of the weights).
 constexpr Index quant_fold_depth(quant::Format f) {
-  return f == quant::Format::kQ4_K || f == quant::Format::kQ8_0 || f == quant::Format::kQ4_0 ? 32
-                                                                                             : 16;
+  return f == quant::Format::kQ4_K || f == quant::Format::kQ5_K || f == quant::Format::kQ8_0 ||
+                 f == quant::Format::kQ4_0
+             ? 32
+             : 16;
 }
 /// Sub-blocks per group, and where their scales and mins start in the group header.
 constexpr Index quant_sub_blocks(quant::Format f) {
@@ -484,6 +521,37 @@ MOE_ALWAYS_INLINE void planar_quads(std::uint8_t const* sub, Index c0, Fn const&
       h2 = O::srl(h2, 2);
     }
   }
+}
+
+/// The levels of one 32-deep sub-block of Q5_K (`sub`: its 640 level bytes, 64-byte aligned;
+/// pack_quant_panels' layout) for the columns [c0, c0 + L) of a vector of W bytes (L = W / 4):
+/// fn(t, u) for the quads t = 0 .. 7 in order, u the unsigned levels of depths 4 t .. 4 t + 3,
+/// column c's at bytes 4 (c - c0) .. 4 (c - c0) + 3 (quant_level's values). Q4_K's nibble
+/// unpack, and per quad the fifth bit (bit t of the plane's byte) moved to bit 4 by one shift of
+/// at most 4 left or 3 right, which keeps it inside its byte (the shifts are per 16-bit lane; the
+/// mask drops what crosses), masked and or-ed in.
+template <int W, class Fn>
+MOE_ALWAYS_INLINE void q5k_quads(std::uint8_t const* sub, Index c0, Fn const& fn) {
+  using O = ByteOps<W>;
+  using V = typename O::V;
+  V const nib = O::set1(0x0F), five = O::set1(0x10);
+  V const h = O::load(sub + 512 + c0 * 4);
+  auto high = [&]<int t>() {  // quad t's fifth bits at bit 4
+    if constexpr (t <= 4) {
+      return O::and_(O::sll(h, 4 - t), five);
+    } else {
+      return O::and_(O::srl(h, t - 4), five);
+    }
+  };
+  auto octet = [&]<int o>() {
+    V const n = O::load(sub + (o * 32 + c0) * 4);
+    fn(2 * o, O::or_(O::and_(n, nib), high.template operator()<2 * o>()));
+    fn(2 * o + 1, O::or_(O::and_(O::srl(n, 4), nib), high.template operator()<2 * o + 1>()));
+  };
+  octet.template operator()<0>();
+  octet.template operator()<1>();
+  octet.template operator()<2>();
+  octet.template operator()<3>();
 }
 #endif
 
@@ -639,6 +707,19 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
                 iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], hi, _mm512_set1_epi32(q1));
               }
             }
+          }
+        }
+      } else if constexpr (quant_is_5bit(F)) {
+        for (int o = 0; o < Ops; ++o) {
+          for (int v = 0; v < 2; ++v) {
+            auto const* sub = reinterpret_cast<std::uint8_t const*>(grp[o] + HB) + sb * 640;
+            q5k_quads<64>(sub, 16 * v, [&](int t, __m512i u) {
+              for (Index r = 0; r < MR; ++r) {
+                std::int32_t q;
+                std::memcpy(&q, a[r] + k0 + 4 * t, 4);
+                iacc[o][v][r] = _mm512_dpbusd_epi32(iacc[o][v][r], u, _mm512_set1_epi32(q));
+              }
+            });
           }
         }
       } else if constexpr (quant_is_planar(F)) {
@@ -831,6 +912,32 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
           }
         }
 #endif
+      } else if constexpr (quant_is_5bit(F)) {
+        // Without VNNI the vpmaddubsw pairs (at most 2 x 31 x 127 = 7874 per quad) add up in int16
+        // over 4 quads (31496) and widen twice per sub-block.
+        for (int v = 0; v < NV; ++v) {
+          auto const* sub = reinterpret_cast<std::uint8_t const*>(grp + HB) + sb * 640;
+#if !MOE_HAS_AVXVNNI
+          __m256i p16[MR];
+          for (Index r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
+#endif
+          q5k_quads<32>(sub, 8 * (NV * h + v), [&](int t, __m256i u) {
+            for (Index r = 0; r < MR; ++r) {
+              std::int32_t q;
+              std::memcpy(&q, rows[r].a + k0 + 4 * t, 4);
+#if MOE_HAS_AVXVNNI
+              iacc[v][r] = quant_dot_ymm(iacc[v][r], u, _mm256_set1_epi32(q));
+#else
+              p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(q)));
+              if (t % 4 == 3) {
+                iacc[v][r] =
+                    _mm256_add_epi32(iacc[v][r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
+                p16[r] = _mm256_setzero_si256();
+              }
+#endif
+            }
+          });
+        }
       } else if constexpr (quant_is_planar(F)) {
         [[maybe_unused]] __m256i p16[NV][MR];
         if constexpr (kPairs16) {
@@ -1079,6 +1186,12 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
       auto const* sub = reinterpret_cast<std::uint8_t const*>(panels[ct / 2] + g * GB + HB) +
                         j * 64 * quant_level_bits(F);
       planar_quads<F, 64>(sub, (ct % 2) * 16, [&](int t, __m512i u) {
+        _mm512_store_si512(q + t * 64, _mm512_sub_epi8(u, off));
+      });
+    } else if constexpr (quant_is_5bit(F)) {
+      auto const* sub =
+          reinterpret_cast<std::uint8_t const*>(panels[ct / 2] + g * GB + HB) + j * 640;
+      q5k_quads<64>(sub, (ct % 2) * 16, [&](int t, __m512i u) {
         _mm512_store_si512(q + t * 64, _mm512_sub_epi8(u, off));
       });
     } else if constexpr (quant_is_4bit(F)) {
@@ -1331,6 +1444,9 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
         break;
       case quant::Format::kQ6_K:
         run.template operator()<quant::Format::kQ6_K>();
+        break;
+      case quant::Format::kQ5_K:
+        run.template operator()<quant::Format::kQ5_K>();
         break;
       case quant::Format::kQ4_K:
         run.template operator()<quant::Format::kQ4_K>();

@@ -1,21 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q4_K and Q4_0 (ggml-common.h), and
-/// their reference quantizers and dequantizers (ggml-quants.c: quantize_row_*_ref,
-/// dequantize_row_*), written here from those definitions. A row of k weights is k / block_elems
-/// consecutive blocks, little-endian, as in a GGUF tensor:
+/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, Q3_K and Q2_K
+/// (ggml-common.h), and their reference quantizers and dequantizers (ggml-quants.c:
+/// quantize_row_*_ref, dequantize_row_*), written here from those definitions. A row of k
+/// weights is k / block_elems consecutive blocks, little-endian, as in a GGUF tensor:
 ///
-/// | format | weights per block | bytes | bits per weight | value of weight i |
-/// |--------|-------------------|-------|-----------------|----------------------------------------|
-/// | Q8_0   | 32                | 34    | 8.5             | d * qs[i] | | Q6_K   | 256 (16 x 16) |
-/// 210   | 6.5625          | d * scales[i / 16] * (q6 - 32)         | | Q4_K   | 256 (8 x 32) | 144
-/// | 4.5             | d * sc[i / 32] * q4 - dmin * m[i / 32] | | Q4_0   | 32                | 18
-/// | 4.5             | d * (q4 - 8)                           |
+/// | format | weights a block | bytes | bits a weight | value of weight i                      |
+/// |--------|-----------------|-------|---------------|----------------------------------------|
+/// | Q8_0   | 32              | 34    | 8.5           | d * qs[i]                              |
+/// | Q6_K   | 256 (16 x 16)   | 210   | 6.5625        | d * scales[i / 16] * (q6 - 32)         |
+/// | Q5_K   | 256 (8 x 32)    | 176   | 5.5           | d * sc[i / 32] * q5 - dmin * m[i / 32] |
+/// | Q4_K   | 256 (8 x 32)    | 144   | 4.5           | d * sc[i / 32] * q4 - dmin * m[i / 32] |
+/// | Q4_0   | 32              | 18    | 4.5           | d * (q4 - 8)                           |
+/// | Q3_K   | 256 (16 x 16)   | 110   | 3.4375        | d * (sc[i / 16] - 32) * (q3 - 4)       |
+/// | Q2_K   | 256 (16 x 16)   | 84    | 2.625         | d * sc[i / 16] * q2 - dmin * m[i / 16] |
 ///
-/// (d, dmin: fp16; sc, m: 6-bit (Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q4 in [0, 16),
-/// q3 in [0, 8), q2 in [0, 4).) The quantizers are ggml's
-/// round-to-nearest references, Q4_K and Q6_K with their scale searches, operation for
+/// (d, dmin: fp16; sc, m: 6-bit (Q5_K, Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q5 in
+/// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4).) The quantizers are ggml's
+/// round-to-nearest references, the K-quants with their scale searches, operation for
 /// operation and without floating-point contraction (each product is rounded before it is
 /// added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on the
 /// compiler flags. NaN policy: quantize_row refuses a non-finite weight (moe::Error naming its
@@ -43,10 +46,11 @@ enum class Format : std::uint8_t {
   kQ4_0,  ///< 4-bit, 32-blocks, one fp16 scale, offset 8
   kQ3_K,  ///< 3-bit, 256-super-blocks of 16 sub-blocks with 6-bit scales
   kQ2_K,  ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
+  kQ5_K,  ///< 5-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins (Q4_K + a bit)
 };
 
 /// Every format, in order of falling precision.
-inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ4_K,
+inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ4_K,
                                       Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
@@ -63,6 +67,13 @@ struct BlockQ4_K {
   std::uint16_t dmin;       ///< fp16 super-block scale of the sub-block mins
   std::uint8_t scales[12];  ///< 8 6-bit scales and 8 6-bit mins (get_scale_min below)
   std::uint8_t qs[128];     ///< per 64 weights: 32 bytes, weight l low nibble, l + 32 high
+};
+struct BlockQ5_K {
+  std::uint16_t d;          ///< fp16 super-block scale of the sub-block scales
+  std::uint16_t dmin;       ///< fp16 super-block scale of the sub-block mins
+  std::uint8_t scales[12];  ///< 8 6-bit scales and 8 6-bit mins (get_scale_min), as Q4_K's
+  std::uint8_t qh[32];      ///< 5th bits: bit 2c (+ 1) of qh[l] for weight 64 c + l (+ 32)
+  std::uint8_t qs[128];     ///< low 4 bits, as Q4_K's: per 64 weights 32 bytes, l low, l + 32 high
 };
 struct BlockQ6_K {
   std::uint8_t ql[128];    ///< low 4 bits
@@ -85,6 +96,7 @@ struct BlockQ2_K {
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84);
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
+static_assert(sizeof(BlockQ5_K) == 176);
 
 /// Weights per block.
 constexpr Index block_elems(Format f) {
@@ -105,6 +117,8 @@ constexpr Index block_bytes(Format f) {
       return 110;
     case Format::kQ2_K:
       return 84;
+    case Format::kQ5_K:
+      return 176;
   }
   return 0;
 }
@@ -115,7 +129,7 @@ constexpr double bits_per_weight(Format f) {
 /// Bytes of a row of k weights (k a multiple of block_elems(f)).
 constexpr Index row_bytes(Format f, Index k) { return k / block_elems(f) * block_bytes(f); }
 
-/// The lower-case ggml name: "q8_0", "q6_k", "q4_k", "q4_0".
+/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "q3_k", "q2_k".
 constexpr char const* name(Format f) {
   switch (f) {
     case Format::kQ8_0:
@@ -130,6 +144,8 @@ constexpr char const* name(Format f) {
       return "q3_k";
     case Format::kQ2_K:
       return "q2_k";
+    case Format::kQ5_K:
+      return "q5_k";
   }
   return "?";
 }
@@ -142,7 +158,7 @@ inline Format parse_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
-               "'; use one of q8_0, q6_k, q4_k, q4_0, q3_k, q2_k");
+               "'; use one of q8_0, q6_k, q5_k, q4_k, q4_0, q3_k, q2_k");
 }
 
 namespace detail {
@@ -447,6 +463,46 @@ inline void quantize_block(float const* x, BlockQ4_K& y) {
   }
 }
 
+/// Q5_K: Q4_K's algorithm with 5-bit levels: per 32 weights make_qkx2_quants (nmax 31, rmin
+/// -0.5, rdelta 0.1, 15 steps, weights av_x + |x|), 6-bit scales and mins, then the levels again
+/// from the stored scales.
+inline void quantize_block(float const* x, BlockQ5_K& y) {
+  using detail::mul;
+  std::uint8_t L[256], Laux[32];
+  float weights[32], mins[8], scales[8];
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 8; ++j) {
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
+    float const av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
+    scales[j] = detail::make_qkx2_quants(32, 31, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
+                                         -0.5f, 0.1f, 15, false);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 31);
+  std::memset(y.qh, 0, sizeof y.qh);
+  std::uint8_t m1 = 1, m2 = 2;
+  std::uint8_t* ql = y.qs;
+  for (int n = 0; n < 256; n += 64, ql += 32) {
+    for (int j = 0; j < 32; ++j) {
+      int l1 = L[n + j], l2 = L[n + j + 32];
+      if (l1 > 15) {
+        l1 -= 16;
+        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m1);
+      }
+      if (l2 > 15) {
+        l2 -= 16;
+        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m2);
+      }
+      ql[j] = static_cast<std::uint8_t>(l1 | (l2 << 4));
+    }
+    m1 = static_cast<std::uint8_t>(m1 << 2);
+    m2 = static_cast<std::uint8_t>(m2 << 2);
+  }
+}
+
 inline void quantize_block(float const* x, BlockQ6_K& y) {
   using detail::mul;
   std::int8_t L[256];
@@ -653,6 +709,29 @@ inline void dequantize_block(BlockQ4_K const& b, float* y) {
     for (int l = 0; l < 32; ++l) *y++ = mul(d2, static_cast<float>(q[l] >> 4)) - m2;
   }
 }
+inline void dequantize_block(BlockQ5_K const& b, float* y) {
+  using detail::mul;
+  float const d = detail::fp32(b.d), min = detail::fp32(b.dmin);
+  std::uint8_t const* ql = b.qs;
+  std::uint8_t u1 = 1, u2 = 2;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32) {
+    std::uint8_t sc, m;
+    get_scale_min(is, b.scales, &sc, &m);
+    float const d1 = mul(d, static_cast<float>(sc)), m1 = mul(min, static_cast<float>(m));
+    get_scale_min(is + 1, b.scales, &sc, &m);
+    float const d2 = mul(d, static_cast<float>(sc)), m2 = mul(min, static_cast<float>(m));
+    for (int l = 0; l < 32; ++l) {
+      int const q = (ql[l] & 0xF) + ((b.qh[l] & u1) != 0 ? 16 : 0);
+      *y++ = mul(d1, static_cast<float>(q)) - m1;
+    }
+    for (int l = 0; l < 32; ++l) {
+      int const q = (ql[l] >> 4) + ((b.qh[l] & u2) != 0 ? 16 : 0);
+      *y++ = mul(d2, static_cast<float>(q)) - m2;
+    }
+    u1 = static_cast<std::uint8_t>(u1 << 2);
+    u2 = static_cast<std::uint8_t>(u2 << 2);
+  }
+}
 inline void dequantize_block(BlockQ6_K const& b, float* y) {
   using detail::mul;
   float const d = detail::fp32(b.d);
@@ -709,6 +788,14 @@ inline int q4k_level(BlockQ4_K const& b, int i) {
   int const chunk = i / 64, r = i % 64;
   std::uint8_t const v = b.qs[32 * chunk + r % 32];
   return r < 32 ? v & 0xF : v >> 4;
+}
+/// The 5-bit level (0..31) of weight i of a Q5_K block: Q4_K's nibble plus 16 times the fifth
+/// bit, bit 2 (i / 64) + (i % 64) / 32 of qh[i % 32].
+inline int q5k_level(BlockQ5_K const& b, int i) {
+  int const chunk = i / 64, r = i % 64;
+  std::uint8_t const v = b.qs[32 * chunk + r % 32];
+  int const high = (b.qh[r % 32] >> (2 * chunk + r / 32)) & 1;
+  return (r < 32 ? v & 0xF : v >> 4) | high << 4;
 }
 
 namespace detail {
@@ -768,6 +855,8 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockQ3_K>(x, k, out);
     case Format::kQ2_K:
       return detail::quantize_blocks<BlockQ2_K>(x, k, out);
+    case Format::kQ5_K:
+      return detail::quantize_blocks<BlockQ5_K>(x, k, out);
   }
 }
 
@@ -787,6 +876,8 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockQ3_K>(in, k, y);
     case Format::kQ2_K:
       return detail::dequantize_blocks<BlockQ2_K>(in, k, y);
+    case Format::kQ5_K:
+      return detail::dequantize_blocks<BlockQ5_K>(in, k, y);
   }
 }
 

@@ -13,7 +13,9 @@
 ///   d * (q - 16), q in [0, 32).
 /// - Q5_1: 32 in 24 (6): d, m, qh, nibbles; d * q + m, q in [0, 32).
 /// - Q5_K: 256 in 176 (5.5): d, dmin, 12 bytes of 6-bit scales and mins packed as Q4_K's,
-///   32 bytes of 5th bits, 128 of nibbles; d * sc[i / 32] * q - dmin * m[i / 32].
+///   32 bytes of 5th bits, 128 of nibbles; d * sc[i / 32] * q - dmin * m[i / 32]. Q5_K is also a
+///   quant::Format with kernels (kQ5_K): its block, quantizer and decoder are in blocks.hpp,
+///   and dequantize_row_q5_k / quantize_row_q5_k_ref here are typed entry points to them.
 /// - IQ4_NL: 32 in 18 (4.5): d, nibbles as Q4_0's; d * kIq4nlValues[q].
 /// - IQ4_XS: 256 in 136 (4.25): d, 8 6-bit scales (high 2 bits in scales_h, low 4 in
 ///   scales_l), nibbles per 32; d * (ls[i / 32] - 32) * kIq4nlValues[q].
@@ -61,13 +63,6 @@ struct BlockQ5_1 {
   std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
   std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
 };
-struct BlockQ5_K {
-  std::uint16_t d;          ///< fp16 super-block scale of the sub-block scales
-  std::uint16_t dmin;       ///< fp16 super-block scale of the sub-block mins
-  std::uint8_t scales[12];  ///< 8 6-bit scales and 8 6-bit mins (get_scale_min)
-  std::uint8_t qh[32];      ///< 5th bits: bit 2c (+ 1) of qh[l] for weight 64 c + l (+ 32)
-  std::uint8_t qs[128];     ///< per 64 weights: 32 bytes, weight l low nibble, l + 32 high
-};
 struct BlockIQ4_NL {
   std::uint16_t d;      ///< fp16 scale
   std::uint8_t qs[16];  ///< indices into kIq4nlValues, as Q4_0's nibbles
@@ -83,7 +78,6 @@ struct BlockMXFP4 {
   std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
 };
 static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
-static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
 static_assert(sizeof(BlockMXFP4) == 17);
 
@@ -352,69 +346,6 @@ inline void dequantize_block(BlockQ5_1 const& b, float* y) {
     auto const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
     y[j] = detail::mul(static_cast<float>(x0), d) + m;
     y[j + 16] = detail::mul(static_cast<float>(x1), d) + m;
-  }
-}
-
-/// Q5_K: Q4_K's algorithm with 5-bit levels: per 32 weights make_qkx2_quants (nmax 31, rmin
-/// -0.5, rdelta 0.1, 15 steps, weights av_x + |x|), 6-bit scales and mins, then the levels again
-/// from the stored scales.
-inline void quantize_block(float const* x, BlockQ5_K& y) {
-  using detail::mul;
-  std::uint8_t L[256], Laux[32];
-  float weights[32], mins[8], scales[8];
-  float max_scale = 0, max_min = 0;
-  for (int j = 0; j < 8; ++j) {
-    float sum_x2 = 0;
-    for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
-    float const av_x = std::sqrt(sum_x2 / 32);
-    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
-    scales[j] = detail::make_qkx2_quants(32, 31, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
-                                         -0.5f, 0.1f, 15, false);
-    if (scales[j] > max_scale) max_scale = scales[j];
-    if (mins[j] > max_min) max_min = mins[j];
-  }
-  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 31);
-  std::memset(y.qh, 0, sizeof y.qh);
-  std::uint8_t m1 = 1, m2 = 2;
-  std::uint8_t* ql = y.qs;
-  for (int n = 0; n < 256; n += 64, ql += 32) {
-    for (int j = 0; j < 32; ++j) {
-      int l1 = L[n + j], l2 = L[n + j + 32];
-      if (l1 > 15) {
-        l1 -= 16;
-        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m1);
-      }
-      if (l2 > 15) {
-        l2 -= 16;
-        y.qh[j] = static_cast<std::uint8_t>(y.qh[j] | m2);
-      }
-      ql[j] = static_cast<std::uint8_t>(l1 | (l2 << 4));
-    }
-    m1 = static_cast<std::uint8_t>(m1 << 2);
-    m2 = static_cast<std::uint8_t>(m2 << 2);
-  }
-}
-inline void dequantize_block(BlockQ5_K const& b, float* y) {
-  using detail::mul;
-  float const d = detail::fp32(b.d), min = detail::fp32(b.dmin);
-  std::uint8_t const* ql = b.qs;
-  std::uint8_t u1 = 1, u2 = 2;
-  for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32) {
-    std::uint8_t sc, m;
-    get_scale_min(is, b.scales, &sc, &m);
-    float const d1 = mul(d, static_cast<float>(sc)), m1 = mul(min, static_cast<float>(m));
-    get_scale_min(is + 1, b.scales, &sc, &m);
-    float const d2 = mul(d, static_cast<float>(sc)), m2 = mul(min, static_cast<float>(m));
-    for (int l = 0; l < 32; ++l) {
-      int const q = (ql[l] & 0xF) + ((b.qh[l] & u1) != 0 ? 16 : 0);
-      *y++ = mul(d1, static_cast<float>(q)) - m1;
-    }
-    for (int l = 0; l < 32; ++l) {
-      int const q = (ql[l] >> 4) + ((b.qh[l] & u2) != 0 ? 16 : 0);
-      *y++ = mul(d2, static_cast<float>(q)) - m2;
-    }
-    u1 = static_cast<std::uint8_t>(u1 << 2);
-    u2 = static_cast<std::uint8_t>(u2 << 2);
   }
 }
 

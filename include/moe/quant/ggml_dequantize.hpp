@@ -123,7 +123,7 @@ inline void ggml_dequantize(GgmlType type, std::span<std::byte const> in, Index 
     case GgmlType::kQ5_1:
       return detail::decode_blocks<BlockQ5_1>(p, n, out, dequantize_row_q5_1);
     case GgmlType::kQ5_K:
-      return detail::decode_blocks<BlockQ5_K>(p, n, out, dequantize_row_q5_k);
+      return dequantize_row(Format::kQ5_K, p, n, out);
     case GgmlType::kIQ4_NL:
       return detail::decode_blocks<BlockIQ4_NL>(p, n, out, dequantize_row_iq4_nl);
     case GgmlType::kIQ4_XS:
