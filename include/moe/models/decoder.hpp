@@ -78,12 +78,12 @@ constexpr char const* name(MatrixClass c) {
 ///     overrides the fields above): every matrix q4_k except the LM head (q6_k; the embedding
 ///     too when tied), attn_v and every ffn_down (dense, experts, shared) in the layers
 ///     use_more_bits picks (q6_k: L < n/8, L >= 7n/8, or (L - n/8) % 3 == 2; half of them), and
-///     with exactly 8 experts (Mixtral) attn_k and attn_v in q8_0 and attn_o in q6_k (llama.cpp
-///     uses Q5_K, which moe lacks); fallbacks as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here).
+///     with exactly 8 experts (Mixtral) attn_k and attn_v in q8_0 and attn_o in q5_k; fallbacks
+///     as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here, its Q5_K -> Q5_1 q8_0).
 /// Matrices stored as GGUF blocks (a GGUF file's quantized tensors, a moe_quantize checkpoint:
 /// moe/io/block_tensor.hpp) run as stored wherever their format is the one chosen: the blocks
 /// are re-packed for the kernels, never re-quantized. "As stored" for a block type moe has no
-/// kernel for (Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3 types) is q8_0
+/// kernel for (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3 types) is q8_0
 /// (experts::load_format): decoded bit-exactly, then quantized to Q8_0.
 struct DecoderOptions {
   enum class Mix { kUniform, kQ4_K_M };
@@ -131,7 +131,7 @@ struct DecoderOptions {
         case MatrixClass::kAttnV:
           return eight ? WeightFormat::kQ8_0 : more ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
         case MatrixClass::kAttnO:
-          return eight ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
+          return eight ? WeightFormat::kQ5_K : WeightFormat::kQ4_K;
         case MatrixClass::kDenseDown:
         case MatrixClass::kExpertsDown:
           return more ? WeightFormat::kQ6_K : WeightFormat::kQ4_K;
