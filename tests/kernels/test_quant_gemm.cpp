@@ -207,19 +207,20 @@ TEST_CASE("quant kernels: the Q5_K unpacker gives quant_level's levels at both v
       for (Index sb = 0; sb < 8; ++sb) {
         for (Index c0 = 0; c0 < 32; c0 += W / 4) {
           int next = 0;
-          kernels::detail::q5k_quads<W>(w + sb * 640, c0, [&](int t, typename O::V u) {
-            REQUIRE(t == next++);
-            alignas(64) std::uint8_t got[W];
-            std::memcpy(got, &u, W);
-            for (Index c = c0; c < c0 + W / 4; ++c) {
-              for (Index j = 0; j < 4; ++j) {
-                INFO("W = " << W << " sb = " << sb << " c = " << c << " t = " << t);
-                int const want = kernels::quant_level(F, w, sb * 32 + 4 * t + j, c);
-                REQUIRE(got[(c - c0) * 4 + j] == want);
-                fifth += want >> 4;
-              }
-            }
-          });
+          kernels::detail::q5k_quads<W>(
+              w + sb * kernels::kQ5kSubBytes, c0, [&](int t, typename O::V u) {
+                REQUIRE(t == next++);
+                alignas(64) std::uint8_t got[W];
+                std::memcpy(got, &u, W);
+                for (Index c = c0; c < c0 + W / 4; ++c) {
+                  for (Index j = 0; j < 4; ++j) {
+                    INFO("W = " << W << " sb = " << sb << " c = " << c << " t = " << t);
+                    int const want = kernels::quant_level(F, w, sb * 32 + 4 * t + j, c);
+                    REQUIRE(got[(c - c0) * 4 + j] == want);
+                    fifth += want >> 4;
+                  }
+                }
+              });
           REQUIRE(next == 8);
         }
       }

@@ -225,6 +225,8 @@ constexpr bool quant_is_4bit(quant::Format f) {
 }
 /// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K)?
 constexpr bool quant_is_5bit(quant::Format f) { return f == quant::Format::kQ5_K; }
+/// Level bytes of one 32-deep Q5_K sub-block: 512 of nibbles, then 128 of fifth bits.
+inline constexpr Index kQ5kSubBytes = 640;
 /// Are the levels stored in bit planes per 16-deep sub-block (Q6_K: nibbles and a 2-bit plane;
 /// Q3_K: a 2-bit and a 1-bit plane; Q2_K: a 2-bit plane)?
 constexpr bool quant_is_planar(quant::Format f) {
@@ -253,7 +255,7 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
     return (k % 8) >= 4 ? v >> 4 : v & 0xF;
   }
   if (quant_is_5bit(f)) {  // a 32-deep sub-block: 512 bytes of nibbles, 128 of fifth bits
-    std::uint8_t const* sub = w + k / 32 * 640;
+    std::uint8_t const* sub = w + k / 32 * kQ5kSubBytes;
     Index const kk = k % 32;
     std::uint8_t const v = sub[((kk / 8) * 32 + c) * 4 + kk % 4];
     int const nib = (kk % 8) >= 4 ? v >> 4 : v & 0xF;
@@ -313,7 +315,7 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
           if (quant_is_4bit(f)) {
             set(((k / 8) * 32 + c) * 4 + k % 4, (k % 8) >= 4 ? u << 4 : u);
           } else if (quant_is_5bit(f)) {
-            Index const sub = k / 32 * 640, kk = k % 32;
+            Index const sub = k / 32 * kQ5kSubBytes, kk = k % 32;
             set(sub + ((kk / 8) * 32 + c) * 4 + kk % 4, (kk % 8) >= 4 ? (u & 0xF) << 4 : u & 0xF);
             set(sub + 512 + c * 4 + kk % 4, (u >> 4) << (kk / 4));
           } else if (!quant_is_planar(f)) {
@@ -533,7 +535,8 @@ MOE_ALWAYS_INLINE void planar_quads(std::uint8_t const* sub, Index c0, Fn const&
 /// Ice Lake, Zen 4 and later), the zmm width moves bits with byte-wise affine transforms
 /// instead (vgf2p8affineqb: result bit i of each byte = parity(row 7 - i of an 8 x 8 bit matrix
 /// AND the byte)): one picks quad t's fifth bit to bit 4 and clears the rest, one moves the high
-/// nibble down, and a ternary-logic select merges the low nibble: 5 operations an octet, not 8.
+/// nibble down, and a ternary-logic select merges the low nibble: 5 vector operations an octet,
+/// where the shifts take 7 (GCC fusing each and-or into one vpternlogd) and Q4_K's unpack 3.
 template <int W, class Fn>
 MOE_ALWAYS_INLINE void q5k_quads(std::uint8_t const* sub, Index c0, Fn const& fn) {
 #if MOE_HAS_AVX512VNNI && defined(__GFNI__)
@@ -738,7 +741,8 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
       } else if constexpr (quant_is_5bit(F)) {
         for (int o = 0; o < Ops; ++o) {
           for (int v = 0; v < 2; ++v) {
-            auto const* sub = reinterpret_cast<std::uint8_t const*>(grp[o] + HB) + sb * 640;
+            auto const* sub =
+                reinterpret_cast<std::uint8_t const*>(grp[o] + HB) + sb * kQ5kSubBytes;
             q5k_quads<64>(sub, 16 * v, [&](int t, __m512i u) {
               for (Index r = 0; r < MR; ++r) {
                 std::int32_t q;
@@ -942,7 +946,7 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
         // Without VNNI the vpmaddubsw pairs (at most 2 x 31 x 127 = 7874 per quad) add up in int16
         // over 4 quads (31496) and widen twice per sub-block.
         for (int v = 0; v < NV; ++v) {
-          auto const* sub = reinterpret_cast<std::uint8_t const*>(grp + HB) + sb * 640;
+          auto const* sub = reinterpret_cast<std::uint8_t const*>(grp + HB) + sb * kQ5kSubBytes;
 #if !MOE_HAS_AVXVNNI
           __m256i p16[MR];
           for (Index r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
@@ -1216,7 +1220,7 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
       });
     } else if constexpr (quant_is_5bit(F)) {
       auto const* sub =
-          reinterpret_cast<std::uint8_t const*>(panels[ct / 2] + g * GB + HB) + j * 640;
+          reinterpret_cast<std::uint8_t const*>(panels[ct / 2] + g * GB + HB) + j * kQ5kSubBytes;
       q5k_quads<64>(sub, (ct % 2) * 16, [&](int t, __m512i u) {
         _mm512_store_si512(q + t * 64, _mm512_sub_epi8(u, off));
       });
