@@ -133,8 +133,8 @@ constexpr moe_cli::Option kOptions[] = {
     {"--dense FORMAT",
      "embedding, LM head, attention, dense MLPs: as-stored (default) or a FORMAT"},
     {"--experts FORMAT",
-     "MoE experts; FORMAT: fp32, bf16, q8_0, q6_k, q4_k, q4_0, q3_k, q2_k (default: as stored: "
-     "a GGUF file's blocks as they are, else fp32)"},
+     "MoE experts; FORMAT: fp32, bf16, q8_0, q6_k, q5_k, q4_k, q4_0, q3_k, q2_k (default: as "
+     "stored: a GGUF file's blocks as they are, else fp32)"},
     {"--mix q4_k_m", "llama.cpp's Q4_K_M choice per matrix (overrides --dense and --experts)"},
     {"--kv-cache FORMAT", "how the KV cache holds keys and values: fp32 (default) or bf16"},
     {"-h, --help", "print this help and exit"},

@@ -1980,7 +1980,7 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
   Tensors stored;
   TypeOf const type_of = [](std::string const& g, Shape const& shape) {
     if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
-    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_0;  // no kernel
     return g.find("attn_v.") != std::string::npos ? GgmlType::kQ6_K : GgmlType::kQ4_K;
   };
   fs::path const mixed =
@@ -1999,12 +1999,12 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
       moe::models::load_hf_decoder(dir, nullptr, moe::models::DecoderOptions::q4_k_m()), t.V);
   fs::path const copy = dir.parent_path() / "save_copy.gguf";
   moe::models::GgufSaveReport const r = moe::models::save_gguf_model(copy, mixed);
-  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the Q5_K matrix: no kernel, written as q8_0
+  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the Q5_0 matrix: no kernel, written as q8_0
   moe::io::GgufModel const a(copy), b(mixed);
   for (std::string_view const name : b.names()) {
     INFO(name);
     moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
-    if (y.type == GgmlType::kQ5_K) {
+    if (y.type == GgmlType::kQ5_0) {
       REQUIRE(x.type == GgmlType::kQ8_0);
       continue;
     }
