@@ -332,6 +332,20 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             }
           }
         };
+        // Q4_K and Q5_K: d and dmin, the 6-bit scales and mins per 32 depths, then the levels.
+        auto k_header_and_levels = [&](auto b, auto level) {
+          std::memcpy(&b, blk, sizeof b);
+          d16[c] = b.d;
+          d16[32 + c] = b.dmin;
+          auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
+          for (int j = 0; j < 8; ++j) {
+            std::uint8_t s, m;
+            quant::get_scale_min(j, b.scales, &s, &m);
+            sc[j * 32 + c] = s;
+            sc[256 + j * 32 + c] = m;
+          }
+          for (Index k = 0; k < 256; ++k) put(k, level(b, static_cast<int>(k)));
+        };
         switch (f) {
           case Format::kQ8_0: {
             quant::BlockQ8_0 b;
@@ -347,36 +361,14 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
             break;
           }
-          case Format::kQ4_K: {
-            quant::BlockQ4_K b;
-            std::memcpy(&b, blk, sizeof b);
-            d16[c] = b.d;
-            d16[32 + c] = b.dmin;
-            auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
-            for (int j = 0; j < 8; ++j) {
-              std::uint8_t s, m;
-              quant::get_scale_min(j, b.scales, &s, &m);
-              sc[j * 32 + c] = s;
-              sc[256 + j * 32 + c] = m;
-            }
-            for (Index k = 0; k < 256; ++k) put(k, quant::q4k_level(b, static_cast<int>(k)));
+          case Format::kQ4_K:
+            k_header_and_levels(quant::BlockQ4_K{},
+                                [](auto const& b, int k) { return quant::q4k_level(b, k); });
             break;
-          }
-          case Format::kQ5_K: {  // Q4_K's header
-            quant::BlockQ5_K b;
-            std::memcpy(&b, blk, sizeof b);
-            d16[c] = b.d;
-            d16[32 + c] = b.dmin;
-            auto* sc = reinterpret_cast<std::uint8_t*>(grp + 128);
-            for (int j = 0; j < 8; ++j) {
-              std::uint8_t s, m;
-              quant::get_scale_min(j, b.scales, &s, &m);
-              sc[j * 32 + c] = s;
-              sc[256 + j * 32 + c] = m;
-            }
-            for (Index k = 0; k < 256; ++k) put(k, quant::q5k_level(b, static_cast<int>(k)));
+          case Format::kQ5_K:  // Q4_K's header, 5-bit levels
+            k_header_and_levels(quant::BlockQ5_K{},
+                                [](auto const& b, int k) { return quant::q5k_level(b, k); });
             break;
-          }
           case Format::kQ3_K: {
             quant::BlockQ3_K b;
             std::memcpy(&b, blk, sizeof b);

@@ -438,11 +438,14 @@ inline void pack_k_scales(float const* x, float const* scales, float const* mins
     }
   }
 }
-}  // namespace detail
 
-inline void quantize_block(float const* x, BlockQ4_K& y) {
-  using detail::mul;
-  std::uint8_t L[256], Laux[32];
+/// Q4_K's and Q5_K's search (ggml's quantize_row_q4_K_ref / q5_K_ref): per 32 weights
+/// make_qkx2_quants (levels 0..nmax, rmin, rdelta 0.1, nstep steps, weights av_x + |x|), then
+/// the 6-bit scales and mins packed and the levels L[256] again from the stored scales.
+inline void k_scales_and_levels(float const* x, int nmax, float rmin, int nstep, std::uint8_t* L,
+                                std::uint8_t* packed_scales, std::uint16_t& d,
+                                std::uint16_t& dmin) {
+  std::uint8_t Laux[32];
   float weights[32], mins[8], scales[8];
   float max_scale = 0, max_min = 0;
   for (int j = 0; j < 8; ++j) {
@@ -450,12 +453,18 @@ inline void quantize_block(float const* x, BlockQ4_K& y) {
     for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
     float const av_x = std::sqrt(sum_x2 / 32);
     for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
-    scales[j] = detail::make_qkx2_quants(32, 15, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
-                                         -1.f, 0.1f, 20);
+    scales[j] = make_qkx2_quants(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux, rmin,
+                                 0.1f, nstep);
     if (scales[j] > max_scale) max_scale = scales[j];
     if (mins[j] > max_min) max_min = mins[j];
   }
-  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 15);
+  pack_k_scales(x, scales, mins, max_scale, max_min, packed_scales, d, dmin, L, nmax);
+}
+}  // namespace detail
+
+inline void quantize_block(float const* x, BlockQ4_K& y) {
+  std::uint8_t L[256];
+  detail::k_scales_and_levels(x, 15, -1.f, 20, L, y.scales, y.d, y.dmin);
   std::uint8_t* q = y.qs;
   for (int j = 0; j < 256; j += 64) {
     for (int l = 0; l < 32; ++l) q[l] = static_cast<std::uint8_t>(L[j + l] | (L[j + l + 32] << 4));
@@ -467,21 +476,8 @@ inline void quantize_block(float const* x, BlockQ4_K& y) {
 /// -0.5, rdelta 0.1, 15 steps, weights av_x + |x|), 6-bit scales and mins, then the levels again
 /// from the stored scales.
 inline void quantize_block(float const* x, BlockQ5_K& y) {
-  using detail::mul;
-  std::uint8_t L[256], Laux[32];
-  float weights[32], mins[8], scales[8];
-  float max_scale = 0, max_min = 0;
-  for (int j = 0; j < 8; ++j) {
-    float sum_x2 = 0;
-    for (int l = 0; l < 32; ++l) sum_x2 += mul(x[32 * j + l], x[32 * j + l]);
-    float const av_x = std::sqrt(sum_x2 / 32);
-    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
-    scales[j] = detail::make_qkx2_quants(32, 31, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
-                                         -0.5f, 0.1f, 15, false);
-    if (scales[j] > max_scale) max_scale = scales[j];
-    if (mins[j] > max_min) max_min = mins[j];
-  }
-  detail::pack_k_scales(x, scales, mins, max_scale, max_min, y.scales, y.d, y.dmin, L, 31);
+  std::uint8_t L[256];
+  detail::k_scales_and_levels(x, 31, -0.5f, 15, L, y.scales, y.d, y.dmin);
   std::memset(y.qh, 0, sizeof y.qh);
   std::uint8_t m1 = 1, m2 = 2;
   std::uint8_t* ql = y.qs;
