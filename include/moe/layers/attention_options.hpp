@@ -16,9 +16,10 @@ namespace moe {
 
 /// Optional RMSNorm on q and k (after the projections and their biases, before RoPE):
 /// kRmsNorm x r w (Qwen3 q_norm/k_norm, w initialised to 1); kRmsNormOnePlus x r (1 + w)
-/// (Qwen3NextRMSNorm, w initialised to 0); r = 1 / sqrt(mean x^2 + eps) over the slice that
-/// QkNormScope names.
-enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus };
+/// (Qwen3NextRMSNorm, w initialised to 0); kRmsNormUnweighted x r, no parameter (Llama 4's
+/// Llama4TextL2Norm, which transformers applies after RoPE: the same up to rounding, RoPE being
+/// a rotation); r = 1 / sqrt(mean x^2 + eps) over the slice that QkNormScope names.
+enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus, kRmsNormUnweighted };
 
 /// The slice one q/k RMSNorm normalises:
 /// - kPerHead: each head's d_h values, with one [d_h] weight shared by the heads (Qwen3-MoE,
