@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+// The learned reuse-distance predictor and its eviction policy (moe/offload/predictor.hpp).
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <string>
+
+#include "moe/offload/predictor.hpp"
+#include "moe/offload/simulator.hpp"
+#include "moe/offload/synthetic.hpp"
+
+namespace {
+
+using namespace moe::offload;
+
+SyntheticTraceConfig preset(std::uint64_t seed) {
+  SyntheticTraceConfig c = qwen3_30b_a3b_trace_config(1000, seed);
+  c.num_layers = 8;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("The learned eviction beats LRU on the calibrated trace at a 25% budget",
+          "[offload][predictor]") {
+  // Trained on one seed, evaluated on another. docs/offload.md has the 48-layer numbers: the
+  // issue's target (LRU + 5 points) is not reached; this checks the margin reached (+2.5).
+  Trace const train = make_synthetic_trace(preset(2));
+  Trace const test = make_synthetic_trace(preset(1));
+  Trace const* traces[] = {&train};
+  ReusePredictor const p = ReusePredictor::train(traces);
+  auto const g = CacheGeometry::uniform(8, 128, 1, static_cast<std::uint64_t>(0.25 * 8 * 128));
+  SimulationOptions o;
+  o.warmup_tokens = 200;
+  std::vector<moe::Index> const next = next_use_steps(test);
+  double const lru = simulate(test, g, Lru{}, o, next).hit_rate;
+  double const learned = simulate(test, g, LearnedEviction(p), o, next).hit_rate;
+  double const belady = simulate(test, g, Belady{}, o, next).hit_rate;
+  CAPTURE(lru, learned, belady);
+  CHECK(learned >= lru + 0.025);
+  CHECK(learned >= belady - 0.10);
+}
+
+TEST_CASE("Training is deterministic and the predictor file round-trips exactly",
+          "[offload][predictor]") {
+  SyntheticTraceConfig c = preset(3);
+  c.num_layers = 2;
+  c.num_tokens = 300;
+  Trace const t = make_synthetic_trace(c);
+  Trace const* traces[] = {&t};
+  ReusePredictor const a = ReusePredictor::train(traces);
+  ReusePredictor const b = ReusePredictor::train(traces);
+  CHECK(a.weights() == b.weights());
+  ReusePredictor const back = ReusePredictor::from_text(a.to_text());
+  CHECK(back.weights() == a.weights());
+  std::filesystem::create_directories(MOE_OFFLOAD_TEST_TMP);
+  std::string const path = std::string(MOE_OFFLOAD_TEST_TMP) + "/predictor.txt";
+  a.save(path);
+  CHECK(ReusePredictor::load(path).weights() == a.weights());
+  // Too short to train on.
+  c.num_tokens = 10;
+  Trace const tiny = make_synthetic_trace(c);
+  Trace const* few[] = {&tiny};
+  CHECK_THROWS_WITH(ReusePredictor::train(few), Catch::Contains("no training examples"));
+}
+
+TEST_CASE("Malformed predictor files are rejected", "[offload][predictor]") {
+  std::string const good = ReusePredictor().to_text();
+  CHECK_NOTHROW(ReusePredictor::from_text(good));
+  CHECK_THROWS_WITH(ReusePredictor::from_text(""), Catch::Contains("not a moe reuse-predictor"));
+  CHECK_THROWS_WITH(ReusePredictor::from_text("moe-reuse-predictor 2 19\n"),
+                    Catch::Contains("version 2"));
+  CHECK_THROWS_WITH(ReusePredictor::from_text("moe-reuse-predictor 1 3\n1\n2\n3\n"),
+                    Catch::Contains("3 weights"));
+  std::string bad = good;
+  bad.replace(bad.find("0x0p+0"), 6, "nan");
+  CHECK_THROWS_WITH(ReusePredictor::from_text(bad), Catch::Contains("not a finite number"));
+  CHECK_THROWS_WITH(ReusePredictor::from_text(good + "1\n"), Catch::Contains("trailing"));
+  std::string cut = good.substr(0, good.size() - 8);
+  CHECK_THROWS(ReusePredictor::from_text(cut));
+  CHECK_THROWS_WITH(ReusePredictor::load("/no/such/predictor"), Catch::Contains("cannot open"));
+}
