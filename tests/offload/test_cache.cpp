@@ -86,7 +86,7 @@ TEST_CASE("Layer-aware LRU keeps each layer within its share of the budget", "[o
   CHECK(over.resident({1, 5}));
 }
 
-TEMPLATE_TEST_CASE("Pinned experts are never evicted; with every slot pinned a miss bypasses",
+TEMPLATE_TEST_CASE("Pinned experts are never evicted, and with every slot pinned a miss bypasses",
                    "[offload][cache]", Lru, DecayedLfu, LayerAwareLru, Belady, LearnedEviction) {
   ExpertCache<TestType> cache(CacheGeometry::uniform(1, 16, 1, 4));
   TraceRng rng(7);

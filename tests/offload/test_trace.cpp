@@ -119,6 +119,11 @@ TEST_CASE("Malformed trace files are rejected with a clear error", "[offload][tr
   CHECK_THAT(with([](auto& b) { put_u32(b, 12, 0); }), Catch::Contains("num_layers 0"));
   CHECK_THAT(with([](auto& b) { put_u32(b, 16, 70000); }), Catch::Contains("num_experts 70000"));
   CHECK_THAT(with([](auto& b) { put_u32(b, 20, 11); }), Catch::Contains("top_k 11"));
+  CHECK_THAT(with([](auto& b) {
+               put_u32(b, 12, 12584);
+               put_u32(b, 16, 63744);
+             }),
+             Catch::Contains("above the limit of 4194304"));  // found by the fuzzer
   CHECK_THAT(with([](auto& b) { put_u32(b, 24, 1); }), Catch::Contains("num_candidates 1"));
   CHECK_THAT(with([](auto& b) { put_u32(b, 28, 1); }), Catch::Contains("reserved"));
   CHECK_THAT(with([](auto& b) { b.pop_back(); }), Catch::Contains("truncated or corrupt"));

@@ -22,6 +22,11 @@
 
 namespace moe::offload {
 
+/// The most (layer, expert) pairs a trace may have, L x E <= 2^22 (DeepSeek-V3 has 58 x 256 =
+/// 14848): per-expert state of the tools that read traces is O(L E), so a hostile header cannot
+/// make them allocate more than a few tens of MB.
+inline constexpr Index kMaxTraceSlots = Index{1} << 22;
+
 /// The fixed sizes of a trace. Every step (token t, layer l) selects exactly `top_k` distinct
 /// experts among `num_experts`; `num_candidates` (M, 0 = not recorded, else top_k <= M <=
 /// num_experts) is how many of the router's highest-scoring experts each step also records.
@@ -32,12 +37,15 @@ struct TraceShape {
   Index num_candidates = 0;  ///< M, router candidates recorded per step (0, or K <= M <= E)
 
   /// moe::Error naming `where` unless the sizes are within the format's limits (L <= 65536,
-  /// E <= 65536; K and M as above).
+  /// E <= 65536, L E <= kMaxTraceSlots; K and M as above).
   void check(std::string_view where) const {
     moe::detail::check(num_layers >= 1 && num_layers <= 65536, where, ": num_layers ", num_layers,
                        " is not in [1, 65536]");
     moe::detail::check(num_experts >= 1 && num_experts <= 65536, where, ": num_experts ",
                        num_experts, " is not in [1, 65536]");
+    moe::detail::check(num_layers * num_experts <= kMaxTraceSlots, where,
+                       ": num_layers x num_experts = ", num_layers * num_experts,
+                       " is above the limit of ", kMaxTraceSlots, " (layer, expert) pairs");
     moe::detail::check(top_k >= 1 && top_k <= num_experts, where, ": top_k ", top_k,
                        " is not in [1, num_experts = ", num_experts, "]");
     moe::detail::check(
@@ -195,8 +203,9 @@ class Trace {
 ///   40      ...   T * L steps, token-major; each step K x (u16 expert, f32 gate) then
 ///                 M x (u16 candidate, f32 score), i.e. 6 * (K + M) bytes
 ///
-/// The file's size must be exactly 40 + 6 (K + M) L T bytes; expert ids are < E and distinct
-/// within a step's selection (and within its candidates); scores are finite.
+/// L x E is at most kMaxTraceSlots. The file's size must be exactly 40 + 6 (K + M) L T bytes;
+/// expert ids are < E and distinct within a step's selection (and within its candidates); scores
+/// are finite.
 inline constexpr char kTraceMagic[8] = {'M', 'O', 'E', 'T', 'R', 'A', 'C', 'E'};
 inline constexpr std::uint32_t kTraceVersion = 1;
 inline constexpr std::size_t kTraceHeaderBytes = 40;
