@@ -129,12 +129,8 @@ TEMPLATE_TEST_CASE("Pinned experts are never evicted, and with every slot pinned
 }
 
 TEST_CASE("No policy beats Belady's MIN (seeds x budgets x localities)", "[offload][cache]") {
-  SyntheticTraceConfig base;
-  base.num_layers = 3;
-  base.num_experts = 16;
-  base.top_k = 2;
-  base.num_candidates = 6;
-  base.num_tokens = 300;
+  SyntheticTraceConfig const base{
+      .num_layers = 3, .num_experts = 16, .top_k = 2, .num_candidates = 6, .num_tokens = 300};
   Trace const train = [&] {
     SyntheticTraceConfig c = base;
     c.persistence = 0.6;
@@ -172,12 +168,8 @@ TEST_CASE("A uniform random trace gives hit rates near budget / experts", "[offl
   // i.i.d. uniform top-1 selections: every policy that does not see the future hits B / E in
   // expectation. (With top-k > 1 slightly less: a step's own misses evict experts the step's
   // distinct other choices could have hit, about (B - (K - 1) / 2 * miss rate) / E.)
-  SyntheticTraceConfig c;
-  c.num_layers = 2;
-  c.num_experts = 64;
-  c.top_k = 1;
-  c.num_tokens = 20000;
-  c.seed = 5;
+  SyntheticTraceConfig const c{
+      .num_layers = 2, .num_experts = 64, .top_k = 1, .num_tokens = 20000, .seed = 5};
   Trace const t = make_synthetic_trace(c);  // persistence 0, zipf 0: i.i.d. uniform selections
   for (std::uint64_t per_layer : {8u, 16u, 32u}) {
     auto const g = CacheGeometry::uniform(2, 64, 1000, per_layer * 2 * 1000);

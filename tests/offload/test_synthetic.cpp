@@ -37,14 +37,12 @@ std::size_t overlap(std::vector<std::int32_t> const& a, std::vector<std::int32_t
 }
 
 SyntheticTraceConfig small(std::uint64_t seed) {
-  SyntheticTraceConfig c;
-  c.num_layers = 2;
-  c.num_experts = 32;
-  c.top_k = 4;
-  c.num_candidates = 8;
-  c.num_tokens = 2000;
-  c.seed = seed;
-  return c;
+  return {.num_layers = 2,
+          .num_experts = 32,
+          .top_k = 4,
+          .num_candidates = 8,
+          .num_tokens = 2000,
+          .seed = seed};
 }
 
 }  // namespace

@@ -25,15 +25,13 @@ void put_u32(std::vector<unsigned char>& b, std::size_t at, std::uint32_t v) {
 }
 
 Trace small_trace(moe::Index candidates) {
-  moe::offload::SyntheticTraceConfig c;
-  c.num_layers = 3;
-  c.num_experts = 10;
-  c.top_k = 2;
-  c.num_candidates = candidates;
-  c.num_tokens = 7;
-  c.persistence = 0.5;
-  c.seed = 42;
-  return moe::offload::make_synthetic_trace(c);
+  return moe::offload::make_synthetic_trace({.num_layers = 3,
+                                             .num_experts = 10,
+                                             .top_k = 2,
+                                             .num_candidates = candidates,
+                                             .num_tokens = 7,
+                                             .persistence = 0.5,
+                                             .seed = 42});
 }
 
 std::string error_of(std::vector<unsigned char> const& b) {

@@ -35,16 +35,22 @@ inline constexpr std::size_t kReuseFeatures = 19;
 inline constexpr double kReuseDistanceCap = 256.0;
 
 /// Per-expert routing history, updated step by step, and the predictor's features of it.
-/// For expert (l, e) at token t (after observing step (t, l)):
-///   d      tokens since its last selection at layer l (cap if never), "recency"
-///   c_fast decayed selection count, half-life 4 tokens; c_slow likewise, half-life 64 tokens
-///   g, r   gate score and rank (r / K) at its last selection
-///   in_c   whether it is among step (t, l)'s router candidates (top-M); s_c its score there,
-///          r_c its candidate rank / M: the "lookahead score" of a live system (the router's
-///          view of the current token, available before the experts run)
-/// features = [1, ln(1+d), ln(1+c_fast), ln(1+c_slow), g E, r, sel, in_c, in_c ln(s_c E),
-///             in_c (1 - r_c), sel ln(1 + c_slow), in_c ln(1+d), [d == cap], ln(1+d)^2]
-/// where sel = selected at this step. Memory O(L E).
+/// For expert (l, e) as of token t (after observing step (t, l)):
+///   d        tokens since its last selection at layer l (kReuseDistanceCap if never): recency
+///   c4, c64  decayed selection counts, half-lives 4 and 64 tokens: frequency
+///   g, r     gate score (times E) and rank / K at its last selection
+///   sel      1 if selected at this step
+///   in_c     1 if among step (t, l)'s router candidates (the top-M); s_c its score there, r_c
+///            its candidate rank / M. In a live system this is the "lookahead score": the
+///            router's view of the current token, known before the experts run
+///   z2, z8, z32  moving averages (half-lives 2, 8, 32 tokens) over every step of layer l of
+///            ln(score / the step's best score); outside the visible set (the candidates, or the
+///            selection when the trace records none) as the smallest visible minus 1
+///   a8, a32  decayed counts of candidate appearances weighted by 1 - r_c (half-lives 8, 32)
+/// features = [1, ln(1+d), ln(1+c4), ln(1+c64), g, r, sel, in_c, in_c ln(s_c E), in_c (1 - r_c),
+///             sel ln(1+c64), in_c ln(1+d), [d >= cap], ln(1+d)^2, z2, z8, z32, ln(1+a8),
+///             ln(1+a32)]
+/// Memory O(L E); observe is O(E + K + M) per step, features O(1).
 class ReuseTracker {
  public:
   void reset(Index num_layers, Index num_experts, Index top_k, Index num_candidates) {
@@ -53,18 +59,7 @@ class ReuseTracker {
     K_ = top_k;
     M_ = num_candidates;
     auto const n = static_cast<std::size_t>(L_ * E_);
-    last_use_.assign(n, -1);
-    fast_.assign(n, 0.0);
-    slow_.assign(n, 0.0);
-    count_token_.assign(n, 0);
-    gate_.assign(n, 0.0f);
-    rank_.assign(n, 0);
-    cand_token_.assign(n, -1);
-    cand_score_.assign(n, 0.0f);
-    cand_rank_.assign(n, 0);
-    cand_short_.assign(n, 0.0);
-    cand_long_.assign(n, 0.0);
-    cand_ema_token_.assign(n, 0);
+    history_.assign(n, SlotHistory{});
     for (auto& z : zhat_) z.assign(n, 0.0);
     zhat_steps_.assign(static_cast<std::size_t>(L_), 0);
     visible_.assign(static_cast<std::size_t>(E_), 0.0);
@@ -72,77 +67,86 @@ class ReuseTracker {
   /// Records step (token, layer): its selections and candidates.
   void observe(TraceRecord const& r) {
     for (std::size_t j = 0; j < r.experts.size(); ++j) {
-      std::size_t const s = slot(r.layer, r.experts[j]);
-      fast_[s] = decayed(fast_[s], r.token - count_token_[s], kFastHalfLife) + 1.0;
-      slow_[s] = decayed(slow_[s], r.token - count_token_[s], kSlowHalfLife) + 1.0;
-      count_token_[s] = r.token;
-      last_use_[s] = r.token;
-      gate_[s] = r.gates[j];
-      rank_[s] = static_cast<std::int32_t>(j);
+      SlotHistory& h = history_[slot(r.layer, r.experts[j])];
+      h.count4 = decayed(h.count4, r.token - h.count_token, 4.0) + 1.0;
+      h.count64 = decayed(h.count64, r.token - h.count_token, 64.0) + 1.0;
+      h.count_token = r.token;
+      h.last_use = r.token;
+      h.gate = r.gates[j];
+      h.rank = static_cast<std::int32_t>(j);
     }
     for (std::size_t j = 0; j < r.candidates.size(); ++j) {
-      std::size_t const s = slot(r.layer, r.candidates[j]);
-      cand_token_[s] = r.token;
-      cand_score_[s] = r.candidate_scores[j];
-      cand_rank_[s] = static_cast<std::int32_t>(j);
+      SlotHistory& h = history_[slot(r.layer, r.candidates[j])];
+      h.cand_token = r.token;
+      h.cand_score = r.candidate_scores[j];
+      h.cand_rank = static_cast<std::int32_t>(j);
       double const evidence =
           1.0 - static_cast<double>(j) / static_cast<double>(r.candidates.size());
-      cand_short_[s] = decayed(cand_short_[s], r.token - cand_ema_token_[s], 8.0) + evidence;
-      cand_long_[s] = decayed(cand_long_[s], r.token - cand_ema_token_[s], 32.0) + evidence;
-      cand_ema_token_[s] = r.token;
+      h.appear8 = decayed(h.appear8, r.token - h.appear_token, 8.0) + evidence;
+      h.appear32 = decayed(h.appear32, r.token - h.appear_token, 32.0) + evidence;
+      h.appear_token = r.token;
     }
     update_score_averages(r);
   }
   /// The token at which expert (layer, expert) was last selected (-1: never).
-  Index last_use(Index layer, Index expert) const { return last_use_[slot(layer, expert)]; }
+  Index last_use(Index layer, Index expert) const { return history_[slot(layer, expert)].last_use; }
   /// The features of expert (layer, expert) as of token `token` (see the class comment).
   std::array<double, kReuseFeatures> features(Index layer, Index expert, Index token) const {
     std::size_t const s = slot(layer, expert);
-    bool const used = last_use_[s] >= 0;
-    double const d = used ? std::min(kReuseDistanceCap, static_cast<double>(token - last_use_[s]))
+    SlotHistory const& h = history_[s];
+    bool const used = h.last_use >= 0;
+    double const d = used ? std::min(kReuseDistanceCap, static_cast<double>(token - h.last_use))
                           : kReuseDistanceCap;
     double const ld = std::log1p(d);
-    double const cf = decayed(fast_[s], token - count_token_[s], kFastHalfLife);
-    double const cs = decayed(slow_[s], token - count_token_[s], kSlowHalfLife);
-    double const sel = used && last_use_[s] == token ? 1.0 : 0.0;
-    bool const in_c = cand_token_[s] == token;
+    double const c64 = decayed(h.count64, token - h.count_token, 64.0);
+    double const sel = used && h.last_use == token ? 1.0 : 0.0;
+    bool const in_c = h.cand_token == token;
     double const e = static_cast<double>(E_);
-    double const sc =
-        in_c ? std::log(std::max(1e-6, static_cast<double>(cand_score_[s]) * e)) : 0.0;
+    double const sc = in_c ? std::log(std::max(1e-6, static_cast<double>(h.cand_score) * e)) : 0.0;
     double const rc =
-        in_c && M_ > 0 ? 1.0 - static_cast<double>(cand_rank_[s]) / static_cast<double>(M_) : 0.0;
+        in_c && M_ > 0 ? 1.0 - static_cast<double>(h.cand_rank) / static_cast<double>(M_) : 0.0;
     double const ic = in_c ? 1.0 : 0.0;
     return {1.0,
             ld,
-            std::log1p(cf),
-            std::log1p(cs),
-            used ? static_cast<double>(gate_[s]) * e : 0.0,
-            used ? static_cast<double>(rank_[s]) / static_cast<double>(K_) : 1.0,
+            std::log1p(decayed(h.count4, token - h.count_token, 4.0)),
+            std::log1p(c64),
+            used ? static_cast<double>(h.gate) * e : 0.0,
+            used ? static_cast<double>(h.rank) / static_cast<double>(K_) : 1.0,
             sel,
             ic,
             sc,
             rc,
-            sel * std::log1p(cs),
+            sel * std::log1p(c64),
             ic * ld,
             d >= kReuseDistanceCap ? 1.0 : 0.0,
             ld * ld,
             zhat_[0][s],
             zhat_[1][s],
             zhat_[2][s],
-            std::log1p(decayed(cand_short_[s], token - cand_ema_token_[s], 8.0)),
-            std::log1p(decayed(cand_long_[s], token - cand_ema_token_[s], 32.0))};
+            std::log1p(decayed(h.appear8, token - h.appear_token, 8.0)),
+            std::log1p(decayed(h.appear32, token - h.appear_token, 32.0))};
   }
 
  private:
-  static constexpr double kFastHalfLife = 4.0;
-  static constexpr double kSlowHalfLife = 64.0;
+  /// What the tracker remembers of one (layer, expert); counts decay lazily from their token.
+  struct SlotHistory {
+    Index last_use = -1;    // token of the last selection
+    Index count_token = 0;  // token count4 / count64 were last updated
+    double count4 = 0, count64 = 0;
+    float gate = 0.0f;        // at the last selection
+    std::int32_t rank = 0;    // at the last selection
+    Index cand_token = -1;    // token of the last candidate appearance
+    float cand_score = 0.0f;  // there
+    std::int32_t cand_rank = 0;
+    Index appear_token = 0;  // token appear8 / appear32 were last updated
+    double appear8 = 0, appear32 = 0;
+  };
   static double decayed(double c, Index dt, double half_life) {
     return c * std::exp2(-static_cast<double>(dt) / half_life);
   }
   std::size_t slot(Index layer, Index expert) const {
     return static_cast<std::size_t>(layer * E_ + expert);
   }
-  Index L_ = 0, E_ = 0, K_ = 1, M_ = 0;
   /// zhat_[i][slot]: exponential moving averages (half-lives kZhatHalfLives tokens) of the
   /// expert's visible log-score relative to the step's best, ln(score / top score), over every
   /// step of its layer; an expert outside the visible set (the candidates, or the selection when
@@ -175,10 +179,8 @@ class ReuseTracker {
   std::array<std::vector<double>, 3> zhat_;
   std::vector<Index> zhat_steps_;
   std::vector<double> visible_;
-  std::vector<Index> last_use_, count_token_, cand_token_, cand_ema_token_;
-  std::vector<double> fast_, slow_, cand_short_, cand_long_;
-  std::vector<float> gate_, cand_score_;
-  std::vector<std::int32_t> rank_, cand_rank_;
+  std::vector<SlotHistory> history_;
+  Index L_ = 0, E_ = 0, K_ = 1, M_ = 0;
 };
 
 /// The learned reuse-distance model: predicted ln(1 + next-use distance in tokens) =

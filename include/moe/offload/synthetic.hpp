@@ -259,23 +259,20 @@ inline Trace make_synthetic_trace(SyntheticTraceConfig const& config) {
 /// warm-up (tests/offload check these within tolerances; docs/offload.md has the numbers).
 inline SyntheticTraceConfig qwen3_30b_a3b_trace_config(Index num_tokens = 2000,
                                                        std::uint64_t seed = 1) {
-  SyntheticTraceConfig c;
-  c.num_layers = 48;
-  c.num_experts = 128;
-  c.top_k = 8;
-  c.num_candidates = 32;
-  c.num_tokens = num_tokens;
-  c.reuse_probability = 0.45;
-  c.zipf_exponent = 0.6;
-  c.slow_fraction = 0.5;
-  c.slow_persistence = 0.99;
-  c.topic_period = 0;
-  c.seed = seed;
-  return c;
+  return {.num_layers = 48,
+          .num_experts = 128,
+          .top_k = 8,
+          .num_candidates = 32,
+          .num_tokens = num_tokens,
+          .reuse_probability = 0.45,
+          .zipf_exponent = 0.6,
+          .slow_fraction = 0.5,
+          .slow_persistence = 0.99,
+          .seed = seed};
 }
 
-/// Locality of a trace, per layer and pooled (reuse distance = tokens since the same expert was
-/// last selected at the same layer).
+/// Locality of a trace, pooled over its layers (reuse distance = tokens since the same expert
+/// was last selected at the same layer).
 struct LocalityStats {
   double next_token_repeat = 0;  ///< fraction of selections at t >= 1 also selected at t - 1
   double within_8_repeat = 0;    ///< fraction of selections at t >= 8 selected in [t - 8, t - 1]
