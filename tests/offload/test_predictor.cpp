@@ -79,3 +79,14 @@ TEST_CASE("Malformed predictor files are rejected", "[offload][predictor]") {
   CHECK_THROWS(ReusePredictor::from_text(cut));
   CHECK_THROWS_WITH(ReusePredictor::load("/no/such/predictor"), Catch::Contains("cannot open"));
 }
+
+TEST_CASE("The learned eviction works without begin_step (recency alone)", "[offload][predictor]") {
+  ExpertCache<LearnedEviction> cache(CacheGeometry::uniform(2, 8, 1, 3));
+  for (moe::Index i = 0; i < 40; ++i) {
+    ExpertKey const key{static_cast<std::int32_t>(i % 2), static_cast<std::int32_t>(i % 7)};
+    AccessOutcome const o = cache.access(key, {i, i / 2, 0, 1.0f});
+    REQUIRE(o != AccessOutcome::kBypass);
+    cache.unpin(key);
+    REQUIRE(cache.resident_bytes() <= 3);
+  }
+}

@@ -232,6 +232,7 @@ class DecayedLfu {
 /// miss at layer l evicts layer l's least recently used expert when l is at or over its quota,
 /// else the least recently used expert of the layer most over its quota (so one layer's burst
 /// of misses cannot empty the others). Falls back to any layer with an unpinned resident.
+/// reset(g) keeps a pointer to `g` (ExpertCache passes its own geometry, which outlives it).
 class LayerAwareLru {
  public:
   static constexpr std::string_view name() { return "layer-lru"; }

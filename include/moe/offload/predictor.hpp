@@ -363,6 +363,9 @@ class LearnedEviction {
     position_.assign(key_.size(), 0);
     order_.clear();
     num_layers_ = g.num_layers;
+    // Sized now so that a cache whose owner never calls begin_step still works (on recency
+    // alone); the first step re-sizes it to the routing's top-k and candidates.
+    tracker_.reset(num_layers_, E_, 1, 0);
   }
   void on_step(StepContext const& ctx) {
     TraceRecord const& r = ctx.record;
