@@ -8,8 +8,10 @@
 //                 [--seed S] [--write-trace FILE] [--train-predictor OUT | --predictor FILE]
 //                 [--train-trace FILE]
 //
-// The learned policy needs a predictor: --predictor FILE loads one; otherwise one is trained
-// (and saved with --train-predictor OUT) on --train-trace FILE, or for a preset on the same
+// Synthetic traces also get an "oracle" row (LatentOracle: evicts by the generator's expected
+// next-token logits, which no real system knows): how far any predictor of the next routing
+// could go. The learned policy needs a predictor: --predictor FILE loads one; otherwise one is
+// trained (and saved with --train-predictor OUT) on --train-trace FILE, or for a preset on the same
 // preset drawn with seed + 1, or else on the replayed trace itself (optimistic: said in the
 // output). Errors: one line on stderr, exit status 1; a bad or unknown argument: exit status 2.
 #include <cmath>
@@ -218,12 +220,13 @@ int main(int argc, char** argv) {
     off::Trace trace;
     std::string source;
     std::optional<off::SyntheticTraceConfig> config;
+    std::vector<float> latent;  // a synthetic trace's expected next-token logits (LatentOracle)
     if (!a.trace.empty()) {
       trace = off::read_trace(a.trace);
       source = a.trace;
     } else {
       config = preset_config(a, a.seed);
-      trace = off::make_synthetic_trace(*config);
+      trace = off::make_synthetic_trace(*config, &latent);
       source = "synthetic " + a.preset + " (seed " + std::to_string(a.seed) + ")";
     }
     if (!a.write_trace.empty()) off::write_trace(a.write_trace, trace);
@@ -289,6 +292,7 @@ int main(int argc, char** argv) {
       row(trace, g, off::DecayedLfu{}, o, next, label);
       row(trace, g, off::LayerAwareLru{}, o, next, label);
       row(trace, g, off::LearnedEviction(predictor), o, next, label);
+      if (!latent.empty()) row(trace, g, off::LatentOracle(latent), o, next, label);
       row(trace, g, off::Belady{}, o, next, label);
     }
     return 0;

@@ -17,7 +17,7 @@ run(--layers 4 --tokens 400 --warmup 50 --budgets 25%,64MiB --write-trace ${WORK
 if(NOT rc STREQUAL "0")
   message(FATAL_ERROR "moe_cache_sim preset run: exit ${rc}\n${out}\n${err}")
 endif()
-foreach(policy lru lfu layer-lru learned belady)
+foreach(policy lru lfu layer-lru learned oracle belady)
   if(NOT out MATCHES "\n25% \\([0-9.]+ GiB\\) +${policy} +0\\.[0-9]+ ")
     message(FATAL_ERROR "moe_cache_sim: no 25% row for ${policy}:\n${out}")
   endif()

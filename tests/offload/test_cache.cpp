@@ -147,7 +147,8 @@ TEST_CASE("No policy beats Belady's MIN (seeds x budgets x localities)", "[offlo
       c.persistence = rho;
       c.zipf_exponent = seed % 2 ? 1.0 : 0.0;
       c.topic_period = seed == 3 ? 50 : 0;
-      Trace const t = make_synthetic_trace(c);
+      std::vector<float> latent;
+      Trace const t = make_synthetic_trace(c, &latent);
       std::vector<moe::Index> const next = next_use_steps(t);
       for (std::uint64_t slots : {2u, 5u, 12u, 24u, 40u}) {
         CAPTURE(seed, rho, slots);
@@ -159,6 +160,7 @@ TEST_CASE("No policy beats Belady's MIN (seeds x budgets x localities)", "[offlo
         CHECK(simulate(t, g, DecayedLfu{}, o, next).hits <= best);
         CHECK(simulate(t, g, LayerAwareLru{}, o, next).hits <= best);
         CHECK(simulate(t, g, LearnedEviction(predictor), o, next).hits <= best);
+        CHECK(simulate(t, g, LatentOracle(latent), o, next).hits <= best);
       }
     }
   }

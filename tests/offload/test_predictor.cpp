@@ -40,6 +40,32 @@ TEST_CASE("The learned eviction beats LRU on the calibrated trace at a 25% budge
   CHECK(learned >= belady - 0.10);
 }
 
+TEST_CASE("The learned eviction is close to an oracle of the generator's hidden state",
+          "[offload][predictor]") {
+  // LatentOracle evicts by E[next-token logit] given the generator's latents: no online policy
+  // knows more about the next routing. On this trace it reaches about LRU + 4 points, which is
+  // why the issue's LRU + 5 is out of reach here (docs/offload.md).
+  Trace const train = make_synthetic_trace(preset(2));
+  std::vector<float> latent;
+  Trace const test = make_synthetic_trace(preset(1), &latent);
+  CHECK(test == make_synthetic_trace(preset(1)));  // recording the latents changes nothing
+  Trace const* traces[] = {&train};
+  ReusePredictor const p = ReusePredictor::train(traces);
+  auto const g = CacheGeometry::uniform(8, 128, 1, static_cast<std::uint64_t>(0.25 * 8 * 128));
+  SimulationOptions o;
+  o.warmup_tokens = 200;
+  std::vector<moe::Index> const next = next_use_steps(test);
+  double const lru = simulate(test, g, Lru{}, o, next).hit_rate;
+  double const learned = simulate(test, g, LearnedEviction(p), o, next).hit_rate;
+  double const oracle = simulate(test, g, LatentOracle(latent), o, next).hit_rate;
+  double const belady = simulate(test, g, Belady{}, o, next).hit_rate;
+  CAPTURE(lru, learned, oracle, belady);
+  CHECK(oracle > learned);
+  CHECK(oracle < belady);
+  CHECK(oracle < lru + 0.05);
+  CHECK(learned >= oracle - 0.02);
+}
+
 TEST_CASE("Training is deterministic and the predictor file round-trips exactly",
           "[offload][predictor]") {
   SyntheticTraceConfig c = preset(3);

@@ -340,6 +340,68 @@ class Belady {
   std::vector<std::uint32_t> const* pins_ = nullptr;
 };
 
+/// An offline reference, not a deployable policy: given a score for every step and expert,
+/// score[(t L + l) E + e] with higher meaning "needed sooner" (make_synthetic_trace's expected
+/// next-token logits: what an oracle of the generator's hidden state knows), evicts the resident
+/// unpinned expert with the lowest score as of its layer's latest step. It shows how much of the
+/// gap between an online policy and Belady any predictor of the next routing could close. The
+/// scores must cover every step replayed and outlive the policy. O(resident of the layer) per
+/// step, O(log n) per access.
+class LatentOracle {
+ public:
+  explicit LatentOracle(std::span<float const> scores = {}) : scores_(scores) {}
+  static constexpr std::string_view name() { return "oracle"; }
+  void reset(CacheGeometry const& g) {
+    E_ = g.num_experts;
+    key_.assign(static_cast<std::size_t>(g.num_slots()), 0.0f);
+    step_.assign(static_cast<std::size_t>(g.num_layers), -1);
+    resident_.assign(static_cast<std::size_t>(g.num_layers), {});
+    order_.clear();
+  }
+  void on_step(StepContext const& ctx) {
+    moe::detail::check(static_cast<std::size_t>((ctx.step + 1) * E_) <= scores_.size(),
+                       "moe::offload::LatentOracle: no scores for step ", ctx.step);
+    step_[static_cast<std::size_t>(ctx.record.layer)] = ctx.step;
+    for (Index const s : resident_[static_cast<std::size_t>(ctx.record.layer)]) refresh(s);
+  }
+  void on_hit(Index s, AccessContext const&) { refresh(s); }
+  bool admit(Index, AccessContext const&) { return true; }
+  void on_insert(Index s, AccessContext const&) {
+    resident_[static_cast<std::size_t>(s / E_)].push_back(s);
+    key_[u(s)] = score(s);
+    order_.insert({key_[u(s)], s});
+  }
+  void on_evict(Index s) {
+    order_.erase({key_[u(s)], s});
+    auto& list = resident_[static_cast<std::size_t>(s / E_)];
+    list.erase(std::find(list.begin(), list.end(), s));
+  }
+  Index victim(Index, std::span<std::uint32_t const> pins) const {
+    for (auto const& [key, s] : order_)
+      if (pins[u(s)] == 0) return s;
+    return -1;
+  }
+
+ private:
+  static std::size_t u(Index s) { return static_cast<std::size_t>(s); }
+  float score(Index s) const {
+    Index const step = step_[static_cast<std::size_t>(s / E_)];
+    return step < 0 ? -std::numeric_limits<float>::infinity()
+                    : scores_[static_cast<std::size_t>(step * E_ + s % E_)];
+  }
+  void refresh(Index s) {
+    order_.erase({key_[u(s)], s});
+    key_[u(s)] = score(s);
+    order_.insert({key_[u(s)], s});
+  }
+  std::span<float const> scores_;
+  Index E_ = 1;
+  std::vector<float> key_;
+  std::vector<Index> step_;
+  std::vector<std::vector<Index>> resident_;
+  std::set<std::pair<float, Index>> order_;
+};
+
 /// The result of ExpertCache::access.
 enum class AccessOutcome {
   kHit,     ///< resident: no read; now pinned
@@ -451,5 +513,6 @@ static_assert(EvictionPolicy<Lru>);
 static_assert(EvictionPolicy<DecayedLfu>);
 static_assert(EvictionPolicy<LayerAwareLru>);
 static_assert(EvictionPolicy<Belady>);
+static_assert(EvictionPolicy<LatentOracle>);
 
 }  // namespace moe::offload

@@ -167,6 +167,11 @@ class SyntheticLayer {
     zmax_ = zmax;
   }
   std::int32_t ranked(std::size_t r) const { return order_[r]; }
+  /// E[z[t + 1, e] | the latents now] (popularity as of now: a topic switch is not foreseen).
+  double expected_next(std::size_t e) const {
+    return bias_[e] + std::sqrt(1.0 - c_.slow_fraction) * rho_ * fast_[e] +
+           std::sqrt(c_.slow_fraction) * c_.slow_persistence * slow_[e];
+  }
   float score(std::int32_t e) const {
     return static_cast<float>(std::exp(z_[static_cast<std::size_t>(e)] - zmax_) * inv_sum_);
   }
@@ -220,7 +225,11 @@ inline double synthetic_persistence(SyntheticTraceConfig const& config) {
 /// A synthetic trace drawn as SyntheticTraceConfig describes: T tokens of L layers, each
 /// selecting K of E experts, with M candidates when num_candidates > 0. Deterministic: the same
 /// config (seed included) gives the same trace. Cost O(T L E) time, O(T L (K + M)) memory.
-inline Trace make_synthetic_trace(SyntheticTraceConfig const& config) {
+/// With `expected_next_logits`, also what an oracle of the generator's hidden state knows: for
+/// every step (t, l) and expert e, E[z[t + 1, e]] given the latents at t, [T, L, E] (the input
+/// of LatentOracle, an offline reference for online policies; O(T L E) memory).
+inline Trace make_synthetic_trace(SyntheticTraceConfig const& config,
+                                  std::vector<float>* expected_next_logits = nullptr) {
   config.check();
   double const rho = synthetic_persistence(config);
   TraceRng rng(config.seed);
@@ -233,6 +242,10 @@ inline Trace make_synthetic_trace(SyntheticTraceConfig const& config) {
   auto const m = static_cast<std::size_t>(config.num_candidates);
   std::vector<std::int32_t> ids(k), cids(m);
   std::vector<float> gates(k), scores(m);
+  if (expected_next_logits != nullptr)
+    expected_next_logits->assign(
+        static_cast<std::size_t>(config.num_tokens * config.num_layers * config.num_experts), 0.0f);
+  float* oracle = expected_next_logits != nullptr ? expected_next_logits->data() : nullptr;
   for (Index t = 0; t < config.num_tokens; ++t) {
     bool const topic = config.topic_period > 0 && t > 0 && t % config.topic_period == 0;
     for (auto& layer : layers) {
@@ -247,6 +260,10 @@ inline Trace make_synthetic_trace(SyntheticTraceConfig const& config) {
         scores[r] = layer.score(cids[r]);
       }
       trace.append(ids, gates, cids, scores);
+      if (oracle != nullptr) {
+        for (std::size_t e = 0; e < static_cast<std::size_t>(config.num_experts); ++e)
+          *oracle++ = static_cast<float>(layer.expected_next(e));
+      }
     }
   }
   return trace;
