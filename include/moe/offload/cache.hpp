@@ -151,6 +151,62 @@ class SlotList {
   Index head_ = -1, tail_ = -1;
 };
 
+/// Resident slots ordered by a key (ties to the lower slot), with each layer's residents listed:
+/// the bookkeeping of the policies that evict the smallest or the largest key. O(log n) per
+/// change, O(1) per layer listing.
+class KeyedSlots {
+ public:
+  void reset(Index num_layers, Index num_experts) {
+    E_ = num_experts;
+    key_.assign(static_cast<std::size_t>(num_layers * num_experts), 0.0);
+    position_.assign(key_.size(), 0);
+    layers_.assign(static_cast<std::size_t>(num_layers), {});
+    order_.clear();
+  }
+  void insert(Index s, double key) {
+    auto& list = layers_[static_cast<std::size_t>(s / E_)];
+    position_[u(s)] = list.size();
+    list.push_back(s);
+    key_[u(s)] = key;
+    order_.insert({key, s});
+  }
+  void erase(Index s) {
+    order_.erase({key_[u(s)], s});
+    auto& list = layers_[static_cast<std::size_t>(s / E_)];
+    std::size_t const p = position_[u(s)];
+    list[p] = list.back();
+    position_[u(list[p])] = p;
+    list.pop_back();
+  }
+  void rekey(Index s, double key) {
+    order_.erase({key_[u(s)], s});
+    key_[u(s)] = key;
+    order_.insert({key, s});
+  }
+  /// The residents of layer `layer` (in no particular order).
+  std::span<Index const> layer(Index layer) const {
+    return layers_[static_cast<std::size_t>(layer)];
+  }
+  Index smallest_unpinned(std::span<std::uint32_t const> pins) const {
+    for (auto const& [key, s] : order_)
+      if (pins[u(s)] == 0) return s;
+    return -1;
+  }
+  Index largest_unpinned(std::span<std::uint32_t const> pins) const {
+    for (auto it = order_.rbegin(); it != order_.rend(); ++it)
+      if (pins[u(it->second)] == 0) return it->second;
+    return -1;
+  }
+
+ private:
+  static std::size_t u(Index s) { return static_cast<std::size_t>(s); }
+  Index E_ = 1;
+  std::vector<double> key_;
+  std::vector<std::size_t> position_;
+  std::vector<std::vector<Index>> layers_;
+  std::set<std::pair<double, Index>> order_;
+};
+
 }  // namespace detail
 
 /// Least recently used: evicts the resident unpinned expert accessed longest ago (any layer).
@@ -192,40 +248,31 @@ class DecayedLfu {
     lambda_ = std::log(2.0) / (half_life_ * static_cast<double>(g.num_layers));  // per step
     count_.assign(static_cast<std::size_t>(g.num_slots()), 0.0);
     last_.assign(count_.size(), 0);
-    key_.assign(count_.size(), 0.0);
-    order_.clear();
+    residents_.reset(g.num_layers, g.num_experts);
   }
   void on_step(StepContext const&) {}
-  void on_hit(Index s, AccessContext const& a) {
-    order_.erase({key_[u(s)], s});
-    bump(s, a.step);
-    order_.insert({key_[u(s)], s});
-  }
+  void on_hit(Index s, AccessContext const& a) { residents_.rekey(s, bump(s, a.step)); }
   bool admit(Index, AccessContext const&) { return true; }
-  void on_insert(Index s, AccessContext const& a) {
-    bump(s, a.step);
-    order_.insert({key_[u(s)], s});
-  }
-  void on_evict(Index s) { order_.erase({key_[u(s)], s}); }
+  void on_insert(Index s, AccessContext const& a) { residents_.insert(s, bump(s, a.step)); }
+  void on_evict(Index s) { residents_.erase(s); }
   Index victim(Index, std::span<std::uint32_t const> pins) const {
-    for (auto const& [key, s] : order_)
-      if (pins[u(s)] == 0) return s;
-    return -1;
+    return residents_.smallest_unpinned(pins);
   }
 
  private:
   static std::size_t u(Index s) { return static_cast<std::size_t>(s); }
-  void bump(Index s, Index step) {
+  /// Counts a use at `step`; returns the expert's new key.
+  double bump(Index s, Index step) {
     double& c = count_[u(s)];
     c = c * std::exp(-lambda_ * static_cast<double>(step - last_[u(s)])) + 1.0;
     last_[u(s)] = step;
-    key_[u(s)] = std::log(c) + lambda_ * static_cast<double>(step);
+    return std::log(c) + lambda_ * static_cast<double>(step);
   }
   double half_life_;
   double lambda_ = 0;
-  std::vector<double> count_, key_;
+  std::vector<double> count_;
   std::vector<Index> last_;
-  std::set<std::pair<double, Index>> order_;
+  detail::KeyedSlots residents_;
 };
 
 /// Layer-aware LRU: each layer has a quota, budget * (layer's bytes / all experts' bytes); a
@@ -353,53 +400,33 @@ class LatentOracle {
   static constexpr std::string_view name() { return "oracle"; }
   void reset(CacheGeometry const& g) {
     E_ = g.num_experts;
-    key_.assign(static_cast<std::size_t>(g.num_slots()), 0.0f);
     step_.assign(static_cast<std::size_t>(g.num_layers), -1);
-    resident_.assign(static_cast<std::size_t>(g.num_layers), {});
-    order_.clear();
+    residents_.reset(g.num_layers, g.num_experts);
   }
   void on_step(StepContext const& ctx) {
     moe::detail::check(static_cast<std::size_t>((ctx.step + 1) * E_) <= scores_.size(),
                        "moe::offload::LatentOracle: no scores for step ", ctx.step);
     step_[static_cast<std::size_t>(ctx.record.layer)] = ctx.step;
-    for (Index const s : resident_[static_cast<std::size_t>(ctx.record.layer)]) refresh(s);
+    for (Index const s : residents_.layer(ctx.record.layer)) residents_.rekey(s, score(s));
   }
-  void on_hit(Index s, AccessContext const&) { refresh(s); }
+  void on_hit(Index s, AccessContext const&) { residents_.rekey(s, score(s)); }
   bool admit(Index, AccessContext const&) { return true; }
-  void on_insert(Index s, AccessContext const&) {
-    resident_[static_cast<std::size_t>(s / E_)].push_back(s);
-    key_[u(s)] = score(s);
-    order_.insert({key_[u(s)], s});
-  }
-  void on_evict(Index s) {
-    order_.erase({key_[u(s)], s});
-    auto& list = resident_[static_cast<std::size_t>(s / E_)];
-    list.erase(std::find(list.begin(), list.end(), s));
-  }
+  void on_insert(Index s, AccessContext const&) { residents_.insert(s, score(s)); }
+  void on_evict(Index s) { residents_.erase(s); }
   Index victim(Index, std::span<std::uint32_t const> pins) const {
-    for (auto const& [key, s] : order_)
-      if (pins[u(s)] == 0) return s;
-    return -1;
+    return residents_.smallest_unpinned(pins);
   }
 
  private:
-  static std::size_t u(Index s) { return static_cast<std::size_t>(s); }
-  float score(Index s) const {
+  double score(Index s) const {
     Index const step = step_[static_cast<std::size_t>(s / E_)];
-    return step < 0 ? -std::numeric_limits<float>::infinity()
-                    : scores_[static_cast<std::size_t>(step * E_ + s % E_)];
-  }
-  void refresh(Index s) {
-    order_.erase({key_[u(s)], s});
-    key_[u(s)] = score(s);
-    order_.insert({key_[u(s)], s});
+    return step < 0 ? -std::numeric_limits<double>::infinity()
+                    : static_cast<double>(scores_[static_cast<std::size_t>(step * E_ + s % E_)]);
   }
   std::span<float const> scores_;
   Index E_ = 1;
-  std::vector<float> key_;
   std::vector<Index> step_;
-  std::vector<std::vector<Index>> resident_;
-  std::set<std::pair<float, Index>> order_;
+  detail::KeyedSlots residents_;
 };
 
 /// The result of ExpertCache::access.

@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -356,71 +355,45 @@ class LearnedEviction {
   explicit LearnedEviction(ReusePredictor predictor = {}) : predictor_(std::move(predictor)) {}
   static constexpr std::string_view name() { return "learned"; }
   void reset(CacheGeometry const& g) {
+    L_ = g.num_layers;
     E_ = g.num_experts;
     initialized_ = false;
-    key_.assign(static_cast<std::size_t>(g.num_slots()), 0.0);
-    resident_.assign(static_cast<std::size_t>(g.num_layers), {});
-    position_.assign(key_.size(), 0);
-    order_.clear();
-    num_layers_ = g.num_layers;
+    residents_.reset(g.num_layers, g.num_experts);
     // Sized now so that a cache whose owner never calls begin_step still works (on recency
     // alone); the first step re-sizes it to the routing's top-k and candidates.
-    tracker_.reset(num_layers_, E_, 1, 0);
+    tracker_.reset(L_, E_, 1, 0);
   }
   void on_step(StepContext const& ctx) {
     TraceRecord const& r = ctx.record;
     if (!initialized_) {
-      tracker_.reset(num_layers_, E_, static_cast<Index>(r.experts.size()),
+      tracker_.reset(L_, E_, static_cast<Index>(r.experts.size()),
                      static_cast<Index>(r.candidates.size()));
       initialized_ = true;
     }
     tracker_.observe(r);
     token_ = r.token;
-    for (Index const s : resident_[static_cast<std::size_t>(r.layer)]) refresh(s);
+    for (Index const s : residents_.layer(r.layer)) residents_.rekey(s, predicted_next(s));
   }
-  void on_hit(Index s, AccessContext const&) { refresh(s); }
+  void on_hit(Index s, AccessContext const&) { residents_.rekey(s, predicted_next(s)); }
   bool admit(Index, AccessContext const&) { return true; }
-  void on_insert(Index s, AccessContext const&) {
-    auto& list = resident_[static_cast<std::size_t>(s / E_)];
-    position_[u(s)] = list.size();
-    list.push_back(s);
-    key_[u(s)] = predicted_next(s);
-    order_.insert({key_[u(s)], s});
-  }
-  void on_evict(Index s) {
-    order_.erase({key_[u(s)], s});
-    auto& list = resident_[static_cast<std::size_t>(s / E_)];
-    std::size_t const p = position_[u(s)];
-    list[p] = list.back();
-    position_[u(list[p])] = p;
-    list.pop_back();
-  }
+  void on_insert(Index s, AccessContext const&) { residents_.insert(s, predicted_next(s)); }
+  void on_evict(Index s) { residents_.erase(s); }
   Index victim(Index, std::span<std::uint32_t const> pins) const {
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it)
-      if (pins[u(it->second)] == 0) return it->second;
-    return -1;
+    return residents_.largest_unpinned(pins);
   }
   ReusePredictor const& predictor() const { return predictor_; }
 
  private:
-  static std::size_t u(Index s) { return static_cast<std::size_t>(s); }
+  /// The predicted token of the next use: now + e^y - 1 (y clamped to [0, 10]).
   double predicted_next(Index s) const {
     double const y = predictor_.predict(tracker_.features(s / E_, s % E_, token_));
     return static_cast<double>(token_) + std::expm1(std::clamp(y, 0.0, 10.0));
   }
-  void refresh(Index s) {
-    order_.erase({key_[u(s)], s});
-    key_[u(s)] = predicted_next(s);
-    order_.insert({key_[u(s)], s});
-  }
   ReusePredictor predictor_;
   ReuseTracker tracker_;
   bool initialized_ = false;
-  Index E_ = 1, num_layers_ = 0, token_ = 0;
-  std::vector<double> key_;
-  std::vector<std::vector<Index>> resident_;
-  std::vector<std::size_t> position_;
-  std::set<std::pair<double, Index>> order_;
+  Index L_ = 0, E_ = 1, token_ = 0;
+  detail::KeyedSlots residents_;
 };
 
 static_assert(EvictionPolicy<LearnedEviction>);
