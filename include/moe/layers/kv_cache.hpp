@@ -65,6 +65,12 @@ class KvCache {
                              KvFormat format = KvFormat::kF32) {
     return KvCache(sequences, key_dim, value_dim, capacity, format, 0);
   }
+  /// Rows of key_dim values and no separate values (value_dim() == 0): a layer whose values are
+  /// part of its key rows (MlaAttention's latent cache: [c^ | k_pe] a token, the values c^).
+  static KvCache keys_only(Index sequences, Index key_dim, Index capacity = 0,
+                           KvFormat format = KvFormat::kF32) {
+    return KvCache(sequences, key_dim, 0, capacity, format, 0);
+  }
 
   Index sequences() const { return static_cast<Index>(length_.size()); }
   /// Key width (GatedAttention: also the value width).
@@ -230,10 +236,10 @@ class KvCache {
   KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, KvFormat format,
           Index window)
       : key_dim_(key_dim), value_dim_(value_dim), window_(window), format_(format) {
-    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 1 && capacity >= 0 && window >= 0,
+    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 0 && capacity >= 0 && window >= 0,
                   "KvCache: sequences = ", sequences, ", key width = ", key_dim,
                   ", value width = ", value_dim, ", capacity = ", capacity, ", window = ", window,
-                  "; the widths must be >= 1 and the others >= 0");
+                  "; the key width must be >= 1 and the others >= 0 (value width 0: keys_only)");
     length_.assign(static_cast<std::size_t>(sequences), 0);
     first_.assign(static_cast<std::size_t>(sequences), 0);
     reserve(capacity);
