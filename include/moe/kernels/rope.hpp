@@ -178,4 +178,24 @@ inline void rope_backward_interleaved(float* dx, float const* cos_t, float const
   }
 }
 
+/// rope_apply_interleaved when `interleaved`, else rope_apply (a layer's configured layout).
+inline void rope_rotate(float* x, float const* cos_t, float const* sin_t, Index rotary_dim,
+                        bool interleaved) {
+  if (interleaved) {
+    rope_apply_interleaved(x, cos_t, sin_t, rotary_dim);
+  } else {
+    rope_apply(x, cos_t, sin_t, rotary_dim);
+  }
+}
+
+/// The backward of rope_rotate.
+inline void rope_rotate_backward(float* dx, float const* cos_t, float const* sin_t,
+                                 Index rotary_dim, bool interleaved) {
+  if (interleaved) {
+    rope_backward_interleaved(dx, cos_t, sin_t, rotary_dim);
+  } else {
+    rope_backward(dx, cos_t, sin_t, rotary_dim);
+  }
+}
+
 }  // namespace moe::kernels

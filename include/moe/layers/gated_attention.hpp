@@ -216,9 +216,7 @@ class GatedAttention {
     /// biases) omitted.
     ParameterList groups() {
       ParameterList list;
-      auto add = [&](char const* name, HugePageVector<float>& v) {
-        if (!v.empty()) list.push_back({name, std::span<float>(v)});
-      };
+      auto add = [&](char const* name, HugePageVector<float>& v) { list.add_if_present(name, v); };
       add("q_proj.weight", q_proj);
       add("q_proj.bias", q_bias);
       add("gate_proj.weight", gate_proj);
@@ -233,9 +231,7 @@ class GatedAttention {
       add("sinks", sinks);
       return list;
     }
-    void zero() {
-      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
-    }
+    void zero() { groups().zero(); }
   };
   using Gradients = Parameters;
 
@@ -260,16 +256,7 @@ class GatedAttention {
         "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
         "] and a finite theta >= 1 (a tiny theta overflows the frequencies)");
     kernels::RopeYarn const& y = c.yarn;
-    detail::check(
-        y.factor == 0.0f || (y.factor > 0.0f && std::isfinite(y.factor) && y.beta_fast > 0.0f &&
-                             y.beta_slow > 0.0f && std::isfinite(y.beta_fast) &&
-                             std::isfinite(y.beta_slow) && y.original_max_position >= 1 &&
-                             y.attention_factor >= 0.0f && std::isfinite(y.attention_factor)),
-        "GatedAttention: yarn = {factor ", y.factor, ", beta_fast ", y.beta_fast, ", beta_slow ",
-        y.beta_slow, ", original_max_position ", y.original_max_position, ", attention_factor ",
-        y.attention_factor,
-        "}; YaRN needs a finite factor > 0, positive finite betas, a context >= 1 and "
-        "an attention_factor >= 0 (0: the default), or factor 0 for plain RoPE");
+    detail::check_yarn(y, "GatedAttention");
     kernels::RopeLlama3 const& l3 = c.llama3;
     detail::check(
         l3.factor == 0.0f ||
@@ -543,12 +530,8 @@ class GatedAttention {
                   "GatedAttention::forward_train: the projections' fp32 weights were discarded "
                   "(discard_master_weights); an inference-only layer cannot train");
     Index const T = x.rows, D = c_.d_model;
-    ws.x.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
-    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+    AttentionOptions const o = detail::keep_training_input(x, opt, ws.x, ws.key_mask);
     ws.batch = opt.batch;
-    AttentionOptions o = opt;
-    o.key_mask = ws.key_mask;
     run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
     ws.stamp = {this, T, D, c_.num_heads, c_.head_dim};
   }
@@ -655,18 +638,10 @@ class GatedAttention {
   Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
   /// RoPE of one head vector (rotate-half or interleaved pairs) and its backward.
   void rotate(float* x, float const* cs, float const* sn) const {
-    if (c_.rope_interleaved) {
-      kernels::rope_apply_interleaved(x, cs, sn, c_.rotary_dim);
-    } else {
-      kernels::rope_apply(x, cs, sn, c_.rotary_dim);
-    }
+    kernels::rope_rotate(x, cs, sn, c_.rotary_dim, c_.rope_interleaved);
   }
   void rotate_backward(float* dx, float const* cs, float const* sn) const {
-    if (c_.rope_interleaved) {
-      kernels::rope_backward_interleaved(dx, cs, sn, c_.rotary_dim);
-    } else {
-      kernels::rope_backward(dx, cs, sn, c_.rotary_dim);
-    }
+    kernels::rope_rotate_backward(dx, cs, sn, c_.rotary_dim, c_.rope_interleaved);
   }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
@@ -681,16 +656,7 @@ class GatedAttention {
     detail::check(!p_.q_proj.empty() || discarded_,
                   "GatedAttention: the layer was default-constructed; "
                   "construct it from a GatedAttentionConfig first");
-    detail::check(x.cols == c_.d_model, "GatedAttention: x has ", x.cols,
-                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "GatedAttention: x is not a valid view (rows = ", x.rows,
-                  ", row_stride = ", x.row_stride, ")");
-    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
-                      (y.data || y.rows == 0),
-                  "GatedAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
-                  c_.d_model, "] like x");
-    detail::check_attention_options(opt, x.rows, "GatedAttention");
+    detail::check_attention_call(x, y, c_.d_model, opt, "GatedAttention");
   }
 
   kernels::SdpaParams sdpa_params(GatedAttentionWorkspace const& ws, Index S, Index b, Index h,
@@ -795,24 +761,14 @@ class GatedAttention {
     });
   }
 
-  /// The engine's job C = A W^T (+ bias; c += with `accumulate`) for one projection: its pack
-  /// when `inference` and pack_weights made one, else its fp32 parameters w [rows_w, depth] in
-  /// place (dot products for fewer than kernels::kPanelMinRows rows, panels packed per call from
-  /// there on).
+  /// detail::projection_job of one projection (bias: null or empty for none).
   static detail::ExpertJob proj_job(kernels::RowSource a, Index rows, Linear const& pack,
                                     HugePageVector<float> const& w, Index rows_w, Index depth,
                                     float* c, Index ldc, bool inference,
                                     HugePageVector<float> const* bias = nullptr,
                                     bool accumulate = false) {
-    detail::ExpertJob j = inference && !pack.empty() ? linear_job(pack, a, rows, c, ldc)
-                                                     : stages::raw_job(a.base, a.ld, rows, w.data(),
-                                                                       depth, c, ldc, rows_w);
-    j.accumulate = accumulate;
-    if (bias && !bias->empty()) j.bias = bias->data();
-    return j;
-  }
-  static bool quantized(Linear const& pack) {
-    return !pack.empty() && experts::is_quantized(pack.format());
+    return detail::projection_job(a, rows, pack, w.data(), rows_w, depth, c, ldc, inference,
+                                  bias && !bias->empty() ? bias->data() : nullptr, accumulate);
   }
 
   /// [Q | gamma] (or Q and gamma), K and V of every row of x (from the packs when `inference`
@@ -820,8 +776,8 @@ class GatedAttention {
   void run_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference,
                ThreadPool* pool) const {
     Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
-    bool const q8 = inference && (quantized(packs_.q) || quantized(packs_.gate) ||
-                                  quantized(packs_.k) || quantized(packs_.v));
+    bool const q8 = inference && (packs_.q.quantized() || packs_.gate.quantized() ||
+                                  packs_.k.quantized() || packs_.v.quantized());
     kernels::RowSource const a = ws.input.prepare(x, q8, pool);
     ws.queue.add(proj_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(), P, inference));
     if (separate_gate()) {
@@ -836,7 +792,7 @@ class GatedAttention {
   /// y = O W_o^T + b_o (y += with `accumulate`: the residual added in the epilogue).
   void run_o(ConstMatrixView<float> o, MatrixView<float> y, GatedAttentionWorkspace& ws,
              bool inference, bool accumulate, ThreadPool* pool) const {
-    kernels::RowSource const a = ws.input.prepare(o, inference && quantized(packs_.o), pool);
+    kernels::RowSource const a = ws.input.prepare(o, inference && packs_.o.quantized(), pool);
     ws.queue.add(proj_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data, y.row_stride,
                           inference, &p_.o_bias, accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
@@ -930,18 +886,7 @@ class GatedAttention {
     ws.q_temp.clear();
     Index const per = scratch_floats();
     grow(ws.scratch, threads_of(pool) * per);
-    ws.row_seq.resize(static_cast<std::size_t>(T));
-    ws.row_pos.resize(static_cast<std::size_t>(T));
-    ws.seq_row0.assign(static_cast<std::size_t>(B + 1), 0);
-    for (Index s = 0, t = 0; s < B; ++s) {
-      Index const n = new_tokens[static_cast<std::size_t>(s)];
-      cache.make_room(s, n);
-      ws.seq_row0[static_cast<std::size_t>(s + 1)] = ws.seq_row0[static_cast<std::size_t>(s)] + n;
-      for (Index i = 0; i < n; ++i, ++t) {
-        ws.row_seq[static_cast<std::size_t>(t)] = s;
-        ws.row_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
-      }
-    }
+    detail::place_new_rows(cache, new_tokens, T, ws.row_seq, ws.row_pos, ws.seq_row0);
     if (T == 0) return;
 
     run_qkv(x, ws, true, pool);

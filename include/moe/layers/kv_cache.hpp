@@ -294,6 +294,27 @@ void bind_cached_kv(Params& p, KvCache const& cache, Index s, Index key_col, Ind
   }
 }
 
+/// Lays out the new rows of a forward_cached call (after check_new_tokens): room in `cache` for
+/// each sequence's new tokens (make_room), row_seq[t] the sequence of new row t, row_pos[t] its
+/// position (length(s) + i), seq_row0[s] the first new row of sequence s ([sequences + 1]).
+inline void place_new_rows(KvCache& cache, std::span<Index const> new_tokens, Index rows,
+                           std::vector<Index>& row_seq, std::vector<Index>& row_pos,
+                           std::vector<Index>& seq_row0) {
+  Index const B = cache.sequences();
+  row_seq.resize(static_cast<std::size_t>(rows));
+  row_pos.resize(static_cast<std::size_t>(rows));
+  seq_row0.assign(static_cast<std::size_t>(B + 1), 0);
+  for (Index s = 0, t = 0; s < B; ++s) {
+    Index const n = new_tokens[static_cast<std::size_t>(s)];
+    cache.make_room(s, n);
+    seq_row0[static_cast<std::size_t>(s + 1)] = seq_row0[static_cast<std::size_t>(s)] + n;
+    for (Index i = 0; i < n; ++i, ++t) {
+      row_seq[static_cast<std::size_t>(t)] = s;
+      row_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
+    }
+  }
+}
+
 /// The checks of a forward_cached call (who: the layer's name): one count per sequence of
 /// `cache`, none negative, summing to the rows of x.
 inline void check_new_tokens(KvCache const& cache, std::span<Index const> new_tokens, Index rows,

@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "moe/core/error.hpp"
@@ -20,6 +22,7 @@
 #include "moe/core/parameters.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
+#include "moe/experts/expert_types.hpp"
 #include "moe/experts/weight_format.hpp"
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/rms_norm.hpp"
@@ -177,26 +180,25 @@ class MlaAttention {
   struct Parameters {
     HugePageVector<float> q_a_proj, q_a_bias, q_a_norm, q_b_proj, q_proj;
     HugePageVector<float> kv_a_proj, kv_a_bias, kv_a_norm, kv_b_proj, o_proj, o_bias;
+    void zero() { groups().zero(); }
+    /// The named buffers in the class table's order, absent (empty) ones omitted.
     ParameterList groups() {
+      using Buffer = HugePageVector<float> Parameters::*;
+      static constexpr std::pair<char const*, Buffer> kNamed[] = {
+          {"q_a_proj.weight", &Parameters::q_a_proj},
+          {"q_a_proj.bias", &Parameters::q_a_bias},
+          {"q_a_layernorm.weight", &Parameters::q_a_norm},
+          {"q_b_proj.weight", &Parameters::q_b_proj},
+          {"q_proj.weight", &Parameters::q_proj},
+          {"kv_a_proj_with_mqa.weight", &Parameters::kv_a_proj},
+          {"kv_a_proj_with_mqa.bias", &Parameters::kv_a_bias},
+          {"kv_a_layernorm.weight", &Parameters::kv_a_norm},
+          {"kv_b_proj.weight", &Parameters::kv_b_proj},
+          {"o_proj.weight", &Parameters::o_proj},
+          {"o_proj.bias", &Parameters::o_bias}};
       ParameterList list;
-      auto add = [&](char const* name, HugePageVector<float>& v) {
-        if (!v.empty()) list.push_back({name, std::span<float>(v)});
-      };
-      add("q_a_proj.weight", q_a_proj);
-      add("q_a_proj.bias", q_a_bias);
-      add("q_a_layernorm.weight", q_a_norm);
-      add("q_b_proj.weight", q_b_proj);
-      add("q_proj.weight", q_proj);
-      add("kv_a_proj_with_mqa.weight", kv_a_proj);
-      add("kv_a_proj_with_mqa.bias", kv_a_bias);
-      add("kv_a_layernorm.weight", kv_a_norm);
-      add("kv_b_proj.weight", kv_b_proj);
-      add("o_proj.weight", o_proj);
-      add("o_proj.bias", o_bias);
+      for (auto const& [name, buffer] : kNamed) list.add_if_present(name, this->*buffer);
       return list;
-    }
-    void zero() {
-      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
     }
   };
   using Gradients = Parameters;
@@ -220,17 +222,7 @@ class MlaAttention {
         "MlaAttention: qk_rope_head_dim = ", c.qk_rope_head_dim, ", rope_theta = ", c.rope_theta,
         "; RoPE needs an even qk_rope_head_dim and a finite theta >= 1");
     kernels::RopeYarn const& y = c.yarn;
-    detail::check(
-        y.factor == 0.0f || (y.factor > 0.0f && std::isfinite(y.factor) && y.beta_fast > 0.0f &&
-                             y.beta_slow > 0.0f && std::isfinite(y.beta_fast) &&
-                             std::isfinite(y.beta_slow) && y.original_max_position >= 1 &&
-                             y.attention_factor >= 0.0f && std::isfinite(y.attention_factor)),
-        "MlaAttention: yarn = {factor ", y.factor, ", beta_fast ", y.beta_fast, ", beta_slow ",
-        y.beta_slow, ", original_max_position ", y.original_max_position, ", attention_factor ",
-        y.attention_factor,
-        "}; YaRN needs a finite factor > 0, positive finite betas, a context >= 1 and an "
-        "attention_factor >= 0 (0: the default), or factor 0 for plain RoPE (deepseek_yarn "
-        "builds it from the config's rope_scaling)");
+    detail::check_yarn(y, "MlaAttention");
     detail::check(std::isfinite(c.norm_eps) && c.norm_eps > 0.0f,
                   "MlaAttention: norm_eps = ", c.norm_eps, "; it must be finite and > 0");
     detail::check(std::isfinite(c.softmax_mscale_all_dim),
@@ -332,26 +324,12 @@ class MlaAttention {
   /// y = MlaAttention(x), causal. See the class comment.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, MlaAttentionWorkspace& ws,
                AttentionOptions const& opt = {}) const {
-    auto const busy = ws.in_use.enter("MlaAttention::forward");
-    check_call(x, y, opt);
-    run_forward(x, y, ws, opt, false);
-    ws.stamp = {};
+    checked_forward(x, y, ws, opt, false);
   }
-
   /// forward() that also keeps in `ws` what backward needs (fp32 parameters, never the packs).
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MlaAttentionWorkspace& ws,
                      AttentionOptions const& opt = {}) const {
-    auto const busy = ws.in_use.enter("MlaAttention::forward_train");
-    check_call(x, y, opt);
-    Index const T = x.rows, D = c_.d_model;
-    ws.x.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
-    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
-    ws.batch = opt.batch;
-    AttentionOptions o = opt;
-    o.key_mask = ws.key_mask;
-    run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
-    ws.stamp = {this, T, D, c_.num_heads, qk_head_dim()};
+    checked_forward(x, y, ws, opt, true);
   }
 
   /// Backward of the last forward_train on `ws`: dx [T, D] = dL/dx (overwritten) and every
@@ -457,24 +435,24 @@ class MlaAttention {
   Index v_dim() const { return c_.num_heads * c_.v_head_dim; }
   Index half_rot() const { return c_.qk_rope_head_dim / 2; }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
+  /// Workspace buffers and their sizes (floats).
+  using Sized = std::pair<std::vector<float>*, Index>;
+  static void resize_all(std::initializer_list<Sized> buffers) {
+    for (auto const& [v, n] : buffers) v->resize(static_cast<std::size_t>(n));
+  }
+  static void zero_all(std::initializer_list<Sized> buffers) {
+    for (auto const& [v, n] : buffers) v->assign(static_cast<std::size_t>(n), 0.0f);
+  }
   Index scratch_floats() const {
     Index n = kernels::sdpa_scratch_size(std::max(qk_head_dim(), latent_dim()),
                                          std::max(c_.v_head_dim, c_.kv_lora_rank));
     return (n + 15) / 16 * 16;
   }
   void rotate(float* x, float const* cs, float const* sn) const {
-    if (c_.rope_interleave) {
-      kernels::rope_apply_interleaved(x, cs, sn, c_.qk_rope_head_dim);
-    } else {
-      kernels::rope_apply(x, cs, sn, c_.qk_rope_head_dim);
-    }
+    kernels::rope_rotate(x, cs, sn, c_.qk_rope_head_dim, c_.rope_interleave);
   }
   void rotate_backward(float* dx, float const* cs, float const* sn) const {
-    if (c_.rope_interleave) {
-      kernels::rope_backward_interleaved(dx, cs, sn, c_.qk_rope_head_dim);
-    } else {
-      kernels::rope_backward(dx, cs, sn, c_.qk_rope_head_dim);
-    }
+    kernels::rope_rotate_backward(dx, cs, sn, c_.qk_rope_head_dim, c_.rope_interleave);
   }
 
   void check_call(ConstMatrixView<float> x, MatrixView<float> y,
@@ -482,33 +460,7 @@ class MlaAttention {
     detail::check(!p_.kv_a_proj.empty(),
                   "MlaAttention: the layer was default-constructed; "
                   "construct it from an MlaAttentionConfig first");
-    detail::check(x.cols == c_.d_model, "MlaAttention: x has ", x.cols,
-                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "MlaAttention: x is not a valid view (rows = ", x.rows,
-                  ", row_stride = ", x.row_stride, ")");
-    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
-                      (y.data || y.rows == 0),
-                  "MlaAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
-                  c_.d_model, "] like x");
-    detail::check_attention_options(opt, x.rows, "MlaAttention");
-  }
-
-  /// C = A W^T (+ bias) of one projection: its pack when `inference` and packed, else the fp32
-  /// parameters w [rows_w, depth] in place.
-  static detail::ExpertJob job(kernels::RowSource a, Index rows, Linear const& pack,
-                               HugePageVector<float> const& w, Index rows_w, Index depth, float* c,
-                               Index ldc, bool inference, HugePageVector<float> const& bias,
-                               bool accumulate = false) {
-    detail::ExpertJob j = inference && !pack.empty() ? linear_job(pack, a, rows, c, ldc)
-                                                     : stages::raw_job(a.base, a.ld, rows, w.data(),
-                                                                       depth, c, ldc, rows_w);
-    j.accumulate = accumulate;
-    if (!bias.empty()) j.bias = bias.data();
-    return j;
-  }
-  static bool quantized(Linear const& pack) {
-    return !pack.empty() && experts::is_quantized(pack.format());
+    detail::check_attention_call(x, y, c_.d_model, opt, "MlaAttention");
   }
 
   /// Runs one projection on ws.queue (the rows of a prepared once per call).
@@ -516,8 +468,10 @@ class MlaAttention {
                Index rows_w, float* c, Index ldc, HugePageVector<float> const& bias,
                MlaAttentionWorkspace& ws, bool inference, ThreadPool* pool,
                bool accumulate = false) const {
-    kernels::RowSource const src = ws.input.prepare(a, inference && quantized(pack), pool);
-    ws.queue.add(job(src, a.rows, pack, w, rows_w, a.cols, c, ldc, inference, bias, accumulate));
+    kernels::RowSource const src = ws.input.prepare(a, inference && pack.quantized(), pool);
+    ws.queue.add(detail::projection_job(src, a.rows, pack, w.data(), rows_w, a.cols, c, ldc,
+                                        inference, bias.empty() ? nullptr : bias.data(),
+                                        accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 
@@ -527,14 +481,18 @@ class MlaAttention {
                        bool expand, ThreadPool* pool) const {
     Index const T = x.rows, ql = c_.q_lora_rank, R = c_.kv_lora_rank, LD = latent_dim();
     Index const QD = q_dim(), KB = kvb_dim();
-    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    grow(ws.qa, T * ql);
-    grow(ws.qa_n, T * ql);
-    grow(ws.kva, T * LD);
-    grow(ws.ckv, T * R);
-    grow(ws.rstd, T * 2);
-    grow(ws.q, T * QD);
-    grow(ws.kvb, expand ? T * KB : 0);
+    resize_all({{&ws.qa, T * ql},
+                {&ws.qa_n, T * ql},
+                {&ws.kva, T * LD},
+                {&ws.ckv, T * R},
+                {&ws.rstd, T * 2},
+                {&ws.q, T * QD},
+                {&ws.kvb, expand ? T * KB : 0},
+                {&ws.kpe, T * c_.qk_rope_head_dim},
+                {&ws.attn, T * v_dim()},
+                {&ws.rope_cos, T * half_rot()},
+                {&ws.rope_sin, T * half_rot()},
+                {&ws.scratch, threads_of(pool) * scratch_floats()}});
     if (T == 0) return;
     if (has_q_lora()) {
       project(x, packs_.q_a, p_.q_a_proj, ql, ws.qa.data(), ql, p_.q_a_bias, ws, inference, pool);
@@ -612,20 +570,30 @@ class MlaAttention {
     return p;
   }
 
+  /// forward / forward_train: the checks, what training keeps, the stamp backward checks.
+  void checked_forward(ConstMatrixView<float> x, MatrixView<float> y, MlaAttentionWorkspace& ws,
+                       AttentionOptions const& opt, bool train) const {
+    auto const busy =
+        ws.in_use.enter(train ? "MlaAttention::forward_train" : "MlaAttention::forward");
+    check_call(x, y, opt);
+    ws.stamp = {};
+    if (!train) {
+      run_forward(x, y, ws, opt, false);
+      return;
+    }
+    AttentionOptions const o = detail::keep_training_input(x, opt, ws.x, ws.key_mask);
+    ws.batch = opt.batch;
+    run_forward(ConstMatrixView<float>(ws.x.data(), x.rows, c_.d_model), y, ws, o, true);
+    ws.stamp = {this, x.rows, c_.d_model, c_.num_heads, qk_head_dim()};
+  }
+
   void run_forward(ConstMatrixView<float> x, MatrixView<float> y, MlaAttentionWorkspace& ws,
                    AttentionOptions const& opt, bool train) const {
     Index const T = x.rows, H = c_.num_heads, B = opt.batch, S = B > 0 ? T / B : 0;
-    Index const QD = q_dim(), VD = v_dim(), KB = kvb_dim(), hr = half_rot(), dv = c_.v_head_dim;
+    Index const QD = q_dim(), VD = v_dim(), KB = kvb_dim(), dv = c_.v_head_dim;
     ThreadPool* pool = opt.pool;
-    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    grow(ws.kpe, T * c_.qk_rope_head_dim);
-    grow(ws.k, T * QD);
-    grow(ws.attn, T * VD);
-    grow(ws.lse, train ? T * H : 0);
-    grow(ws.rope_cos, T * hr);
-    grow(ws.rope_sin, T * hr);
+    resize_all({{&ws.k, T * QD}, {&ws.lse, train ? T * H : 0}});
     Index const per = scratch_floats();
-    grow(ws.scratch, threads_of(pool) * per);
     run_projections(x, ws, !train, true, pool);
     if (T == 0) return;
 
@@ -662,22 +630,17 @@ class MlaAttention {
     Index const LD = latent_dim(), QD = q_dim(), VD = v_dim(), KB = kvb_dim();
     Index const dq = qk_head_dim(), dn = c_.qk_nope_head_dim, dr = c_.qk_rope_head_dim;
     Index const dv = c_.v_head_dim, dkv = dn + dv, hr = half_rot();
-    auto zeroed = [](std::vector<float>& v, Index n) {
-      v.assign(static_cast<std::size_t>(n), 0.0f);
-    };
-    auto sized = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    sized(ws.dattn, T * VD);
-    zeroed(ws.dq, T * QD);
-    zeroed(ws.dk, T * QD);
-    zeroed(ws.dkvb, T * KB);
-    sized(ws.dckv, T * R);
-    sized(ws.dkva, T * LD);
-    sized(ws.dqa, T * ql);
-    sized(ws.delta, T * H);
-    Index const tiles = (T + kTileRows - 1) / kTileRows;
-    zeroed(ws.norm_partial, tiles * (ql + R));
-    Index const per = scratch_floats();
-    sized(ws.scratch, threads_of(pool) * per);
+    Index const tiles = (T + kTileRows - 1) / kTileRows, per = scratch_floats();
+    resize_all({{&ws.dattn, T * VD},
+                {&ws.dckv, T * R},
+                {&ws.dkva, T * LD},
+                {&ws.dqa, T * ql},
+                {&ws.delta, T * H},
+                {&ws.scratch, threads_of(pool) * per}});
+    zero_all({{&ws.dq, T * QD},
+              {&ws.dk, T * QD},
+              {&ws.dkvb, T * KB},
+              {&ws.norm_partial, tiles * (ql + R)}});
     if (T == 0) return;
     ConstMatrixView<float> x(ws.x.data(), T, D);
 
@@ -694,19 +657,19 @@ class MlaAttention {
       kernels::SdpaParams p = head_params(ws.q.data() + b * S * QD, ws.k.data() + b * S * QD,
                                           ws.kvb.data() + b * S * KB, h, S, S);
       p.key_mask = ws.key_mask.empty() ? nullptr : ws.key_mask.data() + b * S;
-      kernels::SdpaGrads g;
-      g.o = ws.attn.data() + b * S * VD + h * dv;
-      g.ldo = VD;
-      g.dout = ws.dattn.data() + b * S * VD + h * dv;
-      g.lddo = VD;
-      g.lse = ws.lse.data() + (b * H + h) * S;
-      g.delta = ws.delta.data() + (b * H + h) * S;
-      g.dq = ws.dq.data() + b * S * QD + h * dq;
-      g.lddq = QD;
-      g.dk = ws.dk.data() + b * S * QD + h * dq;
-      g.lddk = QD;
-      g.dv = ws.dkvb.data() + b * S * KB + h * dkv + dn;
-      g.lddv = KB;
+      Index const row = b * S, head = b * H + h;
+      kernels::SdpaGrads const g{.o = ws.attn.data() + row * VD + h * dv,
+                                 .ldo = VD,
+                                 .dout = ws.dattn.data() + row * VD + h * dv,
+                                 .lddo = VD,
+                                 .lse = ws.lse.data() + head * S,
+                                 .delta = ws.delta.data() + head * S,
+                                 .dq = ws.dq.data() + row * QD + h * dq,
+                                 .lddq = QD,
+                                 .dk = ws.dk.data() + row * QD + h * dq,
+                                 .lddk = QD,
+                                 .dv = ws.dkvb.data() + row * KB + h * dkv + dn,
+                                 .lddv = KB};
       kernels::sdpa_backward_delta(g, dv, 0, S, ws.delta.data() + (b * H + h) * S);
       kernels::sdpa_backward(p, g, ws.scratch.data() + thread * per);
     });
@@ -796,27 +759,9 @@ class MlaAttention {
                   std::span<Index const> new_tokens, MlaAttentionWorkspace& ws, ThreadPool* pool,
                   MlaOrder order, bool accumulate) const {
     Index const T = x.rows, B = cache.sequences(), R = c_.kv_lora_rank;
-    Index const LD = latent_dim(), VD = v_dim(), hr = half_rot(), dr = c_.qk_rope_head_dim;
-    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    grow(ws.kpe, T * dr);
-    grow(ws.latent, T * LD);
-    grow(ws.attn, T * VD);
-    grow(ws.rope_cos, T * hr);
-    grow(ws.rope_sin, T * hr);
-    Index const per = scratch_floats();
-    grow(ws.scratch, threads_of(pool) * per);
-    ws.row_seq.resize(static_cast<std::size_t>(T));
-    ws.row_pos.resize(static_cast<std::size_t>(T));
-    ws.seq_row0.assign(static_cast<std::size_t>(B + 1), 0);
-    for (Index s = 0, t = 0; s < B; ++s) {
-      Index const n = new_tokens[static_cast<std::size_t>(s)];
-      cache.make_room(s, n);
-      ws.seq_row0[static_cast<std::size_t>(s + 1)] = ws.seq_row0[static_cast<std::size_t>(s)] + n;
-      for (Index i = 0; i < n; ++i, ++t) {
-        ws.row_seq[static_cast<std::size_t>(t)] = s;
-        ws.row_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
-      }
-    }
+    Index const LD = latent_dim(), VD = v_dim(), dr = c_.qk_rope_head_dim;
+    ws.latent.resize(static_cast<std::size_t>(T * LD));
+    detail::place_new_rows(cache, new_tokens, T, ws.row_seq, ws.row_pos, ws.seq_row0);
     if (T == 0) return;
     run_projections(x, ws, true, false, pool);
 
