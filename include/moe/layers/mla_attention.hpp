@@ -862,10 +862,15 @@ class MlaAttention {
         ws.q_pos[static_cast<std::size_t>(t * H + h)] = ws.row_pos[static_cast<std::size_t>(t)];
       }
     });
-    // Per sequence, chunks of 64 query rows (token-major, H per token) over the latent rows.
+    // Per sequence, chunks of query rows (token-major, H per token) over the latent rows: up to
+    // 64, fewer when a call has fewer rows than threads x 64 (a decode step's H rows are split
+    // over the pool; every item reads all the sequence's rows, and a row's result does not
+    // depend on the split).
+    Index const threads = threads_of(pool);
+    Index const chunk = std::clamp<Index>((T * H + threads - 1) / threads, 8, kTileRows);
     Index items = 0;
     auto chunks_of = [&](Index s) {
-      return (new_tokens[static_cast<std::size_t>(s)] * H + kTileRows - 1) / kTileRows;
+      return (new_tokens[static_cast<std::size_t>(s)] * H + chunk - 1) / chunk;
     };
     for (Index s = 0; s < cache.sequences(); ++s) items += chunks_of(s);
     parallel_for(pool, items, [&](Index item, int thread) {
@@ -892,9 +897,9 @@ class MlaAttention {
       p.scale = c_.scale;
       p.causal = true;
       p.q_pos = ws.q_pos.data() + row0;
-      Index const r0 = (item - base) * kTileRows;
+      Index const r0 = (item - base) * chunk;
       kernels::sdpa_forward(p, ws.o_lat.data() + row0 * R, R, nullptr, r0,
-                            std::min(n * H, r0 + kTileRows), ws.scratch.data() + thread * per);
+                            std::min(n * H, r0 + chunk), ws.scratch.data() + thread * per);
     });
     // A_h [T, d_v] = o_lat,h [T, R] W_UV,h^T (W_UV,h: d_v rows of kv_b_proj, read in place).
     for (Index h = 0; h < H; ++h) {
