@@ -401,3 +401,35 @@ TEST_CASE("MlaAttention rejects bad configs and shapes", "[mla]") {
     REQUIRE(std::string(e.what()).find("qk_rope_head_dim") != std::string::npos);
   }
 }
+
+TEST_CASE("MlaAttention batch of two sequences equals two calls; positions shift RoPE", "[mla]") {
+  moe::MlaAttention layer(tiny(0, true, false, true));
+  randomize(layer, 71);
+  Index const S = 7, D = 32;
+  auto const x = random_vector(2 * S * D, 12);
+  std::vector<float> both(x.size()), one(static_cast<std::size_t>(S * D));
+  moe::MlaAttentionWorkspace ws;
+  moe::AttentionOptions opt;
+  opt.batch = 2;
+  layer.forward(ConstMatrixView<float>(x.data(), 2 * S, D),
+                MatrixView<float>(both.data(), 2 * S, D), ws, opt);
+  for (Index b = 0; b < 2; ++b) {
+    layer.forward(ConstMatrixView<float>(x.data() + b * S * D, S, D),
+                  MatrixView<float>(one.data(), S, D), ws);
+    // 14 rows take the projections' panel path, 7 their dot products: rounding differs.
+    double const tol = 1e-5 * std::max(1.0, max_abs(one));
+    for (Index i = 0; i < S * D; ++i) REQUIRE(std::fabs(both[b * S * D + i] - one[i]) <= tol);
+  }
+  // Positions p + 5 for every token: RoPE sees relative offsets only, so the output is the same
+  // up to rounding (YaRN scales cos and sin alike at every position).
+  std::vector<Index> pos(static_cast<std::size_t>(S));
+  for (Index t = 0; t < S; ++t) pos[static_cast<std::size_t>(t)] = t + 5;
+  moe::AttentionOptions shifted;
+  shifted.positions = pos;
+  std::vector<float> y0(one.size()), y1(one.size());
+  layer.forward(ConstMatrixView<float>(x.data(), S, D), MatrixView<float>(y0.data(), S, D), ws);
+  layer.forward(ConstMatrixView<float>(x.data(), S, D), MatrixView<float>(y1.data(), S, D), ws,
+                shifted);
+  double const tol = 1e-4 * std::max(1.0, max_abs(y0));
+  for (std::size_t i = 0; i < y0.size(); ++i) REQUIRE(std::fabs(y1[i] - y0[i]) <= tol);
+}

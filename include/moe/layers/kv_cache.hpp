@@ -35,7 +35,8 @@ enum class KvFormat { kF32, kBf16 };
 /// Layout: sequence s owns one contiguous block of `capacity()` rows for its keys and one for
 /// its values. GatedAttention's rows are kv_dim = num_kv_heads * head_dim floats (head-major,
 /// as k_proj's output); MoeAttention's keys are d_qk wide and its values are the hidden states,
-/// d_model wide (with_widths). Rows [0, length(s) - first(s)) hold the tokens at positions
+/// d_model wide (with_widths); MlaAttention's rows are its latent [c^ | k_pe], with no separate
+/// values (keys_only). Rows [0, length(s) - first(s)) hold the tokens at positions
 /// [first(s), length(s)). Appending past the capacity grows every sequence's block to
 /// max(2 * capacity, needed) (one copy of the filled rows), so a decode loop reallocates
 /// O(log n) times, not per step; reserve() sizes it up front.

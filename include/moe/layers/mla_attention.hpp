@@ -97,41 +97,50 @@ enum class MlaOrder { kAuto, kNaive, kAbsorbed };
 /// What an MlaAttention call writes besides its output, and what forward_train keeps for
 /// backward. Reused across calls: it grows to the largest call and then allocates nothing.
 struct MlaAttentionWorkspace {
-  std::vector<float> qa;        ///< [T, r_q] q_a_proj output (+ bias)
-  std::vector<float> qa_n;      ///< [T, r_q] after q_a_layernorm
-  std::vector<float> kva;       ///< [T, R + d_r] kv_a_proj_with_mqa output (+ bias)
-  std::vector<float> ckv;       ///< [T, R] latent after kv_a_layernorm
-  std::vector<float> rstd;      ///< [T, 2] 1/rms of the q and kv norms
-  std::vector<float> q;         ///< [T, H d_q] queries (RoPE on each head's last d_r)
-  std::vector<float> kvb;       ///< [T, H (d_n + d_v)] kv_b_proj output: k_nope | v per head
-  std::vector<float> kpe;       ///< [T, d_r] the shared rotated key part
-  std::vector<float> k;         ///< [T, H d_q] keys [k_nope_h | k_pe]
-  std::vector<float> attn;      ///< [T, H d_v] attention output (o_proj input)
-  std::vector<float> lse;       ///< [batch, H, S] row logsumexp (training)
-  std::vector<float> rope_cos;  ///< [T, d_r / 2]
-  std::vector<float> rope_sin;  ///< [T, d_r / 2]
-  std::vector<float> scratch;   ///< per-thread SDPA scratch
-  stages::ProjectionQueue queue;
-  LinearInput input;
-  InUse in_use;
-  stages::GradTasks grad_tasks;
-  stages::ThreadScratch grad_scratch;
+  std::vector<float> qa;               ///< [T, r_q] q_a_proj output (+ bias)
+  std::vector<float> qa_n;             ///< [T, r_q] after q_a_layernorm
+  std::vector<float> kva;              ///< [T, R + d_r] kv_a_proj_with_mqa output (+ bias)
+  std::vector<float> ckv;              ///< [T, R] latent after kv_a_layernorm
+  std::vector<float> rstd;             ///< [T, 2] 1/rms of the q and kv norms
+  std::vector<float> q;                ///< [T, H d_q] queries (RoPE on each head's last d_r)
+  std::vector<float> kvb;              ///< [T, H (d_n + d_v)] kv_b_proj output: k_nope | v per head
+  std::vector<float> kpe;              ///< [T, d_r] the shared rotated key part
+  std::vector<float> k;                ///< [T, H d_q] keys [k_nope_h | k_pe]
+  std::vector<float> attn;             ///< [T, H d_v] attention output (o_proj input)
+  std::vector<float> lse;              ///< [batch, H, S] row logsumexp (training)
+  std::vector<float> rope_cos;         ///< [T, d_r / 2]
+  std::vector<float> rope_sin;         ///< [T, d_r / 2]
+  std::vector<float> scratch;          ///< per-thread SDPA scratch
+  stages::ProjectionQueue queue;       ///< the projections, on the experts' engine
+  LinearInput input;                   ///< a projection's input rows (int8 for quantized packs)
+  InUse in_use;                        ///< a second, overlapping call on this workspace throws
+  stages::GradTasks grad_tasks;        ///< backward weight-gradient items
+  stages::ThreadScratch grad_scratch;  ///< their per-thread scratch
 
   // Training only.
   std::vector<float> x;                ///< [T, D] copy of the input
   std::vector<std::uint8_t> key_mask;  ///< [T] or empty
   Index batch = 1;
-  std::vector<float> dattn, dq, dk, dkvb, dckv, dkva, dqa, delta, norm_partial;
-  stages::Stamp stamp;
+  std::vector<float> dattn;         ///< [T, H d_v] dL/dA
+  std::vector<float> dq, dk;        ///< [T, H d_q] dL/dq, dL/dk (then the RoPE VJPs)
+  std::vector<float> dkvb;          ///< [T, H (d_n + d_v)] dL/d(kv_b_proj output)
+  std::vector<float> dckv;          ///< [T, R] dL/dc^
+  std::vector<float> dkva;          ///< [T, R + d_r] dL/d(kv_a_proj output)
+  std::vector<float> dqa;           ///< [T, r_q] dL/d(q_a_proj output)
+  std::vector<float> delta;         ///< [batch, H, S] the SDPA backward's row terms
+  std::vector<float> norm_partial;  ///< [token tiles, r_q + R] norm weight gradients
+  stages::Stamp stamp;              ///< whose forward_train filled the training fields
 
   // forward_cached only.
-  std::vector<Index> row_seq, row_pos, seq_row0, q_pos;
-  std::vector<float> latent;   ///< [T, R + d_r] the new cache rows
-  std::vector<float> q_abs;    ///< [T H, R + d_r] absorbed queries [W_UK^T q_nope | q_pe]
-  std::vector<float> o_lat;    ///< [T H, R] attention output over the latent rows
-  std::vector<float> lat_all;  ///< [L, R + d_r] a bf16 cache's rows widened (naive order)
-  std::vector<float> kvb_all;  ///< [L, H (d_n + d_v)] expanded cached rows (naive order)
-  std::vector<float> k_all;    ///< [L, H d_q] (naive order)
+  std::vector<Index> row_seq, row_pos;  ///< [T] each new row's sequence and position
+  std::vector<Index> seq_row0;          ///< [sequences + 1] first new row of each sequence
+  std::vector<Index> q_pos;             ///< [T H] the absorbed order's query positions
+  std::vector<float> latent;            ///< [T, R + d_r] the new cache rows
+  std::vector<float> q_abs;             ///< [T H, R + d_r] absorbed queries [W_UK^T q_nope | q_pe]
+  std::vector<float> o_lat;             ///< [T H, R] attention output over the latent rows
+  std::vector<float> lat_all;           ///< [L, R + d_r] a bf16 cache's rows widened (naive order)
+  std::vector<float> kvb_all;           ///< [L, H (d_n + d_v)] expanded cached rows (naive order)
+  std::vector<float> k_all;             ///< [L, H d_q] (naive order)
 };
 
 /// Multi-head latent attention (DeepSeek-V2 / V3), causal, as transformers computes it:
