@@ -44,7 +44,9 @@ inline double yarn_get_mscale(double factor, double m) {
 /// original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}, as
 /// transformers' _compute_yarn_parameters reads it: cos and sin are scaled by
 /// yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim) when both mscale
-/// keys are non-zero (DeepSeek-V3: 1 / 1, so 1), else by yarn_get_mscale(factor, 1).
+/// keys are non-zero (DeepSeek-V3: 1 / 1, so 1), else by yarn_get_mscale(factor, 1). Some
+/// transformers versions take factor = max_position_embeddings / original_max_position_embeddings
+/// instead of the key (DeepSeek-V3: 163840 / 4096 = 40, Kimi K2: 131072 / 4096 = 32: the same).
 inline kernels::RopeYarn deepseek_yarn(float factor, Index original_max_position,
                                        float beta_fast = 32.0f, float beta_slow = 1.0f,
                                        float mscale = 1.0f, float mscale_all_dim = 0.0f) {
@@ -278,15 +280,17 @@ class MlaAttention {
     if (c.attention_bias) p_.o_bias = sized(D);
   }
 
+  /// The config, with scale resolved (the default rule applied).
   MlaAttentionConfig const& config() const { return c_; }
-  Index d_model() const { return c_.d_model; }
-  Index num_heads() const { return c_.num_heads; }
+  Index d_model() const { return c_.d_model; }      ///< D
+  Index num_heads() const { return c_.num_heads; }  ///< H
   /// d_q = qk_nope_head_dim + qk_rope_head_dim.
   Index qk_head_dim() const { return c_.qk_nope_head_dim + c_.qk_rope_head_dim; }
   /// Floats a latent cache row holds: kv_lora_rank + qk_rope_head_dim.
   Index latent_dim() const { return c_.kv_lora_rank + c_.qk_rope_head_dim; }
   /// The softmax scale in use (config().scale after the default rule).
   float scale() const { return c_.scale; }
+  /// q through q_a_proj, q_a_layernorm and q_b_proj (q_lora_rank > 0), or one q_proj.
   bool has_q_lora() const { return c_.q_lora_rank > 0; }
 
   /// Every trainable parameter as named flat buffers with transformers' names (see the class
@@ -319,6 +323,7 @@ class MlaAttention {
     packs_.kv_b = pack(p_.kv_b_proj, kvb_dim(), R);
     packs_.o = pack(p_.o_proj, D, v_dim());
   }
+  /// Are the projections packed (pack_weights, and no parameters() call since)?
   bool packed() const { return !packs_.o.empty(); }
 
   /// A latent cache for `sequences` sequences: kv_lora_rank + qk_rope_head_dim values a token
