@@ -419,7 +419,9 @@ int main(int argc, char** argv) {
         [&](auto const& d) {
           // The formats of the first layer (a mix varies them per layer).
           std::string attn = "-", experts = "-";
-          if (!d.blocks.empty()) {
+          if (!d.blocks.empty() && d.blocks.front().mla) {
+            attn = moe::experts::name(d.blocks.front().attention_format());
+          } else if (!d.blocks.empty()) {
             moe::AttentionFormats const f = d.blocks.front().attention.formats();
             attn = moe::experts::name(f.q);
             if (!(f == moe::AttentionFormats(f.q))) {

@@ -228,7 +228,9 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
   bool const qwen2_shared = c.family == HfFamily::kQwen3Next || c.family == HfFamily::kQwen2Moe;
   std::vector<double> const wr = ck.get(p + "gate.weight", {E, H});
   std::vector<double> bias;
-  if (c.family == HfFamily::kGlm4Moe) bias = ck.get(p + "gate.e_score_correction_bias", {E});
+  if (c.family == HfFamily::kGlm4Moe || c.family == HfFamily::kDeepseekV3) {
+    bias = ck.get(p + "gate.e_score_correction_bias", {E});
+  }
   if (c.family == HfFamily::kMinimaxM2) bias = ck.get(p + "e_score_correction_bias", {E});
   if (c.family == HfFamily::kErnie45Moe) {
     bias = ck.get(p + "moe_statics.e_score_correction_bias", {1, E});
@@ -270,7 +272,8 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
         }
         break;
       }
-      case HfFamily::kGlm4Moe: {  // Glm4MoeTopkRouter (newest: -inf fill)
+      case HfFamily::kDeepseekV3:  // DeepseekV3TopkRouter: the same as GLM-4.5's
+      case HfFamily::kGlm4Moe: {   // Glm4MoeTopkRouter (newest: -inf fill)
         std::vector<double> s(logits.size()), key(logits.size());
         for (Index e = 0; e < E; ++e) key[e] = (s[e] = sigmoid(logits[e])) + bias[e];
         mask_groups(key, c.n_group, c.topk_group, -INFINITY, top_two_sum);

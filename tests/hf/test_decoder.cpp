@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/mla_reference.hpp"
 #include "hf/hf_moe_reference.hpp"
 #include "io/io_test_support.hpp"
 #include "moe/core/random.hpp"
@@ -73,6 +74,19 @@ struct Attention {
 constexpr Index kLlama4Chunk = 4;    // the 11 tokens of check_generation cross two boundaries
 constexpr Index kLlama4Floor = 2;    // floor_scale: the temperature grows every 2 positions
 constexpr double kLlama4Temp = 0.5;  // attn_scale
+/// DeepSeek's multi-head latent attention in the tiny models: q_lora_rank 12 (V3) or null (V2),
+/// kv_lora_rank 8, nope 4, rope 4, v 6 per head; V3 with YaRN (factor 4 over 8 positions,
+/// mscale 1 / 1: its softmax correction (0.1 ln 4 + 1)^2).
+struct Mla {
+  Index ql = 0, R = 8, dn = 4, dr = 4, dv = 6;
+  bool v3 = true;
+};
+std::optional<Mla> mla_of(Tiny const& t) {
+  if (t.type == "deepseek_v3") return Mla{.ql = 12};
+  if (t.type == "deepseek_v2") return Mla{.v3 = false};
+  return std::nullopt;
+}
+
 /// Llama 4's tiny model: layer 1 is NoPE (no_rope_layers [1, 0, 1, 1]).
 bool rope_layer(Tiny const& t, Index l) { return t.type != "llama4_text" || l != 1; }
 
@@ -118,6 +132,15 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.norm_topk_prob = true;
   }
   if (t.type == "gpt_oss") c.swiglu_limit = t.swiglu_limit;
+  if (t.type == "deepseek_v3" || t.type == "deepseek_v2") {
+    c.n_shared_experts = 1;
+    c.first_k_dense_replace = 1;
+    c.n_group = 2;
+    c.topk_group = 1;
+    c.routed_scaling_factor = 1.5f;
+    c.norm_topk_prob = t.type == "deepseek_v3";
+    if (t.type == "deepseek_v2") c.topk_method = "group_limited_greedy";
+  }
   if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;          // layer 0 dense (start index 1)
   if (t.type == "llama4_text") c.interleave_moe_layer_step = 2;  // layers 1 and 3 MoE
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
@@ -134,7 +157,7 @@ std::string config_json(Tiny const& t) {
               ", \"rope_theta\": ", t.theta, ", \"rms_norm_eps\": ", t.eps,
               ", \"tie_word_embeddings\": ", t.tie ? "true" : "false");
   if (t.type == "qwen3_moe" || t.type == "qwen2_moe" || t.type == "glm4_moe" ||
-      t.type == "ernie4_5_moe") {
+      t.type == "ernie4_5_moe" || mla_of(t)) {
     j += concat(", \"intermediate_size\": ", t.I_dense);
   }
   if (t.type == "mixtral") {
@@ -158,6 +181,16 @@ std::string config_json(Tiny const& t) {
   if (t.type == "minimax_m2") {
     j += concat(", \"rotary_dim\": ", t.dh / 2,
                 ", \"use_qk_norm\": true, \"qk_norm_type\": \"per_layer\"");
+  }
+  if (std::optional<Mla> const a = mla_of(t)) {
+    j += concat(", \"q_lora_rank\": ", a->ql > 0 ? concat(a->ql) : std::string("null"),
+                ", \"kv_lora_rank\": ", a->R, ", \"qk_nope_head_dim\": ", a->dn,
+                ", \"qk_rope_head_dim\": ", a->dr, ", \"v_head_dim\": ", a->dv);
+    if (a->v3) {
+      j += ", \"rope_interleave\": true, \"max_position_embeddings\": 32, \"rope_scaling\": "
+           "{\"type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 8, "
+           "\"beta_fast\": 32, \"beta_slow\": 1, \"mscale\": 1.0, \"mscale_all_dim\": 1.0}";
+    }
   }
   if (t.type == "llama4_text") {
     // L0 = 8: inv_freq 1 (wavelength 6.3) is smoothed, the lower ones divided by 4
@@ -194,10 +227,26 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
   moe::io::HfMoeConfig const c = moe_config(t);
   for (Index l = 0; l < t.L; ++l) {
     std::string const p = concat("model.layers.", l, ".");
-    out.push_back({p + "self_attn.q_proj.weight", {q, H}, -a, a});
-    out.push_back({p + "self_attn.k_proj.weight", {kvd, H}, -a, a});
-    out.push_back({p + "self_attn.v_proj.weight", {kvd, H}, -a, a});
-    out.push_back({p + "self_attn.o_proj.weight", {H, q}, -a, a});
+    if (std::optional<Mla> const ml = mla_of(t)) {  // DeepseekV3Attention's modules
+      std::string const s = p + "self_attn.";
+      std::int64_t const heads = t.heads, dq = ml->dn + ml->dr;
+      if (ml->ql > 0) {
+        out.push_back({s + "q_a_proj.weight", {ml->ql, H}, -a, a});
+        out.push_back({s + "q_a_layernorm.weight", {ml->ql}, 0.5f, 1.5f});
+        out.push_back({s + "q_b_proj.weight", {heads * dq, ml->ql}, -a, a});
+      } else {
+        out.push_back({s + "q_proj.weight", {heads * dq, H}, -a, a});
+      }
+      out.push_back({s + "kv_a_proj_with_mqa.weight", {ml->R + ml->dr, H}, -a, a});
+      out.push_back({s + "kv_a_layernorm.weight", {ml->R}, 0.5f, 1.5f});
+      out.push_back({s + "kv_b_proj.weight", {heads * (ml->dn + ml->dv), ml->R}, -a, a});
+      out.push_back({s + "o_proj.weight", {H, heads * ml->dv}, -a, a});
+    } else {
+      out.push_back({p + "self_attn.q_proj.weight", {q, H}, -a, a});
+      out.push_back({p + "self_attn.k_proj.weight", {kvd, H}, -a, a});
+      out.push_back({p + "self_attn.v_proj.weight", {kvd, H}, -a, a});
+      out.push_back({p + "self_attn.o_proj.weight", {H, q}, -a, a});
+    }
     if (at.qkv_bias) {
       out.push_back({p + "self_attn.q_proj.bias", {q}, -a, a});
       out.push_back({p + "self_attn.k_proj.bias", {kvd}, -a, a});
@@ -284,6 +333,49 @@ Vec rms(Vec x, std::vector<float> const& w, double eps) {
 }
 double silu(double z) { return z / (1.0 + std::exp(-z)); }
 
+/// h[i] += DeepseekV3Attention / DeepseekV2Attention(RMSNorm(h[i])) over the whole sequence, by
+/// the double transcription of the attention tests (tests/attention/mla_reference.hpp).
+void add_mla_attention(Tiny const& t, Mla const& ml, Tensors const& m, std::string const& p,
+                       std::vector<Vec>& h) {
+  Index const T = static_cast<Index>(h.size()), H = t.H;
+  aref::DoubleMla a;
+  a.D = H;
+  a.H = t.heads;
+  a.ql = ml.ql;
+  a.R = ml.R;
+  a.dn = ml.dn;
+  a.dr = ml.dr;
+  a.dv = ml.dv;
+  a.theta = t.theta;
+  a.rope = ml.v3 ? aref::DoubleMla::kV3Interleave : aref::DoubleMla::kV2Complex;
+  a.v3_scaling = ml.v3;
+  if (ml.v3) a.factor = 4.0, a.original_max = 8, a.mscale = 1.0, a.mscale_all_dim = 1.0;
+  auto get = [&](char const* name) {
+    std::vector<float> const& v = m.at(p + "self_attn." + name);
+    return aref::Vec(v.begin(), v.end());
+  };
+  if (ml.ql > 0) {
+    a.q_a_proj = get("q_a_proj.weight");
+    a.q_a_norm = get("q_a_layernorm.weight");
+    a.q_b_proj = get("q_b_proj.weight");
+  } else {
+    a.q_proj = get("q_proj.weight");
+  }
+  a.kv_a_proj = get("kv_a_proj_with_mqa.weight");
+  a.kv_a_norm = get("kv_a_layernorm.weight");
+  a.kv_b_proj = get("kv_b_proj.weight");
+  a.o_proj = get("o_proj.weight");
+  aref::Vec x;
+  for (Index i = 0; i < T; ++i) {
+    Vec const xi = rms(h[i], m.at(p + "input_layernorm.weight"), t.eps);
+    x.insert(x.end(), xi.begin(), xi.end());
+  }
+  aref::Vec const y = a.forward(x, T);
+  for (Index i = 0; i < T; ++i) {
+    for (Index c = 0; c < H; ++c) h[i][c] += y[i * H + c];
+  }
+}
+
 /// Next-token logits after ids (the last position), by the transformers forward; the MoE
 /// blocks read from the checkpoint written in `dir`.
 Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
@@ -341,73 +433,77 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
   };
   for (Index l = 0; l < t.L; ++l) {
     std::string const p = concat("model.layers.", l, ".");
-    std::vector<Vec> q(T), k(T), v(T);
-    for (Index i = 0; i < T; ++i) {
-      Vec const x = rms(h[i], m.at(p + "input_layernorm.weight"), t.eps);
-      q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, HD, H);
-      k[i] = matvec(m.at(p + "self_attn.k_proj.weight"), x, KD, H);
-      v[i] = matvec(m.at(p + "self_attn.v_proj.weight"), x, KD, H);
-      add(q[i], p + "self_attn.q_proj.bias");
-      add(k[i], p + "self_attn.k_proj.bias");
-      add(v[i], p + "self_attn.v_proj.bias");
-      if (at.norm && at.norm_all) {  // q_norm(q_proj(x)) before the view into heads
-        rms_inplace(q[i].data(), m.at(p + "self_attn.q_norm.weight"), HD, t.eps);
-        rms_inplace(k[i].data(), m.at(p + "self_attn.k_norm.weight"), KD, t.eps);
-      }
-      bool const roped = rope_layer(t, l);
-      // Llama4TextL2Norm after RoPE on the RoPE layers; the NoPE layers' queries scaled by
-      // log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1.
-      std::vector<float> const ones(static_cast<std::size_t>(dh), 1.0f);
-      double const temp =
-          at.llama4 && !roped
-              ? std::log1p(std::floor(static_cast<double>(i + 1) / kLlama4Floor)) * kLlama4Temp +
-                    1.0
-              : 1.0;
-      for (Index hh = 0; hh < t.heads; ++hh) {
-        double* qh = q[i].data() + hh * dh;
-        if (at.norm && !at.norm_all) {
-          rms_inplace(qh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
+    if (std::optional<Mla> const ml = mla_of(t)) {
+      add_mla_attention(t, *ml, m, p, h);
+    } else {
+      std::vector<Vec> q(T), k(T), v(T);
+      for (Index i = 0; i < T; ++i) {
+        Vec const x = rms(h[i], m.at(p + "input_layernorm.weight"), t.eps);
+        q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, HD, H);
+        k[i] = matvec(m.at(p + "self_attn.k_proj.weight"), x, KD, H);
+        v[i] = matvec(m.at(p + "self_attn.v_proj.weight"), x, KD, H);
+        add(q[i], p + "self_attn.q_proj.bias");
+        add(k[i], p + "self_attn.k_proj.bias");
+        add(v[i], p + "self_attn.v_proj.bias");
+        if (at.norm && at.norm_all) {  // q_norm(q_proj(x)) before the view into heads
+          rms_inplace(q[i].data(), m.at(p + "self_attn.q_norm.weight"), HD, t.eps);
+          rms_inplace(k[i].data(), m.at(p + "self_attn.k_norm.weight"), KD, t.eps);
         }
-        if (roped) rope(qh, i);
-        if (at.llama4 && roped) rms_inplace(qh, ones, dh, t.eps);
-        for (Index d = 0; d < dh; ++d) qh[d] *= temp;
-      }
-      for (Index g = 0; g < t.kv; ++g) {
-        double* kg = k[i].data() + g * dh;
-        if (at.norm && !at.norm_all) {
-          rms_inplace(kg, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
+        bool const roped = rope_layer(t, l);
+        // Llama4TextL2Norm after RoPE on the RoPE layers; the NoPE layers' queries scaled by
+        // log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1.
+        std::vector<float> const ones(static_cast<std::size_t>(dh), 1.0f);
+        double const temp =
+            at.llama4 && !roped
+                ? std::log1p(std::floor(static_cast<double>(i + 1) / kLlama4Floor)) * kLlama4Temp +
+                      1.0
+                : 1.0;
+        for (Index hh = 0; hh < t.heads; ++hh) {
+          double* qh = q[i].data() + hh * dh;
+          if (at.norm && !at.norm_all) {
+            rms_inplace(qh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
+          }
+          if (roped) rope(qh, i);
+          if (at.llama4 && roped) rms_inplace(qh, ones, dh, t.eps);
+          for (Index d = 0; d < dh; ++d) qh[d] *= temp;
         }
-        if (roped) rope(kg, i);
-        if (at.llama4 && roped) rms_inplace(kg, ones, dh, t.eps);
-      }
-    }
-    for (Index i = 0; i < T; ++i) {
-      Vec attn(static_cast<std::size_t>(HD), 0.0);
-      for (Index hh = 0; hh < t.heads; ++hh) {
-        Index const g = hh / G;
-        Index const w = at.llama4 ? 0 : window_of(t, l);
-        Index j0 = w > 0 ? std::max<Index>(0, i - w + 1) : 0;
-        if (at.llama4 && rope_layer(t, l)) j0 = i / kLlama4Chunk * kLlama4Chunk;  // its chunk
-        Vec s;
-        for (Index j = j0; j <= i; ++j) {
-          double z = 0.0;
-          for (Index d = 0; d < dh; ++d) z += q[i][hh * dh + d] * k[j][g * dh + d];
-          s.push_back(z / std::sqrt(static_cast<double>(dh)));
+        for (Index g = 0; g < t.kv; ++g) {
+          double* kg = k[i].data() + g * dh;
+          if (at.norm && !at.norm_all) {
+            rms_inplace(kg, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
+          }
+          if (roped) rope(kg, i);
+          if (at.llama4 && roped) rms_inplace(kg, ones, dh, t.eps);
         }
-        // gpt-oss: the head's sink logit joins the softmax, its probability is dropped.
-        double const sink = at.sinks ? m.at(p + "self_attn.sinks")[hh] : -INFINITY;
-        double const mx = std::max(*std::max_element(s.begin(), s.end()), sink);
-        double sum = at.sinks ? std::exp(sink - mx) : 0.0;
-        for (double& z : s) sum += (z = std::exp(z - mx));
-        for (Index j = j0; j <= i; ++j) {
-          for (Index d = 0; d < dh; ++d) {
-            attn[hh * dh + d] += s[j - j0] / sum * v[j][g * dh + d];
+      }
+      for (Index i = 0; i < T; ++i) {
+        Vec attn(static_cast<std::size_t>(HD), 0.0);
+        for (Index hh = 0; hh < t.heads; ++hh) {
+          Index const g = hh / G;
+          Index const w = at.llama4 ? 0 : window_of(t, l);
+          Index j0 = w > 0 ? std::max<Index>(0, i - w + 1) : 0;
+          if (at.llama4 && rope_layer(t, l)) j0 = i / kLlama4Chunk * kLlama4Chunk;  // its chunk
+          Vec s;
+          for (Index j = j0; j <= i; ++j) {
+            double z = 0.0;
+            for (Index d = 0; d < dh; ++d) z += q[i][hh * dh + d] * k[j][g * dh + d];
+            s.push_back(z / std::sqrt(static_cast<double>(dh)));
+          }
+          // gpt-oss: the head's sink logit joins the softmax, its probability is dropped.
+          double const sink = at.sinks ? m.at(p + "self_attn.sinks")[hh] : -INFINITY;
+          double const mx = std::max(*std::max_element(s.begin(), s.end()), sink);
+          double sum = at.sinks ? std::exp(sink - mx) : 0.0;
+          for (double& z : s) sum += (z = std::exp(z - mx));
+          for (Index j = j0; j <= i; ++j) {
+            for (Index d = 0; d < dh; ++d) {
+              attn[hh * dh + d] += s[j - j0] / sum * v[j][g * dh + d];
+            }
           }
         }
+        Vec o = matvec(m.at(p + "self_attn.o_proj.weight"), attn, H, HD);
+        add(o, p + "self_attn.o_proj.bias");
+        for (Index c = 0; c < H; ++c) h[i][c] += o[c];
       }
-      Vec o = matvec(m.at(p + "self_attn.o_proj.weight"), attn, H, HD);
-      add(o, p + "self_attn.o_proj.bias");
-      for (Index c = 0; c < H; ++c) h[i][c] += o[c];
     }
     if (is_dense(t, l)) {
       for (Index i = 0; i < T; ++i) {
@@ -461,6 +557,12 @@ void check_generation(Tiny const& t, std::string const& name) {
         Attention const at = attention_of(t);
         for (Index l = 0; l < t.L; ++l) {
           auto const& b = dec.blocks[static_cast<std::size_t>(l)];
+          REQUIRE(b.mla.has_value() == mla_of(t).has_value());
+          if (b.mla) {
+            REQUIRE(b.mla->weight_format() == moe::experts::WeightFormat::kF32);
+            REQUIRE(b.mla->has_q_lora() == (mla_of(t)->ql > 0));
+            continue;
+          }
           auto const& ac = b.attention.config();
           REQUIRE(ac.qkv_bias == at.qkv_bias);
           REQUIRE(ac.o_bias == at.o_bias);
@@ -506,8 +608,10 @@ void check_generation(Tiny const& t, std::string const& name) {
           dec.forward(one, counts, st, {logits.data(), 1, t.V});
           REQUIRE(st.length(0) == static_cast<Index>(ids.size()));
         }
+        std::optional<Mla> const ml = mla_of(t);  // MLA: the latent [c | k_pe] rows alone
         REQUIRE(st.kv_bytes_per_token() ==
-                static_cast<std::size_t>(t.L * 2 * t.kv * t.dh) * sizeof(float));
+                static_cast<std::size_t>(ml ? t.L * (ml->R + ml->dr) : t.L * 2 * t.kv * t.dh) *
+                    sizeof(float));
         for (Index l = 0; l < t.L; ++l) {  // a sliding layer's cache dropped what it cannot see
           moe::KvCache const& c = st.caches[static_cast<std::size_t>(l)];
           REQUIRE(c.window() == window_of(t, l));
@@ -531,9 +635,9 @@ Tiny family_tiny(std::string const& type) {
   if (type == "llama4_text") t.L = 4;
   return t;
 }
-constexpr char const* kDecoderFamilies[] = {"qwen3_moe",    "mixtral",    "qwen2_moe",
-                                            "olmoe",        "glm4_moe",   "gpt_oss",
-                                            "ernie4_5_moe", "minimax_m2", "llama4_text"};
+constexpr char const* kDecoderFamilies[] = {"deepseek_v3",  "deepseek_v2", "qwen3_moe",  "mixtral",
+                                            "qwen2_moe",    "olmoe",       "glm4_moe",   "gpt_oss",
+                                            "ernie4_5_moe", "minimax_m2",  "llama4_text"};
 
 }  // namespace
 
@@ -586,6 +690,21 @@ TEST_CASE(
     "inputs) generates as the reference",
     "[models][decoder][llama4]") {
   check_generation(family_tiny("llama4_text"), "decoder_llama4");
+}
+
+TEST_CASE(
+    "Decoder: DeepSeek-V3 (multi-head latent attention with q LoRA, interleaved RoPE, YaRN and "
+    "its softmax mscale; a dense first layer; noaux_tc routing, a shared expert) generates as "
+    "the reference",
+    "[models][decoder][mla]") {
+  check_generation(family_tiny("deepseek_v3"), "decoder_deepseek_v3");
+}
+
+TEST_CASE(
+    "Decoder: DeepSeek-V2-Lite-like (MLA without q LoRA, complex RoPE; group-limited greedy "
+    "softmax routing) generates as the reference",
+    "[models][decoder][mla]") {
+  check_generation(family_tiny("deepseek_v2"), "decoder_deepseek_v2");
 }
 
 TEST_CASE(
@@ -1196,6 +1315,74 @@ TEST_CASE("Decoder: Llama 4 config.json (Scout's multimodal text_config, Maveric
                       Contains("'linear' is not supported") && Contains("llama3"));
 }
 
+TEST_CASE("Decoder: DeepSeek-V3 and Kimi K2 config.json files give their MLA layers",
+          "[models][decoder][mla]") {
+  // DeepSeek-V3's config.json (trimmed of auto_map and token ids) and Kimi K2's (its own
+  // model_type over DeepSeek-V3's architecture).
+  std::string const v3 = R"({"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+      "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+      "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+      "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+      "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+      "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+      "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+      "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+      "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc",
+      "v_head_dim": 128, "vocab_size": 129280})";
+  auto const c = moe::models::parse_decoder_config(v3, "DeepSeek-V3/config.json");
+  REQUIRE(c.mla.enabled);
+  REQUIRE(c.mla.q_lora_rank == 1536);
+  REQUIRE(c.mla.kv_lora_rank == 512);
+  REQUIRE(c.mla.qk_rope_head_dim == 64);
+  REQUIRE(c.mla.v_head_dim == 128);
+  REQUIRE(c.mla.rope_interleave);
+  REQUIRE(c.yarn.factor == 40.0f);
+  REQUIRE(c.yarn.original_max_position == 4096);
+  REQUIRE(c.mla.softmax_mscale_all_dim == 1.0f);
+  REQUIRE(c.intermediate_size == 18432);
+  REQUIRE(c.moe.first_k_dense_replace == 3);
+  moe::MlaAttention const layer(moe::models::detail::mla_config(c));
+  double const m = 0.1 * std::log(40.0) + 1.0;  // yarn_get_mscale(40, 1)
+  REQUIRE(layer.scale() == Approx(m * m / std::sqrt(192.0)).epsilon(1e-6));
+  REQUIRE(layer.make_cache(1).bytes_per_token() == 576 * sizeof(float));
+  auto const kimi = moe::models::parse_decoder_config(
+      R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+          "first_k_dense_replace": 1, "hidden_size": 7168, "intermediate_size": 18432,
+          "kv_lora_rank": 512, "max_position_embeddings": 131072, "moe_intermediate_size": 2048,
+          "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": true,
+          "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+          "num_key_value_heads": 64, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0,
+          "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+          "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 50000.0,
+          "routed_scaling_factor": 2.827, "topk_group": 1, "v_head_dim": 128,
+          "vocab_size": 163840})",
+      "Kimi-K2/config.json");
+  REQUIRE(kimi.moe.family == HfFamily::kDeepseekV3);
+  REQUIRE(kimi.moe.num_experts == 384);
+  REQUIRE(kimi.num_attention_heads == 64);
+  REQUIRE(kimi.yarn.factor == 32.0f);
+  REQUIRE(kimi.rope_theta == 50000.0f);
+  // DeepSeek-V2-Lite: q_lora_rank null (one q_proj); V2 has no softmax mscale.
+  auto const lite = moe::models::parse_decoder_config(
+      R"({"model_type": "deepseek_v2", "num_hidden_layers": 27, "hidden_size": 2048,
+          "num_attention_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+          "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+          "intermediate_size": 10944, "first_k_dense_replace": 1,
+          "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}})");
+  REQUIRE(lite.mla.q_lora_rank == 0);
+  REQUIRE(lite.mla.softmax_mscale_all_dim == 0.0f);
+  REQUIRE(lite.yarn.factor == 40.0f);
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          R"({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+                              "qk_rope_head_dim": 5})"),
+                      Catch::Contains("qk_rope_head_dim = 5") && Catch::Contains("even"));
+}
+
 TEST_CASE("Decoder: the released models' config.json files parse to their architectures",
           "[models][decoder]") {
   // config.json of released checkpoints (keys as published, trimmed of tokenizer ids), and what
@@ -1314,8 +1501,8 @@ TEST_CASE("Decoder: the released models' config.json files parse to their archit
 TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   using Catch::Contains;
   REQUIRE_THROWS_WITH(
-      moe::models::parse_decoder_config(R"({"model_type": "deepseek_v3", "num_hidden_layers": 2})"),
-      Contains("no decoder in moe yet") && Contains("multi-head latent attention"));
+      moe::models::parse_decoder_config(R"({"model_type": "qwen3_next", "num_hidden_layers": 2})"),
+      Contains("no decoder in moe yet") && Contains("Gated DeltaNet"));
   REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(R"({"model_type": "mixtral"})"),
                       Contains("num_hidden_layers"));
   REQUIRE_THROWS_WITH(

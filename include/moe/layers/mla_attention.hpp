@@ -325,6 +325,21 @@ class MlaAttention {
   }
   /// Are the projections packed (pack_weights, and no parameters() call since)?
   bool packed() const { return !packs_.o.empty(); }
+  /// The format of the packed projections (kF32 when not packed).
+  experts::WeightFormat weight_format() const {
+    return packed() ? packs_.o.format() : experts::WeightFormat::kF32;
+  }
+  /// Bytes of the projections a decode step streams: the packs (or the fp32 weights when not
+  /// packed); the absorbed order also reads the fp32 kv_b_proj (W_UK, W_UV), counted too.
+  std::size_t projection_bytes() const {
+    auto f32 = [](HugePageVector<float> const& w) { return w.size() * sizeof(float); };
+    if (!packed()) {
+      return f32(p_.q_a_proj) + f32(p_.q_b_proj) + f32(p_.q_proj) + f32(p_.kv_a_proj) +
+             f32(p_.kv_b_proj) + f32(p_.o_proj);
+    }
+    return packs_.q_a.bytes() + packs_.q_b.bytes() + packs_.q.bytes() + packs_.kv_a.bytes() +
+           packs_.kv_b.bytes() + packs_.o.bytes() + f32(p_.kv_b_proj);
+  }
 
   /// A latent cache for `sequences` sequences: kv_lora_rank + qk_rope_head_dim values a token
   /// ([c^ | RoPE(k_pe)], the normed latent and the rotated shared key), fp32 or bf16, room for

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -35,6 +36,7 @@
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/kv_cache.hpp"
 #include "moe/layers/linear.hpp"
+#include "moe/layers/mla_attention.hpp"
 #include "moe/layers/presets.hpp"
 #include "moe/models/decoder_config.hpp"
 
@@ -267,8 +269,9 @@ struct DenseMlp {
 /// Decoding state of a Decoder: a KvCache per layer for `sequences` independent sequences,
 /// and the buffers a step reuses (no allocation once they have their size).
 struct DecoderState {
-  std::vector<KvCache> caches;  ///< one per layer
+  std::vector<KvCache> caches;  ///< one per layer (a latent cache for an MLA layer)
   GatedAttentionWorkspace attention;
+  MlaAttentionWorkspace mla;
   MoeFfnWorkspace ffn;
   std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
@@ -313,10 +316,17 @@ template <class Moe>
 class Decoder {
  public:
   struct Block {
-    GatedAttention<gating::NoGate> attention;
+    GatedAttention<gating::NoGate> attention;  ///< the attention, unless `mla` is set
     std::vector<float> input_norm, post_norm;  ///< [H] each
     std::optional<Moe> moe;                    ///< the MoE FFN, or
     DenseMlp mlp;                              ///< the dense one
+    /// Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2) in place of `attention`.
+    std::optional<MlaAttention> mla;
+
+    /// The attention's projection format (its q projection's; MLA: all of them).
+    experts::WeightFormat attention_format() const {
+      return mla ? mla->weight_format() : attention.formats().q;
+    }
   };
 
   DecoderConfig config;
@@ -350,7 +360,9 @@ class Decoder {
   /// projection, dense MLP and the LM head (the embedding's one row aside).
   std::size_t dense_bytes_per_step() const {
     std::size_t n = lm_head.bytes();
-    for (Block const& b : blocks) n += b.attention.projection_bytes() + b.mlp.bytes();
+    for (Block const& b : blocks) {
+      n += (b.mla ? b.mla->projection_bytes() : b.attention.projection_bytes()) + b.mlp.bytes();
+    }
     return n;
   }
 
@@ -363,6 +375,10 @@ class Decoder {
     DecoderState st;
     Index const kvd = config.num_key_value_heads * config.head_dim;
     for (Block const& b : blocks) {
+      if (b.mla) {  // the latent rows: kv_lora_rank + qk_rope_head_dim values a token
+        st.caches.push_back(b.mla->make_cache(sequences, capacity, kv));
+        continue;
+      }
       Index const window = b.attention.lookback();  // a sliding window or an attention chunk
       st.caches.emplace_back(sequences, kvd, window > 0 ? std::min(capacity, 2 * window) : capacity,
                              kv, window);
@@ -420,7 +436,12 @@ class Decoder {
       rms_rows(h, b.input_norm, normed, pool);
       lap(nullptr);
       // h += Attn(normed): the residual added in o_proj's epilogue.
-      b.attention.forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
+      if (b.mla) {
+        b.mla->forward_cached(normed, h, st.caches[L], new_tokens, st.mla, pool, MlaOrder::kAuto,
+                              true);
+      } else {
+        b.attention.forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
+      }
       lap(&attention);
       rms_rows(h, b.post_norm, normed, pool);
       lap(nullptr);
@@ -642,6 +663,50 @@ inline Embedding read_embedding(Loading const& ld, Index V, Index H,
   return e;
 }
 
+/// The multi-head latent attention tensors of a layer (under "self_attn."), by MlaAttention's
+/// parameter names (transformers'), with their shapes.
+inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> mla_tensors(
+    DecoderConfig const& c) {
+  DecoderMla const& m = c.mla;
+  std::int64_t const H = c.moe.hidden_size, nh = c.num_attention_heads, ql = m.q_lora_rank,
+                     R = m.kv_lora_rank, dr = m.qk_rope_head_dim,
+                     dq = m.qk_nope_head_dim + m.qk_rope_head_dim;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> out;
+  if (ql > 0) {
+    out.push_back({"q_a_proj.weight", {ql, H}});
+    if (c.qkv_bias) out.push_back({"q_a_proj.bias", {ql}});
+    out.push_back({"q_a_layernorm.weight", {ql}});
+    out.push_back({"q_b_proj.weight", {nh * dq, ql}});
+  } else {
+    out.push_back({"q_proj.weight", {nh * dq, H}});
+  }
+  out.push_back({"kv_a_proj_with_mqa.weight", {R + dr, H}});
+  if (c.qkv_bias) out.push_back({"kv_a_proj_with_mqa.bias", {R + dr}});
+  out.push_back({"kv_a_layernorm.weight", {R}});
+  out.push_back({"kv_b_proj.weight", {nh * (m.qk_nope_head_dim + m.v_head_dim), R}});
+  out.push_back({"o_proj.weight", {H, nh * m.v_head_dim}});
+  if (c.qkv_bias) out.push_back({"o_proj.bias", {H}});
+  return out;
+}
+
+/// The MLA layer of config c (its sizes, RoPE, YaRN and softmax correction).
+inline MlaAttentionConfig mla_config(DecoderConfig const& c) {
+  MlaAttentionConfig a;
+  a.d_model = c.moe.hidden_size;
+  a.num_heads = c.num_attention_heads;
+  a.q_lora_rank = c.mla.q_lora_rank;
+  a.kv_lora_rank = c.mla.kv_lora_rank;
+  a.qk_nope_head_dim = c.mla.qk_nope_head_dim;
+  a.qk_rope_head_dim = c.mla.qk_rope_head_dim;
+  a.v_head_dim = c.mla.v_head_dim;
+  a.rope_theta = c.rope_theta;
+  a.rope_interleave = c.mla.rope_interleave;
+  a.yarn = c.yarn;
+  a.softmax_mscale_all_dim = c.mla.softmax_mscale_all_dim;
+  a.attention_bias = c.qkv_bias;
+  return a;
+}
+
 /// Checks every tensor of the model against config.json from the checkpoint's headers (presence,
 /// dtype, shape; the MoE layers as the layer loader checks them) before anything is allocated:
 /// a config.json implying a huge model for small tensors is refused by its shapes at once, not
@@ -658,10 +723,14 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
     auto check = [&](char const* name, std::vector<std::int64_t> const& shape) {
       checked_tensor(ckpt, p + name, shape, why);
     };
-    check("self_attn.q_proj.weight", {nh * dh, H});
-    check("self_attn.k_proj.weight", {kv * dh, H});
-    check("self_attn.v_proj.weight", {kv * dh, H});
-    check("self_attn.o_proj.weight", {H, nh * dh});
+    if (c.mla.enabled) {
+      for (auto const& [name, shape] : mla_tensors(c)) check(("self_attn." + name).c_str(), shape);
+    } else {
+      check("self_attn.q_proj.weight", {nh * dh, H});
+      check("self_attn.k_proj.weight", {kv * dh, H});
+      check("self_attn.v_proj.weight", {kv * dh, H});
+      check("self_attn.o_proj.weight", {H, nh * dh});
+    }
     if (c.qk_norm) {
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
       check("self_attn.q_norm.weight", {all ? nh * dh : dh});
@@ -768,33 +837,55 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     ac.temperature_floor = ac.rope ? 0 : c.temperature_floor;
     ac.temperature_scale = c.temperature_scale;
-    typename Decoder<Moe>::Block b{GatedAttention<gating::NoGate>(ac), {}, {}, std::nullopt, {}};
+    typename Decoder<Moe>::Block b;
     auto load_into = [&](std::span<float> dst, std::string const& name,
                          std::vector<std::int64_t> const& shape) {
       std::vector<float> const v = read_tensor(ckpt, p + name, shape, why, &c.moe);
       std::copy(v.begin(), v.end(), dst.begin());
     };
-    // The projections, each in its format (stored blocks re-packed as they are where that is
-    // their format); the layer keeps only these packs (a decoder never trains).
-    b.attention.adopt_packed_weights(
-        ld.linear(p + "self_attn.q_proj.weight", nh * dh, H, MatrixClass::kAttnQ, L),
-        ld.linear(p + "self_attn.k_proj.weight", kv * dh, H, MatrixClass::kAttnK, L),
-        ld.linear(p + "self_attn.v_proj.weight", kv * dh, H, MatrixClass::kAttnV, L),
-        ld.linear(p + "self_attn.o_proj.weight", H, nh * dh, MatrixClass::kAttnO, L));
-    if (c.qk_norm) {
-      bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
-      load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
-      load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {all ? kv * dh : dh});
-    }
-    if (c.qkv_bias) {
-      load_into(b.attention.q_bias(), "self_attn.q_proj.bias", {nh * dh});
-      load_into(b.attention.k_bias(), "self_attn.k_proj.bias", {kv * dh});
-      load_into(b.attention.v_bias(), "self_attn.v_proj.bias", {kv * dh});
-    }
-    if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
-    if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
+    if (c.mla.enabled) {
+      // The fp32 weights stay (the absorbed order reads kv_b_proj's); the projections are packed
+      // in the attention's format, one for all (resolved for every depth: the gcd of them).
+      MlaAttention& a = b.mla.emplace(mla_config(c));
+      std::vector<std::pair<std::string, std::vector<std::int64_t>>> const shapes = mla_tensors(c);
+      Index depth = 0;
+      for (ParameterRef const& g : a.parameters()) {
+        auto const it = std::find_if(shapes.begin(), shapes.end(),
+                                     [&](auto const& s) { return s.first == g.name; });
+        moe::detail::check(it != shapes.end(), "models: MLA parameter ", g.name,
+                           " has no tensor name");  // (a bug, not a file problem)
+        load_into(g.values, "self_attn." + it->first, it->second);
+        if (it->second.size() == 2) depth = std::gcd(depth, static_cast<Index>(it->second[1]));
+      }
+      std::string const kva = p + "self_attn.kv_a_proj_with_mqa.weight";
+      std::vector<std::int64_t> const kva_shape = {c.mla.kv_lora_rank + c.mla.qk_rope_head_dim, H};
+      a.pack_weights(ld.format(p + "self_attn (MLA projections)", MatrixClass::kAttnQ, L, depth,
+                               stored_format(ckpt, kva, kva_shape)),
+                     pool);
+    } else {
+      b.attention = GatedAttention<gating::NoGate>(ac);
+      // The projections, each in its format (stored blocks re-packed as they are where that is
+      // their format); the layer keeps only these packs (a decoder never trains).
+      b.attention.adopt_packed_weights(
+          ld.linear(p + "self_attn.q_proj.weight", nh * dh, H, MatrixClass::kAttnQ, L),
+          ld.linear(p + "self_attn.k_proj.weight", kv * dh, H, MatrixClass::kAttnK, L),
+          ld.linear(p + "self_attn.v_proj.weight", kv * dh, H, MatrixClass::kAttnV, L),
+          ld.linear(p + "self_attn.o_proj.weight", H, nh * dh, MatrixClass::kAttnO, L));
+      if (c.qk_norm) {
+        bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+        load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
+        load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {all ? kv * dh : dh});
+      }
+      if (c.qkv_bias) {
+        load_into(b.attention.q_bias(), "self_attn.q_proj.bias", {nh * dh});
+        load_into(b.attention.k_bias(), "self_attn.k_proj.bias", {kv * dh});
+        load_into(b.attention.v_bias(), "self_attn.v_proj.bias", {kv * dh});
+      }
+      if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
+      if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
+    }
     if (c.moe.is_moe_layer(L)) {
       // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks
       // re-packed); that pack stays unless the options choose other formats.

@@ -23,6 +23,17 @@
 
 namespace moe::models {
 
+/// Multi-head latent attention's sizes (DeepSeek-V2 / V3, Kimi K2; MlaAttentionConfig's fields
+/// of the same names), `enabled` for those families.
+struct DecoderMla {
+  bool enabled = false;
+  Index q_lora_rank = 0;  ///< 0: null (one q_proj, DeepSeek-V2-Lite)
+  Index kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = true;  ///< V3's rope_interleave (V2: its complex RoPE, the same)
+  /// V3's softmax correction with YaRN: rope_scaling.mscale_all_dim (0: none; V2 has none).
+  float softmax_mscale_all_dim = 0.0f;
+};
+
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
 /// defaults of the family's config class for absent keys. Nine families decode:
 ///
@@ -97,6 +108,9 @@ struct DecoderConfig {
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
   bool rope_interleaved = false;    ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5, Llama 4)
   kernels::RopeLlama3 llama3 = {};  ///< Llama 3 RoPE scaling (Llama 4 Scout); factor 0: none
+  /// Multi-head latent attention instead of GQA (DeepSeek-V2 / V3, Kimi K2); its YaRN is `yarn`,
+  /// its rope_theta `rope_theta`, its attention_bias `qkv_bias`.
+  DecoderMla mla;
   /// [num_hidden_layers] 1 where the layer has no RoPE (Llama 4's NoPE layers); empty: none.
   std::vector<std::uint8_t> nope_layers;
   /// [num_hidden_layers] each layer's attention chunk (Llama 4's chunked layers; 0: none).
@@ -259,7 +273,8 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
     c.llama3.high_freq_factor = static_cast<float>(rope.high_freq_factor);
     c.llama3.original_max_position = rope.llama3_original;
   }
-  if (def.yarn && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
+  if (def.yarn && def.yarn_factor > 0.0 && r.find("rope_scaling") == nullptr &&
+      r.find("rope_parameters") == nullptr) {
     rope.yarn = true;  // the family's default rope_scaling
     rope.yarn_factor = def.yarn_factor;
     rope.original_max_position = def.yarn_original_max_position;
@@ -375,6 +390,21 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
             c.moe.model_type());
   }
   if (def.llama4_layers) detail::read_llama4_layers(r, c);
+  if (def.mla) {
+    DecoderMla& m = c.mla;
+    m.enabled = true;
+    m.q_lora_rank = r.is_null("q_lora_rank") ? 0 : r.integer({"q_lora_rank"}, def.q_lora_rank, 1);
+    m.kv_lora_rank = r.integer({"kv_lora_rank"}, def.kv_lora_rank, 1);
+    m.qk_nope_head_dim = r.integer({"qk_nope_head_dim"}, def.qk_nope_head_dim, 0);
+    m.qk_rope_head_dim = r.integer({"qk_rope_head_dim"}, def.qk_rope_head_dim, 2);
+    m.v_head_dim = r.integer({"v_head_dim"}, def.v_head_dim, 1);
+    m.rope_interleave = r.boolean("rope_interleave", true);
+    fail_if(m.qk_rope_head_dim % 2 != 0, "qk_rope_head_dim = ", m.qk_rope_head_dim,
+            " must be even (RoPE rotates pairs)");
+    if (def.mla_softmax_mscale && rope.yarn) {
+      m.softmax_mscale_all_dim = as_float(rope.mscale_all_dim, "rope_scaling.mscale_all_dim");
+    }
+  }
   fail_if(c.head_dim < 1, "head_dim = ", c.head_dim, " must be >= 1 (hidden_size / heads)");
   fail_if(c.num_attention_heads % c.num_key_value_heads != 0,
           "num_key_value_heads = ", c.num_key_value_heads,

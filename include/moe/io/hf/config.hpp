@@ -368,6 +368,8 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
     if (type->text == hf_model_type(f)) c.family = f, known = true;
   }
   if (type->text == "llama4") c.family = HfFamily::kLlama4, known = true;
+  // Kimi K2's config.json names its own model type over DeepSeek-V3's architecture and keys.
+  if (type->text == "kimi_k2") c.family = HfFamily::kDeepseekV3, known = true;
   if (!known) {
     moe::detail::fail("hf: ", source, ": model_type ", detail::printable_name(type->text),
                       " is not supported; moe loads the MoE layers of ", hf_model_type_list(),

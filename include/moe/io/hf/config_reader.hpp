@@ -380,6 +380,7 @@ struct HfRope {
   /// attention_factor, else (with mscale and mscale_all_dim) get_mscale(s, mscale) /
   /// get_mscale(s, mscale_all_dim), else 0 (the consumer's default 0.1 ln(s) + 1).
   double attention_factor = 0.0;
+  double mscale = 0.0, mscale_all_dim = 0.0;  ///< DeepSeek's YaRN keys as given (0: absent)
   /// rope_type "llama3" (read only when the caller allows it): transformers'
   /// _compute_llama3_parameters keys, all required.
   bool llama3 = false;
@@ -462,7 +463,8 @@ inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double 
       if (t->kind != JsonKind::kBool) r.bad("truncate", *t, "true or false");
       out.truncate = t->boolean;
     }
-    double mscale = 0.0, mscale_all = 0.0;
+    double& mscale = out.mscale;
+    double& mscale_all = out.mscale_all_dim;
     number_in(obj, "attention_factor", out.attention_factor);
     number_in(obj, "mscale", mscale);
     number_in(obj, "mscale_all_dim", mscale_all);

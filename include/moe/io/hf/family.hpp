@@ -178,6 +178,15 @@ struct HfDecoderFacts {
   /// NoPE layers' queries (attn_temperature_tuning, floor_scale, attn_scale), and Llama 3 RoPE
   /// scaling read (rope_type "llama3").
   bool llama4_layers = false;
+  /// Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2): q_lora_rank (null: one q_proj),
+  /// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (V3's key;
+  /// V2's complex RoPE is the interleaved one), YaRN rope_scaling with mscale / mscale_all_dim.
+  bool mla = false;
+  /// V3's softmax correction by yarn_get_mscale(factor, mscale_all_dim)^2 (DeepseekV3Attention;
+  /// transformers' DeepseekV2Attention has none).
+  bool mla_softmax_mscale = false;
+  Index q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0,
+        v_head_dim = 0;  ///< their defaults (q_lora_rank 0: null)
   /// The dense MLP layers' module and width key ("mlp." and "intermediate_size"; Llama 4:
   /// "feed_forward." and "intermediate_size_mlp").
   std::string_view dense_module = "mlp.";

@@ -3,7 +3,8 @@
 /// \file
 /// DeepSeek-V2 ("deepseek_v2", DeepseekV2ForCausalLM): softmax scores, greedy or group-limited
 /// top-k (a group scores by its best expert), weights scaled and never renormalised, ungated
-/// shared experts; the first first_k_dense_replace layers dense. No decoder yet (MLA).
+/// shared experts; the first first_k_dense_replace layers dense. Its decoder: multi-head latent
+/// attention (MLA).
 #pragma once
 
 #include "moe/io/hf/families/common.hpp"
@@ -93,7 +94,20 @@ inline constexpr HfFamilySpec kDeepseekV2 = {
     .routing = {.group_max = true},
     .keys = kDeepseekKeys,
     .more_keys = kDeepseekV2Keys,
-    .decoder = {.lacks = "multi-head latent attention (MLA)"},
+    .decoder = {.vocab_size = 32000,
+                .heads = 32,
+                .rope_theta = 10000.0,
+                .rms_norm_eps = 1e-6,
+                .dense_width = 11008,
+                .bias = HfAttentionBias::kQkv,
+                .yarn = true,
+                .mla = true,
+                .mla_softmax_mscale = false,
+                .q_lora_rank = 1536,
+                .kv_lora_rank = 512,
+                .qk_nope_head_dim = 128,
+                .qk_rope_head_dim = 64,
+                .v_head_dim = 128},
     .read = detail::read_deepseek_v2,
     .write = detail::write_deepseek_v2,
     .validate = detail::validate_deepseek_v2,

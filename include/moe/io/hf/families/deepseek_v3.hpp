@@ -3,7 +3,8 @@
 /// \file
 /// DeepSeek-V3 ("deepseek_v3", DeepseekV3ForCausalLM): sigmoid scores, a selection-only bias
 /// (e_score_correction_bias), group-limited top-k ("noaux_tc"), scaled weights, ungated shared
-/// experts; the first first_k_dense_replace layers dense. No decoder yet (MLA).
+/// experts; the first first_k_dense_replace layers dense. Its decoder: multi-head latent attention
+/// (MLA).
 #pragma once
 
 #include "moe/io/hf/families/common.hpp"
@@ -56,7 +57,20 @@ inline constexpr HfFamilySpec kDeepseekV3 = {
     .grouped = true,
     .names = {.selection_bias = "gate.e_score_correction_bias"},
     .keys = kDeepseekKeys,
-    .decoder = {.lacks = "multi-head latent attention (MLA)"},
+    .decoder = {.vocab_size = 129280,
+                .heads = 128,
+                .rope_theta = 10000.0,
+                .rms_norm_eps = 1e-6,
+                .dense_width = 18432,
+                .bias = HfAttentionBias::kQkv,
+                .yarn = true,
+                .mla = true,
+                .mla_softmax_mscale = true,
+                .q_lora_rank = 1536,
+                .kv_lora_rank = 512,
+                .qk_nope_head_dim = 128,
+                .qk_rope_head_dim = 64,
+                .v_head_dim = 128},
     .read = detail::read_deepseek_v3,
     .write = detail::write_deepseek_v3,
     .validate = detail::validate_deepseek_v3,
