@@ -28,6 +28,7 @@
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
+#include "moe/layers/detail/projection_job.hpp"
 #include "moe/layers/kv_cache.hpp"
 #include "moe/layers/linear.hpp"
 #include "moe/layers/stages/work.hpp"
@@ -738,50 +739,35 @@ class GatedAttention {
     });
   }
 
-  /// The engine's job C = A W^T (+ bias; c += with `accumulate`) for one projection: its pack
-  /// when `inference` and pack_weights made one, else its fp32 parameters w [rows_w, depth] in
-  /// place (dot products for fewer than kernels::kPanelMinRows rows, panels packed per call from
-  /// there on).
-  static detail::ExpertJob proj_job(kernels::RowSource a, Index rows, Linear const& pack,
-                                    HugePageVector<float> const& w, Index rows_w, Index depth,
-                                    float* c, Index ldc, bool inference,
-                                    HugePageVector<float> const* bias = nullptr,
-                                    bool accumulate = false) {
-    detail::ExpertJob j = inference && !pack.empty() ? linear_job(pack, a, rows, c, ldc)
-                                                     : stages::raw_job(a.base, a.ld, rows, w.data(),
-                                                                       depth, c, ldc, rows_w);
-    j.accumulate = accumulate;
-    if (bias && !bias->empty()) j.bias = bias->data();
-    return j;
-  }
-  static bool quantized(Linear const& pack) {
-    return !pack.empty() && experts::is_quantized(pack.format());
-  }
-
   /// [Q | gamma] (or Q and gamma), K and V of every row of x (from the packs when `inference`
   /// and pack_weights made them), run on ws.queue; the q/k/v biases are added by prepare_row.
   void run_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference,
                ThreadPool* pool) const {
     Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
-    bool const q8 = inference && (quantized(packs_.q) || quantized(packs_.gate) ||
-                                  quantized(packs_.k) || quantized(packs_.v));
+    bool const q8 =
+        inference && (detail::quantized_pack(packs_.q) || detail::quantized_pack(packs_.gate) ||
+                      detail::quantized_pack(packs_.k) || detail::quantized_pack(packs_.v));
     kernels::RowSource const a = ws.input.prepare(x, q8, pool);
-    ws.queue.add(proj_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(), P, inference));
+    ws.queue.add(detail::projection_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(),
+                                        P, inference));
     if (separate_gate()) {
-      ws.queue.add(proj_job(a, T, packs_.gate, p_.gate_proj, gate_cols(), D, ws.qg.data() + HD, P,
-                            inference));
+      ws.queue.add(detail::projection_job(a, T, packs_.gate, p_.gate_proj, gate_cols(), D,
+                                          ws.qg.data() + HD, P, inference));
     }
-    ws.queue.add(proj_job(a, T, packs_.k, p_.k_proj, KD, D, ws.k_raw.data(), KD, inference));
-    ws.queue.add(proj_job(a, T, packs_.v, p_.v_proj, KD, D, ws.v.data(), KD, inference));
+    ws.queue.add(
+        detail::projection_job(a, T, packs_.k, p_.k_proj, KD, D, ws.k_raw.data(), KD, inference));
+    ws.queue.add(
+        detail::projection_job(a, T, packs_.v, p_.v_proj, KD, D, ws.v.data(), KD, inference));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 
   /// y = O W_o^T + b_o (y += with `accumulate`: the residual added in the epilogue).
   void run_o(ConstMatrixView<float> o, MatrixView<float> y, GatedAttentionWorkspace& ws,
              bool inference, bool accumulate, ThreadPool* pool) const {
-    kernels::RowSource const a = ws.input.prepare(o, inference && quantized(packs_.o), pool);
-    ws.queue.add(proj_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data, y.row_stride,
-                          inference, &p_.o_bias, accumulate));
+    kernels::RowSource const a =
+        ws.input.prepare(o, inference && detail::quantized_pack(packs_.o), pool);
+    ws.queue.add(detail::projection_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data,
+                                        y.row_stride, inference, &p_.o_bias, accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 

@@ -1,0 +1,293 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+/// \file
+/// The gated delta rule of one head (Gated DeltaNet, Yang et al. 2024; Qwen3-Next, Qwen3.5): a
+/// state S [d_k, d_v] that decays, is corrected towards each new (key, value) pair and is read
+/// by each query. Three routines on raw pointers: the token-by-token recurrence (decode steps),
+/// the chunked form (prompts: most of its work is small matrix products inside a chunk) and the
+/// backward of the recurrence (checkpointed: the state is kept every `chunk` tokens and
+/// recomputed inside a chunk). Allocation-free; each output is a fixed sequence of operations.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "moe/core/types.hpp"
+
+namespace moe::kernels {
+
+/// One head's inputs and output over T tokens, rows with strides (the layer's [T, heads * dim]
+/// buffers read in place). q, k: [T, d_k] (q already L2-normalised and scaled, k L2-normalised),
+/// v, o: [T, d_v], g: log decay per token (<= 0), beta: write strength per token in (0, 1).
+struct DeltaRuleHead {
+  float const* q = nullptr;
+  float const* k = nullptr;
+  float const* v = nullptr;
+  float const* g = nullptr;
+  float const* beta = nullptr;
+  float* o = nullptr;
+  Index ldq = 0, ldk = 0, ldv = 0, ldg = 1, ldbeta = 1, ldo = 0;
+  Index tokens = 0, dk = 0, dv = 0;
+};
+
+/// Recurrent form, token by token, from the state S [d_k, d_v] (row-major; updated in place):
+///   S <- exp(g_t) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+/// (transformers' torch_recurrent_gated_delta_rule). With `checkpoints` (not null), the state
+/// before tokens 0, chunk, 2 chunk, ... is copied to checkpoints + i d_k d_v (what
+/// delta_rule_backward reads). `scratch`: d_v floats.
+inline void delta_rule_recurrent(DeltaRuleHead const& p, float* S, float* scratch,
+                                 float* checkpoints = nullptr, Index chunk = 64) {
+  Index const dk = p.dk, dv = p.dv;
+  float* const delta = scratch;
+  for (Index t = 0; t < p.tokens; ++t) {
+    if (checkpoints && t % chunk == 0) std::copy(S, S + dk * dv, checkpoints + t / chunk * dk * dv);
+    float const a = std::exp(p.g[t * p.ldg]), b = p.beta[t * p.ldbeta];
+    float const* k = p.k + t * p.ldk;
+    float const* q = p.q + t * p.ldq;
+    float const* v = p.v + t * p.ldv;
+    float* o = p.o + t * p.ldo;
+    std::fill(delta, delta + dv, 0.0f);
+    for (Index i = 0; i < dk; ++i) {  // S *= a; delta = S^T k
+      float* s = S + i * dv;
+      for (Index j = 0; j < dv; ++j) {
+        s[j] *= a;
+        delta[j] = std::fma(s[j], k[i], delta[j]);
+      }
+    }
+    for (Index j = 0; j < dv; ++j) delta[j] = b * (v[j] - delta[j]);
+    std::fill(o, o + dv, 0.0f);
+    for (Index i = 0; i < dk; ++i) {  // S += k delta^T; o = S^T q
+      float* s = S + i * dv;
+      for (Index j = 0; j < dv; ++j) {
+        s[j] = std::fma(k[i], delta[j], s[j]);
+        o[j] = std::fma(s[j], q[i], o[j]);
+      }
+    }
+  }
+}
+
+/// Floats of delta_rule_chunked's scratch.
+inline Index delta_rule_chunked_scratch(Index chunk, Index dk, Index dv) {
+  return chunk + 2 * chunk * chunk + chunk * (2 * dv + dk);
+}
+
+/// Chunked form (transformers' torch_chunk_gated_delta_rule), the same function as
+/// delta_rule_recurrent up to rounding. Per chunk of n <= `chunk` tokens, with c_i the cumulative
+/// sum of g inside the chunk and the state S at its start:
+///   A = -(strictly lower part of) beta_i (k_i . k_j) exp(c_i - c_j);  T = (I - A)^-1 by forward
+///   substitution (row i += sum_m A_im T_m);  U = T diag(beta) V;  W = T diag(beta exp(c)) K;
+///   V' = U - W S;  o_i = exp(c_i) q_i^T S + sum_{j <= i} (q_i . k_j) exp(c_i - c_j) V'_j;
+///   S <- exp(c_n) S + sum_j exp(c_n - c_j) k_j V'_j^T.
+/// A shorter last chunk is the padded chunk of the reference with the padding dropped (padded
+/// tokens have k = 0, g = 0). Checkpoints as in delta_rule_recurrent (only where a chunk starts:
+/// pass the same `chunk`). `scratch`: delta_rule_chunked_scratch(chunk, d_k, d_v) floats.
+inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch, Index chunk = 64,
+                               float* checkpoints = nullptr) {
+  Index const dk = p.dk, dv = p.dv, C = chunk;
+  float* const c = scratch;       // [C] cumulative log decay
+  float* const A = c + C;         // [C, C] T, then the decays of q k^T
+  float* const QK = A + C * C;    // [C, C]
+  float* const U = QK + C * C;    // [C, dv], then V'
+  float* const W = U + C * dv;    // [C, dk]
+  float* const tmp = W + C * dk;  // [C, dv]
+  for (Index t0 = 0, ci = 0; t0 < p.tokens; t0 += C, ++ci) {
+    if (checkpoints) std::copy(S, S + dk * dv, checkpoints + ci * dk * dv);
+    Index const n = std::min(C, p.tokens - t0);
+    auto K = [&](Index i) { return p.k + (t0 + i) * p.ldk; };
+    auto Q = [&](Index i) { return p.q + (t0 + i) * p.ldq; };
+    auto beta = [&](Index i) { return p.beta[(t0 + i) * p.ldbeta]; };
+    float acc = 0.0f;
+    for (Index i = 0; i < n; ++i) c[i] = acc += p.g[(t0 + i) * p.ldg];
+    // A (strictly lower) and the intra-chunk q k^T with decays (lower, diagonal included).
+    for (Index i = 0; i < n; ++i) {
+      float const* ki = K(i);
+      float const* qi = Q(i);
+      for (Index j = 0; j <= i; ++j) {
+        float const* kj = K(j);
+        float kk = 0.0f, qk = 0.0f;
+        for (Index a = 0; a < dk; ++a) {
+          kk = std::fma(ki[a], kj[a], kk);
+          qk = std::fma(qi[a], kj[a], qk);
+        }
+        float const decay = std::exp(c[i] - c[j]);
+        A[i * C + j] = j < i ? -beta(i) * kk * decay : 0.0f;
+        QK[i * C + j] = qk * decay;
+      }
+    }
+    // Forward substitution, row by row: row i += sum_m row_i[m] T[m] (rows m < i final).
+    for (Index i = 1; i < n; ++i) {
+      float* ri = A + i * C;
+      for (Index j = 0; j < i; ++j) {  // ascending j: ri[m] for m > j still the old values
+        float s = ri[j];
+        for (Index m = j + 1; m < i; ++m) s = std::fma(ri[m], A[m * C + j], s);
+        ri[j] = s;
+      }
+    }
+    for (Index i = 0; i < n; ++i) A[i * C + i] = 1.0f;
+    // U = T diag(beta) V, W = T diag(beta exp(c)) K.
+    for (Index i = 0; i < n; ++i) {
+      float* u = U + i * dv;
+      float* w = W + i * dk;
+      std::fill(u, u + dv, 0.0f);
+      std::fill(w, w + dk, 0.0f);
+      for (Index j = 0; j <= i; ++j) {
+        float const tb = A[i * C + j] * beta(j), tbe = tb * std::exp(c[j]);
+        float const* vj = p.v + (t0 + j) * p.ldv;
+        float const* kj = K(j);
+        for (Index b = 0; b < dv; ++b) u[b] = std::fma(tb, vj[b], u[b]);
+        for (Index a = 0; a < dk; ++a) w[a] = std::fma(tbe, kj[a], w[a]);
+      }
+    }
+    // V' = U - W S (into U); the inter-chunk output exp(c_i) q_i^T S (into tmp).
+    for (Index i = 0; i < n; ++i) {
+      float* u = U + i * dv;
+      float* o = tmp + i * dv;
+      float const* w = W + i * dk;
+      float const* qi = Q(i);
+      std::fill(o, o + dv, 0.0f);
+      for (Index a = 0; a < dk; ++a) {
+        float const* s = S + a * dv;
+        float const wa = w[a], qa = qi[a];
+        for (Index b = 0; b < dv; ++b) {
+          u[b] = std::fma(-wa, s[b], u[b]);
+          o[b] = std::fma(qa, s[b], o[b]);
+        }
+      }
+      float const e = std::exp(c[i]);
+      for (Index b = 0; b < dv; ++b) o[b] *= e;
+    }
+    // o_i = inter + sum_{j <= i} QK_ij V'_j.
+    for (Index i = 0; i < n; ++i) {
+      float* out = p.o + (t0 + i) * p.ldo;
+      float const* inter = tmp + i * dv;
+      std::copy(inter, inter + dv, out);
+      for (Index j = 0; j <= i; ++j) {
+        float const a = QK[i * C + j];
+        float const* u = U + j * dv;
+        for (Index b = 0; b < dv; ++b) out[b] = std::fma(a, u[b], out[b]);
+      }
+    }
+    // S <- exp(c_n) S + sum_j exp(c_n - c_j) k_j V'_j^T.
+    float const last = c[n - 1], el = std::exp(last);
+    for (Index a = 0; a < dk * dv; ++a) S[a] *= el;
+    for (Index j = 0; j < n; ++j) {
+      float const e = std::exp(last - c[j]);
+      float const* kj = K(j);
+      float const* u = U + j * dv;
+      for (Index a = 0; a < dk; ++a) {
+        float const f = e * kj[a];
+        float* s = S + a * dv;
+        for (Index b = 0; b < dv; ++b) s[b] = std::fma(f, u[b], s[b]);
+      }
+    }
+  }
+}
+
+/// Floats of delta_rule_backward's scratch.
+inline Index delta_rule_backward_scratch(Index chunk, Index dk, Index dv) {
+  return (chunk + 2) * dk * dv + 2 * chunk * dv + 2 * dv;
+}
+
+/// The gradients of one head's outputs and final state under the recurrence of
+/// delta_rule_recurrent: given do [T, d_v] (stride lddo) and dS [d_k, d_v], the gradient of the
+/// state after the last token (zeros for none; it becomes the gradient of the initial state),
+/// writes dq, dk [T, d_k], dv [T, d_v], dg, dbeta [T] (overwritten; the layer's strides). The
+/// states are recomputed chunk by chunk from `checkpoints` (the state before tokens 0, chunk,
+/// ...: what the forward kept with the same `chunk`). Per token, backwards:
+///   dS += q do^T; dq = S_t do; dk = dS delta; dd = dS^T k; dv = beta dd;
+///   dbeta = dd . (v - m); dm = -beta dd; dS' = dS + k dm^T; dk += S' dm; dg = <dS', S'>;
+///   dS = exp(g) dS'      (S' = exp(g) S_{t-1}, m = S'^T k, delta = beta (v - m)).
+/// `scratch`: delta_rule_backward_scratch(chunk, d_k, d_v) floats.
+inline void delta_rule_backward(DeltaRuleHead const& p, float const* checkpoints, Index chunk,
+                                float const* dout, Index lddo, float* dS, float* dq, Index lddq,
+                                float* dk, Index lddk, float* dv, Index lddv, float* dg,
+                                float* dbeta, float* scratch) {
+  Index const DK = p.dk, DV = p.dv, SS = DK * DV;
+  float* const states = scratch;                 // [chunk + 1, DK, DV]
+  float* const dSp = states + (chunk + 1) * SS;  // [DK, DV] dS'
+  float* const M = dSp + SS;                     // [chunk, DV] m per token
+  float* const Dl = M + chunk * DV;              // [chunk, DV] delta per token
+  float* const dd = Dl + chunk * DV;             // [DV]
+  float* const dm = dd + DV;                     // [DV]
+  Index const chunks = (p.tokens + chunk - 1) / chunk;
+  for (Index ci = chunks - 1; ci >= 0; --ci) {
+    Index const t0 = ci * chunk, n = std::min(chunk, p.tokens - t0);
+    std::copy(checkpoints + ci * SS, checkpoints + (ci + 1) * SS, states);
+    for (Index i = 0; i < n; ++i) {  // recompute S_t, m_t, delta_t
+      Index const t = t0 + i;
+      float const a = std::exp(p.g[t * p.ldg]), b = p.beta[t * p.ldbeta];
+      float const* k = p.k + t * p.ldk;
+      float const* v = p.v + t * p.ldv;
+      float const* prev = states + i * SS;
+      float* cur = states + (i + 1) * SS;
+      float* m = M + i * DV;
+      float* delta = Dl + i * DV;
+      std::fill(m, m + DV, 0.0f);
+      for (Index r = 0; r < DK; ++r) {
+        for (Index j = 0; j < DV; ++j) {
+          float const s = prev[r * DV + j] * a;
+          cur[r * DV + j] = s;
+          m[j] = std::fma(s, k[r], m[j]);
+        }
+      }
+      for (Index j = 0; j < DV; ++j) delta[j] = b * (v[j] - m[j]);
+      for (Index r = 0; r < DK; ++r) {
+        for (Index j = 0; j < DV; ++j) cur[r * DV + j] = std::fma(k[r], delta[j], cur[r * DV + j]);
+      }
+    }
+    for (Index i = n - 1; i >= 0; --i) {
+      Index const t = t0 + i;
+      float const a = std::exp(p.g[t * p.ldg]), b = p.beta[t * p.ldbeta];
+      float const* k = p.k + t * p.ldk;
+      float const* q = p.q + t * p.ldq;
+      float const* v = p.v + t * p.ldv;
+      float const* d_o = dout + t * lddo;
+      float const* St = states + (i + 1) * SS;
+      float const* Sp = states + i * SS;  // S_{t-1}
+      float const* m = M + i * DV;
+      float const* delta = Dl + i * DV;
+      float* dqt = dq + t * lddq;
+      float* dkt = dk + t * lddk;
+      float* dvt = dv + t * lddv;
+      std::fill(dd, dd + DV, 0.0f);
+      for (Index r = 0; r < DK; ++r) {
+        float* ds = dS + r * DV;
+        float const* st = St + r * DV;
+        float sq = 0.0f, sk = 0.0f;
+        for (Index j = 0; j < DV; ++j) {
+          sq = std::fma(st[j], d_o[j], sq);       // dq = S_t do
+          ds[j] = std::fma(q[r], d_o[j], ds[j]);  // dS += q do^T
+          sk = std::fma(ds[j], delta[j], sk);     // dk = dS delta
+          dd[j] = std::fma(ds[j], k[r], dd[j]);   // dd = dS^T k
+        }
+        dqt[r] = sq;
+        dkt[r] = sk;
+      }
+      float db = 0.0f;
+      for (Index j = 0; j < DV; ++j) {
+        dvt[j] = b * dd[j];
+        db = std::fma(dd[j], v[j] - m[j], db);
+        dm[j] = -b * dd[j];
+      }
+      dbeta[t * p.ldbeta] = db;
+      float dgt = 0.0f;
+      for (Index r = 0; r < DK; ++r) {
+        float const* ds = dS + r * DV;
+        float const* sp = Sp + r * DV;
+        float* dsp = dSp + r * DV;
+        float sk = 0.0f;
+        for (Index j = 0; j < DV; ++j) {
+          float const s = sp[j] * a;              // S'
+          dsp[j] = std::fma(k[r], dm[j], ds[j]);  // dS' = dS + k dm^T
+          sk = std::fma(s, dm[j], sk);            // dk += S' dm
+          dgt = std::fma(dsp[j], s, dgt);         // dg = <dS', S'>
+        }
+        dkt[r] += sk;
+      }
+      dg[t * p.ldg] = dgt;
+      for (Index r = 0; r < SS; ++r) dS[r] = dSp[r] * a;
+    }
+  }
+}
+
+}  // namespace moe::kernels
