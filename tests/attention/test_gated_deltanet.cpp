@@ -14,6 +14,7 @@
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/layers/gated_deltanet.hpp"
+#include "support/finite_difference.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
@@ -270,27 +271,6 @@ TEST_CASE("GatedDeltaNet: several sequences in one call equal one call each",
   }
 }
 
-namespace {
-
-double central(dnref::DeltaNet const& m, dnref::Vec& v, Index i, dnref::Vec const& x,
-               dnref::Vec const& dy, Index T) {
-  double const old = v[i];
-  double const h = 1e-6 * std::max(1.0, std::fabs(old));
-  v[i] = old + h;
-  double const lp = m.objective(x, dy, T);
-  v[i] = old - h;
-  double const lm = m.objective(x, dy, T);
-  v[i] = old;
-  return (lp - lm) / (2.0 * h);
-}
-
-void require_close(float analytic, double fd, std::string_view what, Index i) {
-  INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
-  REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
-}
-
-}  // namespace
-
 TEST_CASE("GatedDeltaNet gradients match finite differences of the double twin",
           "[attention][deltanet][grad]") {
   for (auto const layout : {moe::DeltaNetLayout::kQwen3Next, moe::DeltaNetLayout::kQwen35}) {
@@ -323,10 +303,11 @@ TEST_CASE("GatedDeltaNet gradients match finite differences of the double twin",
           dnref::Vec* v = twin_buffer(m, g.name);
           REQUIRE(v->size() == g.values.size());
           for (Index i = 0; i < static_cast<Index>(g.values.size()); ++i) {
-            require_close(g.values[i], central(m, *v, i, x, dy, T), g.name, i);
+            ref::require_close(g.values[i], ref::central_difference(m, *v, i, x, dy, T), g.name, i);
           }
         }
-        for (Index i = 0; i < T * D; ++i) require_close(dx[i], central(m, x, i, x, dy, T), "dx", i);
+        for (Index i = 0; i < T * D; ++i)
+          ref::require_close(dx[i], ref::central_difference(m, x, i, x, dy, T), "dx", i);
       }
     }
   }

@@ -480,13 +480,34 @@ class GatedDeltaNet {
     return (n + 15) / 16 * 16;
   }
 
+  /// Value head h's view of the rows [r0, r0 + n) of the workspace (one sequence).
+  kernels::DeltaRuleHead head(GatedDeltaNetWorkspace& ws, Index h, Index r0, Index n) const {
+    Index const K = key_dim(), V = value_dim(), C = conv_dim(), Hv = c_.num_value_heads;
+    Index const dk = c_.key_head_dim, dv = c_.value_head_dim, kh = h / ratio();
+    kernels::DeltaRuleHead p;
+    p.q = ws.qn.data() + r0 * K + kh * dk;
+    p.k = ws.kn.data() + r0 * K + kh * dk;
+    p.v = ws.act.data() + r0 * C + 2 * K + h * dv;
+    p.g = ws.g.data() + r0 * Hv + h;
+    p.beta = ws.beta.data() + r0 * Hv + h;
+    p.o = ws.core.data() + r0 * V + h * dv;
+    p.ldq = p.ldk = K;
+    p.ldv = C;
+    p.ldg = p.ldbeta = Hv;
+    p.ldo = V;
+    p.tokens = n;
+    p.dk = dk;
+    p.dv = dv;
+    return p;
+  }
+
   /// The forward of `states.size()` sequences, new_tokens[s] rows each.
   void run(ConstMatrixView<float> x, MatrixView<float> y, GatedDeltaNetWorkspace& ws,
            std::span<DeltaNetState* const> states, std::span<Index const> new_tokens,
            ThreadPool* pool, DeltaRule rule, bool train, bool accumulate) const {
     Index const T = x.rows, D = c_.d_model, P = proj_cols(), C = conv_dim(), K = key_dim();
     Index const V = value_dim(), Hk = c_.num_key_heads, Hv = c_.num_value_heads;
-    Index const dk = c_.key_head_dim, dv = c_.value_head_dim, R = ratio(), KW = c_.conv_kernel;
+    Index const dk = c_.key_head_dim, dv = c_.value_head_dim, KW = c_.conv_kernel;
     Index const B = static_cast<Index>(states.size());
     auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
     grow(ws.proj, T * P);
@@ -580,20 +601,7 @@ class GatedDeltaNet {
     parallel_for(pool, B * Hv, [&](Index item, int thread) {
       Index const s = item / Hv, h = item % Hv, n = new_tokens[s], r0 = row0[s];
       if (n == 0) return;
-      kernels::DeltaRuleHead p;
-      p.q = ws.qn.data() + r0 * K + (h / R) * dk;
-      p.k = ws.kn.data() + r0 * K + (h / R) * dk;
-      p.v = ws.act.data() + r0 * C + 2 * K + h * dv;
-      p.g = ws.g.data() + r0 * Hv + h;
-      p.beta = ws.beta.data() + r0 * Hv + h;
-      p.o = ws.core.data() + r0 * V + h * dv;
-      p.ldq = p.ldk = K;
-      p.ldv = C;
-      p.ldg = p.ldbeta = Hv;
-      p.ldo = V;
-      p.tokens = n;
-      p.dk = dk;
-      p.dv = dv;
+      kernels::DeltaRuleHead const p = head(ws, h, r0, n);
       float* S = states[s]->recurrent.data() + h * dk * dv;
       float* scratch = ws.scratch.data() + thread * per;
       float* ck = train ? ws.checkpoints.data() + h * chunks * dk * dv : nullptr;
@@ -699,18 +707,7 @@ class GatedDeltaNet {
     // 2. The delta rule backwards per value head.
     Index const chunks = (T + CS - 1) / CS;
     parallel_for(pool, Hv, [&](Index h, int thread) {
-      kernels::DeltaRuleHead p;
-      p.q = ws.qn.data() + (h / R) * dk;
-      p.k = ws.kn.data() + (h / R) * dk;
-      p.v = ws.act.data() + 2 * K + h * dv;
-      p.g = ws.g.data() + h;
-      p.beta = ws.beta.data() + h;
-      p.ldq = p.ldk = K;
-      p.ldv = C;
-      p.ldg = p.ldbeta = Hv;
-      p.tokens = T;
-      p.dk = dk;
-      p.dv = dv;
+      kernels::DeltaRuleHead const p = head(ws, h, 0, T);
       kernels::delta_rule_backward(
           p, ws.checkpoints.data() + h * chunks * dk * dv, CS, ws.dcore.data() + h * dv, V,
           ws.dstate.data() + h * dk * dv, ws.dq_heads.data() + h * dk, Hv * dk,
