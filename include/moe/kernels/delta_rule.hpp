@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "moe/core/types.hpp"
+#include "moe/kernels/gemm_strided.hpp"
 
 namespace moe::kernels {
 
@@ -68,7 +69,7 @@ inline void delta_rule_recurrent(DeltaRuleHead const& p, float* S, float* scratc
 
 /// Floats of delta_rule_chunked's scratch.
 inline Index delta_rule_chunked_scratch(Index chunk, Index dk, Index dv) {
-  return chunk + 2 * chunk * chunk + chunk * (2 * dv + dk);
+  return chunk + 2 * chunk * chunk + chunk * (4 * dk + 3 * dv);
 }
 
 /// Chunked form (transformers' torch_chunk_gated_delta_rule), the same function as
@@ -78,108 +79,79 @@ inline Index delta_rule_chunked_scratch(Index chunk, Index dk, Index dv) {
 ///   substitution (row i += sum_m A_im T_m);  U = T diag(beta) V;  W = T diag(beta exp(c)) K;
 ///   V' = U - W S;  o_i = exp(c_i) q_i^T S + sum_{j <= i} (q_i . k_j) exp(c_i - c_j) V'_j;
 ///   S <- exp(c_n) S + sum_j exp(c_n - c_j) k_j V'_j^T.
-/// A shorter last chunk is the padded chunk of the reference with the padding dropped (padded
-/// tokens have k = 0, g = 0). Checkpoints as in delta_rule_recurrent (only where a chunk starts:
-/// pass the same `chunk`). `scratch`: delta_rule_chunked_scratch(chunk, d_k, d_v) floats.
+/// Eight of its steps are matrix products (K K^T, Q K^T, T (beta V), T (beta e^c K), W S, Q S,
+/// (Q K^T) V', K^T V'), run by gemm_strided on the operands in place; the rest is O(n^2 + n d)
+/// elementwise work and the forward substitution (n^3 / 6). A shorter last chunk is the padded
+/// chunk of the reference with the padding dropped (padded tokens have k = 0, g = 0).
+/// Checkpoints as in delta_rule_recurrent (only where a chunk starts: pass the same `chunk`).
+/// `scratch`: delta_rule_chunked_scratch(chunk, d_k, d_v) floats.
 inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch, Index chunk = 64,
                                float* checkpoints = nullptr) {
   Index const dk = p.dk, dv = p.dv, C = chunk;
   float* const c = scratch;       // [C] cumulative log decay
-  float* const A = c + C;         // [C, C] T, then the decays of q k^T
-  float* const QK = A + C * C;    // [C, C]
-  float* const U = QK + C * C;    // [C, dv], then V'
-  float* const W = U + C * dv;    // [C, dk]
-  float* const tmp = W + C * dk;  // [C, dv]
+  float* const A = c + C;         // [C, C] -beta K K^T decayed, then T
+  float* const QK = A + C * C;    // [C, C] Q K^T decayed
+  float* const kT = QK + C * C;   // [dk, C] K^T
+  float* const bk = kT + dk * C;  // [C, dk] beta exp(c) K, then exp(c_n - c) K
+  float* const W = bk + C * dk;   // [C, dk]
+  float* const bv = W + C * dk;   // [C, dv] beta V
+  float* const U = bv + C * dv;   // [C, dv] U, then V'
+  float* const tmp = U + C * dv;  // [C, dv] W S
   for (Index t0 = 0, ci = 0; t0 < p.tokens; t0 += C, ++ci) {
     if (checkpoints) std::copy(S, S + dk * dv, checkpoints + ci * dk * dv);
     Index const n = std::min(C, p.tokens - t0);
-    auto K = [&](Index i) { return p.k + (t0 + i) * p.ldk; };
-    auto Q = [&](Index i) { return p.q + (t0 + i) * p.ldq; };
-    auto beta = [&](Index i) { return p.beta[(t0 + i) * p.ldbeta]; };
+    float const* Kc = p.k + t0 * p.ldk;
+    float const* Qc = p.q + t0 * p.ldq;
+    float* const Oc = p.o + t0 * p.ldo;
     float acc = 0.0f;
     for (Index i = 0; i < n; ++i) c[i] = acc += p.g[(t0 + i) * p.ldg];
-    // A (strictly lower) and the intra-chunk q k^T with decays (lower, diagonal included).
     for (Index i = 0; i < n; ++i) {
-      float const* ki = K(i);
-      float const* qi = Q(i);
-      for (Index j = 0; j <= i; ++j) {
-        float const* kj = K(j);
-        float kk = 0.0f, qk = 0.0f;
-        for (Index a = 0; a < dk; ++a) {
-          kk = std::fma(ki[a], kj[a], kk);
-          qk = std::fma(qi[a], kj[a], qk);
-        }
-        float const decay = std::exp(c[i] - c[j]);
-        A[i * C + j] = j < i ? -beta(i) * kk * decay : 0.0f;
-        QK[i * C + j] = qk * decay;
+      for (Index a = 0; a < dk; ++a) kT[a * C + i] = Kc[i * p.ldk + a];
+    }
+    gemm_strided(n, n, dk, Kc, p.ldk, 1, kT, C, A, C, false);
+    gemm_strided(n, n, dk, Qc, p.ldq, 1, kT, C, QK, C, false);
+    for (Index i = 0; i < n; ++i) {
+      float const bi = p.beta[(t0 + i) * p.ldbeta];
+      for (Index j = 0; j < n; ++j) {
+        float const decay = j <= i ? std::exp(c[i] - c[j]) : 0.0f;
+        A[i * C + j] = j < i ? -bi * A[i * C + j] * decay : 0.0f;
+        QK[i * C + j] *= decay;
       }
     }
-    // Forward substitution, row by row: row i += sum_m row_i[m] T[m] (rows m < i final).
+    // Forward substitution, in place: row i += sum_{m < i} A_im T_m (rows m < i final); A_im is
+    // read before any write to column m of row i (those come from rows m' > m).
     for (Index i = 1; i < n; ++i) {
       float* ri = A + i * C;
-      for (Index j = 0; j < i; ++j) {  // ascending j: ri[m] for m > j still the old values
-        float s = ri[j];
-        for (Index m = j + 1; m < i; ++m) s = std::fma(ri[m], A[m * C + j], s);
-        ri[j] = s;
+      for (Index m = 1; m < i; ++m) {
+        float const f = ri[m];
+        float const* rm = A + m * C;
+        for (Index j = 0; j < m; ++j) ri[j] = std::fma(f, rm[j], ri[j]);
       }
     }
-    for (Index i = 0; i < n; ++i) A[i * C + i] = 1.0f;
-    // U = T diag(beta) V, W = T diag(beta exp(c)) K.
     for (Index i = 0; i < n; ++i) {
-      float* u = U + i * dv;
-      float* w = W + i * dk;
-      std::fill(u, u + dv, 0.0f);
-      std::fill(w, w + dk, 0.0f);
-      for (Index j = 0; j <= i; ++j) {
-        float const tb = A[i * C + j] * beta(j), tbe = tb * std::exp(c[j]);
-        float const* vj = p.v + (t0 + j) * p.ldv;
-        float const* kj = K(j);
-        for (Index b = 0; b < dv; ++b) u[b] = std::fma(tb, vj[b], u[b]);
-        for (Index a = 0; a < dk; ++a) w[a] = std::fma(tbe, kj[a], w[a]);
-      }
+      A[i * C + i] = 1.0f;
+      float const b = p.beta[(t0 + i) * p.ldbeta], be = b * std::exp(c[i]);
+      float const* vi = p.v + (t0 + i) * p.ldv;
+      for (Index j = 0; j < dv; ++j) bv[i * dv + j] = b * vi[j];
+      for (Index a = 0; a < dk; ++a) bk[i * dk + a] = be * Kc[i * p.ldk + a];
     }
-    // V' = U - W S (into U); the inter-chunk output exp(c_i) q_i^T S (into tmp).
+    gemm_strided(n, dv, n, A, C, 1, bv, dv, U, dv, false);  // U = T beta V
+    gemm_strided(n, dk, n, A, C, 1, bk, dk, W, dk, false);  // W = T beta e^c K
+    gemm_strided(n, dv, dk, W, dk, 1, S, dv, tmp, dv, false);
+    for (Index i = 0; i < n * dv; ++i) U[i] -= tmp[i];               // V' = U - W S
+    gemm_strided(n, dv, dk, Qc, p.ldq, 1, S, dv, Oc, p.ldo, false);  // q S
     for (Index i = 0; i < n; ++i) {
-      float* u = U + i * dv;
-      float* o = tmp + i * dv;
-      float const* w = W + i * dk;
-      float const* qi = Q(i);
-      std::fill(o, o + dv, 0.0f);
-      for (Index a = 0; a < dk; ++a) {
-        float const* s = S + a * dv;
-        float const wa = w[a], qa = qi[a];
-        for (Index b = 0; b < dv; ++b) {
-          u[b] = std::fma(-wa, s[b], u[b]);
-          o[b] = std::fma(qa, s[b], o[b]);
-        }
-      }
       float const e = std::exp(c[i]);
-      for (Index b = 0; b < dv; ++b) o[b] *= e;
+      for (Index j = 0; j < dv; ++j) Oc[i * p.ldo + j] *= e;
     }
-    // o_i = inter + sum_{j <= i} QK_ij V'_j.
-    for (Index i = 0; i < n; ++i) {
-      float* out = p.o + (t0 + i) * p.ldo;
-      float const* inter = tmp + i * dv;
-      std::copy(inter, inter + dv, out);
-      for (Index j = 0; j <= i; ++j) {
-        float const a = QK[i * C + j];
-        float const* u = U + j * dv;
-        for (Index b = 0; b < dv; ++b) out[b] = std::fma(a, u[b], out[b]);
-      }
-    }
-    // S <- exp(c_n) S + sum_j exp(c_n - c_j) k_j V'_j^T.
+    gemm_strided(n, dv, n, QK, C, 1, U, dv, Oc, p.ldo, true);  // + (Q K^T) V'
     float const last = c[n - 1], el = std::exp(last);
     for (Index a = 0; a < dk * dv; ++a) S[a] *= el;
     for (Index j = 0; j < n; ++j) {
       float const e = std::exp(last - c[j]);
-      float const* kj = K(j);
-      float const* u = U + j * dv;
-      for (Index a = 0; a < dk; ++a) {
-        float const f = e * kj[a];
-        float* s = S + a * dv;
-        for (Index b = 0; b < dv; ++b) s[b] = std::fma(f, u[b], s[b]);
-      }
+      for (Index a = 0; a < dk; ++a) bk[j * dk + a] = e * Kc[j * p.ldk + a];
     }
+    gemm_strided(dk, dv, n, bk, 1, dk, U, dv, S, dv, true);  // S += (e K)^T V'
   }
 }
 

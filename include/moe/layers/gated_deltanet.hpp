@@ -86,6 +86,7 @@ struct GatedDeltaNetWorkspace {
   std::vector<float> proj;      ///< [T, P] input projections (P = 2 K + 2 V + 2 H_v), layout order
   std::vector<float> conv_in;   ///< per sequence [conv_kernel - 1 + n, C]: state rows, new rows
   std::vector<float> conv_pre;  ///< [T, C] convolution output before SiLU
+  std::vector<float> conv_wt;   ///< [conv_kernel, C] conv1d.weight transposed
   std::vector<float> act;       ///< [T, C] after SiLU: q | k | v
   std::vector<float> qn, kn;    ///< [T, K] q (L2-normalised, scaled), k (L2-normalised)
   std::vector<float> rq, rk;    ///< [T, H_k] their 1 / norm
@@ -112,6 +113,7 @@ struct GatedDeltaNetWorkspace {
   std::vector<float> dbeta, dg;           ///< [T, H_v]
   std::vector<float> dact;                ///< [T, C]
   std::vector<float> dproj;               ///< [T, P]
+  std::vector<float> dpre_row;            ///< [token tiles, C] one input-gradient row a tile
   std::vector<float> partial;             ///< per token tile: [d_v + 2 H_v] (norm, A_log, dt_bias)
   std::vector<float> dstate;              ///< [H_v, d_k, d_v]
 };
@@ -409,12 +411,16 @@ class GatedDeltaNet {
   bool next() const { return c_.layout == DeltaNetLayout::kQwen3Next; }
   Index ratio() const { return c_.num_value_heads / c_.num_key_heads; }
   Index group_width() const { return 2 * c_.key_head_dim + 2 * ratio() * c_.value_head_dim; }
-  /// Column of the projections' output feeding convolution channel ch (q | k | v order).
-  Index conv_col(Index ch) const {
+  /// Calls f(channel, column, n) for each run of n convolution channels (q | k | v order) fed by
+  /// the n consecutive columns of the projections' output from `column` on: one run a head.
+  template <class F>
+  void for_each_conv_run(F&& f) const {
     Index const K = key_dim(), dk = c_.key_head_dim, dv = c_.value_head_dim;
-    if (ch < K) return q_col(ch / dk, ch % dk);
-    if (ch < 2 * K) return k_col((ch - K) / dk, (ch - K) % dk);
-    return v_col((ch - 2 * K) / dv, (ch - 2 * K) % dv);
+    for (Index kh = 0; kh < c_.num_key_heads; ++kh) {
+      f(kh * dk, q_col(kh, 0), dk);
+      f(K + kh * dk, k_col(kh, 0), dk);
+    }
+    for (Index h = 0; h < c_.num_value_heads; ++h) f(2 * K + h * dv, v_col(h, 0), dv);
   }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
@@ -561,10 +567,16 @@ class GatedDeltaNet {
         Index const s = seq_of(t);
         float* dst = conv_base(s) + (KW - 1 + t - row0[s]) * C;
         float const* src = ws.proj.data() + t * P;
-        for (Index ch = 0; ch < C; ++ch) dst[ch] = src[conv_col(ch)];
+        for_each_conv_run(
+            [&](Index ch, Index col, Index n) { std::copy_n(src + col, n, dst + ch); });
       }
     });
-    // 3. Convolution, SiLU, q/k L2 norms, beta and g.
+    // 3. Convolution (weights transposed to [KW, C]: vectors over channels), SiLU, q/k L2
+    //    norms, beta and g.
+    grow(ws.conv_wt, KW * C);
+    for (Index ch = 0; ch < C; ++ch) {
+      for (Index j = 0; j < KW; ++j) ws.conv_wt[j * C + ch] = p_.conv1d[ch * KW + j];
+    }
     float const scale = 1.0f / std::sqrt(static_cast<float>(dk));
     parallel_for(pool, tiles, [&](Index i, int) {
       for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
@@ -572,13 +584,13 @@ class GatedDeltaNet {
         float const* win = conv_base(s) + (t - row0[s]) * C;  // rows t - KW + 1 .. t
         float* pre = ws.conv_pre.data() + t * C;
         float* act = ws.act.data() + t * C;
-        for (Index ch = 0; ch < C; ++ch) {
-          float const* w = p_.conv1d.data() + ch * KW;
-          float acc = 0.0f;
-          for (Index j = 0; j < KW; ++j) acc = std::fma(w[j], win[j * C + ch], acc);
-          pre[ch] = acc;
-          act[ch] = silu(acc);
+        std::fill(pre, pre + C, 0.0f);  // per channel one chain over j ascending
+        for (Index j = 0; j < KW; ++j) {
+          float const* w = ws.conv_wt.data() + j * C;
+          float const* row = win + j * C;
+          for (Index ch = 0; ch < C; ++ch) pre[ch] = std::fma(w[ch], row[ch], pre[ch]);
         }
+        for (Index ch = 0; ch < C; ++ch) act[ch] = silu(pre[ch]);
         for (Index h = 0; h < Hk; ++h) {
           ws.rq[t * Hk + h] = l2_normalize(act + h * dk, dk, scale, ws.qn.data() + t * K + h * dk);
           ws.rk[t * Hk + h] =
@@ -622,7 +634,8 @@ class GatedDeltaNet {
           float* out = ws.gated.data() + t * V + h * dv;
           ws.rstd[t * Hv + h] = kernels::rms_norm(ws.core.data() + t * V + h * dv, p_.norm.data(),
                                                   false, c_.norm_eps, dv, out);
-          for (Index j = 0; j < dv; ++j) out[j] *= silu(pr[z_col(h, j)]);
+          float const* z = pr + z_col(h, 0);  // a head's z: consecutive columns
+          for (Index j = 0; j < dv; ++j) out[j] *= silu(z[j]);
         }
       }
     });
@@ -670,6 +683,7 @@ class GatedDeltaNet {
     sized(ws.dbeta, T * Hv);
     sized(ws.dg, T * Hv);
     sized(ws.dact, T * C);
+    sized(ws.dpre_row, ((T + kTileRows - 1) / kTileRows) * C);
     ws.dproj.assign(static_cast<std::size_t>(T * P), 0.0f);
     Index const tiles = (T + kTileRows - 1) / kTileRows, np = dv + 2 * Hv;
     ws.partial.assign(static_cast<std::size_t>(tiles * np), 0.0f);
@@ -692,10 +706,11 @@ class GatedDeltaNet {
           float const* o = ws.core.data() + t * V + h * dv;
           float* dgo = ws.dgated.data() + t * V + h * dv;
           float const r = ws.rstd[t * Hv + h];
+          Index const z0 = z_col(h, 0);
           for (Index j = 0; j < dv; ++j) {
-            float const z = pr[z_col(h, j)], sz = sigmoid(z);
+            float const z = pr[z0 + j], sz = sigmoid(z);
             float const normed = o[j] * r * p_.norm[j];
-            dpr[z_col(h, j)] = dgo[j] * normed * sz * (1.0f + z * (1.0f - sz));
+            dpr[z0 + j] = dgo[j] * normed * sz * (1.0f + z * (1.0f - sz));
             dgo[j] *= z * sz;  // d(normed)
           }
           kernels::rms_norm_backward(o, p_.norm.data(), false, r, dv, dgo,
@@ -759,19 +774,20 @@ class GatedDeltaNet {
     });
 
     // 4. Convolution backward: d(input) into dproj (by token tiles), d(weight) by channel blocks.
+    //    Input row t feeds outputs t .. t + KW - 1 through w[KW - 1] .. w[0].
     Index const KW1 = KW - 1;
     parallel_for(pool, tiles, [&](Index i, int) {
       for (Index t = i * kTileRows; t < std::min(T, (i + 1) * kTileRows); ++t) {
-        float* dpr = ws.dproj.data() + t * P;
-        for (Index ch = 0; ch < C; ++ch) {
-          float const* w = p_.conv1d.data() + ch * KW;
-          float acc = 0.0f;  // input row t feeds outputs t .. t + KW - 1 through w[KW-1] .. w[0]
-          for (Index j = KW - 1; j >= 0; --j) {
-            Index const out = t + KW1 - j;
-            if (out < T) acc = std::fma(w[j], ws.dact[out * C + ch], acc);
-          }
-          dpr[conv_col(ch)] = acc;
+        float* du = ws.dpre_row.data() + i * C;  // this tile's row buffer
+        std::fill(du, du + C, 0.0f);
+        for (Index j = KW1; j >= 0 && t + KW1 - j < T; --j) {
+          float const* w = ws.conv_wt.data() + j * C;
+          float const* d = ws.dact.data() + (t + KW1 - j) * C;
+          for (Index ch = 0; ch < C; ++ch) du[ch] = std::fma(w[ch], d[ch], du[ch]);
         }
+        float* dpr = ws.dproj.data() + t * P;
+        for_each_conv_run(
+            [&](Index ch, Index col, Index n) { std::copy_n(du + ch, n, dpr + col); });
       }
     });
     constexpr Index kChannels = 64;
