@@ -348,6 +348,28 @@ TEST_CASE("GatedDeltaNet: packed projections give the fp32 layer's result",
   CHECK(rel_err(run(layer, x, T, moe::DeltaRule::kAuto), plain) < 1e-6);
   layer.pack_weights(moe::experts::WeightFormat::kBf16);
   CHECK(rel_err(run(layer, x, T, moe::DeltaRule::kAuto), plain) < 2e-2);
+  SECTION("an inference-only layer: packs adopted, fp32 projections freed") {
+    auto params = layer.parameters();  // drops the packs
+    Index const D2 = layer.d_model();
+    std::vector<moe::Linear> in;
+    for (std::size_t i = 0; i < 4; ++i) {
+      Index const rows = static_cast<Index>(params[i].values.size()) / D2;
+      in.emplace_back(ConstMatrixView<float>(params[i].values.data(), rows, D2),
+                      moe::experts::WeightFormat::kF32);
+    }
+    moe::Linear out(ConstMatrixView<float>(params.back().values.data(), D2, layer.value_dim()),
+                    moe::experts::WeightFormat::kF32);
+    std::vector<moe::Linear> two(in.begin(), in.begin() + 2);
+    REQUIRE_THROWS_WITH(layer.adopt_packed_weights(two, out), Catch::Contains("this layout has 4"));
+    layer.adopt_packed_weights(in, std::move(out));
+    REQUIRE(layer.master_weights_discarded());
+    CHECK(rel_err(run(layer, x, T, moe::DeltaRule::kAuto), plain) < 1e-6);
+    moe::GatedDeltaNetWorkspace ws;
+    std::vector<float> y(x.size());
+    REQUIRE_THROWS_WITH(layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws),
+                        Catch::Contains("inference-only"));
+    REQUIRE_THROWS_WITH(layer.parameters(), Catch::Contains("inference-only"));
+  }
 }
 
 TEST_CASE("GatedDeltaNet: the state has a fixed size", "[attention][deltanet][cache]") {

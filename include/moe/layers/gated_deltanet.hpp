@@ -242,11 +242,12 @@ class GatedDeltaNet {
 
   /// Every trainable parameter as named flat buffers, HF names (see the class comment).
   ParameterList parameters() {
-    packs_ = {};
+    unpack();
     return p_.groups();
   }
   /// Zero gradients shaped like parameters().
   Gradients make_gradients() const {
+    check_master("make_gradients");
     Gradients g = p_;
     g.zero();
     return g;
@@ -256,7 +257,7 @@ class GatedDeltaNet {
   /// a GGUF block format, with its fallback chain) for forward() and forward_cached();
   /// forward_train and backward use the fp32 parameters. parameters() drops the packs.
   void pack_weights(experts::WeightFormat format, ThreadPool* pool = nullptr) {
-    packs_ = {};
+    unpack();
     auto const in = inputs();
     for (std::size_t i = 0; i < in.size(); ++i) {
       if (in[i].w->empty()) continue;
@@ -267,6 +268,49 @@ class GatedDeltaNet {
                         {}, pool);
   }
   bool packed() const { return !packs_.out.empty(); }
+  /// Frees the projections' fp32 weights (the input projections and out_proj), keeping their
+  /// packs: an inference-only layer, as a decoder keeps it (conv1d, A_log, dt_bias and norm
+  /// stay). forward() and forward_cached() give the same results; afterwards forward_train,
+  /// parameters(), make_gradients() and pack_weights() throw moe::Error. Irreversible.
+  /// Precondition (checked): packed().
+  void discard_master_weights() {
+    detail::check(packed(),
+                  "GatedDeltaNet::discard_master_weights: the projections are not packed; "
+                  "pack_weights() first (the packs are what inference then reads)");
+    for (auto* w : {&p_.in_proj_qkvz, &p_.in_proj_ba, &p_.in_proj_qkv, &p_.in_proj_z, &p_.in_proj_b,
+                    &p_.in_proj_a, &p_.out_proj}) {
+      *w = {};
+    }
+    discarded_ = true;
+  }
+  /// Makes the layer inference-only with projections packed elsewhere (a loader building them
+  /// with Linear::from_blocks or the Linear constructor): `in` the layout's input projections in
+  /// parameters() order (kQwen3Next: in_proj_qkvz [2 K + 2 V, D], in_proj_ba [2 H_v, D];
+  /// kQwen35: in_proj_qkv [C, D], in_proj_z [V, D], in_proj_b, in_proj_a [H_v, D]), `out`
+  /// out_proj [D, V]; none with a bias. The fp32 projections are freed as by
+  /// discard_master_weights(). Throws moe::Error for a wrong count, shape or a bias.
+  void adopt_packed_weights(std::span<Linear> in, Linear out) {
+    auto const want = inputs();
+    Index const n = next() ? 2 : 4;
+    detail::check(static_cast<Index>(in.size()) == n,
+                  "GatedDeltaNet::adopt_packed_weights: ", in.size(),
+                  " input projections but this layout has ", n);
+    auto check = [&](Linear const& l, Index rows, Index depth, std::size_t i) {
+      detail::check(l.rows() == rows && l.depth() == depth && l.bias().empty(),
+                    "GatedDeltaNet::adopt_packed_weights: projection ", i, " is [", l.rows(), ", ",
+                    l.depth(), "]", l.bias().empty() ? "" : " with a bias",
+                    " but this layer needs [", rows, ", ", depth, "] without a bias");
+    };
+    for (std::size_t i = 0; i < in.size(); ++i) check(in[i], want[i].rows, c_.d_model, i);
+    check(out, c_.d_model, value_dim(), in.size());
+    Packs p;
+    for (std::size_t i = 0; i < in.size(); ++i) p.in[i] = std::move(in[i]);
+    p.out = std::move(out);
+    packs_ = std::move(p);
+    discard_master_weights();
+  }
+  /// Were the fp32 projection weights discarded?
+  bool master_weights_discarded() const { return discarded_; }
 
   /// A zero state for one sequence (see DeltaNetState).
   DeltaNetState make_state() const {
@@ -343,6 +387,7 @@ class GatedDeltaNet {
                      ThreadPool* pool = nullptr, DeltaRule rule = DeltaRule::kAuto) const {
     auto const busy = ws.in_use.enter("GatedDeltaNet::forward_train");
     check_xy(x, y);
+    check_master("forward_train");
     Index const T = x.rows, D = c_.d_model;
     ws.x.resize(static_cast<std::size_t>(T * D));
     for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
@@ -450,7 +495,7 @@ class GatedDeltaNet {
   }
 
   void check_xy(ConstMatrixView<float> x, MatrixView<float> y) const {
-    detail::check(!p_.out_proj.empty(),
+    detail::check(!p_.out_proj.empty() || discarded_,
                   "GatedDeltaNet: the layer was default-constructed; construct it from a "
                   "GatedDeltaNetConfig first");
     detail::check(x.cols == c_.d_model, "GatedDeltaNet: x has ", x.cols,
@@ -471,6 +516,17 @@ class GatedDeltaNet {
     } else {
       ws.own.reset();
     }
+  }
+
+  /// Drops the packs before a write (throws once the weights are discarded).
+  void unpack() {
+    check_master("parameters() / pack_weights()");
+    packs_ = {};
+  }
+  void check_master(char const* what) const {
+    detail::check(!discarded_, "GatedDeltaNet: ", what,
+                  ": the projections' fp32 weights were discarded (discard_master_weights); this "
+                  "layer is inference-only and cannot be written, repacked or trained");
   }
 
   static float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
@@ -838,6 +894,7 @@ class GatedDeltaNet {
     std::array<Linear, 4> in;
     Linear out;
   } packs_;
+  bool discarded_ = false;  ///< discard_master_weights() was called
 };
 
 }  // namespace moe
