@@ -137,6 +137,24 @@ TEST_CASE("GatedDeltaNet forward matches transformers' chunked and recurrent rul
   }
 }
 
+TEST_CASE("GatedDeltaNet: strong decay and long sequences stay finite, both rules agree",
+          "[attention][deltanet]") {
+  moe::GatedDeltaNet layer(config(moe::DeltaNetLayout::kQwen35));
+  randomize(layer, 37);
+  for (auto& p : layer.parameters()) {  // A up to 16 (transformers' init range) and large a
+    if (p.name == "A_log") moe::fill_uniform(p.values, 2.0f, 2.77f, 38);
+    if (p.name == "in_proj_a.weight") moe::fill_uniform(p.values, -3.0f, 3.0f, 39);
+  }
+  Index const T = 300, D = layer.d_model();
+  auto const x = random_vector(T * D, 40, -3.0f, 3.0f);
+  auto const chunked = run(layer, x, T, moe::DeltaRule::kChunked);
+  auto const recurrent = run(layer, x, T, moe::DeltaRule::kRecurrent);
+  REQUIRE(std::all_of(chunked.begin(), chunked.end(), [](float v) { return std::isfinite(v); }));
+  CHECK(rel_err(chunked, recurrent) < 1e-5);
+  auto const m = twin(layer);
+  CHECK(rel_err(chunked.data(), m.forward(dnref::Vec(x.begin(), x.end()), T)) < 1e-5);
+}
+
 TEST_CASE("GatedDeltaNet: the two layouts are the same layer for permuted weights",
           "[attention][deltanet]") {
   moe::GatedDeltaNet next(config(moe::DeltaNetLayout::kQwen3Next));

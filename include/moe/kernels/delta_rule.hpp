@@ -88,8 +88,8 @@ inline Index delta_rule_chunked_scratch(Index chunk, Index dk, Index dv) {
 inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch, Index chunk = 64,
                                float* checkpoints = nullptr) {
   Index const dk = p.dk, dv = p.dv, C = chunk;
-  float* const c = scratch;       // [C] cumulative log decay
-  float* const A = c + C;         // [C, C] -beta K K^T decayed, then T
+  float* const ec = scratch;      // [C] exp(c_i), c the cumulative log decay
+  float* const A = ec + C;        // [C, C] -beta K K^T decayed, then T
   float* const QK = A + C * C;    // [C, C] Q K^T decayed
   float* const kT = QK + C * C;   // [dk, C] K^T
   float* const bk = kT + dk * C;  // [C, dk] beta exp(c) K, then exp(c_n - c) K
@@ -103,8 +103,13 @@ inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch,
     float const* Kc = p.k + t0 * p.ldk;
     float const* Qc = p.q + t0 * p.ldq;
     float* const Oc = p.o + t0 * p.ldo;
-    float acc = 0.0f;
-    for (Index i = 0; i < n; ++i) c[i] = acc += p.g[(t0 + i) * p.ldg];
+    // Decays from sums of g in double: c_i - c_j from two long fp32 cumulative sums loses
+    // |c| eps in the exponent (c reaches -1000 under strong decay: 6e-5 relative error).
+    double acc = 0.0;
+    for (Index i = 0; i < n; ++i) {
+      acc += static_cast<double>(p.g[(t0 + i) * p.ldg]);
+      ec[i] = static_cast<float>(std::exp(acc));
+    }
     for (Index i = 0; i < n; ++i) {
       for (Index a = 0; a < dk; ++a) kT[a * C + i] = Kc[i * p.ldk + a];
     }
@@ -112,11 +117,14 @@ inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch,
     gemm_strided(n, n, dk, Qc, p.ldq, 1, kT, C, QK, C, false);
     for (Index i = 0; i < n; ++i) {
       float const bi = p.beta[(t0 + i) * p.ldbeta];
-      for (Index j = 0; j < n; ++j) {
-        float const decay = j <= i ? std::exp(c[i] - c[j]) : 0.0f;
+      double d = 0.0;  // c_i - c_j = g_{j+1} + ... + g_i
+      for (Index j = i; j >= 0; --j) {
+        float const decay = static_cast<float>(std::exp(d));
         A[i * C + j] = j < i ? -bi * A[i * C + j] * decay : 0.0f;
         QK[i * C + j] *= decay;
+        d += static_cast<double>(p.g[(t0 + j) * p.ldg]);
       }
+      for (Index j = i + 1; j < n; ++j) A[i * C + j] = QK[i * C + j] = 0.0f;
     }
     // Forward substitution, in place: row i += sum_{m < i} A_im T_m (rows m < i final); A_im is
     // read before any write to column m of row i (those come from rows m' > m).
@@ -130,7 +138,7 @@ inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch,
     }
     for (Index i = 0; i < n; ++i) {
       A[i * C + i] = 1.0f;
-      float const b = p.beta[(t0 + i) * p.ldbeta], be = b * std::exp(c[i]);
+      float const b = p.beta[(t0 + i) * p.ldbeta], be = b * ec[i];
       float const* vi = p.v + (t0 + i) * p.ldv;
       for (Index j = 0; j < dv; ++j) bv[i * dv + j] = b * vi[j];
       for (Index a = 0; a < dk; ++a) bk[i * dk + a] = be * Kc[i * p.ldk + a];
@@ -141,15 +149,16 @@ inline void delta_rule_chunked(DeltaRuleHead const& p, float* S, float* scratch,
     for (Index i = 0; i < n * dv; ++i) U[i] -= tmp[i];               // V' = U - W S
     gemm_strided(n, dv, dk, Qc, p.ldq, 1, S, dv, Oc, p.ldo, false);  // q S
     for (Index i = 0; i < n; ++i) {
-      float const e = std::exp(c[i]);
-      for (Index j = 0; j < dv; ++j) Oc[i * p.ldo + j] *= e;
+      for (Index j = 0; j < dv; ++j) Oc[i * p.ldo + j] *= ec[i];
     }
     gemm_strided(n, dv, n, QK, C, 1, U, dv, Oc, p.ldo, true);  // + (Q K^T) V'
-    float const last = c[n - 1], el = std::exp(last);
+    float const el = ec[n - 1];
     for (Index a = 0; a < dk * dv; ++a) S[a] *= el;
-    for (Index j = 0; j < n; ++j) {
-      float const e = std::exp(last - c[j]);
+    double d = 0.0;  // c_n - c_j
+    for (Index j = n - 1; j >= 0; --j) {
+      float const e = static_cast<float>(std::exp(d));
       for (Index a = 0; a < dk; ++a) bk[j * dk + a] = e * Kc[j * p.ldk + a];
+      d += static_cast<double>(p.g[(t0 + j) * p.ldg]);
     }
     gemm_strided(dk, dv, n, bk, 1, dk, U, dv, S, dv, true);  // S += (e K)^T V'
   }

@@ -315,13 +315,14 @@ class GatedDeltaNet {
   /// A zero state for one sequence (see DeltaNetState).
   DeltaNetState make_state() const {
     DeltaNetState s;
-    s.conv.assign(static_cast<std::size_t>((c_.conv_kernel - 1) * conv_dim()), 0.0f);
-    s.recurrent.assign(
-        static_cast<std::size_t>(c_.num_value_heads * c_.key_head_dim * c_.value_head_dim), 0.0f);
+    s.conv.assign(state_conv_floats(), 0.0f);
+    s.recurrent.assign(state_recurrent_floats(), 0.0f);
     return s;
   }
   /// Bytes of one sequence's state (the same for any context length).
-  std::size_t state_bytes() const { return make_state().bytes(); }
+  std::size_t state_bytes() const {
+    return (state_conv_floats() + state_recurrent_floats()) * sizeof(float);
+  }
 
   /// y = GatedDeltaNet(x) for one sequence x [T, D] from the zero state.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, GatedDeltaNetWorkspace& ws,
@@ -363,18 +364,17 @@ class GatedDeltaNet {
                   "GatedDeltaNet::forward_cached: ", states.size(), " states but ",
                   new_tokens.size(), " token counts; pass one count per sequence");
     Index sum = 0;
-    auto const want = make_state();
+    std::size_t const conv_floats = state_conv_floats(), rec_floats = state_recurrent_floats();
     for (std::size_t s = 0; s < states.size(); ++s) {
       detail::check(new_tokens[s] >= 0, "GatedDeltaNet::forward_cached: new_tokens[", s,
                     "] = ", new_tokens[s], " is negative");
       sum += new_tokens[s];
-      detail::check(states[s] != nullptr && states[s]->conv.size() == want.conv.size() &&
-                        states[s]->recurrent.size() == want.recurrent.size(),
+      detail::check(states[s] != nullptr && states[s]->conv.size() == conv_floats &&
+                        states[s]->recurrent.size() == rec_floats,
                     "GatedDeltaNet::forward_cached: state ", s, " does not fit this layer (conv ",
                     states[s] ? states[s]->conv.size() : 0, ", recurrent ",
                     states[s] ? states[s]->recurrent.size() : 0, " floats; this layer needs ",
-                    want.conv.size(), " and ", want.recurrent.size(),
-                    "); make it with make_state()");
+                    conv_floats, " and ", rec_floats, "); make it with make_state()");
     }
     detail::check(sum == x.rows, "GatedDeltaNet::forward_cached: new_tokens sum to ", sum,
                   " but x has ", x.rows, " rows");
@@ -454,6 +454,12 @@ class GatedDeltaNet {
 
  private:
   bool next() const { return c_.layout == DeltaNetLayout::kQwen3Next; }
+  std::size_t state_conv_floats() const {
+    return static_cast<std::size_t>((c_.conv_kernel - 1) * conv_dim());
+  }
+  std::size_t state_recurrent_floats() const {
+    return static_cast<std::size_t>(c_.num_value_heads * c_.key_head_dim * c_.value_head_dim);
+  }
   Index ratio() const { return c_.num_value_heads / c_.num_key_heads; }
   Index group_width() const { return 2 * c_.key_head_dim + 2 * ratio() * c_.value_head_dim; }
   /// Calls f(channel, column, n) for each run of n convolution channels (q | k | v order) fed by
@@ -509,9 +515,8 @@ class GatedDeltaNet {
                   c_.d_model, "] like x");
   }
   void reset_own(GatedDeltaNetWorkspace& ws) const {
-    if (ws.own.conv.size() != static_cast<std::size_t>((c_.conv_kernel - 1) * conv_dim()) ||
-        ws.own.recurrent.size() !=
-            static_cast<std::size_t>(c_.num_value_heads * c_.key_head_dim * c_.value_head_dim)) {
+    if (ws.own.conv.size() != state_conv_floats() ||
+        ws.own.recurrent.size() != state_recurrent_floats()) {
       ws.own = make_state();
     } else {
       ws.own.reset();
