@@ -343,24 +343,24 @@ struct DeltaHead {
   }
 };
 
-void BM_Kernel_DeltaRule_Chunked(benchmark::State& state) {
+void delta_rule_kernel(benchmark::State& state, moe::DeltaRule rule) {
   DeltaHead h(state.range(0));
   for (auto _ : state) {
     std::fill(h.S.begin(), h.S.end(), 0.0f);
-    moe::kernels::delta_rule_chunked(h.p, h.S.data(), h.scratch.data(), 64);
+    if (rule == moe::DeltaRule::kChunked) {
+      moe::kernels::delta_rule_chunked(h.p, h.S.data(), h.scratch.data(), 64);
+    } else {
+      moe::kernels::delta_rule_recurrent(h.p, h.S.data(), h.scratch.data());
+    }
     benchmark::DoNotOptimize(h.o.data());
   }
   set_counters(state, h.T, 4.0 * static_cast<double>(h.T * h.d * h.d));
 }
-
+void BM_Kernel_DeltaRule_Chunked(benchmark::State& state) {
+  delta_rule_kernel(state, moe::DeltaRule::kChunked);
+}
 void BM_Kernel_DeltaRule_Recurrent(benchmark::State& state) {
-  DeltaHead h(state.range(0));
-  for (auto _ : state) {
-    std::fill(h.S.begin(), h.S.end(), 0.0f);
-    moe::kernels::delta_rule_recurrent(h.p, h.S.data(), h.scratch.data());
-    benchmark::DoNotOptimize(h.o.data());
-  }
-  set_counters(state, h.T, 4.0 * static_cast<double>(h.T * h.d * h.d));
+  delta_rule_kernel(state, moe::DeltaRule::kRecurrent);
 }
 
 moe::GatedDeltaNet& deltanet_layer() {
@@ -495,21 +495,13 @@ BENCHMARK(BM_Layer_MoeAttention_Train)
 
 BENCHMARK(BM_Kernel_DeltaRule_Chunked)->ArgsProduct({{128, 512}})->ArgNames({"T"});
 BENCHMARK(BM_Kernel_DeltaRule_Recurrent)->ArgsProduct({{128, 512}})->ArgNames({"T"});
-BENCHMARK(BM_Layer_GatedDeltaNet_Prefill)
-    ->ArgsProduct({{128, 512}})
-    ->ArgNames({"T"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Layer_GatedDeltaNet_PrefillRecurrent)
-    ->ArgsProduct({{128, 512}})
-    ->ArgNames({"T"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Layer_GatedDeltaNet_Projections)
-    ->ArgsProduct({{128, 512}})
-    ->ArgNames({"T"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond);
+/// The Gated DeltaNet layer rows: T 128 and 512, wall time in milliseconds.
+void deltanet_rows(benchmark::internal::Benchmark* b) {
+  b->ArgsProduct({{128, 512}})->ArgNames({"T"})->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+BENCHMARK(BM_Layer_GatedDeltaNet_Prefill)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_PrefillRecurrent)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_Projections)->Apply(deltanet_rows);
 BENCHMARK(BM_Layer_GatedDeltaNet_Decode)
     ->ArgsProduct({{1024, 16384}})
     ->ArgNames({"context"})

@@ -22,8 +22,8 @@ struct DeltaNet {
   Index D = 0, Hk = 1, Hv = 1, dk = 0, dv = 0, kernel = 4, chunk = 64;
   double eps = 1e-6;
   bool qwen35 = false;  // in_proj_qkv / z / b / a instead of in_proj_qkvz / ba
-  Vec in_proj_qkvz, in_proj_ba, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a;
-  Vec conv1d, A_log, dt_bias, norm, out_proj;
+  Vec in_proj_qkvz{}, in_proj_ba{}, in_proj_qkv{}, in_proj_z{}, in_proj_b{}, in_proj_a{};
+  Vec conv1d{}, A_log{}, dt_bias{}, norm{}, out_proj{};
 
   Index key_dim() const { return Hk * dk; }
   Index value_dim() const { return Hv * dv; }

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "attention/deltanet_reference.hpp"
@@ -15,29 +16,24 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/layers/gated_deltanet.hpp"
 #include "support/finite_difference.hpp"
+#include "support/helpers.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
 using moe::MatrixView;
+using test::random_vector;
 
 namespace {
 
-std::vector<float> random_vector(Index n, std::uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::vector<float> v(static_cast<std::size_t>(n));
-  moe::fill_uniform(v, lo, hi, seed);
-  return v;
-}
-
+/// D 32, 2 key heads, 4 value heads of 8, kernel 4.
 moe::GatedDeltaNetConfig config(moe::DeltaNetLayout layout) {
-  moe::GatedDeltaNetConfig c;  // the brief's tiny shape: 2 key heads, 4 value heads
-  c.d_model = 32;
-  c.num_key_heads = 2;
-  c.num_value_heads = 4;
-  c.key_head_dim = 8;
-  c.value_head_dim = 8;
-  c.conv_kernel = 4;
-  c.layout = layout;
-  return c;
+  return {.d_model = 32,
+          .num_key_heads = 2,
+          .num_value_heads = 4,
+          .key_head_dim = 8,
+          .value_head_dim = 8,
+          .conv_kernel = 4,
+          .layout = layout};
 }
 
 void randomize(moe::GatedDeltaNet& layer, std::uint64_t seed) {
@@ -52,30 +48,36 @@ void randomize(moe::GatedDeltaNet& layer, std::uint64_t seed) {
 }
 
 dnref::Vec* twin_buffer(dnref::DeltaNet& m, std::string_view name) {
-  if (name == "in_proj_qkvz.weight") return &m.in_proj_qkvz;
-  if (name == "in_proj_ba.weight") return &m.in_proj_ba;
-  if (name == "in_proj_qkv.weight") return &m.in_proj_qkv;
-  if (name == "in_proj_z.weight") return &m.in_proj_z;
-  if (name == "in_proj_b.weight") return &m.in_proj_b;
-  if (name == "in_proj_a.weight") return &m.in_proj_a;
-  if (name == "conv1d.weight") return &m.conv1d;
-  if (name == "A_log") return &m.A_log;
-  if (name == "dt_bias") return &m.dt_bias;
-  if (name == "norm.weight") return &m.norm;
-  return &m.out_proj;
+  static constexpr std::pair<std::string_view, dnref::Vec dnref::DeltaNet::*> kNamed[] = {
+      {"in_proj_qkvz.weight", &dnref::DeltaNet::in_proj_qkvz},
+      {"in_proj_ba.weight", &dnref::DeltaNet::in_proj_ba},
+      {"in_proj_qkv.weight", &dnref::DeltaNet::in_proj_qkv},
+      {"in_proj_z.weight", &dnref::DeltaNet::in_proj_z},
+      {"in_proj_b.weight", &dnref::DeltaNet::in_proj_b},
+      {"in_proj_a.weight", &dnref::DeltaNet::in_proj_a},
+      {"conv1d.weight", &dnref::DeltaNet::conv1d},
+      {"A_log", &dnref::DeltaNet::A_log},
+      {"dt_bias", &dnref::DeltaNet::dt_bias},
+      {"norm.weight", &dnref::DeltaNet::norm},
+      {"out_proj.weight", &dnref::DeltaNet::out_proj}};
+  for (auto const& [n, member] : kNamed) {
+    if (n == name) return &(m.*member);
+  }
+  FAIL("no twin buffer " << name);
+  return nullptr;
 }
 
 dnref::DeltaNet twin(moe::GatedDeltaNet& layer) {
   auto const& c = layer.config();
-  dnref::DeltaNet m;
-  m.D = c.d_model;
-  m.Hk = c.num_key_heads;
-  m.Hv = c.num_value_heads;
-  m.dk = c.key_head_dim;
-  m.dv = c.value_head_dim;
-  m.kernel = c.conv_kernel;
-  m.eps = c.norm_eps;
-  m.qwen35 = c.layout == moe::DeltaNetLayout::kQwen35;
+  dnref::DeltaNet m{.D = c.d_model,
+                    .Hk = c.num_key_heads,
+                    .Hv = c.num_value_heads,
+                    .dk = c.key_head_dim,
+                    .dv = c.value_head_dim,
+                    .kernel = c.conv_kernel,
+                    .chunk = c.chunk_size,
+                    .eps = c.norm_eps,
+                    .qwen35 = c.layout == moe::DeltaNetLayout::kQwen35};
   for (auto const& p : layer.parameters()) {
     *twin_buffer(m, p.name) = dnref::Vec(p.values.begin(), p.values.end());
   }
@@ -295,21 +297,19 @@ TEST_CASE("GatedDeltaNet gradients match finite differences of the double twin",
     for (auto const rule : {moe::DeltaRule::kChunked, moe::DeltaRule::kRecurrent}) {
       DYNAMIC_SECTION("layout " << static_cast<int>(layout) << ", rule "
                                 << static_cast<int>(rule)) {
-        moe::GatedDeltaNetConfig c;
-        c.d_model = 6;
-        c.num_key_heads = 1;
-        c.num_value_heads = 2;
-        c.key_head_dim = 4;
-        c.value_head_dim = 3;
-        c.conv_kernel = 3;
-        c.chunk_size = 3;  // several checkpoints, a partial last chunk
-        c.layout = layout;
+        moe::GatedDeltaNetConfig const c{.d_model = 6,
+                                         .num_key_heads = 1,
+                                         .num_value_heads = 2,
+                                         .key_head_dim = 4,
+                                         .value_head_dim = 3,
+                                         .conv_kernel = 3,
+                                         .layout = layout,
+                                         .chunk_size = 3};  // checkpoints, a partial chunk
         moe::GatedDeltaNet layer(c);
         randomize(layer, 51);
         Index const T = 8, D = c.d_model;
         auto const xf = random_vector(T * D, 52), dyf = random_vector(T * D, 53);
         auto m = twin(layer);
-        m.chunk = c.chunk_size;
         std::vector<float> y(xf.size()), dx(xf.size());
         moe::GatedDeltaNetWorkspace ws;
         layer.forward_train({xf.data(), T, D}, {y.data(), T, D}, ws, nullptr, rule);
@@ -317,15 +317,7 @@ TEST_CASE("GatedDeltaNet gradients match finite differences of the double twin",
         REQUIRE(rel_err(y.data(), m.forward(x, T, nullptr, true)) < 1e-5);
         auto grads = layer.make_gradients();
         layer.backward(ws, {dyf.data(), T, D}, {dx.data(), T, D}, grads);
-        for (auto const& g : grads.groups()) {
-          dnref::Vec* v = twin_buffer(m, g.name);
-          REQUIRE(v->size() == g.values.size());
-          for (Index i = 0; i < static_cast<Index>(g.values.size()); ++i) {
-            ref::require_close(g.values[i], ref::central_difference(m, *v, i, x, dy, T), g.name, i);
-          }
-        }
-        for (Index i = 0; i < T * D; ++i)
-          ref::require_close(dx[i], ref::central_difference(m, x, i, x, dy, T), "dx", i);
+        ref::require_gradients(m, grads.groups(), twin_buffer, x, dy, T, dx.data());
       }
     }
   }

@@ -35,4 +35,22 @@ inline void require_close(float analytic, double fd, std::string_view what, moe:
   REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
 }
 
+/// Every buffer of `groups` (name, values: a layer's gradients) against central differences of m
+/// in the twin's buffer of that name (`buffer_of(m, name)` -> std::vector<double>*), then dx
+/// [x.size()] against those in x.
+template <class Model, class Groups, class BufferOf>
+void require_gradients(Model& m, Groups const& groups, BufferOf&& buffer_of, std::vector<double>& x,
+                       std::vector<double> const& dy, moe::Index T, float const* dx) {
+  for (auto const& g : groups) {
+    std::vector<double>* v = buffer_of(m, g.name);
+    REQUIRE(v->size() == g.values.size());
+    for (moe::Index i = 0; i < static_cast<moe::Index>(g.values.size()); ++i) {
+      require_close(g.values[i], central_difference(m, *v, i, x, dy, T), g.name, i);
+    }
+  }
+  for (moe::Index i = 0; i < static_cast<moe::Index>(x.size()); ++i) {
+    require_close(dx[i], central_difference(m, x, i, x, dy, T), "dx", i);
+  }
+}
+
 }  // namespace ref

@@ -11,6 +11,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
+#include "moe/core/views.hpp"
 
 namespace moe {
 
@@ -46,6 +47,19 @@ struct AttentionOptions {
 };
 
 namespace detail {
+/// A layer's activations: x [T, d_model] a valid view, y [T, d_model] like it (moe::Error naming
+/// `who`, the layer, otherwise).
+inline void check_activations(ConstMatrixView<float> x, MatrixView<float> y, Index d_model,
+                              char const* who) {
+  check(x.cols == d_model, who, ": x has ", x.cols, " columns but d_model = ", d_model,
+        "; pass activations [tokens, d_model]");
+  check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0), who,
+        ": x is not a valid view (rows = ", x.rows, ", row_stride = ", x.row_stride, ")");
+  check(y.rows == x.rows && y.cols == d_model && y.row_stride >= y.cols && (y.data || y.rows == 0),
+        who, ": y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ", d_model,
+        "] like x");
+}
+
 /// Throws moe::Error (who: the layer's name) unless `opt` fits x of T tokens.
 inline void check_attention_options(AttentionOptions const& opt, Index T, char const* who) {
   check(opt.batch >= 1 && T % opt.batch == 0, who, ": batch = ", opt.batch, " does not divide the ",

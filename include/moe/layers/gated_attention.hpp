@@ -627,15 +627,7 @@ class GatedAttention {
     detail::check(!p_.q_proj.empty() || discarded_,
                   "GatedAttention: the layer was default-constructed; "
                   "construct it from a GatedAttentionConfig first");
-    detail::check(x.cols == c_.d_model, "GatedAttention: x has ", x.cols,
-                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "GatedAttention: x is not a valid view (rows = ", x.rows,
-                  ", row_stride = ", x.row_stride, ")");
-    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
-                      (y.data || y.rows == 0),
-                  "GatedAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
-                  c_.d_model, "] like x");
+    detail::check_activations(x, y, c_.d_model, "GatedAttention");
     detail::check_attention_options(opt, x.rows, "GatedAttention");
   }
 

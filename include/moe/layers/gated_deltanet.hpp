@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "moe/core/error.hpp"
@@ -25,6 +26,7 @@
 #include "moe/kernels/delta_rule.hpp"
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/rms_norm.hpp"
+#include "moe/layers/attention_options.hpp"
 #include "moe/layers/detail/projection_job.hpp"
 #include "moe/layers/linear.hpp"
 #include "moe/layers/stages/work.hpp"
@@ -171,25 +173,27 @@ class GatedDeltaNet {
     HugePageVector<float> conv1d, A_log, dt_bias, norm, out_proj;
     /// The named buffers in parameters() order (empty ones omitted).
     ParameterList groups() {
+      using Member = HugePageVector<float> Parameters::*;
+      static constexpr std::pair<char const*, Member> kNamed[] = {
+          {"in_proj_qkvz.weight", &Parameters::in_proj_qkvz},
+          {"in_proj_ba.weight", &Parameters::in_proj_ba},
+          {"in_proj_qkv.weight", &Parameters::in_proj_qkv},
+          {"in_proj_z.weight", &Parameters::in_proj_z},
+          {"in_proj_b.weight", &Parameters::in_proj_b},
+          {"in_proj_a.weight", &Parameters::in_proj_a},
+          {"conv1d.weight", &Parameters::conv1d},
+          {"A_log", &Parameters::A_log},
+          {"dt_bias", &Parameters::dt_bias},
+          {"norm.weight", &Parameters::norm},
+          {"out_proj.weight", &Parameters::out_proj}};
       ParameterList list;
-      auto add = [&](char const* name, HugePageVector<float>& v) {
-        if (!v.empty()) list.push_back({name, std::span<float>(v)});
-      };
-      add("in_proj_qkvz.weight", in_proj_qkvz);
-      add("in_proj_ba.weight", in_proj_ba);
-      add("in_proj_qkv.weight", in_proj_qkv);
-      add("in_proj_z.weight", in_proj_z);
-      add("in_proj_b.weight", in_proj_b);
-      add("in_proj_a.weight", in_proj_a);
-      add("conv1d.weight", conv1d);
-      add("A_log", A_log);
-      add("dt_bias", dt_bias);
-      add("norm.weight", norm);
-      add("out_proj.weight", out_proj);
+      for (auto const& [name, member] : kNamed) {
+        if (!(this->*member).empty()) list.push_back({name, std::span<float>(this->*member)});
+      }
       return list;
     }
     void zero() {
-      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
+      for (auto& p : groups()) std::ranges::fill(p.values, 0.0f);
     }
   };
   using Gradients = Parameters;
@@ -504,15 +508,7 @@ class GatedDeltaNet {
     detail::check(!p_.out_proj.empty() || discarded_,
                   "GatedDeltaNet: the layer was default-constructed; construct it from a "
                   "GatedDeltaNetConfig first");
-    detail::check(x.cols == c_.d_model, "GatedDeltaNet: x has ", x.cols,
-                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "GatedDeltaNet: x is not a valid view (rows = ", x.rows,
-                  ", row_stride = ", x.row_stride, ")");
-    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
-                      (y.data || y.rows == 0),
-                  "GatedDeltaNet: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
-                  c_.d_model, "] like x");
+    detail::check_activations(x, y, c_.d_model, "GatedDeltaNet");
   }
   void reset_own(GatedDeltaNetWorkspace& ws) const {
     if (ws.own.conv.size() != state_conv_floats() ||
@@ -576,22 +572,17 @@ class GatedDeltaNet {
     Index const V = value_dim(), Hk = c_.num_key_heads, Hv = c_.num_value_heads;
     Index const dk = c_.key_head_dim, dv = c_.value_head_dim, KW = c_.conv_kernel;
     Index const B = static_cast<Index>(states.size());
-    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    grow(ws.proj, T * P);
-    grow(ws.conv_in, (T + B * (KW - 1)) * C);
-    grow(ws.conv_pre, T * C);
-    grow(ws.act, T * C);
-    grow(ws.qn, T * K);
-    grow(ws.kn, T * K);
-    grow(ws.rq, T * Hk);
-    grow(ws.rk, T * Hk);
-    grow(ws.beta, T * Hv);
-    grow(ws.g, T * Hv);
-    grow(ws.core, T * V);
-    grow(ws.rstd, T * Hv);
-    grow(ws.gated, T * V);
     Index const per = scratch_floats();
-    grow(ws.scratch, threads_of(pool) * per);
+    std::pair<std::vector<float>*, Index> const sizes[] = {
+        {&ws.proj, T * P},     {&ws.conv_in, (T + B * (KW - 1)) * C},
+        {&ws.conv_pre, T * C}, {&ws.act, T * C},
+        {&ws.qn, T * K},       {&ws.kn, T * K},
+        {&ws.rq, T * Hk},      {&ws.rk, T * Hk},
+        {&ws.beta, T * Hv},    {&ws.g, T * Hv},
+        {&ws.core, T * V},     {&ws.rstd, T * Hv},
+        {&ws.gated, T * V},    {&ws.scratch, threads_of(pool) * per}};
+    for (auto const& [v, n] : sizes) v->resize(static_cast<std::size_t>(n));
+    auto grow = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
     ws.seg_row0.assign(static_cast<std::size_t>(B + 1), 0);
     for (Index s = 0; s < B; ++s) ws.seg_row0[s + 1] = ws.seg_row0[s] + new_tokens[s];
     Index const chunks = train ? (T + c_.chunk_size - 1) / c_.chunk_size : 0;
