@@ -22,6 +22,8 @@
 //       runs only the layer's matrix products (in_proj_qkvz, in_proj_ba, out_proj, fp32 panels)
 //       on the same rows, so Projections / Prefill is the share of the GEMM-shaped work; pool of
 //       2 threads, T in {128, 512}
+//   BM_Layer_GatedDeltaNet_Train    forward_train (chunked) + backward (recurrent, checkpointed),
+//       FLOP counted as 3 x the forward's
 //   BM_Layer_GatedDeltaNet_Decode   one 1-token step after a prompt of `context` tokens (1024,
 //       16384): the state is the same size whatever the context, so the rows should match
 //
@@ -409,6 +411,25 @@ void BM_Layer_GatedDeltaNet_PrefillRecurrent(benchmark::State& state) {
   deltanet_prefill(state, moe::DeltaRule::kRecurrent);
 }
 
+void BM_Layer_GatedDeltaNet_Train(benchmark::State& state) {
+  auto& layer = deltanet_layer();
+  Index const T = state.range(0), D = layer.d_model();
+  auto x = random_vector(T * D, 38, 1.0f);
+  auto dy = random_vector(T * D, 39, 1.0f / static_cast<float>(T * D));
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::GatedDeltaNetWorkspace ws;
+  auto grads = layer.make_gradients();
+  layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, &pool);  // the workspace grows here
+  layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+  for (auto _ : state) {
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, &pool);
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+    benchmark::DoNotOptimize(dx.data());
+  }
+  set_counters(state, T, 3.0 * deltanet_flops(layer, T));
+}
+
 void BM_Layer_GatedDeltaNet_Projections(benchmark::State& state) {
   auto& layer = deltanet_layer();
   Index const T = state.range(0), D = layer.d_model(), P = layer.proj_cols(), V = layer.value_dim();
@@ -502,6 +523,7 @@ void deltanet_rows(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Layer_GatedDeltaNet_Prefill)->Apply(deltanet_rows);
 BENCHMARK(BM_Layer_GatedDeltaNet_PrefillRecurrent)->Apply(deltanet_rows);
 BENCHMARK(BM_Layer_GatedDeltaNet_Projections)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_Train)->Apply(deltanet_rows);
 BENCHMARK(BM_Layer_GatedDeltaNet_Decode)
     ->ArgsProduct({{1024, 16384}})
     ->ArgNames({"context"})

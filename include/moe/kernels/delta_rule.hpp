@@ -14,8 +14,26 @@
 
 #include "moe/core/types.hpp"
 #include "moe/kernels/gemm_strided.hpp"
+#include "moe/kernels/simd.hpp"
 
 namespace moe::kernels {
+
+namespace detail {
+/// sum_i a[i] b[i] over SIMD lanes (one batch accumulator, reduced with simd::reduce_add, then
+/// the scalar tail in order): a fixed order for a given n.
+template <class Arch = simd::DefaultArch>
+float dot(float const* a, float const* b, Index n) {
+  using B = simd::Batch<float, Arch>;
+  constexpr Index L = static_cast<Index>(B::size);
+  B acc(0.0f);
+  Index i = 0;
+  for (; i + L <= n; i += L)
+    acc = xsimd::fma(B::load_unaligned(a + i), B::load_unaligned(b + i), acc);
+  float s = simd::reduce_add(acc);
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+}  // namespace detail
 
 /// One head's inputs and output over T tokens, rows with strides (the layer's [T, heads * dim]
 /// buffers read in place). q, k: [T, d_k] (q already L2-normalised and scaled, k L2-normalised),
@@ -224,25 +242,20 @@ inline void delta_rule_backward(DeltaRuleHead const& p, float const* checkpoints
       float const* v = p.v + t * p.ldv;
       float const* d_o = dout + t * lddo;
       float const* St = states + (i + 1) * SS;
-      float const* Sp = states + i * SS;  // S_{t-1}
+      float const* Sp = states + i * SS;  // S_{t-1}; S' = a S_{t-1}
       float const* m = M + i * DV;
       float const* delta = Dl + i * DV;
       float* dqt = dq + t * lddq;
       float* dkt = dk + t * lddk;
       float* dvt = dv + t * lddv;
+      // Row by row: vector loops over d_v, the reductions by detail::dot (fixed lane order).
       std::fill(dd, dd + DV, 0.0f);
       for (Index r = 0; r < DK; ++r) {
         float* ds = dS + r * DV;
-        float const* st = St + r * DV;
-        float sq = 0.0f, sk = 0.0f;
-        for (Index j = 0; j < DV; ++j) {
-          sq = std::fma(st[j], d_o[j], sq);       // dq = S_t do
-          ds[j] = std::fma(q[r], d_o[j], ds[j]);  // dS += q do^T
-          sk = std::fma(ds[j], delta[j], sk);     // dk = dS delta
-          dd[j] = std::fma(ds[j], k[r], dd[j]);   // dd = dS^T k
-        }
-        dqt[r] = sq;
-        dkt[r] = sk;
+        for (Index j = 0; j < DV; ++j) ds[j] = std::fma(q[r], d_o[j], ds[j]);  // dS += q do^T
+        dqt[r] = detail::dot(St + r * DV, d_o, DV);                            // dq = S_t do
+        dkt[r] = detail::dot(ds, delta, DV);                                   // dk = dS delta
+        for (Index j = 0; j < DV; ++j) dd[j] = std::fma(ds[j], k[r], dd[j]);   // dd = dS^T k
       }
       float db = 0.0f;
       for (Index j = 0; j < DV; ++j) {
@@ -256,14 +269,9 @@ inline void delta_rule_backward(DeltaRuleHead const& p, float const* checkpoints
         float const* ds = dS + r * DV;
         float const* sp = Sp + r * DV;
         float* dsp = dSp + r * DV;
-        float sk = 0.0f;
-        for (Index j = 0; j < DV; ++j) {
-          float const s = sp[j] * a;              // S'
-          dsp[j] = std::fma(k[r], dm[j], ds[j]);  // dS' = dS + k dm^T
-          sk = std::fma(s, dm[j], sk);            // dk += S' dm
-          dgt = std::fma(dsp[j], s, dgt);         // dg = <dS', S'>
-        }
-        dkt[r] += sk;
+        for (Index j = 0; j < DV; ++j) dsp[j] = std::fma(k[r], dm[j], ds[j]);  // dS' = dS + k dm^T
+        dkt[r] = std::fma(a, detail::dot(sp, dm, DV), dkt[r]);                 // dk += S' dm
+        dgt = std::fma(a, detail::dot(dsp, sp, DV), dgt);                      // dg = <dS', S'>
       }
       dg[t * p.ldg] = dgt;
       for (Index r = 0; r < SS; ++r) dS[r] = dSp[r] * a;

@@ -736,7 +736,7 @@ class GatedDeltaNet {
     sized(ws.dg, T * Hv);
     sized(ws.dact, T * C);
     sized(ws.dpre_row, ((T + kTileRows - 1) / kTileRows) * C);
-    ws.dproj.assign(static_cast<std::size_t>(T * P), 0.0f);
+    ws.dproj.resize(static_cast<std::size_t>(T * P));  // every column written below
     Index const tiles = (T + kTileRows - 1) / kTileRows, np = dv + 2 * Hv;
     ws.partial.assign(static_cast<std::size_t>(tiles * np), 0.0f);
     Index const per = scratch_floats();
