@@ -13,6 +13,14 @@
 //       for the _ForwardBf16 rows), top-2, d_qk 128, query rank 32 + residual query, RoPE,
 //       headwise gate, no shared expert; pool of 2 threads
 //   all at T in {128, 512, 2048}.
+//   BM_Layer_MlaAttention_Decode
+//       multi-head latent attention with DeepSeek-V2-Lite's attention shape: D 2048, 16 heads,
+//       no q lora (q_proj), kv_lora_rank 512, nope 128, rope 64, v 128; fp32 weights; one decode
+//       step (1 new token) on a context of ctx = 4096 cached tokens (random latent rows), in the
+//       absorbed (order 0) or naive (order 1) order, fp32 (cache 0) or bf16 (cache 1) latent
+//       cache; pool of 2 threads. Counters: tokens/s, cache MB/step = the latent rows a step reads
+//       ((ctx + 1) (R + d_r) 4 or 2 bytes), MB/step = that + the projection weights (fp32), and
+//       GB/s = MB/step over the time.
 //   BM_Kernel_DeltaRule_Chunked / _Recurrent   one head of the gated delta rule, d_k = d_v = 128,
 //       chunks of 64, one thread, T in {128, 512}
 //   BM_Layer_GatedDeltaNet_Prefill / _PrefillRecurrent / _Projections
@@ -41,6 +49,8 @@
 //                           2 d_qk + 2 D; backward recomputed q.k 2 d_qk, dO v^T 2 D, dq, dk
 //                           4 d_qk, dv 2 D; the dq / dk-dv split recomputes q.k and dO v^T once
 //                           more, which is not counted)
+//   MlaAttention decode     MlaAttention::cached_flops + the projections 2 D (H d_q + R + d_r)
+//                           + 2 H d_v D
 //   delta rule       recurrent 4 d_k d_v per token and head (chunked: the same count, although it
 //                    does about twice that); GatedDeltaNet forward 2 T D (2 K + 2 V + 2 H_v) +
 //                    2 T V D projections + the delta rule's count (convolution, norms not counted)
@@ -50,6 +60,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
@@ -64,6 +75,7 @@
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/gated_deltanet.hpp"
 #include "moe/layers/linear.hpp"
+#include "moe/layers/mla_attention.hpp"
 #include "moe/layers/moe_attention.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 
@@ -316,6 +328,69 @@ void BM_Layer_MoeAttention_Train(benchmark::State& state) {
   set_counters(state, T, umoe_flops(ws, T, true));
 }
 
+// --- MlaAttention (DeepSeek-V2-Lite's attention), one decode step -------------------------
+
+moe::MlaAttention& mla_layer() {
+  static moe::MlaAttention layer = [] {
+    moe::MlaAttentionConfig c;
+    c.d_model = 2048;
+    c.num_heads = 16;
+    c.kv_lora_rank = 512;
+    c.qk_nope_head_dim = 128;
+    c.qk_rope_head_dim = 64;
+    c.v_head_dim = 128;
+    moe::MlaAttention l(c);
+    std::uint64_t seed = 50;
+    for (auto& p : l.parameters()) {
+      bool const norm = p.name.find("layernorm") != std::string_view::npos;
+      moe::fill_uniform(p.values, norm ? 0.9f : -0.02f, norm ? 1.1f : 0.02f, seed++);
+    }
+    return l;
+  }();
+  return layer;
+}
+
+void BM_Layer_MlaAttention_Decode(benchmark::State& state) {
+  moe::MlaAttention const& layer = mla_layer();
+  Index const ctx = state.range(0), D = layer.d_model(), W = layer.latent_dim();
+  auto const order = state.range(1) == 0 ? moe::MlaOrder::kAbsorbed : moe::MlaOrder::kNaive;
+  bool const bf16 = state.range(2) != 0;
+  moe::KvCache cache =
+      layer.make_cache(1, ctx + 1, bf16 ? moe::KvFormat::kBf16 : moe::KvFormat::kF32);
+  auto const rows = random_vector(ctx * W, 51, 1.0f);  // the context's latent rows
+  for (Index t = 0; t < ctx; ++t) cache.store_key(0, t, rows.data() + t * W);
+  cache.advance(0, ctx);
+  auto x = random_vector(D, 52, 1.0f);
+  std::vector<float> y(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::MlaAttentionWorkspace ws;
+  Index const one[1] = {1};
+  auto step = [&] {
+    layer.forward_cached({x.data(), 1, D}, {y.data(), 1, D}, cache, one, ws, &pool, order);
+    cache.truncate(0, ctx);
+  };
+  step();  // grow the workspace
+  for (auto _ : state) {
+    step();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  auto const& c = layer.config();
+  double const H = static_cast<double>(c.num_heads), dq = static_cast<double>(layer.qk_head_dim());
+  double const R = static_cast<double>(c.kv_lora_rank), dv = static_cast<double>(c.v_head_dim);
+  double const dn = static_cast<double>(c.qk_nope_head_dim), d = static_cast<double>(D);
+  double const kv_b = H * (dn + dv) * R;  // counted by cached_flops
+  double const other = d * (H * dq + static_cast<double>(W)) + H * dv * d;
+  double const cache_bytes = static_cast<double>((ctx + 1) * W) * (bf16 ? 2.0 : 4.0);
+  double const bytes = cache_bytes + 4.0 * (other + kv_b);
+  state.counters["tokens/s"] = Counter(1.0, Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] =
+      Counter(layer.cached_flops(order, 1, ctx) + 2.0 * other, Counter::kIsIterationInvariantRate);
+  state.counters["cache MB/step"] = cache_bytes * 1e-6;
+  state.counters["MB/step"] = bytes * 1e-6;
+  state.counters["GB/s"] = Counter(bytes * 1e-9, Counter::kIsIterationInvariantRate);
+}
+
 // --- Gated DeltaNet ----------------------------------------------------------------------
 
 struct DeltaHead {
@@ -511,6 +586,11 @@ BENCHMARK(BM_Layer_MoeAttention_ForwardBf16)
 BENCHMARK(BM_Layer_MoeAttention_Train)
     ->ArgsProduct({{128, 512, 2048}})
     ->ArgNames({"T"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Layer_MlaAttention_Decode)
+    ->ArgsProduct({{4096}, {0, 1}, {0, 1}})
+    ->ArgNames({"ctx", "order", "cache"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -53,6 +53,7 @@
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/gated_deltanet.hpp"
+#include "moe/layers/mla_attention.hpp"
 #include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/layers/presets.hpp"

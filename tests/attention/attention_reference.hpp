@@ -23,15 +23,17 @@ struct Sdpa {
   double scale = 1.0;
   bool causal = false;
   Index causal_offset = 0;
-  std::vector<Index> q_pos;                                // empty: i + causal_offset
-  std::vector<std::uint8_t> key_mask;                      // empty: all keys
-  Index window = 0;                                        // keys j > pos - window; 0: all
+  std::vector<Index> q_pos;            // empty: i + causal_offset
+  std::vector<std::uint8_t> key_mask;  // empty: all keys
+  Index window = 0;                    // keys j > pos - window; 0: all
+  Index chunk = 0;  // keys of the query's chunk: j >= chunk floor(pos / chunk); 0: all
   double sink = -std::numeric_limits<double>::infinity();  // extra denominator term exp(sink)
 
   bool visible(Index i, Index j) const {
     Index const pos = q_pos.empty() ? i + causal_offset : q_pos[i];
     if (causal && j > pos) return false;
     if (window > 0 && j <= pos - window) return false;
+    if (chunk > 0 && j / chunk != pos / chunk) return false;
     return key_mask.empty() || key_mask[j] != 0;
   }
 

@@ -17,8 +17,8 @@ namespace aref {
 
 struct DoubleGatedAttention {
   enum Layout { kSeparate, kPerGroup, kPerHead };
-  enum Norm { kNone, kRms, kRmsOnePlus };
-  Index D = 0, H = 1, KV = 1, dh = 0, w = 0;  // w: gate width per head (0, 1 or dh)
+  enum Norm { kNone, kRms, kRmsOnePlus, kUnweighted };  // kUnweighted: Llama4TextL2Norm
+  Index D = 0, H = 1, KV = 1, dh = 0, w = 0;            // w: gate width per head (0, 1 or dh)
   Layout layout = kSeparate;
   Norm norm = kNone;
   bool norm_all_heads = false;  // one RMSNorm over a token's whole q (and k), weight per column
@@ -31,6 +31,13 @@ struct DoubleGatedAttention {
   Index yarn_original = 4096;
   bool yarn_truncate = true;
   bool interleaved = false;  // RoPE pairs (2i, 2i + 1): transformers' GLM / ERNIE rotate_half
+  // Llama 3 scaling (transformers' _compute_llama3_parameters): factor 0 = off.
+  double llama3_factor = 0.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  Index llama3_original = 8192;
+  Index chunk = 0;  // chunked attention (Llama 4)
+  // Temperature tuning (Llama 4 NoPE layers): q *= log1p(floor((pos + 1) / floor)) * a + 1.
+  Index temperature_floor = 0;
+  double temperature_scale = 0.0;
   double scale = 1.0;
   bool causal = true;
   Index window = 0;  // sliding window (causal)
@@ -54,7 +61,9 @@ struct DoubleGatedAttention {
     double ss = 0.0;
     for (Index i = 0; i < n; ++i) ss += v[i] * v[i];
     double const r = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
-    for (Index i = 0; i < n; ++i) v[i] *= r * (norm == kRms ? weight[i] : 1.0 + weight[i]);
+    for (Index i = 0; i < n; ++i) {
+      v[i] *= r * (norm == kUnweighted ? 1.0 : norm == kRms ? weight[i] : 1.0 + weight[i]);
+    }
   }
   static void add_bias(Vec& y, Vec const& b) {
     for (std::size_t i = 0; i < b.size(); ++i) y[i] += b[i];
@@ -63,6 +72,17 @@ struct DoubleGatedAttention {
   /// inv_freq of frequency f < rd / 2, YaRN-blended when yarn_factor > 0.
   double inv_freq(Index f) const {
     double const pos_freq = std::pow(theta, static_cast<double>(2 * f) / static_cast<double>(rd));
+    if (llama3_factor > 0.0) {  // transformers' torch.where form, written out
+      double const inv = 1.0 / pos_freq, wavelen = 2.0 * std::numbers::pi / inv;
+      double const low_wavelen = static_cast<double>(llama3_original) / low_freq_factor;
+      double const high_wavelen = static_cast<double>(llama3_original) / high_freq_factor;
+      double const scaled = wavelen > low_wavelen ? inv / llama3_factor : inv;
+      bool const medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+      if (!medium) return scaled;
+      double const smooth = (static_cast<double>(llama3_original) / wavelen - low_freq_factor) /
+                            (high_freq_factor - low_freq_factor);
+      return (1.0 - smooth) * scaled / llama3_factor + smooth * scaled;
+    }
     if (yarn_factor <= 0.0) return 1.0 / pos_freq;
     auto correction_dim = [&](double rotations) {
       return (static_cast<double>(rd) *
@@ -143,13 +163,26 @@ struct DoubleGatedAttention {
         normalize(q.data() + t * HD, q_norm, HD);
         normalize(k.data() + t * KD, k_norm, KD);
       }
+      // Llama 4 normalises after RoPE (Llama4TextAttention), the others before.
+      bool const after = norm == kUnweighted;
+      double const temp = temperature_floor > 0
+                              ? std::log1p(std::floor(static_cast<double>(pos + 1) /
+                                                      static_cast<double>(temperature_floor))) *
+                                        temperature_scale +
+                                    1.0
+                              : 1.0;
       for (Index h = 0; h < H; ++h) {
-        if (!norm_all_heads) normalize(q.data() + t * HD + h * dh, q_norm, dh);
-        rotate(q.data() + t * HD + h * dh, pos);
+        double* qh = q.data() + t * HD + h * dh;
+        if (!norm_all_heads && !after) normalize(qh, q_norm, dh);
+        rotate(qh, pos);
+        if (!norm_all_heads && after) normalize(qh, q_norm, dh);
+        for (Index c = 0; c < dh; ++c) qh[c] *= temp;
       }
       for (Index g = 0; g < KV; ++g) {
-        if (!norm_all_heads) normalize(k.data() + t * KD + g * dh, k_norm, dh);
-        rotate(k.data() + t * KD + g * dh, pos);
+        double* kg = k.data() + t * KD + g * dh;
+        if (!norm_all_heads && !after) normalize(kg, k_norm, dh);
+        rotate(kg, pos);
+        if (!norm_all_heads && after) normalize(kg, k_norm, dh);
       }
     }
     Vec o(static_cast<std::size_t>(T * HD), 0.0);
@@ -162,6 +195,7 @@ struct DoubleGatedAttention {
         sd.scale = scale;
         sd.causal = causal;
         sd.window = window;
+        sd.chunk = chunk;
         if (!sinks.empty()) sd.sink = sinks[static_cast<std::size_t>(h)];
         if (!key_mask.empty())
           sd.key_mask.assign(key_mask.begin() + b * S, key_mask.begin() + (b + 1) * S);

@@ -50,9 +50,10 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.layout = c.gate_layout == moe::GateLayout::kSeparate           ? m.kSeparate
              : c.gate_layout == moe::GateLayout::kPackedPerKvGroup ? m.kPerGroup
                                                                    : m.kPerHead;
-  m.norm = c.qk_norm == moe::QkNorm::kNone      ? m.kNone
-           : c.qk_norm == moe::QkNorm::kRmsNorm ? m.kRms
-                                                : m.kRmsOnePlus;
+  m.norm = c.qk_norm == moe::QkNorm::kNone                ? m.kNone
+           : c.qk_norm == moe::QkNorm::kRmsNorm           ? m.kRms
+           : c.qk_norm == moe::QkNorm::kRmsNormUnweighted ? m.kUnweighted
+                                                          : m.kRmsOnePlus;
   m.norm_all_heads = c.qk_norm_scope == moe::QkNormScope::kAllHeads;
   m.eps = c.norm_eps;
   m.rope = c.rope;
@@ -68,6 +69,13 @@ aref::DoubleGatedAttention twin(Layer& layer, Index batch) {
   m.scale = c.scale;
   m.causal = c.causal;
   m.window = c.sliding_window;
+  m.chunk = c.attention_chunk;
+  m.llama3_factor = c.llama3.factor;
+  m.low_freq_factor = c.llama3.low_freq_factor;
+  m.high_freq_factor = c.llama3.high_freq_factor;
+  m.llama3_original = c.llama3.original_max_position;
+  m.temperature_floor = c.temperature_floor;
+  m.temperature_scale = c.temperature_scale;
   m.batch = batch;
   auto copy = [](auto src) { return aref::Vec(src.begin(), src.end()); };
   for (auto const& p : layer.parameters()) {
@@ -173,6 +181,68 @@ TEST_CASE("GatedAttention with sinks and a sliding window (gpt-oss): twin and fi
       moe::AttentionOptions opt;  // two sequences: the window restarts with each
       opt.batch = 2;
       check_layer(layer, 10, opt);
+    }
+  }
+}
+
+/// Llama 4's two attention layers: RoPE layers (interleaved pairs, Llama 3 scaling, an
+/// unweighted q/k RMSNorm after RoPE, chunked causal masks) and NoPE layers (no RoPE, no norm,
+/// full causal attention, queries scaled by the temperature of their position).
+moe::GatedAttentionConfig llama4_config(bool rope_layer) {
+  auto c = small_config(4, 2, moe::GateLayout::kSeparate);
+  c.rope = rope_layer;
+  c.rope_interleaved = true;
+  c.rope_theta = 500.0f;
+  if (rope_layer) {
+    c.qk_norm = moe::QkNorm::kRmsNormUnweighted;
+    c.attention_chunk = 3;
+    // L0 = 8: the wavelengths of theta = 500 at d = 4 (6.3 and 140) fall on both sides
+    c.llama3 = {.factor = 4.0f,
+                .low_freq_factor = 1.0f,
+                .high_freq_factor = 2.0f,
+                .original_max_position = 8};
+  } else {
+    c.temperature_floor = 2;
+    c.temperature_scale = 0.5f;
+  }
+  return c;
+}
+
+TEST_CASE(
+    "GatedAttention as Llama 4's RoPE (chunked) and NoPE (temperature) layers: twin and "
+    "finite differences",
+    "[attention][gated][grad][llama4]") {
+  for (bool const rope_layer : {true, false}) {
+    DYNAMIC_SECTION((rope_layer ? "RoPE layer" : "NoPE layer")) {
+      moe::GatedAttention<gating::NoGate> layer(llama4_config(rope_layer));
+      randomize(layer, rope_layer ? 41 : 42);
+      REQUIRE(layer.q_norm().empty());  // the unweighted norm has no parameter
+      check_layer(layer, 8, {});
+      moe::AttentionOptions opt;  // two sequences: chunks and positions restart with each
+      opt.batch = 2;
+      check_layer(layer, 10, opt);
+    }
+  }
+  SECTION("the masks and factors matter: the twin without each differs") {
+    for (int change = 0; change < 4; ++change) {
+      moe::GatedAttention<gating::NoGate> layer(llama4_config(change < 3));
+      randomize(layer, 43);
+      Index const T = 8, D = layer.d_model();
+      auto const xf = random_vector(T * D, 44);
+      aref::Vec const x(xf.begin(), xf.end());
+      auto const m = twin(layer, 1);
+      auto other = m;
+      if (change == 0) other.chunk = 0;
+      if (change == 1) other.llama3_factor = 0.0;
+      if (change == 2) other.norm = other.kNone;
+      if (change == 3) other.temperature_floor = 0;
+      aref::Vec const want = m.forward(x, T), got = other.forward(x, T);
+      double diff = 0.0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        diff = std::max(diff, std::fabs(got[i] - want[i]));
+      }
+      INFO("change " << change);
+      REQUIRE(diff > 1e-3);
     }
   }
 }
@@ -620,6 +690,22 @@ TEST_CASE("GatedAttention reports bad configurations and bad input clearly", "[a
   REQUIRE_THROWS_WITH(moe::GatedAttention<gating::HeadwiseGate>(c),
                       Catch::Contains("kAllHeads") && Catch::Contains("kSeparate"));
   REQUIRE_NOTHROW(moe::GatedAttention<gating::NoGate>(c));  // no gate: queries contiguous
+  c = llama4_config(true);
+  c.yarn.factor = 2.0f;  // two scalings of the frequencies at once
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c),
+                      Catch::Contains("llama3 = {factor 4") && Catch::Contains("no YaRN"));
+  c = llama4_config(true);
+  c.llama3.high_freq_factor = 0.5f;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c),
+                      Catch::Contains("low_freq_factor <= high_freq_factor"));
+  c = llama4_config(true);
+  c.causal = false;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c),
+                      Catch::Contains("attention_chunk = 3") && Catch::Contains("causal"));
+  c = llama4_config(false);
+  c.temperature_floor = -1;
+  REQUIRE_THROWS_WITH(moe::GatedAttention<gating::NoGate>(c),
+                      Catch::Contains("temperature_floor = -1"));
   c = small_config(4, 2, moe::GateLayout::kSeparate);
   moe::GatedAttention<gating::HeadwiseGate> layer(c);
   std::vector<float> x(60), y(60), dx(60);
@@ -808,6 +894,21 @@ TEST_CASE("KV cache: prefill and decode steps equal the full recompute", "[atten
     randomize(l2, 36);
     check_cached(l2, nullptr, moe::KvFormat::kBf16);
   }
+  SECTION("Llama 4: chunked RoPE layers (a cache of the chunk, and a whole one), NoPE layers") {
+    moe::GatedAttention<gating::NoGate> rope_layer(llama4_config(true));
+    randomize(rope_layer, 45);
+    REQUIRE(rope_layer.lookback() == 3);
+    moe::ThreadPool pool(2);
+    check_cached(rope_layer, &pool);
+    check_cached(rope_layer, nullptr, moe::KvFormat::kF32, 3);
+    moe::GatedAttention<gating::NoGate> nope_layer(llama4_config(false));
+    randomize(nope_layer, 46);
+    REQUIRE(nope_layer.lookback() == 0);
+    check_cached(nope_layer, &pool);
+    auto c = llama4_config(true);  // a sliding window and chunks: the smaller one
+    c.sliding_window = 2;
+    REQUIRE(moe::GatedAttention<gating::NoGate>(c).lookback() == 2);
+  }
   SECTION("interleaved RoPE (ERNIE 4.5)") {
     auto c = small_config(4, 2, moe::GateLayout::kSeparate);
     c.rope = true;
@@ -848,7 +949,7 @@ TEST_CASE("KV cache: bad calls are errors", "[attention][cache]") {
   moe::KvCache windowed(2, 8, 0, moe::KvFormat::kF32, 4);  // the layer attends to everything
   REQUIRE_THROWS_WITH(
       layer.forward_cached({x.data(), 3, 6}, {y.data(), 3, 6}, windowed, counts, ws),
-      Catch::Contains("window of 4") && Catch::Contains("sliding_window is 0"));
+      Catch::Contains("window of 4") && Catch::Contains("sliding_window 0"));
   auto nc = c;
   nc.causal = false;
   moe::GatedAttention<gating::NoGate> bidir(nc);

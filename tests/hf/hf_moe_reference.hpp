@@ -160,8 +160,57 @@ inline Reference gpt_oss_forward(HfMoeConfig const& c, std::vector<double> const
   return out;
 }
 
+/// Llama4TextMoe.forward on x [T, H]: logits = x W_r^T, top-k of them; routed_in = x *
+/// sigmoid(chosen logit); gate_up = routed_in @ gate_up_proj[e] (gate = first I columns, up =
+/// the rest), out = (up * silu(gate)) @ down_proj[e]; y = sum of the outs + shared_expert(x).
+/// gate_up [E, H, 2I] and down [E, I, H] in the x @ W layout; the shared expert has width I.
+inline Reference llama4_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string const& p,
+                                std::vector<float> const& x) {
+  Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
+              k = c.num_experts_per_tok, T = static_cast<Index>(x.size()) / H;
+  std::vector<double> const wr = ck.get(p + "router.weight", {E, H});
+  std::vector<double> const gu = ck.get(p + "experts.gate_up_proj", {E, H, 2 * I});
+  std::vector<double> const dn = ck.get(p + "experts.down_proj", {E, I, H});
+  std::string const s = p + "shared_expert.";
+  std::vector<double> const sg = ck.get(s + "gate_proj.weight", {I, H}),
+                            su = ck.get(s + "up_proj.weight", {I, H}),
+                            sd = ck.get(s + "down_proj.weight", {H, I});
+  Reference out;
+  out.y.assign(static_cast<std::size_t>(T * H), 0.0);
+  for (Index t = 0; t < T; ++t) {
+    std::vector<double> z(static_cast<std::size_t>(E));
+    for (Index e = 0; e < E; ++e) {
+      z[e] = 0.0;
+      for (Index h = 0; h < H; ++h) z[e] += wr[e * H + h] * x[t * H + h];
+    }
+    std::vector<int> const idx = topk(z, k);
+    out.chosen.push_back(idx);
+    double* y = &out.y[static_cast<std::size_t>(t * H)];
+    for (int e : idx) {
+      double const score = sigmoid(z[e]);
+      std::vector<double> m(static_cast<std::size_t>(I));
+      for (Index i = 0; i < I; ++i) {
+        double g = 0.0, u = 0.0;
+        for (Index h = 0; h < H; ++h) {
+          double const xin = x[t * H + h] * score;
+          g += xin * gu[(e * H + h) * 2 * I + i];
+          u += xin * gu[(e * H + h) * 2 * I + I + i];
+        }
+        m[i] = u * silu(g);
+      }
+      for (Index h = 0; h < H; ++h) {
+        for (Index i = 0; i < I; ++i) y[h] += m[i] * dn[(e * I + i) * H + h];
+      }
+    }
+    std::vector<double> const xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+    std::vector<double> const ys = mlp(sg, su, sd, xt.data(), H, I);
+    for (Index h = 0; h < H; ++h) y[h] += ys[h];
+  }
+  return out;
+}
+
 /// The transformers forward of one MoE block of `c` on x [T, H], from the checkpoint's tensors
-/// under `prefix` (per-expert layout).
+/// under `prefix` (per-expert layout; gpt-oss's and Llama 4's fused ones).
 inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::string const& p,
                             std::vector<float> const& xf) {
   Index const H = c.hidden_size, E = c.num_experts, I = c.expert_intermediate_size,
@@ -174,6 +223,7 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
                            ck.get(p + "experts.down_proj", {E, I, H}),
                            ck.get(p + "experts.down_proj_bias", {E, H}), xf);
   }
+  if (c.family == HfFamily::kLlama4) return llama4_forward(c, ck, p, xf);
   bool const mixtral_names = c.family == HfFamily::kMinimaxM2 || c.family == HfFamily::kMixtral;
   bool const qwen2_shared = c.family == HfFamily::kQwen3Next || c.family == HfFamily::kQwen2Moe;
   std::vector<double> const wr = ck.get(p + "gate.weight", {E, H});

@@ -65,13 +65,23 @@ struct Attention {
   Index rd = 0;              // rotated dimensions per head
   bool yarn = false;         // gpt-oss: factor 32, betas 32 / 1, not truncated, L0 = kYarnOriginal
   bool interleaved = false;  // ERNIE 4.5: RoPE on the pairs (2i, 2i + 1)
+  // Llama 4: Llama 3 RoPE scaling, NoPE layers (layer 1) with temperature tuning, chunks of
+  // kLlama4Chunk on the RoPE layers, an unweighted q/k norm after RoPE on them.
+  bool llama4 = false;
 };
+
+constexpr Index kLlama4Chunk = 4;    // the 11 tokens of check_generation cross two boundaries
+constexpr Index kLlama4Floor = 2;    // floor_scale: the temperature grows every 2 positions
+constexpr double kLlama4Temp = 0.5;  // attn_scale
+/// Llama 4's tiny model: layer 1 is NoPE (no_rope_layers [1, 0, 1, 1]).
+bool rope_layer(Tiny const& t, Index l) { return t.type != "llama4_text" || l != 1; }
 
 constexpr Index kYarnOriginal = 10000;  // the YaRN ramp then blends frequencies 1-3 of 4
 
 /// The window of layer l: Mixtral's on every layer, gpt-oss's on the even (sliding) ones.
 Index window_of(Tiny const& t, Index l) {
   if (t.type == "gpt_oss") return l % 2 == 0 ? t.window : 0;
+  if (t.type == "llama4_text") return rope_layer(t, l) ? kLlama4Chunk : 0;  // the chunk's cache
   return t.window;
 }
 
@@ -85,6 +95,7 @@ Attention attention_of(Tiny const& t) {
   if (t.type == "minimax_m2") a.norm = a.norm_all = true, a.rd = t.dh / 2;
   if (t.type == "gpt_oss") a.qkv_bias = a.o_bias = a.sinks = a.yarn = true;
   if (t.type == "ernie4_5_moe") a.interleaved = true;
+  if (t.type == "llama4_text") a.interleaved = a.llama4 = true;
   return a;
 }
 
@@ -107,7 +118,8 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.norm_topk_prob = true;
   }
   if (t.type == "gpt_oss") c.swiglu_limit = t.swiglu_limit;
-  if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;  // layer 0 dense (start index 1)
+  if (t.type == "ernie4_5_moe") c.n_shared_experts = 1;          // layer 0 dense (start index 1)
+  if (t.type == "llama4_text") c.interleave_moe_layer_step = 2;  // layers 1 and 3 MoE
   c.fp8_block_rows = c.fp8_block_cols = t.fp8_block;
   c.mxfp4 = t.mxfp4;
   c.defaulted_keys.clear();
@@ -147,10 +159,23 @@ std::string config_json(Tiny const& t) {
     j += concat(", \"rotary_dim\": ", t.dh / 2,
                 ", \"use_qk_norm\": true, \"qk_norm_type\": \"per_layer\"");
   }
+  if (t.type == "llama4_text") {
+    // L0 = 8: inv_freq 1 (wavelength 6.3) is smoothed, the lower ones divided by 4
+    j += concat(", \"intermediate_size_mlp\": ", t.I_dense,
+                ", \"no_rope_layers\": [1, 0, 1, 1], \"attention_chunk_size\": ", kLlama4Chunk,
+                ", \"attn_temperature_tuning\": true, \"floor_scale\": ", kLlama4Floor,
+                ", \"attn_scale\": ", kLlama4Temp,
+                ", \"use_qk_norm\": true, \"rope_scaling\": {\"rope_type\": \"llama3\", "
+                "\"factor\": 4.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 2.0, "
+                "\"original_max_position_embeddings\": 8}");
+  }
   return j + "}";
 }
 
 bool is_dense(Tiny const& t, Index layer) { return !moe_config(t).is_moe_layer(layer); }
+std::string dense_module(Tiny const& t) {
+  return t.type == "llama4_text" ? "feed_forward." : "mlp.";
+}
 
 /// Every tensor of the whole model: name, shape and the range of its random values.
 struct TensorSpec {
@@ -187,9 +212,10 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
     out.push_back({p + "input_layernorm.weight", {H}, 0.5f, 1.5f});
     out.push_back({p + "post_attention_layernorm.weight", {H}, 0.5f, 1.5f});
     if (is_dense(t, l)) {
-      out.push_back({p + "mlp.gate_proj.weight", {t.I_dense, H}, -a, a});
-      out.push_back({p + "mlp.up_proj.weight", {t.I_dense, H}, -a, a});
-      out.push_back({p + "mlp.down_proj.weight", {H, t.I_dense}, -a, a});
+      std::string const mlp = p + dense_module(t);
+      out.push_back({mlp + "gate_proj.weight", {t.I_dense, H}, -a, a});
+      out.push_back({mlp + "up_proj.weight", {t.I_dense, H}, -a, a});
+      out.push_back({mlp + "down_proj.weight", {H, t.I_dense}, -a, a});
       continue;
     }
     for (moe::io::HfTensor const& ht :
@@ -278,6 +304,13 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
   auto inv_freq = [&](Index i) {
     double const d = static_cast<double>(at.rd);
     double const extrapolated = std::pow(t.theta, -2.0 * static_cast<double>(i) / d);
+    if (at.llama4) {  // _compute_llama3_parameters: factor 4, low 1, high 2, L0 8
+      double const wavelen = 2.0 * std::numbers::pi / extrapolated;
+      if (wavelen < 8.0 / 2.0) return extrapolated;
+      if (wavelen > 8.0 / 1.0) return extrapolated / 4.0;
+      double const smooth = (8.0 / wavelen - 1.0) / (2.0 - 1.0);
+      return (1.0 - smooth) * extrapolated / 4.0 + smooth * extrapolated;
+    }
     if (!at.yarn) return extrapolated;
     double const s = 32.0, pi = std::numbers::pi;
     auto dim_of = [&](double rot) {
@@ -321,25 +354,40 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
         rms_inplace(q[i].data(), m.at(p + "self_attn.q_norm.weight"), HD, t.eps);
         rms_inplace(k[i].data(), m.at(p + "self_attn.k_norm.weight"), KD, t.eps);
       }
+      bool const roped = rope_layer(t, l);
+      // Llama4TextL2Norm after RoPE on the RoPE layers; the NoPE layers' queries scaled by
+      // log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1.
+      std::vector<float> const ones(static_cast<std::size_t>(dh), 1.0f);
+      double const temp =
+          at.llama4 && !roped
+              ? std::log1p(std::floor(static_cast<double>(i + 1) / kLlama4Floor)) * kLlama4Temp +
+                    1.0
+              : 1.0;
       for (Index hh = 0; hh < t.heads; ++hh) {
+        double* qh = q[i].data() + hh * dh;
         if (at.norm && !at.norm_all) {
-          rms_inplace(q[i].data() + hh * dh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
+          rms_inplace(qh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
         }
-        rope(q[i].data() + hh * dh, i);
+        if (roped) rope(qh, i);
+        if (at.llama4 && roped) rms_inplace(qh, ones, dh, t.eps);
+        for (Index d = 0; d < dh; ++d) qh[d] *= temp;
       }
       for (Index g = 0; g < t.kv; ++g) {
+        double* kg = k[i].data() + g * dh;
         if (at.norm && !at.norm_all) {
-          rms_inplace(k[i].data() + g * dh, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
+          rms_inplace(kg, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
         }
-        rope(k[i].data() + g * dh, i);
+        if (roped) rope(kg, i);
+        if (at.llama4 && roped) rms_inplace(kg, ones, dh, t.eps);
       }
     }
     for (Index i = 0; i < T; ++i) {
       Vec attn(static_cast<std::size_t>(HD), 0.0);
       for (Index hh = 0; hh < t.heads; ++hh) {
         Index const g = hh / G;
-        Index const w = window_of(t, l);
-        Index const j0 = w > 0 ? std::max<Index>(0, i - w + 1) : 0;
+        Index const w = at.llama4 ? 0 : window_of(t, l);
+        Index j0 = w > 0 ? std::max<Index>(0, i - w + 1) : 0;
+        if (at.llama4 && rope_layer(t, l)) j0 = i / kLlama4Chunk * kLlama4Chunk;  // its chunk
         Vec s;
         for (Index j = j0; j <= i; ++j) {
           double z = 0.0;
@@ -364,11 +412,12 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
     if (is_dense(t, l)) {
       for (Index i = 0; i < T; ++i) {
         Vec const x = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
-        Vec const g = matvec(m.at(p + "mlp.gate_proj.weight"), x, t.I_dense, H);
-        Vec const u = matvec(m.at(p + "mlp.up_proj.weight"), x, t.I_dense, H);
+        std::string const mlp = p + dense_module(t);
+        Vec const g = matvec(m.at(mlp + "gate_proj.weight"), x, t.I_dense, H);
+        Vec const u = matvec(m.at(mlp + "up_proj.weight"), x, t.I_dense, H);
         Vec a(static_cast<std::size_t>(t.I_dense));
         for (Index j = 0; j < t.I_dense; ++j) a[j] = silu(g[j]) * u[j];
-        Vec const y = matvec(m.at(p + "mlp.down_proj.weight"), a, H, t.I_dense);
+        Vec const y = matvec(m.at(mlp + "down_proj.weight"), a, H, t.I_dense);
         for (Index c = 0; c < H; ++c) h[i][c] += y[c];
       }
       continue;
@@ -410,11 +459,18 @@ void check_generation(Tiny const& t, std::string const& name) {
         REQUIRE(dec.lm_head.rows() == t.V);
         REQUIRE(dec.fallbacks.empty());
         Attention const at = attention_of(t);
-        for (auto const& b : dec.blocks) {
+        for (Index l = 0; l < t.L; ++l) {
+          auto const& b = dec.blocks[static_cast<std::size_t>(l)];
           auto const& ac = b.attention.config();
           REQUIRE(ac.qkv_bias == at.qkv_bias);
           REQUIRE(ac.o_bias == at.o_bias);
-          REQUIRE((ac.qk_norm != moe::QkNorm::kNone) == at.norm);
+          REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNorm) == at.norm);
+          bool const roped = rope_layer(t, l);
+          REQUIRE(ac.rope == roped);
+          REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNormUnweighted) == (at.llama4 && roped));
+          REQUIRE(ac.attention_chunk == (at.llama4 && roped ? kLlama4Chunk : 0));
+          REQUIRE(ac.temperature_floor == (at.llama4 && !roped ? kLlama4Floor : 0));
+          REQUIRE((ac.llama3.factor == 4.0f) == at.llama4);
           REQUIRE((ac.qk_norm_scope == moe::QkNormScope::kAllHeads) == at.norm_all);
           REQUIRE(ac.rotary_dim == at.rd);
           REQUIRE(ac.sinks == at.sinks);
@@ -462,83 +518,81 @@ void check_generation(Tiny const& t, std::string const& name) {
       any);
 }
 
+/// The tiny model of each family the decoder tests use.
+Tiny family_tiny(std::string const& type) {
+  Tiny t;
+  t.type = type;
+  if (type == "mixtral") t.window = 4, t.tie = true, t.theta = 1e6, t.eps = 1e-5;
+  if (type == "olmoe" || type == "ernie4_5_moe" || type == "llama4_text") t.eps = 1e-5;
+  if (type == "glm4_moe") t.theta = 1e6;
+  if (type == "gpt_oss") t.theta = 150000.0, t.eps = 1e-5, t.window = 3;
+  if (type == "ernie4_5_moe") t.theta = 500000.0;
+  if (type == "minimax_m2") t.theta = 5e6;
+  if (type == "llama4_text") t.L = 4;
+  return t;
+}
+constexpr char const* kDecoderFamilies[] = {"qwen3_moe",    "mixtral",    "qwen2_moe",
+                                            "olmoe",        "glm4_moe",   "gpt_oss",
+                                            "ernie4_5_moe", "minimax_m2", "llama4_text"};
+
 }  // namespace
 
 TEST_CASE("Decoder: Qwen3-MoE (q/k norms, a dense layer) generates as the reference",
           "[models][decoder]") {
-  Tiny t;
-  check_generation(t, "decoder_qwen3");
+  check_generation(family_tiny("qwen3_moe"), "decoder_qwen3");
 }
 
 TEST_CASE("Decoder: Mixtral (sliding window, tied embeddings) generates as the reference",
           "[models][decoder]") {
-  Tiny t;
-  t.type = "mixtral";
-  t.window = 4;
-  t.tie = true;
-  t.theta = 1e6;
-  t.eps = 1e-5;
-  check_generation(t, "decoder_mixtral");
+  check_generation(family_tiny("mixtral"), "decoder_mixtral");
 }
 
 TEST_CASE(
     "Decoder: Qwen2-MoE (q/k/v biases, gated shared expert, a dense layer) generates as the "
     "reference",
     "[models][decoder]") {
-  Tiny t;
-  t.type = "qwen2_moe";
-  check_generation(t, "decoder_qwen2");
+  check_generation(family_tiny("qwen2_moe"), "decoder_qwen2");
 }
 
 TEST_CASE("Decoder: OLMoE (q/k norms over all heads, q/k/v/o biases) generates as the reference",
           "[models][decoder]") {
-  Tiny t;
-  t.type = "olmoe";
-  t.eps = 1e-5;
-  check_generation(t, "decoder_olmoe");
+  check_generation(family_tiny("olmoe"), "decoder_olmoe");
 }
 
 TEST_CASE(
     "Decoder: GLM-4.5 (partial RoPE, biases, per-head norms, dense first layer, "
     "group-limited sigmoid routing) generates as the reference",
     "[models][decoder]") {
-  Tiny t;
-  t.type = "glm4_moe";
-  t.theta = 1e6;
-  check_generation(t, "decoder_glm4");
+  check_generation(family_tiny("glm4_moe"), "decoder_glm4");
 }
 
 TEST_CASE(
     "Decoder: gpt-oss (YaRN RoPE, sinks, q/k/v/o biases, alternating sliding windows, "
     "biased clamped experts) generates as the reference",
     "[models][decoder]") {
-  Tiny t;
-  t.type = "gpt_oss";
-  t.theta = 150000.0;
-  t.eps = 1e-5;
-  t.window = 3;
-  check_generation(t, "decoder_gpt_oss");
+  check_generation(family_tiny("gpt_oss"), "decoder_gpt_oss");
 }
 
 TEST_CASE(
     "Decoder: ERNIE 4.5 (interleaved RoPE, a dense first layer, shared experts, a selection "
     "bias on the probabilities) generates as the reference",
     "[models][decoder]") {
-  Tiny t;
-  t.type = "ernie4_5_moe";
-  t.theta = 500000.0;
-  t.eps = 1e-5;
-  check_generation(t, "decoder_ernie");
+  check_generation(family_tiny("ernie4_5_moe"), "decoder_ernie");
+}
+
+TEST_CASE(
+    "Decoder: Llama 4 (chunked RoPE layers with an unweighted q/k norm and Llama 3 scaling, a "
+    "NoPE layer with temperature tuning, dense layers under feed_forward, sigmoid-scaled expert "
+    "inputs) generates as the reference",
+    "[models][decoder][llama4]") {
+  check_generation(family_tiny("llama4_text"), "decoder_llama4");
 }
 
 TEST_CASE(
     "Decoder: MiniMax-M2 (partial RoPE, q/k norms over all heads, sigmoid routing with a "
     "selection bias) generates as the reference",
     "[models][decoder]") {
-  Tiny t;
-  t.type = "minimax_m2";
-  t.theta = 5e6;
-  check_generation(t, "decoder_minimax_m2");
+  check_generation(family_tiny("minimax_m2"), "decoder_minimax_m2");
 }
 
 namespace {
@@ -1074,6 +1128,74 @@ TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decod
   }
 }
 
+TEST_CASE("Decoder: Llama 4 config.json (Scout's multimodal text_config, Maverick-like keys)",
+          "[models][decoder][llama4]") {
+  using Catch::Contains;
+  // Llama-4-Scout-17B-16E-Instruct's config.json, trimmed: the text model in text_config,
+  // Llama 3 RoPE scaling, no_rope_layers left to its default (every 4th layer NoPE).
+  std::string const scout = R"({"architectures": ["Llama4ForConditionalGeneration"],
+      "model_type": "llama4", "text_config": {"attention_bias": false,
+      "attention_chunk_size": 8192, "attn_scale": 0.1, "attn_temperature_tuning": true,
+      "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+      "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+      "max_position_embeddings": 10485760, "model_type": "llama4_text",
+      "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+      "num_key_value_heads": 8, "num_local_experts": 16, "rms_norm_eps": 1e-05,
+      "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+      "use_qk_norm": true, "vocab_size": 202048}})";
+  auto const c = moe::models::parse_decoder_config(scout, "scout/config.json");
+  REQUIRE(c.moe.family == HfFamily::kLlama4);
+  REQUIRE(c.vocab_size == 202048);
+  REQUIRE(c.num_hidden_layers == 48);
+  REQUIRE(c.head_dim == 128);
+  REQUIRE(c.intermediate_size == 16384);
+  REQUIRE(c.rope_interleaved);
+  REQUIRE(c.llama3.factor == 16.0f);
+  REQUIRE(c.llama3.original_max_position == 8192);
+  REQUIRE(c.qk_norm_unweighted);
+  REQUIRE_FALSE(c.qk_norm);
+  REQUIRE(c.temperature_floor == 8192);
+  REQUIRE(c.temperature_scale == 0.1f);
+  for (Index L = 0; L < 48; ++L) {
+    bool const nope = (L + 1) % 4 == 0;
+    REQUIRE(c.rope_layer(L) == !nope);
+    REQUIRE(c.chunk_of(L) == (nope ? 0 : 8192));
+  }
+  // llama4_text with explicit layer types, no chunks, no tuning, no q/k norm.
+  auto const m = moe::models::parse_decoder_config(
+      R"({"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 64,
+          "intermediate_size": 32, "num_local_experts": 4, "interleave_moe_layer_step": 2,
+          "no_rope_layers": [1, 1, 0, 1], "attention_chunk_size": null,
+          "layer_types": ["chunked_attention", "full_attention", "full_attention",
+                          "chunked_attention"],
+          "attn_temperature_tuning": false, "use_qk_norm": false, "rope_scaling": null})");
+  REQUIRE(m.intermediate_size == 16384);  // intermediate_size_mlp's default
+  REQUIRE(m.llama3.factor == 0.0f);
+  REQUIRE_FALSE(m.qk_norm_unweighted);
+  REQUIRE(m.temperature_floor == 0);
+  REQUIRE(m.rope_layer(1));
+  REQUIRE_FALSE(m.rope_layer(2));
+  for (Index L = 0; L < 4; ++L) REQUIRE(m.chunk_of(L) == 0);
+  // Bad keys name themselves.
+  auto bad = [](std::string const& keys) {
+    return concat(R"({"model_type": "llama4_text", "num_hidden_layers": 2, )", keys, "}");
+  };
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(bad(R"("no_rope_layers": [1, 1, 1])")),
+                      Contains("no_rope_layers has 3 entries") && Contains("= 2"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(bad(R"("no_rope_layers": [1, 2])")),
+                      Contains("no_rope_layers") && Contains("0 (a NoPE layer) or 1"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(bad(R"("layer_types": ["chunked_attention", "sliding"])")),
+      Contains("layer_types") && Contains("chunked_attention"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          bad(R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0})")),
+                      Contains("Llama 3 RoPE scaling") && Contains("low_freq_factor"));
+  REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(
+                          bad(R"("rope_scaling": {"rope_type": "linear", "factor": 8.0})")),
+                      Contains("'linear' is not supported") && Contains("llama3"));
+}
+
 TEST_CASE("Decoder: the released models' config.json files parse to their architectures",
           "[models][decoder]") {
   // config.json of released checkpoints (keys as published, trimmed of tokenizer ids), and what
@@ -1306,6 +1428,50 @@ std::string text_of(fs::path const& p) {
 }
 
 }  // namespace
+
+TEST_CASE(
+    "moe_generate: every family's tiny model gives the reference's greedy ids and logits, cached "
+    "and recomputed, on 1 and 2 threads",
+    "[models][decoder][generate]") {
+  for (char const* type : kDecoderFamilies) {
+    DYNAMIC_SECTION(type) {
+      Tiny const t = family_tiny(type);
+      Tensors const m = make_tensors(t, 950);
+      fs::path const dir = write_model(t, m, std::string("generate_") + type);
+      std::vector<std::int64_t> seq = {1, 2, 3};
+      std::vector<Vec> want;
+      std::string ids;
+      for (int i = 0; i < 4; ++i) {
+        want.push_back(reference_logits(t, m, dir, seq));
+        seq.push_back(std::max_element(want.back().begin(), want.back().end()) -
+                      want.back().begin());
+        ids += moe::io::detail::concat(i ? "," : "", seq.back());
+      }
+      for (std::string const mode : {"--threads 1", "--threads 2", "--no-cache --threads 2"}) {
+        INFO(mode);
+        fs::path const out = dir / "logits.safetensors";
+        REQUIRE(run_generate("--model '" + dir.string() +
+                                 "' --prompt-ids 1,2,3 --max-new-tokens 4 --logits '" +
+                                 out.string() + "' " + mode,
+                             dir) == 0);
+        INFO(text_of(dir / "err.txt"));
+        REQUIRE(text_of(dir / "out.txt") == ids + "\n");
+        moe::io::SafetensorsFile const f(out);
+        std::vector<float> const got = moe::io::to_float(f.tensor("logits"));
+        REQUIRE(got.size() == want.size() * static_cast<std::size_t>(t.V));
+        for (std::size_t step = 0; step < want.size(); ++step) {
+          double scale = 0.0, diff = 0.0;
+          for (Index v = 0; v < t.V; ++v) {
+            scale = std::max(scale, std::fabs(want[step][v]));
+            diff = std::max(diff, std::fabs(got[step * t.V + v] - want[step][v]));
+          }
+          INFO("step " << step << ": max |diff| " << diff << " of max |logit| " << scale);
+          REQUIRE(diff <= 1e-4 * scale);
+        }
+      }
+    }
+  }
+}
 
 TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
           "[models][decoder][generate]") {

@@ -305,48 +305,12 @@ TEST_CASE("Llama 4: top-k of the logits, sigmoid scales the expert input, fused 
       });
       prefix = "language_model." + prefix;
     }
-    Index const H = 12, I = 6, E = 8, k = 2, T = 23;
+    Index const H = 12, k = 2, T = 23;
     Checkpoint const ck(dir / "model.safetensors");
-    std::vector<double> const wr = ck.get(prefix + "router.weight", {E, H});
-    std::vector<double> const gu = ck.get(prefix + "experts.gate_up_proj", {E, H, 2 * I});
-    std::vector<double> const dn = ck.get(prefix + "experts.down_proj", {E, I, H});
-    std::string const s = prefix + "shared_expert.";
-    std::vector<double> const sg = ck.get(s + "gate_proj.weight", {I, H}),
-                              su = ck.get(s + "up_proj.weight", {I, H}),
-                              sd = ck.get(s + "down_proj.weight", {H, I});
     std::vector<float> const x = hftest::random_input(T, H, 112);
-    // Llama4TextMoe.forward: routed_in = x * sigmoid(chosen logit); bmm with gate_up (x @ W,
-    // gate = first I columns, up = the rest); (up * silu(gate)) @ down; + shared_expert(x).
-    std::vector<double> want(static_cast<std::size_t>(T * H), 0.0);
-    std::vector<std::vector<int>> chosen;
-    for (Index t = 0; t < T; ++t) {
-      std::vector<double> z(static_cast<std::size_t>(E));
-      for (Index e = 0; e < E; ++e) {
-        z[e] = 0.0;
-        for (Index h = 0; h < H; ++h) z[e] += wr[e * H + h] * x[t * H + h];
-      }
-      std::vector<int> const idx = topk(z, k);
-      chosen.push_back(idx);
-      for (int e : idx) {
-        double const score = sigmoid(z[e]);
-        std::vector<double> m(static_cast<std::size_t>(I));
-        for (Index i = 0; i < I; ++i) {
-          double g = 0.0, u = 0.0;
-          for (Index h = 0; h < H; ++h) {
-            double const xin = x[t * H + h] * score;
-            g += xin * gu[(e * H + h) * 2 * I + i];
-            u += xin * gu[(e * H + h) * 2 * I + I + i];
-          }
-          m[i] = u * silu(g);
-        }
-        for (Index h = 0; h < H; ++h) {
-          for (Index i = 0; i < I; ++i) want[t * H + h] += m[i] * dn[(e * I + i) * H + h];
-        }
-      }
-      std::vector<double> const xt(x.begin() + t * H, x.begin() + (t + 1) * H);
-      std::vector<double> const ys = mlp(sg, su, sd, xt.data(), H, I);
-      for (Index h = 0; h < H; ++h) want[t * H + h] += ys[h];
-    }
+    hfref::Reference const ref = hfref::llama4_forward(c, ck, prefix, x);
+    std::vector<double> const& want = ref.y;
+    std::vector<std::vector<int>> const& chosen = ref.chosen;
     moe::io::HfAnyLayer any = moe::io::load_hf_moe_layer(dir, 1, {{}, true});
     REQUIRE(std::holds_alternative<moe::io::HfLayer<moe::presets::Llama4Moe>>(any));
     auto const& hf = std::get<moe::io::HfLayer<moe::presets::Llama4Moe>>(any);

@@ -5,6 +5,7 @@
 /// of them that keeps the storage's edit scopes open while it lives.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -46,6 +47,16 @@ struct ParameterRef {
 class ParameterList : public std::vector<ParameterRef> {
  public:
   using std::vector<ParameterRef>::vector;
+  /// Appends {name, v} unless v is empty: a layer's optional buffers (biases, norms) in its
+  /// Parameters::groups().
+  template <class Buffer>
+  void add_if_present(char const* name, Buffer& v) {
+    if (!v.empty()) push_back({name, std::span<float>(v)});
+  }
+  /// Sets every listed buffer to 0 (a gradient's reset).
+  void zero() {
+    for (auto& p : *this) std::fill(p.values.begin(), p.values.end(), 0.0f);
+  }
   /// Keeps `scope` alive as long as this list or a copy of it (or until close()).
   void keep(std::shared_ptr<EditScope> scope) { scopes_.push_back(std::move(scope)); }
   /// Ends the edit scopes this list keeps now, for it and every copy, running their rebuilds on

@@ -79,6 +79,46 @@ inline void rope_yarn_inv_freq(float theta, Index rotary_dim, RopeYarn const& y,
   }
 }
 
+/// Llama 3 RoPE scaling (rope_type "llama3": Llama 3.1 and Llama 4 Scout; transformers'
+/// _compute_llama3_parameters). Off while factor is 0. cos and sin are not scaled.
+struct RopeLlama3 {
+  float factor = 0.0f;  ///< s > 0 (Llama 4 Scout: 16); 0: plain RoPE
+  float low_freq_factor = 1.0f;
+  float high_freq_factor = 4.0f;       ///< > low_freq_factor, or equal to it (no smooth band)
+  Index original_max_position = 8192;  ///< the pre-extension context length L0
+
+  bool enabled() const { return factor > 0.0f; }
+};
+
+/// Llama 3 inverse frequencies of rotary_dim (d) dimensions with base theta, into
+/// inv_freq[d / 2]: with f_i = theta^(-2i/d), its wavelength w_i = 2 pi / f_i,
+/// lo = L0 / low_freq_factor, hi = L0 / high_freq_factor:
+///   w_i < hi: f_i (high frequencies kept);  w_i > lo: f_i / s (low ones interpolated);
+///   else (1 - a) f_i / s + a f_i,  a = (L0 / w_i - low_freq_factor) /
+///                                      (high_freq_factor - low_freq_factor).
+inline void rope_llama3_inv_freq(float theta, Index rotary_dim, RopeLlama3 const& l,
+                                 float* inv_freq) {
+  double const d = static_cast<double>(rotary_dim), pi = 3.14159265358979323846;
+  double const s = static_cast<double>(l.factor), L0 = static_cast<double>(l.original_max_position);
+  double const lo_f = static_cast<double>(l.low_freq_factor);
+  double const hi_f = static_cast<double>(l.high_freq_factor);
+  double const lo_wavelen = L0 / lo_f, hi_wavelen = L0 / hi_f;
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    // theta^(-2i/d) rounded to float first, as transformers computes it
+    double const f = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta), 2.0 * static_cast<double>(i) / d));
+    double const wavelen = 2.0 * pi / f;
+    double out = f;
+    if (wavelen > lo_wavelen) {
+      out = f / s;
+    } else if (wavelen >= hi_wavelen && hi_f != lo_f) {
+      double const a = (L0 / wavelen - lo_f) / (hi_f - lo_f);
+      out = (1.0 - a) * f / s + a * f;
+    }
+    inv_freq[i] = static_cast<float>(out);
+  }
+}
+
 /// cos and sin of one position from precomputed inverse frequencies, times `scale`:
 /// angle_i = float(position) * inv_freq[i], cos_i = scale cos(angle_i), sin_i = scale sin(angle_i).
 inline void rope_angles(Index position, float const* inv_freq, float scale, Index rotary_dim,
@@ -135,6 +175,26 @@ inline void rope_backward_interleaved(float* dx, float const* cos_t, float const
     float const a = dx[2 * i], b = dx[2 * i + 1];
     dx[2 * i] = a * cos_t[i] + b * sin_t[i];
     dx[2 * i + 1] = b * cos_t[i] - a * sin_t[i];
+  }
+}
+
+/// rope_apply_interleaved when `interleaved`, else rope_apply (a layer's configured layout).
+inline void rope_rotate(float* x, float const* cos_t, float const* sin_t, Index rotary_dim,
+                        bool interleaved) {
+  if (interleaved) {
+    rope_apply_interleaved(x, cos_t, sin_t, rotary_dim);
+  } else {
+    rope_apply(x, cos_t, sin_t, rotary_dim);
+  }
+}
+
+/// The backward of rope_rotate.
+inline void rope_rotate_backward(float* dx, float const* cos_t, float const* sin_t,
+                                 Index rotary_dim, bool interleaved) {
+  if (interleaved) {
+    rope_backward_interleaved(dx, cos_t, sin_t, rotary_dim);
+  } else {
+    rope_backward(dx, cos_t, sin_t, rotary_dim);
   }
 }
 

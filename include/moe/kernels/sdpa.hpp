@@ -37,10 +37,12 @@ inline constexpr Index kSdpaKeyBlock = 64;
 /// | key_mask | [Tk] or null   | 1 = attend, 0 = padding (never attended); null: all keys      |
 ///
 /// Key j is visible to query row i iff (!causal || j <= pos_i) && (window == 0 || j > pos_i -
-/// window) && (!key_mask || key_mask[j]). With a finite `sink` logit z the softmax of every row
-/// gets one more term in its denominator: P_ij = exp(s_ij) / (exp(z) + sum_j exp(s_ij)) (a key
-/// with logit z and a zero value; gpt-oss's per-head sinks). With `row_sink`, row i's sink is
-/// row_sink[i] (query rows of different heads in one call, as MoeAttention's experts).
+/// window) && (chunk == 0 || j + o >= chunk floor((pos_i + o) / chunk)) && (!key_mask ||
+/// key_mask[j]), o = key_origin (chunked attention: a query sees the keys of its own chunk of
+/// `chunk` positions, counted from absolute position 0; Llama 4). With a finite `sink` logit z the
+/// softmax of every row gets one more term in its denominator: P_ij = exp(s_ij) / (exp(z) + sum_j
+/// exp(s_ij)) (a key with logit z and a zero value; gpt-oss's per-head sinks). With `row_sink`, row
+/// i's sink is row_sink[i] (query rows of different heads in one call, as MoeAttention's experts).
 struct SdpaParams {
   float const* q = nullptr;
   Index ldq = 0;
@@ -58,6 +60,8 @@ struct SdpaParams {
   Index const* q_pos = nullptr;            ///< [Tq] query positions (causal only), or null
   std::uint8_t const* key_mask = nullptr;  ///< [Tk] 1 = real key, 0 = padding, or null
   Index window = 0;                        ///< sliding window: the last `window` positions; 0: all
+  Index chunk = 0;       ///< chunked attention: keys of the query's own chunk only; 0: all
+  Index key_origin = 0;  ///< the absolute position of key 0 (where chunks are counted from)
   float sink = -std::numeric_limits<float>::infinity();  ///< sink logit (unscaled); -inf: none
   float const* row_sink = nullptr;  ///< [Tq] a sink logit per query row (replaces sink), or null
   /// bf16 keys and values (a KvCache of KvFormat::kBf16), read instead of k and v when set
@@ -297,13 +301,24 @@ inline Index query_pos(SdpaParams const& p, Index i) {
   return p.q_pos ? p.q_pos[i] : i + p.causal_offset;
 }
 
+/// The first key a query at position pos can see by the window and chunk masks (may be <= 0).
+inline Index first_visible_key(SdpaParams const& p, Index pos) {
+  Index first = 0;
+  if (p.window > 0) first = pos - p.window + 1;
+  if (p.chunk > 0) {
+    Index const a = pos + p.key_origin;  // absolute position, >= 0
+    first = std::max(first, a - a % p.chunk - p.key_origin);
+  }
+  return first;
+}
+
 /// Key blocks a block of query rows [i0, i1) can see: [first_key_block(...), key_blocks_for(...)).
-/// With a sliding window the blocks wholly before every row's window are skipped.
+/// With a sliding window or chunks the blocks wholly before every row's first key are skipped.
 inline Index first_key_block(SdpaParams const& p, Index i0, Index i1) {
-  if (p.window <= 0 || i1 <= i0) return 0;
+  if ((p.window <= 0 && p.chunk <= 0) || i1 <= i0) return 0;
   Index minpos = std::numeric_limits<Index>::max();
   for (Index i = i0; i < i1; ++i) minpos = std::min(minpos, query_pos(p, i));
-  Index const first_key = minpos - p.window + 1;
+  Index const first_key = first_visible_key(p, minpos);  // non-decreasing in pos
   return first_key <= 0 ? 0 : first_key / kSdpaKeyBlock;
 }
 inline Index key_blocks_for(SdpaParams const& p, Index i0, Index i1) {
@@ -359,8 +374,8 @@ MOE_ALWAYS_INLINE void mask_row(SdpaParams const& p, float* s, float const* bias
     Index const lim = std::max<Index>(0, std::min(kw, pos - j0 + 1));
     std::fill(s + lim, s + kw, -std::numeric_limits<float>::infinity());
   }
-  if (p.window > 0) {  // keys at or before pos - window are out of the window
-    Index const lim = std::max<Index>(0, std::min(kw, pos - p.window + 1 - j0));
+  if (p.window > 0 || p.chunk > 0) {  // keys before the window or the query's chunk
+    Index const lim = std::max<Index>(0, std::min(kw, first_visible_key(p, pos) - j0));
     std::fill(s, s + lim, -std::numeric_limits<float>::infinity());
   }
 }

@@ -28,7 +28,6 @@
 #include "moe/kernels/rope.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/attention_options.hpp"
-#include "moe/layers/detail/projection_job.hpp"
 #include "moe/layers/kv_cache.hpp"
 #include "moe/layers/linear.hpp"
 #include "moe/layers/stages/work.hpp"
@@ -78,6 +77,17 @@ struct GatedAttentionConfig {
   kernels::RopeYarn yarn = {};
   /// RoPE on the pairs (2i, 2i + 1) (GPT-J style: GLM-4, ERNIE 4.5) instead of (i, i + r / 2).
   bool rope_interleaved = false;
+  /// Chunked attention (causal only; Llama 4's attention_chunk_size on its RoPE layers): a query
+  /// at position p sees the keys at positions [C floor(p / C), p], C = attention_chunk. 0: none.
+  Index attention_chunk = 0;
+  /// Llama 3 scaling of the RoPE frequencies (with rope; rope_type "llama3", Llama 4 Scout):
+  /// factor 0 = off. Not with yarn.
+  kernels::RopeLlama3 llama3 = {};
+  /// Attention temperature tuning (Llama 4's NoPE layers, attn_temperature_tuning): the queries
+  /// of the token at position p are multiplied by 1 + temperature_scale log(1 + floor((p + 1) /
+  /// temperature_floor)) after their norm and RoPE. temperature_floor 0: off.
+  Index temperature_floor = 0;
+  float temperature_scale = 0.0f;
 };
 
 /// The formats of an attention layer's packed projections (GatedAttention::pack_weights): q
@@ -110,6 +120,7 @@ struct GatedAttentionWorkspace {
   std::vector<float> rstd_k;      ///< [T, KV]
   std::vector<float> rope_cos;    ///< [T, rotary_dim / 2]
   std::vector<float> rope_sin;    ///< [T, rotary_dim / 2]
+  std::vector<float> q_temp;      ///< [T] the queries' temperature factors (training, tuning)
   std::vector<float> scratch;     ///< per-thread SDPA scratch
   stages::ProjectionQueue queue;  ///< the projections, on the engine of the experts
   InUse in_use;       ///< a call holds it: a second, overlapping call on this workspace throws
@@ -148,11 +159,13 @@ struct GatedAttentionWorkspace {
 ///
 ///   [Q | gamma] = x W_q^T (+ b_q) (packed) or Q = x W_q^T (+ b_q), gamma = x W_g^T (separate)
 ///   K = x W_k^T (+ b_k), V = x W_v^T (+ b_v);
-///   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) (norm optional: per head or over all heads;
-///           RoPE plain or YaRN-scaled, kernels::RopeYarn)
+///   Q, K <- RoPE(RMSNorm(Q)), RoPE(RMSNorm(K)) (norm optional: per head or over all heads,
+///           weighted or not; RoPE optional (off: a NoPE layer), plain, YaRN- or Llama 3-scaled)
+///   Q_t <- Q_t tau(p_t)  (temperature tuning: tau(p) = 1 + a log(1 + floor((p + 1) / f)))
 ///   A_h = softmax(Q_h K_{g(h)}^T * scale + mask) V_{g(h)},   g(h) = h / (H / KV)
-///         (mask: causal, padding, and with sliding_window W the keys before pos - W + 1; with
-///         sinks the softmax denominator also sums exp(z_h), z_h the head's sink logit)
+///         (mask: causal, padding, with sliding_window W the keys before pos - W + 1, with
+///         attention_chunk C the keys before C floor(pos / C); with sinks the softmax
+///         denominator also sums exp(z_h), z_h the head's sink logit)
 ///   O = A * sigmoid(gamma)   (per head: broadcast headwise, elementwise; O = A without a gate)
 ///   y = O W_o^T (+ b_o)
 ///
@@ -203,9 +216,7 @@ class GatedAttention {
     /// biases) omitted.
     ParameterList groups() {
       ParameterList list;
-      auto add = [&](char const* name, HugePageVector<float>& v) {
-        if (!v.empty()) list.push_back({name, std::span<float>(v)});
-      };
+      auto add = [&](char const* name, HugePageVector<float>& v) { list.add_if_present(name, v); };
       add("q_proj.weight", q_proj);
       add("q_proj.bias", q_bias);
       add("gate_proj.weight", gate_proj);
@@ -220,9 +231,7 @@ class GatedAttention {
       add("sinks", sinks);
       return list;
     }
-    void zero() {
-      for (auto& p : groups()) std::fill(p.values.begin(), p.values.end(), 0.0f);
-    }
+    void zero() { groups().zero(); }
   };
   using Gradients = Parameters;
 
@@ -247,23 +256,36 @@ class GatedAttention {
         "; RoPE needs an even rotary_dim in [2, head_dim = ", c.head_dim,
         "] and a finite theta >= 1 (a tiny theta overflows the frequencies)");
     kernels::RopeYarn const& y = c.yarn;
+    detail::check_yarn(y, "GatedAttention");
+    kernels::RopeLlama3 const& l3 = c.llama3;
     detail::check(
-        y.factor == 0.0f || (y.factor > 0.0f && std::isfinite(y.factor) && y.beta_fast > 0.0f &&
-                             y.beta_slow > 0.0f && std::isfinite(y.beta_fast) &&
-                             std::isfinite(y.beta_slow) && y.original_max_position >= 1 &&
-                             y.attention_factor >= 0.0f && std::isfinite(y.attention_factor)),
-        "GatedAttention: yarn = {factor ", y.factor, ", beta_fast ", y.beta_fast, ", beta_slow ",
-        y.beta_slow, ", original_max_position ", y.original_max_position, ", attention_factor ",
-        y.attention_factor,
-        "}; YaRN needs a finite factor > 0, positive finite betas, a context >= 1 and "
-        "an attention_factor >= 0 (0: the default), or factor 0 for plain RoPE");
+        l3.factor == 0.0f ||
+            (l3.factor > 0.0f && std::isfinite(l3.factor) && l3.low_freq_factor > 0.0f &&
+             std::isfinite(l3.high_freq_factor) && l3.high_freq_factor >= l3.low_freq_factor &&
+             l3.original_max_position >= 1 && !y.enabled()),
+        "GatedAttention: llama3 = {factor ", l3.factor, ", low_freq_factor ", l3.low_freq_factor,
+        ", high_freq_factor ", l3.high_freq_factor, ", original_max_position ",
+        l3.original_max_position,
+        "}; Llama 3 RoPE scaling needs a finite factor > 0, 0 < low_freq_factor <= "
+        "high_freq_factor, a context >= 1 and no YaRN, or factor 0 for plain RoPE");
     if (c.rope && y.enabled()) {
-      yarn_inv_freq_.resize(static_cast<std::size_t>(c_.rotary_dim / 2));
-      kernels::rope_yarn_inv_freq(c.rope_theta, c_.rotary_dim, y, yarn_inv_freq_.data());
+      inv_freq_.resize(static_cast<std::size_t>(c_.rotary_dim / 2));
+      kernels::rope_yarn_inv_freq(c.rope_theta, c_.rotary_dim, y, inv_freq_.data());
+      rope_scale_ = y.scale();
+    } else if (c.rope && l3.enabled()) {
+      inv_freq_.resize(static_cast<std::size_t>(c_.rotary_dim / 2));
+      kernels::rope_llama3_inv_freq(c.rope_theta, c_.rotary_dim, l3, inv_freq_.data());
     }
     detail::check(c.sliding_window >= 0 && (c.sliding_window == 0 || c.causal),
                   "GatedAttention: sliding_window = ", c.sliding_window,
                   "; it must be >= 0 (0: none), and a window needs causal attention");
+    detail::check(c.attention_chunk >= 0 && (c.attention_chunk == 0 || c.causal),
+                  "GatedAttention: attention_chunk = ", c.attention_chunk,
+                  "; it must be >= 0 (0: none), and chunks need causal attention");
+    detail::check(c.temperature_floor >= 0 && std::isfinite(c.temperature_scale),
+                  "GatedAttention: temperature_floor = ", c.temperature_floor,
+                  ", temperature_scale = ", c.temperature_scale,
+                  "; the floor must be >= 0 (0: no temperature tuning) and the scale finite");
     detail::check(c.qk_norm == QkNorm::kNone || (c.norm_eps > 0.0f && std::isfinite(c.norm_eps)),
                   "GatedAttention: norm_eps = ", c.norm_eps, "; it must be finite and > 0");
     detail::check(c.qk_norm_scope == QkNormScope::kPerHead || !gated ||
@@ -280,7 +302,7 @@ class GatedAttention {
     p_.k_proj = sized(kv_dim() * D);
     p_.v_proj = sized(kv_dim() * D);
     p_.o_proj = sized(D * q_dim());
-    if (c.qk_norm != QkNorm::kNone) {
+    if (c.qk_norm != QkNorm::kNone && c.qk_norm != QkNorm::kRmsNormUnweighted) {
       float const init = c.qk_norm == QkNorm::kRmsNorm ? 1.0f : 0.0f;
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
       p_.q_norm.assign(static_cast<std::size_t>(all ? q_dim() : c.head_dim), init);
@@ -296,6 +318,13 @@ class GatedAttention {
   }
 
   GatedAttentionConfig const& config() const { return c_; }
+  /// The most positions back a query can see, itself included (the window a KvCache of this
+  /// layer needs): sliding_window, attention_chunk, the smaller of the two when both are set,
+  /// 0 (the whole prefix) when neither is.
+  Index lookback() const {
+    Index const w = c_.sliding_window, ch = c_.attention_chunk;
+    return w > 0 && ch > 0 ? std::min(w, ch) : std::max(w, ch);
+  }
   Index d_model() const { return c_.d_model; }
   Index num_heads() const { return c_.num_heads; }
   Index num_kv_heads() const { return c_.num_kv_heads; }
@@ -501,12 +530,8 @@ class GatedAttention {
                   "GatedAttention::forward_train: the projections' fp32 weights were discarded "
                   "(discard_master_weights); an inference-only layer cannot train");
     Index const T = x.rows, D = c_.d_model;
-    ws.x.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
-    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+    AttentionOptions const o = detail::keep_training_input(x, opt, ws.x, ws.key_mask);
     ws.batch = opt.batch;
-    AttentionOptions o = opt;
-    o.key_mask = ws.key_mask;
     run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
     ws.stamp = {this, T, D, c_.num_heads, c_.head_dim};
   }
@@ -544,12 +569,13 @@ class GatedAttention {
                   "head_dim = ",
                   kv_dim(), "; make it with KvCache(sequences, ", kv_dim(), ")");
     detail::check_new_tokens(cache, new_tokens, x.rows, "GatedAttention");
-    detail::check(
-        cache.window() == 0 || (c_.sliding_window > 0 && c_.sliding_window <= cache.window()),
-        "GatedAttention::forward_cached: the cache keeps a window of ", cache.window(),
-        " tokens but the layer's sliding_window is ", c_.sliding_window,
-        " (0: the whole prefix); give this layer a cache without a window (or one of at "
-        "least its sliding_window)");
+    detail::check(cache.window() == 0 || (lookback() > 0 && lookback() <= cache.window()),
+                  "GatedAttention::forward_cached: the cache keeps a window of ", cache.window(),
+                  " tokens but the layer's queries look back ", lookback(),
+                  " tokens (sliding_window ", c_.sliding_window, ", attention_chunk ",
+                  c_.attention_chunk,
+                  "; 0: the whole prefix); give this layer a cache without a window (or one of "
+                  "at least lookback())");
     run_cached(x, y, cache, new_tokens, ws, pool, accumulate);
     ws.stamp = {};
   }
@@ -598,21 +624,24 @@ class GatedAttention {
   bool has_norm() const { return c_.qk_norm != QkNorm::kNone; }
   bool one_plus() const { return c_.qk_norm == QkNorm::kRmsNormOnePlus; }
   bool norm_all_heads() const { return has_norm() && c_.qk_norm_scope == QkNormScope::kAllHeads; }
+  /// The q/k norm weights (null: an unweighted norm).
+  float const* q_norm_w() const { return p_.q_norm.empty() ? nullptr : p_.q_norm.data(); }
+  float const* k_norm_w() const { return p_.k_norm.empty() ? nullptr : p_.k_norm.data(); }
+  /// The temperature-tuning factor of the queries at position pos (1 without tuning), in
+  /// float as transformers computes it: log1p(floor((pos + 1) / floor_scale)) * scale + 1.
+  float query_temperature(Index pos) const {
+    if (c_.temperature_floor <= 0) return 1.0f;
+    float const f =
+        std::floor((static_cast<float>(pos) + 1.0f) / static_cast<float>(c_.temperature_floor));
+    return std::log1p(f) * c_.temperature_scale + 1.0f;
+  }
   Index half_rot() const { return c_.rope ? c_.rotary_dim / 2 : 0; }
   /// RoPE of one head vector (rotate-half or interleaved pairs) and its backward.
   void rotate(float* x, float const* cs, float const* sn) const {
-    if (c_.rope_interleaved) {
-      kernels::rope_apply_interleaved(x, cs, sn, c_.rotary_dim);
-    } else {
-      kernels::rope_apply(x, cs, sn, c_.rotary_dim);
-    }
+    kernels::rope_rotate(x, cs, sn, c_.rotary_dim, c_.rope_interleaved);
   }
   void rotate_backward(float* dx, float const* cs, float const* sn) const {
-    if (c_.rope_interleaved) {
-      kernels::rope_backward_interleaved(dx, cs, sn, c_.rotary_dim);
-    } else {
-      kernels::rope_backward(dx, cs, sn, c_.rotary_dim);
-    }
+    kernels::rope_rotate_backward(dx, cs, sn, c_.rotary_dim, c_.rope_interleaved);
   }
   static int threads_of(ThreadPool* pool) { return pool ? pool->size() : 1; }
 
@@ -627,8 +656,7 @@ class GatedAttention {
     detail::check(!p_.q_proj.empty() || discarded_,
                   "GatedAttention: the layer was default-constructed; "
                   "construct it from a GatedAttentionConfig first");
-    detail::check_activations(x, y, c_.d_model, "GatedAttention");
-    detail::check_attention_options(opt, x.rows, "GatedAttention");
+    detail::check_attention_call(x, y, c_.d_model, opt, "GatedAttention");
   }
 
   kernels::SdpaParams sdpa_params(GatedAttentionWorkspace const& ws, Index S, Index b, Index h,
@@ -649,6 +677,7 @@ class GatedAttention {
     p.causal = c_.causal;
     p.key_mask = mask ? mask + b * S : nullptr;
     p.window = c_.sliding_window;
+    p.chunk = c_.attention_chunk;
     if (!p_.sinks.empty()) p.sink = p_.sinks[static_cast<std::size_t>(h)];
     return p;
   }
@@ -673,6 +702,7 @@ class GatedAttention {
     grow(ws.rstd_k, has_norm() ? T * KV : 0);
     grow(ws.rope_cos, T * hr);
     grow(ws.rope_sin, T * hr);
+    grow(ws.q_temp, train && c_.temperature_floor > 0 ? T : 0);
     Index const per = scratch_floats();
     grow(ws.scratch, threads_of(pool) * per);
     if (T == 0) return;
@@ -731,35 +761,40 @@ class GatedAttention {
     });
   }
 
+  /// detail::projection_job of one projection (bias: null or empty for none).
+  static detail::ExpertJob proj_job(kernels::RowSource a, Index rows, Linear const& pack,
+                                    HugePageVector<float> const& w, Index rows_w, Index depth,
+                                    float* c, Index ldc, bool inference,
+                                    HugePageVector<float> const* bias = nullptr,
+                                    bool accumulate = false) {
+    return detail::projection_job(a, rows, pack, w.data(), rows_w, depth, c, ldc, inference,
+                                  bias && !bias->empty() ? bias->data() : nullptr, accumulate);
+  }
+
   /// [Q | gamma] (or Q and gamma), K and V of every row of x (from the packs when `inference`
   /// and pack_weights made them), run on ws.queue; the q/k/v biases are added by prepare_row.
   void run_qkv(ConstMatrixView<float> x, GatedAttentionWorkspace& ws, bool inference,
                ThreadPool* pool) const {
     Index const T = x.rows, D = c_.d_model, P = qg_cols(), HD = q_dim(), KD = kv_dim();
-    bool const q8 =
-        inference && (detail::quantized_pack(packs_.q) || detail::quantized_pack(packs_.gate) ||
-                      detail::quantized_pack(packs_.k) || detail::quantized_pack(packs_.v));
+    bool const q8 = inference && (packs_.q.quantized() || packs_.gate.quantized() ||
+                                  packs_.k.quantized() || packs_.v.quantized());
     kernels::RowSource const a = ws.input.prepare(x, q8, pool);
-    ws.queue.add(detail::projection_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(),
-                                        P, inference));
+    ws.queue.add(proj_job(a, T, packs_.q, p_.q_proj, q_proj_rows(), D, ws.qg.data(), P, inference));
     if (separate_gate()) {
-      ws.queue.add(detail::projection_job(a, T, packs_.gate, p_.gate_proj, gate_cols(), D,
-                                          ws.qg.data() + HD, P, inference));
+      ws.queue.add(proj_job(a, T, packs_.gate, p_.gate_proj, gate_cols(), D, ws.qg.data() + HD, P,
+                            inference));
     }
-    ws.queue.add(
-        detail::projection_job(a, T, packs_.k, p_.k_proj, KD, D, ws.k_raw.data(), KD, inference));
-    ws.queue.add(
-        detail::projection_job(a, T, packs_.v, p_.v_proj, KD, D, ws.v.data(), KD, inference));
+    ws.queue.add(proj_job(a, T, packs_.k, p_.k_proj, KD, D, ws.k_raw.data(), KD, inference));
+    ws.queue.add(proj_job(a, T, packs_.v, p_.v_proj, KD, D, ws.v.data(), KD, inference));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 
   /// y = O W_o^T + b_o (y += with `accumulate`: the residual added in the epilogue).
   void run_o(ConstMatrixView<float> o, MatrixView<float> y, GatedAttentionWorkspace& ws,
              bool inference, bool accumulate, ThreadPool* pool) const {
-    kernels::RowSource const a =
-        ws.input.prepare(o, inference && detail::quantized_pack(packs_.o), pool);
-    ws.queue.add(detail::projection_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data,
-                                        y.row_stride, inference, &p_.o_bias, accumulate));
+    kernels::RowSource const a = ws.input.prepare(o, inference && packs_.o.quantized(), pool);
+    ws.queue.add(proj_job(a, o.rows, packs_.o, p_.o_proj, c_.d_model, q_dim(), y.data, y.row_stride,
+                          inference, &p_.o_bias, accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 
@@ -773,8 +808,8 @@ class GatedAttention {
     Index const P = qg_cols(), KD = kv_dim(), hr = half_rot();
     float* cs = ws.rope_cos.data() + t * hr;
     float* sn = ws.rope_sin.data() + t * hr;
-    if (!yarn_inv_freq_.empty()) {
-      kernels::rope_angles(pos, yarn_inv_freq_.data(), c_.yarn.scale(), c_.rotary_dim, cs, sn);
+    if (!inv_freq_.empty()) {
+      kernels::rope_angles(pos, inv_freq_.data(), rope_scale_, c_.rotary_dim, cs, sn);
     } else if (c_.rope) {
       kernels::rope_angles(pos, c_.rope_theta, c_.rotary_dim, cs, sn);
     }
@@ -788,10 +823,11 @@ class GatedAttention {
     }
     float const* qg = ws.qg.data() + t * P;
     float const* kr = ws.k_raw.data() + t * KD;
+    float const temp = query_temperature(pos);
+    if (!ws.q_temp.empty()) ws.q_temp[static_cast<std::size_t>(t)] = temp;
     if (norm_all_heads()) {  // one norm over all heads (queries contiguous: checked)
-      float const rq =
-          kernels::rms_norm(qg, p_.q_norm.data(), one_plus(), c_.norm_eps, H * dh, q_out);
-      float const rk = kernels::rms_norm(kr, p_.k_norm.data(), one_plus(), c_.norm_eps, KD, k_out);
+      float const rq = kernels::rms_norm(qg, q_norm_w(), one_plus(), c_.norm_eps, H * dh, q_out);
+      float const rk = kernels::rms_norm(kr, k_norm_w(), one_plus(), c_.norm_eps, KD, k_out);
       if (rstd_q) rstd_q[0] = rq;
       if (rstd_k) rstd_k[0] = rk;
     }
@@ -801,12 +837,15 @@ class GatedAttention {
         // normalised above
       } else if (has_norm()) {
         float const r =
-            kernels::rms_norm(qg + query_col(h), p_.q_norm.data(), one_plus(), c_.norm_eps, dh, q);
+            kernels::rms_norm(qg + query_col(h), q_norm_w(), one_plus(), c_.norm_eps, dh, q);
         if (rstd_q) rstd_q[h] = r;
       } else {
         std::copy(qg + query_col(h), qg + query_col(h) + dh, q);
       }
       if (c_.rope) rotate(q, cs, sn);
+      if (temp != 1.0f) {
+        for (Index d = 0; d < dh; ++d) q[d] *= temp;
+      }
       if constexpr (gated) {
         std::copy(qg + gate_col(h), qg + gate_col(h) + w, ws.gate.data() + (t * H + h) * w);
       }
@@ -817,7 +856,7 @@ class GatedAttention {
       if (norm_all_heads()) {
         // normalised above
       } else if (has_norm()) {
-        float const r = kernels::rms_norm(kg, p_.k_norm.data(), one_plus(), c_.norm_eps, dh, k);
+        float const r = kernels::rms_norm(kg, k_norm_w(), one_plus(), c_.norm_eps, dh, k);
         if (rstd_k) rstd_k[g] = r;
       } else {
         std::copy(kg, kg + dh, k);
@@ -844,20 +883,10 @@ class GatedAttention {
     grow(ws.gated, gated ? T * HD : 0);
     grow(ws.rope_cos, T * hr);
     grow(ws.rope_sin, T * hr);
+    ws.q_temp.clear();
     Index const per = scratch_floats();
     grow(ws.scratch, threads_of(pool) * per);
-    ws.row_seq.resize(static_cast<std::size_t>(T));
-    ws.row_pos.resize(static_cast<std::size_t>(T));
-    ws.seq_row0.assign(static_cast<std::size_t>(B + 1), 0);
-    for (Index s = 0, t = 0; s < B; ++s) {
-      Index const n = new_tokens[static_cast<std::size_t>(s)];
-      cache.make_room(s, n);
-      ws.seq_row0[static_cast<std::size_t>(s + 1)] = ws.seq_row0[static_cast<std::size_t>(s)] + n;
-      for (Index i = 0; i < n; ++i, ++t) {
-        ws.row_seq[static_cast<std::size_t>(t)] = s;
-        ws.row_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
-      }
-    }
+    detail::place_new_rows(cache, new_tokens, T, ws.row_seq, ws.row_pos, ws.seq_row0);
     if (T == 0) return;
 
     run_qkv(x, ws, true, pool);
@@ -910,6 +939,8 @@ class GatedAttention {
       p.scale = c_.scale;
       p.causal = true;
       p.window = c_.sliding_window;
+      p.chunk = c_.attention_chunk;
+      p.key_origin = cache.first(s);
       float* const scratch = ws.scratch.data() + thread * per;
       if (n == 1 && grouped_ok) {
         Index const g = item - base;
@@ -1039,11 +1070,14 @@ class GatedAttention {
         float* dqg = ws.dqg.data() + t * P;
         for (Index h = 0; h < H; ++h) {
           float* dq = ws.dq.data() + t * HD + h * dh;
+          if (!ws.q_temp.empty()) {
+            for (Index d = 0; d < dh; ++d) dq[d] *= ws.q_temp[static_cast<std::size_t>(t)];
+          }
           if (c_.rope) rotate_backward(dq, cs, sn);
           if (norm_all_heads()) {
             // below, once the heads' RoPE is undone
           } else if (has_norm()) {
-            kernels::rms_norm_backward(qg + query_col(h), p_.q_norm.data(), one_plus(),
+            kernels::rms_norm_backward(qg + query_col(h), q_norm_w(), one_plus(),
                                        ws.rstd_q[t * H + h], dh, dq, dqg + query_col(h), pq);
           } else {
             std::copy(dq, dq + dh, dqg + query_col(h));
@@ -1054,7 +1088,7 @@ class GatedAttention {
           }
         }
         if (norm_all_heads()) {  // queries contiguous: columns [0, H d_h) of qg
-          kernels::rms_norm_backward(qg, p_.q_norm.data(), one_plus(), ws.rstd_q[t * H], HD,
+          kernels::rms_norm_backward(qg, q_norm_w(), one_plus(), ws.rstd_q[t * H], HD,
                                      ws.dq.data() + t * HD, dqg, pq);
         }
         for (Index g = 0; g < KV; ++g) {
@@ -1076,14 +1110,14 @@ class GatedAttention {
           if (norm_all_heads()) {
             // below
           } else if (has_norm()) {
-            kernels::rms_norm_backward(ws.k_raw.data() + t * KD + g * dh, p_.k_norm.data(),
-                                       one_plus(), ws.rstd_k[t * KV + g], dh, dk, dkr, pk);
+            kernels::rms_norm_backward(ws.k_raw.data() + t * KD + g * dh, k_norm_w(), one_plus(),
+                                       ws.rstd_k[t * KV + g], dh, dk, dkr, pk);
           } else {
             std::copy(dk, dk + dh, dkr);
           }
         }
         if (norm_all_heads()) {
-          kernels::rms_norm_backward(ws.k_raw.data() + t * KD, p_.k_norm.data(), one_plus(),
+          kernels::rms_norm_backward(ws.k_raw.data() + t * KD, k_norm_w(), one_plus(),
                                      ws.rstd_k[t * KV], KD, ws.dk.data() + t * KD,
                                      ws.dk_raw.data() + t * KD, pk);
         }
@@ -1149,7 +1183,9 @@ class GatedAttention {
   }
 
   GatedAttentionConfig c_{};
-  std::vector<float> yarn_inv_freq_;  ///< [rotary_dim / 2] with YaRN RoPE, else empty
+  /// [rotary_dim / 2] with YaRN or Llama 3 RoPE, else empty (theta^(-2i/d) computed per call)
+  std::vector<float> inv_freq_;
+  float rope_scale_ = 1.0f;  ///< cos and sin multiplied by it (YaRN's attention factor)
   Parameters p_;
   /// pack_weights: the projections as the engine's packed matrices (all empty: not packed).
   struct Packs {

@@ -27,7 +27,6 @@
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/rms_norm.hpp"
 #include "moe/layers/attention_options.hpp"
-#include "moe/layers/detail/projection_job.hpp"
 #include "moe/layers/linear.hpp"
 #include "moe/layers/stages/work.hpp"
 
@@ -508,7 +507,7 @@ class GatedDeltaNet {
     detail::check(!p_.out_proj.empty() || discarded_,
                   "GatedDeltaNet: the layer was default-constructed; construct it from a "
                   "GatedDeltaNetConfig first");
-    detail::check_activations(x, y, c_.d_model, "GatedDeltaNet");
+    detail::check_attention_call(x, y, c_.d_model, {}, "GatedDeltaNet");
   }
   void reset_own(GatedDeltaNetWorkspace& ws) const {
     if (ws.own.conv.size() != state_conv_floats() ||
@@ -593,11 +592,11 @@ class GatedDeltaNet {
     bool const inference = !train && packed();
     auto const in = inputs();
     bool q8 = false;
-    for (auto const& l : packs_.in) q8 = q8 || (inference && detail::quantized_pack(l));
+    for (auto const& l : packs_.in) q8 = q8 || (inference && l.quantized());
     kernels::RowSource const a = ws.input.prepare(x, q8, pool);
     for (std::size_t i = 0; i < in.size(); ++i) {
       if (in[i].rows == 0) continue;
-      ws.queue.add(detail::projection_job(a, T, packs_.in[i], *in[i].w, in[i].rows, D,
+      ws.queue.add(detail::projection_job(a, T, packs_.in[i], in[i].w->data(), in[i].rows, D,
                                           ws.proj.data() + in[i].col, P, inference));
     }
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
@@ -695,11 +694,9 @@ class GatedDeltaNet {
     // 6. y = o W_out^T.
     kernels::RowSource const ao =
         ws.input.prepare(ConstMatrixView<float>(ws.gated.data(), T, V),
-                         inference && detail::quantized_pack(packs_.out), pool);
-    auto job = detail::projection_job(ao, T, packs_.out, p_.out_proj, D, V, y.data, y.row_stride,
-                                      inference);
-    job.accumulate = accumulate;
-    ws.queue.add(job);
+                         inference && packs_.out.quantized(), pool);
+    ws.queue.add(detail::projection_job(ao, T, packs_.out, p_.out_proj.data(), D, V, y.data,
+                                        y.row_stride, inference, nullptr, accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
   }
 

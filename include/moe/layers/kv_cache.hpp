@@ -35,7 +35,8 @@ enum class KvFormat { kF32, kBf16 };
 /// Layout: sequence s owns one contiguous block of `capacity()` rows for its keys and one for
 /// its values. GatedAttention's rows are kv_dim = num_kv_heads * head_dim floats (head-major,
 /// as k_proj's output); MoeAttention's keys are d_qk wide and its values are the hidden states,
-/// d_model wide (with_widths). Rows [0, length(s) - first(s)) hold the tokens at positions
+/// d_model wide (with_widths); MlaAttention's rows are its latent [c^ | k_pe], with no separate
+/// values (keys_only). Rows [0, length(s) - first(s)) hold the tokens at positions
 /// [first(s), length(s)). Appending past the capacity grows every sequence's block to
 /// max(2 * capacity, needed) (one copy of the filled rows), so a decode loop reallocates
 /// O(log n) times, not per step; reserve() sizes it up front.
@@ -64,6 +65,12 @@ class KvCache {
   static KvCache with_widths(Index sequences, Index key_dim, Index value_dim, Index capacity = 0,
                              KvFormat format = KvFormat::kF32) {
     return KvCache(sequences, key_dim, value_dim, capacity, format, 0);
+  }
+  /// Rows of key_dim values and no separate values (value_dim() == 0): a layer whose values are
+  /// part of its key rows (MlaAttention's latent cache: [c^ | k_pe] a token, the values c^).
+  static KvCache keys_only(Index sequences, Index key_dim, Index capacity = 0,
+                           KvFormat format = KvFormat::kF32) {
+    return KvCache(sequences, key_dim, 0, capacity, format, 0);
   }
 
   Index sequences() const { return static_cast<Index>(length_.size()); }
@@ -230,10 +237,10 @@ class KvCache {
   KvCache(Index sequences, Index key_dim, Index value_dim, Index capacity, KvFormat format,
           Index window)
       : key_dim_(key_dim), value_dim_(value_dim), window_(window), format_(format) {
-    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 1 && capacity >= 0 && window >= 0,
+    detail::check(sequences >= 0 && key_dim >= 1 && value_dim >= 0 && capacity >= 0 && window >= 0,
                   "KvCache: sequences = ", sequences, ", key width = ", key_dim,
                   ", value width = ", value_dim, ", capacity = ", capacity, ", window = ", window,
-                  "; the widths must be >= 1 and the others >= 0");
+                  "; the key width must be >= 1 and the others >= 0 (value width 0: keys_only)");
     length_.assign(static_cast<std::size_t>(sequences), 0);
     first_.assign(static_cast<std::size_t>(sequences), 0);
     reserve(capacity);
@@ -285,6 +292,27 @@ void bind_cached_kv(Params& p, KvCache const& cache, Index s, Index key_col, Ind
   } else {
     p.k = cache.key_data(s) + key_col;
     p.v = cache.value_data(s) + value_col;
+  }
+}
+
+/// Lays out the new rows of a forward_cached call (after check_new_tokens): room in `cache` for
+/// each sequence's new tokens (make_room), row_seq[t] the sequence of new row t, row_pos[t] its
+/// position (length(s) + i), seq_row0[s] the first new row of sequence s ([sequences + 1]).
+inline void place_new_rows(KvCache& cache, std::span<Index const> new_tokens, Index rows,
+                           std::vector<Index>& row_seq, std::vector<Index>& row_pos,
+                           std::vector<Index>& seq_row0) {
+  Index const B = cache.sequences();
+  row_seq.resize(static_cast<std::size_t>(rows));
+  row_pos.resize(static_cast<std::size_t>(rows));
+  seq_row0.assign(static_cast<std::size_t>(B + 1), 0);
+  for (Index s = 0, t = 0; s < B; ++s) {
+    Index const n = new_tokens[static_cast<std::size_t>(s)];
+    cache.make_room(s, n);
+    seq_row0[static_cast<std::size_t>(s + 1)] = seq_row0[static_cast<std::size_t>(s)] + n;
+    for (Index i = 0; i < n; ++i, ++t) {
+      row_seq[static_cast<std::size_t>(t)] = s;
+      row_pos[static_cast<std::size_t>(t)] = cache.length(s) + i;
+    }
   }
 }
 

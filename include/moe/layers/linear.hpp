@@ -150,6 +150,8 @@ class Linear {
   experts::WeightFormat format() const { return format_; }
   experts::WeightFormat requested_format() const { return requested_; }
   bool fell_back() const { return format_ != requested_; }
+  /// Is it packed in a GGUF block format (its products read int8 activation rows)?
+  bool quantized() const { return !empty() && experts::is_quantized(format_); }
   /// The bias [N], or empty.
   std::span<float const> bias() const { return bias_; }
   /// Bytes of the pack: what a product streams.
@@ -243,6 +245,24 @@ inline detail::ExpertJob linear_job(Linear const& w, kernels::RowSource a, Index
   job.accumulate = accumulate;
   return job;
 }
+
+namespace detail {
+/// The engine's job C = A W^T (+ bias; C += with `accumulate`) of one layer projection: its
+/// pack when `inference` and the pack is not empty, else its fp32 weights w [rows_w, depth] read
+/// in place (stages::raw_job: dot products below kernels::kPanelMinRows rows, panels packed per
+/// call from there on). bias: [rows_w] or null.
+inline ExpertJob projection_job(kernels::RowSource a, Index rows, Linear const& pack,
+                                float const* w, Index rows_w, Index depth, float* c, Index ldc,
+                                bool inference, float const* bias = nullptr,
+                                bool accumulate = false) {
+  ExpertJob j = inference && !pack.empty()
+                    ? linear_job(pack, a, rows, c, ldc)
+                    : stages::raw_job(a.base, a.ld, rows, w, depth, c, ldc, rows_w);
+  j.accumulate = accumulate;
+  if (bias) j.bias = bias;
+  return j;
+}
+}  // namespace detail
 
 /// Products of Linear matrices, queued and run together on the engine (one parallel pass over
 /// all their items): y = x W^T + b (or y +=), and GLU pairs m = silu(x W_g^T) * (x W_u^T). The

@@ -369,12 +369,8 @@ class MoeAttention {
     check_call(x, y, opt);
     Index const T = x.rows, D = c_.d_model;
     ws.stamp = {};
-    ws.x.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.x.data() + t * D);
-    ws.key_mask.assign(opt.key_mask.begin(), opt.key_mask.end());
+    AttentionOptions const o = detail::keep_training_input(x, opt, ws.x, ws.key_mask);
     ws.batch = opt.batch;
-    AttentionOptions o = opt;
-    o.key_mask = ws.key_mask;
     run_forward(ConstMatrixView<float>(ws.x.data(), T, D), y, ws, o, true);
     ws.stamp = stamp(T);
   }
@@ -491,18 +487,10 @@ class MoeAttention {
                   "MoeAttention: the layer was default-constructed; construct "
                   "it with a config, a router and an expert bank first");
     check_bank(*bank_);
-    detail::check(x.cols == c_.d_model, "MoeAttention: x has ", x.cols,
-                  " columns but d_model = ", c_.d_model, "; pass activations [tokens, d_model]");
-    detail::check(x.rows >= 0 && x.row_stride >= x.cols && (x.data || x.rows == 0),
-                  "MoeAttention: x is not a valid view");
-    detail::check(y.rows == x.rows && y.cols == c_.d_model && y.row_stride >= y.cols &&
-                      (y.data || y.rows == 0),
-                  "MoeAttention: y is [", y.rows, ", ", y.cols, "] but must be [", x.rows, ", ",
-                  c_.d_model, "] like x");
+    detail::check_attention_call(x, y, c_.d_model, opt, "MoeAttention");
     detail::check(y.rows == 0 || y.data != x.data,
                   "MoeAttention: y aliases x; the values of every token are read after outputs "
                   "are written, so pass a separate output buffer");
-    detail::check_attention_options(opt, x.rows, "MoeAttention");
   }
 
   using SdpaItem = detail::AttentionSdpaItem;

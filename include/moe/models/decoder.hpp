@@ -363,7 +363,7 @@ class Decoder {
     DecoderState st;
     Index const kvd = config.num_key_value_heads * config.head_dim;
     for (Block const& b : blocks) {
-      Index const window = b.attention.config().sliding_window;
+      Index const window = b.attention.lookback();  // a sliding window or an attention chunk
       st.caches.emplace_back(sequences, kvd, window > 0 ? std::min(capacity, 2 * window) : capacity,
                              kv, window);
     }
@@ -494,7 +494,7 @@ class Decoder {
 /// DeepseekV3Moe holds glm4_moe, minimax_m2 and ernie4_5_moe.
 using AnyDecoder = std::variant<Decoder<presets::Qwen3Moe>, Decoder<presets::MixtralMoe>,
                                 Decoder<presets::Qwen2Moe>, Decoder<presets::DeepseekV3Moe>,
-                                Decoder<presets::GptOssMoe>>;
+                                Decoder<presets::GptOssMoe>, Decoder<presets::Llama4Moe>>;
 
 namespace detail {
 
@@ -680,9 +680,10 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
       io::detail::checked_hf_layer_tensors(c.moe, ckpt, L);
     } else {
       Index const I = c.intermediate_size;
-      check("mlp.gate_proj.weight", {I, H});
-      check("mlp.up_proj.weight", {I, H});
-      check("mlp.down_proj.weight", {H, I});
+      std::string const dense(c.moe.spec().decoder.dense_module);
+      checked_tensor(ckpt, p + dense + "gate_proj.weight", {I, H}, why);
+      checked_tensor(ckpt, p + dense + "up_proj.weight", {I, H}, why);
+      checked_tensor(ckpt, p + dense + "down_proj.weight", {H, I}, why);
     }
   }
 }
@@ -749,18 +750,24 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.qkv_bias = c.qkv_bias;
   ac.o_bias = c.o_bias;
   ac.norm_eps = c.rms_norm_eps;
-  ac.rope = true;
   ac.rope_theta = c.rope_theta;
   ac.rotary_dim = c.rotary_dim;
   ac.yarn = c.yarn;
+  ac.llama3 = c.llama3;
   ac.sinks = c.sinks;
   ac.rope_interleaved = c.rope_interleaved;
   ac.causal = true;
+  std::string_view const dense = c.moe.spec().decoder.dense_module;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
     std::string const p = io::detail::concat("model.layers.", L, ".");
-    ac.sliding_window = static_cast<std::size_t>(L) < c.layer_windows.size()
-                            ? c.layer_windows[static_cast<std::size_t>(L)]
-                            : c.sliding_window;
+    ac.sliding_window = c.window_of(L);
+    ac.attention_chunk = c.chunk_of(L);
+    ac.rope = c.rope_layer(L);
+    if (c.qk_norm_unweighted) {  // Llama 4: on the RoPE layers only
+      ac.qk_norm = ac.rope ? QkNorm::kRmsNormUnweighted : QkNorm::kNone;
+    }
+    ac.temperature_floor = ac.rope ? 0 : c.temperature_floor;
+    ac.temperature_scale = c.temperature_scale;
     typename Decoder<Moe>::Block b{GatedAttention<gating::NoGate>(ac), {}, {}, std::nullopt, {}};
     auto load_into = [&](std::span<float> dst, std::string const& name,
                          std::vector<std::int64_t> const& shape) {
@@ -821,9 +828,10 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       if (m.can_discard_master_weights()) m.discard_master_weights();
     } else {
       Index const I = c.intermediate_size;
-      b.mlp.gate = ld.linear(p + "mlp.gate_proj.weight", I, H, MatrixClass::kDenseGateUp, L);
-      b.mlp.up = ld.linear(p + "mlp.up_proj.weight", I, H, MatrixClass::kDenseGateUp, L);
-      b.mlp.down = ld.linear(p + "mlp.down_proj.weight", H, I, MatrixClass::kDenseDown, L);
+      auto name = [&](char const* proj) { return io::detail::concat(p, dense, proj, ".weight"); };
+      b.mlp.gate = ld.linear(name("gate_proj"), I, H, MatrixClass::kDenseGateUp, L);
+      b.mlp.up = ld.linear(name("up_proj"), I, H, MatrixClass::kDenseGateUp, L);
+      b.mlp.down = ld.linear(name("down_proj"), H, I, MatrixClass::kDenseDown, L);
     }
     d.blocks.push_back(std::move(b));
   }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -23,7 +24,7 @@
 namespace moe::models {
 
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
-/// defaults of the family's config class for absent keys. Eight families decode:
+/// defaults of the family's config class for absent keys. Nine families decode:
 ///
 /// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
 /// |------------|-------------------------------------------------------|-------------------------|
@@ -40,9 +41,16 @@ namespace moe::models {
 /// |            | layer_types calls "sliding_attention"                 |                         |
 /// | ernie4_5_moe | interleaved RoPE (pairs 2i, 2i + 1); use_bias must be | layers outside | | |
 /// false (it would bias the dense MLPs and the LM head)  | moe_layer_start/end/... |
+/// | llama4_text | interleaved RoPE, Llama 3 scaling (rope_type "llama3"); | outside moe_layers |
+/// |            | NoPE layers (no_rope_layers, no_rope_layer_interval 4)| or the interleave  |
+/// |            | with temperature tuning (attn_temperature_tuning,     | step, under         |
+/// |            | floor_scale 8192, attn_scale 0.1); chunks              | feed_forward.,      |
+/// |            | (attention_chunk_size 8192) on the layer_types        | intermediate_size_mlp |
+/// |            | "chunked_attention" (default: the RoPE layers); an    |                     |
+/// |            | unweighted q/k norm on them (use_qk_norm, true)       |                     |
 ///
 /// Keys, with their defaults in the order qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
-/// minimax_m2 / gpt_oss / ernie4_5_moe:
+/// minimax_m2 / gpt_oss / ernie4_5_moe (llama4_text: Llama4TextConfig's, Llama-4-Scout's):
 /// - vocab_size: 151936 / 32000 / 151936 / 50304 / 151552 / 200064 / 201088 / 103424.
 /// - num_hidden_layers: **required**; checkpoint layers past it (GLM-4.5's multi-token
 ///   prediction layer) are not read.
@@ -87,11 +95,39 @@ struct DecoderConfig {
   QkNormScope qk_norm_scope = QkNormScope::kPerHead;  ///< kAllHeads: OLMoE, MiniMax-M2
   bool qkv_bias = false;  ///< q/k/v projection biases (Qwen2-MoE; GLM-4.5, OLMoE attention_bias)
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
-  bool rope_interleaved = false;  ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5)
+  bool rope_interleaved = false;    ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5, Llama 4)
+  kernels::RopeLlama3 llama3 = {};  ///< Llama 3 RoPE scaling (Llama 4 Scout); factor 0: none
+  /// [num_hidden_layers] 1 where the layer has no RoPE (Llama 4's NoPE layers); empty: none.
+  std::vector<std::uint8_t> nope_layers;
+  /// [num_hidden_layers] each layer's attention chunk (Llama 4's chunked layers; 0: none).
+  std::vector<Index> layer_chunks;
+  /// An unweighted q/k RMSNorm per head on the RoPE layers (Llama 4 use_qk_norm).
+  bool qk_norm_unweighted = false;
+  /// Temperature tuning of the NoPE layers' queries (Llama 4 attn_temperature_tuning): floor_scale
+  /// (0: off) and attn_scale.
+  Index temperature_floor = 0;
+  float temperature_scale = 0.0f;
   /// config.json's max_position_embeddings, the context the model was trained for (0: absent).
   /// A longer context is not refused (RoPE runs at any position) but is outside what the model
   /// was trained on: Decoder::context_warning() says so, moe_generate prints it.
   Index max_position_embeddings = 0;
+
+  /// Does layer L rotate its queries and keys (no: a NoPE layer)?
+  bool rope_layer(Index L) const {
+    return static_cast<std::size_t>(L) >= nope_layers.size() ||
+           nope_layers[static_cast<std::size_t>(L)] == 0;
+  }
+  /// Layer L's sliding window and attention chunk (0: none).
+  Index window_of(Index L) const {
+    return static_cast<std::size_t>(L) < layer_windows.size()
+               ? layer_windows[static_cast<std::size_t>(L)]
+               : sliding_window;
+  }
+  Index chunk_of(Index L) const {
+    return static_cast<std::size_t>(L) < layer_chunks.size()
+               ? layer_chunks[static_cast<std::size_t>(L)]
+               : 0;
+  }
 };
 
 namespace detail {
@@ -109,6 +145,63 @@ std::string model_types_where(Pred pred) {
     }
   }
   return out;
+}
+
+/// Llama 4's per-layer attention (HfDecoderFacts::llama4_layers) into c: NoPE layers, chunks,
+/// temperature tuning, as Llama4TextConfig.__post_init__ fills their defaults.
+inline void read_llama4_layers(io::detail::HfConfigReader& r, DecoderConfig& c) {
+  using io::detail::JsonKind;
+  std::size_t const L = static_cast<std::size_t>(c.num_hidden_layers);
+  auto per_layer = [&](char const* key, io::detail::JsonValue const& a) {
+    if (a.kind != JsonKind::kArray) r.bad(key, a, "an array with one entry per layer");
+    if (a.items.size() != L) {
+      moe::detail::fail("models: ", r.source(), ": ", key, " has ", a.items.size(),
+                        " entries but num_hidden_layers = ", L, "; give one per layer");
+    }
+  };
+  // no_rope_layers[L] = 1: layer L uses RoPE (the name is transformers'); an empty list or
+  // none: every no_rope_layer_interval-th layer is NoPE.
+  c.nope_layers.assign(L, 0);
+  io::detail::JsonValue const* nr = r.find("no_rope_layers");
+  if (nr != nullptr && !(nr->kind == JsonKind::kArray && nr->items.empty())) {
+    per_layer("no_rope_layers", *nr);
+    for (std::size_t i = 0; i < L; ++i) {
+      Index const v = r.integer("no_rope_layers", nr->items[i], 0);
+      if (v > 1) r.bad("no_rope_layers", nr->items[i], "0 (a NoPE layer) or 1 (RoPE)");
+      c.nope_layers[i] = v == 0 ? 1 : 0;
+    }
+  } else {
+    Index const interval = r.integer({"no_rope_layer_interval"}, 4, 1);
+    for (std::size_t i = 0; i < L; ++i) {
+      c.nope_layers[i] = (static_cast<Index>(i) + 1) % interval == 0 ? 1 : 0;
+    }
+  }
+  // attention_chunk_size (null: no chunks) on the layers layer_types calls "chunked_attention".
+  Index const chunk =
+      r.is_null("attention_chunk_size") ? 0 : r.integer({"attention_chunk_size"}, 8192, 1);
+  c.layer_chunks.assign(L, 0);
+  if (io::detail::JsonValue const* lt = r.find("layer_types")) {
+    per_layer("layer_types", *lt);
+    for (std::size_t i = 0; i < L; ++i) {
+      io::detail::JsonValue const& item = lt->items[i];
+      if (item.kind != JsonKind::kString ||
+          (item.text != "chunked_attention" && item.text != "full_attention")) {
+        r.bad("layer_types", item, "\"chunked_attention\" or \"full_attention\" per layer");
+      }
+      if (item.text == "chunked_attention") c.layer_chunks[i] = chunk;
+    }
+  } else {
+    for (std::size_t i = 0; i < L; ++i) c.layer_chunks[i] = c.nope_layers[i] ? 0 : chunk;
+  }
+  if (r.boolean("attn_temperature_tuning", true)) {
+    c.temperature_floor = r.integer({"floor_scale"}, 8192, 1);
+    double const a = r.number("attn_scale", 0.1);
+    if (!(std::fabs(a) <= std::numeric_limits<float>::max())) {
+      moe::detail::fail("models: ", r.source(), ": attn_scale = ", a,
+                        " does not fit a float; fix config.json");
+    }
+    c.temperature_scale = static_cast<float>(a);
+  }
 }
 
 }  // namespace detail
@@ -133,7 +226,12 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   }
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
   io::HfMoeConfig keys;
-  io::detail::HfConfigReader r(root, source, keys);
+  // Llama 4's multimodal config.json nests the text model's keys in text_config (parse_hf_config
+  // checked that it is an object).
+  io::detail::JsonValue const* model_type = root.member("model_type");
+  bool const nested = model_type != nullptr && model_type->kind == JsonKind::kString &&
+                      model_type->text == "llama4";
+  io::detail::HfConfigReader r(nested ? *root.member("text_config") : root, source, keys);
   auto fail_if = [&](bool bad, auto const&... parts) {
     if (bad) moe::detail::fail("models: ", source, ": ", parts..., "; fix config.json");
   };
@@ -152,8 +250,15 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   c.head_dim =
       r.integer({"head_dim"}, def.head_dim > 0 ? def.head_dim : H / c.num_attention_heads, 1);
   c.intermediate_size =
-      def.dense_width > 0 ? r.integer({"intermediate_size"}, def.dense_width, 1) : 0;
-  io::detail::HfRope rope = io::detail::read_hf_rope(r, source, def.rope_theta, def.yarn);
+      def.dense_width > 0 ? r.integer({def.dense_width_key}, def.dense_width, 1) : 0;
+  io::detail::HfRope rope =
+      io::detail::read_hf_rope(r, source, def.rope_theta, def.yarn, def.llama4_layers);
+  if (rope.llama3) {
+    c.llama3.factor = static_cast<float>(rope.llama3_factor);
+    c.llama3.low_freq_factor = static_cast<float>(rope.low_freq_factor);
+    c.llama3.high_freq_factor = static_cast<float>(rope.high_freq_factor);
+    c.llama3.original_max_position = rope.llama3_original;
+  }
   if (def.yarn && r.find("rope_scaling") == nullptr && r.find("rope_parameters") == nullptr) {
     rope.yarn = true;  // the family's default rope_scaling
     rope.yarn_factor = def.yarn_factor;
@@ -186,8 +291,10 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
 
   // Attention: q/k norms, biases, rotary dimensions, interleaved RoPE, sinks.
   using io::HfAttentionBias;
-  c.qk_norm = def.qk_norm != io::HfQkNorm::kNone &&
-              (def.qk_norm_key.empty() || r.boolean(def.qk_norm_key, def.qk_norm_default));
+  bool const qk_norm = def.qk_norm != io::HfQkNorm::kNone &&
+                       (def.qk_norm_key.empty() || r.boolean(def.qk_norm_key, def.qk_norm_default));
+  c.qk_norm = qk_norm && def.qk_norm != io::HfQkNorm::kUnweightedOnRope;
+  c.qk_norm_unweighted = qk_norm && def.qk_norm == io::HfQkNorm::kUnweightedOnRope;
   if (def.qk_norm == io::HfQkNorm::kAllHeads) c.qk_norm_scope = QkNormScope::kAllHeads;
   bool attention_bias = def.bias == HfAttentionBias::kAllOnByDefault;
   if (io::detail::JsonValue const* b = r.find("attention_bias")) {
@@ -267,6 +374,7 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
             "for ",
             c.moe.model_type());
   }
+  if (def.llama4_layers) detail::read_llama4_layers(r, c);
   fail_if(c.head_dim < 1, "head_dim = ", c.head_dim, " must be >= 1 (hidden_size / heads)");
   fail_if(c.num_attention_heads % c.num_key_value_heads != 0,
           "num_key_value_heads = ", c.num_key_value_heads,

@@ -226,6 +226,11 @@ class HfConfigReader {
     JsonValue const* v = root_.member(key);
     return v == nullptr || v->kind == JsonKind::kNull ? nullptr : v;
   }
+  /// Is `key` present with the value null (find() treats that as absent)?
+  bool is_null(std::string_view key) const {
+    JsonValue const* v = root_.member(key);
+    return v != nullptr && v->kind == JsonKind::kNull;
+  }
 
   [[noreturn]] void bad(std::string_view key, JsonValue const& v, char const* expected) const {
     std::string shown = v.kind == JsonKind::kString ? printable_name(v.text) : v.text;
@@ -375,15 +380,20 @@ struct HfRope {
   /// attention_factor, else (with mscale and mscale_all_dim) get_mscale(s, mscale) /
   /// get_mscale(s, mscale_all_dim), else 0 (the consumer's default 0.1 ln(s) + 1).
   double attention_factor = 0.0;
+  /// rope_type "llama3" (read only when the caller allows it): transformers'
+  /// _compute_llama3_parameters keys, all required.
+  bool llama3 = false;
+  double llama3_factor = 0.0, low_freq_factor = 0.0, high_freq_factor = 0.0;
+  Index llama3_original = 0;  ///< original_max_position_embeddings
 };
 
 /// Reads rope_parameters.{rope_theta, partial_rotary_factor} or the top-level rope_theta and
-/// partial_rotary_factor (`default_theta` when absent), and with `allow_yarn` the YaRN keys of
-/// rope_parameters or rope_scaling when their rope_type is "yarn". Throws moe::Error for any
-/// other rope_type than "default" (moe's RoPE has no linear, dynamic or llama3 scaling) and for
-/// values of the wrong kind.
+/// partial_rotary_factor (`default_theta` when absent), with `allow_yarn` the YaRN keys of
+/// rope_parameters or rope_scaling when their rope_type is "yarn", with `allow_llama3` the Llama 3
+/// keys when it is "llama3". Throws moe::Error for any other rope_type than "default" (moe's
+/// RoPE has no linear or dynamic scaling) and for values of the wrong kind.
 inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double default_theta,
-                           bool allow_yarn = false) {
+                           bool allow_yarn = false, bool allow_llama3 = false) {
   HfRope out;
   bool theta_set = false;
   auto number_in = [&](JsonValue const& obj, char const* key, double& value) {
@@ -403,11 +413,34 @@ inline HfRope read_hf_rope(HfConfigReader& r, std::string const& source, double 
         out.yarn = true;
         continue;
       }
+      if (allow_llama3 && t->kind == JsonKind::kString && t->text == "llama3") {
+        out.llama3 = true;
+        continue;
+      }
       moe::detail::fail(
           "hf: ", source, ": ", where, ".", key, " ",
           t->kind == JsonKind::kString ? printable_name(t->text) : std::string("(not a string)"),
           " is not supported: moe's RoPE is the default rope type",
-          allow_yarn ? " or YaRN (\"yarn\")" : "");
+          allow_yarn ? " or YaRN (\"yarn\")" : "", allow_llama3 ? " or Llama 3 (\"llama3\")" : "");
+    }
+    if (out.llama3) {
+      double original = 0.0;
+      bool const all = number_in(obj, "factor", out.llama3_factor) &&
+                       number_in(obj, "low_freq_factor", out.low_freq_factor) &&
+                       number_in(obj, "high_freq_factor", out.high_freq_factor) &&
+                       number_in(obj, "original_max_position_embeddings", original);
+      if (!all || !(out.llama3_factor > 0.0) || !(out.low_freq_factor > 0.0) ||
+          !(out.high_freq_factor >= out.low_freq_factor) ||
+          !(original >= 1.0 && original < 2147483648.0 && original == std::floor(original)) ||
+          out.llama3_factor > std::numeric_limits<float>::max() ||
+          out.high_freq_factor > std::numeric_limits<float>::max()) {
+        moe::detail::fail("hf: ", source, ": ", where,
+                          " is Llama 3 RoPE scaling; it needs factor > 0, 0 < low_freq_factor <= "
+                          "high_freq_factor (finite floats) and a whole "
+                          "original_max_position_embeddings in [1, 2^31); fix config.json");
+      }
+      out.llama3_original = static_cast<Index>(original);
+      return;
     }
     if (!out.yarn) return;
     number_in(obj, "factor", out.yarn_factor);

@@ -118,8 +118,9 @@ struct HfGroupRouting {
   bool norm_min = false;    ///< clamp the sum to at least moe_norm_min (ERNIE 4.5)
 };
 
-/// q/k RMSNorm of a family's attention.
-enum class HfQkNorm : std::uint8_t { kNone, kPerHead, kAllHeads };
+/// q/k RMSNorm of a family's attention: weighted per head or over all heads, or unweighted per
+/// head on the RoPE layers only (Llama 4's Llama4TextL2Norm).
+enum class HfQkNorm : std::uint8_t { kNone, kPerHead, kAllHeads, kUnweightedOnRope };
 
 /// Projection biases of a family's attention (attention_bias true is refused for kNone).
 enum class HfAttentionBias : std::uint8_t {
@@ -171,6 +172,16 @@ struct HfDecoderFacts {
   bool yarn_truncate = true;
   HfSliding sliding = HfSliding::kRefused;
   Index sliding_window = 0;  ///< kLayerTypes' default window
+  /// Llama 4's layers: no RoPE on the layers no_rope_layers marks 0 (default: every
+  /// no_rope_layer_interval-th, 4), chunked attention (attention_chunk_size, 8192) on the layers
+  /// layer_types calls "chunked_attention" (default: the RoPE ones), temperature tuning of the
+  /// NoPE layers' queries (attn_temperature_tuning, floor_scale, attn_scale), and Llama 3 RoPE
+  /// scaling read (rope_type "llama3").
+  bool llama4_layers = false;
+  /// The dense MLP layers' module and width key ("mlp." and "intermediate_size"; Llama 4:
+  /// "feed_forward." and "intermediate_size_mlp").
+  std::string_view dense_module = "mlp.";
+  std::string_view dense_width_key = "intermediate_size";
   /// Refusals beyond the facts above (keys the decoder cannot honour), or nullptr.
   void (*check)(detail::HfConfigReader& r, HfMoeConfig const& moe, bool qk_norm,
                 std::string const& source) = nullptr;

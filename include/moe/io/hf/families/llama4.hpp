@@ -4,7 +4,9 @@
 /// Llama 4 ("llama4_text", or "llama4" with the text model's keys in text_config;
 /// Llama4ForCausalLM): sigmoid-scaled expert inputs of the top-1 expert, one shared expert of
 /// the experts' width, fused transposed experts under feed_forward.; MoE layers listed in
-/// moe_layers or every interleave_moe_layer_step. No decoder yet (chunked and NoPE attention).
+/// moe_layers or every interleave_moe_layer_step. Its decoder: interleaved RoPE (complex pairs)
+/// with Llama 3 scaling, NoPE layers with temperature tuning, chunked attention on the RoPE
+/// layers, an unweighted q/k norm there, dense MLPs of intermediate_size_mlp under feed_forward.
 #pragma once
 
 #include "moe/io/hf/families/common.hpp"
@@ -49,7 +51,21 @@ inline constexpr HfFamilySpec kLlama4 = {
               .shared_module = "shared_expert."},
     .storage = HfExpertStorage::kFusedTransposed,
     .keys = kLlama4Keys,
-    .decoder = {.lacks = "its chunked and NoPE attention layers"},
+    .decoder = {.vocab_size = 202048,
+                .heads = 40,
+                .kv_heads = 8,
+                .rope_theta = 500000.0,
+                .rms_norm_eps = 1e-5,
+                .dense_width = 16384,
+                .head_dim = 128,
+                .qk_norm = HfQkNorm::kUnweightedOnRope,
+                .qk_norm_key = "use_qk_norm",
+                .qk_norm_default = true,
+                .bias = HfAttentionBias::kAll,
+                .rope_interleaved = true,
+                .llama4_layers = true,
+                .dense_module = "feed_forward.",
+                .dense_width_key = "intermediate_size_mlp"},
 };
 
 }  // namespace moe::io::families
