@@ -186,14 +186,10 @@ class GatedDeltaNet {
           {"norm.weight", &Parameters::norm},
           {"out_proj.weight", &Parameters::out_proj}};
       ParameterList list;
-      for (auto const& [name, member] : kNamed) {
-        if (!(this->*member).empty()) list.push_back({name, std::span<float>(this->*member)});
-      }
+      for (auto const& [name, member] : kNamed) list.add_if_present(name, this->*member);
       return list;
     }
-    void zero() {
-      for (auto& p : groups()) std::ranges::fill(p.values, 0.0f);
-    }
+    void zero() { groups().zero(); }
   };
   using Gradients = Parameters;
 
@@ -692,9 +688,8 @@ class GatedDeltaNet {
     });
 
     // 6. y = o W_out^T.
-    kernels::RowSource const ao =
-        ws.input.prepare(ConstMatrixView<float>(ws.gated.data(), T, V),
-                         inference && packs_.out.quantized(), pool);
+    kernels::RowSource const ao = ws.input.prepare(ConstMatrixView<float>(ws.gated.data(), T, V),
+                                                   inference && packs_.out.quantized(), pool);
     ws.queue.add(detail::projection_job(ao, T, packs_.out, p_.out_proj.data(), D, V, y.data,
                                         y.row_stride, inference, nullptr, accumulate));
     ws.queue.run<experts::SwiGlu, experts::SwiGlu>(pool);
