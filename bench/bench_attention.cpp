@@ -21,6 +21,19 @@
 //       cache; pool of 2 threads. Counters: tokens/s, cache MB/step = the latent rows a step reads
 //       ((ctx + 1) (R + d_r) 4 or 2 bytes), MB/step = that + the projection weights (fp32), and
 //       GB/s = MB/step over the time.
+//   BM_Kernel_DeltaRule_Chunked / _Recurrent   one head of the gated delta rule, d_k = d_v = 128,
+//       chunks of 64, one thread, T in {128, 512}
+//   BM_Layer_GatedDeltaNet_Prefill / _PrefillRecurrent / _Projections
+//       Qwen3-Next-style linear attention: D 1024, 4 key heads, 8 value heads, d_k = d_v = 128,
+//       kernel 4, projections packed (kF32), one sequence from the zero state (chunked /
+//       recurrent delta rule); _Projections
+//       runs only the layer's matrix products (in_proj_qkvz, in_proj_ba, out_proj, fp32 panels)
+//       on the same rows, so Projections / Prefill is the share of the GEMM-shaped work; pool of
+//       2 threads, T in {128, 512}
+//   BM_Layer_GatedDeltaNet_Train    forward_train (chunked) + backward (recurrent, checkpointed),
+//       FLOP counted as 3 x the forward's
+//   BM_Layer_GatedDeltaNet_Decode   one 1-token step after a prompt of `context` tokens (1024,
+//       16384): the state is the same size whatever the context, so the rows should match
 //
 // FLOP count (multiply-add = 2 FLOP; softmax, exp, norms, RoPE, gates and activations are not
 // counted). A causal sequence of S tokens has V = S (S + 1) / 2 visible (query, key) pairs:
@@ -38,6 +51,9 @@
 //                           more, which is not counted)
 //   MlaAttention decode     MlaAttention::cached_flops + the projections 2 D (H d_q + R + d_r)
 //                           + 2 H d_v D
+//   delta rule       recurrent 4 d_k d_v per token and head (chunked: the same count, although it
+//                    does about twice that); GatedDeltaNet forward 2 T D (2 K + 2 V + 2 H_v) +
+//                    2 T V D projections + the delta rule's count (convolution, norms not counted)
 // The counter FLOP/s is that count over the wall time (kIsIterationInvariantRate).
 
 #include <benchmark/benchmark.h>
@@ -53,9 +69,12 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/experts/expert_types.hpp"
+#include "moe/kernels/delta_rule.hpp"
 #include "moe/kernels/dispatch.hpp"
 #include "moe/kernels/sdpa.hpp"
 #include "moe/layers/gated_attention.hpp"
+#include "moe/layers/gated_deltanet.hpp"
+#include "moe/layers/linear.hpp"
 #include "moe/layers/mla_attention.hpp"
 #include "moe/layers/moe_attention.hpp"
 #include "moe/routing/softmax_top_k.hpp"
@@ -372,6 +391,174 @@ void BM_Layer_MlaAttention_Decode(benchmark::State& state) {
   state.counters["GB/s"] = Counter(bytes * 1e-9, Counter::kIsIterationInvariantRate);
 }
 
+// --- Gated DeltaNet ----------------------------------------------------------------------
+
+struct DeltaHead {
+  Index T, d = 128;
+  std::vector<float> q, k, v, g, beta, o, S, scratch;
+  moe::kernels::DeltaRuleHead p;
+  explicit DeltaHead(Index T_) : T(T_) {
+    q = random_vector(T * d, 1, 1.0f / std::sqrt(static_cast<float>(d)));
+    k = random_vector(T * d, 2, 1.0f / std::sqrt(static_cast<float>(d)));
+    v = random_vector(T * d, 3, 1.0f);
+    g = random_vector(T, 4, 0.1f);
+    for (float& x : g) x = -std::fabs(x);
+    beta = random_vector(T, 5, 0.5f);
+    for (float& x : beta) x += 0.5f;
+    o.resize(v.size());
+    S.assign(static_cast<std::size_t>(d * d), 0.0f);
+    scratch.resize(static_cast<std::size_t>(moe::kernels::delta_rule_chunked_scratch(64, d, d)));
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.g = g.data();
+    p.beta = beta.data();
+    p.o = o.data();
+    p.ldq = p.ldk = p.ldv = p.ldo = d;
+    p.tokens = T;
+    p.dk = p.dv = d;
+  }
+};
+
+void delta_rule_kernel(benchmark::State& state, moe::DeltaRule rule) {
+  DeltaHead h(state.range(0));
+  for (auto _ : state) {
+    std::fill(h.S.begin(), h.S.end(), 0.0f);
+    if (rule == moe::DeltaRule::kChunked) {
+      moe::kernels::delta_rule_chunked(h.p, h.S.data(), h.scratch.data(), 64);
+    } else {
+      moe::kernels::delta_rule_recurrent(h.p, h.S.data(), h.scratch.data());
+    }
+    benchmark::DoNotOptimize(h.o.data());
+  }
+  set_counters(state, h.T, 4.0 * static_cast<double>(h.T * h.d * h.d));
+}
+void BM_Kernel_DeltaRule_Chunked(benchmark::State& state) {
+  delta_rule_kernel(state, moe::DeltaRule::kChunked);
+}
+void BM_Kernel_DeltaRule_Recurrent(benchmark::State& state) {
+  delta_rule_kernel(state, moe::DeltaRule::kRecurrent);
+}
+
+moe::GatedDeltaNet& deltanet_layer() {
+  static moe::GatedDeltaNet layer = [] {
+    moe::GatedDeltaNetConfig c;
+    c.d_model = 1024;
+    c.num_key_heads = 4;
+    c.num_value_heads = 8;
+    c.key_head_dim = 128;
+    c.value_head_dim = 128;
+    moe::GatedDeltaNet l(c);
+    std::uint64_t seed = 30;
+    for (auto& p : l.parameters()) moe::fill_uniform(p.values, -0.03f, 0.03f, seed++);
+    l.pack_weights(moe::experts::WeightFormat::kF32);  // as a decoder keeps it
+    return l;
+  }();
+  return layer;
+}
+
+double deltanet_flops(moe::GatedDeltaNet const& l, Index T) {
+  auto const& c = l.config();
+  double const t = static_cast<double>(T), D = static_cast<double>(c.d_model);
+  return 2.0 * t * D * static_cast<double>(l.proj_cols() + l.value_dim()) +
+         4.0 * t * static_cast<double>(c.num_value_heads * c.key_head_dim * c.value_head_dim);
+}
+
+void deltanet_prefill(benchmark::State& state, moe::DeltaRule rule) {
+  auto& layer = deltanet_layer();
+  Index const T = state.range(0), D = layer.d_model();
+  auto x = random_vector(T * D, 31, 1.0f);
+  std::vector<float> y(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::GatedDeltaNetWorkspace ws;
+  layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, &pool, rule);
+  for (auto _ : state) {
+    layer.forward({x.data(), T, D}, {y.data(), T, D}, ws, &pool, rule);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, T, deltanet_flops(layer, T));
+}
+void BM_Layer_GatedDeltaNet_Prefill(benchmark::State& state) {
+  deltanet_prefill(state, moe::DeltaRule::kChunked);
+}
+void BM_Layer_GatedDeltaNet_PrefillRecurrent(benchmark::State& state) {
+  deltanet_prefill(state, moe::DeltaRule::kRecurrent);
+}
+
+void BM_Layer_GatedDeltaNet_Train(benchmark::State& state) {
+  auto& layer = deltanet_layer();
+  Index const T = state.range(0), D = layer.d_model();
+  auto x = random_vector(T * D, 38, 1.0f);
+  auto dy = random_vector(T * D, 39, 1.0f / static_cast<float>(T * D));
+  std::vector<float> y(x.size()), dx(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::GatedDeltaNetWorkspace ws;
+  auto grads = layer.make_gradients();
+  layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, &pool);  // the workspace grows here
+  layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+  for (auto _ : state) {
+    layer.forward_train({x.data(), T, D}, {y.data(), T, D}, ws, &pool);
+    layer.backward(ws, {dy.data(), T, D}, {dx.data(), T, D}, grads, &pool);
+    benchmark::DoNotOptimize(dx.data());
+  }
+  set_counters(state, T, 3.0 * deltanet_flops(layer, T));
+}
+
+void BM_Layer_GatedDeltaNet_Projections(benchmark::State& state) {
+  auto& layer = deltanet_layer();
+  Index const T = state.range(0), D = layer.d_model(), P = layer.proj_cols(), V = layer.value_dim();
+  // The same shapes as the layer's packs (in_proj_qkvz, in_proj_ba, out_proj; the values do
+  // not matter for the time).
+  Index const qkvz = 2 * layer.key_dim() + 2 * V;
+  auto matrix = [](Index rows, Index cols, std::uint64_t seed) {
+    auto const w = random_vector(rows * cols, seed, 0.03f);
+    return moe::Linear(moe::ConstMatrixView<float>(w.data(), rows, cols),
+                       moe::experts::WeightFormat::kF32);
+  };
+  moe::Linear const w_qkvz = matrix(qkvz, D, 35), w_ba = matrix(P - qkvz, D, 36);
+  moe::Linear const w_out = matrix(D, V, 37);
+  auto x = random_vector(T * D, 32, 1.0f);
+  auto o = random_vector(T * V, 33, 1.0f);
+  std::vector<float> proj(static_cast<std::size_t>(T * P)), y(x.size());
+  moe::ThreadPool pool(kThreads);
+  moe::LinearQueue queue;
+  auto once = [&] {  // in the layer's order: the input projections, then out_proj
+    queue.add(w_qkvz, {x.data(), T, D}, {proj.data(), T, qkvz, P});
+    queue.add(w_ba, {x.data(), T, D}, {proj.data() + qkvz, T, P - qkvz, P});
+    queue.run(&pool);
+    queue.add(w_out, {o.data(), T, V}, {y.data(), T, D});
+    queue.run(&pool);
+  };
+  once();
+  for (auto _ : state) {
+    once();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, T, 2.0 * static_cast<double>(T * D * (P + V)));
+}
+
+void BM_Layer_GatedDeltaNet_Decode(benchmark::State& state) {
+  auto& layer = deltanet_layer();
+  Index const context = state.range(0), D = layer.d_model(), piece = 1024;
+  moe::ThreadPool pool(kThreads);
+  moe::GatedDeltaNetWorkspace ws;
+  auto state_ = layer.make_state();
+  auto x = random_vector(piece * D, 34, 1.0f);
+  std::vector<float> y(x.size());
+  for (Index done = 0; done < context; done += piece) {  // the prompt, 1024 tokens a call
+    Index const n = std::min(piece, context - done);
+    layer.forward({x.data(), n, D}, {y.data(), n, D}, state_, ws, &pool);
+  }
+  for (auto _ : state) {  // steps continuing the sequence (a few more tokens of context)
+    layer.forward({x.data(), 1, D}, {y.data(), 1, D}, state_, ws, &pool);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["state_bytes"] = static_cast<double>(state_.bytes());
+  set_counters(state, 1, deltanet_flops(layer, 1));
+}
+
 // Layers: wall-clock time (UseRealTime; the CPU clock misses the pool's worker). The smoke
 // test's filter "/T:128(/|$)" runs every benchmark at T 128 only.
 BENCHMARK(BM_Kernel_Sdpa_Forward)->ArgsProduct({{128, 512, 2048}})->ArgNames({"T"});
@@ -406,6 +593,22 @@ BENCHMARK(BM_Layer_MlaAttention_Decode)
     ->ArgNames({"ctx", "order", "cache"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+
+BENCHMARK(BM_Kernel_DeltaRule_Chunked)->ArgsProduct({{128, 512}})->ArgNames({"T"});
+BENCHMARK(BM_Kernel_DeltaRule_Recurrent)->ArgsProduct({{128, 512}})->ArgNames({"T"});
+/// The Gated DeltaNet layer rows: T 128 and 512, wall time in milliseconds.
+void deltanet_rows(benchmark::internal::Benchmark* b) {
+  b->ArgsProduct({{128, 512}})->ArgNames({"T"})->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+BENCHMARK(BM_Layer_GatedDeltaNet_Prefill)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_PrefillRecurrent)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_Projections)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_Train)->Apply(deltanet_rows);
+BENCHMARK(BM_Layer_GatedDeltaNet_Decode)
+    ->ArgsProduct({{1024, 16384}})
+    ->ArgNames({"context"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 bool add_context() {
   benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());

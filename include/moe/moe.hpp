@@ -52,6 +52,7 @@
 #include "moe/kernels/top_k.hpp"
 #include "moe/layers/attention_options.hpp"
 #include "moe/layers/gated_attention.hpp"
+#include "moe/layers/gated_deltanet.hpp"
 #include "moe/layers/mla_attention.hpp"
 #include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"

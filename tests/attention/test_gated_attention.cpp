@@ -13,6 +13,7 @@
 #include "attention/gated_reference.hpp"
 #include "moe/core/random.hpp"
 #include "moe/layers/gated_attention.hpp"
+#include "support/finite_difference.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
@@ -109,23 +110,6 @@ aref::Vec* twin_buffer(aref::DoubleGatedAttention& m, std::string_view name) {
   return &m.k_norm;
 }
 
-void require_close(float analytic, double fd, std::string_view what, Index i) {
-  INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
-  REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
-}
-
-double central(aref::DoubleGatedAttention const& m, aref::Vec& v, Index i, aref::Vec const& x,
-               aref::Vec const& dy, Index T) {
-  double const old = v[i];
-  double const h = 1e-6 * std::max(1.0, std::fabs(old));
-  v[i] = old + h;
-  double const lp = m.objective(x, dy, T);
-  v[i] = old - h;
-  double const lm = m.objective(x, dy, T);
-  v[i] = old;
-  return (lp - lm) / (2.0 * h);
-}
-
 struct Run {
   std::vector<float> y, dx;
   moe::GatedAttentionWorkspace ws;
@@ -155,14 +139,7 @@ void check_layer(Layer& layer, Index T, moe::AttentionOptions opt, bool gradient
   if (!gradients) return;
   auto grads = layer.make_gradients();
   layer.backward(r.ws, {dyf.data(), T, D}, {r.dx.data(), T, D}, grads, opt.pool);
-  for (auto const& g : grads.groups()) {
-    aref::Vec* v = twin_buffer(m, g.name);
-    REQUIRE(v->size() == g.values.size());
-    for (Index i = 0; i < static_cast<Index>(g.values.size()); ++i) {
-      require_close(g.values[i], central(m, *v, i, x, dy, T), g.name, i);
-    }
-  }
-  for (Index i = 0; i < T * D; ++i) require_close(r.dx[i], central(m, x, i, x, dy, T), "dx", i);
+  ref::require_gradients(m, grads.groups(), twin_buffer, x, dy, T, r.dx.data());
 }
 
 moe::GatedAttentionConfig small_config(Index heads, Index kv, moe::GateLayout layout) {

@@ -15,6 +15,7 @@
 #include "attention/mla_reference.hpp"
 #include "moe/core/random.hpp"
 #include "moe/layers/mla_attention.hpp"
+#include "support/finite_difference.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
@@ -169,18 +170,9 @@ TEST_CASE("MlaAttention backward matches finite differences of the double twin",
     aref::Vec xd(x.begin(), x.end());
     aref::Vec const dyd(dy.begin(), dy.end());
     auto central = [&](aref::Vec& v, Index i) {
-      double const old = v[i], h = 1e-6 * std::max(1.0, std::fabs(old));
-      v[i] = old + h;
-      double const lp = m.objective(xd, dyd, T);
-      v[i] = old - h;
-      double const lm = m.objective(xd, dyd, T);
-      v[i] = old;
-      return (lp - lm) / (2.0 * h);
+      return ref::central_difference(m, v, i, xd, dyd, T);
     };
-    auto close = [](float analytic, double fd, std::string_view what, Index i) {
-      INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
-      REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
-    };
+    auto const close = ref::require_close;
     for (Index i = 0; i < T * D; ++i) close(dx[i], central(xd, i), "dx", i);
     std::size_t checked = 0;
     for (auto const& g : grads.groups()) {

@@ -15,6 +15,7 @@
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 #include "moe/routing/top_k_softmax.hpp"
+#include "support/finite_difference.hpp"
 
 using moe::ConstMatrixView;
 using moe::Index;
@@ -91,23 +92,6 @@ aref::Vec* twin_buffer(aref::DoubleUmoe& m, std::string_view name) {
   return &m.shared_gate;
 }
 
-void require_close(float analytic, double fd, std::string_view what, Index i) {
-  INFO(what << "[" << i << "]: analytic " << analytic << ", finite difference " << fd);
-  REQUIRE(std::fabs(analytic - fd) <= 2e-4 + 2e-3 * std::fabs(fd));
-}
-
-double central(aref::DoubleUmoe const& m, aref::Vec& v, Index i, aref::Vec const& x,
-               aref::Vec const& dy, Index T) {
-  double const old = v[i];
-  double const h = 1e-6 * std::max(1.0, std::fabs(old));
-  v[i] = old + h;
-  double const lp = m.objective(x, dy, T);
-  v[i] = old - h;
-  double const lm = m.objective(x, dy, T);
-  v[i] = old;
-  return (lp - lm) / (2.0 * h);
-}
-
 template <class Layer, class Bank>
 void check_layer(Layer& layer, Bank const& bank, Index T, moe::AttentionOptions opt,
                  std::function<ref::Routing(ConstMatrixView<double>)> route) {
@@ -126,18 +110,12 @@ void check_layer(Layer& layer, Bank const& bank, Index T, moe::AttentionOptions 
   auto grads = layer.make_gradients();
   Bank bank_grads(bank.num_experts(), bank.d_model(), bank.d_ffn());
   layer.backward(ws, {dyf.data(), T, D}, {dx.data(), T, D}, grads, bank_grads, opt.pool);
-  for (auto const& g : grads.groups()) {
-    aref::Vec* v = twin_buffer(m, g.name);
-    REQUIRE(v->size() == g.values.size());
-    for (Index i = 0; i < static_cast<Index>(g.values.size()); ++i) {
-      require_close(g.values[i], central(m, *v, i, x, dy, T), g.name, i);
-    }
-  }
   auto gb = bank_grads.parameters();
   for (Index i = 0; i < static_cast<Index>(gb.size()); ++i) {
-    require_close(gb[i], central(m, m.experts.params, i, x, dy, T), "experts", i);
+    ref::require_close(gb[i], ref::central_difference(m, m.experts.params, i, x, dy, T), "experts",
+                       i);
   }
-  for (Index i = 0; i < T * D; ++i) require_close(dx[i], central(m, x, i, x, dy, T), "dx", i);
+  ref::require_gradients(m, grads.groups(), twin_buffer, x, dy, T, dx.data());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "moe/experts/expert_types.hpp"
 #include "moe/kernels/activations.hpp"
+#include "support/finite_difference.hpp"
 #include "support/reference.hpp"
 
 namespace ref {
@@ -137,19 +138,5 @@ struct DoubleModel {
     return total;
   }
 };
-
-/// Central difference of m.objective in v[i] (step 1e-6 max(1, |v[i]|)).
-inline double central_difference(DoubleModel& m, std::vector<double>& v, Index i,
-                                 std::vector<double> const& x, std::vector<double> const& dy,
-                                 Index T) {
-  double const old = v[i];
-  double const h = 1e-6 * std::max(1.0, std::fabs(old));
-  v[i] = old + h;
-  double const lp = m.objective(x, dy, T);
-  v[i] = old - h;
-  double const lm = m.objective(x, dy, T);
-  v[i] = old;
-  return (lp - lm) / (2.0 * h);
-}
 
 }  // namespace ref
