@@ -128,7 +128,8 @@ Decoder const& decoder(int w) {
   // One routed-expert layer per ffn_down format the mix asks for, quantized once, then copied.
   std::optional<moe::presets::Qwen3Moe> moe_layers[2];
   for (Index L = 0; L < kLayers; ++L) {
-    Decoder::Block b{moe::GatedAttention<moe::gating::NoGate>(ac), {}, {}, std::nullopt, {}};
+    Decoder::Block b;
+    b.attention = moe::GatedAttention<moe::gating::NoGate>(ac);
     std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
     for (auto const& p : b.attention.parameters()) {
       if (std::string_view(p.name).find("norm") == std::string_view::npos) {
