@@ -336,6 +336,29 @@ TEST_CASE("MlaAttention packed projections give the fp32 forward", "[mla]") {
   for (std::size_t i = 0; i < y0.size(); ++i) REQUIRE(std::fabs(y1[i] - y0[i]) <= tol);
   (void)layer.parameters();
   REQUIRE_FALSE(layer.packed());
+  SECTION("discard_master_weights: the packs alone give the same outputs, cached too") {
+    REQUIRE_THROWS_WITH(layer.discard_master_weights(), Catch::Contains("not packed"));
+    layer.pack_weights(moe::experts::WeightFormat::kBf16);
+    std::size_t const bytes = layer.projection_bytes();
+    moe::KvCache c0 = layer.make_cache(1), c1 = layer.make_cache(1);
+    std::vector<Index> const n = {T};
+    std::vector<float> z0(y0.size()), z1(y0.size());
+    layer.forward(ConstMatrixView<float>(x.data(), T, D), MatrixView<float>(y0.data(), T, D), ws);
+    layer.forward_cached(ConstMatrixView<float>(x.data(), T, D), MatrixView<float>(z0.data(), T, D),
+                         c0, n, ws);
+    layer.discard_master_weights();
+    REQUIRE_FALSE(layer.has_master_weights());
+    REQUIRE(layer.projection_bytes() == bytes);  // the packs and kv_b_proj, as before
+    layer.forward(ConstMatrixView<float>(x.data(), T, D), MatrixView<float>(y1.data(), T, D), ws);
+    layer.forward_cached(ConstMatrixView<float>(x.data(), T, D), MatrixView<float>(z1.data(), T, D),
+                         c1, n, ws);
+    REQUIRE(y1 == y0);
+    REQUIRE(z1 == z0);
+    REQUIRE_THROWS_WITH(layer.forward_train(ConstMatrixView<float>(x.data(), T, D),
+                                            MatrixView<float>(y1.data(), T, D), ws),
+                        Catch::Contains("inference-only"));
+    REQUIRE_THROWS_WITH(layer.parameters(), Catch::Contains("discarded"));
+  }
 }
 
 TEST_CASE("MlaAttention rejects bad configs and shapes", "[mla]") {

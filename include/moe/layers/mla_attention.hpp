@@ -296,6 +296,7 @@ class MlaAttention {
   /// Every trainable parameter as named flat buffers with transformers' names (see the class
   /// comment), in that table's order; absent ones omitted. Drops the packs of pack_weights.
   ParameterList parameters() {
+    check_trainable("parameters()");
     packs_ = {};
     return p_.groups();
   }
@@ -311,6 +312,7 @@ class MlaAttention {
   /// forward_cached(); forward_train, backward and the absorbed order's W_UK / W_UV products
   /// read the fp32 parameters. parameters() drops the packs (they never go stale).
   void pack_weights(experts::WeightFormat format, ThreadPool* pool = nullptr) {
+    check_trainable("pack_weights");
     Index const D = c_.d_model, R = c_.kv_lora_rank;
     auto pack = [&](HugePageVector<float> const& w, Index rows, Index depth) {
       return w.empty() ? Linear()
@@ -325,6 +327,22 @@ class MlaAttention {
   }
   /// Are the projections packed (pack_weights, and no parameters() call since)?
   bool packed() const { return !packs_.o.empty(); }
+  /// For an inference-only layer (a decoder's): frees the fp32 weights of the packed projections
+  /// q_a, q_b (or q), kv_a and o; kv_b_proj stays (the absorbed order reads W_UK and W_UV from it),
+  /// as do the norms and biases. Needs packed(); afterwards forward_train, backward,
+  /// parameters() and pack_weights throw moe::Error.
+  void discard_master_weights() {
+    detail::check(packed(),
+                  "MlaAttention::discard_master_weights: the projections are not packed; call "
+                  "pack_weights first (inference reads the packs)");
+    for (HugePageVector<float>* w :
+         {&p_.q_a_proj, &p_.q_b_proj, &p_.q_proj, &p_.kv_a_proj, &p_.o_proj}) {
+      HugePageVector<float>().swap(*w);
+    }
+    discarded_ = true;
+  }
+  /// Can the layer train (its fp32 weights were not discarded)?
+  bool has_master_weights() const { return !discarded_; }
   /// The format of the packed projections (kF32 when not packed).
   experts::WeightFormat weight_format() const {
     return packed() ? packs_.o.format() : experts::WeightFormat::kF32;
@@ -367,6 +385,7 @@ class MlaAttention {
   void backward(MlaAttentionWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads, ThreadPool* pool = nullptr) const {
     auto const busy = ws.in_use.enter("MlaAttention::backward");
+    check_trainable("backward");
     detail::check(ws.stamp.filled() && ws.stamp.layer == this,
                   "MlaAttention::backward: the workspace holds no training forward of this "
                   "layer; call its forward_train first (and backward once per forward)");
@@ -486,7 +505,7 @@ class MlaAttention {
 
   void check_call(ConstMatrixView<float> x, MatrixView<float> y,
                   AttentionOptions const& opt) const {
-    detail::check(!p_.kv_a_proj.empty(),
+    detail::check(!p_.kv_a_proj.empty() || discarded_,
                   "MlaAttention: the layer was default-constructed; "
                   "construct it from an MlaAttentionConfig first");
     detail::check_attention_call(x, y, c_.d_model, opt, "MlaAttention");
@@ -605,6 +624,7 @@ class MlaAttention {
     auto const busy =
         ws.in_use.enter(train ? "MlaAttention::forward_train" : "MlaAttention::forward");
     check_call(x, y, opt);
+    if (train) check_trainable("forward_train");
     ws.stamp = {};
     if (!train) {
       run_forward(x, y, ws, opt, false);
@@ -946,6 +966,13 @@ class MlaAttention {
   struct Packs {
     Linear q_a, q_b, q, kv_a, kv_b, o;
   } packs_;
+  bool discarded_ = false;  ///< discard_master_weights() was called
+
+  void check_trainable(char const* what) const {
+    detail::check(!discarded_, "MlaAttention::", what,
+                  ": the projections' fp32 weights were discarded (discard_master_weights); this "
+                  "layer is inference-only");
+  }
 };
 
 }  // namespace moe

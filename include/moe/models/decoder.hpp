@@ -846,8 +846,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
     b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
     if (c.mla.enabled) {
-      // The fp32 weights stay (the absorbed order reads kv_b_proj's); the projections are packed
-      // in the attention's format, one for all (resolved for every depth: the gcd of them).
+      // The projections are packed in the attention's format, one for all (resolved for every
+      // depth: the gcd of them); of the fp32 weights only kv_b_proj's stays (the absorbed order
+      // reads it).
       MlaAttention& a = b.mla.emplace(mla_config(c));
       std::vector<std::pair<std::string, std::vector<std::int64_t>>> const shapes = mla_tensors(c);
       Index depth = 0;
@@ -864,6 +865,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       a.pack_weights(ld.format(p + "self_attn (MLA projections)", MatrixClass::kAttnQ, L, depth,
                                stored_format(ckpt, kva, kva_shape)),
                      pool);
+      a.discard_master_weights();  // a decoder never trains: only kv_b_proj's fp32 stays
     } else {
       b.attention = GatedAttention<gating::NoGate>(ac);
       // The projections, each in its format (stored blocks re-packed as they are where that is
