@@ -708,6 +708,48 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "Decoder: Llama 4's multimodal checkpoint (text_config, tensors under language_model.) "
+    "decodes as its text-only one",
+    "[models][decoder][llama4]") {
+  Tiny const t = family_tiny("llama4_text");
+  Tensors const m = make_tensors(t, 970);
+  fs::path const plain = write_model(t, m, "decoder_llama4_plain");
+  // Llama4ForConditionalGeneration: config.json nests the text model's keys, the checkpoint its
+  // tensors (language_model.model.layers..., language_model.lm_head.weight).
+  fs::path const nested = iotest::scratch_dir("decoder_llama4_nested");
+  moe::io::SafetensorsWriter w;
+  for (TensorSpec const& spec : tensor_specs(t)) {
+    w.add_f32("language_model." + spec.name, spec.shape, m.at(spec.name));
+  }
+  w.save(nested / "model.safetensors");
+  iotest::write_text(nested / "config.json",
+                     concat(R"({"architectures": ["Llama4ForConditionalGeneration"], )",
+                            R"("model_type": "llama4", "text_config": )", config_json(t), "}"));
+  auto logits_of = [&](fs::path const& dir) {
+    moe::models::AnyDecoder const any = moe::models::load_hf_decoder(dir);
+    return std::visit(
+        [&](auto const& dec) {
+          std::vector<std::int64_t> const ids = {3, 17, 5, 9, 30};
+          std::vector<Index> const counts = {5};
+          auto st = dec.make_state(1);
+          std::vector<float> out(static_cast<std::size_t>(t.V));
+          dec.forward(ids, counts, st, {out.data(), 1, t.V});
+          return out;
+        },
+        any);
+  };
+  std::vector<float> const a = logits_of(plain), b = logits_of(nested);
+  REQUIRE(a == b);
+  Vec const want = reference_logits(t, m, plain, {3, 17, 5, 9, 30});
+  double scale = 0.0, diff = 0.0;
+  for (Index v = 0; v < t.V; ++v) {
+    scale = std::max(scale, std::fabs(want[v]));
+    diff = std::max(diff, std::fabs(b[v] - want[v]));
+  }
+  REQUIRE(diff <= 1e-4 * scale);
+}
+
+TEST_CASE(
     "Decoder: MiniMax-M2 (partial RoPE, q/k norms over all heads, sigmoid routing with a "
     "selection bias) generates as the reference",
     "[models][decoder]") {

@@ -590,6 +590,15 @@ constexpr bool decodes_as(std::variant<D...>*) {
   return (std::is_same_v<Decoder<Moe>, D> || ...);
 }
 
+/// The prefix of the text model's tensors: "language_model." when the checkpoint nests it
+/// (Llama4ForConditionalGeneration: language_model.model.layers..., language_model.lm_head),
+/// else empty.
+inline std::string checkpoint_root(io::ShardedCheckpoint const& ckpt) {
+  bool const nested = !ckpt.contains("model.embed_tokens.weight") &&
+                      ckpt.contains("language_model.model.embed_tokens.weight");
+  return nested ? "language_model." : "";
+}
+
 /// What load_decoder threads through: the checkpoint, the options, and the fallbacks it records.
 struct Loading {
   io::ShardedCheckpoint const& ckpt;
@@ -598,6 +607,7 @@ struct Loading {
   ThreadPool* pool;
   std::vector<Fallback>& fallbacks;
   std::string why;
+  std::string root = checkpoint_root(ckpt);  ///< the text model's tensor prefix
 
   bool tied() const { return c.tie_word_embeddings; }
   /// The format for a matrix of class `cls` in layer L, of depth `depth`, stored as `stored`
@@ -631,7 +641,7 @@ struct Loading {
 /// LM head packs them: the tensor is read once).
 inline Embedding read_embedding(Loading const& ld, Index V, Index H,
                                 std::vector<float>* values = nullptr) {
-  std::string const name = "model.embed_tokens.weight";
+  std::string const name = ld.root + "model.embed_tokens.weight";
   std::vector<std::int64_t> const shape = {V, H};
   io::TensorView const& t = checked_tensor(ld.ckpt, name, shape, ld.why);
   experts::WeightFormat const f =
@@ -715,11 +725,12 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
                                   std::string const& why) {
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
-  checked_tensor(ckpt, "model.embed_tokens.weight", {V, H}, why);
-  checked_tensor(ckpt, "model.norm.weight", {H}, why);
-  if (!c.tie_word_embeddings) checked_tensor(ckpt, "lm_head.weight", {V, H}, why);
+  std::string const root = checkpoint_root(ckpt);
+  checked_tensor(ckpt, root + "model.embed_tokens.weight", {V, H}, why);
+  checked_tensor(ckpt, root + "model.norm.weight", {H}, why);
+  if (!c.tie_word_embeddings) checked_tensor(ckpt, root + "lm_head.weight", {V, H}, why);
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
-    std::string const p = io::detail::concat("model.layers.", L, ".");
+    std::string const p = io::detail::concat(root, "model.layers.", L, ".");
     auto check = [&](char const* name, std::vector<std::int64_t> const& shape) {
       checked_tensor(ckpt, p + name, shape, why);
     };
@@ -777,9 +788,10 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
               kv = c.num_key_value_heads, dh = c.head_dim;
   std::vector<float> embedding_values;  // the embedding's floats, when converted and tied
   d.embed = read_embedding(ld, V, H, c.tie_word_embeddings ? &embedding_values : nullptr);
-  d.norm = read_tensor(ckpt, "model.norm.weight", {H}, why);
+  std::string const& root = ld.root;
+  d.norm = read_tensor(ckpt, root + "model.norm.weight", {H}, why);
   if (c.tie_word_embeddings) {
-    if (ckpt.find("lm_head.weight") != nullptr) {
+    if (ckpt.find(root + "lm_head.weight") != nullptr) {
       d.warnings.push_back(
           "config.json sets tie_word_embeddings, so the checkpoint's lm_head.weight is not read "
           "(the LM head is model.embed_tokens.weight); set tie_word_embeddings to false if "
@@ -787,7 +799,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     // The LM head multiplies the embedding's values, packed in the LM head's format (its stored
     // blocks re-packed when that is their format).
-    std::string const name = "model.embed_tokens.weight";
+    std::string const name = root + "model.embed_tokens.weight";
     std::vector<std::int64_t> const shape = {V, H};
     experts::WeightFormat const f =
         ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead, c.num_hidden_layers - 1, H,
@@ -806,7 +818,8 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     embedding_values = {};  // V x H floats: freed before the layers load
   } else {
-    d.lm_head = ld.linear("lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
+    d.lm_head =
+        ld.linear(root + "lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
   }
   if (d.embed.in_place()) d.mapped = mapped;
   GatedAttentionConfig ac;
@@ -828,7 +841,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.causal = true;
   std::string_view const dense = c.moe.spec().decoder.dense_module;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
-    std::string const p = io::detail::concat("model.layers.", L, ".");
+    std::string const p = io::detail::concat(root, "model.layers.", L, ".");
     ac.sliding_window = c.window_of(L);
     ac.attention_chunk = c.chunk_of(L);
     ac.rope = c.rope_layer(L);
