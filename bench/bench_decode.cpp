@@ -129,18 +129,18 @@ Decoder const& decoder(int w) {
   std::optional<moe::presets::Qwen3Moe> moe_layers[2];
   for (Index L = 0; L < kLayers; ++L) {
     Decoder::Block b;
-    b.attention = moe::GatedAttention<moe::gating::NoGate>(ac);
+    auto& attention = b.mixer.emplace<moe::GatedAttention<moe::gating::NoGate>>(ac);
     std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
-    for (auto const& p : b.attention.parameters()) {
+    for (auto const& p : attention.parameters()) {
       if (std::string_view(p.name).find("norm") == std::string_view::npos) {
         fill(p.values, 0.02f, seed++);
       }
     }
-    b.attention.pack_weights(
+    attention.pack_weights(
         {format(MatrixClass::kAttnQ, L, kH), format(MatrixClass::kAttnK, L, kH),
          format(MatrixClass::kAttnV, L, kH), format(MatrixClass::kAttnO, L, kHeads * kDh)},
         &pool());
-    b.attention.discard_master_weights();
+    attention.discard_master_weights();
     b.input_norm.assign(static_cast<std::size_t>(kH), 1.0f);
     b.post_norm.assign(static_cast<std::size_t>(kH), 1.0f);
     moe::experts::ExpertFormat const ef{format(MatrixClass::kExpertsIn, L, kH),
@@ -199,7 +199,7 @@ void BM_Decoder_Prefill(benchmark::State& state) {
   auto st = dec.make_state(1, T);
   st.profile = true;
   for (auto _ : state) {
-    for (auto& c : st.caches) c.clear();
+    st.clear();
     dec.forward(ids, n, st, {logits.data(), 1, kVocab}, &pool());
     benchmark::DoNotOptimize(logits.data());
   }

@@ -307,12 +307,15 @@ int generate(moe::models::AnyDecoder const& dec, Args const& a, moe::ThreadPool*
   }
   std::fprintf(stderr,
                "moe_generate: prefill %zu tokens in %.3f s (%.1f tokens/s); decode %lld steps in "
-               "%.3f s (%.1f tokens/s%s); KV cache %zu bytes per token (%d layers)\n",
+               "%.3f s (%.1f tokens/s%s); KV cache %zu bytes per token%s (%d layers)\n",
                a.prompt.size(), r.prefill_seconds,
                static_cast<double>(a.prompt.size()) / r.prefill_seconds,
                static_cast<long long>(r.steps), r.decode_seconds,
                r.steps > 0 ? static_cast<double>(r.steps) / r.decode_seconds : 0.0,
                a.cache ? "" : ", no cache: each step recomputes the prefix", r.kv_bytes_per_token,
+               r.recurrent_bytes == 0
+                   ? ""
+                   : (", recurrent state " + std::to_string(r.recurrent_bytes) + " bytes").c_str(),
                static_cast<int>(std::visit([](auto const& d) { return d.blocks.size(); }, dec)));
   if (!a.logits_out.empty()) {
     moe::io::SafetensorsWriter()
@@ -419,15 +422,22 @@ int main(int argc, char** argv) {
         [&](auto const& d) {
           // The formats of the first layer (a mix varies them per layer).
           std::string attn = "-", experts = "-";
-          if (!d.blocks.empty() && d.blocks.front().mla) {
-            attn = moe::experts::name(d.blocks.front().attention_format());
-          } else if (!d.blocks.empty()) {
-            moe::AttentionFormats const f = d.blocks.front().attention.formats();
-            attn = moe::experts::name(f.q);
-            if (!(f == moe::AttentionFormats(f.q))) {
-              attn = attn + "/" + moe::experts::name(f.k) + "/" + moe::experts::name(f.v) + "/" +
-                     moe::experts::name(f.o);
-            }
+          if (!d.blocks.empty()) {
+            attn = std::visit(
+                [](auto const& m) -> std::string {
+                  if constexpr (requires { m.formats(); }) {  // GQA: q/k/v/o may differ
+                    moe::AttentionFormats const f = m.formats();
+                    std::string out = moe::experts::name(f.q);
+                    if (!(f == moe::AttentionFormats(f.q))) {
+                      out = out + "/" + moe::experts::name(f.k) + "/" + moe::experts::name(f.v) +
+                            "/" + moe::experts::name(f.o);
+                    }
+                    return out;
+                  } else {
+                    return moe::experts::name(m.weight_format());
+                  }
+                },
+                d.blocks.front().mixer);
           }
           for (auto const& b : d.blocks) {
             if (!b.moe) continue;

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/deltanet_reference.hpp"
 #include "attention/mla_reference.hpp"
 #include "hf/hf_moe_reference.hpp"
 #include "io/io_test_support.hpp"
@@ -69,6 +70,7 @@ struct Attention {
   // Llama 4: Llama 3 RoPE scaling, NoPE layers (layer 1) with temperature tuning, chunks of
   // kLlama4Chunk on the RoPE layers, an unweighted q/k norm after RoPE on them.
   bool llama4 = false;
+  bool gate = false;  // Qwen3-Next: a sigmoid output gate per head, packed in q_proj
 };
 
 constexpr Index kLlama4Chunk = 4;    // the 11 tokens of check_generation cross two boundaries
@@ -86,6 +88,15 @@ std::optional<Mla> mla_of(Tiny const& t) {
   if (t.type == "deepseek_v2") return Mla{.v3 = false};
   return std::nullopt;
 }
+
+/// Qwen3-Next's Gated DeltaNet in the tiny model (full_attention_interval 2: layers 0 and 2
+/// linear, 1 and 3 full): 2 key heads of 4, 4 value heads of 6, a convolution of 3 taps.
+struct Gdn {
+  Index Hk = 2, Hv = 4, dk = 4, dv = 6, kernel = 3;
+};
+bool linear_layer(Tiny const& t, Index l) { return t.type == "qwen3_next" && l % 2 == 0; }
+/// Qwen3NextRMSNorm's (1 + w) form (every norm but the Gated DeltaNet's own).
+bool one_plus(Tiny const& t) { return t.type == "qwen3_next"; }
 
 /// Llama 4's tiny model: layer 1 is NoPE (no_rope_layers [1, 0, 1, 1]).
 bool rope_layer(Tiny const& t, Index l) { return t.type != "llama4_text" || l != 1; }
@@ -110,6 +121,7 @@ Attention attention_of(Tiny const& t) {
   if (t.type == "gpt_oss") a.qkv_bias = a.o_bias = a.sinks = a.yarn = true;
   if (t.type == "ernie4_5_moe") a.interleaved = true;
   if (t.type == "llama4_text") a.interleaved = a.llama4 = true;
+  if (t.type == "qwen3_next") a.norm = a.gate = true, a.rd = t.dh / 2;
   return a;
 }
 
@@ -123,6 +135,7 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
   c.num_hidden_layers = t.L;
   if (t.type == "qwen3_moe") c.norm_topk_prob = true, c.mlp_only_layers = {1};
   if (t.type == "qwen2_moe") c.shared_expert_intermediate_size = 12, c.mlp_only_layers = {1};
+  if (t.type == "qwen3_next") c.shared_expert_intermediate_size = 12, c.mlp_only_layers = {2};
   if (t.type == "glm4_moe") {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
@@ -157,7 +170,7 @@ std::string config_json(Tiny const& t) {
               ", \"rope_theta\": ", t.theta, ", \"rms_norm_eps\": ", t.eps,
               ", \"tie_word_embeddings\": ", t.tie ? "true" : "false");
   if (t.type == "qwen3_moe" || t.type == "qwen2_moe" || t.type == "glm4_moe" ||
-      t.type == "ernie4_5_moe" || mla_of(t)) {
+      t.type == "ernie4_5_moe" || t.type == "qwen3_next" || mla_of(t)) {
     j += concat(", \"intermediate_size\": ", t.I_dense);
   }
   if (t.type == "mixtral") {
@@ -192,6 +205,13 @@ std::string config_json(Tiny const& t) {
            "\"beta_fast\": 32, \"beta_slow\": 1, \"mscale\": 1.0, \"mscale_all_dim\": 1.0}";
     }
   }
+  if (t.type == "qwen3_next") {
+    Gdn const g;
+    j += concat(", \"full_attention_interval\": 2, \"partial_rotary_factor\": 0.5",
+                ", \"linear_num_key_heads\": ", g.Hk, ", \"linear_num_value_heads\": ", g.Hv,
+                ", \"linear_key_head_dim\": ", g.dk, ", \"linear_value_head_dim\": ", g.dv,
+                ", \"linear_conv_kernel_dim\": ", g.kernel);
+  }
   if (t.type == "llama4_text") {
     // L0 = 8: inv_freq 1 (wavelength 6.3) is smoothed, the lower ones divided by 4
     j += concat(", \"intermediate_size_mlp\": ", t.I_dense,
@@ -221,13 +241,26 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
   std::int64_t const V = t.V, H = t.H, q = t.heads * t.dh, kvd = t.kv * t.dh;
   Attention const at = attention_of(t);
   float const a = 0.4f;
+  // A norm's weight: around 1, or around 0 in the (1 + w) form.
+  float const n0 = one_plus(t) ? -0.5f : 0.5f, n1 = n0 + 1.0f;
   std::vector<TensorSpec> out = {{"model.embed_tokens.weight", {V, H}, -1.0f, 1.0f},
-                                 {"model.norm.weight", {H}, 0.5f, 1.5f}};
+                                 {"model.norm.weight", {H}, n0, n1}};
   if (!t.tie) out.push_back({"lm_head.weight", {V, H}, -0.5f, 0.5f});
   moe::io::HfMoeConfig const c = moe_config(t);
   for (Index l = 0; l < t.L; ++l) {
     std::string const p = concat("model.layers.", l, ".");
-    if (std::optional<Mla> const ml = mla_of(t)) {  // DeepseekV3Attention's modules
+    if (linear_layer(t, l)) {  // Qwen3NextGatedDeltaNet's
+      Gdn const g;
+      std::string const s = p + "linear_attn.";
+      std::int64_t const K = g.Hk * g.dk, Vd = g.Hv * g.dv;
+      out.push_back({s + "in_proj_qkvz.weight", {2 * K + 2 * Vd, H}, -a, a});
+      out.push_back({s + "in_proj_ba.weight", {2 * g.Hv, H}, -1.0f, 1.0f});
+      out.push_back({s + "conv1d.weight", {2 * K + Vd, 1, g.kernel}, -0.6f, 0.6f});
+      out.push_back({s + "A_log", {g.Hv}, -1.0f, 1.0f});
+      out.push_back({s + "dt_bias", {g.Hv}, -1.0f, 1.0f});
+      out.push_back({s + "norm.weight", {g.dv}, 0.5f, 1.5f});
+      out.push_back({s + "out_proj.weight", {H, Vd}, -a, a});
+    } else if (std::optional<Mla> const ml = mla_of(t)) {  // DeepseekV3Attention's modules
       std::string const s = p + "self_attn.";
       std::int64_t const heads = t.heads, dq = ml->dn + ml->dr;
       if (ml->ql > 0) {
@@ -242,7 +275,7 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
       out.push_back({s + "kv_b_proj.weight", {heads * (ml->dn + ml->dv), ml->R}, -a, a});
       out.push_back({s + "o_proj.weight", {H, heads * ml->dv}, -a, a});
     } else {
-      out.push_back({p + "self_attn.q_proj.weight", {q, H}, -a, a});
+      out.push_back({p + "self_attn.q_proj.weight", {at.gate ? 2 * q : q, H}, -a, a});
       out.push_back({p + "self_attn.k_proj.weight", {kvd, H}, -a, a});
       out.push_back({p + "self_attn.v_proj.weight", {kvd, H}, -a, a});
       out.push_back({p + "self_attn.o_proj.weight", {H, q}, -a, a});
@@ -254,12 +287,12 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
     }
     if (at.o_bias) out.push_back({p + "self_attn.o_proj.bias", {H}, -a, a});
     if (at.sinks) out.push_back({p + "self_attn.sinks", {t.heads}, -1.0f, 1.0f});
-    if (at.norm) {
-      out.push_back({p + "self_attn.q_norm.weight", {at.norm_all ? q : t.dh}, 0.5f, 1.5f});
-      out.push_back({p + "self_attn.k_norm.weight", {at.norm_all ? kvd : t.dh}, 0.5f, 1.5f});
+    if (at.norm && !linear_layer(t, l)) {
+      out.push_back({p + "self_attn.q_norm.weight", {at.norm_all ? q : t.dh}, n0, n1});
+      out.push_back({p + "self_attn.k_norm.weight", {at.norm_all ? kvd : t.dh}, n0, n1});
     }
-    out.push_back({p + "input_layernorm.weight", {H}, 0.5f, 1.5f});
-    out.push_back({p + "post_attention_layernorm.weight", {H}, 0.5f, 1.5f});
+    out.push_back({p + "input_layernorm.weight", {H}, n0, n1});
+    out.push_back({p + "post_attention_layernorm.weight", {H}, n0, n1});
     if (is_dense(t, l)) {
       std::string const mlp = p + dense_module(t);
       out.push_back({mlp + "gate_proj.weight", {t.I_dense, H}, -a, a});
@@ -376,6 +409,43 @@ void add_mla_attention(Tiny const& t, Mla const& ml, Tensors const& m, std::stri
   }
 }
 
+/// h[i] += Qwen3NextGatedDeltaNet(RMSNorm(h[i]) with weight `norm`) over the whole sequence,
+/// from the zero state (the chunked rule), by the double transcription of the attention tests
+/// (tests/attention/deltanet_reference.hpp).
+void add_deltanet(Tiny const& t, Tensors const& m, std::string const& p,
+                  std::vector<float> const& norm, std::vector<Vec>& h) {
+  Index const T = static_cast<Index>(h.size()), H = t.H;
+  Gdn const g;
+  dnref::DeltaNet a;
+  a.D = H;
+  a.Hk = g.Hk;
+  a.Hv = g.Hv;
+  a.dk = g.dk;
+  a.dv = g.dv;
+  a.kernel = g.kernel;
+  a.eps = t.eps;
+  auto get = [&](char const* name) {
+    std::vector<float> const& v = m.at(p + "linear_attn." + name);
+    return dnref::Vec(v.begin(), v.end());
+  };
+  a.in_proj_qkvz = get("in_proj_qkvz.weight");
+  a.in_proj_ba = get("in_proj_ba.weight");
+  a.conv1d = get("conv1d.weight");
+  a.A_log = get("A_log");
+  a.dt_bias = get("dt_bias");
+  a.norm = get("norm.weight");
+  a.out_proj = get("out_proj.weight");
+  dnref::Vec x;
+  for (Index i = 0; i < T; ++i) {
+    Vec const xi = rms(h[i], norm, t.eps);
+    x.insert(x.end(), xi.begin(), xi.end());
+  }
+  dnref::Vec const y = a.forward(x, T);
+  for (Index i = 0; i < T; ++i) {
+    for (Index c = 0; c < H; ++c) h[i][c] += y[i * H + c];
+  }
+}
+
 /// Next-token logits after ids (the last position), by the transformers forward; the MoE
 /// blocks read from the checkpoint written in `dir`.
 Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
@@ -383,6 +453,14 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
   Index const T = static_cast<Index>(ids.size()), H = t.H, dh = t.dh, G = t.heads / t.kv;
   Index const HD = t.heads * dh, KD = t.kv * dh;
   Attention const at = attention_of(t);
+  // A norm's weight as it multiplies: w, or Qwen3NextRMSNorm's 1 + w.
+  auto nw = [&](std::string const& name) {
+    std::vector<float> w = m.at(name);
+    if (one_plus(t)) {
+      for (float& v : w) v = 1.0f + v;
+    }
+    return w;
+  };
   moe::io::HfMoeConfig const mc = moe_config(t);
   hfref::Checkpoint const ck(dir / "model.safetensors");
   std::vector<Vec> h(static_cast<std::size_t>(T));
@@ -433,13 +511,26 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
   };
   for (Index l = 0; l < t.L; ++l) {
     std::string const p = concat("model.layers.", l, ".");
-    if (std::optional<Mla> const ml = mla_of(t)) {
+    if (linear_layer(t, l)) {
+      add_deltanet(t, m, p, nw(p + "input_layernorm.weight"), h);
+    } else if (std::optional<Mla> const ml = mla_of(t)) {
       add_mla_attention(t, *ml, m, p, h);
     } else {
-      std::vector<Vec> q(T), k(T), v(T);
+      std::vector<Vec> q(T), k(T), v(T), gate(T);
       for (Index i = 0; i < T; ++i) {
-        Vec const x = rms(h[i], m.at(p + "input_layernorm.weight"), t.eps);
-        q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, HD, H);
+        Vec const x = rms(h[i], nw(p + "input_layernorm.weight"), t.eps);
+        q[i] = matvec(m.at(p + "self_attn.q_proj.weight"), x, at.gate ? 2 * HD : HD, H);
+        if (at.gate) {  // view(T, heads, 2 dh), chunk: [q_h | gate_h] per head
+          Vec qq(static_cast<std::size_t>(HD)), gg(static_cast<std::size_t>(HD));
+          for (Index hh = 0; hh < t.heads; ++hh) {
+            for (Index d = 0; d < dh; ++d) {
+              qq[hh * dh + d] = q[i][hh * 2 * dh + d];
+              gg[hh * dh + d] = q[i][hh * 2 * dh + dh + d];
+            }
+          }
+          q[i] = qq;
+          gate[i] = gg;
+        }
         k[i] = matvec(m.at(p + "self_attn.k_proj.weight"), x, KD, H);
         v[i] = matvec(m.at(p + "self_attn.v_proj.weight"), x, KD, H);
         add(q[i], p + "self_attn.q_proj.bias");
@@ -460,18 +551,16 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
                 : 1.0;
         for (Index hh = 0; hh < t.heads; ++hh) {
           double* qh = q[i].data() + hh * dh;
-          if (at.norm && !at.norm_all) {
-            rms_inplace(qh, m.at(p + "self_attn.q_norm.weight"), dh, t.eps);
-          }
+          if (at.norm && !at.norm_all)
+            rms_inplace(qh, nw(p + "self_attn.q_norm.weight"), dh, t.eps);
           if (roped) rope(qh, i);
           if (at.llama4 && roped) rms_inplace(qh, ones, dh, t.eps);
           for (Index d = 0; d < dh; ++d) qh[d] *= temp;
         }
         for (Index g = 0; g < t.kv; ++g) {
           double* kg = k[i].data() + g * dh;
-          if (at.norm && !at.norm_all) {
-            rms_inplace(kg, m.at(p + "self_attn.k_norm.weight"), dh, t.eps);
-          }
+          if (at.norm && !at.norm_all)
+            rms_inplace(kg, nw(p + "self_attn.k_norm.weight"), dh, t.eps);
           if (roped) rope(kg, i);
           if (at.llama4 && roped) rms_inplace(kg, ones, dh, t.eps);
         }
@@ -500,6 +589,9 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
             }
           }
         }
+        if (at.gate) {  // attn_output * sigmoid(gate)
+          for (Index c = 0; c < HD; ++c) attn[c] *= 1.0 / (1.0 + std::exp(-gate[i][c]));
+        }
         Vec o = matvec(m.at(p + "self_attn.o_proj.weight"), attn, H, HD);
         add(o, p + "self_attn.o_proj.bias");
         for (Index c = 0; c < H; ++c) h[i][c] += o[c];
@@ -507,7 +599,7 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
     }
     if (is_dense(t, l)) {
       for (Index i = 0; i < T; ++i) {
-        Vec const x = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
+        Vec const x = rms(h[i], nw(p + "post_attention_layernorm.weight"), t.eps);
         std::string const mlp = p + dense_module(t);
         Vec const g = matvec(m.at(mlp + "gate_proj.weight"), x, t.I_dense, H);
         Vec const u = matvec(m.at(mlp + "up_proj.weight"), x, t.I_dense, H);
@@ -520,7 +612,7 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
     }
     std::vector<float> x(static_cast<std::size_t>(T * H));  // the MoE block's input, all tokens
     for (Index i = 0; i < T; ++i) {
-      Vec const xi = rms(h[i], m.at(p + "post_attention_layernorm.weight"), t.eps);
+      Vec const xi = rms(h[i], nw(p + "post_attention_layernorm.weight"), t.eps);
       for (Index c = 0; c < H; ++c) x[i * H + c] = static_cast<float>(xi[c]);
     }
     hfref::Reference const y =
@@ -529,7 +621,7 @@ Vec reference_logits(Tiny const& t, Tensors const& m, fs::path const& dir,
       for (Index c = 0; c < H; ++c) h[i][c] += y.y[i * H + c];
     }
   }
-  Vec const x = rms(h[T - 1], m.at("model.norm.weight"), t.eps);
+  Vec const x = rms(h[T - 1], nw("model.norm.weight"), t.eps);
   return matvec(m.at(t.tie ? "model.embed_tokens.weight" : "lm_head.weight"), x, t.V, H);
 }
 
@@ -557,16 +649,26 @@ void check_generation(Tiny const& t, std::string const& name) {
         Attention const at = attention_of(t);
         for (Index l = 0; l < t.L; ++l) {
           auto const& b = dec.blocks[static_cast<std::size_t>(l)];
-          REQUIRE(b.mla.has_value() == mla_of(t).has_value());
-          if (b.mla) {
-            REQUIRE(b.mla->weight_format() == moe::experts::WeightFormat::kF32);
-            REQUIRE(b.mla->has_q_lora() == (mla_of(t)->ql > 0));
+          REQUIRE((b.mla() != nullptr) == mla_of(t).has_value());
+          if (b.mla()) {
+            REQUIRE(b.mla()->weight_format() == moe::experts::WeightFormat::kF32);
+            REQUIRE(b.mla()->has_q_lora() == (mla_of(t)->ql > 0));
             continue;
           }
-          auto const& ac = b.attention.config();
+          REQUIRE((b.deltanet() != nullptr) == linear_layer(t, l));
+          if (auto const* dn = b.deltanet()) {  // the packs alone, in the stored fp32
+            REQUIRE(dn->weight_format() == moe::experts::WeightFormat::kF32);
+            REQUIRE(dn->master_weights_discarded());
+            REQUIRE(dn->config().conv_kernel == Gdn{}.kernel);
+            continue;
+          }
+          REQUIRE((b.gated_attention() != nullptr) == at.gate);
+          auto const& ac =
+              b.gated_attention() ? b.gated_attention()->config() : b.attention()->config();
           REQUIRE(ac.qkv_bias == at.qkv_bias);
           REQUIRE(ac.o_bias == at.o_bias);
-          REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNorm) == at.norm);
+          REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNorm) == (at.norm && !one_plus(t)));
+          REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNormOnePlus) == (at.norm && one_plus(t)));
           bool const roped = rope_layer(t, l);
           REQUIRE(ac.rope == roped);
           REQUIRE((ac.qk_norm == moe::QkNorm::kRmsNormUnweighted) == (at.llama4 && roped));
@@ -578,7 +680,7 @@ void check_generation(Tiny const& t, std::string const& name) {
           REQUIRE(ac.sinks == at.sinks);
           REQUIRE((ac.yarn.factor == 32.0f) == at.yarn);
           REQUIRE(ac.rope_interleaved == at.interleaved);
-          REQUIRE(b.attention.weight_format() == moe::experts::WeightFormat::kF32);
+          REQUIRE(b.attention_format() == moe::experts::WeightFormat::kF32);
           // I_moe = 8 splits a panel: the GLU's gate and up run from the fp32 weights, kept.
           if (b.moe) REQUIRE(b.moe->experts().has_master_weights());
         }
@@ -608,12 +710,29 @@ void check_generation(Tiny const& t, std::string const& name) {
           dec.forward(one, counts, st, {logits.data(), 1, t.V});
           REQUIRE(st.length(0) == static_cast<Index>(ids.size()));
         }
-        std::optional<Mla> const ml = mla_of(t);  // MLA: the latent [c | k_pe] rows alone
+        // MLA: the latent [c | k_pe] rows alone; Qwen3-Next: the full-attention layers only, and
+        // a recurrent state of a fixed size per linear layer.
+        std::optional<Mla> const ml = mla_of(t);
+        Index linear = 0;
+        for (Index l = 0; l < t.L; ++l) linear += linear_layer(t, l) ? 1 : 0;
         REQUIRE(st.kv_bytes_per_token() ==
-                static_cast<std::size_t>(ml ? t.L * (ml->R + ml->dr) : t.L * 2 * t.kv * t.dh) *
+                static_cast<std::size_t>(ml ? t.L * (ml->R + ml->dr)
+                                            : (t.L - linear) * 2 * t.kv * t.dh) *
                     sizeof(float));
+        Gdn const g;
+        REQUIRE(
+            st.recurrent_bytes() ==
+            static_cast<std::size_t>(
+                linear * ((g.kernel - 1) * (2 * g.Hk * g.dk + g.Hv * g.dv) + g.Hv * g.dk * g.dv)) *
+                sizeof(float));
         for (Index l = 0; l < t.L; ++l) {  // a sliding layer's cache dropped what it cannot see
           moe::KvCache const& c = st.caches[static_cast<std::size_t>(l)];
+          if (linear_layer(t, l)) {
+            REQUIRE(c.sequences() == 0);
+            REQUIRE(st.recurrent[static_cast<std::size_t>(l)].at(0).tokens ==
+                    static_cast<Index>(ids.size()));
+            continue;
+          }
           REQUIRE(c.window() == window_of(t, l));
           REQUIRE((c.first(0) > 0) == (c.window() > 0));
           REQUIRE(c.length(0) == static_cast<Index>(ids.size()));
@@ -632,12 +751,12 @@ Tiny family_tiny(std::string const& type) {
   if (type == "gpt_oss") t.theta = 150000.0, t.eps = 1e-5, t.window = 3;
   if (type == "ernie4_5_moe") t.theta = 500000.0;
   if (type == "minimax_m2") t.theta = 5e6;
-  if (type == "llama4_text") t.L = 4;
+  if (type == "llama4_text" || type == "qwen3_next") t.L = 4;
   return t;
 }
-constexpr char const* kDecoderFamilies[] = {"deepseek_v3",  "deepseek_v2", "qwen3_moe",  "mixtral",
-                                            "qwen2_moe",    "olmoe",       "glm4_moe",   "gpt_oss",
-                                            "ernie4_5_moe", "minimax_m2",  "llama4_text"};
+constexpr char const* kDecoderFamilies[] = {
+    "deepseek_v3", "deepseek_v2", "qwen3_next", "qwen3_moe",    "mixtral",    "qwen2_moe",
+    "olmoe",       "glm4_moe",    "gpt_oss",    "ernie4_5_moe", "minimax_m2", "llama4_text"};
 
 }  // namespace
 
@@ -750,6 +869,14 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "Decoder: Qwen3-Next (Gated DeltaNet layers from layer 0 with a recurrent state, gated full "
+    "attention with (1 + w) q/k norms and partial RoPE, (1 + w) layer norms, a dense layer, a "
+    "gated shared expert) generates as the reference",
+    "[models][decoder][deltanet]") {
+  check_generation(family_tiny("qwen3_next"), "decoder_qwen3_next");
+}
+
+TEST_CASE(
     "Decoder: MiniMax-M2 (partial RoPE, q/k norms over all heads, sigmoid routing with a "
     "selection bias) generates as the reference",
     "[models][decoder]") {
@@ -806,8 +933,8 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
         REQUIRE(dec.lm_head.format() == WeightFormat::kBf16);
         for (Index l = 0; l < t.L; ++l) {
           auto const& b = dec.blocks[static_cast<std::size_t>(l)];
-          REQUIRE(b.attention.formats() == moe::AttentionFormats(WeightFormat::kBf16));
-          REQUIRE(b.attention.master_weights_discarded());
+          REQUIRE(b.attention()->formats() == moe::AttentionFormats(WeightFormat::kBf16));
+          REQUIRE(b.attention()->master_weights_discarded());
           if (!b.moe) {
             REQUIRE(b.mlp.gate.format() == WeightFormat::kBf16);
             REQUIRE(b.mlp.up.format() == WeightFormat::kBf16);
@@ -823,13 +950,13 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
       [&](auto const& dec) {
         REQUIRE(dec.embed.format == WeightFormat::kF32);
         REQUIRE(dec.embed.f32.size() == static_cast<std::size_t>(t.V * t.H));  // converted, held
-        REQUIRE(dec.blocks.front().attention.weight_format() == WeightFormat::kF32);
+        REQUIRE(dec.blocks.front().attention()->weight_format() == WeightFormat::kF32);
       },
       forced32);
   std::visit(
       [&](auto const& dec) {
         REQUIRE(dec.embed.bf16.size() == static_cast<std::size_t>(t.V * t.H));  // rounded, held
-        REQUIRE(dec.blocks.front().attention.weight_format() == WeightFormat::kBf16);
+        REQUIRE(dec.blocks.front().attention()->weight_format() == WeightFormat::kBf16);
       },
       forced16);
   auto logits = [&](moe::models::AnyDecoder const& any, moe::ThreadPool* p) {
@@ -885,7 +1012,7 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
         REQUIRE(dec.embed.format == WeightFormat::kQ8_0);
         REQUIRE(dec.lm_head.format() == WeightFormat::kQ8_0);
         for (auto const& b : dec.blocks) {
-          REQUIRE(b.attention.formats() == moe::AttentionFormats(WeightFormat::kQ8_0));
+          REQUIRE(b.attention()->formats() == moe::AttentionFormats(WeightFormat::kQ8_0));
           if (!b.moe) {
             REQUIRE(b.mlp.gate.format() == WeightFormat::kQ8_0);
             REQUIRE(b.mlp.down.format() == WeightFormat::kBf16);  // depth 20
@@ -922,7 +1049,7 @@ void check_bf16_checkpoint(Tiny t, std::string const& name) {
           auto const& b = dec.blocks[static_cast<std::size_t>(l)];
           bool const more = moe::models::DecoderOptions::more_bits(l, t.L);
           bool const eight = t.E == 8;
-          moe::AttentionFormats const f = b.attention.formats();
+          moe::AttentionFormats const f = b.attention()->formats();
           REQUIRE(f.q == WeightFormat::kQ4_0);
           REQUIRE(f.v == (eight || more ? WeightFormat::kQ8_0 : WeightFormat::kQ4_0));
           if (b.moe) {
@@ -1463,6 +1590,42 @@ TEST_CASE("Decoder: the released models' config.json files parse to their archit
   REQUIRE(gpt_oss.moe.mxfp4);
   REQUIRE(gpt_oss.moe.num_experts == 32);
 
+  // Qwen3-Next-80B-A3B-Instruct's config.json (trimmed of keys the decoder does not read).
+  auto const next = moe::models::parse_decoder_config(
+      R"({"architectures": ["Qwen3NextForCausalLM"], "attention_bias": false,
+          "decoder_sparse_step": 1, "full_attention_interval": 4, "head_dim": 256,
+          "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5120,
+          "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+          "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+          "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+          "moe_intermediate_size": 512, "norm_topk_prob": true, "num_attention_heads": 16,
+          "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+          "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+          "rope_scaling": null, "rope_theta": 10000000, "shared_expert_intermediate_size": 512,
+          "tie_word_embeddings": false, "use_sliding_window": false, "vocab_size": 151936})",
+      "Qwen3-Next-80B-A3B-Instruct/config.json");
+  REQUIRE(next.deltanet.layers.size() == 48);
+  for (Index l = 0; l < 48; ++l) REQUIRE(next.linear_layer(l) == ((l + 1) % 4 != 0));
+  REQUIRE(next.deltanet.num_key_heads == 16);
+  REQUIRE(next.deltanet.num_value_heads == 32);
+  REQUIRE(next.deltanet.key_head_dim == 128);
+  REQUIRE(next.deltanet.value_head_dim == 128);
+  REQUIRE(next.deltanet.conv_kernel == 4);
+  REQUIRE(next.attention_gate);
+  REQUIRE(next.norm_one_plus);
+  REQUIRE(next.qk_norm);
+  REQUIRE(next.rotary_dim == 64);
+  REQUIRE(next.rope_theta == 1e7f);
+  REQUIRE(next.moe.num_experts == 512);
+  REQUIRE(next.moe.is_moe_layer(0));
+  // layer_types given: as written (transformers' remapped names only).
+  auto const typed = moe::models::parse_decoder_config(
+      R"({"model_type": "qwen3_next", "num_hidden_layers": 3,
+          "layer_types": ["full_attention", "linear_attention", "full_attention"]})");
+  REQUIRE_FALSE(typed.linear_layer(0));
+  REQUIRE(typed.linear_layer(1));
+  REQUIRE_FALSE(typed.linear_layer(2));
+
   auto const glm_air = moe::models::parse_decoder_config(
       R"({"architectures": ["Glm4MoeForCausalLM"], "attention_bias": true, "first_k_dense_replace": 1,
           "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
@@ -1542,9 +1705,24 @@ TEST_CASE("Decoder: the released models' config.json files parse to their archit
 
 TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   using Catch::Contains;
+  // Qwen3-Next's hybrid layers: layer_types and the Gated DeltaNet sizes.
   REQUIRE_THROWS_WITH(
-      moe::models::parse_decoder_config(R"({"model_type": "qwen3_next", "num_hidden_layers": 2})"),
-      Contains("no decoder in moe yet") && Contains("Gated DeltaNet"));
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_next", "num_hidden_layers": 2, "layer_types": ["linear_attention"]})"),
+      Contains("layer_types has 1 entries but num_hidden_layers = 2"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_next", "num_hidden_layers": 2,
+              "layer_types": ["linear_attention", "sliding_attention"]})"),
+      Contains("layer_types") && Contains("\"linear_attention\" or \"full_attention\""));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_next", "num_hidden_layers": 2, "linear_num_key_heads": 3})"),
+      Contains("linear_num_value_heads = 32 must be a multiple of linear_num_key_heads = 3"));
+  REQUIRE_THROWS_WITH(
+      moe::models::parse_decoder_config(
+          R"({"model_type": "qwen3_next", "num_hidden_layers": 2, "full_attention_interval": 0})"),
+      Contains("full_attention_interval"));
   REQUIRE_THROWS_WITH(moe::models::parse_decoder_config(R"({"model_type": "mixtral"})"),
                       Contains("num_hidden_layers"));
   REQUIRE_THROWS_WITH(
@@ -2213,7 +2391,7 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
             REQUIRE(d.embed.blocks_view != nullptr);  // read in place from the mapped file
             REQUIRE(d.embed.format == WeightFormat::kQ8_0);
             REQUIRE(d.lm_head.format() == WeightFormat::kQ8_0);
-            REQUIRE(d.blocks[0].attention.formats().v == WeightFormat::kQ8_0);
+            REQUIRE(d.blocks[0].attention()->formats().v == WeightFormat::kQ8_0);
           }
           REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
           for (Index l = 0; l < t.L; ++l) {
@@ -2276,10 +2454,10 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   for (Index l = 0; l < t.L; ++l) {
     INFO("layer " << l);
     auto const& b = d.blocks[static_cast<std::size_t>(l)];
-    moe::AttentionFormats const f = b.attention.formats();
+    moe::AttentionFormats const f = b.attention()->formats();
     REQUIRE((f.q == WeightFormat::kQ4_K && f.k == WeightFormat::kQ8_0 &&
              f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
-    REQUIRE(b.attention.master_weights_discarded());
+    REQUIRE(b.attention()->master_weights_discarded());
     std::string const p = concat("blk.", l, ".");
     if (!b.moe) {
       REQUIRE(b.mlp.gate.format() == WeightFormat::kQ4_K);
@@ -2331,7 +2509,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::models::AnyDecoder const asked = moe::models::load_gguf_decoder(gguf, nullptr, o);
   auto const& da = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(asked);
   REQUIRE(da.blocks[0].moe->experts().packed_format() == WeightFormat::kQ8_0);
-  REQUIRE(da.blocks[0].attention.formats().q == WeightFormat::kQ4_K);
+  REQUIRE(da.blocks[0].attention()->formats().q == WeightFormat::kQ4_K);
 }
 
 TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for tensor",

@@ -612,13 +612,16 @@ class GatedAttention {
     run_backward(ws, dy, dx, grads, pool);
   }
 
+  /// Rows of q_proj: H d_h queries, and the gate's H w rows when the gate is packed into it
+  /// (GateLayout::kPackedPer*), as adopt_packed_weights() takes it.
+  Index q_proj_rows() const { return q_dim() + (separate_gate() ? 0 : gate_cols()); }
+
  private:
   Index group() const { return c_.num_heads / c_.num_kv_heads; }
   Index q_dim() const { return c_.num_heads * c_.head_dim; }
   Index kv_dim() const { return c_.num_kv_heads * c_.head_dim; }
   Index gate_cols() const { return c_.num_heads * gate_width(); }
   bool separate_gate() const { return gated && c_.gate_layout == GateLayout::kSeparate; }
-  Index q_proj_rows() const { return q_dim() + (separate_gate() ? 0 : gate_cols()); }
   /// Columns of the qg buffer: queries and gate logits in the layer's layout.
   Index qg_cols() const { return q_dim() + gate_cols(); }
   bool has_norm() const { return c_.qk_norm != QkNorm::kNone; }

@@ -310,6 +310,21 @@ class GatedDeltaNet {
   }
   /// Were the fp32 projection weights discarded?
   bool master_weights_discarded() const { return discarded_; }
+  /// The format of the packed input projections (the first's; kF32 when not packed).
+  experts::WeightFormat weight_format() const {
+    return packed() ? packs_.in[0].format() : experts::WeightFormat::kF32;
+  }
+  /// Bytes of the projections a call streams: the packs, or the fp32 weights when not packed.
+  std::size_t projection_bytes() const {
+    if (packed()) {
+      std::size_t n = packs_.out.bytes();
+      for (Linear const& l : packs_.in) n += l.bytes();
+      return n;
+    }
+    std::size_t n = p_.out_proj.size();
+    for (Input const& in : inputs()) n += in.w->size();
+    return n * sizeof(float);
+  }
 
   /// A zero state for one sequence (see DeltaNetState).
   DeltaNetState make_state() const {

@@ -2,8 +2,9 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// A whole MoE decoder (token embedding, N blocks, final RMSNorm, LM head) loaded from a Hugging
-/// Face checkpoint directory of a Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, MiniMax-M2,
-/// gpt-oss or ERNIE 4.5 model, with KV-cached decoding.
+/// Face checkpoint directory (or a GGUF file: moe/models/gguf_decoder.hpp) of a family
+/// DecoderConfig lists, with KV-cached decoding (a fixed-size recurrent state for Gated DeltaNet
+/// layers).
 #pragma once
 
 #include <algorithm>
@@ -34,6 +35,7 @@
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/rms_norm.hpp"
 #include "moe/layers/gated_attention.hpp"
+#include "moe/layers/gated_deltanet.hpp"
 #include "moe/layers/kv_cache.hpp"
 #include "moe/layers/linear.hpp"
 #include "moe/layers/mla_attention.hpp"
@@ -46,10 +48,10 @@ namespace moe::models {
 enum class MatrixClass {
   kEmbedding,    ///< model.embed_tokens.weight (rows read, never multiplied)
   kLmHead,       ///< lm_head.weight, or the embedding's values when tied
-  kAttnQ,        ///< q_proj (and a gate projection)
+  kAttnQ,        ///< q_proj (and a gate projection; a Gated DeltaNet's input projections)
   kAttnK,        ///< k_proj
   kAttnV,        ///< v_proj
-  kAttnO,        ///< o_proj
+  kAttnO,        ///< o_proj (a Gated DeltaNet's out_proj)
   kDenseGateUp,  ///< a dense MLP's gate_proj and up_proj
   kDenseDown,    ///< a dense MLP's down_proj
   kExpertsIn,    ///< routed and shared experts' gate and up projections
@@ -266,12 +268,20 @@ struct DenseMlp {
   }
 };
 
-/// Decoding state of a Decoder: a KvCache per layer for `sequences` independent sequences,
-/// and the buffers a step reuses (no allocation once they have their size).
+/// Decoding state of a Decoder for `sequences()` independent sequences: a KvCache per attention
+/// layer, a DeltaNetState per sequence for each Gated DeltaNet layer (a fixed size, whatever
+/// the context), and the buffers a step reuses (no allocation once they have their size).
 struct DecoderState {
-  std::vector<KvCache> caches;  ///< one per layer (a latent cache for an MLA layer)
+  /// One per layer: keys and values, a latent cache for an MLA layer, none (no sequences) for a
+  /// Gated DeltaNet layer.
+  std::vector<KvCache> caches;
+  /// [layer][sequence]: a Gated DeltaNet layer's states (empty for the other layers).
+  std::vector<std::vector<DeltaNetState>> recurrent;
+  Index sequence_count = 0;
   GatedAttentionWorkspace attention;
   MlaAttentionWorkspace mla;
+  GatedDeltaNetWorkspace deltanet;
+  std::vector<DeltaNetState*> recurrent_of;  ///< one layer's states, for its call
   MoeFfnWorkspace ffn;
   std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
@@ -282,13 +292,39 @@ struct DecoderState {
   /// LM head).
   bool profile = false;
   double attention_seconds = 0.0, ffn_seconds = 0.0, other_seconds = 0.0;
-  /// Tokens cached per sequence (every layer's cache has the same lengths).
-  Index length(Index s) const { return caches.empty() ? 0 : caches.front().length(s); }
+  Index sequences() const { return sequence_count; }
+  /// Tokens seen per sequence (every layer has seen the same).
+  Index length(Index s) const {
+    for (KvCache const& c : caches) {
+      if (c.sequences() > 0) return c.length(s);
+    }
+    for (std::vector<DeltaNetState> const& r : recurrent) {
+      if (!r.empty()) return r.at(static_cast<std::size_t>(s)).tokens;
+    }
+    return 0;
+  }
   /// Bytes of keys and values per cached token, summed over the layers.
   std::size_t kv_bytes_per_token() const {
     std::size_t n = 0;
-    for (KvCache const& c : caches) n += c.bytes_per_token();
+    for (KvCache const& c : caches) {
+      if (c.sequences() > 0) n += c.bytes_per_token();  // (none for a Gated DeltaNet layer)
+    }
     return n;
+  }
+  /// Bytes of the Gated DeltaNet layers' states (all sequences), the same at any length.
+  std::size_t recurrent_bytes() const {
+    std::size_t n = 0;
+    for (std::vector<DeltaNetState> const& r : recurrent) {
+      for (DeltaNetState const& st : r) n += st.bytes();
+    }
+    return n;
+  }
+  /// Back to empty sequences (every cache and recurrent state), keeping the memory.
+  void clear() {
+    for (KvCache& c : caches) c.clear();
+    for (std::vector<DeltaNetState>& r : recurrent) {
+      for (DeltaNetState& st : r) st.reset();
+    }
   }
 };
 
@@ -315,17 +351,35 @@ struct DecoderState {
 template <class Moe>
 class Decoder {
  public:
+  /// A block's token mixer: GQA attention; the same with Qwen3-Next's sigmoid output gate;
+  /// multi-head latent attention (DeepSeek-V2 / V3, Kimi K2); or a Gated DeltaNet (Qwen3-Next's
+  /// linear-attention layers).
+  using Mixer = std::variant<GatedAttention<gating::NoGate>,
+                             GatedAttention<gating::ElementwiseGate>, MlaAttention, GatedDeltaNet>;
+
   struct Block {
-    GatedAttention<gating::NoGate> attention;  ///< the attention, unless `mla` is set
-    std::vector<float> input_norm, post_norm;  ///< [H] each
+    Mixer mixer;
+    std::vector<float> input_norm, post_norm;  ///< [H] each (the (1 + w) form already added)
     std::optional<Moe> moe;                    ///< the MoE FFN, or
     DenseMlp mlp;                              ///< the dense one
-    /// Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2) in place of `attention`.
-    std::optional<MlaAttention> mla;
 
-    /// The attention's projection format (its q projection's; MLA: all of them).
+    /// The mixer as each kind, or null when it is another.
+    GatedAttention<gating::NoGate> const* attention() const {
+      return std::get_if<GatedAttention<gating::NoGate>>(&mixer);
+    }
+    GatedAttention<gating::ElementwiseGate> const* gated_attention() const {
+      return std::get_if<GatedAttention<gating::ElementwiseGate>>(&mixer);
+    }
+    MlaAttention const* mla() const { return std::get_if<MlaAttention>(&mixer); }
+    GatedDeltaNet const* deltanet() const { return std::get_if<GatedDeltaNet>(&mixer); }
+
+    /// The mixer's projection format (its first projection's: q_proj, or all of MLA's).
     experts::WeightFormat attention_format() const {
-      return mla ? mla->weight_format() : attention.formats().q;
+      return std::visit([](auto const& m) { return m.weight_format(); }, mixer);
+    }
+    /// Bytes of the mixer's packed projections (what one decode step streams).
+    std::size_t projection_bytes() const {
+      return std::visit([](auto const& m) { return m.projection_bytes(); }, mixer);
     }
   };
 
@@ -360,9 +414,7 @@ class Decoder {
   /// projection, dense MLP and the LM head (the embedding's one row aside).
   std::size_t dense_bytes_per_step() const {
     std::size_t n = lm_head.bytes();
-    for (Block const& b : blocks) {
-      n += (b.mla ? b.mla->projection_bytes() : b.attention.projection_bytes()) + b.mlp.bytes();
-    }
+    for (Block const& b : blocks) n += b.projection_bytes() + b.mlp.bytes();
     return n;
   }
 
@@ -370,18 +422,37 @@ class Decoder {
   /// caches holding keys and values as `kv` says (KvFormat::kBf16: half the bytes a step reads
   /// from a long context; the logits move by the rounding of the cached keys and values). A
   /// sliding-window layer's cache keeps only its window (KvCache's `window`: about 2 W rows
-  /// however long the context; a sequence cannot be truncated back past it).
+  /// however long the context; a sequence cannot be truncated back past it). A Gated DeltaNet
+  /// layer has a DeltaNetState per sequence instead (GatedDeltaNet::state_bytes(), whatever the
+  /// context; it cannot be truncated: DecoderState::clear() starts over).
   DecoderState make_state(Index sequences, Index capacity = 0, KvFormat kv = KvFormat::kF32) const {
+    moe::detail::check(sequences >= 0, "Decoder::make_state: sequences = ", sequences,
+                       " must be >= 0");
     DecoderState st;
+    st.sequence_count = sequences;
+    st.recurrent.resize(blocks.size());
     Index const kvd = config.num_key_value_heads * config.head_dim;
-    for (Block const& b : blocks) {
-      if (b.mla) {  // the latent rows: kv_lora_rank + qk_rope_head_dim values a token
-        st.caches.push_back(b.mla->make_cache(sequences, capacity, kv));
-        continue;
+    for (std::size_t L = 0; L < blocks.size(); ++L) {
+      Block const& b = blocks[L];
+      if (MlaAttention const* m = b.mla()) {  // latent rows: kv_lora_rank + qk_rope_head_dim
+        st.caches.push_back(m->make_cache(sequences, capacity, kv));
+      } else if (GatedDeltaNet const* dn = b.deltanet()) {
+        st.caches.emplace_back();
+        st.recurrent[L].assign(static_cast<std::size_t>(sequences), dn->make_state());
+      } else {
+        // a sliding window or an attention chunk
+        Index const window = std::visit(
+            [](auto const& a) -> Index {
+              if constexpr (requires { a.lookback(); }) {
+                return a.lookback();
+              } else {
+                return 0;
+              }
+            },
+            b.mixer);
+        st.caches.emplace_back(sequences, kvd,
+                               window > 0 ? std::min(capacity, 2 * window) : capacity, kv, window);
       }
-      Index const window = b.attention.lookback();  // a sliding window or an attention chunk
-      st.caches.emplace_back(sequences, kvd, window > 0 ? std::min(capacity, 2 * window) : capacity,
-                             kv, window);
     }
     return st;
   }
@@ -395,8 +466,8 @@ class Decoder {
                DecoderState& st, MatrixView<float> logits, ThreadPool* pool = nullptr) const {
     auto const busy = st.in_use.enter("Decoder::forward");
     Index const H = hidden(), V = vocab(), T = static_cast<Index>(tokens.size());
-    Index const B = st.caches.empty() ? 0 : st.caches.front().sequences();
-    moe::detail::check(static_cast<Index>(st.caches.size()) == static_cast<Index>(blocks.size()),
+    Index const B = st.sequences();
+    moe::detail::check(st.caches.size() == blocks.size() && st.recurrent.size() == blocks.size(),
                        "Decoder::forward: the state has ", st.caches.size(), " caches for ",
                        blocks.size(), " layers; make it with this decoder's make_state()");
     moe::detail::check(static_cast<Index>(new_tokens.size()) == B,
@@ -436,11 +507,19 @@ class Decoder {
       rms_rows(h, b.input_norm, normed, pool);
       lap(nullptr);
       // h += Attn(normed): the residual added in o_proj's epilogue.
-      if (b.mla) {
-        b.mla->forward_cached(normed, h, st.caches[L], new_tokens, st.mla, pool, MlaOrder::kAuto,
-                              true);
+      if (MlaAttention const* m = b.mla()) {
+        m->forward_cached(normed, h, st.caches[L], new_tokens, st.mla, pool, MlaOrder::kAuto, true);
+      } else if (GatedDeltaNet const* dn = b.deltanet()) {
+        std::vector<DeltaNetState>& states = st.recurrent[L];
+        st.recurrent_of.resize(states.size());
+        for (std::size_t s = 0; s < states.size(); ++s) st.recurrent_of[s] = &states[s];
+        dn->forward_cached(normed, h, st.recurrent_of, new_tokens, st.deltanet, pool,
+                           DeltaRule::kAuto, true);
+      } else if (auto const* g = b.gated_attention()) {
+        g->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
       } else {
-        b.attention.forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
+        b.attention()->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool,
+                                      true);
       }
       lap(&attention);
       rms_rows(h, b.post_norm, normed, pool);
@@ -699,6 +778,36 @@ inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> mla_tensor
   return out;
 }
 
+/// The Gated DeltaNet layer of config c (Qwen3-Next's linear attention).
+inline GatedDeltaNetConfig deltanet_config(DecoderConfig const& c) {
+  GatedDeltaNetConfig g;
+  g.d_model = c.moe.hidden_size;
+  g.num_key_heads = c.deltanet.num_key_heads;
+  g.num_value_heads = c.deltanet.num_value_heads;
+  g.key_head_dim = c.deltanet.key_head_dim;
+  g.value_head_dim = c.deltanet.value_head_dim;
+  g.conv_kernel = c.deltanet.conv_kernel;
+  g.norm_eps = c.rms_norm_eps;
+  g.layout = DeltaNetLayout::kQwen3Next;
+  return g;
+}
+
+/// The tensors of a Gated DeltaNet layer under "linear_attn." (Qwen3NextGatedDeltaNet's names,
+/// without the prefix) and their shapes: the GatedDeltaNet parameter of the same name.
+inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> deltanet_tensors(
+    DecoderConfig const& c) {
+  DecoderDeltaNet const& d = c.deltanet;
+  Index const H = c.moe.hidden_size, K = d.num_key_heads * d.key_head_dim,
+              V = d.num_value_heads * d.value_head_dim;
+  return {{"in_proj_qkvz.weight", {2 * K + 2 * V, H}},
+          {"in_proj_ba.weight", {2 * d.num_value_heads, H}},
+          {"conv1d.weight", {2 * K + V, 1, d.conv_kernel}},
+          {"A_log", {d.num_value_heads}},
+          {"dt_bias", {d.num_value_heads}},
+          {"norm.weight", {d.value_head_dim}},
+          {"out_proj.weight", {H, V}}};
+}
+
 /// The MLA layer of config c (its sizes, RoPE, YaRN and softmax correction).
 inline MlaAttentionConfig mla_config(DecoderConfig const& c) {
   MlaAttentionConfig a;
@@ -734,15 +843,19 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
     auto check = [&](char const* name, std::vector<std::int64_t> const& shape) {
       checked_tensor(ckpt, p + name, shape, why);
     };
-    if (c.mla.enabled) {
+    if (c.linear_layer(L)) {
+      for (auto const& [name, shape] : deltanet_tensors(c)) {
+        check(("linear_attn." + name).c_str(), shape);
+      }
+    } else if (c.mla.enabled) {
       for (auto const& [name, shape] : mla_tensors(c)) check(("self_attn." + name).c_str(), shape);
     } else {
-      check("self_attn.q_proj.weight", {nh * dh, H});
+      check("self_attn.q_proj.weight", {(c.attention_gate ? 2 : 1) * nh * dh, H});
       check("self_attn.k_proj.weight", {kv * dh, H});
       check("self_attn.v_proj.weight", {kv * dh, H});
       check("self_attn.o_proj.weight", {H, nh * dh});
     }
-    if (c.qk_norm) {
+    if (c.qk_norm && !c.linear_layer(L)) {
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
       check("self_attn.q_norm.weight", {all ? nh * dh : dh});
       check("self_attn.k_norm.weight", {all ? kv * dh : dh});
@@ -789,7 +902,15 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   std::vector<float> embedding_values;  // the embedding's floats, when converted and tied
   d.embed = read_embedding(ld, V, H, c.tie_word_embeddings ? &embedding_values : nullptr);
   std::string const& root = ld.root;
-  d.norm = read_tensor(ckpt, root + "model.norm.weight", {H}, why);
+  // Qwen3NextRMSNorm: x r (1 + w), the weight's 1 + w formed in fp32 as transformers does.
+  auto norm_weight = [&](std::string const& name) {
+    std::vector<float> w = read_tensor(ckpt, name, {H}, why);
+    if (c.norm_one_plus) {
+      for (float& v : w) v = 1.0f + v;
+    }
+    return w;
+  };
+  d.norm = norm_weight(root + "model.norm.weight");
   if (c.tie_word_embeddings) {
     if (ckpt.find(root + "lm_head.weight") != nullptr) {
       d.warnings.push_back(
@@ -827,7 +948,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.num_heads = nh;
   ac.num_kv_heads = kv;
   ac.head_dim = dh;
-  ac.qk_norm = c.qk_norm ? QkNorm::kRmsNorm : QkNorm::kNone;
+  ac.qk_norm = !c.qk_norm        ? QkNorm::kNone
+               : c.norm_one_plus ? QkNorm::kRmsNormOnePlus
+                                 : QkNorm::kRmsNorm;
   ac.qk_norm_scope = c.qk_norm_scope;
   ac.qkv_bias = c.qkv_bias;
   ac.o_bias = c.o_bias;
@@ -856,13 +979,35 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       std::vector<float> const v = read_tensor(ckpt, p + name, shape, why, &c.moe);
       std::copy(v.begin(), v.end(), dst.begin());
     };
-    b.input_norm = read_tensor(ckpt, p + "input_layernorm.weight", {H}, why);
-    b.post_norm = read_tensor(ckpt, p + "post_attention_layernorm.weight", {H}, why);
-    if (c.mla.enabled) {
+    b.input_norm = norm_weight(p + "input_layernorm.weight");
+    b.post_norm = norm_weight(p + "post_attention_layernorm.weight");
+    // The mixer's projections are packed in their formats (stored blocks re-packed as they are
+    // where that is their format); the layer keeps only these packs (a decoder never trains).
+    if (c.linear_layer(L)) {
+      GatedDeltaNet& a = b.mixer.template emplace<GatedDeltaNet>(deltanet_config(c));
+      std::string const s = p + "linear_attn.";
+      for (ParameterRef const& g : a.parameters()) {  // conv1d, A_log, dt_bias, norm
+        if (g.name.find("proj") != std::string::npos) continue;
+        auto const shapes = deltanet_tensors(c);
+        auto const it = std::find_if(shapes.begin(), shapes.end(),
+                                     [&](auto const& t) { return t.first == g.name; });
+        moe::detail::check(it != shapes.end(), "models: Gated DeltaNet parameter ", g.name,
+                           " has no tensor name");  // (a bug, not a file problem)
+        load_into(g.values, "linear_attn." + it->first, it->second);
+      }
+      DecoderDeltaNet const& dn = c.deltanet;
+      Index const K = dn.num_key_heads * dn.key_head_dim,
+                  Vd = dn.num_value_heads * dn.value_head_dim;
+      std::vector<Linear> in;
+      in.push_back(ld.linear(s + "in_proj_qkvz.weight", 2 * K + 2 * Vd, H, MatrixClass::kAttnQ, L));
+      in.push_back(
+          ld.linear(s + "in_proj_ba.weight", 2 * dn.num_value_heads, H, MatrixClass::kAttnQ, L));
+      a.adopt_packed_weights(in, ld.linear(s + "out_proj.weight", H, Vd, MatrixClass::kAttnO, L));
+    } else if (c.mla.enabled) {
       // The projections are packed in the attention's format, one for all (resolved for every
       // depth: the gcd of them); of the fp32 weights only kv_b_proj's stays (the absorbed order
       // reads it).
-      MlaAttention& a = b.mla.emplace(mla_config(c));
+      MlaAttention& a = b.mixer.template emplace<MlaAttention>(mla_config(c));
       std::vector<std::pair<std::string, std::vector<std::int64_t>>> const shapes = mla_tensors(c);
       Index depth = 0;
       for (ParameterRef const& g : a.parameters()) {
@@ -880,26 +1025,34 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
                      pool);
       a.discard_master_weights();  // a decoder never trains: only kv_b_proj's fp32 stays
     } else {
-      b.attention = GatedAttention<gating::NoGate>(ac);
-      // The projections, each in its format (stored blocks re-packed as they are where that is
-      // their format); the layer keeps only these packs (a decoder never trains).
-      b.attention.adopt_packed_weights(
-          ld.linear(p + "self_attn.q_proj.weight", nh * dh, H, MatrixClass::kAttnQ, L),
-          ld.linear(p + "self_attn.k_proj.weight", kv * dh, H, MatrixClass::kAttnK, L),
-          ld.linear(p + "self_attn.v_proj.weight", kv * dh, H, MatrixClass::kAttnV, L),
-          ld.linear(p + "self_attn.o_proj.weight", H, nh * dh, MatrixClass::kAttnO, L));
-      if (c.qk_norm) {
-        bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
-        load_into(b.attention.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
-        load_into(b.attention.k_norm(), "self_attn.k_norm.weight", {all ? kv * dh : dh});
+      // GQA attention; Qwen3-Next's with its sigmoid output gate packed per head in q_proj
+      // ([q_h | gate_h] for each head h: twice the rows).
+      auto load_attention = [&]<class Gate>(GatedAttention<Gate>& a) {
+        a.adopt_packed_weights(
+            ld.linear(p + "self_attn.q_proj.weight", a.q_proj_rows(), H, MatrixClass::kAttnQ, L),
+            ld.linear(p + "self_attn.k_proj.weight", kv * dh, H, MatrixClass::kAttnK, L),
+            ld.linear(p + "self_attn.v_proj.weight", kv * dh, H, MatrixClass::kAttnV, L),
+            ld.linear(p + "self_attn.o_proj.weight", H, nh * dh, MatrixClass::kAttnO, L));
+        if (c.qk_norm) {
+          bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
+          load_into(a.q_norm(), "self_attn.q_norm.weight", {all ? nh * dh : dh});
+          load_into(a.k_norm(), "self_attn.k_norm.weight", {all ? kv * dh : dh});
+        }
+        if (c.qkv_bias) {
+          load_into(a.q_bias(), "self_attn.q_proj.bias", {nh * dh});
+          load_into(a.k_bias(), "self_attn.k_proj.bias", {kv * dh});
+          load_into(a.v_bias(), "self_attn.v_proj.bias", {kv * dh});
+        }
+        if (c.o_bias) load_into(a.o_bias(), "self_attn.o_proj.bias", {H});
+        if (c.sinks) load_into(a.sinks(), "self_attn.sinks", {nh});
+      };
+      if (c.attention_gate) {
+        GatedAttentionConfig gc = ac;
+        gc.gate_layout = GateLayout::kPackedPerHead;
+        load_attention(b.mixer.template emplace<GatedAttention<gating::ElementwiseGate>>(gc));
+      } else {
+        load_attention(b.mixer.template emplace<GatedAttention<gating::NoGate>>(ac));
       }
-      if (c.qkv_bias) {
-        load_into(b.attention.q_bias(), "self_attn.q_proj.bias", {nh * dh});
-        load_into(b.attention.k_bias(), "self_attn.k_proj.bias", {kv * dh});
-        load_into(b.attention.v_bias(), "self_attn.v_proj.bias", {kv * dh});
-      }
-      if (c.o_bias) load_into(b.attention.o_bias(), "self_attn.o_proj.bias", {H});
-      if (c.sinks) load_into(b.attention.sinks(), "self_attn.sinks", {nh});
     }
     if (c.moe.is_moe_layer(L)) {
       // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks

@@ -34,8 +34,17 @@ struct DecoderMla {
   float softmax_mscale_all_dim = 0.0f;
 };
 
+/// Gated DeltaNet's sizes (Qwen3-Next's linear-attention layers; GatedDeltaNetConfig's fields of
+/// the same names), `layers` marking the layers that have one.
+struct DecoderDeltaNet {
+  /// [num_hidden_layers] 1 where layer_types says "linear_attention"; empty: none.
+  std::vector<std::uint8_t> layers;
+  Index num_key_heads = 0, num_value_heads = 0, key_head_dim = 0, value_head_dim = 0;
+  Index conv_kernel = 0;
+};
+
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
-/// defaults of the family's config class for absent keys. Nine families decode:
+/// defaults of the family's config class for absent keys. Every family decodes:
 ///
 /// | family     | attention (beyond GQA, causal, rotate-half RoPE)      | dense MLP layers        |
 /// |------------|-------------------------------------------------------|-------------------------|
@@ -59,6 +68,12 @@ struct DecoderMla {
 /// |            | (attention_chunk_size 8192) on the layer_types        | intermediate_size_mlp |
 /// |            | "chunked_attention" (default: the RoPE layers); an    |                     |
 /// |            | unweighted q/k norm on them (use_qk_norm, true)       |                     |
+/// | qwen3_next | layer_types (linear_attention / full_attention;       | mlp_only_layers, step |
+/// |            | default every full_attention_interval-th (4) full):  | (intermediate_size)   |
+/// |            | Gated DeltaNet on the linear layers (linear_* keys);  |                     |
+/// |            | on the full ones a sigmoid output gate packed per     |                     |
+/// |            | head in q_proj, (1 + w) per-head q/k norms, partial   |                     |
+/// |            | RoPE (partial_rotary_factor 0.25); (1 + w) layer norms|                     |
 ///
 /// Keys, with their defaults in the order qwen3_moe / mixtral / qwen2_moe / olmoe / glm4_moe /
 /// minimax_m2 / gpt_oss / ernie4_5_moe (llama4_text: Llama4TextConfig's, Llama-4-Scout's):
@@ -117,6 +132,12 @@ struct DecoderConfig {
   std::vector<Index> layer_chunks;
   /// An unweighted q/k RMSNorm per head on the RoPE layers (Llama 4 use_qk_norm).
   bool qk_norm_unweighted = false;
+  /// Qwen3-Next: Gated DeltaNet layers (`deltanet.layers`), a sigmoid output gate packed per head
+  /// in q_proj on the full-attention layers, and RMSNorms (layer, final, q/k) of the (1 + w)
+  /// form (Qwen3NextRMSNorm).
+  DecoderDeltaNet deltanet;
+  bool attention_gate = false;
+  bool norm_one_plus = false;
   /// Temperature tuning of the NoPE layers' queries (Llama 4 attn_temperature_tuning): floor_scale
   /// (0: off) and attn_scale.
   Index temperature_floor = 0;
@@ -130,6 +151,11 @@ struct DecoderConfig {
   bool rope_layer(Index L) const {
     return static_cast<std::size_t>(L) >= nope_layers.size() ||
            nope_layers[static_cast<std::size_t>(L)] == 0;
+  }
+  /// Is layer L a Gated DeltaNet (linear-attention) layer?
+  bool linear_layer(Index L) const {
+    return static_cast<std::size_t>(L) < deltanet.layers.size() &&
+           deltanet.layers[static_cast<std::size_t>(L)] != 0;
   }
   /// Layer L's sliding window and attention chunk (0: none).
   Index window_of(Index L) const {
@@ -216,6 +242,52 @@ inline void read_llama4_layers(io::detail::HfConfigReader& r, DecoderConfig& c) 
     }
     c.temperature_scale = static_cast<float>(a);
   }
+}
+
+/// Qwen3-Next's hybrid layers (HfDecoderFacts::gated_deltanet) into c: layer_types (default:
+/// every full_attention_interval-th layer full, as Qwen3NextConfig.__post_init__ fills it) and
+/// the Gated DeltaNet sizes.
+inline void read_deltanet_layers(io::detail::HfConfigReader& r, DecoderConfig& c) {
+  using io::detail::JsonKind;
+  std::size_t const L = static_cast<std::size_t>(c.num_hidden_layers);
+  DecoderDeltaNet& d = c.deltanet;
+  d.layers.assign(L, 0);
+  if (io::detail::JsonValue const* lt = r.find("layer_types");
+      lt != nullptr && !r.is_null("layer_types")) {
+    if (lt->kind != JsonKind::kArray)
+      r.bad("layer_types", *lt, "an array with one entry per layer");
+    if (lt->items.size() != L) {
+      moe::detail::fail("models: ", r.source(), ": layer_types has ", lt->items.size(),
+                        " entries but num_hidden_layers = ", L, "; give one per layer");
+    }
+    for (std::size_t i = 0; i < L; ++i) {
+      // transformers' remap_legacy_layer_types also reads "mamba" and "attention" as these two
+      io::detail::JsonValue const& item = lt->items[i];
+      bool const linear = item.text == "linear_attention" || item.text == "mamba";
+      if (item.kind != JsonKind::kString ||
+          !(linear || item.text == "full_attention" || item.text == "attention")) {
+        r.bad("layer_types", item, "\"linear_attention\" or \"full_attention\" per layer");
+      }
+      d.layers[i] = linear ? 1 : 0;
+    }
+  } else {
+    Index const interval = r.integer({"full_attention_interval"}, 4, 1);
+    for (std::size_t i = 0; i < L; ++i) {
+      d.layers[i] = (static_cast<Index>(i) + 1) % interval != 0 ? 1 : 0;
+    }
+  }
+  d.num_key_heads = r.integer({"linear_num_key_heads"}, 16, 1);
+  d.num_value_heads = r.integer({"linear_num_value_heads"}, 32, 1);
+  d.key_head_dim = r.integer({"linear_key_head_dim"}, 128, 1);
+  d.value_head_dim = r.integer({"linear_value_head_dim"}, 128, 1);
+  d.conv_kernel = r.integer({"linear_conv_kernel_dim"}, 4, 1);
+  if (d.num_value_heads % d.num_key_heads != 0) {
+    moe::detail::fail("models: ", r.source(), ": linear_num_value_heads = ", d.num_value_heads,
+                      " must be a multiple of linear_num_key_heads = ", d.num_key_heads,
+                      " (each key head serves as many value heads); fix config.json");
+  }
+  c.attention_gate = true;
+  c.norm_one_plus = true;
 }
 
 }  // namespace detail
@@ -390,6 +462,7 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
             c.moe.model_type());
   }
   if (def.llama4_layers) detail::read_llama4_layers(r, c);
+  if (def.gated_deltanet) detail::read_deltanet_layers(r, c);
   if (def.mla) {
     DecoderMla& m = c.mla;
     m.enabled = true;

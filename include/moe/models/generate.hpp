@@ -121,6 +121,8 @@ struct GenerateResult {
   double decode_seconds = 0.0;    ///< every later step
   Index steps = 0;                ///< forwards after the prefill (ids.size() - 1, or 0)
   std::size_t kv_bytes_per_token = 0;
+  /// Bytes of the Gated DeltaNet layers' recurrent states (the same at any length; 0: none).
+  std::size_t recurrent_bytes = 0;
 };
 
 /// Generates up to opt.max_new_tokens tokens after `prompt` (at least one id; no BOS is added:
@@ -166,6 +168,7 @@ GenerateResult generate(Decoder<Moe> const& dec, std::span<std::int64_t const> p
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   r.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   r.kv_bytes_per_token = st.kv_bytes_per_token();
+  r.recurrent_bytes = st.recurrent_bytes();
   return r;
 }
 

@@ -73,7 +73,8 @@ struct HfAttentionConfig {
       if (layer_types[i] == "full_attention") full += concat(full.empty() ? "" : ", ", i);
     }
     return concat("layer ", layer, " is a ", kind,
-                  " (Gated DeltaNet) layer, which moe does not implement; its full_attention "
+                  " (Gated DeltaNet) layer, which this loader does not read (moe::GatedDeltaNet "
+                  "is that layer; load_hf_decoder runs the whole model); its full_attention "
                   "layers are ",
                   full.empty() ? std::string("none") : full + ", ...");
   }

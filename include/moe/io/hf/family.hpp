@@ -189,6 +189,12 @@ struct HfDecoderFacts {
         v_head_dim = 0;  ///< their defaults (q_lora_rank 0: null)
   /// The dense MLP layers' module and width key ("mlp." and "intermediate_size"; Llama 4:
   /// "feed_forward." and "intermediate_size_mlp").
+  /// Qwen3-Next's hybrid layers: layer_types ("linear_attention" or "full_attention" per layer;
+  /// default: every full_attention_interval-th layer (4) full), Gated DeltaNet on the linear ones
+  /// (linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128,
+  /// linear_value_head_dim 128, linear_conv_kernel_dim 4), on the full ones a sigmoid output
+  /// gate packed per head in q_proj, and every RMSNorm (layer, final, q/k) in the (1 + w) form.
+  bool gated_deltanet = false;
   std::string_view dense_module = "mlp.";
   std::string_view dense_width_key = "intermediate_size";
   /// Refusals beyond the facts above (keys the decoder cannot honour), or nullptr.

@@ -2,8 +2,10 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// Qwen3-Next ("qwen3_next", Qwen3NextForCausalLM): the Qwen2-MoE block (softmax top-k, a
-/// sigmoid-gated shared expert). No decoder yet (Gated DeltaNet layers); its full-attention
-/// layers load through moe/io/hf/attention.hpp.
+/// sigmoid-gated shared expert). Its decoder: Gated DeltaNet (linear attention) layers and, every
+/// full_attention_interval-th layer, gated full attention (a sigmoid output gate packed per head
+/// in q_proj, (1 + w) q/k norms, partial RoPE); (1 + w) layer and final norms. Its full-attention
+/// layers also load alone through moe/io/hf/attention.hpp.
 #pragma once
 
 #include "moe/io/hf/families/common.hpp"
@@ -37,7 +39,17 @@ inline constexpr HfFamilySpec kQwen3Next = {
     .names = {.shared_module = "shared_expert."},
     .keys = kQwenKeys,
     .more_keys = kQwen3NextKeys,
-    .decoder = {.lacks = "its Gated DeltaNet (linear attention) layers"},
+    .decoder = {.vocab_size = 151936,
+                .heads = 16,
+                .kv_heads = 2,
+                .rope_theta = 10000.0,
+                .rms_norm_eps = 1e-6,
+                .dense_width = 5632,
+                .head_dim = 256,
+                .qk_norm = HfQkNorm::kPerHead,
+                .rotary = HfRotary::kFactor,
+                .rotary_factor = 0.25,
+                .gated_deltanet = true},
 };
 
 }  // namespace moe::io::families
