@@ -239,6 +239,7 @@ int run(int argc, char** argv) {
       break;
     case moe::io::HfFamily::kQwen2Moe:
     case moe::io::HfFamily::kQwen3Next:
+    case moe::io::HfFamily::kQwen35Moe:
       write<Qwen2Moe>(dir, c, options);
       break;
     case moe::io::HfFamily::kQwen3Moe:

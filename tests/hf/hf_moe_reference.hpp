@@ -225,7 +225,8 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
   }
   if (c.family == HfFamily::kLlama4) return llama4_forward(c, ck, p, xf);
   bool const mixtral_names = c.family == HfFamily::kMinimaxM2 || c.family == HfFamily::kMixtral;
-  bool const qwen2_shared = c.family == HfFamily::kQwen3Next || c.family == HfFamily::kQwen2Moe;
+  bool const qwen2_shared = c.family == HfFamily::kQwen3Next || c.family == HfFamily::kQwen2Moe ||
+                            c.family == HfFamily::kQwen35Moe;
   std::vector<double> const wr = ck.get(p + "gate.weight", {E, H});
   std::vector<double> bias;
   if (c.family == HfFamily::kGlm4Moe || c.family == HfFamily::kDeepseekV3) {
@@ -262,12 +263,14 @@ inline Reference hf_forward(HfMoeConfig const& c, Checkpoint const& ck, std::str
       case HfFamily::kQwen3Moe:     // Qwen3MoeSparseMoeBlock: softmax, top-k, norm_topk_prob
       case HfFamily::kOlmoe:        // OlmoeSparseMoeBlock: the same
       case HfFamily::kQwen2Moe:     // Qwen2MoeSparseMoeBlock: the same, plus the shared expert
-      case HfFamily::kQwen3Next: {  // Qwen3NextTopKRouter
+      case HfFamily::kQwen3Next:    // Qwen3NextTopKRouter
+      case HfFamily::kQwen35Moe: {  // Qwen3VLMoeTextTopKRouter: always renormalised
         std::vector<double> const prob = softmax(logits);
         idx = topk(prob, k);
         for (int e : idx) w.push_back(prob[e]);
         double const sum = std::accumulate(w.begin(), w.end(), 0.0);
-        if (c.norm_topk_prob || c.family == HfFamily::kMixtral) {
+        if (c.norm_topk_prob || c.family == HfFamily::kMixtral ||
+            c.family == HfFamily::kQwen35Moe) {
           for (double& v : w) v /= sum;
         }
         break;

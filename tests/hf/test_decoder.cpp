@@ -94,9 +94,12 @@ std::optional<Mla> mla_of(Tiny const& t) {
 struct Gdn {
   Index Hk = 2, Hv = 4, dk = 4, dv = 6, kernel = 3;
 };
-bool linear_layer(Tiny const& t, Index l) { return t.type == "qwen3_next" && l % 2 == 0; }
+/// Qwen3-Next and Qwen3.5-MoE (whose Gated DeltaNet splits its input projections).
+bool hybrid(Tiny const& t) { return t.type == "qwen3_next" || t.type == "qwen3_5_moe_text"; }
+bool split_projections(Tiny const& t) { return t.type == "qwen3_5_moe_text"; }
+bool linear_layer(Tiny const& t, Index l) { return hybrid(t) && l % 2 == 0; }
 /// Qwen3NextRMSNorm's (1 + w) form (every norm but the Gated DeltaNet's own).
-bool one_plus(Tiny const& t) { return t.type == "qwen3_next"; }
+bool one_plus(Tiny const& t) { return hybrid(t); }
 
 /// Llama 4's tiny model: layer 1 is NoPE (no_rope_layers [1, 0, 1, 1]).
 bool rope_layer(Tiny const& t, Index l) { return t.type != "llama4_text" || l != 1; }
@@ -121,7 +124,7 @@ Attention attention_of(Tiny const& t) {
   if (t.type == "gpt_oss") a.qkv_bias = a.o_bias = a.sinks = a.yarn = true;
   if (t.type == "ernie4_5_moe") a.interleaved = true;
   if (t.type == "llama4_text") a.interleaved = a.llama4 = true;
-  if (t.type == "qwen3_next") a.norm = a.gate = true, a.rd = t.dh / 2;
+  if (hybrid(t)) a.norm = a.gate = true, a.rd = t.dh / 2;
   return a;
 }
 
@@ -136,6 +139,7 @@ moe::io::HfMoeConfig moe_config(Tiny const& t) {
   if (t.type == "qwen3_moe") c.norm_topk_prob = true, c.mlp_only_layers = {1};
   if (t.type == "qwen2_moe") c.shared_expert_intermediate_size = 12, c.mlp_only_layers = {1};
   if (t.type == "qwen3_next") c.shared_expert_intermediate_size = 12, c.mlp_only_layers = {2};
+  if (t.type == "qwen3_5_moe_text") c.shared_expert_intermediate_size = 12;
   if (t.type == "glm4_moe") {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
@@ -205,7 +209,7 @@ std::string config_json(Tiny const& t) {
            "\"beta_fast\": 32, \"beta_slow\": 1, \"mscale\": 1.0, \"mscale_all_dim\": 1.0}";
     }
   }
-  if (t.type == "qwen3_next") {
+  if (hybrid(t)) {
     Gdn const g;
     j += concat(", \"full_attention_interval\": 2, \"partial_rotary_factor\": 0.5",
                 ", \"linear_num_key_heads\": ", g.Hk, ", \"linear_num_value_heads\": ", g.Hv,
@@ -253,8 +257,15 @@ std::vector<TensorSpec> tensor_specs(Tiny const& t) {
       Gdn const g;
       std::string const s = p + "linear_attn.";
       std::int64_t const K = g.Hk * g.dk, Vd = g.Hv * g.dv;
-      out.push_back({s + "in_proj_qkvz.weight", {2 * K + 2 * Vd, H}, -a, a});
-      out.push_back({s + "in_proj_ba.weight", {2 * g.Hv, H}, -1.0f, 1.0f});
+      if (split_projections(t)) {  // Qwen3_5GatedDeltaNet's
+        out.push_back({s + "in_proj_qkv.weight", {2 * K + Vd, H}, -a, a});
+        out.push_back({s + "in_proj_z.weight", {Vd, H}, -a, a});
+        out.push_back({s + "in_proj_b.weight", {g.Hv, H}, -1.0f, 1.0f});
+        out.push_back({s + "in_proj_a.weight", {g.Hv, H}, -1.0f, 1.0f});
+      } else {
+        out.push_back({s + "in_proj_qkvz.weight", {2 * K + 2 * Vd, H}, -a, a});
+        out.push_back({s + "in_proj_ba.weight", {2 * g.Hv, H}, -1.0f, 1.0f});
+      }
       out.push_back({s + "conv1d.weight", {2 * K + Vd, 1, g.kernel}, -0.6f, 0.6f});
       out.push_back({s + "A_log", {g.Hv}, -1.0f, 1.0f});
       out.push_back({s + "dt_bias", {g.Hv}, -1.0f, 1.0f});
@@ -428,8 +439,16 @@ void add_deltanet(Tiny const& t, Tensors const& m, std::string const& p,
     std::vector<float> const& v = m.at(p + "linear_attn." + name);
     return dnref::Vec(v.begin(), v.end());
   };
-  a.in_proj_qkvz = get("in_proj_qkvz.weight");
-  a.in_proj_ba = get("in_proj_ba.weight");
+  a.qwen35 = split_projections(t);
+  if (a.qwen35) {
+    a.in_proj_qkv = get("in_proj_qkv.weight");
+    a.in_proj_z = get("in_proj_z.weight");
+    a.in_proj_b = get("in_proj_b.weight");
+    a.in_proj_a = get("in_proj_a.weight");
+  } else {
+    a.in_proj_qkvz = get("in_proj_qkvz.weight");
+    a.in_proj_ba = get("in_proj_ba.weight");
+  }
   a.conv1d = get("conv1d.weight");
   a.A_log = get("A_log");
   a.dt_bias = get("dt_bias");
@@ -751,12 +770,13 @@ Tiny family_tiny(std::string const& type) {
   if (type == "gpt_oss") t.theta = 150000.0, t.eps = 1e-5, t.window = 3;
   if (type == "ernie4_5_moe") t.theta = 500000.0;
   if (type == "minimax_m2") t.theta = 5e6;
-  if (type == "llama4_text" || type == "qwen3_next") t.L = 4;
+  if (type == "llama4_text" || hybrid(t)) t.L = 4;
   return t;
 }
 constexpr char const* kDecoderFamilies[] = {
-    "deepseek_v3", "deepseek_v2", "qwen3_next", "qwen3_moe",    "mixtral",    "qwen2_moe",
-    "olmoe",       "glm4_moe",    "gpt_oss",    "ernie4_5_moe", "minimax_m2", "llama4_text"};
+    "deepseek_v3",  "deepseek_v2", "qwen3_next", "qwen3_5_moe_text", "qwen3_moe",
+    "mixtral",      "qwen2_moe",   "olmoe",      "glm4_moe",         "gpt_oss",
+    "ernie4_5_moe", "minimax_m2",  "llama4_text"};
 
 }  // namespace
 
@@ -874,6 +894,45 @@ TEST_CASE(
     "gated shared expert) generates as the reference",
     "[models][decoder][deltanet]") {
   check_generation(family_tiny("qwen3_next"), "decoder_qwen3_next");
+}
+
+TEST_CASE(
+    "Decoder: Qwen3.5-MoE (split Gated DeltaNet projections, every layer MoE with always "
+    "renormalised top-k weights) generates as the reference; its multimodal checkpoint "
+    "(text_config, tensors under model.language_model.) decodes as the text-only one",
+    "[models][decoder][deltanet]") {
+  Tiny const t = family_tiny("qwen3_5_moe_text");
+  check_generation(t, "decoder_qwen3_5");
+  Tensors const m = make_tensors(t, 980);
+  fs::path const plain = write_model(t, m, "decoder_qwen3_5_plain");
+  // Qwen3_5MoeForConditionalGeneration: model.language_model.{embed_tokens, layers, norm},
+  // lm_head at the root, config.json's text model in text_config.
+  fs::path const nested = iotest::scratch_dir("decoder_qwen3_5_nested");
+  moe::io::SafetensorsWriter w;
+  for (TensorSpec const& spec : tensor_specs(t)) {
+    std::string name = spec.name;
+    if (name.starts_with("model.")) name = "model.language_model." + name.substr(6);
+    w.add_f32(name, spec.shape, m.at(spec.name));
+  }
+  w.save(nested / "model.safetensors");
+  iotest::write_text(
+      nested / "config.json",
+      concat(R"({"architectures": ["Qwen3_5MoeForConditionalGeneration"], )",
+             R"("model_type": "qwen3_5_moe", "text_config": )", config_json(t), "}"));
+  auto logits_of = [&](fs::path const& dir) {
+    moe::models::AnyDecoder const any = moe::models::load_hf_decoder(dir);
+    return std::visit(
+        [&](auto const& dec) {
+          std::vector<std::int64_t> const ids = {3, 17, 5, 9, 30};
+          std::vector<Index> const counts = {5};
+          auto st = dec.make_state(1);
+          std::vector<float> out(static_cast<std::size_t>(t.V));
+          dec.forward(ids, counts, st, {out.data(), 1, t.V});
+          return out;
+        },
+        any);
+  };
+  REQUIRE(logits_of(plain) == logits_of(nested));
 }
 
 TEST_CASE(
@@ -1372,12 +1431,10 @@ TEST_CASE("Decoder: a bf16 KV cache holds half the bytes; the logits move by its
   REQUIRE(a == b);
 }
 
-TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decoder]") {
-  Tiny t;
-  Tensors const m = make_tensors(t, 700);
-  fs::path const dir = write_model(t, m, "decoder_batch");
-  auto const any = moe::models::load_hf_decoder(dir);
-  auto const& dec = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
+namespace {
+
+template <class Dec>
+void check_batch(Tiny const& t, Dec const& dec) {
   std::vector<std::vector<std::int64_t>> const prompts = {{1, 2, 3}, {7, 8, 9, 10, 11, 12}, {5}};
   // Alone: each prompt, then 3 greedy steps.
   std::vector<std::vector<float>> alone;
@@ -1414,6 +1471,20 @@ TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decod
     n = {1, 1, 1};
     dec.forward(next, n, st, {lg.data(), 3, t.V});
   }
+}
+
+}  // namespace
+
+TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decoder]") {
+  // Qwen3-MoE (KV caches); Qwen3-Next (DeltaNet states: a prompt runs the chunked rule, a step
+  // the recurrent one, per sequence, whatever the others in the call do).
+  std::string const type = GENERATE(as<std::string>{}, "qwen3_moe", "qwen3_next");
+  INFO(type);
+  Tiny const t = family_tiny(type);
+  Tensors const m = make_tensors(t, 700);
+  fs::path const dir = write_model(t, m, "decoder_batch_" + type);
+  auto const any = moe::models::load_hf_decoder(dir);
+  std::visit([&](auto const& dec) { check_batch(t, dec); }, any);
 }
 
 TEST_CASE("Decoder: Llama 4 config.json (Scout's multimodal text_config, Maverick-like keys)",
@@ -1618,6 +1689,38 @@ TEST_CASE("Decoder: the released models' config.json files parse to their archit
   REQUIRE(next.rope_theta == 1e7f);
   REQUIRE(next.moe.num_experts == 512);
   REQUIRE(next.moe.is_moe_layer(0));
+  // Qwen3.5-35B-A3B's config.json, shaped as published (trimmed; the vision tower's keys
+  // aside): the text model in text_config, its multimodal RoPE keys in rope_parameters.
+  auto const q35 = moe::models::parse_decoder_config(
+      R"({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+          "image_token_id": 248056, "tie_word_embeddings": false,
+          "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+            "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 256, "vocab_size": 248320, "num_experts": 256,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4, "rms_norm_eps": 1e-06,
+            "max_position_embeddings": 262144, "tie_word_embeddings": false,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+              "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+              "mrope_interleaved": true}},
+          "vision_config": {"depth": 27, "hidden_size": 1152}})",
+      "Qwen3.5-35B-A3B/config.json");
+  REQUIRE(q35.moe.family == HfFamily::kQwen35Moe);
+  REQUIRE(q35.deltanet.split_projections);
+  REQUIRE(q35.num_hidden_layers == 40);
+  for (Index l = 0; l < 40; ++l) {
+    REQUIRE(q35.linear_layer(l) == ((l + 1) % 4 != 0));
+    REQUIRE(q35.moe.is_moe_layer(l));
+  }
+  REQUIRE(q35.moe.num_experts == 256);
+  REQUIRE(q35.moe.norm_topk_prob);
+  REQUIRE(q35.rotary_dim == 64);
+  REQUIRE(q35.vocab_size == 248320);
+  REQUIRE(q35.attention_gate);
+  REQUIRE(q35.norm_one_plus);
   // layer_types given: as written (transformers' remapped names only).
   auto const typed = moe::models::parse_decoder_config(
       R"({"model_type": "qwen3_next", "num_hidden_layers": 3,

@@ -669,13 +669,35 @@ constexpr bool decodes_as(std::variant<D...>*) {
   return (std::is_same_v<Decoder<Moe>, D> || ...);
 }
 
-/// The prefix of the text model's tensors: "language_model." when the checkpoint nests it
-/// (Llama4ForConditionalGeneration: language_model.model.layers..., language_model.lm_head),
-/// else empty.
-inline std::string checkpoint_root(io::ShardedCheckpoint const& ckpt) {
-  bool const nested = !ckpt.contains("model.embed_tokens.weight") &&
-                      ckpt.contains("language_model.model.embed_tokens.weight");
-  return nested ? "language_model." : "";
+/// Where a checkpoint keeps the text model's tensors: `model` + "embed_tokens.weight",
+/// `model` + "layers.L.", `model` + "norm.weight", `head` + "lm_head.weight".
+struct CheckpointRoot {
+  std::string model = "model.", head;
+};
+
+/// The text model's prefixes: "model." (a text-only checkpoint), "language_model.model." and
+/// "language_model." (Llama4ForConditionalGeneration), or "model.language_model." and ""
+/// (Qwen3_5MoeForConditionalGeneration, Qwen3-VL's layout).
+inline CheckpointRoot checkpoint_root(io::ShardedCheckpoint const& ckpt) {
+  if (ckpt.contains("model.embed_tokens.weight")) return {};
+  if (ckpt.contains("language_model.model.embed_tokens.weight")) {
+    return {"language_model.model.", "language_model."};
+  }
+  if (ckpt.contains("model.language_model.embed_tokens.weight")) {
+    return {"model.language_model.", ""};
+  }
+  return {};
+}
+
+/// The layer loader's options for MoE layer L under `root` (a nested text model names its module
+/// explicitly).
+inline io::HfLoadOptions moe_layer_options(CheckpointRoot const& root, DecoderConfig const& c,
+                                           Index L) {
+  io::HfLoadOptions o;
+  if (root.model != "model.") {
+    o.prefix = io::detail::concat(root.model, "layers.", L, ".", c.moe.spec().names.module);
+  }
+  return o;
 }
 
 /// What load_decoder threads through: the checkpoint, the options, and the fallbacks it records.
@@ -686,7 +708,7 @@ struct Loading {
   ThreadPool* pool;
   std::vector<Fallback>& fallbacks;
   std::string why;
-  std::string root = checkpoint_root(ckpt);  ///< the text model's tensor prefix
+  CheckpointRoot root = checkpoint_root(ckpt);  ///< the text model's tensor prefixes
 
   bool tied() const { return c.tie_word_embeddings; }
   /// The format for a matrix of class `cls` in layer L, of depth `depth`, stored as `stored`
@@ -720,7 +742,7 @@ struct Loading {
 /// LM head packs them: the tensor is read once).
 inline Embedding read_embedding(Loading const& ld, Index V, Index H,
                                 std::vector<float>* values = nullptr) {
-  std::string const name = ld.root + "model.embed_tokens.weight";
+  std::string const name = ld.root.model + "embed_tokens.weight";
   std::vector<std::int64_t> const shape = {V, H};
   io::TensorView const& t = checked_tensor(ld.ckpt, name, shape, ld.why);
   experts::WeightFormat const f =
@@ -788,24 +810,33 @@ inline GatedDeltaNetConfig deltanet_config(DecoderConfig const& c) {
   g.value_head_dim = c.deltanet.value_head_dim;
   g.conv_kernel = c.deltanet.conv_kernel;
   g.norm_eps = c.rms_norm_eps;
-  g.layout = DeltaNetLayout::kQwen3Next;
+  g.layout = c.deltanet.split_projections ? DeltaNetLayout::kQwen35 : DeltaNetLayout::kQwen3Next;
   return g;
 }
 
-/// The tensors of a Gated DeltaNet layer under "linear_attn." (Qwen3NextGatedDeltaNet's names,
-/// without the prefix) and their shapes: the GatedDeltaNet parameter of the same name.
+/// The tensors of a Gated DeltaNet layer under "linear_attn." (Qwen3NextGatedDeltaNet's or
+/// Qwen3_5GatedDeltaNet's names, without the prefix) and their shapes: the GatedDeltaNet
+/// parameter of the same name; the input projections first, in parameters() order.
 inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> deltanet_tensors(
     DecoderConfig const& c) {
   DecoderDeltaNet const& d = c.deltanet;
   Index const H = c.moe.hidden_size, K = d.num_key_heads * d.key_head_dim,
-              V = d.num_value_heads * d.value_head_dim;
-  return {{"in_proj_qkvz.weight", {2 * K + 2 * V, H}},
-          {"in_proj_ba.weight", {2 * d.num_value_heads, H}},
-          {"conv1d.weight", {2 * K + V, 1, d.conv_kernel}},
-          {"A_log", {d.num_value_heads}},
-          {"dt_bias", {d.num_value_heads}},
-          {"norm.weight", {d.value_head_dim}},
-          {"out_proj.weight", {H, V}}};
+              V = d.num_value_heads * d.value_head_dim, Hv = d.num_value_heads;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> out;
+  if (d.split_projections) {
+    out = {{"in_proj_qkv.weight", {2 * K + V, H}},
+           {"in_proj_z.weight", {V, H}},
+           {"in_proj_b.weight", {Hv, H}},
+           {"in_proj_a.weight", {Hv, H}}};
+  } else {
+    out = {{"in_proj_qkvz.weight", {2 * K + 2 * V, H}}, {"in_proj_ba.weight", {2 * Hv, H}}};
+  }
+  out.insert(out.end(), {{"conv1d.weight", {2 * K + V, 1, d.conv_kernel}},
+                         {"A_log", {Hv}},
+                         {"dt_bias", {Hv}},
+                         {"norm.weight", {d.value_head_dim}},
+                         {"out_proj.weight", {H, V}}});
+  return out;
 }
 
 /// The MLA layer of config c (its sizes, RoPE, YaRN and softmax correction).
@@ -834,12 +865,12 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
                                   std::string const& why) {
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
-  std::string const root = checkpoint_root(ckpt);
-  checked_tensor(ckpt, root + "model.embed_tokens.weight", {V, H}, why);
-  checked_tensor(ckpt, root + "model.norm.weight", {H}, why);
-  if (!c.tie_word_embeddings) checked_tensor(ckpt, root + "lm_head.weight", {V, H}, why);
+  CheckpointRoot const root = checkpoint_root(ckpt);
+  checked_tensor(ckpt, root.model + "embed_tokens.weight", {V, H}, why);
+  checked_tensor(ckpt, root.model + "norm.weight", {H}, why);
+  if (!c.tie_word_embeddings) checked_tensor(ckpt, root.head + "lm_head.weight", {V, H}, why);
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
-    std::string const p = io::detail::concat(root, "model.layers.", L, ".");
+    std::string const p = io::detail::concat(root.model, "layers.", L, ".");
     auto check = [&](char const* name, std::vector<std::int64_t> const& shape) {
       checked_tensor(ckpt, p + name, shape, why);
     };
@@ -870,7 +901,7 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
     check("input_layernorm.weight", {H});
     check("post_attention_layernorm.weight", {H});
     if (c.moe.is_moe_layer(L)) {
-      io::detail::checked_hf_layer_tensors(c.moe, ckpt, L);
+      io::detail::checked_hf_layer_tensors(c.moe, ckpt, L, moe_layer_options(root, c, L));
     } else {
       Index const I = c.intermediate_size;
       std::string const dense(c.moe.spec().decoder.dense_module);
@@ -901,7 +932,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
               kv = c.num_key_value_heads, dh = c.head_dim;
   std::vector<float> embedding_values;  // the embedding's floats, when converted and tied
   d.embed = read_embedding(ld, V, H, c.tie_word_embeddings ? &embedding_values : nullptr);
-  std::string const& root = ld.root;
+  CheckpointRoot const& root = ld.root;
   // Qwen3NextRMSNorm: x r (1 + w), the weight's 1 + w formed in fp32 as transformers does.
   auto norm_weight = [&](std::string const& name) {
     std::vector<float> w = read_tensor(ckpt, name, {H}, why);
@@ -910,9 +941,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     return w;
   };
-  d.norm = norm_weight(root + "model.norm.weight");
+  d.norm = norm_weight(root.model + "norm.weight");
   if (c.tie_word_embeddings) {
-    if (ckpt.find(root + "lm_head.weight") != nullptr) {
+    if (ckpt.find(root.head + "lm_head.weight") != nullptr) {
       d.warnings.push_back(
           "config.json sets tie_word_embeddings, so the checkpoint's lm_head.weight is not read "
           "(the LM head is model.embed_tokens.weight); set tie_word_embeddings to false if "
@@ -920,7 +951,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     // The LM head multiplies the embedding's values, packed in the LM head's format (its stored
     // blocks re-packed when that is their format).
-    std::string const name = root + "model.embed_tokens.weight";
+    std::string const name = root.model + "embed_tokens.weight";
     std::vector<std::int64_t> const shape = {V, H};
     experts::WeightFormat const f =
         ld.format("lm_head (tied: " + name + ")", MatrixClass::kLmHead, c.num_hidden_layers - 1, H,
@@ -939,8 +970,8 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     embedding_values = {};  // V x H floats: freed before the layers load
   } else {
-    d.lm_head =
-        ld.linear(root + "lm_head.weight", V, H, MatrixClass::kLmHead, c.num_hidden_layers - 1);
+    d.lm_head = ld.linear(root.head + "lm_head.weight", V, H, MatrixClass::kLmHead,
+                          c.num_hidden_layers - 1);
   }
   if (d.embed.in_place()) d.mapped = mapped;
   GatedAttentionConfig ac;
@@ -964,7 +995,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.causal = true;
   std::string_view const dense = c.moe.spec().decoder.dense_module;
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
-    std::string const p = io::detail::concat(root, "model.layers.", L, ".");
+    std::string const p = io::detail::concat(root.model, "layers.", L, ".");
     ac.sliding_window = c.window_of(L);
     ac.attention_chunk = c.chunk_of(L);
     ac.rope = c.rope_layer(L);
@@ -986,23 +1017,30 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     if (c.linear_layer(L)) {
       GatedDeltaNet& a = b.mixer.template emplace<GatedDeltaNet>(deltanet_config(c));
       std::string const s = p + "linear_attn.";
+      auto const shapes = deltanet_tensors(c);
       for (ParameterRef const& g : a.parameters()) {  // conv1d, A_log, dt_bias, norm
         if (g.name.find("proj") != std::string::npos) continue;
-        auto const shapes = deltanet_tensors(c);
         auto const it = std::find_if(shapes.begin(), shapes.end(),
                                      [&](auto const& t) { return t.first == g.name; });
         moe::detail::check(it != shapes.end(), "models: Gated DeltaNet parameter ", g.name,
                            " has no tensor name");  // (a bug, not a file problem)
         load_into(g.values, "linear_attn." + it->first, it->second);
       }
-      DecoderDeltaNet const& dn = c.deltanet;
-      Index const K = dn.num_key_heads * dn.key_head_dim,
-                  Vd = dn.num_value_heads * dn.value_head_dim;
+      // The input projections (the layout's, in parameters() order), then out_proj.
       std::vector<Linear> in;
-      in.push_back(ld.linear(s + "in_proj_qkvz.weight", 2 * K + 2 * Vd, H, MatrixClass::kAttnQ, L));
-      in.push_back(
-          ld.linear(s + "in_proj_ba.weight", 2 * dn.num_value_heads, H, MatrixClass::kAttnQ, L));
-      a.adopt_packed_weights(in, ld.linear(s + "out_proj.weight", H, Vd, MatrixClass::kAttnO, L));
+      Linear out;
+      for (auto const& [name, shape] : deltanet_tensors(c)) {
+        if (name.find("proj") == std::string::npos) continue;
+        bool const is_out = name == "out_proj.weight";
+        Linear l = ld.linear(s + name, shape[0], shape[1],
+                             is_out ? MatrixClass::kAttnO : MatrixClass::kAttnQ, L);
+        if (is_out) {
+          out = std::move(l);
+        } else {
+          in.push_back(std::move(l));
+        }
+      }
+      a.adopt_packed_weights(in, std::move(out));
     } else if (c.mla.enabled) {
       // The projections are packed in the attention's format, one for all (resolved for every
       // depth: the gcd of them); of the fp32 weights only kv_b_proj's stays (the absorbed order
@@ -1057,7 +1095,8 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     if (c.moe.is_moe_layer(L)) {
       // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks
       // re-packed); that pack stays unless the options choose other formats.
-      io::HfLayer<Moe> loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L);
+      io::HfLayer<Moe> loaded =
+          io::load_hf_layer<Moe>(c.moe, ckpt, L, moe_layer_options(root, c, L));
       b.moe.emplace(std::move(loaded.layer));
       Moe& m = *b.moe;
       auto choose = [&](auto& bank, std::vector<experts::ExpertFormat> const& stored,

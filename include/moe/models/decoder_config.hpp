@@ -41,6 +41,9 @@ struct DecoderDeltaNet {
   std::vector<std::uint8_t> layers;
   Index num_key_heads = 0, num_value_heads = 0, key_head_dim = 0, value_head_dim = 0;
   Index conv_kernel = 0;
+  /// Qwen3.5's split input projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) instead
+  /// of Qwen3-Next's in_proj_qkvz and in_proj_ba.
+  bool split_projections = false;
 };
 
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
@@ -286,6 +289,7 @@ inline void read_deltanet_layers(io::detail::HfConfigReader& r, DecoderConfig& c
                       " must be a multiple of linear_num_key_heads = ", d.num_key_heads,
                       " (each key head serves as many value heads); fix config.json");
   }
+  d.split_projections = c.moe.spec().decoder.deltanet_split_projections;
   c.attention_gate = true;
   c.norm_one_plus = true;
 }
@@ -312,11 +316,11 @@ inline DecoderConfig parse_decoder_config(std::string_view text,
   }
   io::detail::JsonValue const root = io::detail::parse_config_object(text, source);
   io::HfMoeConfig keys;
-  // Llama 4's multimodal config.json nests the text model's keys in text_config (parse_hf_config
+  // A multimodal config.json nests the text model's keys in text_config (parse_hf_config
   // checked that it is an object).
   io::detail::JsonValue const* model_type = root.member("model_type");
   bool const nested = model_type != nullptr && model_type->kind == JsonKind::kString &&
-                      model_type->text == "llama4";
+                      io::detail::nesting_family(model_type->text) != nullptr;
   io::detail::HfConfigReader r(nested ? *root.member("text_config") : root, source, keys);
   auto fail_if = [&](bool bad, auto const&... parts) {
     if (bad) moe::detail::fail("models: ", source, ": ", parts..., "; fix config.json");

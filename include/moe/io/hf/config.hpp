@@ -129,6 +129,16 @@ inline std::string HfMoeConfig::dense_reason(Index layer) const {
 
 namespace detail {
 
+/// The family whose keys a multimodal config.json of model_type `type` nests in text_config
+/// (HfFamilySpec::nested_model_type: "llama4", "qwen3_5_moe"), or null.
+inline HfFamilySpec const* nesting_family(std::string_view type) {
+  for (HfFamily const f : kHfFamilies) {
+    HfFamilySpec const& s = hf_family(f);
+    if (!s.nested_model_type.empty() && s.nested_model_type == type) return &s;
+  }
+  return nullptr;
+}
+
 /// Whether `key` is a top-level config.json key that transformers knows for `family`: the
 /// keys every PretrainedConfig reads or writes (v4 and v5, legacy generation parameters,
 /// quantization_config, auto_map, rope settings), the decoder keys every family's
@@ -344,15 +354,20 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   detail::JsonValue const root = detail::parse_config_object(text, source);
 
   HfMoeConfig c;
-  // Llama 4's multimodal config.json ("llama4") nests the text model's keys in text_config.
+  // A multimodal config.json ("llama4", "qwen3_5_moe") nests the text model's keys in
+  // text_config (HfFamilySpec::nested_model_type).
   detail::JsonValue const* keys = &root;
+  HfFamilySpec const* nested = nullptr;
   if (detail::JsonValue const* t = root.member("model_type");
-      t != nullptr && t->kind == JsonKind::kString && t->text == "llama4") {
+      t != nullptr && t->kind == JsonKind::kString) {
+    nested = detail::nesting_family(t->text);
+  }
+  if (nested != nullptr) {
     keys = root.member("text_config");
     if (keys == nullptr || keys->kind != JsonKind::kObject) {
-      moe::detail::fail("hf: ", source,
-                        ": model_type \"llama4\" needs a \"text_config\" object with the text "
-                        "model's keys; fix config.json");
+      moe::detail::fail("hf: ", source, ": model_type \"", nested->nested_model_type,
+                        "\" needs a \"text_config\" object with the text model's keys; fix "
+                        "config.json");
     }
   }
   detail::HfConfigReader r(*keys, source, c);
@@ -367,7 +382,7 @@ inline HfMoeConfig parse_hf_config(std::string_view text,
   for (HfFamily const f : kHfFamilies) {
     if (type->text == hf_model_type(f)) c.family = f, known = true;
   }
-  if (type->text == "llama4") c.family = HfFamily::kLlama4, known = true;
+  if (nested != nullptr) c.family = nested->family, known = true;
   // Kimi K2's config.json names its own model type over DeepSeek-V3's architecture and keys.
   if (type->text == "kimi_k2") c.family = HfFamily::kDeepseekV3, known = true;
   if (!known) {

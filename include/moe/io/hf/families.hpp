@@ -17,6 +17,7 @@
 #include "moe/io/hf/families/mixtral.hpp"
 #include "moe/io/hf/families/olmoe.hpp"
 #include "moe/io/hf/families/qwen2_moe.hpp"
+#include "moe/io/hf/families/qwen3_5_moe.hpp"
 #include "moe/io/hf/families/qwen3_moe.hpp"
 #include "moe/io/hf/families/qwen3_next.hpp"
 #include "moe/io/hf/family.hpp"
@@ -27,7 +28,8 @@ namespace moe::io {
 inline constexpr HfFamilySpec const* kHfFamilySpecs[] = {
     &families::kMixtral,   &families::kQwen2Moe,   &families::kQwen3Moe, &families::kDeepseekV3,
     &families::kOlmoe,     &families::kQwen3Next,  &families::kGlm4Moe,  &families::kDeepseekV2,
-    &families::kMinimaxM2, &families::kErnie45Moe, &families::kLlama4,   &families::kGptOss};
+    &families::kMinimaxM2, &families::kErnie45Moe, &families::kLlama4,   &families::kGptOss,
+    &families::kQwen35Moe};
 
 static_assert(std::size(kHfFamilySpecs) == std::size(kHfFamilies),
               "every HfFamily needs its description in kHfFamilySpecs");

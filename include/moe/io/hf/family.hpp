@@ -31,13 +31,15 @@ enum class HfFamily : std::uint8_t {
   kErnie45Moe,  ///< "ernie4_5_moe": softmax + selection bias on probabilities, shared experts
   kLlama4,      ///< "llama4_text" (or "llama4"'s text_config): sigmoid-scaled expert inputs
   kGptOss,      ///< "gpt_oss": biased router and experts, clamped GLU, MXFP4 checkpoints
+  kQwen35Moe,   ///< "qwen3_5_moe_text" (or "qwen3_5_moe"'s text_config): Qwen3-Next's block
 };
 
 /// Every family, in HfFamily order (the order of the registry, moe/io/hf/families.hpp).
 inline constexpr HfFamily kHfFamilies[] = {
     HfFamily::kMixtral,   HfFamily::kQwen2Moe,   HfFamily::kQwen3Moe, HfFamily::kDeepseekV3,
     HfFamily::kOlmoe,     HfFamily::kQwen3Next,  HfFamily::kGlm4Moe,  HfFamily::kDeepseekV2,
-    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe, HfFamily::kLlama4,   HfFamily::kGptOss};
+    HfFamily::kMinimaxM2, HfFamily::kErnie45Moe, HfFamily::kLlama4,   HfFamily::kGptOss,
+    HfFamily::kQwen35Moe};
 
 struct HfMoeConfig;
 namespace detail {
@@ -195,6 +197,9 @@ struct HfDecoderFacts {
   /// linear_value_head_dim 128, linear_conv_kernel_dim 4), on the full ones a sigmoid output
   /// gate packed per head in q_proj, and every RMSNorm (layer, final, q/k) in the (1 + w) form.
   bool gated_deltanet = false;
+  /// The Gated DeltaNet's input projections split as Qwen3.5's (in_proj_qkv, in_proj_z,
+  /// in_proj_b, in_proj_a) instead of Qwen3-Next's head-grouped in_proj_qkvz and in_proj_ba.
+  bool deltanet_split_projections = false;
   std::string_view dense_module = "mlp.";
   std::string_view dense_width_key = "intermediate_size";
   /// Refusals beyond the facts above (keys the decoder cannot honour), or nullptr.
@@ -230,6 +235,10 @@ struct HfFamilySpec {
   std::string_view model_type = {};    ///< config.json "model_type"
   std::string_view architecture = {};  ///< transformers' causal LM class ("MixtralForCausalLM")
   HfLayerType layer_type = HfLayerType::kMixtral;
+  /// The model_type of the multimodal config.json that nests this family's keys in text_config
+  /// ("llama4", "qwen3_5_moe"); empty: none. Its checkpoints nest the text model's tensors
+  /// (language_model.model.* or model.language_model.*).
+  std::string_view nested_model_type = {};
 
   // The MoE keys every family has (config.json aliases in reading order, and defaults).
   Index hidden_size = 0;

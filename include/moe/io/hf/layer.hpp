@@ -142,9 +142,9 @@ static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
               "moe::io::HfAnyLayer holds Qwen3-MoE and OLMoE layers in one alternative; give "
               "OlmoeMoe its own alternative if the presets ever make them different types");
 
-/// Does the preset layer type `Layer` hold layers of `family`? Six types hold the twelve
+/// Does the preset layer type `Layer` hold layers of `family`? Six types hold the thirteen
 /// families: MixtralMoe (mixtral); Llama4Moe (llama4_text); GptOssMoe (gpt_oss); Qwen2Moe
-/// (qwen2_moe, qwen3_next); Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3,
+/// (qwen2_moe, qwen3_next, qwen3_5_moe_text); Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3,
 /// glm4_moe, deepseek_v2, minimax_m2, ernie4_5_moe: GroupLimitedTopK with the family's scores,
 /// bias, groups and normalisation).
 template <class Layer>

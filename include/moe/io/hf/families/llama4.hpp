@@ -36,6 +36,7 @@ inline constexpr HfFamilySpec kLlama4 = {
     .model_type = "llama4_text",
     .architecture = "Llama4ForCausalLM",
     .layer_type = HfLayerType::kLlama4,
+    .nested_model_type = "llama4",
     .hidden_size = 5120,
     .width_key = "intermediate_size",
     .width = 8192,
