@@ -144,9 +144,9 @@ static_assert(std::is_same_v<presets::Qwen3Moe, presets::OlmoeMoe>,
 
 /// Does the preset layer type `Layer` hold layers of `family`? Six types hold the thirteen
 /// families: MixtralMoe (mixtral); Llama4Moe (llama4_text); GptOssMoe (gpt_oss); Qwen2Moe
-/// (qwen2_moe, qwen3_next, qwen3_5_moe_text); Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe); DeepseekV3Moe (deepseek_v3,
-/// glm4_moe, deepseek_v2, minimax_m2, ernie4_5_moe: GroupLimitedTopK with the family's scores,
-/// bias, groups and normalisation).
+/// (qwen2_moe, qwen3_next, qwen3_5_moe_text); Qwen3Moe == OlmoeMoe (qwen3_moe, olmoe);
+/// DeepseekV3Moe (deepseek_v3, glm4_moe, deepseek_v2, minimax_m2, ernie4_5_moe: GroupLimitedTopK
+/// with the family's scores, bias, groups and normalisation).
 template <class Layer>
 constexpr bool hf_family_matches(HfFamily family) noexcept {
   switch (hf_family(family).layer_type) {
