@@ -47,22 +47,6 @@
 namespace moe::quant {
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
-struct BlockQ4_1 {
-  std::uint16_t d;      ///< fp16 scale
-  std::uint16_t m;      ///< fp16 min (added)
-  std::uint8_t qs[16];  ///< weight j in the low nibble of qs[j], weight j + 16 in the high one
-};
-struct BlockQ5_0 {
-  std::uint16_t d;      ///< fp16 scale
-  std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
-  std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
-};
-struct BlockQ5_1 {
-  std::uint16_t d;      ///< fp16 scale
-  std::uint16_t m;      ///< fp16 min (added)
-  std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
-  std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
-};
 struct BlockIQ4_NL {
   std::uint16_t d;      ///< fp16 scale
   std::uint8_t qs[16];  ///< indices into kIq4nlValues, as Q4_0's nibbles
@@ -77,7 +61,6 @@ struct BlockMXFP4 {
   std::uint8_t e;       ///< E8M0 shared exponent
   std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
 };
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
 static_assert(sizeof(BlockMXFP4) == 17);
 
@@ -123,14 +106,6 @@ inline void check_finite_row(float const* x, Index n, char const* who) {
   }
 }
 
-/// ggml's MIN(hi, (int8_t)(v)) for the level of a legacy quantizer: v truncated towards zero and
-/// clamped to [0, hi]. In ggml's defined cases v > -1 (x >= min, or |x / d| <= 16); a NaN
-/// (only from an infinite inverse scale, which moe avoids with detail::inverse) gives 0 here.
-inline int trunc_level(float v, int hi) {
-  if (!(v > -1.0f)) return 0;
-  return v >= static_cast<float>(hi) ? hi : static_cast<int>(v);
-}
-
 /// ggml best_index_int8: the index of the nearest of n ascending values (the upper on a tie
 /// only if it is strictly nearer, as ggml's comparison).
 inline int best_index_int8(int n, std::int8_t const* val, float x) {
@@ -146,15 +121,6 @@ inline int best_index_int8(int n, std::int8_t const* val, float x) {
     }
   }
   return x - static_cast<float>(val[mu - 1]) < static_cast<float>(val[mu]) - x ? mu - 1 : mu;
-}
-
-/// The 32-bit little-endian value of 4 bytes.
-inline std::uint32_t load_le32(std::uint8_t const* p) {
-  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
-         (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
-}
-inline void store_le32(std::uint32_t v, std::uint8_t* p) {
-  for (int b = 0; b < 4; ++b) p[b] = static_cast<std::uint8_t>(v >> (8 * b));
 }
 
 /// ggml quantize_row_iq4_nl_impl without importance weights (weight = x^2) for one super-block
@@ -263,91 +229,6 @@ inline void quantize_iq4_impl(int super, float const* x, std::uint16_t* dh, std:
 // ---------------------------------------------------------------------------------------------
 // One block (ggml quantize_row_*_ref and dequantize_row_* for one block), overloads of
 // blocks.hpp's quantize_block / dequantize_block.
-
-/// Q4_1: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)).
-inline void quantize_block(float const* x, BlockQ4_1& y) {
-  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
-  for (int j = 0; j < 32; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
-  float const d = (max - min) / 15;
-  float const id = detail::inverse(d);
-  y.d = detail::fp16(d);
-  y.m = detail::fp16(min);
-  for (int j = 0; j < 16; ++j) {
-    int const lo = detail::trunc_level(detail::mul(x[j] - min, id) + 0.5f, 15);
-    int const hi = detail::trunc_level(detail::mul(x[j + 16] - min, id) + 0.5f, 15);
-    y.qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
-  }
-}
-inline void dequantize_block(BlockQ4_1 const& b, float* y) {
-  float const d = detail::fp32(b.d), m = detail::fp32(b.m);
-  for (int j = 0; j < 16; ++j) {
-    y[j] = detail::mul(static_cast<float>(b.qs[j] & 0x0F), d) + m;
-    y[j + 16] = detail::mul(static_cast<float>(b.qs[j] >> 4), d) + m;
-  }
-}
-
-/// Q5_0: d = max / -16 (max: the first value of largest magnitude), q = min(31, trunc(x / d +
-/// 16.5)).
-inline void quantize_block(float const* x, BlockQ5_0& y) {
-  float const d = detail::signed_absmax(x, 32) / -16;
-  float const id = detail::inverse(d);
-  y.d = detail::fp16(d);
-  std::uint32_t qh = 0;
-  for (int j = 0; j < 16; ++j) {
-    int const lo = detail::trunc_level(detail::mul(x[j], id) + 16.5f, 31);
-    int const hi = detail::trunc_level(detail::mul(x[j + 16], id) + 16.5f, 31);
-    y.qs[j] = static_cast<std::uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
-    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
-    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
-  }
-  detail::store_le32(qh, y.qh);
-}
-inline void dequantize_block(BlockQ5_0 const& b, float* y) {
-  float const d = detail::fp32(b.d);
-  std::uint32_t const qh = detail::load_le32(b.qh);
-  for (int j = 0; j < 16; ++j) {
-    int const x0 = static_cast<int>((b.qs[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16;
-    int const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
-    y[j] = detail::mul(static_cast<float>(x0), d);
-    y[j + 16] = detail::mul(static_cast<float>(x1), d);
-  }
-}
-
-/// Q5_1: d = (max - min) / 31, q = trunc((x - min) / d + 0.5) (ggml's (uint8_t) cast; the value
-/// is at most 31.5 plus rounding, so the clamp to 31 never changes a defined result).
-inline void quantize_block(float const* x, BlockQ5_1& y) {
-  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
-  for (int j = 0; j < 32; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
-  float const d = (max - min) / 31;
-  float const id = detail::inverse(d);
-  y.d = detail::fp16(d);
-  y.m = detail::fp16(min);
-  std::uint32_t qh = 0;
-  for (int j = 0; j < 16; ++j) {
-    int const lo = detail::trunc_level(detail::mul(x[j] - min, id) + 0.5f, 31);
-    int const hi = detail::trunc_level(detail::mul(x[j + 16] - min, id) + 0.5f, 31);
-    y.qs[j] = static_cast<std::uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
-    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
-    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
-  }
-  detail::store_le32(qh, y.qh);
-}
-inline void dequantize_block(BlockQ5_1 const& b, float* y) {
-  float const d = detail::fp32(b.d), m = detail::fp32(b.m);
-  std::uint32_t const qh = detail::load_le32(b.qh);
-  for (int j = 0; j < 16; ++j) {
-    auto const x0 = static_cast<int>((b.qs[j] & 0x0F) | (((qh >> j) & 1u) << 4));
-    auto const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
-    y[j] = detail::mul(static_cast<float>(x0), d) + m;
-    y[j + 16] = detail::mul(static_cast<float>(x1), d) + m;
-  }
-}
 
 /// IQ4_NL (ggml quantize_row_iq4_nl_ref: no importance weights, no scale search): d0 = max /
 /// -127, each level the nearest of kIq4nlValues to x / d0, d the x^2-weighted least-squares
