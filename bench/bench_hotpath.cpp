@@ -11,10 +11,9 @@
 //     context: the units this build and CPU lack are named as missing).
 //   - BM_Layer_<Shape>_{Forward,ForwardBf16,ForwardBackward}/T:n for the Qwen3-30B-A3B, OLMoE,
 //     Mixtral-like and DeepSeek-V3-like shapes at T in {1, 8, 32, 128, 512, 2048} (and
-//     _ForwardQ8_0, _ForwardQ6_K, _ForwardQ5_K, _ForwardQ4_K, _ForwardQ4_0, _ForwardQ3_K,
-//     _ForwardQ2_K at
-//     T <= 512: quantized experts, with GOP/s, bits/weight and vs_bf16 / vs_fp32 against the
-//     bf16 and fp32 layers run beside them), with
+//     _ForwardQ8_0, _ForwardQ6_K, _ForwardQ5_K, _ForwardQ5_0, _ForwardQ4_K, _ForwardQ4_0,
+//     _ForwardQ3_K, _ForwardQ2_K at T <= 512: quantized experts, with GOP/s, bits/weight and
+//     vs_bf16 / vs_fp32 against the bf16 and fp32 layers run beside them), with
 //       tokens/s, GFLOP/s,
 //       S-MFU    = achieved FLOP/s / peak FMA FLOP/s                      (MoE-CAP)
 //       S-MBU    = active expert weight bytes per second / read bandwidth (MoE-CAP)
@@ -435,8 +434,8 @@ std::unique_ptr<Layer> make_layer(Shape const& s) {
 /// quantized layer when another quantized format is asked for (at most fp32, bf16 and one
 /// quantized layer live at once: 11.5 GB for the Qwen3 shape).
 Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightFormat::kF32) {
-  constexpr std::size_t kFormats = static_cast<std::size_t>(experts::WeightFormat::kQ5_K) + 1;
-  static_assert(static_cast<std::size_t>(experts::WeightFormat::kQ2_K) < kFormats);
+  constexpr std::size_t kFormats = static_cast<std::size_t>(experts::WeightFormat::kQ5_0) + 1;
+  static_assert(static_cast<std::size_t>(experts::WeightFormat::kQ5_K) < kFormats);
   static std::unique_ptr<Layer> layers[kFormats];
   static Shape const* current = nullptr;
   if (current != &s) {
@@ -820,10 +819,11 @@ void BM_Layer_ForwardBf16(benchmark::State& state) {
   }
 }
 
-/// Forward with quantized experts (q8_0, q6_k, q5_k, q4_k, q4_0, q3_k, q2_k; routed and shared
-/// experts alike): S-MBU counts the bytes the pack stores (ExpertBank::packed_bytes: 8.5, 6.5625,
-/// 5.625, 4.625, 4.5, 3.5625 and 2.625 bits a weight), GOP/s the multiply-adds x 2 like GFLOP/s.
-/// The bf16 and fp32 layers run beside it in every iteration: vs_bf16, vs_fp32.
+/// Forward with quantized experts (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k; routed and
+/// shared experts alike): S-MBU counts the bytes the pack stores
+/// (ExpertBank::packed_bytes: 8.5, 6.5625, 5.625, 4.625, 4.5, 3.5625 and 2.625 bits a weight),
+/// GOP/s the multiply-adds x 2 like GFLOP/s. The bf16 and fp32 layers run beside it in every
+/// iteration: vs_bf16, vs_fp32.
 template <Shape const& S, experts::WeightFormat Format>
 void BM_Layer_ForwardQuant(benchmark::State& state) {
   Index const T = state.range(0);
@@ -1073,6 +1073,10 @@ void BM_Kernel_ExpertIn(benchmark::State& state) {
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ5_K)                  \
       ->Name("BM_Layer_" #NAME "_ForwardQ5_K")                                                    \
+      ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
+      ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
+  BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ5_0)                  \
+      ->Name("BM_Layer_" #NAME "_ForwardQ5_0")                                                    \
       ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ3_K)                  \

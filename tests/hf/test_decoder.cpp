@@ -2157,7 +2157,8 @@ std::vector<float> llama_unpermute(std::vector<float> const& w, Index groups, In
 /// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
 /// `stored` receives the values the file holds, under the Hugging Face names (q/k un-permuted).
 /// `type_of`, when given, chooses each tensor's type instead (by GGUF name and shape; F32, F16,
-/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q4_K, ...) or Q5_0).
+/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, ...) or MXFP4, which
+/// has none and is written by ggml's reference quantizer).
 using TypeOf = std::function<GgmlType(std::string const& gguf, Shape const& shape)>;
 fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
                     Tensors& stored, TypeOf const& type_of = {}) {
@@ -2237,11 +2238,11 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
                                                                           : GgmlType::kF32;
     std::vector<std::byte> bytes;
     std::vector<float> back(values.size());
-    if (ty == GgmlType::kQ5_0) {  // no kernel in moe: decoded at load
+    if (ty == GgmlType::kMXFP4) {  // no kernel in moe: decoded at load
       auto const n = static_cast<Index>(values.size());
-      bytes.resize(static_cast<std::size_t>(n / 32 * sizeof(moe::quant::BlockQ5_0)));
-      moe::quant::quantize_row_q5_0_ref(values.data(),
-                                        reinterpret_cast<moe::quant::BlockQ5_0*>(bytes.data()), n);
+      bytes.resize(static_cast<std::size_t>(n / 32 * sizeof(moe::quant::BlockMXFP4)));
+      moe::quant::quantize_row_mxfp4_ref(
+          values.data(), reinterpret_cast<moe::quant::BlockMXFP4*>(bytes.data()), n);
       moe::quant::ggml_dequantize(ty, bytes, n, back.data());
     } else if (ty != GgmlType::kF32 && ty != GgmlType::kF16 && ty != GgmlType::kBF16) {
       std::optional<WeightFormat> const f = moe::experts::native_format(ty);
@@ -2508,8 +2509,8 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
 TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re-quantized",
           "[models][decoder][gguf]") {
   // Types as llama.cpp's Q4_K_M writes them: Q4_K, with Q6_K for the output matrix, attn_v and
-  // the experts' ffn_down, the dense layer's ffn_down in Q5_K; and attn_k in Q5_0, which moe has
-  // no kernel for.
+  // the experts' ffn_down, the dense layer's ffn_down in Q5_K, attn_k in Q5_0; and attn_q in
+  // MXFP4, which moe has no kernel for.
   Tiny t;
   t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;  // whole 256-blocks in every row
   Tensors const m = make_tensors(t, 904);
@@ -2521,6 +2522,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
     }
     if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
     if (g.find("attn_k.") != std::string::npos) return GgmlType::kQ5_0;
+    if (g.find("attn_q.") != std::string::npos) return GgmlType::kMXFP4;
     return GgmlType::kQ4_K;
   };
   Tensors stored;
@@ -2528,7 +2530,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::io::GgufModel const file(gguf);
   moe::models::AnyDecoder const any = moe::models::load_gguf_decoder(gguf);
   auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
-  // Every matrix in its stored format; the Q5_0 ones as q8_0, with a warning that says so.
+  // Every matrix in its stored format; the MXFP4 ones as q8_0, with a warning that says so.
   REQUIRE(d.embed.format == WeightFormat::kQ4_K);
   std::span<std::byte const> const embd = file.tensor("token_embd.weight").data;
   REQUIRE(d.embed.blocks_view != nullptr);  // in the decoder's mapping of the file
@@ -2536,10 +2538,11 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   REQUIRE(d.lm_head.format() == WeightFormat::kQ6_K);
   bool said = false;
   for (std::string const& w : d.warnings) {
-    said = said || (w.find(concat(t.L, " Q5_0 tensor(s): moe has no Q5_0 kernel yet")) !=
+    said = said || (w.find(concat(t.L, " MXFP4 tensor(s): moe has no MXFP4 kernel yet")) !=
                         std::string::npos &&
                     w.find("packed as q8_0") != std::string::npos);
     REQUIRE(w.find("Q5_K") == std::string::npos);  // runs as stored
+    REQUIRE(w.find("Q5_0") == std::string::npos);  // runs as stored
   }
   REQUIRE(said);
   // The packs are the file's blocks, re-packed: byte for byte what pack_quant_panels makes of
@@ -2558,7 +2561,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
     INFO("layer " << l);
     auto const& b = d.blocks[static_cast<std::size_t>(l)];
     moe::AttentionFormats const f = b.attention()->formats();
-    REQUIRE((f.q == WeightFormat::kQ4_K && f.k == WeightFormat::kQ8_0 &&
+    REQUIRE((f.q == WeightFormat::kQ8_0 && f.k == WeightFormat::kQ5_0 &&
              f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
     REQUIRE(b.attention()->master_weights_discarded());
     std::string const p = concat("blk.", l, ".");
@@ -2612,7 +2615,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::models::AnyDecoder const asked = moe::models::load_gguf_decoder(gguf, nullptr, o);
   auto const& da = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(asked);
   REQUIRE(da.blocks[0].moe->experts().packed_format() == WeightFormat::kQ8_0);
-  REQUIRE(da.blocks[0].attention()->formats().q == WeightFormat::kQ4_K);
+  REQUIRE(da.blocks[0].attention()->formats().o == WeightFormat::kQ4_K);
 }
 
 TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for tensor",
@@ -2656,7 +2659,7 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
   Tensors stored;
   TypeOf const type_of = [](std::string const& g, Shape const& shape) {
     if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
-    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_0;  // no kernel
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kMXFP4;  // no kernel
     return g.find("attn_v.") != std::string::npos ? GgmlType::kQ6_K : GgmlType::kQ4_K;
   };
   fs::path const mixed =
@@ -2675,12 +2678,12 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
       moe::models::load_hf_decoder(dir, nullptr, moe::models::DecoderOptions::q4_k_m()), t.V);
   fs::path const copy = dir.parent_path() / "save_copy.gguf";
   moe::models::GgufSaveReport const r = moe::models::save_gguf_model(copy, mixed);
-  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the Q5_0 matrix: no kernel, written as q8_0
+  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the MXFP4 matrix: no kernel, written as q8_0
   moe::io::GgufModel const a(copy), b(mixed);
   for (std::string_view const name : b.names()) {
     INFO(name);
     moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
-    if (y.type == GgmlType::kQ5_0) {
+    if (y.type == GgmlType::kMXFP4) {
       REQUIRE(x.type == GgmlType::kQ8_0);
       continue;
     }

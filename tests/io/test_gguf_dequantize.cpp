@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "moe/io/block_tensor.hpp"
 #include "moe/io/gguf.hpp"
+#include "moe/kernels/quant_gemm.hpp"
+#include "moe/layers/linear.hpp"
 #include "moe/quant/ggml_dequantize.hpp"
 
 namespace {
@@ -19,6 +22,7 @@ namespace {
 using Catch::Contains;
 using moe::Index;
 using moe::quant::GgmlType;
+namespace kernels = moe::kernels;
 
 template <class T>
 std::vector<std::byte> as_bytes(std::vector<T> const& v) {
@@ -68,8 +72,8 @@ TEST_CASE("ggml_dequantize decodes every quantized type of a GGUF file", "[gguf]
   add.operator()<BlockIQ4_XS>(GgmlType::kIQ4_XS, 0.15f, quantize_row_iq4_xs_ref,
                               dequantize_row_iq4_xs);
   add.operator()<BlockMXFP4>(GgmlType::kMXFP4, 0.3f, quantize_row_mxfp4_ref, dequantize_row_mxfp4);
-  for (Format const f : kFormats) {    // the formats moe also multiplies: Q8_0 ... Q2_K
-    if (f == Format::kQ5_K) continue;  // above, through its typed entry points
+  for (Format const f : kFormats) {  // the formats moe also multiplies: Q8_0 ... Q2_K
+    if (f == Format::kQ5_K || f == Format::kQ5_0) continue;  // above, by typed entry points
     GgmlType const type = f == Format::kQ8_0   ? GgmlType::kQ8_0
                           : f == Format::kQ6_K ? GgmlType::kQ6_K
                           : f == Format::kQ4_K ? GgmlType::kQ4_K
@@ -157,4 +161,65 @@ TEST_CASE("ggml_dequantize converts the plain types exactly and refuses what it 
                       Contains("whole 256-element blocks"));
   REQUIRE_THROWS_WITH(ggml_dequantize(static_cast<GgmlType>(4), q8, 32, y),
                       Contains("unknown ggml type 4"));
+}
+
+TEST_CASE("GGUF tensors of the block types moe has kernels for run as stored", "[gguf][quant]") {
+  // A GGUF file with a [N, K] tensor of each type: native_format names the kernel format, the
+  // Linear made from the file's bytes packs them as they are (pack_quant_panels of the mapped
+  // blocks, no conversion), and its product is the dequantized weights' (ggml's decoder) times
+  // the int8 activations, to fp32 rounding.
+  using moe::experts::WeightFormat;
+  constexpr Index N = 37, K = 96, T = 3;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> w(static_cast<std::size_t>(N * K)), x(static_cast<std::size_t>(T * K));
+  for (float& v : w) v = dist(rng);
+  for (float& v : x) v = dist(rng);
+  std::vector<std::pair<GgmlType, WeightFormat>> const types = {
+      {GgmlType::kQ5_0, WeightFormat::kQ5_0}};
+  moe::io::GgufWriter writer;
+  for (auto const& [type, format] : types) {
+    moe::quant::Format const qf = moe::experts::quant_format(format);
+    std::vector<std::byte> bytes(static_cast<std::size_t>(N * moe::quant::row_bytes(qf, K)));
+    moe::quant::quantize_row(qf, w.data(), N * K, bytes.data());
+    writer.add_tensor(std::string(moe::quant::ggml_type_name(type)), type, {K, N}, bytes);
+  }
+  moe::io::GgufFile const file(writer.serialize());
+  for (auto const& [type, format] : types) {
+    INFO(moe::quant::ggml_type_name(type));
+    moe::io::GgufTensorInfo const& info = file.tensor(moe::quant::ggml_type_name(type));
+    moe::io::BlockTensor const t{info.type, N, K, info.data};
+    REQUIRE(t.native() == format);
+    REQUIRE(moe::experts::load_format(type) == format);
+    moe::Linear const lin = moe::Linear::from_blocks(format, info.data.data(), N, K);
+    REQUIRE(lin.format() == format);
+    kernels::QuantWeights const& pack = lin.panels().quant[0];
+    std::vector<std::byte> want(static_cast<std::size_t>((N + 31) / 32 * pack.panel_bytes));
+    kernels::pack_quant_panels(pack.format, info.data.data(), N, K, want.data());
+    REQUIRE(std::memcmp(pack.data, want.data(), want.size()) == 0);
+    // y = x W^T through the projection queue.
+    std::vector<float> y(static_cast<std::size_t>(T * N));
+    moe::stages::ProjectionQueue q;
+    moe::LinearInput in;
+    q.add(moe::linear_job(lin, in.prepare({x.data(), T, K}, true, nullptr), T, y.data(), N));
+    q.run<moe::experts::SwiGlu, moe::experts::SwiGlu>(nullptr);
+    std::vector<float> const deq = t.dequantize();
+    Index const rb = kernels::q8_row_bytes(K);
+    std::vector<std::byte, xsimd::aligned_allocator<std::byte, 64>> q8(
+        static_cast<std::size_t>(T * rb));
+    kernels::quantize_rows_q8({x.data(), K}, T, K, q8.data(), rb);
+    for (Index i = 0; i < T; ++i) {
+      kernels::Q8Row const r = kernels::q8_row(q8.data() + i * rb, K);
+      for (Index n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (Index k = 0; k < K; ++k) {
+          double const p =
+              static_cast<double>(r.a[k]) * r.d[k / 32] * deq[static_cast<std::size_t>(n * K + k)];
+          ref += p;
+          mag += std::fabs(p);
+        }
+        REQUIRE(std::fabs(y[static_cast<std::size_t>(i * N + n)] - ref) <= 1e-5 * mag + 1e-6);
+      }
+    }
+  }
 }

@@ -76,6 +76,7 @@ std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte con
     if (f == quant::Format::kQ8_0) run.operator()<quant::Format::kQ8_0>();
     if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
     if (f == quant::Format::kQ5_K) run.operator()<quant::Format::kQ5_K>();
+    if (f == quant::Format::kQ5_0) run.operator()<quant::Format::kQ5_0>();
     if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
     if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
     if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
@@ -242,6 +243,7 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
   CHECK(bits(quant::Format::kQ8_0) == 8.5);
   CHECK(bits(quant::Format::kQ6_K) == 6.5625);  // 6 + 16 / 256 + 8 x 16 / 256
   CHECK(bits(quant::Format::kQ5_K) == 5.625);   // 5 + 2 x 16 / 256 + 2 x 8 x 8 / 256
+  CHECK(bits(quant::Format::kQ5_0) == 5.5);     // 5 + 16 / 32: GGUF's own size
   CHECK(bits(quant::Format::kQ4_K) == 4.625);   // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_0) == 4.5);
   CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
@@ -281,6 +283,12 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
           int const chunk = i / 64, l = i % 32, hi = i % 64 / 32;
           int const nib = hi ? b.qs[32 * chunk + l] >> 4 : b.qs[32 * chunk + l] & 0xF;
           return nib + ((b.qh[l] & (1 << (2 * chunk + hi))) != 0 ? 16 : 0);
+        }
+        case quant::Format::kQ5_0: {  // ggml's dequantize_row_q5_0: nibble + 16 * bit i of qh
+          quant::BlockQ5_0 b;
+          as(&b);
+          int const nib = i < 16 ? b.qs[i] & 0xF : b.qs[i - 16] >> 4;
+          return nib + ((b.qh[i / 8] >> (i % 8)) & 1) * 16;
         }
         case quant::Format::kQ3_K: {
           quant::BlockQ3_K b;
@@ -474,6 +482,53 @@ TEST_CASE("quant kernels: the SIMD (zmm, AVX-VNNI, AVX2) and portable kernels gi
             float const want = out1[static_cast<std::size_t>(i)][static_cast<std::size_t>(cc)];
             REQUIRE(std::memcmp(&m[at], &mp[at], 4) == 0);
             REQUIRE(std::memcmp(&c[at], &want, 4) == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("quant kernels: GGUF's 32-block formats against the dequantize-then-dot reference",
+          "[kernels][quant]") {
+  // Odd row counts, depths of one and of several blocks, T = 1, 3, 8, 33 tokens: quant_cols
+  // (the SIMD kernel of this build) against the double product of ggml's dequantized weights
+  // and the dequantized int8 activations, and bitwise against the portable kernel.
+  for (quant::Format f : {quant::Format::kQ5_0}) {
+    for (Index N : {Index{1}, Index{45}}) {
+      for (Index K : {quant::block_elems(f), 5 * quant::block_elems(f)}) {
+        QOperand op(f, N, K, 101 + static_cast<std::uint64_t>(N + K));
+        for (Index T : {Index{1}, Index{3}, Index{8}, Index{33}}) {
+          INFO(quant::name(f) << " N = " << N << " K = " << K << " T = " << T);
+          std::vector<float> x = test::random_vector(T * K, 7 + static_cast<std::uint64_t>(T));
+          auto const q8 = quantize_acts(x, T, K);
+          auto const xa = deq_rows(q8, T, K);
+          std::vector<float> c(static_cast<std::size_t>(T * N), -1.0f);
+          std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+          kernels::WeightPanels w;
+          w.quant[0] = op.w;
+          Index const np = (N + 31) / 32;
+          kernels::expert_cols(kernels::RowSource{x.data(), K}, T, K, w, 0, np,
+                               kernels::StoreEpilogue{c.data(), N, N}, scratch.data());
+          for (Index p = 0; p < np; ++p) {
+            std::byte const* panels[2] = {op.w.data + p * op.w.panel_bytes, nullptr};
+            auto const port = portable_panel(f, q8.data(), T, K, panels, 1);
+            for (Index i = 0; i < T; ++i) {
+              for (Index n = p * 32; n < std::min(N, p * 32 + 32); ++n) {
+                double want = 0, mag = 0;
+                for (Index k = 0; k < K; ++k) {
+                  double const t = xa[static_cast<std::size_t>(i * K + k)] *
+                                   op.deq[static_cast<std::size_t>(n * K + k)];
+                  want += t;
+                  mag += std::fabs(t);
+                }
+                float const got = c[static_cast<std::size_t>(i * N + n)];
+                REQUIRE(std::fabs(got - want) <= 1e-5 * mag + 1e-6);
+                float const same =
+                    port[static_cast<std::size_t>(i)][static_cast<std::size_t>(n - p * 32)];
+                REQUIRE(std::memcmp(&got, &same, 4) == 0);
+              }
+            }
           }
         }
       }

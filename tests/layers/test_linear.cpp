@@ -28,8 +28,9 @@ namespace quant = moe::quant;
 namespace {
 
 constexpr WeightFormat kAll[] = {WeightFormat::kF32,  WeightFormat::kBf16, WeightFormat::kQ8_0,
-                                 WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
-                                 WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K};
+                                 WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_0,
+                                 WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K,
+                                 WeightFormat::kQ2_K};
 
 /// y [T, N] = x W^T (+ bias) (accumulate: y +=) through the engine's queue.
 void run(Linear const& w, std::vector<float> const& x, Index T, std::vector<float>& y,
@@ -239,7 +240,7 @@ TEST_CASE("Linear::from_blocks: stored GGUF blocks run as stored, never re-quant
         std::size_t const at = qf == quant::Format::kQ6_K   ? 208
                                : qf == quant::Format::kQ3_K ? 108
                                : qf == quant::Format::kQ2_K ? 80
-                                                            : 0;  // Q8_0, Q5_K, Q4_K, Q4_0
+                                                            : 0;  // Q8_0, Q5_*, Q4_K, Q4_0
         std::memcpy(&d, blk + at, 2);
         d = moe::float_to_f16(0.75f * moe::f16_to_float(d));
         std::memcpy(blk + at, &d, 2);

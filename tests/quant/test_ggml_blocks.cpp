@@ -155,7 +155,13 @@ TEST_CASE("ggml blocks: Q5_0 and Q5_1 decode hand-built blocks", "[quant]") {
     INFO("weight " << i << ", level " << q);
     CHECK(y0[i] == 0.5f * static_cast<float>(q - 16));
     CHECK(y1[i] == 0.25f * static_cast<float>(q) + 2.0f);
+    // The kernels' level accessor and quant::Format's decoder (what the kernels multiply).
+    CHECK(quant::q5_level(b0, i) == q);
+    CHECK(quant::q5_level(b1, i) == q);
   }
+  float z0[32];
+  quant::dequantize_row(quant::Format::kQ5_0, &b0, 32, z0);
+  CHECK(std::memcmp(z0, y0, sizeof z0) == 0);
   // Both high-bit states occur (qh has set and clear bits in each half).
   CHECK(y0[1] == 0.5f * static_cast<float>(1 + 16 - 16));  // bit 1 of 0x1E set
   CHECK(y0[0] == 0.5f * static_cast<float>(0 - 16));       // bit 0 clear

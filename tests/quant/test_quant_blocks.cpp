@@ -55,8 +55,11 @@ TEST_CASE("quant: block sizes and names are ggml's", "[quant]") {
   CHECK(quant::parse_format("Q4_K") == Format::kQ4_K);
   CHECK(quant::parse_format("q8_0") == Format::kQ8_0);
   CHECK(quant::parse_format("Q5_K") == Format::kQ5_K);
+  CHECK(quant::block_bytes(Format::kQ5_0) == 22);
+  CHECK(quant::bits_per_weight(Format::kQ5_0) == 5.5);
+  CHECK(quant::parse_format("Q5_0") == Format::kQ5_0);
   for (Format f : quant::kFormats) CHECK(quant::parse_format(quant::name(f)) == f);
-  CHECK_THROWS_WITH(quant::parse_format("q5_0"), Catch::Contains("use one of q8_0, q6_k, q5_k"));
+  CHECK_THROWS_WITH(quant::parse_format("iq2_xxs"), Catch::Contains("use one of q8_0, q6_k, q5_k"));
 }
 
 TEST_CASE("quant: Q5_K's levels are the integers its decoder multiplies", "[quant]") {
@@ -256,9 +259,9 @@ TEST_CASE("quant: every format round-trips within its error, finer formats close
   // Relative Frobenius errors on Gaussian weights (measured with this seed: q8_0 0.00525,
   // q6_k 0.0175, q5_k 0.0357, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step
   // over 32 samples' range predicts 0.005, 0.016, 0.04, 0.08, 0.08); the bounds leave ~20% room.
-  double const bound[] = {0.0063, 0.021, 0.042, 0.085, 0.1, 0.18, 0.35};
-  static_assert(std::size(quant::kFormats) == 7);
-  for (int i = 0; i < 7; ++i) {
+  double const bound[] = {0.0063, 0.021, 0.042, 0.05, 0.085, 0.1, 0.18, 0.35};
+  static_assert(std::size(quant::kFormats) == std::size(bound));
+  for (std::size_t i = 0; i < std::size(bound); ++i) {
     Format const f = quant::kFormats[i];
     auto const q = quant::QuantMatrix::quantize(wv, f);
     CHECK(static_cast<Index>(q.bytes().size()) == rows * quant::row_bytes(f, cols));

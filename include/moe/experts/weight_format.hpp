@@ -29,6 +29,7 @@ enum class WeightFormat {
   kQ3_K,  ///< GGUF Q3_K (3.4375 bits; the kernel layout's int8 sub-block scales make it 3.5625)
   kQ2_K,  ///< GGUF Q2_K (2.625 bits, in the kernel layout too)
   kQ5_K,  ///< GGUF Q5_K (5.5 bits; Q4_K's nibbles and a bit plane: 5.625 in the kernel layout)
+  kQ5_0,  ///< GGUF Q5_0 (5.5 bits; Q5_K's level layout under Q4_0's scales, 5.5 in the kernels)
 };
 
 /// Is f one of the GGUF block formats (multiplied by the integer kernels)?
@@ -42,6 +43,8 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kQ6_K;
     case WeightFormat::kQ5_K:
       return quant::Format::kQ5_K;
+    case WeightFormat::kQ5_0:
+      return quant::Format::kQ5_0;
     case WeightFormat::kQ4_K:
       return quant::Format::kQ4_K;
     case WeightFormat::kQ4_0:
@@ -54,7 +57,7 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kQ8_0;
   }
 }
-/// "fp32", "bf16", "q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "q3_k", "q2_k".
+/// "fp32", "bf16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_k", "q4_0", "q3_k", "q2_k".
 constexpr char const* name(WeightFormat f) {
   return f == WeightFormat::kF32    ? "fp32"
          : f == WeightFormat::kBf16 ? "bf16"
@@ -66,12 +69,13 @@ inline WeightFormat parse_weight_format(std::string_view s) {
   for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
   if (lower == "bf16") return WeightFormat::kBf16;
-  for (auto f : {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
-                 WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  for (auto f :
+       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_0,
+        WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     if (lower == name(f)) return f;
   }
   detail::fail("parse_weight_format: unknown weight format '", s,
-               "'; use one of fp32, bf16, q8_0, q6_k, q5_k, q4_k, q4_0, q3_k, q2_k");
+               "'; use one of fp32, bf16, q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k");
 }
 /// Bits per weight of a format as stored by ExpertBank::pack (scales included).
 constexpr double bits_per_weight(WeightFormat f) {
@@ -82,7 +86,7 @@ constexpr double bits_per_weight(WeightFormat f) {
 
 /// Can a matrix of depth K (its input width, the length of a row of W [N, K]) be stored in `f`?
 /// fp32 and bf16 hold any K >= 1; a GGUF block format needs K to be a multiple of its block
-/// (32 for Q8_0 and Q4_0, 256 for the K-quants).
+/// (32 for Q8_0, Q5_0 and Q4_0, 256 for the K-quants).
 constexpr bool holds_depth(WeightFormat f, Index K) {
   return K >= 1 && (!is_quantized(f) || K % quant::block_elems(quant_format(f)) == 0);
 }
@@ -90,7 +94,8 @@ constexpr bool holds_depth(WeightFormat f, Index K) {
 /// The next format of the fallback chain, for a matrix whose depth `f` cannot hold; each step
 /// keeps about the size or grows it, never the other way (llama.cpp's quantizer does the same per
 /// tensor, with Q5_0 where moe has Q4_0):
-///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q5_k, q6_k -> q8_0 -> bf16;   bf16, fp32: none.
+///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q5_k, q6_k, q5_0 -> q8_0 -> bf16;
+///   bf16, fp32: none.
 /// (q5_k skips q4_0, whose 4.5 bits would lose one of its 5.5; llama.cpp sends Q5_K to Q5_1.)
 constexpr WeightFormat fallback_format(WeightFormat f) {
   switch (f) {
@@ -100,6 +105,7 @@ constexpr WeightFormat fallback_format(WeightFormat f) {
       return WeightFormat::kQ4_0;
     case WeightFormat::kQ6_K:
     case WeightFormat::kQ5_K:
+    case WeightFormat::kQ5_0:
     case WeightFormat::kQ4_0:
       return WeightFormat::kQ8_0;
     case WeightFormat::kQ8_0:
@@ -151,24 +157,27 @@ constexpr quant::GgmlType ggml_type(WeightFormat f) {
       return quant::GgmlType::kQ2_K;
     case WeightFormat::kQ5_K:
       return quant::GgmlType::kQ5_K;
+    case WeightFormat::kQ5_0:
+      return quant::GgmlType::kQ5_0;
   }
   return quant::GgmlType::kF32;
 }
 
 /// The format that multiplies ggml type `t` as stored (its blocks re-packed for the kernels, the
-/// values unchanged): F32, BF16, Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, Q3_K and Q2_K have one; nullopt
-/// for the others (F16, Q4_1, Q5_0, Q5_1, the IQ types, MXFP4, ...), which moe decodes at load.
+/// values unchanged): F32, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K and Q2_K have one;
+/// nullopt for the others (F16, Q4_1, Q5_1, the IQ types, MXFP4, ...), which moe decodes at load.
 constexpr std::optional<WeightFormat> native_format(quant::GgmlType t) {
-  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0,
-                         WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ4_K,
-                         WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  for (WeightFormat f :
+       {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kQ6_K,
+        WeightFormat::kQ5_K, WeightFormat::kQ5_0, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
+        WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
     if (ggml_type(f) == t) return f;
   }
   return std::nullopt;
 }
 
 /// The format a matrix stored as ggml type `t` is loaded into when no format is asked for: its
-/// native format, else (a block type without a kernel in moe: Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS,
+/// native format, else (a block type without a kernel in moe: Q4_1, Q5_1, IQ4_NL, IQ4_XS,
 /// MXFP4, IQ1..IQ3) q8_0, which holds each of them to within a 255th of its block's
 /// largest weight at 8.5 bits a weight (the weights are decoded bit-exactly with ggml, then
 /// quantized with Q8_0's fast reference quantizer), and fp32 for F16 and the other float types.

@@ -7,7 +7,8 @@
 /// da_b = amax_b / 127 and a_k = round_even(x_k / da_b), with the block sums s32_b = sum a_k (and
 /// per 16: s16) kept beside them. Weights are re-packed once (pack_quant_panels) from GGUF rows
 /// into panels of 32 output columns, every weight an unsigned level u with
-///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q6_K: offset 32)
+///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q5_0: offset 16;
+///                          Q6_K: offset 32)
 ///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise)
 /// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
 /// is then, per scale block, one integer sum by `vpdpbusd` (unsigned weight bytes times signed
@@ -190,6 +191,7 @@ constexpr Index quant_header_bytes(quant::Format f) {
   switch (f) {
     case quant::Format::kQ8_0:
     case quant::Format::kQ4_0:
+    case quant::Format::kQ5_0:
       return 64;  // fp16 d[32]
     case quant::Format::kQ4_K:
     case quant::Format::kQ5_K:
@@ -210,6 +212,7 @@ constexpr Index quant_level_bits(quant::Format f) {
     case quant::Format::kQ6_K:
       return 6;
     case quant::Format::kQ5_K:
+    case quant::Format::kQ5_0:
       return 5;
     case quant::Format::kQ3_K:
       return 3;
@@ -223,9 +226,12 @@ constexpr Index quant_level_bits(quant::Format f) {
 constexpr bool quant_is_4bit(quant::Format f) {
   return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
 }
-/// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K)?
-constexpr bool quant_is_5bit(quant::Format f) { return f == quant::Format::kQ5_K; }
-/// Level bytes of one 32-deep Q5_K sub-block: 512 of nibbles, then 128 of fifth bits.
+/// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K; Q5_0,
+/// whose block is one such sub-block)?
+constexpr bool quant_is_5bit(quant::Format f) {
+  return f == quant::Format::kQ5_K || f == quant::Format::kQ5_0;
+}
+/// Level bytes of one 32-deep 5-bit sub-block: 512 of nibbles, then 128 of fifth bits.
 inline constexpr Index kQ5kSubBytes = 640;
 /// Are the levels stored in bit planes per 16-deep sub-block (Q6_K: nibbles and a 2-bit plane;
 /// Q3_K: a 2-bit and a 1-bit plane; Q2_K: a 2-bit plane)?
@@ -280,7 +286,8 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
 ///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
 ///   4-bit (Q4_0, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
 ///     k = 8 o + 4 + j (high);
-///   5-bit (Q5_K), 640 bytes per 32-deep sub-block, k = 4 t + j within it (t = 0..7): bytes
+///   5-bit (Q5_K, Q5_0), 640 bytes per 32-deep sub-block (Q5_0: the whole group), k = 4 t + j
+///   within it (t = 0..7): bytes
 ///     [0, 512) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes [512, 640) the
 ///     fifth bits, byte c * 4 + j bit t;
 ///   planar (Q6_K, Q3_K, Q2_K), 64 x bits bytes per 16-deep sub-block, k = 4 t + j within it:
@@ -361,6 +368,13 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
             break;
           }
+          case Format::kQ5_0: {
+            quant::BlockQ5_0 b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            for (Index k = 0; k < 32; ++k) put(k, quant::q5_level(b, static_cast<int>(k)));
+            break;
+          }
           case Format::kQ4_K:
             k_header_and_levels(quant::BlockQ4_K{},
                                 [](auto const& b, int k) { return quant::q4k_level(b, k); });
@@ -413,14 +427,16 @@ struct QuantWeights {
 
 namespace detail {
 
-/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q4_0 8, Q3_K 4); Q4_K, Q5_K
-/// and Q2_K have a min instead.
+/// log2 of the level offset of an offset format (Q8_0 128, Q6_K 32, Q5_0 16, Q4_0 8, Q3_K 4);
+/// Q4_K, Q5_K and Q2_K have a min instead.
 constexpr int quant_offset_shift(quant::Format f) {
   switch (f) {
     case quant::Format::kQ8_0:
       return 7;
     case quant::Format::kQ6_K:
       return 5;
+    case quant::Format::kQ5_0:
+      return 4;
     case quant::Format::kQ3_K:
       return 2;
     default:
@@ -429,10 +445,8 @@ constexpr int quant_offset_shift(quant::Format f) {
 }
 /// Depth of one integer sum (a scale block of the weights).
 constexpr Index quant_fold_depth(quant::Format f) {
-  return f == quant::Format::kQ4_K || f == quant::Format::kQ5_K || f == quant::Format::kQ8_0 ||
-                 f == quant::Format::kQ4_0
-             ? 32
-             : 16;
+  return f == quant::Format::kQ6_K || f == quant::Format::kQ3_K || f == quant::Format::kQ2_K ? 16
+                                                                                             : 32;
 }
 /// Sub-blocks per group, and where their scales and mins start in the group header.
 constexpr Index quant_sub_blocks(quant::Format f) {
@@ -1469,6 +1483,9 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
         break;
       case quant::Format::kQ5_K:
         run.template operator()<quant::Format::kQ5_K>();
+        break;
+      case quant::Format::kQ5_0:
+        run.template operator()<quant::Format::kQ5_0>();
         break;
       case quant::Format::kQ4_K:
         run.template operator()<quant::Format::kQ4_K>();

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, Q3_K and Q2_K
-/// (ggml-common.h), and their reference quantizers and dequantizers (ggml-quants.c:
+/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K and
+/// Q2_K (ggml-common.h), and their reference quantizers and dequantizers (ggml-quants.c:
 /// quantize_row_*_ref, dequantize_row_*), written here from those definitions. A row of k
 /// weights is k / block_elems consecutive blocks, little-endian, as in a GGUF tensor:
 ///
@@ -11,6 +11,7 @@
 /// | Q8_0   | 32              | 34    | 8.5           | d * qs[i]                              |
 /// | Q6_K   | 256 (16 x 16)   | 210   | 6.5625        | d * scales[i / 16] * (q6 - 32)         |
 /// | Q5_K   | 256 (8 x 32)    | 176   | 5.5           | d * sc[i / 32] * q5 - dmin * m[i / 32] |
+/// | Q5_0   | 32              | 22    | 5.5           | d * (q5 - 16)                          |
 /// | Q4_K   | 256 (8 x 32)    | 144   | 4.5           | d * sc[i / 32] * q4 - dmin * m[i / 32] |
 /// | Q4_0   | 32              | 18    | 4.5           | d * (q4 - 8)                           |
 /// | Q3_K   | 256 (16 x 16)   | 110   | 3.4375        | d * (sc[i / 16] - 32) * (q3 - 4)       |
@@ -47,11 +48,12 @@ enum class Format : std::uint8_t {
   kQ3_K,  ///< 3-bit, 256-super-blocks of 16 sub-blocks with 6-bit scales
   kQ2_K,  ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
   kQ5_K,  ///< 5-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins (Q4_K + a bit)
+  kQ5_0,  ///< 5-bit, 32-blocks, one fp16 scale, offset 16 (Q4_0 + a bit)
 };
 
 /// Every format, in order of falling precision.
-inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ4_K,
-                                      Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
+inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ5_0,
+                                      Format::kQ4_K, Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
 struct BlockQ8_0 {
@@ -117,7 +119,7 @@ static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(Block
 
 /// Weights per block.
 constexpr Index block_elems(Format f) {
-  return f == Format::kQ8_0 || f == Format::kQ4_0 ? 32 : 256;
+  return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ5_0 ? 32 : 256;
 }
 /// Bytes per block.
 constexpr Index block_bytes(Format f) {
@@ -136,6 +138,8 @@ constexpr Index block_bytes(Format f) {
       return 84;
     case Format::kQ5_K:
       return 176;
+    case Format::kQ5_0:
+      return 22;
   }
   return 0;
 }
@@ -146,7 +150,7 @@ constexpr double bits_per_weight(Format f) {
 /// Bytes of a row of k weights (k a multiple of block_elems(f)).
 constexpr Index row_bytes(Format f, Index k) { return k / block_elems(f) * block_bytes(f); }
 
-/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "q3_k", "q2_k".
+/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q5_0", "q4_k", "q4_0", "q3_k", "q2_k".
 constexpr char const* name(Format f) {
   switch (f) {
     case Format::kQ8_0:
@@ -163,6 +167,8 @@ constexpr char const* name(Format f) {
       return "q2_k";
     case Format::kQ5_K:
       return "q5_k";
+    case Format::kQ5_0:
+      return "q5_0";
   }
   return "?";
 }
@@ -175,7 +181,7 @@ inline Format parse_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
-               "'; use one of q8_0, q6_k, q5_k, q4_k, q4_0, q3_k, q2_k");
+               "'; use one of q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k");
 }
 
 namespace detail {
@@ -912,13 +918,25 @@ inline int q5k_level(BlockQ5_K const& b, int i) {
   int const high = (b.qh[r % 32] >> (2 * chunk + r / 32)) & 1;
   return (r < 32 ? v & 0xF : v >> 4) | high << 4;
 }
+/// The 5-bit level (0..31) of weight i of a 32-block with Q5_0's / Q5_1's layout: nibble i of
+/// qs (weights 0..15 low, 16..31 high, as Q4_0) plus 16 times bit i of the little-endian qh.
+template <class Block>
+int q5_level(Block const& b, int i) {
+  int const nib = i < 16 ? b.qs[i] & 0xF : b.qs[i - 16] >> 4;
+  return nib | static_cast<int>((detail::load_le32(b.qh) >> i) & 1u) << 4;
+}
 
 namespace detail {
+/// Weights per block of a block type: the 32-blocks are at most 34 bytes, the 256-blocks at least
+/// 84.
+template <class Block>
+constexpr Index block_elems_of() {
+  return sizeof(Block) <= 34 ? 32 : 256;
+}
 template <class Block>
 void quantize_blocks(float const* x, Index k, void* out) {
   auto* blocks = static_cast<Block*>(out);
-  constexpr Index elems =
-      std::is_same_v<Block, BlockQ8_0> || std::is_same_v<Block, BlockQ4_0> ? 32 : 256;
+  constexpr Index elems = block_elems_of<Block>();
   for (Index b = 0; b < k / elems; ++b) {
     Block blk;
     std::memset(&blk, 0, sizeof blk);
@@ -928,8 +946,7 @@ void quantize_blocks(float const* x, Index k, void* out) {
 }
 template <class Block>
 void dequantize_blocks(void const* in, Index k, float* y) {
-  constexpr Index elems =
-      std::is_same_v<Block, BlockQ8_0> || std::is_same_v<Block, BlockQ4_0> ? 32 : 256;
+  constexpr Index elems = block_elems_of<Block>();
   auto const* bytes = static_cast<unsigned char const*>(in);
   for (Index b = 0; b < k / elems; ++b) {
     Block blk;
@@ -972,6 +989,8 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockQ2_K>(x, k, out);
     case Format::kQ5_K:
       return detail::quantize_blocks<BlockQ5_K>(x, k, out);
+    case Format::kQ5_0:
+      return detail::quantize_blocks<BlockQ5_0>(x, k, out);
   }
 }
 
@@ -993,6 +1012,8 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockQ2_K>(in, k, y);
     case Format::kQ5_K:
       return detail::dequantize_blocks<BlockQ5_K>(in, k, y);
+    case Format::kQ5_0:
+      return detail::dequantize_blocks<BlockQ5_0>(in, k, y);
   }
 }
 
