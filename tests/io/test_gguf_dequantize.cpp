@@ -73,7 +73,9 @@ TEST_CASE("ggml_dequantize decodes every quantized type of a GGUF file", "[gguf]
                               dequantize_row_iq4_xs);
   add.operator()<BlockMXFP4>(GgmlType::kMXFP4, 0.3f, quantize_row_mxfp4_ref, dequantize_row_mxfp4);
   for (Format const f : kFormats) {  // the formats moe also multiplies: Q8_0 ... Q2_K
-    if (f == Format::kQ5_K || f == Format::kQ5_0) continue;  // above, by typed entry points
+    if (f == Format::kQ5_K || f == Format::kQ5_0 || f == Format::kQ4_1 || f == Format::kQ5_1) {
+      continue;  // above, by their typed entry points
+    }
     GgmlType const type = f == Format::kQ8_0   ? GgmlType::kQ8_0
                           : f == Format::kQ6_K ? GgmlType::kQ6_K
                           : f == Format::kQ4_K ? GgmlType::kQ4_K
@@ -176,7 +178,9 @@ TEST_CASE("GGUF tensors of the block types moe has kernels for run as stored", "
   for (float& v : w) v = dist(rng);
   for (float& v : x) v = dist(rng);
   std::vector<std::pair<GgmlType, WeightFormat>> const types = {
-      {GgmlType::kQ5_0, WeightFormat::kQ5_0}};
+      {GgmlType::kQ5_0, WeightFormat::kQ5_0},
+      {GgmlType::kQ4_1, WeightFormat::kQ4_1},
+      {GgmlType::kQ5_1, WeightFormat::kQ5_1}};
   moe::io::GgufWriter writer;
   for (auto const& [type, format] : types) {
     moe::quant::Format const qf = moe::experts::quant_format(format);

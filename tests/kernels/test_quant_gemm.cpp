@@ -77,6 +77,8 @@ std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte con
     if (f == quant::Format::kQ6_K) run.operator()<quant::Format::kQ6_K>();
     if (f == quant::Format::kQ5_K) run.operator()<quant::Format::kQ5_K>();
     if (f == quant::Format::kQ5_0) run.operator()<quant::Format::kQ5_0>();
+    if (f == quant::Format::kQ4_1) run.operator()<quant::Format::kQ4_1>();
+    if (f == quant::Format::kQ5_1) run.operator()<quant::Format::kQ5_1>();
     if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
     if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
     if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
@@ -244,6 +246,8 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
   CHECK(bits(quant::Format::kQ6_K) == 6.5625);  // 6 + 16 / 256 + 8 x 16 / 256
   CHECK(bits(quant::Format::kQ5_K) == 5.625);   // 5 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ5_0) == 5.5);     // 5 + 16 / 32: GGUF's own size
+  CHECK(bits(quant::Format::kQ5_1) == 6.0);     // 5 + 2 x 16 / 32
+  CHECK(bits(quant::Format::kQ4_1) == 5.0);     // 4 + 2 x 16 / 32
   CHECK(bits(quant::Format::kQ4_K) == 4.625);   // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_0) == 4.5);
   CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
@@ -289,6 +293,16 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
           as(&b);
           int const nib = i < 16 ? b.qs[i] & 0xF : b.qs[i - 16] >> 4;
           return nib + ((b.qh[i / 8] >> (i % 8)) & 1) * 16;
+        }
+        case quant::Format::kQ5_1: {  // as Q5_0's
+          quant::BlockQ5_1 b;
+          as(&b);
+          int const nib = i < 16 ? b.qs[i] & 0xF : b.qs[i - 16] >> 4;
+          return nib + ((b.qh[i / 8] >> (i % 8)) & 1) * 16;
+        }
+        case quant::Format::kQ4_1: {  // as Q4_0's
+          quant::BlockQ4_1 b;
+          return i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
         }
         case quant::Format::kQ3_K: {
           quant::BlockQ3_K b;
@@ -494,7 +508,7 @@ TEST_CASE("quant kernels: GGUF's 32-block formats against the dequantize-then-do
   // Odd row counts, depths of one and of several blocks, T = 1, 3, 8, 33 tokens: quant_cols
   // (the SIMD kernel of this build) against the double product of ggml's dequantized weights
   // and the dequantized int8 activations, and bitwise against the portable kernel.
-  for (quant::Format f : {quant::Format::kQ5_0}) {
+  for (quant::Format f : {quant::Format::kQ5_0, quant::Format::kQ4_1, quant::Format::kQ5_1}) {
     for (Index N : {Index{1}, Index{45}}) {
       for (Index K : {quant::block_elems(f), 5 * quant::block_elems(f)}) {
         QOperand op(f, N, K, 101 + static_cast<std::uint64_t>(N + K));

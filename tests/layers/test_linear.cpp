@@ -28,9 +28,9 @@ namespace quant = moe::quant;
 namespace {
 
 constexpr WeightFormat kAll[] = {WeightFormat::kF32,  WeightFormat::kBf16, WeightFormat::kQ8_0,
-                                 WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_0,
-                                 WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K,
-                                 WeightFormat::kQ2_K};
+                                 WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_1,
+                                 WeightFormat::kQ5_0, WeightFormat::kQ4_1, WeightFormat::kQ4_K,
+                                 WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K};
 
 /// y [T, N] = x W^T (+ bias) (accumulate: y +=) through the engine's queue.
 void run(Linear const& w, std::vector<float> const& x, Index T, std::vector<float>& y,
@@ -182,7 +182,9 @@ TEST_CASE("Linear: a format whose blocks do not divide the depth falls back alon
   CHECK(resolve_format(WeightFormat::kQ2_K, 128) == WeightFormat::kQ4_0);
   CHECK(resolve_format(WeightFormat::kQ3_K, 96) == WeightFormat::kQ4_0);
   CHECK(resolve_format(WeightFormat::kQ6_K, 2880) == WeightFormat::kQ8_0);
-  CHECK(resolve_format(WeightFormat::kQ5_K, 2880) == WeightFormat::kQ8_0);  // not q4_0: smaller
+  CHECK(resolve_format(WeightFormat::kQ5_K, 2880) == WeightFormat::kQ5_1);  // not q4_0: smaller
+  CHECK(resolve_format(WeightFormat::kQ5_K, 200) == WeightFormat::kBf16);
+  CHECK(resolve_format(WeightFormat::kQ4_1, 48) == WeightFormat::kBf16);
   CHECK(resolve_format(WeightFormat::kQ5_K, 512) == WeightFormat::kQ5_K);
   CHECK(resolve_format(WeightFormat::kQ4_K, 200) == WeightFormat::kBf16);  // not even 32-blocks
   CHECK(resolve_format(WeightFormat::kQ8_0, 48) == WeightFormat::kBf16);
@@ -192,7 +194,7 @@ TEST_CASE("Linear: a format whose blocks do not divide the depth falls back alon
   CHECK(moe::experts::formats_holding(WeightFormat::kQ4_K, 200) == "bf16, fp32");
   CHECK(moe::experts::formats_holding(WeightFormat::kQ4_K, 96) == "q4_0, q8_0, bf16, fp32");
   CHECK(moe::experts::formats_holding(WeightFormat::kQ6_K, 256) == "q6_k, q8_0, bf16, fp32");
-  CHECK(moe::experts::formats_holding(WeightFormat::kQ5_K, 96) == "q8_0, bf16, fp32");
+  CHECK(moe::experts::formats_holding(WeightFormat::kQ5_K, 96) == "q5_1, q8_0, bf16, fp32");
   // A Linear says what it got, and multiplies in it.
   Index const N = 33, K = 96, T = 2;
   std::vector<float> const w = test::random_vector(N * K, 9);

@@ -130,6 +130,9 @@ TEST_CASE("ggml blocks: Q4_1 decodes a hand-built block", "[quant]") {
     CHECK(y[j] == 0.5f * static_cast<float>(j) - 1.0f);
     CHECK(y[j + 16] == 0.5f * static_cast<float>(15 - j) - 1.0f);
   }
+  float z[32];  // quant::Format's decoder (what the kernels multiply): the same values
+  quant::dequantize_row(quant::Format::kQ4_1, &b, 32, z);
+  CHECK(std::memcmp(z, y, sizeof z) == 0);
 }
 
 TEST_CASE("ggml blocks: Q5_0 and Q5_1 decode hand-built blocks", "[quant]") {
@@ -162,6 +165,8 @@ TEST_CASE("ggml blocks: Q5_0 and Q5_1 decode hand-built blocks", "[quant]") {
   float z0[32];
   quant::dequantize_row(quant::Format::kQ5_0, &b0, 32, z0);
   CHECK(std::memcmp(z0, y0, sizeof z0) == 0);
+  quant::dequantize_row(quant::Format::kQ5_1, &b1, 32, z0);
+  CHECK(std::memcmp(z0, y1, sizeof z0) == 0);
   // Both high-bit states occur (qh has set and clear bits in each half).
   CHECK(y0[1] == 0.5f * static_cast<float>(1 + 16 - 16));  // bit 1 of 0x1E set
   CHECK(y0[0] == 0.5f * static_cast<float>(0 - 16));       // bit 0 clear

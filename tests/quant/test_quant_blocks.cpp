@@ -58,6 +58,12 @@ TEST_CASE("quant: block sizes and names are ggml's", "[quant]") {
   CHECK(quant::block_bytes(Format::kQ5_0) == 22);
   CHECK(quant::bits_per_weight(Format::kQ5_0) == 5.5);
   CHECK(quant::parse_format("Q5_0") == Format::kQ5_0);
+  CHECK(quant::block_bytes(Format::kQ4_1) == 20);
+  CHECK(quant::bits_per_weight(Format::kQ4_1) == 5.0);
+  CHECK(quant::block_bytes(Format::kQ5_1) == 24);
+  CHECK(quant::bits_per_weight(Format::kQ5_1) == 6.0);
+  CHECK(quant::parse_format("Q4_1") == Format::kQ4_1);
+  CHECK(quant::parse_format("q5_1") == Format::kQ5_1);
   for (Format f : quant::kFormats) CHECK(quant::parse_format(quant::name(f)) == f);
   CHECK_THROWS_WITH(quant::parse_format("iq2_xxs"), Catch::Contains("use one of q8_0, q6_k, q5_k"));
 }
@@ -259,7 +265,7 @@ TEST_CASE("quant: every format round-trips within its error, finer formats close
   // Relative Frobenius errors on Gaussian weights (measured with this seed: q8_0 0.00525,
   // q6_k 0.0175, q5_k 0.0357, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step
   // over 32 samples' range predicts 0.005, 0.016, 0.04, 0.08, 0.08); the bounds leave ~20% room.
-  double const bound[] = {0.0063, 0.021, 0.042, 0.05, 0.085, 0.1, 0.18, 0.35};
+  double const bound[] = {0.0063, 0.021, 0.042, 0.045, 0.05, 0.085, 0.092, 0.1, 0.18, 0.35};
   static_assert(std::size(quant::kFormats) == std::size(bound));
   for (std::size_t i = 0; i < std::size(bound); ++i) {
     Format const f = quant::kFormats[i];

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <span>
 #include <string>
 #include <vector>
@@ -146,11 +147,12 @@ QuantPlan plan_quantization(Bank const& bank, double average_bits, AllocationMet
     std::string asked, holding;
     for (WeightFormat const f : candidates)
       asked += (asked.empty() ? "" : ", ") + std::string(name(f));
-    for (WeightFormat const f : {WeightFormat::kQ2_K, WeightFormat::kQ3_K, WeightFormat::kQ4_0,
-                                 WeightFormat::kQ4_K, WeightFormat::kQ5_K, WeightFormat::kQ6_K,
-                                 WeightFormat::kQ8_0, WeightFormat::kBf16, WeightFormat::kF32}) {
+    auto hold = [&](WeightFormat f) {
       if (holds_depth(f, depth)) holding += (holding.empty() ? "" : ", ") + std::string(name(f));
-    }
+    };
+    for (auto f = std::rbegin(kBlockFormats); f != std::rend(kBlockFormats); ++f) hold(*f);
+    hold(WeightFormat::kBf16);
+    hold(WeightFormat::kF32);
     moe::detail::fail(
         "plan_quantization: no candidate format (", asked, ") holds the ",
         unit == 0 ? "in projections' depth d_model = " : "down projections' depth d_ffn = ", depth,

@@ -30,7 +30,15 @@ enum class WeightFormat {
   kQ2_K,  ///< GGUF Q2_K (2.625 bits, in the kernel layout too)
   kQ5_K,  ///< GGUF Q5_K (5.5 bits; Q4_K's nibbles and a bit plane: 5.625 in the kernel layout)
   kQ5_0,  ///< GGUF Q5_0 (5.5 bits; Q5_K's level layout under Q4_0's scales, 5.5 in the kernels)
+  kQ4_1,  ///< GGUF Q4_1 (5 bits: Q4_0's levels, an fp16 scale and an fp16 min per 32)
+  kQ5_1,  ///< GGUF Q5_1 (6 bits: Q5_0's levels, an fp16 scale and an fp16 min per 32)
 };
+
+/// The block formats, in order of falling precision (quant::kFormats' order).
+inline constexpr WeightFormat kBlockFormats[] = {
+    WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_1,
+    WeightFormat::kQ5_0, WeightFormat::kQ4_K, WeightFormat::kQ4_1, WeightFormat::kQ4_0,
+    WeightFormat::kQ3_K, WeightFormat::kQ2_K};
 
 /// Is f one of the GGUF block formats (multiplied by the integer kernels)?
 constexpr bool is_quantized(WeightFormat f) {
@@ -45,6 +53,10 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kQ5_K;
     case WeightFormat::kQ5_0:
       return quant::Format::kQ5_0;
+    case WeightFormat::kQ4_1:
+      return quant::Format::kQ4_1;
+    case WeightFormat::kQ5_1:
+      return quant::Format::kQ5_1;
     case WeightFormat::kQ4_K:
       return quant::Format::kQ4_K;
     case WeightFormat::kQ4_0:
@@ -57,7 +69,7 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kQ8_0;
   }
 }
-/// "fp32", "bf16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_k", "q4_0", "q3_k", "q2_k".
+/// "fp32", "bf16", and the block formats' quant::name: "q8_0", "q6_k", ..., "q2_k".
 constexpr char const* name(WeightFormat f) {
   return f == WeightFormat::kF32    ? "fp32"
          : f == WeightFormat::kBf16 ? "bf16"
@@ -69,13 +81,12 @@ inline WeightFormat parse_weight_format(std::string_view s) {
   for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   if (lower == "fp32" || lower == "f32") return WeightFormat::kF32;
   if (lower == "bf16") return WeightFormat::kBf16;
-  for (auto f :
-       {WeightFormat::kQ8_0, WeightFormat::kQ6_K, WeightFormat::kQ5_K, WeightFormat::kQ5_0,
-        WeightFormat::kQ4_K, WeightFormat::kQ4_0, WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  std::string names = "fp32, bf16";
+  for (WeightFormat const f : kBlockFormats) {
     if (lower == name(f)) return f;
+    names += std::string(", ") + name(f);
   }
-  detail::fail("parse_weight_format: unknown weight format '", s,
-               "'; use one of fp32, bf16, q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k");
+  detail::fail("parse_weight_format: unknown weight format '", s, "'; use one of ", names);
 }
 /// Bits per weight of a format as stored by ExpertBank::pack (scales included).
 constexpr double bits_per_weight(WeightFormat f) {
@@ -86,7 +97,7 @@ constexpr double bits_per_weight(WeightFormat f) {
 
 /// Can a matrix of depth K (its input width, the length of a row of W [N, K]) be stored in `f`?
 /// fp32 and bf16 hold any K >= 1; a GGUF block format needs K to be a multiple of its block
-/// (32 for Q8_0, Q5_0 and Q4_0, 256 for the K-quants).
+/// (32 for Q8_0, Q5_1, Q5_0, Q4_1 and Q4_0, 256 for the K-quants).
 constexpr bool holds_depth(WeightFormat f, Index K) {
   return K >= 1 && (!is_quantized(f) || K % quant::block_elems(quant_format(f)) == 0);
 }
@@ -94,18 +105,23 @@ constexpr bool holds_depth(WeightFormat f, Index K) {
 /// The next format of the fallback chain, for a matrix whose depth `f` cannot hold; each step
 /// keeps about the size or grows it, never the other way (llama.cpp's quantizer does the same per
 /// tensor, with Q5_0 where moe has Q4_0):
-///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q5_k, q6_k, q5_0 -> q8_0 -> bf16;
-///   bf16, fp32: none.
-/// (q5_k skips q4_0, whose 4.5 bits would lose one of its 5.5; llama.cpp sends Q5_K to Q5_1.)
+///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q5_k -> q5_1 -> q8_0 -> bf16;
+///   q6_k, q5_0, q4_1 -> q8_0 -> bf16;   bf16, fp32: none.
+/// (q5_k goes to q5_1, as llama.cpp sends Q5_K, not to q4_0, whose 4.5 bits would lose one of
+/// its 5.5; the 32-block formats all hold the same depths, so from one of them the chain ends in
+/// bf16.)
 constexpr WeightFormat fallback_format(WeightFormat f) {
   switch (f) {
     case WeightFormat::kQ2_K:
     case WeightFormat::kQ3_K:
     case WeightFormat::kQ4_K:
       return WeightFormat::kQ4_0;
-    case WeightFormat::kQ6_K:
     case WeightFormat::kQ5_K:
+      return WeightFormat::kQ5_1;
+    case WeightFormat::kQ6_K:
     case WeightFormat::kQ5_0:
+    case WeightFormat::kQ4_1:
+    case WeightFormat::kQ5_1:
     case WeightFormat::kQ4_0:
       return WeightFormat::kQ8_0;
     case WeightFormat::kQ8_0:
@@ -159,26 +175,30 @@ constexpr quant::GgmlType ggml_type(WeightFormat f) {
       return quant::GgmlType::kQ5_K;
     case WeightFormat::kQ5_0:
       return quant::GgmlType::kQ5_0;
+    case WeightFormat::kQ4_1:
+      return quant::GgmlType::kQ4_1;
+    case WeightFormat::kQ5_1:
+      return quant::GgmlType::kQ5_1;
   }
   return quant::GgmlType::kF32;
 }
 
 /// The format that multiplies ggml type `t` as stored (its blocks re-packed for the kernels, the
-/// values unchanged): F32, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K and Q2_K have one;
-/// nullopt for the others (F16, Q4_1, Q5_1, the IQ types, MXFP4, ...), which moe decodes at load.
+/// values unchanged): F32, BF16 and the block formats' types (Q8_0, Q6_K, Q5_K, Q5_1, Q5_0,
+/// Q4_K, Q4_1, Q4_0, Q3_K, Q2_K) have one; nullopt for the others (F16, the IQ types, MXFP4,
+/// ...), which moe decodes at load.
 constexpr std::optional<WeightFormat> native_format(quant::GgmlType t) {
-  for (WeightFormat f :
-       {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kQ6_K,
-        WeightFormat::kQ5_K, WeightFormat::kQ5_0, WeightFormat::kQ4_K, WeightFormat::kQ4_0,
-        WeightFormat::kQ3_K, WeightFormat::kQ2_K}) {
+  if (t == quant::GgmlType::kF32) return WeightFormat::kF32;
+  if (t == quant::GgmlType::kBF16) return WeightFormat::kBf16;
+  for (WeightFormat const f : kBlockFormats) {
     if (ggml_type(f) == t) return f;
   }
   return std::nullopt;
 }
 
 /// The format a matrix stored as ggml type `t` is loaded into when no format is asked for: its
-/// native format, else (a block type without a kernel in moe: Q4_1, Q5_1, IQ4_NL, IQ4_XS,
-/// MXFP4, IQ1..IQ3) q8_0, which holds each of them to within a 255th of its block's
+/// native format, else (a block type without a kernel in moe: IQ4_NL, IQ4_XS, MXFP4, IQ1..IQ3)
+/// q8_0, which holds each of them to within a 255th of its block's
 /// largest weight at 8.5 bits a weight (the weights are decoded bit-exactly with ggml, then
 /// quantized with Q8_0's fast reference quantizer), and fp32 for F16 and the other float types.
 constexpr WeightFormat load_format(quant::GgmlType t) {

@@ -9,7 +9,8 @@
 /// into panels of 32 output columns, every weight an unsigned level u with
 ///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q5_0: offset 16;
 ///                          Q6_K: offset 32)
-///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise)
+///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise;
+///                          Q4_1, Q5_1: s = d, m = -(the block's fp16 min), stored negated)
 /// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
 /// is then, per scale block, one integer sum by `vpdpbusd` (unsigned weight bytes times signed
 /// activation bytes, exact in int32) folded into an fp32 accumulator:
@@ -201,6 +202,9 @@ constexpr Index quant_header_bytes(quant::Format f) {
       return 576;  // fp16 d[32], i8 sc[16][32]
     case quant::Format::kQ2_K:
       return 640;  // fp16 d[32], fp16 dmin[32], u8 (sc | m << 4)[16][32] (GGUF's scale bytes)
+    case quant::Format::kQ4_1:
+    case quant::Format::kQ5_1:
+      return 128;  // fp16 d[32], fp16 -m[32]
   }
   return 0;
 }
@@ -213,6 +217,7 @@ constexpr Index quant_level_bits(quant::Format f) {
       return 6;
     case quant::Format::kQ5_K:
     case quant::Format::kQ5_0:
+    case quant::Format::kQ5_1:
       return 5;
     case quant::Format::kQ3_K:
       return 3;
@@ -222,14 +227,14 @@ constexpr Index quant_level_bits(quant::Format f) {
       return 4;
   }
 }
-/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_K)?
+/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_1, Q4_K)?
 constexpr bool quant_is_4bit(quant::Format f) {
-  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_K;
+  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_1 || f == quant::Format::kQ4_K;
 }
-/// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K; Q5_0,
-/// whose block is one such sub-block)?
+/// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K; Q5_0
+/// and Q5_1, whose block is one such sub-block)?
 constexpr bool quant_is_5bit(quant::Format f) {
-  return f == quant::Format::kQ5_K || f == quant::Format::kQ5_0;
+  return f == quant::Format::kQ5_K || f == quant::Format::kQ5_0 || f == quant::Format::kQ5_1;
 }
 /// Level bytes of one 32-deep 5-bit sub-block: 512 of nibbles, then 128 of fifth bits.
 inline constexpr Index kQ5kSubBytes = 640;
@@ -238,9 +243,11 @@ inline constexpr Index kQ5kSubBytes = 640;
 constexpr bool quant_is_planar(quant::Format f) {
   return f == quant::Format::kQ6_K || f == quant::Format::kQ3_K || f == quant::Format::kQ2_K;
 }
-/// Does the format have a min per sub-block (w = s u - m) rather than an offset?
+/// Does the format have a min per sub-block (w = s u - m) rather than an offset? (Q4_1 and Q5_1
+/// add theirs: the header holds it negated.)
 constexpr bool quant_has_min(quant::Format f) {
-  return f == quant::Format::kQ4_K || f == quant::Format::kQ5_K || f == quant::Format::kQ2_K;
+  return f == quant::Format::kQ4_K || f == quant::Format::kQ5_K || f == quant::Format::kQ2_K ||
+         f == quant::Format::kQ4_1 || f == quant::Format::kQ5_1;
 }
 /// Does the format have per-sub-block scales under a super-block scale (the K-quants)?
 constexpr bool quant_has_sub_scales(quant::Format f) { return quant::block_elems(f) == 256; }
@@ -284,10 +291,10 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
 /// dst (64-byte aligned, ceil(N / 32) * quant_panel_bytes(f, K) bytes). Columns past N are zero.
 /// A group is its header, then its levels (quant_level reads them):
 ///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
-///   4-bit (Q4_0, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
+///   4-bit (Q4_0, Q4_1, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
 ///     k = 8 o + 4 + j (high);
-///   5-bit (Q5_K, Q5_0), 640 bytes per 32-deep sub-block (Q5_0: the whole group), k = 4 t + j
-///   within it (t = 0..7): bytes
+///   5-bit (Q5_K, Q5_0, Q5_1), 640 bytes per 32-deep sub-block (Q5_0, Q5_1: the whole group), k = 4
+///   t + j within it (t = 0..7): bytes
 ///     [0, 512) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes [512, 640) the
 ///     fifth bits, byte c * 4 + j bit t;
 ///   planar (Q6_K, Q3_K, Q2_K), 64 x bits bytes per 16-deep sub-block, k = 4 t + j within it:
@@ -353,6 +360,13 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
           }
           for (Index k = 0; k < 256; ++k) put(k, level(b, static_cast<int>(k)));
         };
+        // Q4_1 and Q5_1: d and the negated min (an exact sign flip), then the 32 levels.
+        auto d_negated_min_and_levels = [&](auto b, auto level) {
+          std::memcpy(&b, blk, sizeof b);
+          d16[c] = b.d;
+          d16[32 + c] = static_cast<std::uint16_t>(b.m ^ 0x8000u);
+          for (Index k = 0; k < 32; ++k) put(k, level(b, static_cast<int>(k)));
+        };
         switch (f) {
           case Format::kQ8_0: {
             quant::BlockQ8_0 b;
@@ -375,6 +389,15 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             for (Index k = 0; k < 32; ++k) put(k, quant::q5_level(b, static_cast<int>(k)));
             break;
           }
+          case Format::kQ4_1:  // d, then the min negated (w = d u - (-m)): the K-quants' fold
+            d_negated_min_and_levels(quant::BlockQ4_1{}, [](auto const& b, int k) {
+              return k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4;
+            });
+            break;
+          case Format::kQ5_1:
+            d_negated_min_and_levels(quant::BlockQ5_1{},
+                                     [](auto const& b, int k) { return quant::q5_level(b, k); });
+            break;
           case Format::kQ4_K:
             k_header_and_levels(quant::BlockQ4_K{},
                                 [](auto const& b, int k) { return quant::q4k_level(b, k); });
@@ -626,10 +649,12 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
               }
             }
             if constexpr (quant_has_min(F)) {
-              auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
-              int const v = mn[sb * 32 + c];
-              float const m = quant::detail::fp32(d16[32 + c]) *
-                              static_cast<float>(quant_scale_min_nibbles(F) ? v >> 4 : v);
+              float m = quant::detail::fp32(d16[32 + c]);  // Q4_1, Q5_1: -min
+              if constexpr (quant_has_sub_scales(F)) {
+                auto const* mn = reinterpret_cast<std::uint8_t const*>(grp + quant_mins_at(F));
+                int const v = mn[sb * 32 + c];
+                m = m * static_cast<float>(quant_scale_min_nibbles(F) ? v >> 4 : v);
+              }
               acc = std::fma(static_cast<float>(isum) * s, da, acc);
               acc = std::fma(-m, quant_min_term(a, k0, SB), acc);
             } else {
@@ -804,7 +829,10 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
             acc[o][v][r] = _mm512_fmadd_ps(f, da[r], acc[o][v][r]);
           }
           if constexpr (quant_has_min(F)) {
-            __m512 const m = _mm512_load_ps(subs[o][v][NM - 1][sb]);
+            __m512 const m = quant_has_sub_scales(F)
+                                 ? _mm512_load_ps(subs[o][v][NM - 1][sb])
+                                 : _mm512_cvtph_ps(_mm256_load_si256(
+                                       reinterpret_cast<__m256i const*>(grp[o] + 64 + v * 32)));
             for (Index r = 0; r < MR; ++r) {
               acc[o][v][r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(quant_min_term(rows[r], k0, SB)),
                                               acc[o][v][r]);
@@ -1036,7 +1064,10 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
           acc[v][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(rows[r].d[k0 / 32]), acc[v][r]);
         }
         if constexpr (quant_has_min(F)) {
-          __m256 const m = _mm256_load_ps(subs[v][NM - 1][sb]);
+          __m256 const m = quant_has_sub_scales(F)
+                               ? _mm256_load_ps(subs[v][NM - 1][sb])
+                               : _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<__m128i const*>(
+                                     grp + 64 + 2 * (8 * (NV * h + v)))));
           for (Index r = 0; r < MR; ++r) {
             acc[v][r] =
                 _mm256_fnmadd_ps(m, _mm256_set1_ps(quant_min_term(rows[r], k0, SB)), acc[v][r]);
@@ -1205,6 +1236,11 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
         }
       } else {
         _mm512_store_ps(s.sv + (g * NT + ct) * 16, d);
+        if constexpr (kMin) {  // Q4_1, Q5_1: the negated fp16 min
+          _mm512_store_ps(s.mv + (g * NT + ct) * 16,
+                          _mm512_cvtph_ps(_mm256_load_si256(
+                              reinterpret_cast<__m256i const*>(grp + 64 + v * 32))));
+        }
       }
     }
   }
@@ -1486,6 +1522,12 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
         break;
       case quant::Format::kQ5_0:
         run.template operator()<quant::Format::kQ5_0>();
+        break;
+      case quant::Format::kQ4_1:
+        run.template operator()<quant::Format::kQ4_1>();
+        break;
+      case quant::Format::kQ5_1:
+        run.template operator()<quant::Format::kQ5_1>();
         break;
       case quant::Format::kQ4_K:
         run.template operator()<quant::Format::kQ4_K>();

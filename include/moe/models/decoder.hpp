@@ -83,11 +83,11 @@ constexpr char const* name(MatrixClass c) {
 ///     too when tied), attn_v and every ffn_down (dense, experts, shared) in the layers
 ///     use_more_bits picks (q6_k: L < n/8, L >= 7n/8, or (L - n/8) % 3 == 2; half of them), and
 ///     with exactly 8 experts (Mixtral) attn_k and attn_v in q8_0 and attn_o in q5_k; fallbacks
-///     as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here, its Q5_K -> Q5_1 q8_0).
+///     as above (llama.cpp's Q4_K -> Q5_0 is q4_0 here; its Q5_K -> Q5_1 is moe's too).
 /// Matrices stored as GGUF blocks (a GGUF file's quantized tensors, a moe_quantize checkpoint:
 /// moe/io/block_tensor.hpp) run as stored wherever their format is the one chosen: the blocks
 /// are re-packed for the kernels, never re-quantized. "As stored" for a block type moe has no
-/// kernel for (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3 types) is q8_0
+/// kernel for (IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3 types) is q8_0
 /// (experts::load_format): decoded bit-exactly, then quantized to Q8_0.
 struct DecoderOptions {
   enum class Mix { kUniform, kQ4_K_M };

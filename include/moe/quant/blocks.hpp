@@ -1,23 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K and
-/// Q2_K (ggml-common.h), and their reference quantizers and dequantizers (ggml-quants.c:
-/// quantize_row_*_ref, dequantize_row_*), written here from those definitions. A row of k
-/// weights is k / block_elems consecutive blocks, little-endian, as in a GGUF tensor:
+/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1,
+/// Q4_0, Q3_K and Q2_K (ggml-common.h), and their reference quantizers and dequantizers
+/// (ggml-quants.c: quantize_row_*_ref, dequantize_row_*), written here from those definitions. A
+/// row of k weights is k / block_elems consecutive blocks, little-endian, as in a GGUF tensor:
 ///
 /// | format | weights a block | bytes | bits a weight | value of weight i                      |
 /// |--------|-----------------|-------|---------------|----------------------------------------|
 /// | Q8_0   | 32              | 34    | 8.5           | d * qs[i]                              |
 /// | Q6_K   | 256 (16 x 16)   | 210   | 6.5625        | d * scales[i / 16] * (q6 - 32)         |
 /// | Q5_K   | 256 (8 x 32)    | 176   | 5.5           | d * sc[i / 32] * q5 - dmin * m[i / 32] |
+/// | Q5_1   | 32              | 24    | 6             | d * q5 + m                             |
 /// | Q5_0   | 32              | 22    | 5.5           | d * (q5 - 16)                          |
 /// | Q4_K   | 256 (8 x 32)    | 144   | 4.5           | d * sc[i / 32] * q4 - dmin * m[i / 32] |
+/// | Q4_1   | 32              | 20    | 5             | d * q4 + m                             |
 /// | Q4_0   | 32              | 18    | 4.5           | d * (q4 - 8)                           |
 /// | Q3_K   | 256 (16 x 16)   | 110   | 3.4375        | d * (sc[i / 16] - 32) * (q3 - 4)       |
 /// | Q2_K   | 256 (16 x 16)   | 84    | 2.625         | d * sc[i / 16] * q2 - dmin * m[i / 16] |
 ///
-/// (d, dmin: fp16; sc, m: 6-bit (Q5_K, Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q5 in
+/// (d, dmin, m: fp16; sc, m: 6-bit (Q5_K, Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q5 in
 /// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4).) The quantizers are ggml's
 /// round-to-nearest references, the K-quants with their scale searches, operation for
 /// operation and without floating-point contraction (each product is rounded before it is
@@ -29,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -49,11 +52,14 @@ enum class Format : std::uint8_t {
   kQ2_K,  ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
   kQ5_K,  ///< 5-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins (Q4_K + a bit)
   kQ5_0,  ///< 5-bit, 32-blocks, one fp16 scale, offset 16 (Q4_0 + a bit)
+  kQ4_1,  ///< 4-bit, 32-blocks, an fp16 scale and an fp16 min (added)
+  kQ5_1,  ///< 5-bit, 32-blocks, an fp16 scale and an fp16 min (Q4_1 + a bit)
 };
 
 /// Every format, in order of falling precision.
-inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ5_0,
-                                      Format::kQ4_K, Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
+inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ5_1,
+                                      Format::kQ5_0, Format::kQ4_K, Format::kQ4_1, Format::kQ4_0,
+                                      Format::kQ3_K, Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
 struct BlockQ8_0 {
@@ -119,7 +125,10 @@ static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(Block
 
 /// Weights per block.
 constexpr Index block_elems(Format f) {
-  return f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ5_0 ? 32 : 256;
+  return f == Format::kQ6_K || f == Format::kQ5_K || f == Format::kQ4_K || f == Format::kQ3_K ||
+                 f == Format::kQ2_K
+             ? 256
+             : 32;
 }
 /// Bytes per block.
 constexpr Index block_bytes(Format f) {
@@ -140,6 +149,10 @@ constexpr Index block_bytes(Format f) {
       return 176;
     case Format::kQ5_0:
       return 22;
+    case Format::kQ4_1:
+      return 20;
+    case Format::kQ5_1:
+      return 24;
   }
   return 0;
 }
@@ -150,7 +163,8 @@ constexpr double bits_per_weight(Format f) {
 /// Bytes of a row of k weights (k a multiple of block_elems(f)).
 constexpr Index row_bytes(Format f, Index k) { return k / block_elems(f) * block_bytes(f); }
 
-/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q5_0", "q4_k", "q4_0", "q3_k", "q2_k".
+/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0",
+/// "q3_k", "q2_k".
 constexpr char const* name(Format f) {
   switch (f) {
     case Format::kQ8_0:
@@ -169,6 +183,10 @@ constexpr char const* name(Format f) {
       return "q5_k";
     case Format::kQ5_0:
       return "q5_0";
+    case Format::kQ4_1:
+      return "q4_1";
+    case Format::kQ5_1:
+      return "q5_1";
   }
   return "?";
 }
@@ -181,7 +199,7 @@ inline Format parse_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
-               "'; use one of q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k");
+               "'; use one of q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k");
 }
 
 namespace detail {
@@ -991,6 +1009,10 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockQ5_K>(x, k, out);
     case Format::kQ5_0:
       return detail::quantize_blocks<BlockQ5_0>(x, k, out);
+    case Format::kQ4_1:
+      return detail::quantize_blocks<BlockQ4_1>(x, k, out);
+    case Format::kQ5_1:
+      return detail::quantize_blocks<BlockQ5_1>(x, k, out);
   }
 }
 
@@ -1014,6 +1036,10 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockQ5_K>(in, k, y);
     case Format::kQ5_0:
       return detail::dequantize_blocks<BlockQ5_0>(in, k, y);
+    case Format::kQ4_1:
+      return detail::dequantize_blocks<BlockQ4_1>(in, k, y);
+    case Format::kQ5_1:
+      return detail::dequantize_blocks<BlockQ5_1>(in, k, y);
   }
 }
 
