@@ -72,10 +72,9 @@ TEST_CASE("ggml_dequantize decodes every quantized type of a GGUF file", "[gguf]
   add.operator()<BlockIQ4_XS>(GgmlType::kIQ4_XS, 0.15f, quantize_row_iq4_xs_ref,
                               dequantize_row_iq4_xs);
   add.operator()<BlockMXFP4>(GgmlType::kMXFP4, 0.3f, quantize_row_mxfp4_ref, dequantize_row_mxfp4);
-  for (Format const f : kFormats) {  // the formats moe also multiplies: Q8_0 ... Q2_K
-    if (f == Format::kQ5_K || f == Format::kQ5_0 || f == Format::kQ4_1 || f == Format::kQ5_1) {
-      continue;  // above, by their typed entry points
-    }
+  // The formats without typed entry points above, through quant::quantize_row / dequantize_row.
+  for (Format const f :
+       {Format::kQ8_0, Format::kQ6_K, Format::kQ4_K, Format::kQ4_0, Format::kQ3_K, Format::kQ2_K}) {
     GgmlType const type = f == Format::kQ8_0   ? GgmlType::kQ8_0
                           : f == Format::kQ6_K ? GgmlType::kQ6_K
                           : f == Format::kQ4_K ? GgmlType::kQ4_K
@@ -171,7 +170,7 @@ TEST_CASE("GGUF tensors of the block types moe has kernels for run as stored", "
   // blocks, no conversion), and its product is the dequantized weights' (ggml's decoder) times
   // the int8 activations, to fp32 rounding.
   using moe::experts::WeightFormat;
-  constexpr Index N = 37, K = 96, T = 3;
+  constexpr Index N = 37, K = 512, T = 3;
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> w(static_cast<std::size_t>(N * K)), x(static_cast<std::size_t>(T * K));
@@ -180,7 +179,9 @@ TEST_CASE("GGUF tensors of the block types moe has kernels for run as stored", "
   std::vector<std::pair<GgmlType, WeightFormat>> const types = {
       {GgmlType::kQ5_0, WeightFormat::kQ5_0},
       {GgmlType::kQ4_1, WeightFormat::kQ4_1},
-      {GgmlType::kQ5_1, WeightFormat::kQ5_1}};
+      {GgmlType::kQ5_1, WeightFormat::kQ5_1},
+      {GgmlType::kIQ4_NL, WeightFormat::kIQ4_NL},
+      {GgmlType::kIQ4_XS, WeightFormat::kIQ4_XS}};
   moe::io::GgufWriter writer;
   for (auto const& [type, format] : types) {
     moe::quant::Format const qf = moe::experts::quant_format(format);

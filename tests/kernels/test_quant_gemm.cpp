@@ -79,6 +79,8 @@ std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte con
     if (f == quant::Format::kQ5_0) run.operator()<quant::Format::kQ5_0>();
     if (f == quant::Format::kQ4_1) run.operator()<quant::Format::kQ4_1>();
     if (f == quant::Format::kQ5_1) run.operator()<quant::Format::kQ5_1>();
+    if (f == quant::Format::kIQ4_NL) run.operator()<quant::Format::kIQ4_NL>();
+    if (f == quant::Format::kIQ4_XS) run.operator()<quant::Format::kIQ4_XS>();
     if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
     if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
     if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
@@ -243,12 +245,14 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
     return static_cast<double>(kernels::quant_panel_bytes(f, K)) * 8.0 / (32.0 * K);
   };
   CHECK(bits(quant::Format::kQ8_0) == 8.5);
-  CHECK(bits(quant::Format::kQ6_K) == 6.5625);  // 6 + 16 / 256 + 8 x 16 / 256
-  CHECK(bits(quant::Format::kQ5_K) == 5.625);   // 5 + 2 x 16 / 256 + 2 x 8 x 8 / 256
-  CHECK(bits(quant::Format::kQ5_0) == 5.5);     // 5 + 16 / 32: GGUF's own size
-  CHECK(bits(quant::Format::kQ5_1) == 6.0);     // 5 + 2 x 16 / 32
-  CHECK(bits(quant::Format::kQ4_1) == 5.0);     // 4 + 2 x 16 / 32
-  CHECK(bits(quant::Format::kQ4_K) == 4.625);   // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
+  CHECK(bits(quant::Format::kQ6_K) == 6.5625);    // 6 + 16 / 256 + 8 x 16 / 256
+  CHECK(bits(quant::Format::kQ5_K) == 5.625);     // 5 + 2 x 16 / 256 + 2 x 8 x 8 / 256
+  CHECK(bits(quant::Format::kQ5_0) == 5.5);       // 5 + 16 / 32: GGUF's own size
+  CHECK(bits(quant::Format::kQ5_1) == 6.0);       // 5 + 2 x 16 / 32
+  CHECK(bits(quant::Format::kQ4_1) == 5.0);       // 4 + 2 x 16 / 32
+  CHECK(bits(quant::Format::kIQ4_NL) == 4.5);     // 4 + 16 / 32
+  CHECK(bits(quant::Format::kIQ4_XS) == 4.3125);  // 4 + 16 / 256 + 8 x 8 / 256
+  CHECK(bits(quant::Format::kQ4_K) == 4.625);     // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_0) == 4.5);
   CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
   CHECK(bits(quant::Format::kQ2_K) == 2.625);   // 2 + 2 x 16 / 256 + 8 x 16 / 256 (nibbles)
@@ -300,6 +304,16 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
           int const nib = i < 16 ? b.qs[i] & 0xF : b.qs[i - 16] >> 4;
           return nib + ((b.qh[i / 8] >> (i % 8)) & 1) * 16;
         }
+        case quant::Format::kIQ4_NL: {  // ggml's kvalues_iq4nl[nibble], + 128 in the layout
+          quant::BlockIQ4_NL b;
+          int const q = i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
+          return quant::kIq4nlValues[q] + 128;
+        }
+        case quant::Format::kIQ4_XS: {  // per 32 weights 16 bytes of nibbles, as IQ4_NL's
+          quant::BlockIQ4_XS b;
+          std::uint8_t const v = as(&b).qs[i / 32 * 16 + i % 16];
+          return quant::kIq4nlValues[i % 32 < 16 ? v & 0xF : v >> 4] + 128;
+        }
         case quant::Format::kQ4_1: {  // as Q4_0's
           quant::BlockQ4_1 b;
           return i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
@@ -322,7 +336,9 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
                                 k / G * kernels::quant_group_bytes(f) +
                                 kernels::quant_header_bytes(f);
         INFO(quant::name(f) << " n = " << n << " k = " << k);
-        REQUIRE(kernels::quant_level(f, w, k % G, n % 32) == (n < N ? gguf_level(n, k) : 0));
+        // Columns past N are zero bytes: level 0, or the table formats' entry for index 0.
+        int const pad = kernels::quant_has_table(f) ? kernels::kIq4nlLevels[0] : 0;
+        REQUIRE(kernels::quant_level(f, w, k % G, n % 32) == (n < N ? gguf_level(n, k) : pad));
       }
     }
   }
@@ -503,12 +519,13 @@ TEST_CASE("quant kernels: the SIMD (zmm, AVX-VNNI, AVX2) and portable kernels gi
   }
 }
 
-TEST_CASE("quant kernels: GGUF's 32-block formats against the dequantize-then-dot reference",
+TEST_CASE("quant kernels: GGUF's legacy and IQ4 formats against the dequantize-then-dot reference",
           "[kernels][quant]") {
   // Odd row counts, depths of one and of several blocks, T = 1, 3, 8, 33 tokens: quant_cols
   // (the SIMD kernel of this build) against the double product of ggml's dequantized weights
   // and the dequantized int8 activations, and bitwise against the portable kernel.
-  for (quant::Format f : {quant::Format::kQ5_0, quant::Format::kQ4_1, quant::Format::kQ5_1}) {
+  for (quant::Format f : {quant::Format::kQ5_0, quant::Format::kQ4_1, quant::Format::kQ5_1,
+                          quant::Format::kIQ4_NL, quant::Format::kIQ4_XS}) {
     for (Index N : {Index{1}, Index{45}}) {
       for (Index K : {quant::block_elems(f), 5 * quant::block_elems(f)}) {
         QOperand op(f, N, K, 101 + static_cast<std::uint64_t>(N + K));

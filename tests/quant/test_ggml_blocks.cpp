@@ -218,6 +218,9 @@ TEST_CASE("ggml blocks: IQ4_NL and IQ4_XS decode hand-built blocks", "[quant]") 
     CHECK(y[j] == 0.5f * static_cast<float>(kIq4nl[j]));
     CHECK(y[j + 16] == 0.5f * static_cast<float>(kIq4nl[15 - j]));
   }
+  float z[256];  // quant::Format's decoder (what the kernels multiply): the same values
+  quant::dequantize_row(quant::Format::kIQ4_NL, &nl, 32, z);
+  CHECK(std::memcmp(z, y, 32 * sizeof(float)) == 0);
   // IQ4_XS: d = 0.25; 32-block ib's 6-bit scale ls = (9 ib + 5) % 64, low nibble in scales_l,
   // high 2 bits in scales_h; weight i = 32 ib + 16 h + l has index (3 i) % 16 in nibble h of
   // qs[16 ib + l]; its value 0.25 (ls - 32) kvalues[index].
@@ -241,6 +244,8 @@ TEST_CASE("ggml blocks: IQ4_NL and IQ4_XS decode hand-built blocks", "[quant]") 
     CHECK(y[i] == 0.25f * static_cast<float>(ls - 32) * static_cast<float>(kIq4nl[(3 * i) % 16]));
     if (i % 32 == 0) CHECK(quant::iq4xs_scale(xs, ib) == ls);
   }
+  quant::dequantize_row(quant::Format::kIQ4_XS, &xs, 256, z);
+  CHECK(std::memcmp(z, y, sizeof z) == 0);
 }
 
 TEST_CASE("ggml blocks: MXFP4 decodes E2M1 codes times 2^(e - 127)", "[quant]") {

@@ -64,6 +64,13 @@ TEST_CASE("quant: block sizes and names are ggml's", "[quant]") {
   CHECK(quant::bits_per_weight(Format::kQ5_1) == 6.0);
   CHECK(quant::parse_format("Q4_1") == Format::kQ4_1);
   CHECK(quant::parse_format("q5_1") == Format::kQ5_1);
+  CHECK(quant::block_bytes(Format::kIQ4_NL) == 18);
+  CHECK(quant::bits_per_weight(Format::kIQ4_NL) == 4.5);
+  CHECK(quant::block_bytes(Format::kIQ4_XS) == 136);
+  CHECK(quant::bits_per_weight(Format::kIQ4_XS) == 4.25);
+  CHECK(quant::block_elems(Format::kIQ4_XS) == 256);
+  CHECK(quant::parse_format("IQ4_NL") == Format::kIQ4_NL);
+  CHECK(quant::parse_format("iq4_xs") == Format::kIQ4_XS);
   for (Format f : quant::kFormats) CHECK(quant::parse_format(quant::name(f)) == f);
   CHECK_THROWS_WITH(quant::parse_format("iq2_xxs"), Catch::Contains("use one of q8_0, q6_k, q5_k"));
 }
@@ -265,7 +272,8 @@ TEST_CASE("quant: every format round-trips within its error, finer formats close
   // Relative Frobenius errors on Gaussian weights (measured with this seed: q8_0 0.00525,
   // q6_k 0.0175, q5_k 0.0357, q4_k 0.0706, q4_0 0.0846, q3_k 0.149, q2_k 0.293; a uniform step
   // over 32 samples' range predicts 0.005, 0.016, 0.04, 0.08, 0.08); the bounds leave ~20% room.
-  double const bound[] = {0.0063, 0.021, 0.042, 0.045, 0.05, 0.085, 0.092, 0.1, 0.18, 0.35};
+  double const bound[] = {0.0063, 0.021, 0.042, 0.045, 0.05, 0.085,
+                          0.09,   0.092, 0.093, 0.1,   0.18, 0.35};
   static_assert(std::size(quant::kFormats) == std::size(bound));
   for (std::size_t i = 0; i < std::size(bound); ++i) {
     Format const f = quant::kFormats[i];

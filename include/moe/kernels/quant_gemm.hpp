@@ -8,7 +8,8 @@
 /// per 16: s16) kept beside them. Weights are re-packed once (pack_quant_panels) from GGUF rows
 /// into panels of 32 output columns, every weight an unsigned level u with
 ///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q5_0: offset 16;
-///                          Q6_K: offset 32)
+///                          Q6_K: offset 32;  IQ4_NL, IQ4_XS: u = kvalues_iq4nl[q] + 128,
+///                          offset 128, the table looked up by vpshufb)
 ///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise;
 ///                          Q4_1, Q5_1: s = d, m = -(the block's fp16 min), stored negated)
 /// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
@@ -22,11 +23,14 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
+#include <utility>
 
 #include "moe/core/config.hpp"
 #include "moe/core/cpu.hpp"
@@ -205,6 +209,10 @@ constexpr Index quant_header_bytes(quant::Format f) {
     case quant::Format::kQ4_1:
     case quant::Format::kQ5_1:
       return 128;  // fp16 d[32], fp16 -m[32]
+    case quant::Format::kIQ4_NL:
+      return 64;  // fp16 d[32]
+    case quant::Format::kIQ4_XS:
+      return 320;  // fp16 d[32], i8 (ls - 32)[8][32]
   }
   return 0;
 }
@@ -227,9 +235,27 @@ constexpr Index quant_level_bits(quant::Format f) {
       return 4;
   }
 }
-/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_1, Q4_K)?
+/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_1, Q4_K; IQ4_NL and
+/// IQ4_XS, whose nibbles index a table)?
 constexpr bool quant_is_4bit(quant::Format f) {
-  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_1 || f == quant::Format::kQ4_K;
+  return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_1 || f == quant::Format::kQ4_K ||
+         f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS;
+}
+/// Do the stored nibbles index 16 non-uniform levels (IQ4_NL, IQ4_XS: ggml's kvalues_iq4nl)?
+/// The kernels look the level up (vpshufb) as the unsigned byte kIq4nlLevels[q] = value + 128,
+/// an offset format with Q8_0's offset.
+constexpr bool quant_has_table(quant::Format f) {
+  return f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS;
+}
+/// The table formats' levels: kvalues_iq4nl + 128 (1 .. 241).
+inline constexpr std::array<std::uint8_t, 16> kIq4nlLevels = [] {
+  std::array<std::uint8_t, 16> t{};
+  for (int i = 0; i < 16; ++i) t[i] = static_cast<std::uint8_t>(quant::kIq4nlValues[i] + 128);
+  return t;
+}();
+/// Are the K-quant sub-block scales signed (Q6_K's and Q3_K's; IQ4_XS's ls - 32)?
+constexpr bool quant_signed_scales(quant::Format f) {
+  return f == quant::Format::kQ6_K || f == quant::Format::kQ3_K || f == quant::Format::kIQ4_XS;
 }
 /// Are the levels Q4_K's nibbles plus a plane of fifth bits, per 32-deep sub-block (Q5_K; Q5_0
 /// and Q5_1, whose block is one such sub-block)?
@@ -265,7 +291,8 @@ constexpr Index quant_panel_bytes(quant::Format f, Index K) {
 constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index c) {
   if (quant_is_4bit(f)) {
     std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
-    return (k % 8) >= 4 ? v >> 4 : v & 0xF;
+    int const nib = (k % 8) >= 4 ? v >> 4 : v & 0xF;
+    return quant_has_table(f) ? kIq4nlLevels[static_cast<std::size_t>(nib)] : nib;
   }
   if (quant_is_5bit(f)) {  // a 32-deep sub-block: 512 bytes of nibbles, 128 of fifth bits
     std::uint8_t const* sub = w + k / 32 * kQ5kSubBytes;
@@ -291,7 +318,8 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
 /// dst (64-byte aligned, ceil(N / 32) * quant_panel_bytes(f, K) bytes). Columns past N are zero.
 /// A group is its header, then its levels (quant_level reads them):
 ///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
-///   4-bit (Q4_0, Q4_1, Q4_K): byte (o * 32 + c) * 4 + j holds k = 8 o + j (low nibble) and
+///   4-bit (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS: the index q): byte (o * 32 + c) * 4 + j holds k = 8 o
+///   + j (low nibble) and
 ///     k = 8 o + 4 + j (high);
 ///   5-bit (Q5_K, Q5_0, Q5_1), 640 bytes per 32-deep sub-block (Q5_0, Q5_1: the whole group), k = 4
 ///   t + j within it (t = 0..7): bytes
@@ -375,7 +403,8 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             for (Index k = 0; k < 32; ++k) put(k, b.qs[k] + 128);
             break;
           }
-          case Format::kQ4_0: {
+          case Format::kQ4_0:
+          case Format::kIQ4_NL: {  // the same bytes: d, 16 bytes of nibbles (levels or indices)
             quant::BlockQ4_0 b;
             std::memcpy(&b, blk, sizeof b);
             d16[c] = b.d;
@@ -406,6 +435,19 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             k_header_and_levels(quant::BlockQ5_K{},
                                 [](auto const& b, int k) { return quant::q5k_level(b, k); });
             break;
+          case Format::kIQ4_XS: {  // d, the signed 6-bit scales as int8, the indices
+            quant::BlockIQ4_XS b;
+            std::memcpy(&b, blk, sizeof b);
+            d16[c] = b.d;
+            auto* sc = reinterpret_cast<std::int8_t*>(grp + 64);
+            for (int j = 0; j < 8; ++j)
+              sc[j * 32 + c] = static_cast<std::int8_t>(quant::iq4xs_scale(b, j) - 32);
+            for (Index k = 0; k < 256; ++k) {
+              std::uint8_t const v = b.qs[k / 32 * 16 + k % 16];
+              put(k, k % 32 < 16 ? v & 0xF : v >> 4);
+            }
+            break;
+          }
           case Format::kQ3_K: {
             quant::BlockQ3_K b;
             std::memcpy(&b, blk, sizeof b);
@@ -460,6 +502,9 @@ constexpr int quant_offset_shift(quant::Format f) {
       return 5;
     case quant::Format::kQ5_0:
       return 4;
+    case quant::Format::kIQ4_NL:
+    case quant::Format::kIQ4_XS:
+      return 7;
     case quant::Format::kQ3_K:
       return 2;
     default:
@@ -512,6 +557,11 @@ struct ByteOps<64> {
   static V srl(V a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
   static V sll(V a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
 };
+/// kIq4nlLevels in every 128-bit lane of a zmm, for vpshufb.
+MOE_ALWAYS_INLINE __m512i quant_table_zmm() {
+  return _mm512_broadcast_i32x4(
+      _mm_loadu_si128(reinterpret_cast<__m128i const*>(kIq4nlLevels.data())));
+}
 #endif
 
 /// The levels of one 16-deep sub-block of a planar format (`sub`: its level bytes, 64-byte
@@ -639,7 +689,7 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
             float const da = a.d[k0 / 32];
             float s = quant::detail::fp32(d16[c]);
             if constexpr (quant_has_sub_scales(F)) {
-              if constexpr (F == Format::kQ6_K || F == Format::kQ3_K) {
+              if constexpr (quant_signed_scales(F)) {
                 auto const* sc = reinterpret_cast<std::int8_t const*>(grp + quant_scales_at(F));
                 s = s * static_cast<float>(sc[sb * 32 + c]);
               } else {
@@ -688,6 +738,7 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
   std::int8_t const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r].a;
   __m512i const nib = _mm512_set1_epi8(0x0F);
+  [[maybe_unused]] __m512i const tab = quant_table_zmm();
   // K-quants: the scales (and mins) of a group's sub-blocks, decoded once per group from the
   // packed header (fp16 super-block scale times the integer sub-block scale, exact).
   constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
@@ -705,8 +756,8 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
           for (Index j = 0; j < NS; ++j) {
             __m128i const s8 =
                 _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
-            __m512i s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm512_cvtepi8_epi32(s8)
-                                                                   : _mm512_cvtepu8_epi32(s8);
+            __m512i s32 =
+                quant_signed_scales(F) ? _mm512_cvtepi8_epi32(s8) : _mm512_cvtepu8_epi32(s8);
             if constexpr (quant_scale_min_nibbles(F))
               s32 = _mm512_and_si512(s32, _mm512_set1_epi32(0xF));
             _mm512_store_ps(subs[o][v][0][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
@@ -757,8 +808,12 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
             for (int v = 0; v < 2; ++v) {
               __m512i const packed =
                   _mm512_load_si512(grp[o] + HB + ((sb * SB / 8 + oct) * 32 + v * 16) * 4);
-              __m512i const lo = _mm512_and_si512(packed, nib);
-              __m512i const hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nib);
+              __m512i lo = _mm512_and_si512(packed, nib);
+              __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nib);
+              if constexpr (quant_has_table(F)) {
+                lo = _mm512_shuffle_epi8(tab, lo);
+                hi = _mm512_shuffle_epi8(tab, hi);
+              }
               for (Index r = 0; r < MR; ++r) {
                 std::int32_t q0, q1;
                 std::memcpy(&q0, a[r] + k0 + 8 * oct, 4);
@@ -877,15 +932,27 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
   constexpr Index SB = quant_fold_depth(F);
   constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
   constexpr int NM = quant_has_min(F) ? 2 : 1;
-  constexpr bool kSigned = F == Format::kQ8_0 && !MOE_HAS_AVXVNNI;  // see above
+  constexpr bool kSigned =  // see above; the table formats' levels too (up to 241)
+      (F == Format::kQ8_0 || quant_has_table(F)) && !MOE_HAS_AVXVNNI;
   // Without VNNI, levels of at most 15 add a sub-block's vpmaddubsw pairs in int16 (at most
   // 8 quads x 2 x 15 x 127 = 30480) and widen once per sub-block; Q6_K's (up to 63) widen per quad.
-  constexpr bool kPairs16 =
-      !MOE_HAS_AVXVNNI && (quant_is_4bit(F) || F == Format::kQ3_K || F == Format::kQ2_K);
+  constexpr bool kPairs16 = !MOE_HAS_AVXVNNI && !kSigned &&
+                            (quant_is_4bit(F) || F == Format::kQ3_K || F == Format::kQ2_K);
   __m256 acc[NV][MR];
   for (int v = 0; v < NV; ++v)
     for (Index r = 0; r < MR; ++r) acc[v][r] = _mm256_setzero_ps();
   __m256i const nib = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] __m256i const tab = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<__m128i const*>(kIq4nlLevels.data())));
+  // acc + sum u a over 4 bytes; kSigned: as sum (u - 128) a, the signed level by vpsignb.
+  auto dot = [](__m256i sum, __m256i u, std::int32_t q) {
+    if constexpr (kSigned) {
+      __m256i const w = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+      return quant_dot_ymm(sum, _mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(q), w));
+    } else {
+      return quant_dot_ymm(sum, u, _mm256_set1_epi32(q));
+    }
+  };
   alignas(32) float subs[NV][NM][NS][8];
   for (Index g = 0; g < K / G; ++g) {
     std::byte const* const grp = panel + g * GB;
@@ -897,8 +964,8 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
         for (Index j = 0; j < NS; ++j) {
           __m128i const s8 = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(sc + j * 32 + c0));
-          __m256i s32 = F == Format::kQ6_K || F == Format::kQ3_K ? _mm256_cvtepi8_epi32(s8)
-                                                                 : _mm256_cvtepu8_epi32(s8);
+          __m256i s32 =
+              quant_signed_scales(F) ? _mm256_cvtepi8_epi32(s8) : _mm256_cvtepu8_epi32(s8);
           if constexpr (quant_scale_min_nibbles(F))
             s32 = _mm256_and_si256(s32, _mm256_set1_epi32(0xF));
           _mm256_store_ps(subs[v][0][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(s32)));
@@ -939,43 +1006,47 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
       }
       if constexpr (quant_is_4bit(F)) {
         static_assert(SB <= 32, "int16 pair sums of at most 8 quads");
-#if !MOE_HAS_AVXVNNI
-        __m256i p16[NV][MR];
-        for (int v = 0; v < NV; ++v)
-          for (Index r = 0; r < MR; ++r) p16[v][r] = _mm256_setzero_si256();
-#endif
+        [[maybe_unused]] __m256i p16[NV][MR];
+        if constexpr (kPairs16) {
+          for (int v = 0; v < NV; ++v)
+            for (Index r = 0; r < MR; ++r) p16[v][r] = _mm256_setzero_si256();
+        }
         for (Index oct = 0; oct < SB / 8; ++oct) {
           for (int v = 0; v < NV; ++v) {
             __m256i const packed = _mm256_load_si256(reinterpret_cast<__m256i const*>(
                 grp + HB + ((sb * SB / 8 + oct) * 32 + 8 * (NV * h + v)) * 4));
-            __m256i const lo = _mm256_and_si256(packed, nib);
-            __m256i const hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+            __m256i lo = _mm256_and_si256(packed, nib);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+            if constexpr (quant_has_table(F)) {
+              lo = _mm256_shuffle_epi8(tab, lo);
+              hi = _mm256_shuffle_epi8(tab, hi);
+            }
             for (Index r = 0; r < MR; ++r) {
               std::int32_t q0, q1;
               std::memcpy(&q0, rows[r].a + k0 + 8 * oct, 4);
               std::memcpy(&q1, rows[r].a + k0 + 8 * oct + 4, 4);
-#if MOE_HAS_AVXVNNI
-              iacc[v][r] = quant_dot_ymm(iacc[v][r], lo, _mm256_set1_epi32(q0));
-              iacc[v][r] = quant_dot_ymm(iacc[v][r], hi, _mm256_set1_epi32(q1));
-#else
-              // 4-bit levels: the vpmaddubsw pairs of a whole sub-block (at most 2 x 15 x 127 per
-              // quad, 8 quads: 30480) add up in int16 exactly; one vpmaddwd per sub-block.
-              p16[v][r] =
-                  _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q0)));
-              p16[v][r] =
-                  _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q1)));
-#endif
+              if constexpr (kPairs16) {
+                // 4-bit levels: the vpmaddubsw pairs of a whole sub-block (at most 2 x 15 x 127
+                // per quad, 8 quads: 30480) add up in int16 exactly; one vpmaddwd per sub-block.
+                p16[v][r] =
+                    _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q0)));
+                p16[v][r] =
+                    _mm256_add_epi16(p16[v][r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q1)));
+              } else {
+                iacc[v][r] = dot(iacc[v][r], lo, q0);
+                iacc[v][r] = dot(iacc[v][r], hi, q1);
+              }
             }
           }
         }
-#if !MOE_HAS_AVXVNNI
-        for (int v = 0; v < NV; ++v) {  // (iacc is not live over the loop: 16 registers)
-          for (Index r = 0; r < MR; ++r) {
-            iacc[v][r] =
-                _mm256_add_epi32(start(r), _mm256_madd_epi16(p16[v][r], _mm256_set1_epi16(1)));
+        if constexpr (kPairs16) {
+          for (int v = 0; v < NV; ++v) {  // (iacc is not live over the loop: 16 registers)
+            for (Index r = 0; r < MR; ++r) {
+              iacc[v][r] =
+                  _mm256_add_epi32(start(r), _mm256_madd_epi16(p16[v][r], _mm256_set1_epi16(1)));
+            }
           }
         }
-#endif
       } else if constexpr (quant_is_5bit(F)) {
         // Without VNNI the vpmaddubsw pairs (at most 2 x 31 x 127 = 7874 per quad) add up in int16
         // over 4 quads (31496) and widen twice per sub-block.
@@ -1040,13 +1111,7 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
             for (Index r = 0; r < MR; ++r) {
               std::int32_t q;
               std::memcpy(&q, rows[r].a + k0 + 4 * qd, 4);
-              if constexpr (kSigned) {  // q = u - 128 as a signed byte
-                __m256i const w = _mm256_xor_si256(wv, _mm256_set1_epi8(-128));
-                iacc[v][r] = quant_dot_ymm(iacc[v][r], _mm256_abs_epi8(w),
-                                           _mm256_sign_epi8(_mm256_set1_epi32(q), w));
-              } else {
-                iacc[v][r] = quant_dot_ymm(iacc[v][r], wv, _mm256_set1_epi32(q));
-              }
+              iacc[v][r] = dot(iacc[v][r], wv, q);
             }
           }
         }
@@ -1213,9 +1278,8 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
         for (Index j = 0; j < NS; ++j) {
           __m128i const s8 = _mm_load_si128(reinterpret_cast<__m128i const*>(sc + j * 32 + v * 16));
-          __m512i s32 = F == quant::Format::kQ6_K || F == quant::Format::kQ3_K
-                            ? _mm512_cvtepi8_epi32(s8)
-                            : _mm512_cvtepu8_epi32(s8);
+          __m512i s32 =
+              quant_signed_scales(F) ? _mm512_cvtepi8_epi32(s8) : _mm512_cvtepu8_epi32(s8);
           if constexpr (quant_scale_min_nibbles(F))
             s32 = _mm512_and_si512(s32, _mm512_set1_epi32(0xF));
           _mm512_store_ps(s.sv + ((g * NS + j) * NT + ct) * 16,
@@ -1268,11 +1332,17 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
       });
     } else if constexpr (quant_is_4bit(F)) {
       __m512i const nib = _mm512_set1_epi8(0x0F);
+      [[maybe_unused]] __m512i const tab = quant_table_zmm();
       for (Index o = j * SB / 8; o < (j + 1) * SB / 8; ++o, q += 128) {
         __m512i const packed = _mm512_load_si512(w + o * 128);
-        _mm512_store_si512(q, _mm512_sub_epi8(_mm512_and_si512(packed, nib), off));
-        _mm512_store_si512(
-            q + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nib), off));
+        __m512i lo = _mm512_and_si512(packed, nib);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nib);
+        if constexpr (quant_has_table(F)) {
+          lo = _mm512_shuffle_epi8(tab, lo);
+          hi = _mm512_shuffle_epi8(tab, hi);
+        }
+        _mm512_store_si512(q, _mm512_sub_epi8(lo, off));
+        _mm512_store_si512(q + 64, _mm512_sub_epi8(hi, off));
       }
     } else {
       for (Index o = j * SB / 4; o < (j + 1) * SB / 4; ++o, q += 64) {
@@ -1510,38 +1580,12 @@ void quant_cols(RowSource a, Index M, Index K, QuantWeights const* w, Index p0, 
       if (tiled > 0) detail::amx_release();
 #endif
     };
-    switch (f) {
-      case quant::Format::kQ8_0:
-        run.template operator()<quant::Format::kQ8_0>();
-        break;
-      case quant::Format::kQ6_K:
-        run.template operator()<quant::Format::kQ6_K>();
-        break;
-      case quant::Format::kQ5_K:
-        run.template operator()<quant::Format::kQ5_K>();
-        break;
-      case quant::Format::kQ5_0:
-        run.template operator()<quant::Format::kQ5_0>();
-        break;
-      case quant::Format::kQ4_1:
-        run.template operator()<quant::Format::kQ4_1>();
-        break;
-      case quant::Format::kQ5_1:
-        run.template operator()<quant::Format::kQ5_1>();
-        break;
-      case quant::Format::kQ4_K:
-        run.template operator()<quant::Format::kQ4_K>();
-        break;
-      case quant::Format::kQ4_0:
-        run.template operator()<quant::Format::kQ4_0>();
-        break;
-      case quant::Format::kQ3_K:
-        run.template operator()<quant::Format::kQ3_K>();
-        break;
-      case quant::Format::kQ2_K:
-        run.template operator()<quant::Format::kQ2_K>();
-        break;
+    // run<F>() for the F of w (a fold over quant::kFormats: no case to add per format).
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (void)((f == quant::kFormats[I] && (run.template operator()<quant::kFormats[I]>(), true)) ||
+             ...);
     }
+    (std::make_index_sequence<std::size(quant::kFormats)>{});
   }
 }
 

@@ -44,22 +44,24 @@ namespace moe::quant {
 
 /// A GGUF block format for weights.
 enum class Format : std::uint8_t {
-  kQ8_0,  ///< 8-bit, 32-blocks, one fp16 scale
-  kQ6_K,  ///< 6-bit, 256-super-blocks of 16 sub-blocks with int8 scales
-  kQ4_K,  ///< 4-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins
-  kQ4_0,  ///< 4-bit, 32-blocks, one fp16 scale, offset 8
-  kQ3_K,  ///< 3-bit, 256-super-blocks of 16 sub-blocks with 6-bit scales
-  kQ2_K,  ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
-  kQ5_K,  ///< 5-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins (Q4_K + a bit)
-  kQ5_0,  ///< 5-bit, 32-blocks, one fp16 scale, offset 16 (Q4_0 + a bit)
-  kQ4_1,  ///< 4-bit, 32-blocks, an fp16 scale and an fp16 min (added)
-  kQ5_1,  ///< 5-bit, 32-blocks, an fp16 scale and an fp16 min (Q4_1 + a bit)
+  kQ8_0,    ///< 8-bit, 32-blocks, one fp16 scale
+  kQ6_K,    ///< 6-bit, 256-super-blocks of 16 sub-blocks with int8 scales
+  kQ4_K,    ///< 4-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins
+  kQ4_0,    ///< 4-bit, 32-blocks, one fp16 scale, offset 8
+  kQ3_K,    ///< 3-bit, 256-super-blocks of 16 sub-blocks with 6-bit scales
+  kQ2_K,    ///< 2-bit, 256-super-blocks of 16 sub-blocks with 4-bit scales and mins
+  kQ5_K,    ///< 5-bit, 256-super-blocks of 8 sub-blocks with 6-bit scales and mins (Q4_K + a bit)
+  kQ5_0,    ///< 5-bit, 32-blocks, one fp16 scale, offset 16 (Q4_0 + a bit)
+  kQ4_1,    ///< 4-bit, 32-blocks, an fp16 scale and an fp16 min (added)
+  kQ5_1,    ///< 5-bit, 32-blocks, an fp16 scale and an fp16 min (Q4_1 + a bit)
+  kIQ4_NL,  ///< 4-bit indices into 16 non-uniform levels (kIq4nlValues), 32-blocks, fp16 scale
+  kIQ4_XS,  ///< IQ4_NL's levels in 256-super-blocks of 8 sub-blocks with 6-bit scales
 };
 
 /// Every format, in order of falling precision.
-inline constexpr Format kFormats[] = {Format::kQ8_0, Format::kQ6_K, Format::kQ5_K, Format::kQ5_1,
-                                      Format::kQ5_0, Format::kQ4_K, Format::kQ4_1, Format::kQ4_0,
-                                      Format::kQ3_K, Format::kQ2_K};
+inline constexpr Format kFormats[] = {
+    Format::kQ8_0,   Format::kQ6_K, Format::kQ5_K,   Format::kQ5_1, Format::kQ5_0, Format::kQ4_K,
+    Format::kIQ4_XS, Format::kQ4_1, Format::kIQ4_NL, Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
 struct BlockQ8_0 {
@@ -117,16 +119,31 @@ struct BlockQ5_1 {
   std::uint8_t qh[4];   ///< 5th bits, a little-endian uint32: bit j for weight j
   std::uint8_t qs[16];  ///< low 4 bits, as Q4_0
 };
+struct BlockIQ4_NL {
+  std::uint16_t d;      ///< fp16 scale
+  std::uint8_t qs[16];  ///< indices into kIq4nlValues, as Q4_0's nibbles
+};
+struct BlockIQ4_XS {
+  std::uint16_t d;           ///< fp16 super-block scale
+  std::uint16_t scales_h;    ///< bits 2 ib + 1 .. 2 ib: high 2 bits of 32-block ib's scale
+  std::uint8_t scales_l[4];  ///< low 4 bits: block ib in nibble ib % 2 of scales_l[ib / 2]
+  std::uint8_t qs[128];      ///< per 32 weights 16 bytes of indices, as Q4_0's nibbles
+};
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84);
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
+
+/// ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS.
+inline constexpr std::int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
 
 /// Weights per block.
 constexpr Index block_elems(Format f) {
   return f == Format::kQ6_K || f == Format::kQ5_K || f == Format::kQ4_K || f == Format::kQ3_K ||
-                 f == Format::kQ2_K
+                 f == Format::kQ2_K || f == Format::kIQ4_XS
              ? 256
              : 32;
 }
@@ -153,6 +170,10 @@ constexpr Index block_bytes(Format f) {
       return 20;
     case Format::kQ5_1:
       return 24;
+    case Format::kIQ4_NL:
+      return 18;
+    case Format::kIQ4_XS:
+      return 136;
   }
   return 0;
 }
@@ -187,6 +208,10 @@ constexpr char const* name(Format f) {
       return "q4_1";
     case Format::kQ5_1:
       return "q5_1";
+    case Format::kIQ4_NL:
+      return "iq4_nl";
+    case Format::kIQ4_XS:
+      return "iq4_xs";
   }
   return "?";
 }
@@ -199,7 +224,8 @@ inline Format parse_format(std::string_view s) {
     if (lower == name(f)) return f;
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
-               "'; use one of q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k");
+               "'; use one of q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, iq4_xs, q4_1, iq4_nl, q4_0, "
+               "q3_k, q2_k");
 }
 
 namespace detail {
@@ -262,6 +288,137 @@ inline std::uint32_t load_le32(std::uint8_t const* p) {
 }
 inline void store_le32(std::uint32_t v, std::uint8_t* p) {
   for (int b = 0; b < 4; ++b) p[b] = static_cast<std::uint8_t>(v >> (8 * b));
+}
+
+/// ggml best_index_int8: the index of the nearest of n ascending values (the upper on a tie
+/// only if it is strictly nearer, as ggml's comparison).
+inline int best_index_int8(int n, std::int8_t const* val, float x) {
+  if (x <= static_cast<float>(val[0])) return 0;
+  if (x >= static_cast<float>(val[n - 1])) return n - 1;
+  int ml = 0, mu = n - 1;
+  while (mu - ml > 1) {
+    int const mav = (ml + mu) / 2;
+    if (x < static_cast<float>(val[mav])) {
+      mu = mav;
+    } else {
+      ml = mav;
+    }
+  }
+  return x - static_cast<float>(val[mu - 1]) < static_cast<float>(val[mu]) - x ? mu - 1 : mu;
+}
+
+/// ggml quantize_row_iq4_nl_impl without importance weights (weight = x^2) for one super-block
+/// of `super` weights in 32-blocks, with kIq4nlValues: per 32-block the best scale of 2 ntry + 1
+/// candidates (none for ntry < 0), then for super > 32 6-bit block scales under dh. L holds the
+/// levels across calls: a block of |x| < 1e-15 keeps the levels L had (ggml's too; its first
+/// block's are uninitialized, moe's caller starts L at zero).
+inline void quantize_iq4_impl(int super, float const* x, std::uint16_t* dh, std::uint8_t* q4,
+                              std::uint16_t* scales_h, std::uint8_t* scales_l, float* scales,
+                              std::uint8_t* L, int ntry) {
+  constexpr std::int8_t const* values = kIq4nlValues;
+  float const v0 = static_cast<float>(values[0]);
+  float weight[32];
+  std::memset(q4, 0, static_cast<std::size_t>(super / 2));
+  *dh = fp16(0.f);
+  float max_scale = 0, amax_scale = 0;
+  int const nblocks = super / 32;
+  for (int ib = 0; ib < nblocks; ++ib) {
+    float const* xb = x + 32 * ib;
+    std::uint8_t* Lb = L + 32 * ib;
+    for (int j = 0; j < 32; ++j) weight[j] = mul(xb[j], xb[j]);
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; ++j) {
+      float const ax = std::fabs(xb[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = xb[j];
+      }
+    }
+    if (amax < kGroupMaxEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    float d = ntry > 0 ? -max / v0 : max / v0;
+    float id = 1 / d;
+    float sumqx = 0, sumq2 = 0;
+    for (int j = 0; j < 32; ++j) {
+      int const l = best_index_int8(16, values, mul(id, xb[j]));
+      Lb[j] = static_cast<std::uint8_t>(l);
+      float const q = static_cast<float>(values[l]), w = weight[j];
+      sumqx += mul(mul(w, q), xb[j]);
+      sumq2 += mul(mul(w, q), q);
+    }
+    d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
+    float best = mul(d, sumqx);
+    for (int itry = -ntry; itry <= ntry; ++itry) {
+      id = static_cast<float>(itry + values[0]) / max;
+      sumqx = sumq2 = 0;
+      for (int j = 0; j < 32; ++j) {
+        int const l = best_index_int8(16, values, mul(id, xb[j]));
+        float const q = static_cast<float>(values[l]), w = weight[j];
+        sumqx += mul(mul(w, q), xb[j]);
+        sumq2 += mul(mul(w, q), q);
+      }
+      if (sumq2 > 0 && mul(sumqx, sumqx) > mul(best, sumq2)) {
+        d = sumqx / sumq2;
+        best = mul(d, sumqx);
+      }
+    }
+    scales[ib] = d;
+    if (std::fabs(d) > amax_scale) {
+      amax_scale = std::fabs(d);
+      max_scale = d;
+    }
+  }
+  if (nblocks > 1) {
+    *scales_h = 0;
+    float const d = -max_scale / 32;  // -0.0 for an all-zero super-block, as ggml
+    *dh = fp16(d);
+    float const id = d != 0.0f ? 1 / d : 0.f;
+    for (int ib = 0; ib < nblocks; ++ib) {
+      int l = nearest_int(mul(id, scales[ib]));
+      l = l < -32 ? -32 : (l > 31 ? 31 : l);
+      float const dl = mul(d, static_cast<float>(l));
+      float const idl = dl != 0.0f ? 1 / dl : 0.f;
+      std::uint8_t* Lb = L + 32 * ib;
+      float const* xb = x + 32 * ib;
+      for (int j = 0; j < 32; ++j) {
+        Lb[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(idl, xb[j])));
+      }
+      l += 32;
+      auto const l_l = static_cast<std::uint8_t>(l & 0xF);
+      auto const l_h = static_cast<std::uint16_t>(l >> 4);
+      scales_l[ib / 2] =
+          ib % 2 == 0 ? l_l : static_cast<std::uint8_t>(scales_l[ib / 2] | (l_l << 4));
+      *scales_h = static_cast<std::uint16_t>(*scales_h | (l_h << (2 * (ib % 8))));
+    }
+  } else {
+    *dh = fp16(scales[0]);
+    if (ntry > 0) {
+      float const id = scales[0] != 0.0f ? 1 / scales[0] : 0.f;
+      for (int j = 0; j < super; ++j) {
+        L[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(id, x[j])));
+      }
+    }
+  }
+  for (int i = 0; i < super / 32; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      q4[16 * i + j] = static_cast<std::uint8_t>(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
+    }
+  }
+}
+
+/// The smallest and the largest of a 32-block's weights (ggml's loop for Q4_1 and Q5_1).
+struct MinMax {
+  float min, max;
+};
+inline MinMax block_min_max(float const* x) {
+  MinMax r{std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()};
+  for (int j = 0; j < 32; ++j) {
+    if (x[j] < r.min) r.min = x[j];
+    if (x[j] > r.max) r.max = x[j];
+  }
+  return r;
 }
 
 /// ggml make_qx_quants with rmse_type 1 and no importance weights: symmetric levels
@@ -828,11 +985,7 @@ inline void dequantize_block(BlockQ2_K const& b, float* y) {
 
 /// Q4_1: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)).
 inline void quantize_block(float const* x, BlockQ4_1& y) {
-  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
-  for (int j = 0; j < 32; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
+  auto const [min, max] = detail::block_min_max(x);
   float const d = (max - min) / 15;
   float const id = detail::inverse(d);
   y.d = detail::fp16(d);
@@ -881,11 +1034,7 @@ inline void dequantize_block(BlockQ5_0 const& b, float* y) {
 /// Q5_1: d = (max - min) / 31, q = trunc((x - min) / d + 0.5) (ggml's (uint8_t) cast; the value
 /// is at most 31.5 plus rounding, so the clamp to 31 never changes a defined result).
 inline void quantize_block(float const* x, BlockQ5_1& y) {
-  float min = std::numeric_limits<float>::max(), max = -std::numeric_limits<float>::max();
-  for (int j = 0; j < 32; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
+  auto const [min, max] = detail::block_min_max(x);
   float const d = (max - min) / 31;
   float const id = detail::inverse(d);
   y.d = detail::fp16(d);
@@ -908,6 +1057,46 @@ inline void dequantize_block(BlockQ5_1 const& b, float* y) {
     auto const x1 = static_cast<int>((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
     y[j] = detail::mul(static_cast<float>(x0), d) + m;
     y[j + 16] = detail::mul(static_cast<float>(x1), d) + m;
+  }
+}
+
+/// IQ4_NL (ggml quantize_row_iq4_nl_ref: no importance weights, no scale search): d0 = max /
+/// -127, each level the nearest of kIq4nlValues to x / d0, d the x^2-weighted least-squares
+/// scale of those levels. `L` carries levels from block to block of a row (detail::
+/// quantize_iq4_impl); start it at zero.
+inline void quantize_block(float const* x, BlockIQ4_NL& y, std::uint8_t (&L)[32]) {
+  std::uint16_t unused_h = 0;
+  float scale = 0;
+  detail::quantize_iq4_impl(32, x, &y.d, y.qs, &unused_h, nullptr, &scale, L, -1);
+}
+inline void dequantize_block(BlockIQ4_NL const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] & 0xF]));
+    y[j + 16] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] >> 4]));
+  }
+}
+
+/// IQ4_XS (ggml quantize_row_iq4_xs_ref, i.e. quantize_iq4_xs without importance weights): per
+/// 32 weights the best of 15 scales (x^2-weighted), then 6-bit scales under d = -max / 32.
+inline void quantize_block(float const* x, BlockIQ4_XS& y) {
+  std::uint8_t L[256] = {};
+  float scales[8];
+  detail::quantize_iq4_impl(256, x, &y.d, y.qs, &y.scales_h, y.scales_l, scales, L, 7);
+}
+/// The 6-bit scale (0..63, used as ls - 32) of 32-block ib of an IQ4_XS block.
+inline int iq4xs_scale(BlockIQ4_XS const& b, int ib) {
+  return ((b.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((b.scales_h >> (2 * ib)) & 3) << 4);
+}
+inline void dequantize_block(BlockIQ4_XS const& b, float* y) {
+  float const d = detail::fp32(b.d);
+  std::uint8_t const* qs = b.qs;
+  for (int ib = 0; ib < 8; ++ib, y += 32, qs += 16) {
+    float const dl = detail::mul(d, static_cast<float>(iq4xs_scale(b, ib) - 32));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] & 0xF]));
+      y[j + 16] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] >> 4]));
+    }
   }
 }
 
@@ -955,10 +1144,15 @@ template <class Block>
 void quantize_blocks(float const* x, Index k, void* out) {
   auto* blocks = static_cast<Block*>(out);
   constexpr Index elems = block_elems_of<Block>();
+  [[maybe_unused]] std::uint8_t L[32] = {};  // IQ4_NL: levels carried from block to block
   for (Index b = 0; b < k / elems; ++b) {
     Block blk;
     std::memset(&blk, 0, sizeof blk);
-    quantize_block(x + b * elems, blk);
+    if constexpr (std::is_same_v<Block, BlockIQ4_NL>) {
+      quantize_block(x + b * elems, blk, L);
+    } else {
+      quantize_block(x + b * elems, blk);
+    }
     std::memcpy(blocks + b, &blk, sizeof blk);
   }
 }
@@ -1013,6 +1207,10 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockQ4_1>(x, k, out);
     case Format::kQ5_1:
       return detail::quantize_blocks<BlockQ5_1>(x, k, out);
+    case Format::kIQ4_NL:
+      return detail::quantize_blocks<BlockIQ4_NL>(x, k, out);
+    case Format::kIQ4_XS:
+      return detail::quantize_blocks<BlockIQ4_XS>(x, k, out);
   }
 }
 
@@ -1040,6 +1238,10 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockQ4_1>(in, k, y);
     case Format::kQ5_1:
       return detail::dequantize_blocks<BlockQ5_1>(in, k, y);
+    case Format::kIQ4_NL:
+      return detail::dequantize_blocks<BlockIQ4_NL>(in, k, y);
+    case Format::kIQ4_XS:
+      return detail::dequantize_blocks<BlockIQ4_XS>(in, k, y);
   }
 }
 

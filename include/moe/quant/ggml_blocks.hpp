@@ -47,21 +47,10 @@
 namespace moe::quant {
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
-struct BlockIQ4_NL {
-  std::uint16_t d;      ///< fp16 scale
-  std::uint8_t qs[16];  ///< indices into kIq4nlValues, as Q4_0's nibbles
-};
-struct BlockIQ4_XS {
-  std::uint16_t d;           ///< fp16 super-block scale
-  std::uint16_t scales_h;    ///< bits 2 ib + 1 .. 2 ib: high 2 bits of 32-block ib's scale
-  std::uint8_t scales_l[4];  ///< low 4 bits: block ib in nibble ib % 2 of scales_l[ib / 2]
-  std::uint8_t qs[128];      ///< per 32 weights 16 bytes of indices, as Q4_0's nibbles
-};
 struct BlockMXFP4 {
   std::uint8_t e;       ///< E8M0 shared exponent
   std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
 };
-static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
 static_assert(sizeof(BlockMXFP4) == 17);
 
 /// Weights per block of a ggml block type.
@@ -72,9 +61,6 @@ inline constexpr Index block_elems_v<BlockQ5_K> = 256;
 template <>
 inline constexpr Index block_elems_v<BlockIQ4_XS> = 256;
 
-/// ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS.
-inline constexpr std::int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                 1,    13,   25,  38,  53,  69,  89,  113};
 /// ggml's kvalues_mxfp4 (kvalues_fp4): the E2M1 values doubled, codes 8..15 the negatives
 /// (code 8, -0, decodes as +0).
 inline constexpr std::int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
@@ -106,169 +92,11 @@ inline void check_finite_row(float const* x, Index n, char const* who) {
   }
 }
 
-/// ggml best_index_int8: the index of the nearest of n ascending values (the upper on a tie
-/// only if it is strictly nearer, as ggml's comparison).
-inline int best_index_int8(int n, std::int8_t const* val, float x) {
-  if (x <= static_cast<float>(val[0])) return 0;
-  if (x >= static_cast<float>(val[n - 1])) return n - 1;
-  int ml = 0, mu = n - 1;
-  while (mu - ml > 1) {
-    int const mav = (ml + mu) / 2;
-    if (x < static_cast<float>(val[mav])) {
-      mu = mav;
-    } else {
-      ml = mav;
-    }
-  }
-  return x - static_cast<float>(val[mu - 1]) < static_cast<float>(val[mu]) - x ? mu - 1 : mu;
-}
-
-/// ggml quantize_row_iq4_nl_impl without importance weights (weight = x^2) for one super-block
-/// of `super` weights in 32-blocks, with kIq4nlValues: per 32-block the best scale of 2 ntry + 1
-/// candidates (none for ntry < 0), then for super > 32 6-bit block scales under dh. L holds the
-/// levels across calls: a block of |x| < 1e-15 keeps the levels L had (ggml's too; its first
-/// block's are uninitialized, moe's caller starts L at zero).
-inline void quantize_iq4_impl(int super, float const* x, std::uint16_t* dh, std::uint8_t* q4,
-                              std::uint16_t* scales_h, std::uint8_t* scales_l, float* scales,
-                              std::uint8_t* L, int ntry) {
-  constexpr std::int8_t const* values = kIq4nlValues;
-  float const v0 = static_cast<float>(values[0]);
-  float weight[32];
-  std::memset(q4, 0, static_cast<std::size_t>(super / 2));
-  *dh = fp16(0.f);
-  float max_scale = 0, amax_scale = 0;
-  int const nblocks = super / 32;
-  for (int ib = 0; ib < nblocks; ++ib) {
-    float const* xb = x + 32 * ib;
-    std::uint8_t* Lb = L + 32 * ib;
-    for (int j = 0; j < 32; ++j) weight[j] = mul(xb[j], xb[j]);
-    float amax = 0, max = 0;
-    for (int j = 0; j < 32; ++j) {
-      float const ax = std::fabs(xb[j]);
-      if (ax > amax) {
-        amax = ax;
-        max = xb[j];
-      }
-    }
-    if (amax < kGroupMaxEps) {
-      scales[ib] = 0;
-      continue;
-    }
-    float d = ntry > 0 ? -max / v0 : max / v0;
-    float id = 1 / d;
-    float sumqx = 0, sumq2 = 0;
-    for (int j = 0; j < 32; ++j) {
-      int const l = best_index_int8(16, values, mul(id, xb[j]));
-      Lb[j] = static_cast<std::uint8_t>(l);
-      float const q = static_cast<float>(values[l]), w = weight[j];
-      sumqx += mul(mul(w, q), xb[j]);
-      sumq2 += mul(mul(w, q), q);
-    }
-    d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
-    float best = mul(d, sumqx);
-    for (int itry = -ntry; itry <= ntry; ++itry) {
-      id = static_cast<float>(itry + values[0]) / max;
-      sumqx = sumq2 = 0;
-      for (int j = 0; j < 32; ++j) {
-        int const l = best_index_int8(16, values, mul(id, xb[j]));
-        float const q = static_cast<float>(values[l]), w = weight[j];
-        sumqx += mul(mul(w, q), xb[j]);
-        sumq2 += mul(mul(w, q), q);
-      }
-      if (sumq2 > 0 && mul(sumqx, sumqx) > mul(best, sumq2)) {
-        d = sumqx / sumq2;
-        best = mul(d, sumqx);
-      }
-    }
-    scales[ib] = d;
-    if (std::fabs(d) > amax_scale) {
-      amax_scale = std::fabs(d);
-      max_scale = d;
-    }
-  }
-  if (nblocks > 1) {
-    *scales_h = 0;
-    float const d = -max_scale / 32;  // -0.0 for an all-zero super-block, as ggml
-    *dh = fp16(d);
-    float const id = d != 0.0f ? 1 / d : 0.f;
-    for (int ib = 0; ib < nblocks; ++ib) {
-      int l = nearest_int(mul(id, scales[ib]));
-      l = l < -32 ? -32 : (l > 31 ? 31 : l);
-      float const dl = mul(d, static_cast<float>(l));
-      float const idl = dl != 0.0f ? 1 / dl : 0.f;
-      std::uint8_t* Lb = L + 32 * ib;
-      float const* xb = x + 32 * ib;
-      for (int j = 0; j < 32; ++j) {
-        Lb[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(idl, xb[j])));
-      }
-      l += 32;
-      auto const l_l = static_cast<std::uint8_t>(l & 0xF);
-      auto const l_h = static_cast<std::uint16_t>(l >> 4);
-      scales_l[ib / 2] =
-          ib % 2 == 0 ? l_l : static_cast<std::uint8_t>(scales_l[ib / 2] | (l_l << 4));
-      *scales_h = static_cast<std::uint16_t>(*scales_h | (l_h << (2 * (ib % 8))));
-    }
-  } else {
-    *dh = fp16(scales[0]);
-    if (ntry > 0) {
-      float const id = scales[0] != 0.0f ? 1 / scales[0] : 0.f;
-      for (int j = 0; j < super; ++j) {
-        L[j] = static_cast<std::uint8_t>(best_index_int8(16, values, mul(id, x[j])));
-      }
-    }
-  }
-  for (int i = 0; i < super / 32; ++i) {
-    for (int j = 0; j < 16; ++j) {
-      q4[16 * i + j] = static_cast<std::uint8_t>(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
-    }
-  }
-}
-
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
 // One block (ggml quantize_row_*_ref and dequantize_row_* for one block), overloads of
 // blocks.hpp's quantize_block / dequantize_block.
-
-/// IQ4_NL (ggml quantize_row_iq4_nl_ref: no importance weights, no scale search): d0 = max /
-/// -127, each level the nearest of kIq4nlValues to x / d0, d the x^2-weighted least-squares
-/// scale of those levels. `L` carries levels from block to block of a row (detail::
-/// quantize_iq4_impl); start it at zero.
-inline void quantize_block(float const* x, BlockIQ4_NL& y, std::uint8_t (&L)[32]) {
-  std::uint16_t unused_h = 0;
-  float scale = 0;
-  detail::quantize_iq4_impl(32, x, &y.d, y.qs, &unused_h, nullptr, &scale, L, -1);
-}
-inline void dequantize_block(BlockIQ4_NL const& b, float* y) {
-  float const d = detail::fp32(b.d);
-  for (int j = 0; j < 16; ++j) {
-    y[j] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] & 0xF]));
-    y[j + 16] = detail::mul(d, static_cast<float>(kIq4nlValues[b.qs[j] >> 4]));
-  }
-}
-
-/// IQ4_XS (ggml quantize_row_iq4_xs_ref, i.e. quantize_iq4_xs without importance weights): per
-/// 32 weights the best of 15 scales (x^2-weighted), then 6-bit scales under d = -max / 32.
-inline void quantize_block(float const* x, BlockIQ4_XS& y) {
-  std::uint8_t L[256] = {};
-  float scales[8];
-  detail::quantize_iq4_impl(256, x, &y.d, y.qs, &y.scales_h, y.scales_l, scales, L, 7);
-}
-/// The 6-bit scale (0..63, used as ls - 32) of 32-block ib of an IQ4_XS block.
-inline int iq4xs_scale(BlockIQ4_XS const& b, int ib) {
-  return ((b.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((b.scales_h >> (2 * ib)) & 3) << 4);
-}
-inline void dequantize_block(BlockIQ4_XS const& b, float* y) {
-  float const d = detail::fp32(b.d);
-  std::uint8_t const* qs = b.qs;
-  for (int ib = 0; ib < 8; ++ib, y += 32, qs += 16) {
-    float const dl = detail::mul(d, static_cast<float>(iq4xs_scale(b, ib) - 32));
-    for (int j = 0; j < 16; ++j) {
-      y[j] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] & 0xF]));
-      y[j + 16] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] >> 4]));
-    }
-  }
-}
 
 /// MXFP4 (ggml quantize_row_mxfp4_ref): e = floor(log2(amax)) - 2 + 127 (0 for amax = 0), each
 /// code the first of kMxfp4Values nearest to x / 2^(e - 128). ggml's conversion to uint8_t is
