@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1,
-/// Q4_0, Q3_K and Q2_K (ggml-common.h), and their reference quantizers and dequantizers
-/// (ggml-quants.c: quantize_row_*_ref, dequantize_row_*), written here from those definitions. A
-/// row of k weights is k / block_elems consecutive blocks, little-endian, as in a GGUF tensor:
+/// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, IQ4_XS,
+/// Q4_1, IQ4_NL, Q4_0, Q3_K and Q2_K (ggml-common.h), and their reference quantizers and
+/// dequantizers (ggml-quants.c: quantize_row_*_ref, dequantize_row_*), written here from those
+/// definitions. A row of k weights is k / block_elems consecutive blocks, little-endian, as in a
+/// GGUF tensor:
 ///
 /// | format | weights a block | bytes | bits a weight | value of weight i                      |
 /// |--------|-----------------|-------|---------------|----------------------------------------|
@@ -14,17 +15,19 @@
 /// | Q5_1   | 32              | 24    | 6             | d * q5 + m                             |
 /// | Q5_0   | 32              | 22    | 5.5           | d * (q5 - 16)                          |
 /// | Q4_K   | 256 (8 x 32)    | 144   | 4.5           | d * sc[i / 32] * q4 - dmin * m[i / 32] |
+/// | IQ4_XS | 256 (8 x 32)    | 136   | 4.25          | d * (ls[i / 32] - 32) * kv[q4]         |
 /// | Q4_1   | 32              | 20    | 5             | d * q4 + m                             |
+/// | IQ4_NL | 32              | 18    | 4.5           | d * kv[q4]                             |
 /// | Q4_0   | 32              | 18    | 4.5           | d * (q4 - 8)                           |
 /// | Q3_K   | 256 (16 x 16)   | 110   | 3.4375        | d * (sc[i / 16] - 32) * (q3 - 4)       |
 /// | Q2_K   | 256 (16 x 16)   | 84    | 2.625         | d * sc[i / 16] * q2 - dmin * m[i / 16] |
 ///
 /// (d, dmin, m: fp16; sc, m: 6-bit (Q5_K, Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q5 in
-/// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4).) The quantizers are ggml's
-/// round-to-nearest references, the K-quants with their scale searches, operation for
-/// operation and without floating-point contraction (each product is rounded before it is
-/// added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on the
-/// compiler flags. NaN policy: quantize_row refuses a non-finite weight (moe::Error naming its
+/// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4); kv: kIq4nlValues, ls: 6 bits.) The
+/// quantizers are ggml's round-to-nearest references, the K-quants with their scale searches,
+/// operation for operation and without floating-point contraction (each product is rounded before
+/// it is added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on
+/// the compiler flags. NaN policy: quantize_row refuses a non-finite weight (moe::Error naming its
 /// position); dequantize_row decodes any bytes (an fp16 scale may be inf or NaN).
 #pragma once
 

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
-/// More GGUF weight blocks, for reading GGUF files: the byte layouts of ggml's Q4_1, Q5_0, Q5_1,
-/// Q5_K, IQ4_NL, IQ4_XS and MXFP4 (ggml-common.h), their reference dequantizers
+/// More GGUF weight blocks, for reading GGUF files: typed row entry points for ggml's Q4_1, Q5_0,
+/// Q5_1, Q5_K, IQ4_NL and IQ4_XS, which are also quant::Formats with kernels (their blocks,
+/// quantizers and decoders are in blocks.hpp), and the byte layout of MXFP4 (ggml-common.h);
+/// their reference dequantizers
 /// (ggml-quants.c: dequantize_row_*) and reference quantizers (quantize_row_*_ref), written
 /// here from those definitions, and F16 / BF16 rows. A row of n weights is n / block_elems_v<B>
 /// consecutive blocks, as in a GGUF tensor. Per format (d, m, dmin: fp16; q: the level):
