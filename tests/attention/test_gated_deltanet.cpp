@@ -291,6 +291,73 @@ TEST_CASE("GatedDeltaNet: several sequences in one call equal one call each",
   }
 }
 
+TEST_CASE("GatedDeltaNet: the tiled value-head order (GGUF Qwen3.5) is the grouped one permuted",
+          "[attention][deltanet]") {
+  // 2 key heads, 6 value heads (R = 3): tiled head t is grouped head (t mod 2) 3 + t / 2.
+  moe::GatedDeltaNetConfig c = config(moe::DeltaNetLayout::kQwen35);
+  c.num_value_heads = 6;
+  moe::GatedDeltaNet grouped(c);
+  c.head_order = moe::DeltaNetHeadOrder::kTiled;
+  moe::GatedDeltaNet tiled(c);
+  randomize(grouped, 7);
+  Index const D = c.d_model, Hk = c.num_key_heads, Hv = c.num_value_heads, R = Hv / Hk;
+  Index const dv = c.value_head_dim, K = Hk * c.key_head_dim, V = Hv * dv, KW = c.conv_kernel;
+  auto from = [&](Index t) { return (t % Hk) * R + t / Hk; };  // the grouped head of tiled t
+  auto src = grouped.parameters();
+  auto dst = tiled.parameters();
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    std::string_view const n = src[i].name;
+    std::span<float const> const s = src[i].values;
+    std::span<float> const d = dst[i].values;
+    std::copy(s.begin(), s.end(), d.begin());
+    // Per tiled head t: `block` consecutive rows of `row` values at `base`, from grouped's.
+    auto heads = [&](Index base, Index block, Index row) {
+      for (Index t = 0; t < Hv; ++t) {
+        std::copy_n(s.begin() + (base + from(t) * block) * row, block * row,
+                    d.begin() + (base + t * block) * row);
+      }
+    };
+    if (n == "in_proj_qkv.weight") heads(2 * K, dv, D);
+    if (n == "in_proj_z.weight") heads(0, dv, D);
+    if (n == "in_proj_b.weight" || n == "in_proj_a.weight") heads(0, 1, D);
+    if (n == "A_log" || n == "dt_bias") heads(0, 1, 1);
+    if (n == "conv1d.weight") heads(2 * K, dv, KW);
+    if (n == "out_proj.weight") {  // columns
+      for (Index r = 0; r < D; ++r) {
+        for (Index t = 0; t < Hv; ++t) {
+          std::copy_n(s.begin() + r * V + from(t) * dv, dv, d.begin() + r * V + t * dv);
+        }
+      }
+    }
+  }
+  Index const T = 70;
+  auto const x = random_vector(T * D, 9);
+  for (auto const rule : {moe::DeltaRule::kChunked, moe::DeltaRule::kRecurrent}) {
+    // The same numbers per head; out_proj sums the heads in another order.
+    REQUIRE(rel_err(run(tiled, x, T, rule), run(grouped, x, T, rule)) < 1e-6);
+  }
+  // A wrong key head for any value head changes the output: the test can fail.
+  c.head_order = moe::DeltaNetHeadOrder::kGrouped;
+  moe::GatedDeltaNet wrong(c);
+  auto w = wrong.parameters();
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    std::copy(dst[i].values.begin(), dst[i].values.end(), w[i].values.begin());
+  }
+  REQUIRE(rel_err(run(wrong, x, T, moe::DeltaRule::kAuto),
+                  run(grouped, x, T, moe::DeltaRule::kAuto)) > 1e-3);
+  // Training: the input gradient of the same upstream gradient.
+  auto const dyf = random_vector(T * D, 10);
+  auto dx_of = [&](moe::GatedDeltaNet& l) {
+    std::vector<float> y(x.size()), dx(x.size());
+    moe::GatedDeltaNetWorkspace ws;
+    l.forward_train({x.data(), T, D}, {y.data(), T, D}, ws);
+    auto g = l.make_gradients();
+    l.backward(ws, {dyf.data(), T, D}, {dx.data(), T, D}, g);
+    return dx;
+  };
+  REQUIRE(rel_err(dx_of(tiled), dx_of(grouped)) < 1e-5);
+}
+
 TEST_CASE("GatedDeltaNet gradients match finite differences of the double twin",
           "[attention][deltanet][grad]") {
   for (auto const layout : {moe::DeltaNetLayout::kQwen3Next, moe::DeltaNetLayout::kQwen35}) {

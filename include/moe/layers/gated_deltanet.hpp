@@ -44,6 +44,19 @@ namespace moe {
 /// K = H_k d_k, V = H_v d_v. conv1d.weight has the same layout in both (channels q | k | v).
 enum class DeltaNetLayout { kQwen3Next, kQwen35 };
 
+/// Which key head each value head reads (R = H_v / H_k value heads share a key head):
+///
+/// - kGrouped: value head h reads key head h / R (transformers' repeat_interleave: the R value
+///   heads of key head g are consecutive);
+/// - kTiled: value head h reads key head h mod H_k (llama.cpp's GGUF files of Qwen3.5, whose
+///   converter reorders the value heads "from grouped to tiled" so that ggml broadcasts the key
+///   heads: file head j R' + g is transformers' head g R + j).
+///
+/// The order is a property of the weights (v, z, b, a rows, A_log, dt_bias, the convolution's v
+/// channels and out_proj's columns all follow it): the same weights permuted from one order to
+/// the other give the same layer.
+enum class DeltaNetHeadOrder { kGrouped, kTiled };
+
 /// Which form of the delta rule a forward runs. kAuto: recurrent for one token a sequence,
 /// chunked from two tokens on. Both compute the same function (they differ by rounding, ~1e-6
 /// relative); the recurrent form does 4 d_k d_v FLOP a token and head, the chunked one about
@@ -60,6 +73,7 @@ struct GatedDeltaNetConfig {
   Index conv_kernel = 4;      ///< (linear_conv_kernel_dim) >= 1
   float norm_eps = 1e-6f;     ///< the gated RMSNorm's epsilon (rms_norm_eps), finite and > 0
   DeltaNetLayout layout = DeltaNetLayout::kQwen3Next;
+  DeltaNetHeadOrder head_order = DeltaNetHeadOrder::kGrouped;  ///< kTiled: GGUF Qwen3.5 files
   Index chunk_size = 64;  ///< tokens per chunk of the chunked form and of backward's checkpoints
 };
 
@@ -125,7 +139,8 @@ struct GatedDeltaNetWorkspace {
 ///   [q k v] <- silu(causal depthwise conv1d over time, kernel conv_kernel, no bias)
 ///   q_h <- q_h / sqrt(|q_h|^2 + 1e-6) / sqrt(d_k),  k_h <- k_h / sqrt(|k_h|^2 + 1e-6)
 ///   beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)           (per value head)
-///   per value head h (key head h / R, R = H_v / H_k), from the state S_h:
+///   per value head h (key head h / R, R = H_v / H_k; h mod H_k in DeltaNetHeadOrder::kTiled),
+///   from the state S_h:
 ///     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 ///   o_h <- rmsnorm(o_h) * norm.weight * silu(z_h)                          (over d_v, eps)
 ///   y = o W_out^T
@@ -475,6 +490,14 @@ class GatedDeltaNet {
     return static_cast<std::size_t>(c_.num_value_heads * c_.key_head_dim * c_.value_head_dim);
   }
   Index ratio() const { return c_.num_value_heads / c_.num_key_heads; }
+  /// The key head value head h reads (DeltaNetHeadOrder), and the j-th value head of key head kh.
+  Index key_head(Index h) const {
+    return c_.head_order == DeltaNetHeadOrder::kTiled ? h % c_.num_key_heads : h / ratio();
+  }
+  Index value_head(Index kh, Index j) const {
+    return c_.head_order == DeltaNetHeadOrder::kTiled ? j * c_.num_key_heads + kh
+                                                      : kh * ratio() + j;
+  }
   Index group_width() const { return 2 * c_.key_head_dim + 2 * ratio() * c_.value_head_dim; }
   /// Calls f(channel, column, n) for each run of n convolution channels (q | k | v order) fed by
   /// the n consecutive columns of the projections' output from `column` on: one run a head.
@@ -556,7 +579,7 @@ class GatedDeltaNet {
   /// Value head h's view of the rows [r0, r0 + n) of the workspace (one sequence).
   kernels::DeltaRuleHead head(GatedDeltaNetWorkspace& ws, Index h, Index r0, Index n) const {
     Index const K = key_dim(), V = value_dim(), C = conv_dim(), Hv = c_.num_value_heads;
-    Index const dk = c_.key_head_dim, dv = c_.value_head_dim, kh = h / ratio();
+    Index const dk = c_.key_head_dim, dv = c_.value_head_dim, kh = key_head(h);
     kernels::DeltaRuleHead p;
     p.q = ws.qn.data() + r0 * K + kh * dk;
     p.k = ws.kn.data() + r0 * K + kh * dk;
@@ -803,7 +826,7 @@ class GatedDeltaNet {
           std::fill(dq, dq + dk, 0.0f);
           std::fill(dkk, dkk + dk, 0.0f);
           for (Index j = 0; j < R; ++j) {
-            Index const h = kh * R + j;
+            Index const h = value_head(kh, j);
             float const* sq = ws.dq_heads.data() + t * Hv * dk + h * dk;
             float const* sk = ws.dk_heads.data() + t * Hv * dk + h * dk;
             for (Index c = 0; c < dk; ++c) {
