@@ -119,6 +119,19 @@ inline void rope_llama3_inv_freq(float theta, Index rotary_dim, RopeLlama3 const
   }
 }
 
+/// Inverse frequencies divided by per-frequency factors (llama.cpp's rope_freqs tensor, which
+/// its converter writes for Llama 3 scaling instead of the four parameters):
+/// inv_freq[i] = float(theta^(-2i/d)) / factors[i], i < d / 2.
+inline void rope_factored_inv_freq(float theta, Index rotary_dim, float const* factors,
+                                   float* inv_freq) {
+  double const d = static_cast<double>(rotary_dim);
+  for (Index i = 0; i < rotary_dim / 2; ++i) {
+    float const f = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta), 2.0 * static_cast<double>(i) / d));
+    inv_freq[i] = f / factors[i];
+  }
+}
+
 /// cos and sin of one position from precomputed inverse frequencies, times `scale`:
 /// angle_i = float(position) * inv_freq[i], cos_i = scale cos(angle_i), sin_i = scale sin(angle_i).
 inline void rope_angles(Index position, float const* inv_freq, float scale, Index rotary_dim,

@@ -35,6 +35,19 @@ enum class QkNorm { kNone, kRmsNorm, kRmsNormOnePlus, kRmsNormUnweighted };
 ///   q_proj's output: no gate, or GateLayout::kSeparate.
 enum class QkNormScope { kPerHead, kAllHeads };
 
+/// Which key head each value head reads (R = H_v / H_k value heads share a key head):
+///
+/// - kGrouped: value head h reads key head h / R (transformers' repeat_interleave: the R value
+///   heads of key head g are consecutive);
+/// - kTiled: value head h reads key head h mod H_k (llama.cpp's GGUF files of Qwen3.5, whose
+///   converter reorders the value heads "from grouped to tiled" so that ggml broadcasts the key
+///   heads: file head j R' + g is transformers' head g R + j).
+///
+/// The order is a property of the weights (v, z, b, a rows, A_log, dt_bias, the convolution's v
+/// channels and out_proj's columns all follow it): the same weights permuted from one order to
+/// the other give the same layer.
+enum class DeltaNetHeadOrder { kGrouped, kTiled };
+
 /// Per-call options of GatedAttention and MoeAttention forward passes.
 ///
 /// x [T, D] holds `batch` sequences of S = T / batch tokens each, one after the other (HF's

@@ -88,6 +88,10 @@ struct GatedAttentionConfig {
   /// temperature_floor)) after their norm and RoPE. temperature_floor 0: off.
   Index temperature_floor = 0;
   float temperature_scale = 0.0f;
+  /// Per-frequency divisors of the RoPE frequencies (with rope; llama.cpp's rope_freqs tensor,
+  /// [rotary_dim / 2], finite and > 0): frequency i is theta^(-2i/rotary_dim) / factor_i. Empty:
+  /// none. Not with yarn or llama3 (a GGUF file's Llama 3 scaling arrives as these factors).
+  std::vector<float> rope_freq_factors = {};
 };
 
 /// The formats of an attention layer's packed projections (GatedAttention::pack_weights): q
@@ -268,7 +272,18 @@ class GatedAttention {
         l3.original_max_position,
         "}; Llama 3 RoPE scaling needs a finite factor > 0, 0 < low_freq_factor <= "
         "high_freq_factor, a context >= 1 and no YaRN, or factor 0 for plain RoPE");
-    if (c.rope && y.enabled()) {
+    std::vector<float> const& ff = c.rope_freq_factors;
+    detail::check(ff.empty() || (static_cast<Index>(ff.size()) == c_.rotary_dim / 2 &&
+                                 !y.enabled() && !l3.enabled() &&
+                                 std::all_of(ff.begin(), ff.end(),
+                                             [](float f) { return f > 0.0f && std::isfinite(f); })),
+                  "GatedAttention: rope_freq_factors has ", ff.size(),
+                  " values; it needs rotary_dim / 2 = ", c_.rotary_dim / 2,
+                  " finite factors > 0, and no YaRN or Llama 3 scaling beside it");
+    if (c.rope && !ff.empty()) {
+      inv_freq_.resize(ff.size());
+      kernels::rope_factored_inv_freq(c.rope_theta, c_.rotary_dim, ff.data(), inv_freq_.data());
+    } else if (c.rope && y.enabled()) {
       inv_freq_.resize(static_cast<std::size_t>(c_.rotary_dim / 2));
       kernels::rope_yarn_inv_freq(c.rope_theta, c_.rotary_dim, y, inv_freq_.data());
       rope_scale_ = y.scale();

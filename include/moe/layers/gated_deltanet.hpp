@@ -44,19 +44,6 @@ namespace moe {
 /// K = H_k d_k, V = H_v d_v. conv1d.weight has the same layout in both (channels q | k | v).
 enum class DeltaNetLayout { kQwen3Next, kQwen35 };
 
-/// Which key head each value head reads (R = H_v / H_k value heads share a key head):
-///
-/// - kGrouped: value head h reads key head h / R (transformers' repeat_interleave: the R value
-///   heads of key head g are consecutive);
-/// - kTiled: value head h reads key head h mod H_k (llama.cpp's GGUF files of Qwen3.5, whose
-///   converter reorders the value heads "from grouped to tiled" so that ggml broadcasts the key
-///   heads: file head j R' + g is transformers' head g R + j).
-///
-/// The order is a property of the weights (v, z, b, a rows, A_log, dt_bias, the convolution's v
-/// channels and out_proj's columns all follow it): the same weights permuted from one order to
-/// the other give the same layer.
-enum class DeltaNetHeadOrder { kGrouped, kTiled };
-
 /// Which form of the delta rule a forward runs. kAuto: recurrent for one token a sequence,
 /// chunked from two tokens on. Both compute the same function (they differ by rounding, ~1e-6
 /// relative); the recurrent form does 4 d_k d_v FLOP a token and head, the chunked one about

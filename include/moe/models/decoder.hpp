@@ -811,6 +811,7 @@ inline GatedDeltaNetConfig deltanet_config(DecoderConfig const& c) {
   g.conv_kernel = c.deltanet.conv_kernel;
   g.norm_eps = c.rms_norm_eps;
   g.layout = c.deltanet.split_projections ? DeltaNetLayout::kQwen35 : DeltaNetLayout::kQwen3Next;
+  g.head_order = c.deltanet.head_order;
   return g;
 }
 
@@ -990,6 +991,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   ac.rotary_dim = c.rotary_dim;
   ac.yarn = c.yarn;
   ac.llama3 = c.llama3;
+  ac.rope_freq_factors = c.rope_freq_factors;
   ac.sinks = c.sinks;
   ac.rope_interleaved = c.rope_interleaved;
   ac.causal = true;

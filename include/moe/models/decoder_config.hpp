@@ -44,6 +44,9 @@ struct DecoderDeltaNet {
   /// Qwen3.5's split input projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) instead
   /// of Qwen3-Next's in_proj_qkvz and in_proj_ba.
   bool split_projections = false;
+  /// Which key head a value head reads: transformers' grouped order, or the tiled one of
+  /// llama.cpp's GGUF files of Qwen3.5 (io::GgufAsHf::deltanet_tiled_value_heads).
+  DeltaNetHeadOrder head_order = DeltaNetHeadOrder::kGrouped;
 };
 
 /// The decoder-level keys of a config.json (the MoE keys are in `moe`), with the transformers
@@ -126,6 +129,9 @@ struct DecoderConfig {
   bool o_bias = false;    ///< o_proj bias (OLMoE attention_bias)
   bool rope_interleaved = false;    ///< RoPE on pairs (2i, 2i + 1) (ERNIE 4.5, Llama 4)
   kernels::RopeLlama3 llama3 = {};  ///< Llama 3 RoPE scaling (Llama 4 Scout); factor 0: none
+  /// [rotary_dim / 2] divisors of the RoPE frequencies (a GGUF file's rope_freqs tensor, which
+  /// is how llama.cpp stores Llama 3 scaling: io::GgufAsHf::rope_freq_factors); empty: none.
+  std::vector<float> rope_freq_factors;
   /// Multi-head latent attention instead of GQA (DeepSeek-V2 / V3, Kimi K2); its YaRN is `yarn`,
   /// its rope_theta `rope_theta`, its attention_bias `qkv_bias`.
   DecoderMla mla;

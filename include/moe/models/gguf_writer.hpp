@@ -32,6 +32,7 @@
 #include "moe/io/hf.hpp"
 #include "moe/models/decoder.hpp"
 #include "moe/models/decoder_config.hpp"
+#include "moe/models/gguf_decoder.hpp"
 #include "moe/quant/blocks.hpp"
 
 namespace moe::models {
@@ -353,8 +354,7 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path,
                                       DecoderOptions const& formats = {}) {
   if (io::is_gguf_file(model)) {
     io::GgufAsHf const g = io::gguf_as_hf(model);
-    return save_gguf_model(path, parse_decoder_config(g.config_json, model.string()), *g.checkpoint,
-                           formats);
+    return save_gguf_model(path, gguf_decoder_config(g, model.string()), *g.checkpoint, formats);
   }
   io::detail::check_model_dir(model);
   return save_gguf_model(path, read_decoder_config(model), io::open_checkpoint(model), formats);

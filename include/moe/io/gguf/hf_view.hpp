@@ -17,6 +17,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,14 @@ struct GgufAsHf {
   /// What the reading noticed, one sentence each: tensors decoded to fp32 (by type), GGUF
   /// tensors no Hugging Face name maps to.
   std::vector<std::string> warnings;
+  /// What the whole-model decoder needs beyond config.json (models::gguf_decoder_config applies
+  /// it): the Gated DeltaNet's input projections split (a qwen3next file of llama.cpp's newer
+  /// converter, attn_qkv / attn_gate: DecoderDeltaNet::split_projections), its value heads in
+  /// ggml's tiled order (qwen35moe: DeltaNetHeadOrder::kTiled), and the RoPE frequency factors
+  /// of rope_freqs.weight (llama4's Llama 3 scaling: DecoderConfig::rope_freq_factors).
+  bool deltanet_split_projections = false;
+  bool deltanet_tiled_value_heads = false;
+  std::vector<float> rope_freq_factors;
 };
 
 namespace detail {
@@ -99,12 +108,34 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
       {"attn_q_norm.weight", "self_attn.q_norm.weight"},
       {"attn_k_norm.weight", "self_attn.k_norm.weight"},
       {"attn_sinks.weight", "self_attn.sinks"},
-      {"ffn_gate.weight", "mlp.gate_proj.weight"},
-      {"ffn_up.weight", "mlp.up_proj.weight"},
-      {"ffn_down.weight", "mlp.down_proj.weight"}};
+      // Multi-head latent attention (deepseek2; attn_k_b / attn_v_b: gguf_as_hf joins them).
+      {"attn_q_a.weight", "self_attn.q_a_proj.weight"},
+      {"attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"},
+      {"attn_q_b.weight", "self_attn.q_b_proj.weight"},
+      {"attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight"},
+      {"attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"},
+      {"attn_kv_b.weight", "self_attn.kv_b_proj.weight"},
+      // Gated DeltaNet (qwen3next: ssm_in and ssm_ba, or attn_qkv, attn_gate and ssm_ba from
+      // llama.cpp's newer converter; qwen35moe: attn_qkv, attn_gate, ssm_beta, ssm_alpha).
+      {"ssm_in.weight", "linear_attn.in_proj_qkvz.weight"},
+      {"ssm_ba.weight", "linear_attn.in_proj_ba.weight"},
+      {"attn_qkv.weight", "linear_attn.in_proj_qkv.weight"},
+      {"attn_gate.weight", "linear_attn.in_proj_z.weight"},
+      {"ssm_beta.weight", "linear_attn.in_proj_b.weight"},
+      {"ssm_alpha.weight", "linear_attn.in_proj_a.weight"},
+      {"ssm_conv1d.weight", "linear_attn.conv1d.weight"},
+      {"ssm_a", "linear_attn.A_log"},
+      {"ssm_dt.bias", "linear_attn.dt_bias"},
+      {"ssm_norm.weight", "linear_attn.norm.weight"},
+      {"ssm_out.weight", "linear_attn.out_proj.weight"}};
   for (auto const& [gguf, hf] : kLayer) {
     if (rest == gguf) return p + std::string(hf);
   }
+  // Dense MLP layers, under the family's module ("mlp.", Llama 4's "feed_forward.").
+  std::string const dense(hf_family(family).decoder.dense_module);
+  if (rest == "ffn_gate.weight") return p + dense + "gate_proj.weight";
+  if (rest == "ffn_up.weight") return p + dense + "up_proj.weight";
+  if (rest == "ffn_down.weight") return p + dense + "down_proj.weight";
   // The MoE block, named as the family's HfTensorNames say.
   if (rest == "ffn_gate_inp.weight") return concat(moe, n.router);
   if (rest == "ffn_gate_inp.bias" && hf_family(family).router_bias) {
@@ -161,11 +192,19 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   GgufAsHf out;
   bool found = false;
   std::string supported;
+  // Several families may share an architecture (deepseek2: DeepSeek-V2 and V3 / Kimi K2); the
+  // expert gating function tells them apart (absent: softmax, as llama.cpp assumes for older
+  // DeepSeek-2 files).
+  std::uint64_t const gating = meta.integer_or(detail::concat(arch, ".expert_gating_func"), 1);
   for (HfFamily const f : kHfFamilies) {
-    std::string_view const a = hf_family(f).gguf.arch;
-    if (a.empty()) continue;
-    supported += detail::concat(supported.empty() ? "" : ", ", "\"", a, "\"");
-    if (a == arch) out.family = f, found = true;
+    HfGgufFacts const& g = hf_family(f).gguf;
+    if (g.arch.empty()) continue;
+    if (supported.find(detail::concat("\"", g.arch, "\"")) == std::string::npos) {
+      supported += detail::concat(supported.empty() ? "" : ", ", "\"", g.arch, "\"");
+    }
+    if (g.arch == arch && (g.gating_func == 0 || g.gating_func == gating)) {
+      out.family = f, found = true;
+    }
   }
   if (!found) {
     moe::detail::fail("gguf: ", src, ": general.architecture ", detail::printable_name(arch),
@@ -235,19 +274,60 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       w.integer("moe_layer_start_index", count_or("leading_dense_block_count", 0));
       w.integer("moe_layer_interval", count_or("interleave_moe_layer_step", 1));
       break;
+    case HfLayerRule::kInterleave:  // Llama 4: the layers L with (L + 1) % step == 0
+      w.integer("interleave_moe_layer_step", count_or("interleave_moe_layer_step", 1));
+      break;
     default:
       break;
   }
   Index const heads = count("attention.head_count");
+  bool const mla = spec.decoder.mla;
+  // MLA files of llama.cpp's newer converter say 1 KV head (the latent, run as MQA); the
+  // attention itself has a key and a value per head.
   Index const kv_heads =
-      meta.has(key("attention.head_count_kv")) ? count("attention.head_count_kv") : heads;
+      !mla && meta.has(key("attention.head_count_kv")) ? count("attention.head_count_kv") : heads;
   w.integer("num_attention_heads", heads);
   w.integer("num_key_value_heads", kv_heads);
-  if (meta.has(key("attention.key_length"))) w.integer("head_dim", count("attention.key_length"));
+  if (!mla && meta.has(key("attention.key_length"))) {
+    w.integer("head_dim", count("attention.key_length"));
+  }
+  if (mla) {
+    // Older files: key_length = nope + rope and value_length = v per head. Newer ones (attn_k_b
+    // and attn_v_b): key_length = kv_lora_rank + rope and value_length = kv_lora_rank, the
+    // per-head sizes in key_length_mla / value_length_mla.
+    bool const split = meta.has(key("attention.key_length_mla"));
+    Index const rope = count("rope.dimension_count");
+    Index const qk = count(split ? "attention.key_length_mla" : "attention.key_length");
+    moe::detail::check(qk > rope, "gguf: ", src, ": ", key("attention.key_length"),
+                       split ? "_mla" : "", " = ", qk, " must exceed ", key("rope.dimension_count"),
+                       " = ", rope,
+                       " (a head's key is its nope and rope parts); the file is corrupt");
+    if (meta.has(key("attention.q_lora_rank")) && meta.integer(key("attention.q_lora_rank")) > 0) {
+      w.integer("q_lora_rank", count("attention.q_lora_rank"));
+    } else {
+      w.raw("q_lora_rank", "null");
+    }
+    w.integer("kv_lora_rank", count("attention.kv_lora_rank"));
+    w.integer("qk_rope_head_dim", rope);
+    w.integer("qk_nope_head_dim", qk - rope);
+    w.integer("v_head_dim", count(split ? "attention.value_length_mla" : "attention.value_length"));
+    if (out.family == HfFamily::kDeepseekV2) {  // group-limited when the file has groups
+      w.string("topk_method",
+               count_or("expert_group_count", 1) > 1 ? "group_limited_greedy" : "greedy");
+    }
+  }
   w.number("rope_theta", static_cast<float>(meta.number_or(key("rope.freq_base"), 10000.0)));
   if (spec.decoder.yarn && meta.string_or(key("rope.scaling.type"), "") == "yarn") {
     // llama.cpp reads the factor and the original context; the betas it keeps at 32 and 1
-    // (transformers' defaults too), and the family's truncation.
+    // (transformers' defaults too), and the family's truncation. DeepSeek's mscale and
+    // mscale_all_dim: the converter writes 0.1 mscale_all_dim as yarn_log_multiplier, and the
+    // released configs have mscale = mscale_all_dim.
+    std::string mscale;
+    if (mla && meta.has(key("rope.scaling.yarn_log_multiplier"))) {
+      std::string const m = detail::json_float(
+          static_cast<float>(meta.number(key("rope.scaling.yarn_log_multiplier")) / 0.1));
+      mscale = detail::concat(", \"mscale\": ", m, ", \"mscale_all_dim\": ", m);
+    }
     w.raw("rope_scaling",
           detail::concat(
               "{\"rope_type\": \"yarn\", \"factor\": ",
@@ -255,7 +335,7 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
               ", \"original_max_position_embeddings\": ",
               count("rope.scaling.original_context_length"),
               ", \"beta_fast\": 32.0, \"beta_slow\": 1.0, \"truncate\": ",
-              spec.decoder.yarn_truncate ? "true" : "false", "}"));
+              spec.decoder.yarn_truncate ? "true" : "false", mscale, "}"));
   }
   w.number("rms_norm_eps",
            static_cast<float>(meta.number(key("attention.layer_norm_rms_epsilon"))));
@@ -263,7 +343,34 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
     w.integer("max_position_embeddings", count("context_length"));
   }
   if (spec.decoder.dense_width > 0 && meta.has(key("feed_forward_length"))) {
-    w.integer("intermediate_size", count("feed_forward_length"));
+    w.integer(spec.decoder.dense_width_key, count("feed_forward_length"));
+  }
+  if (spec.decoder.gated_deltanet) {
+    // The hybrid's layers: linear where the file has a Gated DeltaNet (ssm_out), else full
+    // attention; its sizes as llama.cpp's converter writes them.
+    std::string types = "[";
+    for (Index L = 0; L < layers; ++L) {
+      bool const linear = model.has_tensor(detail::concat("blk.", L, ".ssm_out.weight"));
+      types +=
+          detail::concat(L ? ", " : "", linear ? "\"linear_attention\"" : "\"full_attention\"");
+    }
+    w.raw("layer_types", types + "]");
+    Index const v_heads = count("ssm.time_step_rank"), inner = count("ssm.inner_size");
+    moe::detail::check(inner % v_heads == 0, "gguf: ", src, ": ", key("ssm.inner_size"), " = ",
+                       inner, " is not a multiple of ", key("ssm.time_step_rank"), " = ", v_heads,
+                       " (the value heads); the file is corrupt");
+    w.integer("linear_num_key_heads", count("ssm.group_count"));
+    w.integer("linear_num_value_heads", v_heads);
+    w.integer("linear_key_head_dim", count("ssm.state_size"));
+    w.integer("linear_value_head_dim", inner / v_heads);
+    w.integer("linear_conv_kernel_dim", count("ssm.conv_kernel"));
+    bool split = spec.decoder.deltanet_split_projections;
+    for (Index L = 0; L < layers && !split; ++L) {
+      split = model.has_tensor(detail::concat("blk.", L, ".attn_qkv.weight"));
+    }
+    out.deltanet_split_projections = split;
+    // llama.cpp's Qwen3.5 converter reorders the value heads from grouped to tiled.
+    out.deltanet_tiled_value_heads = spec.decoder.deltanet_split_projections;
   }
   GgufTensorInfo const& embed = model.tensor("token_embd.weight");
   w.integer("vocab_size", embed.shape().front());
@@ -279,7 +386,11 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       w.boolean("attention_bias", biased);
       break;
   }
-  if (!spec.decoder.qk_norm_key.empty()) {
+  if (spec.decoder.qk_norm == HfQkNorm::kUnweightedOnRope) {
+    // Llama 4's L2 norm has no tensor: llama.cpp turns it off for the 128-expert model
+    // (Maverick, use_qk_norm false) and on otherwise (Scout).
+    w.boolean(spec.decoder.qk_norm_key, count("expert_count") != 128);
+  } else if (!spec.decoder.qk_norm_key.empty()) {
     w.boolean(spec.decoder.qk_norm_key, model.has_tensor("blk.0.attn_q_norm.weight"));
   }
   if (spec.decoder.rotary != HfRotary::kFull && meta.has(key("rope.dimension_count"))) {
@@ -308,14 +419,113 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   constexpr std::size_t npos = std::string::npos;
   std::size_t unmapped = 0;
   std::string first_unmapped;
+  // A tensor's values as floats (any type ggml_dequantize decodes).
+  auto values_of = [&](GgufTensorInfo const& t) {
+    std::vector<float> v(static_cast<std::size_t>(t.num_elements()));
+    quant::ggml_dequantize(t.type, t.data, t.num_elements(), v.data());
+    return v;
+  };
+  // A view of values computed here (kept alive by the holder).
+  auto computed = [&](std::string name, std::vector<std::int64_t> shape, std::vector<float> v) {
+    auto kept = std::make_unique<std::vector<float>>(std::move(v));
+    views.push_back(TensorView{std::move(name), Dtype::kF32, std::move(shape),
+                               std::as_bytes(std::span<float const>(*kept))});
+    holder->decoded.push_back(std::move(kept));
+  };
+  // The (1 + w) RMSNorms of Qwen3-Next / Qwen3.5: llama.cpp's converter adds the 1 (all but the
+  // Gated DeltaNet's own norm); transformers' weights are the file's minus 1.
+  bool const one_plus = spec.decoder.gated_deltanet;
+  auto one_plus_norm = [&](std::string_view rest) {
+    return rest == "output_norm.weight" || rest == "attn_norm.weight" ||
+           rest == "attn_q_norm.weight" || rest == "attn_k_norm.weight" ||
+           rest == detail::concat(spec.gguf.mlp_norm, ".weight");
+  };
+  std::map<Index, std::pair<GgufTensorInfo const*, GgufTensorInfo const*>> mla_kv_b;  // k_b, v_b
   for (std::string_view const name : model.names()) {
     GgufTensorInfo const& t = model.tensor(name);
+    if (name == "rope_freqs.weight") {  // llama.cpp's Llama 3 RoPE scaling, per frequency
+      out.rope_freq_factors = values_of(t);
+      continue;
+    }
+    std::string_view const rest =
+        name.starts_with("blk.") ? name.substr(name.find('.', 4) + 1) : name;
+    if (mla && (rest == "attn_k_b.weight" || rest == "attn_v_b.weight")) {
+      std::string_view const digits = name.substr(4, name.find('.', 4) - 4);
+      Index L = 0;
+      for (char const ch : digits) {
+        moe::detail::check(ch >= '0' && ch <= '9' && L < (Index{1} << 30) && !digits.empty(),
+                           "gguf: ", src, ": tensor ", detail::printable_name(name),
+                           " has no layer number after blk.; the file is corrupt");
+        L = L * 10 + (ch - '0');
+      }
+      (rest == "attn_k_b.weight" ? mla_kv_b[L].first : mla_kv_b[L].second) = &t;
+      continue;
+    }
     std::optional<std::string> const hf = detail::gguf_to_hf_name(out.family, name);
     if (!hf) {
       if (unmapped++ == 0) first_unmapped = std::string(name);
       continue;
     }
     std::vector<std::int64_t> shape = t.shape();
+    // Tensors llama.cpp's converter changed, back to transformers' values and layouts.
+    if (one_plus && one_plus_norm(rest)) {
+      std::vector<float> v = values_of(t);
+      for (float& x : v) x -= 1.0f;
+      computed(*hf, std::move(shape), std::move(v));
+      continue;
+    }
+    if (rest == "ssm_a") {  // -exp(A_log)
+      std::vector<float> v = values_of(t);
+      for (float& x : v) {
+        moe::detail::check(x < 0.0f && std::isfinite(x), "gguf: ", src, ": tensor ",
+                           detail::printable_name(name), " holds ", x,
+                           "; it is -exp(A_log), negative and finite; the file is corrupt");
+        x = std::log(-x);
+      }
+      computed(*hf, std::move(shape), std::move(v));
+      continue;
+    }
+    if (rest == "ssm_conv1d.weight" && shape.size() == 2) {  // squeezed [C, 1, kernel]
+      shape.insert(shape.begin() + 1, 1);
+    }
+    if (rest == "ssm_ba.weight" && out.deltanet_split_projections) {
+      // Per key head g: the b rows of its R value heads, then their a rows. transformers' split
+      // layout (in_proj_b, in_proj_a) has them by value head, which whole rows give.
+      Index const Hk = count("ssm.group_count"), Hv = count("ssm.time_step_rank"), R = Hv / Hk;
+      moe::detail::check(shape.size() == 2 && shape[0] == 2 * Hv && R * Hk == Hv, "gguf: ", src,
+                         ": tensor ", detail::printable_name(name), " has shape ",
+                         detail::shape_string(shape), "; it needs 2 ", key("ssm.time_step_rank"),
+                         " rows; the file is corrupt");
+      std::size_t const row = t.data.size() / static_cast<std::size_t>(shape[0]);
+      std::string const base = hf->substr(0, hf->size() - std::string("in_proj_ba.weight").size());
+      for (Index part = 0; part < 2; ++part) {  // b, then a
+        auto rows = std::make_unique<std::vector<std::byte>>(static_cast<std::size_t>(Hv) * row);
+        for (Index g = 0; g < Hk; ++g) {
+          for (Index j = 0; j < R; ++j) {
+            std::memcpy(rows->data() + static_cast<std::size_t>(g * R + j) * row,
+                        t.data.data() + static_cast<std::size_t>(g * 2 * R + part * R + j) * row,
+                        row);
+          }
+        }
+        std::string const part_name = base + (part == 0 ? "in_proj_b.weight" : "in_proj_a.weight");
+        Dtype dtype = Dtype::kF32;
+        if (t.type == quant::GgmlType::kF16) {
+          dtype = Dtype::kF16;
+        } else if (t.type == quant::GgmlType::kBF16) {
+          dtype = Dtype::kBf16;
+        } else if (t.type != quant::GgmlType::kF32) {
+          dtype = Dtype::kU8;
+          metadata[block_type_key(part_name)] = block_type_value(t.type);
+        }
+        std::int64_t const cols = dtype == Dtype::kU8 ? static_cast<std::int64_t>(row) : shape[1];
+        views.push_back(TensorView{part_name, dtype, {Hv, cols}, *rows});
+        holder->rearranged.push_back(std::move(rows));
+      }
+      if (quant::ggml_type_info(t.type).quantized) {
+        ++block_types[std::string(quant::ggml_type_name(t.type))];
+      }
+      continue;
+    }
     if ((name.ends_with("ffn_gate_inp_shexp.weight") ||
          (name.ends_with("exp_probs_b.bias") && spec.names.selection_bias_row)) &&
         shape.size() == 1) {
@@ -400,6 +610,36 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
           std::move(expert_name), dtype, std::vector<std::int64_t>(shape.begin() + 1, shape.end()),
           bytes.subspan(static_cast<std::size_t>(e) * per_expert, per_expert)});
     }
+  }
+  // MLA's kv_b_proj from the newer converter's attn_k_b [H, kv_lora_rank, nope] (each head's
+  // k rows transposed) and attn_v_b [H, v, kv_lora_rank]: per head h, rows [h (nope + v), +
+  // nope) are k_b[h]^T and the next v rows v_b[h]. Decoded to fp32.
+  for (auto const& [L, kv] : mla_kv_b) {
+    auto const [kb, vb] = kv;
+    std::string const where = detail::concat("blk.", L, ".attn_k_b.weight / attn_v_b.weight");
+    moe::detail::check(kb != nullptr && vb != nullptr, "gguf: ", src, ": layer ", L,
+                       " has only one of attn_k_b.weight and attn_v_b.weight; the file is corrupt");
+    std::vector<std::int64_t> const ks = kb->shape(), vs = vb->shape();
+    moe::detail::check(ks.size() == 3 && vs.size() == 3 && ks[0] == vs[0] && ks[1] == vs[2],
+                       "gguf: ", src, ": ", where, " have shapes ", detail::shape_string(ks),
+                       " and ", detail::shape_string(vs),
+                       "; they must be [heads, kv_lora_rank, nope] and [heads, v, kv_lora_rank]");
+    std::int64_t const nh = ks[0], R = ks[1], dn = ks[2], dv = vs[1];
+    for (GgufTensorInfo const* t : {kb, vb}) {
+      if (t->type != quant::GgmlType::kF32)
+        ++decoded_types[std::string(quant::ggml_type_name(t->type))];
+    }
+    std::vector<float> const k = values_of(*kb), v = values_of(*vb);
+    std::vector<float> kv_b(static_cast<std::size_t>(nh * (dn + dv) * R));
+    for (std::int64_t h = 0; h < nh; ++h) {
+      float* head = kv_b.data() + h * (dn + dv) * R;
+      for (std::int64_t i = 0; i < dn; ++i) {
+        for (std::int64_t r = 0; r < R; ++r) head[i * R + r] = k[(h * R + r) * dn + i];
+      }
+      std::copy_n(v.data() + h * dv * R, dv * R, head + dn * R);
+    }
+    computed(detail::concat("model.layers.", L, ".self_attn.kv_b_proj.weight"), {nh * (dn + dv), R},
+             std::move(kv_b));
   }
   for (auto const& [type, n] : decoded_types) {
     out.warnings.push_back(detail::concat(n, " ", type,

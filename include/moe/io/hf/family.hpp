@@ -225,6 +225,9 @@ struct HfGgufFacts {
   /// block_count includes this many multi-token-prediction layers (glm4moe:
   /// "nextn_predict_layers"); empty: none.
   std::string_view extra_layers_key = {};
+  /// When several families share `arch`: the {arch}.expert_gating_func that selects this one
+  /// (1 softmax, 2 sigmoid; an absent key reads as 1); 0: any.
+  std::uint32_t gating_func = 0;
 };
 
 /// One model family: its names, config.json keys and transformers defaults, layer layout,

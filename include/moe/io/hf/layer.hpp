@@ -956,9 +956,9 @@ inline HfLayout detect_layout(ShardedCheckpoint const& ckpt, HfMoeConfig const& 
       // Llama4ForConditionalGeneration nests the text model under language_model.
       layout.prefix = nested;
     }
-    // gpt-oss one tensor per expert (a GGUF file's split experts, moe/io/gguf/hf_view.hpp).
-    if (c.spec().storage == HfExpertStorage::kFusedInterleaved &&
-        !ckpt.contains(concat(layout.prefix, "experts.gate_up_proj")) &&
+    // gpt-oss or Llama 4 one tensor per expert (a GGUF file's split experts,
+    // moe/io/gguf/hf_view.hpp).
+    if (!ckpt.contains(concat(layout.prefix, "experts.gate_up_proj")) &&
         !ckpt.contains(concat(layout.prefix, "experts.gate_up_proj_blocks")) &&
         ckpt.contains(concat(layout.prefix, "experts.0.gate_proj.weight"))) {
       layout.fused_experts = false;

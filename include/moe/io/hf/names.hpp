@@ -135,7 +135,9 @@ inline HfLayout hf_default_layout(HfFamily family, Index layer, bool fused_exper
 ///   ERNIE 4.5:   gate.weight, moe_statics.e_score_correction_bias [1, E],
 ///                experts.j.{gate,up,down}_proj.weight, shared_experts.{gate,up,down}_proj.weight
 ///   Llama 4:     router.weight, experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]
-///                (always fused, transposed), shared_expert.{gate,up,down}_proj.weight
+///                (fused, transposed; or, with layout.fused_experts false (a GGUF file's split
+///                experts), experts.j.{gate,up,down}_proj.weight),
+///                shared_expert.{gate,up,down}_proj.weight
 ///   gpt-oss:     router.weight, router.bias, experts.gate_up_proj [E, H, 2I] (interleaved),
 ///                experts.gate_up_proj_bias [E, 2I], experts.down_proj [E, I, H],
 ///                experts.down_proj_bias [E, H]; with MXFP4 experts.gate_up_proj_blocks /
@@ -159,10 +161,10 @@ inline std::vector<HfTensor> hf_layer_tensors(HfMoeConfig const& c, HfLayout con
     add(detail::concat(p, names.selection_bias), HfPart::kSelectionBias, -1,
         names.selection_bias_row ? std::vector<std::int64_t>{1, E} : std::vector<std::int64_t>{E});
   }
-  // gpt-oss's experts one tensor per expert (a GGUF file's split experts) are read as the
-  // per-expert layout of the other families, biases included.
+  // gpt-oss's and Llama 4's experts one tensor per expert (a GGUF file's split experts) are read
+  // as the per-expert layout of the other families, biases included.
   HfExpertStorage const storage =
-      spec.storage == HfExpertStorage::kFusedInterleaved && !layout.fused_experts
+      spec.storage != HfExpertStorage::kPerExpertOrFused && !layout.fused_experts
           ? HfExpertStorage::kPerExpertOrFused
           : spec.storage;
   switch (storage) {

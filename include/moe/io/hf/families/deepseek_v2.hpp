@@ -108,6 +108,7 @@ inline constexpr HfFamilySpec kDeepseekV2 = {
                 .qk_nope_head_dim = 128,
                 .qk_rope_head_dim = 64,
                 .v_head_dim = 128},
+    .gguf = {.arch = "deepseek2", .gating_func = 1},
     .read = detail::read_deepseek_v2,
     .write = detail::write_deepseek_v2,
     .validate = detail::validate_deepseek_v2,

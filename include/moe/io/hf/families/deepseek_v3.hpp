@@ -71,6 +71,7 @@ inline constexpr HfFamilySpec kDeepseekV3 = {
                 .qk_nope_head_dim = 128,
                 .qk_rope_head_dim = 64,
                 .v_head_dim = 128},
+    .gguf = {.arch = "deepseek2", .norm_topk = true, .gating_func = 2},
     .read = detail::read_deepseek_v3,
     .write = detail::write_deepseek_v3,
     .validate = detail::validate_deepseek_v3,

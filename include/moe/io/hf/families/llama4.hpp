@@ -67,6 +67,7 @@ inline constexpr HfFamilySpec kLlama4 = {
                 .llama4_layers = true,
                 .dense_module = "feed_forward.",
                 .dense_width_key = "intermediate_size_mlp"},
+    .gguf = {.arch = "llama4"},
 };
 
 }  // namespace moe::io::families

@@ -61,6 +61,9 @@ inline constexpr HfFamilySpec kQwen35Moe = {
                 .rotary_factor = 0.25,
                 .gated_deltanet = true,
                 .deltanet_split_projections = true},
+    .gguf = {.arch = "qwen35moe",
+             .mlp_norm = "post_attention_norm",
+             .extra_layers_key = "nextn_predict_layers"},
 };
 
 }  // namespace moe::io::families

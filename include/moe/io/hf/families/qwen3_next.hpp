@@ -50,6 +50,7 @@ inline constexpr HfFamilySpec kQwen3Next = {
                 .rotary = HfRotary::kFactor,
                 .rotary_factor = 0.25,
                 .gated_deltanet = true},
+    .gguf = {.arch = "qwen3next", .norm_topk = true, .mlp_norm = "post_attention_norm"},
 };
 
 }  // namespace moe::io::families

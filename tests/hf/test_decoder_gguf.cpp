@@ -1,0 +1,761 @@
+// SPDX-License-Identifier: Apache-2.0
+// Whole models from llama.cpp GGUF files: a file written here in each architecture's layout, as
+// convert_hf_to_gguf.py writes it (names, metadata keys and the converter's changes spelt out
+// independently of moe's mapping), decodes bit for bit as the Hugging Face checkpoint of the
+// values it holds; Q4_K_M-style files run their blocks as stored; save_gguf_model writes
+// llama.cpp's layout; the moe_generate and moe_quantize paths; and the files moe refuses.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numbers>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hf/decoder_tiny.hpp"
+#include "io/io_test_support.hpp"
+#include "moe/core/random.hpp"
+#include "moe/io/gguf.hpp"
+#include "moe/io/gguf/layer.hpp"
+#include "moe/models/decoder.hpp"
+#include "moe/models/generate.hpp"
+#include "moe/models/gguf_decoder.hpp"
+#include "moe/models/gguf_writer.hpp"
+#include "moe/quant/blocks.hpp"
+#include "moe/quant/ggml_blocks.hpp"
+#include "moe/quant/ggml_dequantize.hpp"
+
+using namespace dectest;  // NOLINT(google-build-using-namespace)
+
+// ---- GGUF files (llama.cpp's layout) decode as the Hugging Face checkpoint of their values.
+
+namespace {
+
+using moe::experts::WeightFormat;
+using moe::quant::GgmlType;
+
+/// ggml's dimension order of a row-major shape: ne[0] is the last (contiguous) dimension.
+std::vector<std::int64_t> ggml_ne(Shape const& shape) { return {shape.rbegin(), shape.rend()}; }
+
+/// llama.cpp's LlamaModel.permute of q_proj / k_proj rows (`groups` heads of `rows / groups`
+/// rows each; a weight's rows are `cols` wide, a bias's 1): reshape(groups, 2, d / 2, cols)
+/// .swapaxes(1, 2), as convert_hf_to_gguf.py does for the "llama" architecture.
+std::vector<float> llama_permute(std::vector<float> const& w, Index groups, Index cols) {
+  Index const rows = static_cast<Index>(w.size()) / cols, d = rows / groups;
+  std::vector<float> out(w.size());
+  for (Index h = 0; h < groups; ++h) {
+    for (Index half = 0; half < 2; ++half) {
+      for (Index j = 0; j < d / 2; ++j) {
+        Index const from = h * d + half * (d / 2) + j, to = h * d + j * 2 + half;
+        std::copy_n(w.begin() + from * cols, cols, out.begin() + to * cols);
+      }
+    }
+  }
+  return out;
+}
+
+/// The inverse of llama_permute (written out on its own: the test checks moe's undoing).
+std::vector<float> llama_unpermute(std::vector<float> const& w, Index groups, Index cols) {
+  Index const rows = static_cast<Index>(w.size()) / cols, d = rows / groups;
+  std::vector<float> out(w.size());
+  for (Index r = 0; r < rows; ++r) {  // GGUF row r = h d + 2 j + half
+    Index const h = r / d, j = (r % d) / 2, half = r % 2;
+    std::copy_n(w.begin() + r * cols, cols, out.begin() + (h * d + half * (d / 2) + j) * cols);
+  }
+  return out;
+}
+
+/// The GGUF file of tiny model `t` from its Hugging Face tensors `m`, named, shaped and
+/// described as llama.cpp's convert_hf_to_gguf.py writes the model's architecture (the names
+/// are spelt out here, independently of moe's mapping). Every tensor is stored as `type`
+/// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
+/// `stored` receives the values the file holds, under the Hugging Face names (q/k un-permuted).
+/// `type_of`, when given, chooses each tensor's type instead (by GGUF name and shape; F32, F16,
+/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, ...) or MXFP4, which
+/// has none and is written by ggml's reference quantizer).
+using TypeOf = std::function<GgmlType(std::string const& gguf, Shape const& shape)>;
+fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
+                    Tensors& stored, TypeOf const& type_of = {}) {
+  std::map<std::string, std::string> const archs = {
+      {"qwen3_moe", "qwen3moe"}, {"qwen2_moe", "qwen2moe"},    {"olmoe", "olmoe"},
+      {"glm4_moe", "glm4moe"},   {"minimax_m2", "minimax-m2"}, {"ernie4_5_moe", "ernie4_5-moe"},
+      {"mixtral", "llama"},      {"gpt_oss", "gpt-oss"}};
+  std::string const arch = archs.at(t.type);
+  bool const mixtral_names = t.type == "mixtral" || t.type == "minimax_m2";
+  moe::io::GgufWriter w;
+  using V = moe::io::GgufMetadataValue;
+  auto u32 = [](Index v) { return V(static_cast<std::uint32_t>(v)); };
+  w.set("general.architecture", V(arch));
+  w.set(arch + ".block_count", u32(arch == "glm4moe" ? t.L + 1 : t.L));  // + glm's MTP layer
+  w.set(arch + ".context_length", u32(4096));
+  w.set(arch + ".embedding_length", u32(t.H));
+  w.set(arch + ".attention.head_count", u32(t.heads));
+  w.set(arch + ".attention.head_count_kv", u32(t.kv));
+  w.set(arch + ".attention.key_length", u32(t.dh));
+  w.set(arch + ".attention.value_length", u32(t.dh));
+  w.set(arch + ".rope.freq_base", V(static_cast<float>(t.theta)));
+  w.set(arch + ".attention.layer_norm_rms_epsilon", V(static_cast<float>(t.eps)));
+  w.set(arch + ".expert_count", u32(t.E));
+  w.set(arch + ".expert_used_count", u32(t.k));
+  if (arch == "llama" || arch == "olmoe") {  // the expert width, in feed_forward_length
+    w.set(arch + ".feed_forward_length", u32(t.I_moe));
+    w.set(arch + ".rope.dimension_count", u32(t.dh));
+  } else {
+    w.set(arch + ".feed_forward_length", u32(t.I_dense));
+    w.set(arch + ".expert_feed_forward_length", u32(t.I_moe));
+  }
+  if (arch == "qwen2moe") w.set(arch + ".expert_shared_feed_forward_length", u32(12));
+  if (arch == "glm4moe") {
+    w.set(arch + ".nextn_predict_layers", u32(1));
+    w.set(arch + ".leading_dense_block_count", u32(1));
+    w.set(arch + ".expert_shared_count", u32(1));
+    w.set(arch + ".expert_group_count", u32(2));
+    w.set(arch + ".expert_group_used_count", u32(1));
+    w.set(arch + ".expert_weights_scale", V(1.5f));
+    w.set(arch + ".expert_weights_norm", V(true));
+    w.set(arch + ".expert_gating_func", u32(2));  // sigmoid
+    w.set(arch + ".rope.dimension_count", u32(t.dh / 2));
+  }
+  if (arch == "minimax-m2") {
+    w.set(arch + ".rope.dimension_count", u32(t.dh / 2));
+    w.set(arch + ".expert_gating_func", u32(2));
+  }
+  if (arch == "gpt-oss") {
+    w.set(arch + ".attention.sliding_window", u32(t.window));
+    w.set(arch + ".rope.scaling.type", V("yarn"));
+    w.set(arch + ".rope.scaling.factor", V(32.0f));
+    w.set(arch + ".rope.scaling.original_context_length", u32(kYarnOriginal));
+  }
+  if (arch == "ernie4_5-moe") {
+    w.set(arch + ".leading_dense_block_count", u32(1));
+    w.set(arch + ".interleave_moe_layer_step", u32(1));
+    w.set(arch + ".expert_shared_count", u32(1));
+    w.set(arch + ".expert_shared_feed_forward_length", u32(t.I_dense / t.kv));  // as written
+  }
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& s : tensor_specs(t)) shapes[s.name] = s.shape;
+  // Adds GGUF tensor `gguf` from the Hugging Face tensors `hf` (one, or the experts' stack);
+  // `groups` > 0: q/k rows permuted as the "llama" converter does.
+  auto add = [&](std::string const& gguf, std::vector<std::string> const& hf, Shape shape,
+                 Index groups = 0, Tensors const* src = nullptr) {
+    Tensors const& from = src != nullptr ? *src : m;
+    std::vector<float> values;
+    for (std::string const& n : hf) {
+      values.insert(values.end(), from.at(n).begin(), from.at(n).end());
+    }
+    Index const cols = shape.back();
+    Index const row = shape.size() == 1 ? 1 : cols;
+    if (groups > 0) values = llama_permute(values, groups, row);
+    bool const halves = type == GgmlType::kF16 || type == GgmlType::kBF16;  // every tensor
+    GgmlType const ty = type_of                                           ? type_of(gguf, shape)
+                        : halves || (shape.size() >= 2 && cols % 32 == 0) ? type
+                                                                          : GgmlType::kF32;
+    std::vector<std::byte> bytes;
+    std::vector<float> back(values.size());
+    if (ty == GgmlType::kMXFP4) {  // no kernel in moe: decoded at load
+      auto const n = static_cast<Index>(values.size());
+      bytes.resize(static_cast<std::size_t>(n / 32 * sizeof(moe::quant::BlockMXFP4)));
+      moe::quant::quantize_row_mxfp4_ref(
+          values.data(), reinterpret_cast<moe::quant::BlockMXFP4*>(bytes.data()), n);
+      moe::quant::ggml_dequantize(ty, bytes, n, back.data());
+    } else if (ty != GgmlType::kF32 && ty != GgmlType::kF16 && ty != GgmlType::kBF16) {
+      std::optional<WeightFormat> const f = moe::experts::native_format(ty);
+      REQUIRE(f.has_value());
+      moe::quant::Format const qf = moe::experts::quant_format(*f);
+      auto const n = static_cast<Index>(values.size());
+      bytes.resize(static_cast<std::size_t>(moe::quant::row_bytes(qf, n)));
+      moe::quant::quantize_row(qf, values.data(), n, bytes.data());
+      moe::quant::ggml_dequantize(ty, bytes, n, back.data());
+    } else if (ty == GgmlType::kF32) {
+      bytes.resize(values.size() * 4);
+      std::memcpy(bytes.data(), values.data(), bytes.size());
+      back = values;
+    } else {  // F16 or BF16
+      std::vector<std::uint16_t> h(values.size());
+      for (std::size_t i = 0; i < h.size(); ++i) {
+        h[i] = ty == GgmlType::kF16 ? moe::float_to_f16(values[i]) : moe::float_to_bf16(values[i]);
+        back[i] = ty == GgmlType::kF16 ? moe::f16_to_float(h[i]) : moe::bf16_to_float(h[i]);
+      }
+      bytes.resize(h.size() * 2);
+      std::memcpy(bytes.data(), h.data(), bytes.size());
+    }
+    w.add_tensor(gguf, ty, ggml_ne(shape), bytes);
+    if (groups > 0) back = llama_unpermute(back, groups, row);
+    std::size_t at = 0;
+    for (std::string const& n : hf) {
+      stored[n].assign(back.begin() + static_cast<std::ptrdiff_t>(at),
+                       back.begin() + static_cast<std::ptrdiff_t>(at + from.at(n).size()));
+      at += from.at(n).size();
+    }
+  };
+  auto one = [&](std::string const& gguf, std::string const& hf, Index groups = 0) {
+    add(gguf, {hf}, shapes.at(hf), groups);
+  };
+  one("token_embd.weight", "model.embed_tokens.weight");
+  one("output_norm.weight", "model.norm.weight");
+  if (!t.tie) one("output.weight", "lm_head.weight");
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const b = concat("blk.", l, "."), p = concat("model.layers.", l, ".");
+    one(b + "attn_norm.weight", p + "input_layernorm.weight");
+    bool const post_norm = arch == "glm4moe" || arch == "gpt-oss";
+    one(b + (post_norm ? "post_attention_norm.weight" : "ffn_norm.weight"),
+        p + "post_attention_layernorm.weight");
+    if (m.count(p + "self_attn.sinks")) one(b + "attn_sinks.weight", p + "self_attn.sinks");
+    for (char const* x : {"q", "k", "v"}) {
+      std::string const hf = concat(p, "self_attn.", x, "_proj.");
+      // llama permutes q and k (weight and bias) for ggml's interleaved RoPE.
+      Index const groups = arch != "llama" || *x == 'v' ? 0 : *x == 'q' ? t.heads : t.kv;
+      one(concat(b, "attn_", x, ".weight"), hf + "weight", groups);
+      if (m.count(hf + "bias")) one(concat(b, "attn_", x, ".bias"), hf + "bias", groups);
+    }
+    one(b + "attn_output.weight", p + "self_attn.o_proj.weight");
+    if (m.count(p + "self_attn.o_proj.bias")) {
+      one(b + "attn_output.bias", p + "self_attn.o_proj.bias");
+    }
+    if (m.count(p + "self_attn.q_norm.weight")) {
+      one(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight");
+      one(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight");
+    }
+    if (is_dense(t, l)) {
+      for (char const* x : {"gate", "up", "down"}) {
+        one(concat(b, "ffn_", x, ".weight"), concat(p, "mlp.", x, "_proj.weight"));
+      }
+      continue;
+    }
+    if (arch == "gpt-oss") {
+      // transformers: experts.gate_up_proj [E, H, 2I] (column 2j gate j, 2j + 1 up j), its
+      // bias [E, 2I] likewise, down_proj [E, I, H]; llama.cpp: ffn_gate_exps / ffn_up_exps
+      // [E, I, H], their biases [E, I], ffn_down_exps [E, H, I].
+      std::string const q = p + "mlp.";
+      one(b + "ffn_gate_inp.weight", q + "router.weight");
+      one(b + "ffn_gate_inp.bias", q + "router.bias");
+      one(b + "ffn_down_exps.bias", q + "experts.down_proj_bias");
+      Index const E = t.E, I = t.I_moe, H = t.H;
+      std::vector<float> const& gu = m.at(q + "experts.gate_up_proj");
+      std::vector<float> const& gub = m.at(q + "experts.gate_up_proj_bias");
+      std::vector<float> const& dn = m.at(q + "experts.down_proj");
+      Tensors split;  // the GGUF tensors' values
+      for (char const* x : {"gate", "up"}) {
+        Index const odd = *x == 'u' ? 1 : 0;
+        std::vector<float>& wv = split[concat("gguf.", x, ".w")];
+        std::vector<float>& bv = split[concat("gguf.", x, ".b")];
+        for (Index e = 0; e < E; ++e) {
+          for (Index j = 0; j < I; ++j) {
+            for (Index h = 0; h < H; ++h) wv.push_back(gu[(e * H + h) * 2 * I + 2 * j + odd]);
+            bv.push_back(gub[e * 2 * I + 2 * j + odd]);
+          }
+        }
+      }
+      std::vector<float>& dv = split["gguf.down.w"];
+      for (Index e = 0; e < E; ++e) {
+        for (Index h = 0; h < H; ++h) {
+          for (Index i = 0; i < I; ++i) dv.push_back(dn[(e * I + i) * H + h]);
+        }
+      }
+      // Each through add(), which reads its values from `src` and records what the file holds.
+      add(b + "ffn_gate_exps.weight", {"gguf.gate.w"}, {E, I, H}, 0, &split);
+      add(b + "ffn_up_exps.weight", {"gguf.up.w"}, {E, I, H}, 0, &split);
+      add(b + "ffn_down_exps.weight", {"gguf.down.w"}, {E, H, I}, 0, &split);
+      add(b + "ffn_gate_exps.bias", {"gguf.gate.b"}, {E, I}, 0, &split);
+      add(b + "ffn_up_exps.bias", {"gguf.up.b"}, {E, I}, 0, &split);
+      std::vector<float> gu_back(gu.size()), gub_back(gub.size()), dn_back(dn.size());
+      for (Index e = 0; e < E; ++e) {
+        for (Index j = 0; j < I; ++j) {
+          for (Index h = 0; h < H; ++h) {
+            gu_back[(e * H + h) * 2 * I + 2 * j] = stored["gguf.gate.w"][(e * I + j) * H + h];
+            gu_back[(e * H + h) * 2 * I + 2 * j + 1] = stored["gguf.up.w"][(e * I + j) * H + h];
+            dn_back[(e * I + j) * H + h] = stored["gguf.down.w"][(e * H + h) * I + j];
+          }
+          gub_back[e * 2 * I + 2 * j] = stored["gguf.gate.b"][e * I + j];
+          gub_back[e * 2 * I + 2 * j + 1] = stored["gguf.up.b"][e * I + j];
+        }
+      }
+      for (auto const& [k, v] : split) stored.erase(k);
+      stored[q + "experts.gate_up_proj"] = gu_back;
+      stored[q + "experts.gate_up_proj_bias"] = gub_back;
+      stored[q + "experts.down_proj"] = dn_back;
+      continue;
+    }
+    std::string const moe = p + (mixtral_names ? "block_sparse_moe." : "mlp.");
+    one(b + "ffn_gate_inp.weight", moe + "gate.weight");
+    std::map<std::string, std::string> const w_names = {
+        {"gate", "w1"}, {"up", "w3"}, {"down", "w2"}};
+    for (char const* x : {"gate", "up", "down"}) {
+      std::vector<std::string> experts;
+      for (Index e = 0; e < t.E; ++e) {
+        experts.push_back(mixtral_names ? concat(moe, "experts.", e, ".", w_names.at(x), ".weight")
+                                        : concat(moe, "experts.", e, ".", x, "_proj.weight"));
+      }
+      Shape shape = shapes.at(experts[0]);
+      shape.insert(shape.begin(), t.E);
+      add(concat(b, "ffn_", x, "_exps.weight"), experts, shape);
+      if (t.type == "qwen2_moe") {
+        one(concat(b, "ffn_", x, "_shexp.weight"),
+            concat(p, "mlp.shared_expert.", x, "_proj.weight"));
+      }
+      if (t.type == "glm4_moe" || t.type == "ernie4_5_moe") {
+        one(concat(b, "ffn_", x, "_shexp.weight"),
+            concat(p, "mlp.shared_experts.", x, "_proj.weight"));
+      }
+    }
+    if (t.type == "qwen2_moe") {  // [1, H] in transformers, [H] in GGUF
+      add(b + "ffn_gate_inp_shexp.weight", {p + "mlp.shared_expert_gate.weight"}, {t.H});
+    }
+    if (t.type == "glm4_moe") one(b + "exp_probs_b.bias", p + "mlp.gate.e_score_correction_bias");
+    if (t.type == "minimax_m2") {
+      one(b + "exp_probs_b.bias", p + "block_sparse_moe.e_score_correction_bias");
+    }
+    if (t.type == "ernie4_5_moe") {  // [1, E] in transformers, [E] in GGUF
+      add(b + "exp_probs_b.bias", {p + "mlp.moe_statics.e_score_correction_bias"}, {t.E});
+    }
+  }
+  if (arch == "glm4moe") {  // the multi-token-prediction layer: written, never decoded
+    std::vector<float> const junk(static_cast<std::size_t>(t.H * 2 * t.H), 0.25f);
+    std::vector<std::byte> bytes(junk.size() * 4);
+    std::memcpy(bytes.data(), junk.data(), bytes.size());
+    w.add_tensor(concat("blk.", t.L, ".nextn.eh_proj.weight"), GgmlType::kF32, {2 * t.H, t.H},
+                 bytes);
+  }
+  fs::path const file = iotest::scratch_dir(name) / "model.gguf";
+  w.save(file);
+  return file;
+}
+
+/// Greedy decoding of a few steps with each decoder; every step's logits bit for bit alike.
+void check_same_decoding(moe::models::AnyDecoder const& a, moe::models::AnyDecoder const& b,
+                         Index V) {
+  std::visit(
+      [&](auto const& da, auto const& db) {
+        if constexpr (std::is_same_v<decltype(da), decltype(db)>) {
+          std::vector<std::int64_t> ids = {3, 17, 5, 9};
+          auto sa = da.make_state(1);
+          auto sb = db.make_state(1);
+          std::vector<float> la(static_cast<std::size_t>(V)), lb(la.size());
+          std::vector<Index> counts = {static_cast<Index>(ids.size())};
+          da.forward(ids, counts, sa, {la.data(), 1, V});
+          db.forward(ids, counts, sb, {lb.data(), 1, V});
+          for (int step = 0; step < 4; ++step) {
+            INFO("step " << step);
+            REQUIRE(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+            std::vector<std::int64_t> const next = {argmax(la.data(), V)};
+            counts = {1};
+            da.forward(next, counts, sa, {la.data(), 1, V});
+            db.forward(next, counts, sb, {lb.data(), 1, V});
+          }
+        } else {
+          FAIL("the two decoders are of different MoE types");
+        }
+      },
+      a, b);
+}
+
+}  // namespace
+
+TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the values it holds",
+          "[models][decoder][gguf]") {
+  struct Case {
+    std::string type;
+    GgmlType stored;
+    bool bf16_checkpoint;
+  };
+  for (Case const& c :
+       {Case{"qwen3_moe", GgmlType::kF32, false}, Case{"qwen2_moe", GgmlType::kF32, false},
+        Case{"qwen3_moe", GgmlType::kF16, false}, Case{"qwen3_moe", GgmlType::kBF16, true},
+        Case{"qwen3_moe", GgmlType::kQ8_0, false}, Case{"qwen2_moe", GgmlType::kQ8_0, false},
+        Case{"olmoe", GgmlType::kF32, false}, Case{"glm4_moe", GgmlType::kF32, false},
+        Case{"minimax_m2", GgmlType::kF32, false}, Case{"ernie4_5_moe", GgmlType::kQ8_0, false},
+        Case{"mixtral", GgmlType::kF32, false}, Case{"mixtral", GgmlType::kQ8_0, false},
+        Case{"gpt_oss", GgmlType::kF32, false}, Case{"gpt_oss", GgmlType::kQ8_0, false}}) {
+    INFO(c.type << " stored as " << moe::quant::ggml_type_name(c.stored));
+    Tiny t;
+    t.type = c.type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;  // whole 32-blocks in every matrix's rows
+    t.tie = c.stored == GgmlType::kF16;      // output.weight absent: tied
+    if (c.type == "gpt_oss") {
+      t.window = 3;
+      t.swiglu_limit = 7.0f;  // a GGUF file has no limit: llama.cpp and moe use gpt-oss's 7
+    }
+    Tensors const m = make_tensors(t, 900);
+    Tensors stored;
+    std::string const tag = concat("gguf_", c.type, "_", moe::quant::ggml_type_name(c.stored));
+    fs::path const gguf = write_gguf(t, m, tag, c.stored, stored);
+    REQUIRE(moe::io::is_gguf_file(gguf));
+    REQUIRE_FALSE(moe::io::is_gguf_file(gguf.parent_path()));
+    fs::path const dir = write_model(t, stored, tag + "_hf", c.bf16_checkpoint);
+    moe::models::AnyDecoder const from_gguf = moe::models::load_gguf_decoder(gguf);
+    // The GGUF's Q8_0 matrices run as stored (q8_0 packs of its blocks); the directory holds
+    // their values, which Q8_0's quantizer turns back into the same blocks.
+    bool const quantized = c.stored == GgmlType::kQ8_0;
+    moe::models::DecoderOptions q8;
+    if (quantized) q8.dense = q8.experts = WeightFormat::kQ8_0;
+    moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir, nullptr, q8);
+    if (c.type == "qwen2_moe" && quantized) {
+      // Its shared expert's down projection (12 wide: no 32-blocks) stays F32 in the file, which
+      // one shared_experts format cannot say: ask the same formats of both (a format asked that
+      // is the stored one still runs the file's blocks).
+      check_same_decoding(moe::models::load_gguf_decoder(gguf, nullptr, q8), from_hf, t.V);
+    } else {
+      check_same_decoding(from_gguf, from_hf, t.V);
+    }
+    std::visit(
+        [&](auto const& d) {
+          for (std::string const& w : d.warnings) {
+            INFO(w);
+            // Every matrix runs as stored; the test's gpt-oss file has Q8_0 expert biases
+            REQUIRE((w.find("decoded") == std::string::npos ||
+                     (c.type == "gpt_oss" && w.find("9 Q8_0 tensor(s) decoded") == 0)));  // 3 x 3
+          }
+          if (quantized) {
+            REQUIRE(d.embed.blocks_view != nullptr);  // read in place from the mapped file
+            REQUIRE(d.embed.format == WeightFormat::kQ8_0);
+            REQUIRE(d.lm_head.format() == WeightFormat::kQ8_0);
+            REQUIRE(d.blocks[0].attention()->formats().v == WeightFormat::kQ8_0);
+          }
+          REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
+          for (Index l = 0; l < t.L; ++l) {
+            REQUIRE(d.blocks[static_cast<std::size_t>(l)].moe.has_value() == !is_dense(t, l));
+          }
+        },
+        from_gguf);
+  }
+}
+
+TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re-quantized",
+          "[models][decoder][gguf]") {
+  // Types as llama.cpp's Q4_K_M writes them: Q4_K, with Q6_K for the output matrix, attn_v and
+  // the experts' ffn_down, the dense layer's ffn_down in Q5_K, attn_k in Q5_0; and attn_q in
+  // MXFP4, which moe has no kernel for.
+  Tiny t;
+  t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;  // whole 256-blocks in every row
+  Tensors const m = make_tensors(t, 904);
+  TypeOf const type_of = [](std::string const& g, Shape const& shape) {
+    if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
+    if (g == "output.weight" || g.find("attn_v.") != std::string::npos ||
+        g.find("ffn_down_exps") != std::string::npos) {
+      return GgmlType::kQ6_K;
+    }
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
+    if (g.find("attn_k.") != std::string::npos) return GgmlType::kQ5_0;
+    if (g.find("attn_q.") != std::string::npos) return GgmlType::kMXFP4;
+    return GgmlType::kQ4_K;
+  };
+  Tensors stored;
+  fs::path const gguf = write_gguf(t, m, "gguf_q4_k_m", GgmlType::kF32, stored, type_of);
+  moe::io::GgufModel const file(gguf);
+  moe::models::AnyDecoder const any = moe::models::load_gguf_decoder(gguf);
+  auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
+  // Every matrix in its stored format; the MXFP4 ones as q8_0, with a warning that says so.
+  REQUIRE(d.embed.format == WeightFormat::kQ4_K);
+  std::span<std::byte const> const embd = file.tensor("token_embd.weight").data;
+  REQUIRE(d.embed.blocks_view != nullptr);  // in the decoder's mapping of the file
+  REQUIRE(std::memcmp(d.embed.blocks_view, embd.data(), embd.size()) == 0);
+  REQUIRE(d.lm_head.format() == WeightFormat::kQ6_K);
+  bool said = false;
+  for (std::string const& w : d.warnings) {
+    said = said || (w.find(concat(t.L, " MXFP4 tensor(s): moe has no MXFP4 kernel yet")) !=
+                        std::string::npos &&
+                    w.find("packed as q8_0") != std::string::npos);
+    REQUIRE(w.find("Q5_K") == std::string::npos);  // runs as stored
+    REQUIRE(w.find("Q5_0") == std::string::npos);  // runs as stored
+  }
+  REQUIRE(said);
+  // The packs are the file's blocks, re-packed: byte for byte what pack_quant_panels makes of
+  // them (a re-quantization would give other scales).
+  auto same_pack = [](moe::kernels::QuantWeights const& q, WeightFormat f, std::byte const* rows,
+                      Index N, Index K) {
+    REQUIRE(q.format == moe::experts::quant_format(f));
+    Index const panels = (N + moe::kernels::kQuantPanelCols - 1) / moe::kernels::kQuantPanelCols;
+    moe::HugePageVector<std::byte> want(static_cast<std::size_t>(panels * q.panel_bytes));
+    moe::kernels::pack_quant_panels(q.format, rows, N, K, want.data());
+    REQUIRE(std::memcmp(q.data, want.data(), want.size()) == 0);
+  };
+  same_pack(d.lm_head.panels().quant[0], WeightFormat::kQ6_K,
+            file.tensor("output.weight").data.data(), t.V, t.H);
+  for (Index l = 0; l < t.L; ++l) {
+    INFO("layer " << l);
+    auto const& b = d.blocks[static_cast<std::size_t>(l)];
+    moe::AttentionFormats const f = b.attention()->formats();
+    REQUIRE((f.q == WeightFormat::kQ8_0 && f.k == WeightFormat::kQ5_0 &&
+             f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
+    REQUIRE(b.attention()->master_weights_discarded());
+    std::string const p = concat("blk.", l, ".");
+    if (!b.moe) {
+      REQUIRE(b.mlp.gate.format() == WeightFormat::kQ4_K);
+      REQUIRE(b.mlp.down.format() == WeightFormat::kQ5_K);  // as stored
+      same_pack(b.mlp.gate.panels().quant[0], WeightFormat::kQ4_K,
+                file.tensor(p + "ffn_gate.weight").data.data(), t.I_dense, t.H);
+      same_pack(b.mlp.down.panels().quant[0], WeightFormat::kQ5_K,
+                file.tensor(p + "ffn_down.weight").data.data(), t.H, t.I_dense);
+      continue;
+    }
+    auto const& bank = b.moe->experts();
+    std::span<std::byte const> const gate = file.tensor(p + "ffn_gate_exps.weight").data,
+                                     up = file.tensor(p + "ffn_up_exps.weight").data,
+                                     down = file.tensor(p + "ffn_down_exps.weight").data;
+    for (Index e = 0; e < t.E; ++e) {
+      REQUIRE(bank.packed_formats()[static_cast<std::size_t>(e)] ==
+              moe::experts::ExpertFormat{WeightFormat::kQ4_K, WeightFormat::kQ6_K});
+      auto const in = bank.packed_in_quant(e);
+      std::size_t const in_bytes = gate.size() / static_cast<std::size_t>(t.E),
+                        down_bytes = down.size() / static_cast<std::size_t>(t.E);
+      same_pack(in[0], WeightFormat::kQ4_K, gate.data() + e * in_bytes, t.I_moe, t.H);
+      same_pack(in[1], WeightFormat::kQ4_K, up.data() + e * in_bytes, t.I_moe, t.H);
+      same_pack(bank.packed_down_quant(e)[0], WeightFormat::kQ6_K, down.data() + e * down_bytes,
+                t.H, t.I_moe);
+    }
+  }
+  // The logits: those of the values the blocks hold, in fp32, up to the int8 activations the
+  // block kernels multiply (docs/quantization.md).
+  fs::path const dir = write_model(t, stored, "gguf_q4_k_m_hf");
+  moe::models::AnyDecoder const reference = moe::models::load_hf_decoder(dir);
+  auto const& ref = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(reference);
+  std::vector<std::int64_t> const ids = {3, 17, 5, 9};
+  std::vector<Index> const counts = {4};
+  std::vector<float> got(static_cast<std::size_t>(t.V)), want(got.size());
+  auto sa = d.make_state(1);
+  auto sb = ref.make_state(1);
+  d.forward(ids, counts, sa, {got.data(), 1, t.V});
+  ref.forward(ids, counts, sb, {want.data(), 1, t.V});
+  double worst = 0, scale = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::abs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(want[i])));
+  }
+  INFO("worst " << worst << " of " << scale);
+  REQUIRE(worst <= 0.03 * scale);
+  // Formats asked for replace the stored ones (the experts re-quantized from their values).
+  moe::models::DecoderOptions o;
+  o.experts = WeightFormat::kQ8_0;
+  moe::models::AnyDecoder const asked = moe::models::load_gguf_decoder(gguf, nullptr, o);
+  auto const& da = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(asked);
+  REQUIRE(da.blocks[0].moe->experts().packed_format() == WeightFormat::kQ8_0);
+  REQUIRE(da.blocks[0].attention()->formats().o == WeightFormat::kQ4_K);
+}
+
+TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for tensor",
+          "[models][decoder][gguf]") {
+  for (std::string const type : {"qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2",
+                                 "ernie4_5_moe", "mixtral", "gpt_oss"}) {
+    INFO(type);
+    Tiny t;
+    t.type = type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    if (type == "gpt_oss") t.window = 3, t.swiglu_limit = 7.0f;
+    Tensors stored;
+    // The test's own writer spells llama.cpp's names and layouts (F32: the values as they are).
+    fs::path const theirs =
+        write_gguf(t, make_tensors(t, 905), "save_" + type, GgmlType::kF32, stored);
+    fs::path const dir = write_model(t, stored, "save_" + type + "_hf");
+    fs::path const ours = dir.parent_path() / ("save_" + type + "_ours.gguf");
+    moe::models::GgufSaveReport const r = moe::models::save_gguf_model(ours, dir);
+    REQUIRE(r.fallbacks.empty());
+    REQUIRE(r.tensors_by_type.size() == 1);  // F32 stays F32
+    moe::io::GgufModel const a(ours), b(theirs);
+    std::size_t matched = 0;
+    for (std::string_view const name : b.names()) {
+      if (name.starts_with(concat("blk.", t.L, "."))) continue;  // GLM's MTP layer: not written
+      INFO(name);
+      REQUIRE(a.has_tensor(name));
+      moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
+      REQUIRE(x.type == y.type);
+      REQUIRE(x.shape() == y.shape());
+      REQUIRE(std::equal(x.data.begin(), x.data.end(), y.data.begin(), y.data.end()));
+      ++matched;
+    }
+    REQUIRE(matched == a.names().size());  // and nothing else
+    check_same_decoding(moe::models::load_gguf_decoder(ours), moe::models::load_hf_decoder(dir),
+                        t.V);
+  }
+  // Formats: llama.cpp's Q4_K_M mix from the directory decodes as the directory packed so (the
+  // same quantizers on the same values); a GGUF file re-written as stored keeps its blocks.
+  Tiny t;
+  t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;
+  Tensors stored;
+  TypeOf const type_of = [](std::string const& g, Shape const& shape) {
+    if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kMXFP4;  // no kernel
+    return g.find("attn_v.") != std::string::npos ? GgmlType::kQ6_K : GgmlType::kQ4_K;
+  };
+  fs::path const mixed =
+      write_gguf(t, make_tensors(t, 906), "save_mixed", GgmlType::kF32, stored, type_of);
+  fs::path const dir = write_model(t, stored, "save_mixed_hf");
+  fs::path const q4km = dir.parent_path() / "save_q4_k_m.gguf";
+  moe::models::save_gguf_model(q4km, dir, moe::models::DecoderOptions::q4_k_m());
+  moe::io::GgufModel const q(q4km);
+  REQUIRE(q.tensor("output.weight").type == GgmlType::kQ6_K);
+  REQUIRE(q.tensor("token_embd.weight").type == GgmlType::kQ4_K);
+  REQUIRE(q.tensor("blk.0.ffn_down_exps.weight").type == GgmlType::kQ4_K);
+  REQUIRE(q.tensor("blk.2.ffn_down_exps.weight").type == GgmlType::kQ6_K);  // more_bits(2, 3)
+  REQUIRE(q.tensor("blk.0.ffn_gate_inp.weight").type == GgmlType::kF32);
+  check_same_decoding(
+      moe::models::load_gguf_decoder(q4km),
+      moe::models::load_hf_decoder(dir, nullptr, moe::models::DecoderOptions::q4_k_m()), t.V);
+  fs::path const copy = dir.parent_path() / "save_copy.gguf";
+  moe::models::GgufSaveReport const r = moe::models::save_gguf_model(copy, mixed);
+  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the MXFP4 matrix: no kernel, written as q8_0
+  moe::io::GgufModel const a(copy), b(mixed);
+  for (std::string_view const name : b.names()) {
+    INFO(name);
+    moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
+    if (y.type == GgmlType::kMXFP4) {
+      REQUIRE(x.type == GgmlType::kQ8_0);
+      continue;
+    }
+    REQUIRE(x.type == y.type);
+    REQUIRE(std::equal(x.data.begin(), x.data.end(), y.data.begin(), y.data.end()));
+  }
+}
+
+TEST_CASE("load_gguf_moe_layer: a GGUF MoE layer loads as the directory's of its values",
+          "[models][decoder][gguf]") {
+  for (auto const& [type, stored_as] : {std::pair{std::string("qwen2_moe"), GgmlType::kF32},
+                                        std::pair{std::string("mixtral"), GgmlType::kQ8_0},
+                                        std::pair{std::string("gpt_oss"), GgmlType::kQ8_0},
+                                        std::pair{std::string("glm4_moe"), GgmlType::kF32}}) {
+    INFO(type);
+    Tiny t;
+    t.type = type;
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    if (type == "gpt_oss") t.window = 3, t.swiglu_limit = 7.0f;
+    Tensors const m = make_tensors(t, 902);
+    Tensors stored;
+    std::string const tag = "gguf_layer_" + type;
+    fs::path const gguf = write_gguf(t, m, tag, stored_as, stored);
+    fs::path const dir = write_model(t, stored, tag + "_hf");
+    Index const L = type == "glm4_moe" ? 1 : 0;  // GLM's layer 0 is dense
+    moe::io::HfAnyLayer const a = moe::io::load_gguf_moe_layer(gguf, L);
+    moe::io::HfAnyLayer const b = moe::io::load_hf_moe_layer(dir, L);
+    REQUIRE(a.index() == b.index());
+    std::visit(
+        [&](auto const& la) {
+          auto const& lb = std::get<std::remove_cvref_t<decltype(la)>>(b);
+          // gpt-oss: the file's split experts load as per-expert tensors, the directory's as
+          // transformers' fused ones; either way the layer holds the directory's values.
+          REQUIRE(la.layout.fused_experts == (type != "gpt_oss" ? lb.layout.fused_experts : false));
+          for (moe::io::HfTensor const& ht : lb.tensors) {
+            INFO(ht.name);
+            REQUIRE(moe::io::hf_tensor_values(la.layer, ht) ==
+                    moe::io::hf_tensor_values(lb.layer, ht));
+          }
+          for (std::string const& w : la.warnings) {  // no config.json: nothing "lacks" a key
+            REQUIRE(w.find("config.json lacks") == std::string::npos);
+          }
+        },
+        a);
+  }
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  Tensors stored;
+  fs::path const gguf =
+      write_gguf(t, make_tensors(t, 903), "gguf_layer_dense", GgmlType::kF32, stored);
+  REQUIRE_THROWS_WITH(moe::io::load_gguf_moe_layer(gguf, 1),
+                      Catch::Contains("cannot load layer 1") && Catch::Contains("mlp_only_layers"));
+}
+
+TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
+          "[models][decoder][gguf]") {
+  using V = moe::io::GgufMetadataValue;
+  moe::io::GgufWriter w;
+  w.set("general.architecture", V(std::string("jamba")));
+  fs::path const file = iotest::scratch_dir("gguf_refused") / "model.gguf";
+  w.save(file);
+  REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(file),
+                      Catch::Contains("'jamba' is not one moe reads yet") &&
+                          Catch::Contains("\"qwen3moe\"") && Catch::Contains("\"deepseek2\"") &&
+                          Catch::Contains("\"qwen3next\"") && Catch::Contains("\"qwen35moe\"") &&
+                          Catch::Contains("\"llama4\""));
+  moe::io::GgufWriter q;
+  q.set("general.architecture", V(std::string("qwen3moe")));
+  q.set("qwen3moe.block_count", V(std::uint32_t{2}));
+  q.set("qwen3moe.embedding_length", V(std::uint32_t{32}));
+  fs::path const partial = iotest::scratch_dir("gguf_partial") / "model.gguf";
+  q.save(partial);
+  REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(partial),
+                      Catch::Contains("qwen3moe.expert_feed_forward_length"));
+}
+
+#ifdef MOE_GENERATE
+TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; bad ones fail",
+          "[models][decoder][generate][gguf]") {
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  Tensors const m = make_tensors(t, 901);
+  Tensors stored;
+  fs::path const gguf = write_gguf(t, m, "generate_gguf", GgmlType::kQ8_0, stored);
+  fs::path const dir = write_model(t, stored, "generate_gguf_hf");
+  std::string const tail = " --prompt-ids 3,17,5 --max-new-tokens 4 --logits '";
+  REQUIRE(run_generate(
+              "--model '" + gguf.string() + "'" + tail + (dir / "g.safetensors").string() + "'",
+              dir) == 0);
+  std::string const ids = text_of(dir / "out.txt");
+  // Its Q8_0 matrices run as stored: as the directory of their values packed in q8_0.
+  REQUIRE_THAT(text_of(dir / "err.txt"), !Catch::Contains("decoded"));
+  REQUIRE(run_generate("--model '" + dir.string() + "' --dense q8_0 --experts q8_0" + tail +
+                           (dir / "h.safetensors").string() + "'",
+                       dir) == 0);
+  REQUIRE(text_of(dir / "out.txt") == ids);
+  moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
+  REQUIRE(moe::io::to_float(g.tensor("logits")) == moe::io::to_float(h.tensor("logits")));
+  // --logits may not overwrite the model; a truncated GGUF file fails in one line.
+  std::vector<std::byte> const before = iotest::read_file(gguf);
+  REQUIRE(run_generate("--model '" + gguf.string() + "'" + tail + gguf.string() + "'", dir) == 1);
+  REQUIRE(iotest::read_file(gguf) == before);
+  fs::path const cut = dir / "cut.gguf";
+  iotest::write_file(cut, std::vector<std::byte>(before.begin(), before.begin() + 200));
+  REQUIRE(run_generate("--model '" + cut.string() + "' --prompt-ids 1 --max-new-tokens 1", dir) ==
+          1);
+  std::string const err = text_of(dir / "err.txt");
+  REQUIRE(std::count(err.begin(), err.end(), '\n') == 1);
+  REQUIRE_THAT(err, Catch::StartsWith("moe_generate: ") && Catch::Contains("cut.gguf"));
+}
+#endif  // MOE_GENERATE
+
+#if defined(MOE_GENERATE) && defined(MOE_QUANTIZE)
+TEST_CASE("moe_quantize --out FILE.gguf: the whole model in llama.cpp's GGUF, run as stored",
+          "[models][decoder][generate][gguf]") {
+  Tiny t;
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  fs::path const dir = write_model(t, make_tensors(t, 907), "quantize_gguf_hf");
+  fs::path const gguf = dir.parent_path() / "quantize_gguf.gguf";
+  auto quantize = [&](std::string const& args) {
+    std::string command = "'";
+    command.append(MOE_QUANTIZE).append("' ").append(args);
+    command.append(" >'").append((dir / "q_out.txt").string()).append("'");
+    command.append(" 2>'").append((dir / "q_err.txt").string()).append("'");
+    int const status = std::system(command.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  REQUIRE(quantize("--model '" + dir.string() + "' --out '" + gguf.string() + "' --mix q4_k_m") ==
+          0);
+  REQUIRE_THAT(text_of(dir / "q_out.txt"), Catch::StartsWith("moe_quantize: wrote ") &&
+                                               Catch::Contains("Q4_0 x") &&
+                                               Catch::Contains("Q8_0 x"));
+  // 32-wide rows: q4_k falls back to q4_0, q6_k to q8_0, as llama.cpp falls back per tensor.
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("fell back"));
+  // The file runs as stored: what the directory gives packed in the same mix.
+  std::string const tail = " --prompt-ids 3,17,5 --max-new-tokens 4 --logits '";
+  REQUIRE(run_generate(
+              "--model '" + gguf.string() + "'" + tail + (dir / "g.safetensors").string() + "'",
+              dir) == 0);
+  std::string const ids = text_of(dir / "out.txt");
+  REQUIRE(run_generate("--model '" + dir.string() + "' --mix q4_k_m" + tail +
+                           (dir / "h.safetensors").string() + "'",
+                       dir) == 0);
+  REQUIRE(text_of(dir / "out.txt") == ids);
+  moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
+  REQUIRE(moe::io::to_float(g.tensor("logits")) == moe::io::to_float(h.tensor("logits")));
+  // One layer's options with a model file, and the model as its own output: one line, exit 1.
+  REQUIRE(quantize("--model '" + dir.string() + "' --out '" + gguf.string() + "' --layer 0") == 1);
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("--layer quantizes one layer"));
+  REQUIRE(quantize("--model '" + gguf.string() + "' --out '" + gguf.string() + "'") == 1);
+  REQUIRE_THAT(text_of(dir / "q_err.txt"), Catch::Contains("is the --model file"));
+}
+#endif
