@@ -329,6 +329,334 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
   return file;
 }
 
+/// The 2026 architectures as llama.cpp's convert_hf_to_gguf.py writes them (F32; its changes to
+/// the values spelt out here): deepseek2 (DeepSeek-V3 with the newer converter's attn_k_b /
+/// attn_v_b and 1 KV head of kv_lora_rank + rope; DeepSeek-V2 as older files hold it, attn_kv_b
+/// and no gating function), qwen3next (`old`: ssm_in and ssm_ba as transformers has them; else
+/// the newer attn_qkv / attn_gate split), qwen35moe (value heads reordered from grouped to
+/// tiled), llama4 (split experts, rope_freqs for its Llama 3 scaling, llama.cpp's fixed chunk,
+/// NoPE interval and temperature). `stored` receives the Hugging Face tensors the file holds (the
+/// converter's changes undone in float, heads in transformers' order).
+fs::path write_gguf_2026(Tiny const& t, Tensors const& m, std::string const& name, bool old,
+                         Tensors& stored) {
+  std::map<std::string, std::string> const archs = {{"deepseek_v3", "deepseek2"},
+                                                    {"deepseek_v2", "deepseek2"},
+                                                    {"qwen3_next", "qwen3next"},
+                                                    {"qwen3_5_moe_text", "qwen35moe"},
+                                                    {"llama4_text", "llama4"}};
+  std::string const arch = archs.at(t.type);
+  moe::io::GgufWriter w;
+  using V = moe::io::GgufMetadataValue;
+  auto u32 = [](Index v) { return V(static_cast<std::uint32_t>(v)); };
+  auto set = [&](std::string const& k, V v) { w.set(arch + "." + k, std::move(v)); };
+  w.set("general.architecture", V(arch));
+  set("block_count", u32(t.L));
+  set("context_length", u32(32));
+  set("embedding_length", u32(t.H));
+  set("feed_forward_length", u32(t.I_dense));
+  set("expert_feed_forward_length", u32(t.I_moe));
+  set("attention.head_count", u32(t.heads));
+  set("rope.freq_base", V(static_cast<float>(t.theta)));
+  set("attention.layer_norm_rms_epsilon", V(static_cast<float>(t.eps)));
+  set("expert_count", u32(t.E));
+  set("expert_used_count", u32(t.k));
+  std::optional<Mla> const ml = mla_of(t);
+  Gdn const g;
+  Index const R = g.Hv / g.Hk, K = g.Hk * g.dk, Vd = g.Hv * g.dv;
+  if (ml) {
+    set("attention.head_count_kv", u32(old ? t.heads : 1));
+    set("attention.key_length", u32(old ? ml->dn + ml->dr : ml->R + ml->dr));
+    set("attention.value_length", u32(old ? ml->dv : ml->R));
+    if (!old) {
+      set("attention.key_length_mla", u32(ml->dn + ml->dr));
+      set("attention.value_length_mla", u32(ml->dv));
+    }
+    if (ml->ql > 0) set("attention.q_lora_rank", u32(ml->ql));
+    set("attention.kv_lora_rank", u32(ml->R));
+    set("rope.dimension_count", u32(ml->dr));
+    set("leading_dense_block_count", u32(1));
+    set("expert_shared_count", u32(1));
+    set("expert_weights_scale", V(1.5f));
+    set("expert_group_count", u32(2));
+    set("expert_group_used_count", u32(1));
+    if (ml->v3) {
+      set("expert_weights_norm", V(true));
+      set("expert_gating_func", u32(2));
+      set("rope.scaling.type", V("yarn"));
+      set("rope.scaling.factor", V(4.0f));
+      set("rope.scaling.original_context_length", u32(8));
+      set("rope.scaling.yarn_log_multiplier", V(0.1f));  // 0.1 mscale_all_dim
+    }
+  } else {
+    set("attention.head_count_kv", u32(t.kv));
+    set("attention.key_length", u32(t.dh));
+    set("attention.value_length", u32(t.dh));
+    set("rope.dimension_count", u32(attention_of(t).rd));
+  }
+  if (hybrid(t)) {
+    set("expert_shared_feed_forward_length", u32(12));
+    set("ssm.conv_kernel", u32(g.kernel));
+    set("ssm.state_size", u32(g.dk));
+    set("ssm.group_count", u32(g.Hk));
+    set("ssm.time_step_rank", u32(g.Hv));
+    set("ssm.inner_size", u32(Vd));
+    set("full_attention_interval", u32(2));
+  }
+  if (t.type == "llama4_text") set("interleave_moe_layer_step", u32(2));
+
+  std::map<std::string, Shape> shapes;
+  for (TensorSpec const& s : tensor_specs(t)) shapes[s.name] = s.shape;
+  // F32 tensor `gguf` [shape] of values v; `hf` (when given) the Hugging Face tensor its values
+  // are, as `back` (the file's values, the converter's change undone in float).
+  auto add = [&](std::string const& gguf, Shape const& shape, std::vector<float> const& v) {
+    std::vector<std::byte> bytes(v.size() * 4);
+    std::memcpy(bytes.data(), v.data(), bytes.size());
+    w.add_tensor(gguf, GgmlType::kF32, ggml_ne(shape), bytes);
+  };
+  auto one = [&](std::string const& gguf, std::string const& hf) {
+    add(gguf, shapes.at(hf), m.at(hf));
+    stored[hf] = m.at(hf);
+  };
+  // (1 + w) norms: the converter adds 1; transformers' weight is the file's minus 1.
+  auto norm = [&](std::string const& gguf, std::string const& hf) {
+    if (!one_plus(t)) return one(gguf, hf);
+    std::vector<float> v = m.at(hf), back(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += 1.0f, back[i] = v[i] - 1.0f;
+    add(gguf, shapes.at(hf), v);
+    stored[hf] = back;
+  };
+  // Value-head order: Qwen3.5's converter moves head g R + j (grouped) to j H_k + g (tiled).
+  bool const tiled = t.type == "qwen3_5_moe_text";
+  // `block` rows of `row` values a head from row `base` on; `back`: tiled to grouped.
+  auto tiled_rows = [&](std::vector<float> const& v, Index base, Index block, Index row,
+                        bool back = false) {
+    std::vector<float> out = v;
+    if (!tiled) return out;
+    for (Index gk = 0; gk < g.Hk; ++gk) {
+      for (Index j = 0; j < R; ++j) {
+        Index const grouped = gk * R + j, tiled_head = j * g.Hk + gk;
+        Index const from = back ? tiled_head : grouped, to = back ? grouped : tiled_head;
+        std::copy_n(v.begin() + (base + from * block) * row, block * row,
+                    out.begin() + (base + to * block) * row);
+      }
+    }
+    return out;
+  };
+  one("token_embd.weight", "model.embed_tokens.weight");
+  norm("output_norm.weight", "model.norm.weight");
+  one("output.weight", "lm_head.weight");
+  if (t.type == "llama4_text") {
+    // LlamaModel.generate_extra_tensors: the Llama 3 factors of the tiny config's rope_scaling
+    // (factor 4, low 1, high 2, original 8), per frequency of head_dim.
+    std::vector<float> f;
+    for (Index i = 0; i < t.dh / 2; ++i) {
+      float const freq = static_cast<float>(
+          1.0 / std::pow(t.theta, static_cast<double>(2 * i) / static_cast<double>(t.dh)));
+      double const wavelen = 2 * std::numbers::pi / freq, lo = 8.0 / 1.0, hi = 8.0 / 2.0;
+      double factor = 1;
+      if (wavelen > lo) {
+        factor = 4;
+      } else if (wavelen >= hi) {
+        double const smooth = (8.0 / wavelen - 1.0) / (2.0 - 1.0);
+        factor = 1 / ((1 - smooth) / 4 + smooth);
+      }
+      f.push_back(static_cast<float>(factor));
+    }
+    add("rope_freqs.weight", {t.dh / 2}, f);
+  }
+  for (Index l = 0; l < t.L; ++l) {
+    std::string const b = concat("blk.", l, "."), p = concat("model.layers.", l, ".");
+    std::string const s = p + "self_attn.", la = p + "linear_attn.";
+    norm(b + "attn_norm.weight", p + "input_layernorm.weight");
+    norm(b + (hybrid(t) ? "post_attention_norm.weight" : "ffn_norm.weight"),
+         p + "post_attention_layernorm.weight");
+    if (linear_layer(t, l)) {
+      Index const C = 2 * K + Vd, H = t.H;
+      if (split_projections(t)) {
+        std::vector<float> const qkv = m.at(la + "in_proj_qkv.weight");
+        add(b + "attn_qkv.weight", {C, H}, tiled_rows(qkv, 2 * K, g.dv, H));
+        add(b + "attn_gate.weight", {Vd, H}, tiled_rows(m.at(la + "in_proj_z.weight"), 0, g.dv, H));
+        add(b + "ssm_beta.weight", {g.Hv, H}, tiled_rows(m.at(la + "in_proj_b.weight"), 0, 1, H));
+        add(b + "ssm_alpha.weight", {g.Hv, H}, tiled_rows(m.at(la + "in_proj_a.weight"), 0, 1, H));
+        for (char const* n :
+             {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}) {
+          stored[la + n] = m.at(la + n);
+        }
+      } else if (old) {
+        one(b + "ssm_in.weight", la + "in_proj_qkvz.weight");
+      } else {
+        // The newer converter: [q, k, v, z] per key head -> q of all heads, k, v; and z.
+        std::vector<float> const& qkvz = m.at(la + "in_proj_qkvz.weight");
+        std::vector<float> qkv, z;
+        Index const group = 2 * g.dk + 2 * R * g.dv;
+        auto rows = [&](std::vector<float>& out, Index offset, Index n) {
+          for (Index gk = 0; gk < g.Hk; ++gk) {
+            auto const from = qkvz.begin() + (gk * group + offset) * H;
+            out.insert(out.end(), from, from + n * H);
+          }
+        };
+        rows(qkv, 0, g.dk);
+        rows(qkv, g.dk, g.dk);
+        rows(qkv, 2 * g.dk, R * g.dv);
+        rows(z, 2 * g.dk + R * g.dv, R * g.dv);
+        add(b + "attn_qkv.weight", {C, H}, qkv);
+        add(b + "attn_gate.weight", {Vd, H}, z);
+        stored[la + "in_proj_qkvz.weight"] = qkvz;
+      }
+      if (!split_projections(t)) one(b + "ssm_ba.weight", la + "in_proj_ba.weight");
+      // conv1d [C, 1, kernel] squeezed to [C, kernel]; its v channels tiled for Qwen3.5.
+      add(b + "ssm_conv1d.weight", {C, g.kernel},
+          tiled_rows(m.at(la + "conv1d.weight"), 2 * K, g.dv, g.kernel));
+      stored[la + "conv1d.weight"] = m.at(la + "conv1d.weight");
+      std::vector<float> a = tiled_rows(m.at(la + "A_log"), 0, 1, 1), a_back(a.size());
+      for (float& x : a) x = -std::exp(x);  // the converter's -exp(A_log)
+      add(b + "ssm_a", {g.Hv}, a);
+      for (std::size_t i = 0; i < a.size(); ++i) a_back[i] = std::log(-a[i]);
+      stored[la + "A_log"] = tiled_rows(a_back, 0, 1, 1, true);
+      add(b + "ssm_dt.bias", {g.Hv}, tiled_rows(m.at(la + "dt_bias"), 0, 1, 1));
+      stored[la + "dt_bias"] = m.at(la + "dt_bias");
+      one(b + "ssm_norm.weight", la + "norm.weight");  // Qwen3NextRMSNormGated: no + 1
+      std::vector<float> const& o = m.at(la + "out_proj.weight");
+      std::vector<float> ot = o;
+      for (Index r = 0; r < H && tiled; ++r) {  // columns: value heads
+        for (Index gk = 0; gk < g.Hk; ++gk) {
+          for (Index j = 0; j < R; ++j) {
+            std::copy_n(o.begin() + r * Vd + (gk * R + j) * g.dv, g.dv,
+                        ot.begin() + r * Vd + (j * g.Hk + gk) * g.dv);
+          }
+        }
+      }
+      add(b + "ssm_out.weight", {H, Vd}, ot);
+      stored[la + "out_proj.weight"] = o;
+    } else if (ml) {
+      if (ml->ql > 0) {
+        one(b + "attn_q_a.weight", s + "q_a_proj.weight");
+        one(b + "attn_q_a_norm.weight", s + "q_a_layernorm.weight");
+        one(b + "attn_q_b.weight", s + "q_b_proj.weight");
+      } else {
+        one(b + "attn_q.weight", s + "q_proj.weight");
+      }
+      one(b + "attn_kv_a_mqa.weight", s + "kv_a_proj_with_mqa.weight");
+      one(b + "attn_kv_a_norm.weight", s + "kv_a_layernorm.weight");
+      if (old) {
+        one(b + "attn_kv_b.weight", s + "kv_b_proj.weight");
+      } else {
+        // kv_b.view(H, nope + v, R) split: k_b transposed to [H, R, nope], v_b [H, v, R].
+        std::vector<float> const& kv = m.at(s + "kv_b_proj.weight");
+        Index const dn = ml->dn, dv = ml->dv, Rl = ml->R;
+        std::vector<float> kb, vb;
+        for (Index h = 0; h < t.heads; ++h) {
+          for (Index r = 0; r < Rl; ++r) {
+            for (Index i = 0; i < dn; ++i) kb.push_back(kv[(h * (dn + dv) + i) * Rl + r]);
+          }
+          for (Index i = 0; i < dv * Rl; ++i) vb.push_back(kv[(h * (dn + dv) + dn) * Rl + i]);
+        }
+        add(b + "attn_k_b.weight", {t.heads, Rl, dn}, kb);
+        add(b + "attn_v_b.weight", {t.heads, dv, Rl}, vb);
+        stored[s + "kv_b_proj.weight"] = kv;
+      }
+      one(b + "attn_output.weight", s + "o_proj.weight");
+    } else {
+      for (char const* x : {"q", "k", "v"}) {
+        one(concat(b, "attn_", x, ".weight"), concat(s, x, "_proj.weight"));
+      }
+      one(b + "attn_output.weight", s + "o_proj.weight");
+      if (m.count(s + "q_norm.weight")) {
+        norm(b + "attn_q_norm.weight", s + "q_norm.weight");
+        norm(b + "attn_k_norm.weight", s + "k_norm.weight");
+      }
+    }
+    std::string const f = p + dense_module(t);
+    if (is_dense(t, l)) {
+      for (char const* x : {"gate", "up", "down"}) {
+        one(concat(b, "ffn_", x, ".weight"), concat(f, x, "_proj.weight"));
+      }
+      continue;
+    }
+    Index const E = t.E, I = t.I_moe, H = t.H;
+    if (t.type == "llama4_text") {
+      // experts.gate_up_proj [E, H, 2I] transposed and split: gate [E, I, H], up [E, I, H];
+      // experts.down_proj [E, I, H] transposed: [E, H, I].
+      one(b + "ffn_gate_inp.weight", f + "router.weight");
+      std::vector<float> const& gu = m.at(f + "experts.gate_up_proj");
+      std::vector<float> const& dn = m.at(f + "experts.down_proj");
+      std::vector<float> gate, up, down;
+      for (Index e = 0; e < E; ++e) {
+        for (Index j = 0; j < 2 * I; ++j) {
+          for (Index h = 0; h < H; ++h) (j < I ? gate : up).push_back(gu[(e * H + h) * 2 * I + j]);
+        }
+        for (Index h = 0; h < H; ++h) {
+          for (Index i = 0; i < I; ++i) down.push_back(dn[(e * I + i) * H + h]);
+        }
+      }
+      add(b + "ffn_gate_exps.weight", {E, I, H}, gate);
+      add(b + "ffn_up_exps.weight", {E, I, H}, up);
+      add(b + "ffn_down_exps.weight", {E, H, I}, down);
+      stored[f + "experts.gate_up_proj"] = gu;
+      stored[f + "experts.down_proj"] = dn;
+      for (char const* x : {"gate", "up", "down"}) {
+        one(concat(b, "ffn_", x, "_shexp.weight"), concat(f, "shared_expert.", x, "_proj.weight"));
+      }
+      continue;
+    }
+    one(b + "ffn_gate_inp.weight", f + "gate.weight");
+    for (char const* x : {"gate", "up", "down"}) {
+      std::vector<float> v;
+      for (Index e = 0; e < E; ++e) {
+        std::vector<float> const& ve = m.at(concat(f, "experts.", e, ".", x, "_proj.weight"));
+        v.insert(v.end(), ve.begin(), ve.end());
+        stored[concat(f, "experts.", e, ".", x, "_proj.weight")] = ve;
+      }
+      add(concat(b, "ffn_", x, "_exps.weight"), *x == 'd' ? Shape{E, H, I} : Shape{E, I, H}, v);
+      std::string const shared = hybrid(t) ? "shared_expert." : "shared_experts.";
+      one(concat(b, "ffn_", x, "_shexp.weight"), concat(f, shared, x, "_proj.weight"));
+    }
+    if (hybrid(t)) {  // [1, H] in transformers, [H] in GGUF
+      add(b + "ffn_gate_inp_shexp.weight", {t.H}, m.at(f + "shared_expert_gate.weight"));
+      stored[f + "shared_expert_gate.weight"] = m.at(f + "shared_expert_gate.weight");
+    }
+    if (ml && ml->v3) one(b + "exp_probs_b.bias", f + "gate.e_score_correction_bias");
+  }
+  fs::path const file = iotest::scratch_dir(name) / "model.gguf";
+  w.save(file);
+  return file;
+}
+
+/// Greedy decoding of a few steps with each decoder (the ids of `a`), every step's logits within
+/// `tol` of the largest one of `b`: for files whose values or order moe runs otherwise than the
+/// checkpoint's (a permuted sum, RoPE factors instead of their parameters).
+void check_close_decoding(moe::models::AnyDecoder const& a, moe::models::AnyDecoder const& b,
+                          Index V, double tol) {
+  std::visit(
+      [&](auto const& da, auto const& db) {
+        if constexpr (std::is_same_v<decltype(da), decltype(db)>) {
+          std::vector<std::int64_t> ids = {3, 17, 5, 9, 2, 30, 11};
+          auto sa = da.make_state(1);
+          auto sb = db.make_state(1);
+          std::vector<float> la(static_cast<std::size_t>(V)), lb(la.size());
+          std::vector<Index> counts = {static_cast<Index>(ids.size())};
+          da.forward(ids, counts, sa, {la.data(), 1, V});
+          db.forward(ids, counts, sb, {lb.data(), 1, V});
+          for (int step = 0; step < 4; ++step) {
+            double worst = 0, scale = 0;
+            for (Index i = 0; i < V; ++i) {
+              worst = std::max(worst, static_cast<double>(std::abs(la[i] - lb[i])));
+              scale = std::max(scale, static_cast<double>(std::abs(lb[i])));
+            }
+            INFO("step " << step << ": " << worst << " of " << scale);
+            REQUIRE(worst <= tol * scale);
+            std::vector<std::int64_t> const next = {argmax(la.data(), V)};
+            counts = {1};
+            da.forward(next, counts, sa, {la.data(), 1, V});
+            db.forward(next, counts, sb, {lb.data(), 1, V});
+          }
+        } else {
+          FAIL("the two decoders are of different MoE types");
+        }
+      },
+      a, b);
+}
+
 /// Greedy decoding of a few steps with each decoder; every step's logits bit for bit alike.
 void check_same_decoding(moe::models::AnyDecoder const& a, moe::models::AnyDecoder const& b,
                          Index V) {
@@ -422,6 +750,78 @@ TEST_CASE("Decoder: a GGUF file decodes as the Hugging Face checkpoint of the va
           REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
           for (Index l = 0; l < t.L; ++l) {
             REQUIRE(d.blocks[static_cast<std::size_t>(l)].moe.has_value() == !is_dense(t, l));
+          }
+        },
+        from_gguf);
+  }
+}
+
+TEST_CASE("Decoder: GGUF files of the 2026 architectures decode as their checkpoints",
+          "[models][decoder][gguf]") {
+  struct Case {
+    std::string type;
+    bool old;      // the older converter's layout (see write_gguf_2026)
+    bool bitwise;  // the same sums in the same order as the checkpoint's decoder
+  };
+  for (Case const& c :
+       {Case{"deepseek_v3", false, true}, Case{"deepseek_v2", true, true},
+        Case{"qwen3_next", true, true}, Case{"qwen3_next", false, true},
+        Case{"qwen3_5_moe_text", false, false}, Case{"llama4_text", false, false}}) {
+    INFO(c.type << (c.old ? " (older converter)" : ""));
+    Tiny const t = family_tiny(c.type);
+    Tensors const m = make_tensors(t, 906);
+    Tensors stored;
+    std::string const tag = concat("gguf26_", c.type, c.old ? "_old" : "");
+    fs::path const gguf = write_gguf_2026(t, m, tag, c.old, stored);
+    // The checkpoints: of the values the file holds, and the original ones. Llama 4's file says
+    // what llama.cpp fixes for the architecture: chunks of 8192, every 4th layer NoPE, tuning
+    // floor 8192 and scale 0.1.
+    fs::path const dir = write_model(t, stored, tag + "_hf");
+    fs::path const original = write_model(t, m, tag + "_original");
+    if (c.type == "llama4_text") {
+      std::string j = config_json(t);
+      std::string const tiny =
+          concat("\"no_rope_layers\": [1, 0, 1, 1], \"attention_chunk_size\": ", kLlama4Chunk,
+                 ", \"attn_temperature_tuning\": true, "
+                 "\"floor_scale\": ",
+                 kLlama4Floor, ", \"attn_scale\": ", kLlama4Temp);
+      REQUIRE(j.find(tiny) != std::string::npos);
+      j.replace(j.find(tiny), tiny.size(),
+                "\"no_rope_layers\": [1, 1, 1, 0], \"attention_chunk_size\": 8192, "
+                "\"attn_temperature_tuning\": true, \"floor_scale\": 8192, \"attn_scale\": 0.1");
+      iotest::write_text(dir / "config.json", j);
+      iotest::write_text(original / "config.json", j);
+    }
+    moe::models::AnyDecoder const from_gguf = moe::models::load_gguf_decoder(gguf);
+    moe::models::AnyDecoder const from_hf = moe::models::load_hf_decoder(dir);
+    if (c.bitwise) {
+      check_same_decoding(from_gguf, from_hf, t.V);
+    } else {
+      check_close_decoding(from_gguf, from_hf, t.V, 1e-5);
+    }
+    // Against the original values: the converter's changes undone, not merely mirrored.
+    check_close_decoding(from_gguf, moe::models::load_hf_decoder(original), t.V, 1e-5);
+    // moe reads these architectures but does not write them yet: said, not half done.
+    REQUIRE_THROWS_WITH(moe::models::save_gguf_model(dir.parent_path() / (tag + "_out.gguf"), gguf),
+                        Catch::Contains("does not write them yet"));
+    std::visit(
+        [&](auto const& d) {
+          REQUIRE(d.blocks.size() == static_cast<std::size_t>(t.L));
+          for (std::string const& w : d.warnings) {
+            INFO(w);
+            REQUIRE(w.find("not read") == std::string::npos);  // every tensor has a name
+          }
+          for (Index l = 0; l < t.L; ++l) {
+            auto const& b = d.blocks[static_cast<std::size_t>(l)];
+            REQUIRE(b.moe.has_value() == !is_dense(t, l));
+            REQUIRE((b.deltanet() != nullptr) == linear_layer(t, l));
+            REQUIRE((b.mla() != nullptr) == mla_of(t).has_value());
+            if (b.deltanet() != nullptr) {
+              REQUIRE((b.deltanet()->config().head_order == moe::DeltaNetHeadOrder::kTiled) ==
+                      (c.type == "qwen3_5_moe_text"));
+              REQUIRE((b.deltanet()->config().layout == moe::DeltaNetLayout::kQwen35) ==
+                      (c.type == "qwen3_5_moe_text" || !c.old));
+            }
           }
         },
         from_gguf);

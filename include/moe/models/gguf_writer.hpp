@@ -108,8 +108,9 @@ inline std::vector<std::byte> gguf_encode(quant::GgmlType type, std::vector<floa
 ///     (fp32 F32, bf16 BF16, the block formats theirs, quantized by ggml's reference
 ///     quantizers).
 /// No tokenizer metadata is written (moe's tokenizer reads tokenizer.json; docs/gguf.md).
-/// Throws moe::Error for a family without a llama.cpp architecture, and as the loaders do for
-/// missing or mis-shaped tensors.
+/// Throws moe::Error for a family without a llama.cpp architecture or whose architecture moe
+/// reads but does not write yet (deepseek2, qwen3next, qwen35moe, llama4), and as the loaders
+/// do for missing or mis-shaped tensors.
 inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, DecoderConfig const& c,
                                       io::ShardedCheckpoint const& ckpt,
                                       DecoderOptions const& formats = {}) {
@@ -118,6 +119,12 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
   std::string const arch(spec.gguf.arch);
   moe::detail::check(!arch.empty(), "models: save_gguf_model: ", c.moe.model_type(),
                      " has no llama.cpp GGUF architecture moe writes");
+  // moe reads these architectures' files (io::gguf_as_hf) but does not write them yet.
+  moe::detail::check(
+      !spec.decoder.mla && !spec.decoder.gated_deltanet && !spec.decoder.llama4_layers,
+      "models: save_gguf_model: moe reads llama.cpp's \"", arch, "\" files (", c.moe.model_type(),
+      ") but does not write them yet; keep the Hugging Face checkpoint, or "
+      "write it with llama.cpp's convert_hf_to_gguf.py");
   GgufSaveReport report;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim, Lc = c.num_hidden_layers;
