@@ -206,6 +206,11 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
       out.family = f, found = true;
     }
   }
+  if (!found && supported.find(detail::concat("\"", arch, "\"")) != std::string::npos) {
+    moe::detail::fail("gguf: ", src, ": ", arch, ".expert_gating_func = ", gating,
+                      " is not one moe reads for this architecture (1: softmax, DeepSeek-V2; 2: "
+                      "sigmoid, DeepSeek-V3 and Kimi K2); the file is corrupt or of a newer model");
+  }
   if (!found) {
     moe::detail::fail("gguf: ", src, ": general.architecture ", detail::printable_name(arch),
                       " is not one moe reads yet (it reads ", supported,
