@@ -9,6 +9,8 @@
 /// load_gguf_decoder() reads back.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -88,7 +90,184 @@ inline std::vector<std::byte> gguf_encode(quant::GgmlType type, std::vector<floa
   return out;
 }
 
+/// The n with layer L full attention exactly when (L + 1) % n == 0 (llama.cpp's
+/// full_attention_interval: qwen3next hard-codes 4, qwen35moe reads it); throws when no n says
+/// the model's layers.
+inline Index full_attention_interval(DecoderConfig const& c) {
+  for (Index n = 1; n <= c.num_hidden_layers + 1; ++n) {
+    bool fits = true;
+    for (Index L = 0; L < c.num_hidden_layers && fits; ++L) {
+      fits = c.linear_layer(L) == ((L + 1) % n != 0);
+    }
+    if (fits) return n;
+  }
+  moe::detail::fail(
+      "models: save_gguf_model: the model's linear and full attention layers do "
+      "not follow one full_attention_interval, which is all llama.cpp's GGUF "
+      "metadata can say; keep the Hugging Face checkpoint");
+}
+
+/// The s with layer L an MoE layer exactly when (L + 1) % s == 0 (llama.cpp's
+/// interleave_moe_layer_step of Llama 4); throws when no s says the model's layers.
+inline Index moe_layer_step(DecoderConfig const& c) {
+  for (Index s = 1; s <= c.num_hidden_layers; ++s) {
+    bool fits = true;
+    for (Index L = 0; L < c.num_hidden_layers && fits; ++L) {
+      fits = c.moe.is_moe_layer(L) == ((L + 1) % s == 0);
+    }
+    if (fits) return s;
+  }
+  moe::detail::fail(
+      "models: save_gguf_model: the model's MoE layers are not every s-th layer, "
+      "which is all llama.cpp's interleave_moe_layer_step can say; keep the Hugging "
+      "Face checkpoint");
+}
+
+/// Refuses what an architecture's GGUF metadata cannot say (llama.cpp hard-codes it), so that a
+/// file moe writes is the model it was given.
+inline void check_gguf_expressible(DecoderConfig const& c, std::string const& arch) {
+  auto refuse = [&](auto const&... why) {
+    moe::detail::fail("models: save_gguf_model: ", c.moe.model_type(), " with ", why...,
+                      " cannot be written as llama.cpp's \"", arch,
+                      "\" GGUF (its metadata has no key for it); keep the Hugging Face checkpoint");
+  };
+  if (c.mla.enabled) {
+    if (c.qkv_bias) refuse("attention biases");
+    if (c.yarn.enabled() && c.yarn.attention_factor != 1.0f) {
+      refuse("YaRN mscale other than mscale_all_dim");
+    }
+  }
+  if (c.moe.spec().decoder.llama4_layers) {
+    // llama.cpp's llama4: every 4th layer NoPE with temperature tuning (floor 8192, scale 0.1),
+    // chunks of 8192 on the others, the L2 q/k norm unless the model has 128 experts.
+    for (Index L = 0; L < c.num_hidden_layers; ++L) {
+      bool const nope = (L + 1) % 4 == 0;
+      if (c.rope_layer(L) == nope) refuse("NoPE layers other than every 4th");
+      if (c.chunk_of(L) != (nope ? 0 : 8192)) refuse("attention chunks other than 8192");
+    }
+    if (c.temperature_floor != 8192 || c.temperature_scale != 0.1f) {
+      refuse("attention temperature tuning other than floor_scale 8192 and attn_scale 0.1");
+    }
+    if (c.qk_norm_unweighted != (c.moe.num_experts != 128)) {
+      refuse(c.qk_norm_unweighted ? "use_qk_norm and 128 experts"
+                                  : "use_qk_norm false and other than 128 experts");
+    }
+    if (c.qkv_bias || c.o_bias) refuse("attention biases");
+  }
+}
+
+/// The divisor of each RoPE frequency llama.cpp's rope_freqs.weight holds: the model's own
+/// factors, or those of its Llama 3 scaling as LlamaModel.generate_extra_tensors computes them
+/// (frequencies of head_dim in float, the factor in double).
+inline std::vector<float> rope_freq_factors(DecoderConfig const& c) {
+  if (!c.rope_freq_factors.empty()) return c.rope_freq_factors;
+  kernels::RopeLlama3 const& l = c.llama3;
+  double const L0 = static_cast<double>(l.original_max_position), lo = l.low_freq_factor,
+               hi = l.high_freq_factor, s = l.factor, pi = 3.14159265358979323846;
+  std::vector<float> out;
+  for (Index i = 0; i < c.head_dim / 2; ++i) {
+    float const freq =
+        1.0f / std::pow(c.rope_theta, static_cast<float>(2 * i) / static_cast<float>(c.head_dim));
+    double const wavelen = 2.0 * pi / static_cast<double>(freq);
+    double factor = 1.0;
+    if (wavelen > L0 / lo) {
+      factor = s;
+    } else if (wavelen >= L0 / hi) {
+      double const smooth = (L0 / wavelen - lo) / (hi - lo);
+      factor = 1.0 / ((1.0 - smooth) / s + smooth);
+    }
+    out.push_back(static_cast<float>(factor));
+  }
+  return out;
+}
+
+/// Writes the Gated DeltaNet of layer L (its tensors under `s` = "...linear_attn.") as llama.cpp's
+/// converter does: attn_qkv (all q, all k, all v) and attn_gate (z); qwen3next's ssm_ba (per key
+/// head the b rows of its value heads, then their a), qwen35moe's ssm_beta and ssm_alpha with
+/// the value heads reordered from grouped to tiled (in every tensor that has them); ssm_conv1d
+/// [C, kernel], ssm_a = -exp(A_log), ssm_dt.bias, ssm_norm, ssm_out. `values(name, shape)` reads
+/// a tensor; `computed(gguf, shape, values, class, L)` writes one.
+template <class Values, class Computed>
+void write_deltanet(DecoderConfig const& c, std::string const& s, std::string const& b, Index L,
+                    Values&& values, Computed&& computed) {
+  DecoderDeltaNet const& d = c.deltanet;
+  Index const H = c.moe.hidden_size, Hk = d.num_key_heads, Hv = d.num_value_heads, R = Hv / Hk;
+  Index const dk = d.key_head_dim, dv = d.value_head_dim, K = Hk * dk, Vd = Hv * dv;
+  Index const C = 2 * K + Vd, KW = d.conv_kernel;
+  bool const qwen35 = c.moe.family == io::HfFamily::kQwen35Moe;
+  bool const tile = qwen35 && d.head_order == DeltaNetHeadOrder::kGrouped && R > 1;
+  // File head t (tiled: t = j H_k + g) holds the model's head g R + j.
+  auto from = [&](Index t) { return tile ? (t % Hk) * R + t / Hk : t; };
+  // Rows [base + t block, + block) of `row` values, per value head t.
+  auto heads = [&](std::vector<float> v, Index base, Index block, Index row) {
+    if (!tile) return v;
+    std::vector<float> out = v;
+    for (Index t = 0; t < Hv; ++t) {
+      std::copy_n(v.begin() + (base + from(t) * block) * row, block * row,
+                  out.begin() + (base + t * block) * row);
+    }
+    return out;
+  };
+  std::vector<float> qkv, z, beta, alpha;
+  if (d.split_projections) {
+    qkv = values(s + "in_proj_qkv.weight", {C, H});
+    z = values(s + "in_proj_z.weight", {Vd, H});
+    beta = values(s + "in_proj_b.weight", {Hv, H});
+    alpha = values(s + "in_proj_a.weight", {Hv, H});
+  } else {  // per key head [q | k | v | z] and [b | a]
+    std::vector<float> const qkvz = values(s + "in_proj_qkvz.weight", {2 * K + 2 * Vd, H});
+    std::vector<float> const ba = values(s + "in_proj_ba.weight", {2 * Hv, H});
+    Index const group = 2 * dk + 2 * R * dv;
+    auto rows = [&](std::vector<float>& out, std::vector<float> const& src, Index width,
+                    Index offset, Index n) {
+      for (Index g = 0; g < Hk; ++g) {
+        auto const at = src.begin() + (g * width + offset) * H;
+        out.insert(out.end(), at, at + n * H);
+      }
+    };
+    rows(qkv, qkvz, group, 0, dk);
+    rows(qkv, qkvz, group, dk, dk);
+    rows(qkv, qkvz, group, 2 * dk, R * dv);
+    rows(z, qkvz, group, 2 * dk + R * dv, R * dv);
+    rows(beta, ba, 2 * R, 0, R);
+    rows(alpha, ba, 2 * R, R, R);
+  }
+  computed(b + "attn_qkv.weight", {C, H}, heads(std::move(qkv), 2 * K, dv, H), MatrixClass::kAttnQ,
+           L);
+  computed(b + "attn_gate.weight", {Vd, H}, heads(std::move(z), 0, dv, H), MatrixClass::kAttnQ, L);
+  if (qwen35) {
+    computed(b + "ssm_beta.weight", {Hv, H}, heads(std::move(beta), 0, 1, H), MatrixClass::kAttnQ,
+             L);
+    computed(b + "ssm_alpha.weight", {Hv, H}, heads(std::move(alpha), 0, 1, H), MatrixClass::kAttnQ,
+             L);
+  } else {
+    std::vector<float> ba;
+    for (Index g = 0; g < Hk; ++g) {
+      ba.insert(ba.end(), beta.begin() + g * R * H, beta.begin() + (g + 1) * R * H);
+      ba.insert(ba.end(), alpha.begin() + g * R * H, alpha.begin() + (g + 1) * R * H);
+    }
+    computed(b + "ssm_ba.weight", {2 * Hv, H}, std::move(ba), MatrixClass::kAttnQ, L);
+  }
+  computed(b + "ssm_conv1d.weight", {C, KW},
+           heads(values(s + "conv1d.weight", {C, 1, KW}), 2 * K, dv, KW));
+  std::vector<float> a = heads(values(s + "A_log", {Hv}), 0, 1, 1);
+  for (float& x : a) x = -std::exp(x);
+  computed(b + "ssm_a", {Hv}, std::move(a));
+  computed(b + "ssm_dt.bias", {Hv}, heads(values(s + "dt_bias", {Hv}), 0, 1, 1));
+  computed(b + "ssm_norm.weight", {dv}, values(s + "norm.weight", {dv}));
+  std::vector<float> const o = values(s + "out_proj.weight", {H, Vd});
+  std::vector<float> out = o;
+  for (Index r = 0; r < H && tile; ++r) {  // its columns are the value heads
+    for (Index t = 0; t < Hv; ++t) {
+      std::copy_n(o.begin() + r * Vd + from(t) * dv, dv, out.begin() + r * Vd + t * dv);
+    }
+  }
+  computed(b + "ssm_out.weight", {H, Vd}, std::move(out), MatrixClass::kAttnO, L);
+}
+
 }  // namespace detail
+
+/// Writes the decoder of config `c` over checkpoint `ckpt`}  // namespace detail
 
 /// Writes the decoder of config `c` over checkpoint `ckpt` to `path` as a GGUF file (v3) in
 /// llama.cpp's layout for the family's architecture (HfFamilySpec::gguf.arch):
@@ -108,9 +287,14 @@ inline std::vector<std::byte> gguf_encode(quant::GgmlType type, std::vector<floa
 ///     (fp32 F32, bf16 BF16, the block formats theirs, quantized by ggml's reference
 ///     quantizers).
 /// No tokenizer metadata is written (moe's tokenizer reads tokenizer.json; docs/gguf.md).
-/// Throws moe::Error for a family without a llama.cpp architecture or whose architecture moe
-/// reads but does not write yet (deepseek2, qwen3next, qwen35moe, llama4), and as the loaders
-/// do for missing or mis-shaped tensors.
+/// The 2026 architectures as llama.cpp's converter writes them today: deepseek2's MLA run as MQA
+/// (1 KV head of kv_lora_rank + rope; kv_b_proj split into attn_k_b and attn_v_b), qwen3next and
+/// qwen35moe with their (1 + w) norms + 1, ssm_a = -exp(A_log), attn_qkv / attn_gate and
+/// Qwen3.5's value heads in ggml's tiled order (detail::write_deltanet), llama4 with its experts
+/// split and its Llama 3 scaling as rope_freqs.weight.
+/// Throws moe::Error for a family without a llama.cpp architecture, for what the
+/// architecture's metadata cannot say (detail::check_gguf_expressible: e.g. Llama 4 chunks other
+/// than llama.cpp's fixed 8192), and as the loaders do for missing or mis-shaped tensors.
 inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, DecoderConfig const& c,
                                       io::ShardedCheckpoint const& ckpt,
                                       DecoderOptions const& formats = {}) {
@@ -119,12 +303,7 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
   std::string const arch(spec.gguf.arch);
   moe::detail::check(!arch.empty(), "models: save_gguf_model: ", c.moe.model_type(),
                      " has no llama.cpp GGUF architecture moe writes");
-  // moe reads these architectures' files (io::gguf_as_hf) but does not write them yet.
-  moe::detail::check(
-      !spec.decoder.mla && !spec.decoder.gated_deltanet && !spec.decoder.llama4_layers,
-      "models: save_gguf_model: moe reads llama.cpp's \"", arch, "\" files (", c.moe.model_type(),
-      ") but does not write them yet; keep the Hugging Face checkpoint, or "
-      "write it with llama.cpp's convert_hf_to_gguf.py");
+  detail::check_gguf_expressible(c, arch);
   GgufSaveReport report;
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim, Lc = c.num_hidden_layers;
@@ -146,12 +325,35 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
     w.set(key("feed_forward_length"), u32(c.intermediate_size));
   }
   w.set(key("attention.head_count"), u32(nh));
-  w.set(key("attention.head_count_kv"), u32(kv));
-  w.set(key("attention.key_length"), u32(dh));
-  w.set(key("attention.value_length"), u32(dh));
+  DecoderMla const& mla = c.mla;
+  if (mla.enabled) {
+    // As llama.cpp's converter writes MLA today: run as MQA over the latent (1 KV head of
+    // kv_lora_rank + rope, values of kv_lora_rank), the per-head sizes in the *_mla keys.
+    w.set(key("attention.head_count_kv"), u32(1));
+    w.set(key("attention.key_length"), u32(mla.kv_lora_rank + mla.qk_rope_head_dim));
+    w.set(key("attention.value_length"), u32(mla.kv_lora_rank));
+    w.set(key("attention.key_length_mla"), u32(mla.qk_nope_head_dim + mla.qk_rope_head_dim));
+    w.set(key("attention.value_length_mla"), u32(mla.v_head_dim));
+    if (mla.q_lora_rank > 0) w.set(key("attention.q_lora_rank"), u32(mla.q_lora_rank));
+    w.set(key("attention.kv_lora_rank"), u32(mla.kv_lora_rank));
+    w.set(key("rope.dimension_count"), u32(mla.qk_rope_head_dim));
+  } else {
+    w.set(key("attention.head_count_kv"), u32(kv));
+    w.set(key("attention.key_length"), u32(dh));
+    w.set(key("attention.value_length"), u32(dh));
+    w.set(key("rope.dimension_count"), u32(c.rotary_dim > 0 ? c.rotary_dim : dh));
+  }
   w.set(key("attention.layer_norm_rms_epsilon"), Value(c.rms_norm_eps));
   w.set(key("rope.freq_base"), Value(c.rope_theta));
-  w.set(key("rope.dimension_count"), u32(c.rotary_dim > 0 ? c.rotary_dim : dh));
+  DecoderDeltaNet const& dn = c.deltanet;
+  if (!dn.layers.empty()) {
+    w.set(key("ssm.conv_kernel"), u32(dn.conv_kernel));
+    w.set(key("ssm.state_size"), u32(dn.key_head_dim));
+    w.set(key("ssm.group_count"), u32(dn.num_key_heads));
+    w.set(key("ssm.time_step_rank"), u32(dn.num_value_heads));
+    w.set(key("ssm.inner_size"), u32(dn.num_value_heads * dn.value_head_dim));
+    w.set(key("full_attention_interval"), u32(detail::full_attention_interval(c)));
+  }
   w.set(key("expert_count"), u32(c.moe.num_experts));
   w.set(key("expert_used_count"), u32(c.moe.num_experts_per_tok));
   if (spec.norm_topk == io::HfNormTopK::kKey) {
@@ -179,6 +381,9 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
       w.set(key("leading_dense_block_count"), u32(c.moe.moe_layer_start_index));
       w.set(key("interleave_moe_layer_step"), u32(c.moe.moe_layer_interval));
       break;
+    case io::HfLayerRule::kInterleave:
+      w.set(key("interleave_moe_layer_step"), u32(detail::moe_layer_step(c)));
+      break;
     default:  // kSparseStep: the layers without ffn_gate_inp are dense
       break;
   }
@@ -187,6 +392,10 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
     w.set(key("rope.scaling.type"), Value("yarn"));
     w.set(key("rope.scaling.factor"), Value(c.yarn.factor));
     w.set(key("rope.scaling.original_context_length"), u32(c.yarn.original_max_position));
+    if (mla.enabled) {  // the converter's 0.1 mscale_all_dim (V2: no correction, 1)
+      w.set(key("rope.scaling.yarn_log_multiplier"),
+            Value(0.1f * (mla.softmax_mscale_all_dim > 0.0f ? mla.softmax_mscale_all_dim : 1.0f)));
+    }
   }
 
   // Tensors. A matrix of class `cls` (nullopt: F32, not a matrix the engine multiplies) written
@@ -223,24 +432,86 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
     emit(gguf, shape, cls, L, std::move(values), b, detail::stored_format(ckpt, hf, shape),
          permute_groups);
   };
-  from_ckpt("token_embd.weight", "model.embed_tokens.weight", {V, H}, MatrixClass::kEmbedding, 0);
-  from_ckpt("output_norm.weight", "model.norm.weight", {H}, std::nullopt, 0);
+  // A float tensor computed here (F32; or a matrix of class `cls` in its chosen format).
+  auto computed = [&](std::string const& gguf, std::vector<std::int64_t> const& shape,
+                      std::vector<float> values, std::optional<MatrixClass> cls = std::nullopt,
+                      Index L = 0) {
+    emit(gguf, shape, cls, L, std::move(values), std::nullopt, experts::WeightFormat::kF32);
+  };
+  auto read = [&](std::string const& hf, std::vector<std::int64_t> const& shape) {
+    return detail::read_tensor(ckpt, hf, shape, why, &c.moe);
+  };
+  // An RMSNorm's weight: + 1 for the (1 + w) form (Qwen3-Next, Qwen3.5), as the converter does.
+  auto norm = [&](std::string const& gguf, std::string const& hf, Index n, Index L) {
+    if (!c.norm_one_plus) return from_ckpt(gguf, hf, {n}, std::nullopt, L);
+    std::vector<float> v = read(hf, {n});
+    for (float& x : v) x += 1.0f;
+    computed(gguf, {n}, std::move(v));
+  };
+  detail::CheckpointRoot const root = detail::checkpoint_root(ckpt);
+  from_ckpt("token_embd.weight", root.model + "embed_tokens.weight", {V, H},
+            MatrixClass::kEmbedding, 0);
+  norm("output_norm.weight", root.model + "norm.weight", H, 0);
   if (!c.tie_word_embeddings) {
-    from_ckpt("output.weight", "lm_head.weight", {V, H}, MatrixClass::kLmHead, Lc - 1);
+    from_ckpt("output.weight", root.head + "lm_head.weight", {V, H}, MatrixClass::kLmHead, Lc - 1);
+  }
+  if (!c.rope_freq_factors.empty() || c.llama3.enabled()) {  // Llama 3 scaling, per frequency
+    computed("rope_freqs.weight", {dh / 2}, detail::rope_freq_factors(c));
   }
   for (Index L = 0; L < Lc; ++L) {
     std::string const b = io::detail::concat("blk.", L, ".");
-    std::string const p = io::detail::concat("model.layers.", L, ".");
+    std::string const p = io::detail::concat(root.model, "layers.", L, ".");
     bool const permuted = spec.gguf.permuted_qk;
-    from_ckpt(b + "attn_norm.weight", p + "input_layernorm.weight", {H}, std::nullopt, L);
-    from_ckpt(b + "attn_q.weight", p + "self_attn.q_proj.weight", {nh * dh, H}, MatrixClass::kAttnQ,
-              L, permuted ? nh : 0);
-    from_ckpt(b + "attn_k.weight", p + "self_attn.k_proj.weight", {kv * dh, H}, MatrixClass::kAttnK,
-              L, permuted ? kv : 0);
-    from_ckpt(b + "attn_v.weight", p + "self_attn.v_proj.weight", {kv * dh, H}, MatrixClass::kAttnV,
-              L);
-    from_ckpt(b + "attn_output.weight", p + "self_attn.o_proj.weight", {H, nh * dh},
-              MatrixClass::kAttnO, L);
+    norm(b + "attn_norm.weight", p + "input_layernorm.weight", H, L);
+    norm(io::detail::concat(b, spec.gguf.mlp_norm, ".weight"),
+         p + "post_attention_layernorm.weight", H, L);
+    if (c.linear_layer(L)) {
+      detail::write_deltanet(c, p + "linear_attn.", b, L, read, computed);
+    } else if (mla.enabled) {
+      std::string const s = p + "self_attn.";
+      Index const dq = mla.qk_nope_head_dim + mla.qk_rope_head_dim, R = mla.kv_lora_rank;
+      if (mla.q_lora_rank > 0) {
+        from_ckpt(b + "attn_q_a.weight", s + "q_a_proj.weight", {mla.q_lora_rank, H},
+                  MatrixClass::kAttnQ, L);
+        from_ckpt(b + "attn_q_a_norm.weight", s + "q_a_layernorm.weight", {mla.q_lora_rank},
+                  std::nullopt, L);
+        from_ckpt(b + "attn_q_b.weight", s + "q_b_proj.weight", {nh * dq, mla.q_lora_rank},
+                  MatrixClass::kAttnQ, L);
+      } else {
+        from_ckpt(b + "attn_q.weight", s + "q_proj.weight", {nh * dq, H}, MatrixClass::kAttnQ, L);
+      }
+      from_ckpt(b + "attn_kv_a_mqa.weight", s + "kv_a_proj_with_mqa.weight",
+                {R + mla.qk_rope_head_dim, H}, MatrixClass::kAttnK, L);
+      from_ckpt(b + "attn_kv_a_norm.weight", s + "kv_a_layernorm.weight", {R}, std::nullopt, L);
+      // kv_b_proj split as the converter does: k_b [H, R, nope] (each head's k rows
+      // transposed), v_b [H, v, R].
+      Index const nope = mla.qk_nope_head_dim, vd = mla.v_head_dim;
+      std::vector<float> const kv_b = read(s + "kv_b_proj.weight", {nh * (nope + vd), R});
+      std::vector<float> k_b, v_b;
+      k_b.reserve(static_cast<std::size_t>(nh * R * nope));
+      v_b.reserve(static_cast<std::size_t>(nh * vd * R));
+      for (Index h = 0; h < nh; ++h) {
+        float const* head = kv_b.data() + h * (nope + vd) * R;
+        for (Index r = 0; r < R; ++r) {
+          for (Index i = 0; i < nope; ++i) k_b.push_back(head[i * R + r]);
+        }
+        v_b.insert(v_b.end(), head + nope * R, head + (nope + vd) * R);
+      }
+      computed(b + "attn_k_b.weight", {nh, R, nope}, std::move(k_b), MatrixClass::kAttnK, L);
+      computed(b + "attn_v_b.weight", {nh, vd, R}, std::move(v_b), MatrixClass::kAttnV, L);
+      from_ckpt(b + "attn_output.weight", s + "o_proj.weight", {H, nh * vd}, MatrixClass::kAttnO,
+                L);
+    } else {
+      Index const q_rows = (c.attention_gate ? 2 : 1) * nh * dh;  // Qwen3-Next's packed gate
+      from_ckpt(b + "attn_q.weight", p + "self_attn.q_proj.weight", {q_rows, H},
+                MatrixClass::kAttnQ, L, permuted ? nh : 0);
+      from_ckpt(b + "attn_k.weight", p + "self_attn.k_proj.weight", {kv * dh, H},
+                MatrixClass::kAttnK, L, permuted ? kv : 0);
+      from_ckpt(b + "attn_v.weight", p + "self_attn.v_proj.weight", {kv * dh, H},
+                MatrixClass::kAttnV, L);
+      from_ckpt(b + "attn_output.weight", p + "self_attn.o_proj.weight", {H, nh * dh},
+                MatrixClass::kAttnO, L);
+    }
     if (c.qkv_bias) {
       // A bias is a column: permuted as rows of one value.
       auto bias = [&](char const* g, char const* hf, Index rows, Index groups) {
@@ -256,23 +527,19 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
     if (c.o_bias) {
       from_ckpt(b + "attn_output.bias", p + "self_attn.o_proj.bias", {H}, std::nullopt, L);
     }
-    if (c.qk_norm) {
+    if (c.qk_norm && !c.qk_norm_unweighted && !c.linear_layer(L)) {
       bool const all = c.qk_norm_scope == QkNormScope::kAllHeads;
-      from_ckpt(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", {all ? nh * dh : dh},
-                std::nullopt, L);
-      from_ckpt(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", {all ? kv * dh : dh},
-                std::nullopt, L);
+      norm(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", all ? nh * dh : dh, L);
+      norm(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", all ? kv * dh : dh, L);
     }
     if (c.sinks) from_ckpt(b + "attn_sinks.weight", p + "self_attn.sinks", {nh}, std::nullopt, L);
-    from_ckpt(io::detail::concat(b, spec.gguf.mlp_norm, ".weight"),
-              p + "post_attention_layernorm.weight", {H}, std::nullopt, L);
     if (!c.moe.is_moe_layer(L)) {
       Index const I = c.intermediate_size;
-      from_ckpt(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", {I, H},
-                MatrixClass::kDenseGateUp, L);
-      from_ckpt(b + "ffn_up.weight", p + "mlp.up_proj.weight", {I, H}, MatrixClass::kDenseGateUp,
+      std::string const mlp = p + std::string(spec.decoder.dense_module);
+      from_ckpt(b + "ffn_gate.weight", mlp + "gate_proj.weight", {I, H}, MatrixClass::kDenseGateUp,
                 L);
-      from_ckpt(b + "ffn_down.weight", p + "mlp.down_proj.weight", {H, I}, MatrixClass::kDenseDown,
+      from_ckpt(b + "ffn_up.weight", mlp + "up_proj.weight", {I, H}, MatrixClass::kDenseGateUp, L);
+      from_ckpt(b + "ffn_down.weight", mlp + "down_proj.weight", {H, I}, MatrixClass::kDenseDown,
                 L);
       continue;
     }
@@ -283,7 +550,8 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
     std::map<std::string, io::HfTensor const*> by_name;
     for (io::HfTensor const& t : tensors) by_name[t.name] = &t;
     io::visit_hf_layer_type(c.moe.family, [&]<class Moe>(std::type_identity<Moe>) {
-      io::HfLayer<Moe> const loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L);
+      io::HfLayer<Moe> const loaded =
+          io::load_hf_layer<Moe>(c.moe, ckpt, L, detail::moe_layer_options(root, c, L));
       static constexpr std::string_view kMoe[] = {
           "ffn_gate_inp.weight",      "ffn_gate_inp.bias",   "exp_probs_b.bias",
           "ffn_gate_exps.weight",     "ffn_up_exps.weight",  "ffn_down_exps.weight",
