@@ -132,16 +132,25 @@ struct BlockIQ4_XS {
   std::uint8_t scales_l[4];  ///< low 4 bits: block ib in nibble ib % 2 of scales_l[ib / 2]
   std::uint8_t qs[128];      ///< per 32 weights 16 bytes of indices, as Q4_0's nibbles
 };
+struct BlockMXFP4 {
+  std::uint8_t e;       ///< E8M0 shared exponent
+  std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
+};
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84);
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136);
+static_assert(sizeof(BlockMXFP4) == 17);
 
 /// ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS.
 inline constexpr std::int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                  1,    13,   25,  38,  53,  69,  89,  113};
+/// ggml's kvalues_mxfp4 (kvalues_fp4): the E2M1 values doubled, codes 8..15 the negatives
+/// (code 8, -0, decodes as +0).
+inline constexpr std::int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                                 0, -1, -2, -3, -4, -6, -8, -12};
 
 /// Weights per block.
 constexpr Index block_elems(Format f) {
@@ -261,6 +270,15 @@ inline float inverse(float d) {
   return std::isfinite(id) ? id : 0.0f;
 }
 inline float fp32(std::uint16_t h) { return moe::f16_to_float(h); }
+
+/// ggml_e8m0_to_fp32_half: 2^(e - 128) as a float (e = 0, 1: the subnormals 2^-128, 2^-127;
+/// e = 255 gives 2^127, no NaN, as ggml's).
+inline float e8m0_to_fp32_half(std::uint8_t e) {
+  std::uint32_t const bits = e < 2 ? 0x00200000u << e : static_cast<std::uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 constexpr float kGroupMaxEps = 1e-15f;
 
@@ -1100,6 +1118,43 @@ inline void dequantize_block(BlockIQ4_XS const& b, float* y) {
       y[j] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] & 0xF]));
       y[j + 16] = detail::mul(dl, static_cast<float>(kIq4nlValues[qs[j] >> 4]));
     }
+  }
+}
+
+/// MXFP4 (ggml quantize_row_mxfp4_ref): e = floor(log2(amax)) - 2 + 127 (0 for amax = 0), each
+/// code the first of kMxfp4Values nearest to x / 2^(e - 128). ggml's conversion to uint8_t is
+/// undefined for amax < 2^-125 (a negative e): e = 0 here, the smallest scale. The exponent
+/// comes from the C library's log2f, as ggml's does.
+inline void quantize_block(float const* x, BlockMXFP4& y) {
+  float amax = 0;
+  for (int j = 0; j < 32; ++j) {
+    if (amax < std::fabs(x[j])) amax = std::fabs(x[j]);
+  }
+  float const ef = amax > 0.0f ? std::floor(std::log2(amax)) - 2 + 127 : 0.0f;
+  auto const e = static_cast<std::uint8_t>(ef > 0.0f ? ef : 0.0f);
+  float const d = detail::e8m0_to_fp32_half(e);
+  y.e = e;
+  auto best = [d](float v) {
+    int best_index = 0;
+    float best_err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[0]), d) - v);
+    for (int i = 1; i < 16; ++i) {
+      float const err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[i]), d) - v);
+      if (err < best_err) {
+        best_index = i;
+        best_err = err;
+      }
+    }
+    return best_index;
+  };
+  for (int j = 0; j < 16; ++j) {
+    y.qs[j] = static_cast<std::uint8_t>(best(x[j]) | (best(x[j + 16]) << 4));
+  }
+}
+inline void dequantize_block(BlockMXFP4 const& b, float* y) {
+  float const d = detail::e8m0_to_fp32_half(b.e);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] & 0x0F]), d);
+    y[j + 16] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] >> 4]), d);
   }
 }
 

@@ -2,8 +2,8 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// More GGUF weight blocks, for reading GGUF files: typed row entry points for ggml's Q4_1, Q5_0,
-/// Q5_1, Q5_K, IQ4_NL and IQ4_XS, which are also quant::Formats with kernels (their blocks,
-/// quantizers and decoders are in blocks.hpp), and the byte layout of MXFP4 (ggml-common.h);
+/// Q5_1, Q5_K, IQ4_NL and IQ4_XS, which are also quant::Formats with kernels, and MXFP4 (their
+/// blocks, quantizers and decoders are in blocks.hpp; the byte layouts are ggml-common.h's):
 /// their reference dequantizers
 /// (ggml-quants.c: dequantize_row_*) and reference quantizers (quantize_row_*_ref), written
 /// here from those definitions, and F16 / BF16 rows. A row of n weights is n / block_elems_v<B>
@@ -48,13 +48,6 @@
 
 namespace moe::quant {
 
-/// ggml block types, byte for byte (static_asserts below check the sizes).
-struct BlockMXFP4 {
-  std::uint8_t e;       ///< E8M0 shared exponent
-  std::uint8_t qs[16];  ///< E2M1 codes (kMxfp4Values), as Q4_0's nibbles
-};
-static_assert(sizeof(BlockMXFP4) == 17);
-
 /// Weights per block of a ggml block type.
 template <class Block>
 inline constexpr Index block_elems_v = 32;
@@ -63,21 +56,7 @@ inline constexpr Index block_elems_v<BlockQ5_K> = 256;
 template <>
 inline constexpr Index block_elems_v<BlockIQ4_XS> = 256;
 
-/// ggml's kvalues_mxfp4 (kvalues_fp4): the E2M1 values doubled, codes 8..15 the negatives
-/// (code 8, -0, decodes as +0).
-inline constexpr std::int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
-                                                 0, -1, -2, -3, -4, -6, -8, -12};
-
 namespace detail {
-
-/// ggml_e8m0_to_fp32_half: 2^(e - 128) as a float (e = 0, 1: the subnormals 2^-128, 2^-127;
-/// e = 255 gives 2^127, no NaN, as ggml's).
-inline float e8m0_to_fp32_half(std::uint8_t e) {
-  std::uint32_t const bits = e < 2 ? 0x00200000u << e : static_cast<std::uint32_t>(e - 1) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 /// Checks that a row of n weights is whole blocks of `elems` (n a positive multiple).
 inline void check_block_row(Index n, Index elems, char const* format, char const* who) {
@@ -95,47 +74,6 @@ inline void check_finite_row(float const* x, Index n, char const* who) {
 }
 
 }  // namespace detail
-
-// ---------------------------------------------------------------------------------------------
-// One block (ggml quantize_row_*_ref and dequantize_row_* for one block), overloads of
-// blocks.hpp's quantize_block / dequantize_block.
-
-/// MXFP4 (ggml quantize_row_mxfp4_ref): e = floor(log2(amax)) - 2 + 127 (0 for amax = 0), each
-/// code the first of kMxfp4Values nearest to x / 2^(e - 128). ggml's conversion to uint8_t is
-/// undefined for amax < 2^-125 (a negative e): e = 0 here, the smallest scale. The exponent
-/// comes from the C library's log2f, as ggml's does.
-inline void quantize_block(float const* x, BlockMXFP4& y) {
-  float amax = 0;
-  for (int j = 0; j < 32; ++j) {
-    if (amax < std::fabs(x[j])) amax = std::fabs(x[j]);
-  }
-  float const ef = amax > 0.0f ? std::floor(std::log2(amax)) - 2 + 127 : 0.0f;
-  auto const e = static_cast<std::uint8_t>(ef > 0.0f ? ef : 0.0f);
-  float const d = detail::e8m0_to_fp32_half(e);
-  y.e = e;
-  auto best = [d](float v) {
-    int best_index = 0;
-    float best_err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[0]), d) - v);
-    for (int i = 1; i < 16; ++i) {
-      float const err = std::fabs(detail::mul(static_cast<float>(kMxfp4Values[i]), d) - v);
-      if (err < best_err) {
-        best_index = i;
-        best_err = err;
-      }
-    }
-    return best_index;
-  };
-  for (int j = 0; j < 16; ++j) {
-    y.qs[j] = static_cast<std::uint8_t>(best(x[j]) | (best(x[j + 16]) << 4));
-  }
-}
-inline void dequantize_block(BlockMXFP4 const& b, float* y) {
-  float const d = detail::e8m0_to_fp32_half(b.e);
-  for (int j = 0; j < 16; ++j) {
-    y[j] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] & 0x0F]), d);
-    y[j + 16] = detail::mul(static_cast<float>(kMxfp4Values[b.qs[j] >> 4]), d);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Rows: n weights (a positive multiple of block_elems_v<Block>; moe::Error otherwise) from or to
