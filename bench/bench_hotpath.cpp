@@ -434,7 +434,7 @@ std::unique_ptr<Layer> make_layer(Shape const& s) {
 /// quantized layer when another quantized format is asked for (at most fp32, bf16 and one
 /// quantized layer live at once: 11.5 GB for the Qwen3 shape).
 Layer& layer_for(Shape const& s, experts::WeightFormat format = experts::WeightFormat::kF32) {
-  constexpr std::size_t kFormats = static_cast<std::size_t>(experts::WeightFormat::kIQ4_XS) + 1;
+  constexpr std::size_t kFormats = static_cast<std::size_t>(experts::WeightFormat::kMXFP4) + 1;
   static_assert(static_cast<std::size_t>(experts::WeightFormat::kQ5_K) < kFormats);
   static std::unique_ptr<Layer> layers[kFormats];
   static Shape const* current = nullptr;
@@ -1085,6 +1085,10 @@ void BM_Kernel_ExpertIn(benchmark::State& state) {
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kIQ4_NL)                \
       ->Name("BM_Layer_" #NAME "_ForwardIQ4_NL")                                                  \
+      ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
+      ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
+  BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kMXFP4)                 \
+      ->Name("BM_Layer_" #NAME "_ForwardMXFP4")                                                   \
       ->ArgName("T")->Arg(1)->Arg(8)->Arg(32)->Arg(128)->Arg(512)                                 \
       ->Unit(benchmark::kMillisecond)->UseManualTime();                                           \
   BENCHMARK_TEMPLATE(BM_Layer_ForwardQuant, SHAPE, experts::WeightFormat::kQ4_1)                  \

@@ -177,11 +177,9 @@ TEST_CASE("GGUF tensors of the block types moe has kernels for run as stored", "
   for (float& v : w) v = dist(rng);
   for (float& v : x) v = dist(rng);
   std::vector<std::pair<GgmlType, WeightFormat>> const types = {
-      {GgmlType::kQ5_0, WeightFormat::kQ5_0},
-      {GgmlType::kQ4_1, WeightFormat::kQ4_1},
-      {GgmlType::kQ5_1, WeightFormat::kQ5_1},
-      {GgmlType::kIQ4_NL, WeightFormat::kIQ4_NL},
-      {GgmlType::kIQ4_XS, WeightFormat::kIQ4_XS}};
+      {GgmlType::kQ5_0, WeightFormat::kQ5_0},     {GgmlType::kQ4_1, WeightFormat::kQ4_1},
+      {GgmlType::kQ5_1, WeightFormat::kQ5_1},     {GgmlType::kIQ4_NL, WeightFormat::kIQ4_NL},
+      {GgmlType::kIQ4_XS, WeightFormat::kIQ4_XS}, {GgmlType::kMXFP4, WeightFormat::kMXFP4}};
   moe::io::GgufWriter writer;
   for (auto const& [type, format] : types) {
     moe::quant::Format const qf = moe::experts::quant_format(format);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/kernels/expert_gemm.hpp"
+#include "moe/quant/blocks.hpp"
 #include "moe/quant/matrix.hpp"
 #include "support/helpers.hpp"
 
@@ -81,6 +82,7 @@ std::vector<std::array<float, 64>> portable_panel(quant::Format f, std::byte con
     if (f == quant::Format::kQ5_1) run.operator()<quant::Format::kQ5_1>();
     if (f == quant::Format::kIQ4_NL) run.operator()<quant::Format::kIQ4_NL>();
     if (f == quant::Format::kIQ4_XS) run.operator()<quant::Format::kIQ4_XS>();
+    if (f == quant::Format::kMXFP4) run.operator()<quant::Format::kMXFP4>();
     if (f == quant::Format::kQ4_K) run.operator()<quant::Format::kQ4_K>();
     if (f == quant::Format::kQ4_0) run.operator()<quant::Format::kQ4_0>();
     if (f == quant::Format::kQ3_K) run.operator()<quant::Format::kQ3_K>();
@@ -254,6 +256,7 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
   CHECK(bits(quant::Format::kIQ4_XS) == 4.3125);  // 4 + 16 / 256 + 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_K) == 4.625);     // 4 + 2 x 16 / 256 + 2 x 8 x 8 / 256
   CHECK(bits(quant::Format::kQ4_0) == 4.5);
+  CHECK(bits(quant::Format::kMXFP4) == 4.5);    // 4 + 8 / 32 (E8M0) + 8 / 32 (the header's pad)
   CHECK(bits(quant::Format::kQ3_K) == 3.5625);  // 3 + 16 / 256 + 8 x 16 / 256
   CHECK(bits(quant::Format::kQ2_K) == 2.625);   // 2 + 2 x 16 / 256 + 8 x 16 / 256 (nibbles)
   // Every level round-trips through the layout: the GGUF block's level (its decoder's integer).
@@ -314,6 +317,11 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
           std::uint8_t const v = as(&b).qs[i / 32 * 16 + i % 16];
           return quant::kIq4nlValues[i % 32 < 16 ? v & 0xF : v >> 4] + 128;
         }
+        case quant::Format::kMXFP4: {  // ggml's kvalues_mxfp4[nibble], + 128 in the layout
+          quant::BlockMXFP4 b;
+          int const q = i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
+          return quant::kMxfp4Values[q] + 128;
+        }
         case quant::Format::kQ4_1: {  // as Q4_0's
           quant::BlockQ4_1 b;
           return i < 16 ? as(&b).qs[i] & 0xF : as(&b).qs[i - 16] >> 4;
@@ -337,7 +345,7 @@ TEST_CASE("quant kernels: panels store every format at its own width", "[kernels
                                 kernels::quant_header_bytes(f);
         INFO(quant::name(f) << " n = " << n << " k = " << k);
         // Columns past N are zero bytes: level 0, or the table formats' entry for index 0.
-        int const pad = kernels::quant_has_table(f) ? kernels::kIq4nlLevels[0] : 0;
+        int const pad = kernels::quant_has_table(f) ? kernels::quant_table(f)[0] : 0;
         REQUIRE(kernels::quant_level(f, w, k % G, n % 32) == (n < N ? gguf_level(n, k) : pad));
       }
     }
@@ -519,13 +527,14 @@ TEST_CASE("quant kernels: the SIMD (zmm, AVX-VNNI, AVX2) and portable kernels gi
   }
 }
 
-TEST_CASE("quant kernels: GGUF's legacy and IQ4 formats against the dequantize-then-dot reference",
-          "[kernels][quant]") {
+TEST_CASE(
+    "quant kernels: GGUF's legacy, IQ4 and MXFP4 formats against the dequantize-then-dot reference",
+    "[kernels][quant]") {
   // Odd row counts, depths of one and of several blocks, T = 1, 3, 8, 33 tokens: quant_cols
   // (the SIMD kernel of this build) against the double product of ggml's dequantized weights
   // and the dequantized int8 activations, and bitwise against the portable kernel.
   for (quant::Format f : {quant::Format::kQ5_0, quant::Format::kQ4_1, quant::Format::kQ5_1,
-                          quant::Format::kIQ4_NL, quant::Format::kIQ4_XS}) {
+                          quant::Format::kIQ4_NL, quant::Format::kIQ4_XS, quant::Format::kMXFP4}) {
     for (Index N : {Index{1}, Index{45}}) {
       for (Index K : {quant::block_elems(f), 5 * quant::block_elems(f)}) {
         QOperand op(f, N, K, 101 + static_cast<std::uint64_t>(N + K));
@@ -562,6 +571,90 @@ TEST_CASE("quant kernels: GGUF's legacy and IQ4 formats against the dequantize-t
             }
           }
         }
+      }
+    }
+  }
+}
+
+TEST_CASE("quant kernels: MXFP4's E8M0 scales are ggml_e8m0_to_fp32_half's, subnormals included",
+          "[kernels][quant]") {
+  // Every exponent byte e: the scale the kernels take from a packed header (quant_scale, the
+  // portable kernel's, and this build's vector unpackers) is 2^(e - 128) bit for bit, as ggml's
+  // ggml_e8m0_to_fp32_half, whose e = 0 and 1 are the subnormals 2^-128 and 2^-127 (where the
+  // exponent field (e - 1) << 23 would be -inf's and zero's bits) and e = 255 is 2^127.
+  alignas(64) std::byte grp[64] = {};
+  for (int e0 = 0; e0 < 256; e0 += 32) {
+    for (int c = 0; c < 32; ++c) grp[c] = static_cast<std::byte>(e0 + c);
+    alignas(64) float vec[32];
+#if MOE_HAS_AVX512VNNI
+    for (Index c0 : {Index{0}, Index{16}}) {
+      _mm512_store_ps(vec + c0, kernels::detail::quant_scales_zmm<quant::Format::kMXFP4>(grp, c0));
+    }
+#elif MOE_HAS_AVX2_INT8
+    for (Index c0 = 0; c0 < 32; c0 += 8) {
+      _mm256_store_ps(vec + c0, kernels::detail::quant_scales_ymm<quant::Format::kMXFP4>(grp, c0));
+    }
+#else
+    for (Index c = 0; c < 32; ++c) vec[c] = kernels::quant_scale(quant::Format::kMXFP4, grp, c);
+#endif
+    for (int c = 0; c < 32; ++c) {
+      int const e = e0 + c;
+      INFO("e = " << e);
+      float const want = std::ldexp(1.0f, e - 128);
+      float const scalar = kernels::quant_scale(quant::Format::kMXFP4, grp, c);
+      float const decoder = quant::detail::e8m0_to_fp32_half(static_cast<std::uint8_t>(e));
+      REQUIRE(std::memcmp(&scalar, &want, 4) == 0);
+      REQUIRE(std::memcmp(&decoder, &want, 4) == 0);
+      REQUIRE(std::memcmp(&vec[c], &want, 4) == 0);
+    }
+  }
+  // Hand-built blocks whose exponents span the range a product stays finite in (the subnormal
+  // scales among them) and random codes (-0 included): the SIMD kernel gives the portable
+  // kernel's bits, and both the double product of ggml's decoded weights.
+  constexpr Index N = 40, K = 96, T = 5;
+  int const exps[] = {0, 1, 2, 3, 64, 120, 127, 128, 129, 135, 160, 200};
+  std::vector<quant::BlockMXFP4> blocks(static_cast<std::size_t>(N * K / 32));
+  std::uint32_t state = 12345;
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    blocks[b].e = static_cast<std::uint8_t>(exps[b % std::size(exps)]);
+    for (auto& q : blocks[b].qs) {
+      state = state * 1664525u + 1013904223u;
+      q = static_cast<std::uint8_t>(state >> 24);
+    }
+  }
+  std::vector<float> deq(static_cast<std::size_t>(N * K));
+  quant::dequantize_row(quant::Format::kMXFP4, blocks.data(), N * K, deq.data());
+  Index const pb = kernels::quant_panel_bytes(quant::Format::kMXFP4, K);
+  Aligned<std::byte> panels(static_cast<std::size_t>(2 * pb));
+  kernels::pack_quant_panels(quant::Format::kMXFP4,
+                             reinterpret_cast<std::byte const*>(blocks.data()), N, K,
+                             panels.data());
+  std::vector<float> x = test::random_vector(T * K, 17);
+  auto const q8 = quantize_acts(x, T, K);
+  auto const xa = deq_rows(q8, T, K);
+  std::vector<float> c(static_cast<std::size_t>(T * N), -1.0f);
+  std::vector<float> scratch(static_cast<std::size_t>(kernels::expert_scratch_floats(K)));
+  kernels::WeightPanels w;
+  w.quant[0] = {panels.data(), quant::Format::kMXFP4, pb};
+  kernels::expert_cols(kernels::RowSource{x.data(), K}, T, K, w, 0, 2,
+                       kernels::StoreEpilogue{c.data(), N, N}, scratch.data());
+  for (Index p = 0; p < 2; ++p) {
+    std::byte const* pp[2] = {panels.data() + p * pb, nullptr};
+    auto const port = portable_panel(quant::Format::kMXFP4, q8.data(), T, K, pp, 1);
+    for (Index i = 0; i < T; ++i) {
+      for (Index n = p * 32; n < std::min(N, p * 32 + 32); ++n) {
+        INFO("row " << i << " column " << n);
+        double want = 0, mag = 0;
+        for (Index k = 0; k < K; ++k) {
+          double const v =
+              xa[static_cast<std::size_t>(i * K + k)] * deq[static_cast<std::size_t>(n * K + k)];
+          want += v;
+          mag += std::fabs(v);
+        }
+        float const got = c[static_cast<std::size_t>(i * N + n)];
+        REQUIRE(std::fabs(got - want) <= 1e-5 * mag + 1e-44);  // a few ulps of the subnormals
+        float const same = port[static_cast<std::size_t>(i)][static_cast<std::size_t>(n - p * 32)];
+        REQUIRE(std::memcmp(&got, &same, 4) == 0);
       }
     }
   }

@@ -31,7 +31,7 @@ constexpr WeightFormat kAll[] = {WeightFormat::kF32,    WeightFormat::kBf16,   W
                                  WeightFormat::kQ6_K,   WeightFormat::kQ5_K,   WeightFormat::kQ5_1,
                                  WeightFormat::kQ5_0,   WeightFormat::kIQ4_XS, WeightFormat::kQ4_1,
                                  WeightFormat::kIQ4_NL, WeightFormat::kQ4_K,   WeightFormat::kQ4_0,
-                                 WeightFormat::kQ3_K,   WeightFormat::kQ2_K};
+                                 WeightFormat::kMXFP4,  WeightFormat::kQ3_K,   WeightFormat::kQ2_K};
 
 /// y [T, N] = x W^T (+ bias) (accumulate: y +=) through the engine's queue.
 void run(Linear const& w, std::vector<float> const& x, Index T, std::vector<float>& y,

@@ -264,6 +264,9 @@ TEST_CASE("ggml blocks: MXFP4 decodes E2M1 codes times 2^(e - 127)", "[quant]") 
       CHECK(y[j] == std::ldexp(e2m1(j), e - 127));
       CHECK(y[j + 16] == std::ldexp(e2m1(15 - j), e - 127));
     }
+    float z[32];  // quant::Format's decoder (what the kernels multiply): the same values
+    quant::dequantize_row(quant::Format::kMXFP4, &b, 32, z);
+    CHECK(std::memcmp(z, y, sizeof z) == 0);
   }
 }
 
@@ -396,6 +399,18 @@ TEST_CASE("ggml blocks: IQ4_NL and MXFP4 quantize hand-computed blocks", "[quant
     quant::quantize_row_mxfp4_ref(x.data(), &b, 32);
     CHECK(b.e == 100 - 2 + 127);
     CHECK((b.qs[5] & 0xF) == 6);  // 2^100 = 8 * 2^97: the doubled value 8, code 6
+    // quant::quantize_row (what Linear and the expert banks quantize with) is this reference,
+    // byte for byte, over blocks of very different magnitudes.
+    std::vector<float> row(4 * 32);
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      row[i] =
+          std::ldexp(std::sin(0.7f * static_cast<float>(i)), static_cast<int>(i / 32) * 40 - 70);
+    }
+    quant::BlockMXFP4 ref[4];
+    quant::quantize_row_mxfp4_ref(row.data(), ref, 4 * 32);
+    quant::BlockMXFP4 fmt[4];
+    quant::quantize_row(quant::Format::kMXFP4, row.data(), 4 * 32, fmt);
+    CHECK(std::memcmp(ref, fmt, sizeof ref) == 0);
   }
 }
 

@@ -34,13 +34,15 @@ enum class WeightFormat {
   kQ5_1,    ///< GGUF Q5_1 (6 bits: Q5_0's levels, an fp16 scale and an fp16 min per 32)
   kIQ4_NL,  ///< GGUF IQ4_NL (4.5 bits: Q4_0's shape, the nibbles index kvalues_iq4nl)
   kIQ4_XS,  ///< GGUF IQ4_XS (4.25 bits; int8 sub-block scales: 4.3125 in the kernel layout)
+  kMXFP4,   ///< GGUF MXFP4 (4.25 bits: E2M1 codes under an E8M0 scale; 4.5 in the kernel layout)
 };
 
 /// The block formats, in order of falling precision (quant::kFormats' order).
 inline constexpr WeightFormat kBlockFormats[] = {
     WeightFormat::kQ8_0,   WeightFormat::kQ6_K, WeightFormat::kQ5_K,   WeightFormat::kQ5_1,
     WeightFormat::kQ5_0,   WeightFormat::kQ4_K, WeightFormat::kIQ4_XS, WeightFormat::kQ4_1,
-    WeightFormat::kIQ4_NL, WeightFormat::kQ4_0, WeightFormat::kQ3_K,   WeightFormat::kQ2_K};
+    WeightFormat::kIQ4_NL, WeightFormat::kQ4_0, WeightFormat::kMXFP4,  WeightFormat::kQ3_K,
+    WeightFormat::kQ2_K};
 
 /// Is f one of the GGUF block formats (multiplied by the integer kernels)?
 constexpr bool is_quantized(WeightFormat f) {
@@ -63,6 +65,8 @@ constexpr quant::Format quant_format(WeightFormat f) {
       return quant::Format::kIQ4_NL;
     case WeightFormat::kIQ4_XS:
       return quant::Format::kIQ4_XS;
+    case WeightFormat::kMXFP4:
+      return quant::Format::kMXFP4;
     case WeightFormat::kQ4_K:
       return quant::Format::kQ4_K;
     case WeightFormat::kQ4_0:
@@ -103,7 +107,7 @@ constexpr double bits_per_weight(WeightFormat f) {
 
 /// Can a matrix of depth K (its input width, the length of a row of W [N, K]) be stored in `f`?
 /// fp32 and bf16 hold any K >= 1; a GGUF block format needs K to be a multiple of its block
-/// (32 for Q8_0, Q5_1, Q5_0, Q4_1, IQ4_NL and Q4_0, 256 for the K-quants and IQ4_XS).
+/// (32 for Q8_0, Q5_1, Q5_0, Q4_1, IQ4_NL, Q4_0 and MXFP4, 256 for the K-quants and IQ4_XS).
 constexpr bool holds_depth(WeightFormat f, Index K) {
   return K >= 1 && (!is_quantized(f) || K % quant::block_elems(quant_format(f)) == 0);
 }
@@ -112,7 +116,8 @@ constexpr bool holds_depth(WeightFormat f, Index K) {
 /// keeps about the size or grows it, never the other way (llama.cpp's quantizer does the same per
 /// tensor, with Q5_0 where moe has Q4_0):
 ///   q2_k, q3_k, q4_k -> q4_0 -> q8_0 -> bf16;   q5_k -> q5_1 -> q8_0 -> bf16;
-///   iq4_xs -> iq4_nl -> q8_0 -> bf16;   q6_k, q5_0, q4_1 -> q8_0 -> bf16;   bf16, fp32: none.
+///   iq4_xs -> iq4_nl -> q8_0 -> bf16;   q6_k, q5_0, q4_1, mxfp4 -> q8_0 -> bf16;
+///   bf16, fp32: none.
 /// (q5_k goes to q5_1 and iq4_xs to iq4_nl, as llama.cpp sends them; q5_k not to q4_0, whose 4.5
 /// bits would lose one of its 5.5; the 32-block formats all hold the same depths, so from one of
 /// them the chain ends in bf16.)
@@ -132,6 +137,7 @@ constexpr WeightFormat fallback_format(WeightFormat f) {
     case WeightFormat::kQ5_1:
     case WeightFormat::kIQ4_NL:
     case WeightFormat::kQ4_0:
+    case WeightFormat::kMXFP4:
       return WeightFormat::kQ8_0;
     case WeightFormat::kQ8_0:
     case WeightFormat::kBf16:
@@ -192,14 +198,16 @@ constexpr quant::GgmlType ggml_type(WeightFormat f) {
       return quant::GgmlType::kIQ4_NL;
     case WeightFormat::kIQ4_XS:
       return quant::GgmlType::kIQ4_XS;
+    case WeightFormat::kMXFP4:
+      return quant::GgmlType::kMXFP4;
   }
   return quant::GgmlType::kF32;
 }
 
 /// The format that multiplies ggml type `t` as stored (its blocks re-packed for the kernels, the
 /// values unchanged): F32, BF16 and the block formats' types (Q8_0, Q6_K, Q5_K, Q5_1, Q5_0,
-/// Q4_K, IQ4_XS, Q4_1, IQ4_NL, Q4_0, Q3_K, Q2_K) have one; nullopt for the others (F16, the
-/// IQ1-IQ3 types, MXFP4, ...), which moe decodes at load.
+/// Q4_K, IQ4_XS, Q4_1, IQ4_NL, Q4_0, MXFP4, Q3_K, Q2_K) have one; nullopt for the others (F16,
+/// the IQ1-IQ3 types, ...), which moe decodes at load.
 constexpr std::optional<WeightFormat> native_format(quant::GgmlType t) {
   if (t == quant::GgmlType::kF32) return WeightFormat::kF32;
   if (t == quant::GgmlType::kBF16) return WeightFormat::kBf16;
@@ -210,7 +218,7 @@ constexpr std::optional<WeightFormat> native_format(quant::GgmlType t) {
 }
 
 /// The format a matrix stored as ggml type `t` is loaded into when no format is asked for: its
-/// native format, else (a block type without a kernel in moe: MXFP4, IQ1..IQ3) q8_0, which holds
+/// native format, else (a block type without a kernel in moe: IQ1..IQ3) q8_0, which holds
 /// each of them to within a 255th of its block's largest weight at 8.5 bits a weight (the weights
 /// are decoded bit-exactly with ggml, then quantized with Q8_0's fast reference quantizer), and
 /// fp32 for F16 and the other float types.

@@ -9,7 +9,8 @@
 /// into panels of 32 output columns, every weight an unsigned level u with
 ///   w = s * (u - offset)  (Q8_0: u = q + 128, offset 128;  Q4_0: offset 8;  Q5_0: offset 16;
 ///                          Q6_K: offset 32;  IQ4_NL, IQ4_XS: u = kvalues_iq4nl[q] + 128,
-///                          offset 128, the table looked up by vpshufb)
+///                          offset 128, the table looked up by vpshufb;  MXFP4: likewise
+///                          u = kvalues_mxfp4[q] + 128, s = 2^(e - 128) from its E8M0 byte)
 ///   w = s * u - m         (Q4_K, Q5_K: s = d * sc, m = dmin * mn;  Q2_K likewise;
 ///                          Q4_1, Q5_1: s = d, m = -(the block's fp16 min), stored negated)
 /// per column and scale block, the values exactly those ggml's dequantizers give. A dot product
@@ -213,6 +214,8 @@ constexpr Index quant_header_bytes(quant::Format f) {
       return 64;  // fp16 d[32]
     case quant::Format::kIQ4_XS:
       return 320;  // fp16 d[32], i8 (ls - 32)[8][32]
+    case quant::Format::kMXFP4:
+      return 64;  // u8 e[32] (E8M0), 32 zero bytes: a group stays a whole number of zmm lines
   }
   return 0;
 }
@@ -235,24 +238,36 @@ constexpr Index quant_level_bits(quant::Format f) {
       return 4;
   }
 }
-/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_1, Q4_K; IQ4_NL and
-/// IQ4_XS, whose nibbles index a table)?
+/// Are the levels stored as nibbles, 8 depths per 128 bytes (Q4_0, Q4_1, Q4_K; IQ4_NL, IQ4_XS
+/// and MXFP4, whose nibbles index a table)?
 constexpr bool quant_is_4bit(quant::Format f) {
   return f == quant::Format::kQ4_0 || f == quant::Format::kQ4_1 || f == quant::Format::kQ4_K ||
-         f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS;
+         f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS || f == quant::Format::kMXFP4;
 }
-/// Do the stored nibbles index 16 non-uniform levels (IQ4_NL, IQ4_XS: ggml's kvalues_iq4nl)?
-/// The kernels look the level up (vpshufb) as the unsigned byte kIq4nlLevels[q] = value + 128,
-/// an offset format with Q8_0's offset.
+/// Do the stored nibbles index 16 non-uniform levels (IQ4_NL, IQ4_XS: ggml's kvalues_iq4nl;
+/// MXFP4: kvalues_mxfp4)? The kernels look the level up (vpshufb) as the unsigned byte
+/// quant_table(f)[q] = value + 128, an offset format with Q8_0's offset.
 constexpr bool quant_has_table(quant::Format f) {
-  return f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS;
+  return f == quant::Format::kIQ4_NL || f == quant::Format::kIQ4_XS || f == quant::Format::kMXFP4;
 }
-/// The table formats' levels: kvalues_iq4nl + 128 (1 .. 241).
+/// The table formats' levels: kvalues_iq4nl + 128 (1 .. 241), kvalues_mxfp4 + 128 (116 .. 140;
+/// codes 0 and 8, +0 and -0, both 128).
 inline constexpr std::array<std::uint8_t, 16> kIq4nlLevels = [] {
   std::array<std::uint8_t, 16> t{};
   for (int i = 0; i < 16; ++i) t[i] = static_cast<std::uint8_t>(quant::kIq4nlValues[i] + 128);
   return t;
 }();
+inline constexpr std::array<std::uint8_t, 16> kMxfp4Levels = [] {
+  std::array<std::uint8_t, 16> t{};
+  for (int i = 0; i < 16; ++i) t[i] = static_cast<std::uint8_t>(quant::kMxfp4Values[i] + 128);
+  return t;
+}();
+/// The levels table of a table format.
+constexpr std::array<std::uint8_t, 16> const& quant_table(quant::Format f) {
+  return f == quant::Format::kMXFP4 ? kMxfp4Levels : kIq4nlLevels;
+}
+/// Is the block scale an E8M0 exponent byte e, s = 2^(e - 128) (MXFP4), rather than an fp16?
+constexpr bool quant_has_e8m0(quant::Format f) { return f == quant::Format::kMXFP4; }
 /// Are the K-quant sub-block scales signed (Q6_K's and Q3_K's; IQ4_XS's ls - 32)?
 constexpr bool quant_signed_scales(quant::Format f) {
   return f == quant::Format::kQ6_K || f == quant::Format::kQ3_K || f == quant::Format::kIQ4_XS;
@@ -292,7 +307,7 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
   if (quant_is_4bit(f)) {
     std::uint8_t const v = w[((k / 8) * 32 + c) * 4 + k % 4];
     int const nib = (k % 8) >= 4 ? v >> 4 : v & 0xF;
-    return quant_has_table(f) ? kIq4nlLevels[static_cast<std::size_t>(nib)] : nib;
+    return quant_has_table(f) ? quant_table(f)[static_cast<std::size_t>(nib)] : nib;
   }
   if (quant_is_5bit(f)) {  // a 32-deep sub-block: 512 bytes of nibbles, 128 of fifth bits
     std::uint8_t const* sub = w + k / 32 * kQ5kSubBytes;
@@ -314,13 +329,24 @@ constexpr int quant_level(quant::Format f, std::uint8_t const* w, Index k, Index
   return lo | ((sub[128 + (c % 16) * 4 + j] >> (4 * (c / 16) + t)) & 1) << 2;  // Q3_K
 }
 
+/// The block scale of column c from a group's header `grp` (the layout of pack_quant_panels):
+/// the fp16 d, or MXFP4's 2^(e - 128) from its E8M0 byte, bit for bit ggml_e8m0_to_fp32_half
+/// (e = 0, 1: the subnormals 2^-128, 2^-127; e = 255: 2^127). The scalar definition the SIMD
+/// kernels unpack in vectors.
+inline float quant_scale(quant::Format f, std::byte const* grp, Index c) {
+  if (quant_has_e8m0(f)) return quant::detail::e8m0_to_fp32_half(static_cast<std::uint8_t>(grp[c]));
+  std::uint16_t d;
+  std::memcpy(&d, grp + 2 * c, sizeof d);
+  return quant::detail::fp32(d);
+}
+
 /// Packs N GGUF rows of depth K (row n at rows + n * row_bytes(f, K)) into ceil(N / 32) panels at
 /// dst (64-byte aligned, ceil(N / 32) * quant_panel_bytes(f, K) bytes). Columns past N are zero.
-/// A group is its header, then its levels (quant_level reads them):
+/// A group is its header (fp16 d[32] first; MXFP4: u8 e[32]), then its levels (quant_level
+/// reads them):
 ///   8-bit (Q8_0): byte (q * 32 + c) * 4 + j holds level u of k = 4 q + j, column c;
-///   4-bit (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS: the index q): byte (o * 32 + c) * 4 + j holds k = 8 o
-///   + j (low nibble) and
-///     k = 8 o + 4 + j (high);
+///   4-bit (Q4_0, Q4_1, Q4_K; IQ4_NL, IQ4_XS, MXFP4: the index q): byte (o * 32 + c) * 4 + j
+///     holds k = 8 o + j (low nibble) and k = 8 o + 4 + j (high);
 ///   5-bit (Q5_K, Q5_0, Q5_1), 640 bytes per 32-deep sub-block (Q5_0, Q5_1: the whole group), k = 4
 ///   t + j within it (t = 0..7): bytes
 ///     [0, 512) the low 4 bits as the 4-bit layout (quad t in octet t / 2), bytes [512, 640) the
@@ -408,6 +434,13 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             quant::BlockQ4_0 b;
             std::memcpy(&b, blk, sizeof b);
             d16[c] = b.d;
+            for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
+            break;
+          }
+          case Format::kMXFP4: {  // the E8M0 byte, then the codes as Q4_0's nibbles
+            quant::BlockMXFP4 b;
+            std::memcpy(&b, blk, sizeof b);
+            reinterpret_cast<std::uint8_t*>(grp)[c] = b.e;
             for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
             break;
           }
@@ -504,6 +537,7 @@ constexpr int quant_offset_shift(quant::Format f) {
       return 4;
     case quant::Format::kIQ4_NL:
     case quant::Format::kIQ4_XS:
+    case quant::Format::kMXFP4:
       return 7;
     case quant::Format::kQ3_K:
       return 2;
@@ -557,10 +591,28 @@ struct ByteOps<64> {
   static V srl(V a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
   static V sll(V a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
 };
-/// kIq4nlLevels in every 128-bit lane of a zmm, for vpshufb.
+/// quant_table(F) in every 128-bit lane of a zmm, for vpshufb.
+template <quant::Format F>
 MOE_ALWAYS_INLINE __m512i quant_table_zmm() {
   return _mm512_broadcast_i32x4(
-      _mm_loadu_si128(reinterpret_cast<__m128i const*>(kIq4nlLevels.data())));
+      _mm_loadu_si128(reinterpret_cast<__m128i const*>(quant_table(F).data())));
+}
+/// The block scales of columns [c0, c0 + 16) (c0 = 0, 16) from a group's header `grp` (64-byte
+/// aligned): quant_scale's values. MXFP4's E8M0 bytes become float bits as
+/// ggml_e8m0_to_fp32_half makes them: (e - 1) << 23 (the exponent field), 0x00200000 << e for
+/// e < 2.
+template <quant::Format F>
+MOE_ALWAYS_INLINE __m512 quant_scales_zmm(std::byte const* grp, Index c0) {
+  if constexpr (quant_has_e8m0(F)) {
+    __m512i const e =
+        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<__m128i const*>(grp + c0)));
+    __m512i const normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    __m512i const small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    __mmask16 const below2 = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(below2, normal, small));
+  } else {
+    return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<__m256i const*>(grp + 2 * c0)));
+  }
 }
 #endif
 
@@ -687,7 +739,7 @@ void quant_tile_portable(Q8Row const* rows, Index MR, Index K, std::byte const* 
               isum += quant_level(F, w, k, c) * a.a[k0 + kk];
             }
             float const da = a.d[k0 / 32];
-            float s = quant::detail::fp32(d16[c]);
+            float s = quant_scale(F, grp, c);
             if constexpr (quant_has_sub_scales(F)) {
               if constexpr (quant_signed_scales(F)) {
                 auto const* sc = reinterpret_cast<std::int8_t const*>(grp + quant_scales_at(F));
@@ -738,7 +790,7 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
   std::int8_t const* a[MR];
   for (Index r = 0; r < MR; ++r) a[r] = rows[r].a;
   __m512i const nib = _mm512_set1_epi8(0x0F);
-  [[maybe_unused]] __m512i const tab = quant_table_zmm();
+  [[maybe_unused]] __m512i const tab = quant_table_zmm<F>();
   // K-quants: the scales (and mins) of a group's sub-blocks, decoded once per group from the
   // packed header (fp16 super-block scale times the integer sub-block scale, exact).
   constexpr Index NS = quant_has_sub_scales(F) ? quant_sub_blocks(F) : 1;
@@ -876,8 +928,7 @@ MOE_QUANT_NOINLINE void quant_tile_vnni(Q8Row const* rows, Index K, std::byte co
           if constexpr (quant_has_sub_scales(F)) {
             s = _mm512_load_ps(subs[o][v][0][sb]);
           } else {
-            s = _mm512_cvtph_ps(
-                _mm256_load_si256(reinterpret_cast<__m256i const*>(grp[o] + v * 32)));
+            s = quant_scales_zmm<F>(grp[o], 16 * v);
           }
           for (Index r = 0; r < MR; ++r) {
             __m512 const f = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[o][v][r]), s);
@@ -918,6 +969,22 @@ MOE_ALWAYS_INLINE __m256i quant_dot_ymm(__m256i acc, __m256i u, __m256i a) {
 #endif
 }
 
+/// The block scales of columns [c0, c0 + 8) (c0 a multiple of 8) from a group's header `grp`:
+/// quant_scale's values, MXFP4's as quant_scales_zmm makes them.
+template <quant::Format F>
+MOE_ALWAYS_INLINE __m256 quant_scales_ymm(std::byte const* grp, Index c0) {
+  if constexpr (quant_has_e8m0(F)) {
+    __m256i const e =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(grp + c0)));
+    __m256i const normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i const small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    __m256i const below2 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, below2));
+  } else {
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * c0)));
+  }
+}
+
 /// The ymm kernel (AVX2 builds): MR rows x 8 NV columns (NV vectors of 8) of one operand, columns
 /// [8 NV h, 8 NV (h + 1)) of the panel, accumulators in registers over the whole depth, stored to
 /// out[r * 64 + c] (32-byte aligned). The zmm kernel's integer sums and folds, per column in the
@@ -943,7 +1010,7 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
     for (Index r = 0; r < MR; ++r) acc[v][r] = _mm256_setzero_ps();
   __m256i const nib = _mm256_set1_epi8(0x0F);
   [[maybe_unused]] __m256i const tab = _mm256_broadcastsi128_si256(
-      _mm_loadu_si128(reinterpret_cast<__m128i const*>(kIq4nlLevels.data())));
+      _mm_loadu_si128(reinterpret_cast<__m128i const*>(quant_table(F).data())));
   // acc + sum u a over 4 bytes; kSigned: as sum (u - 128) a, the signed level by vpsignb.
   auto dot = [](__m256i sum, __m256i u, std::int32_t q) {
     if constexpr (kSigned) {
@@ -1121,8 +1188,7 @@ MOE_QUANT_NOINLINE void quant_cols_ymm(Q8Row const* rows, Index K, std::byte con
         if constexpr (quant_has_sub_scales(F)) {
           s = _mm256_load_ps(subs[v][0][sb]);
         } else {
-          s = _mm256_cvtph_ps(
-              _mm_load_si128(reinterpret_cast<__m128i const*>(grp + 2 * (8 * (NV * h + v)))));
+          s = quant_scales_ymm<F>(grp, 8 * (NV * h + v));
         }
         for (Index r = 0; r < MR; ++r) {
           __m256 const f = _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[v][r]), s);
@@ -1272,8 +1338,7 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
     for (int ct = 0; ct < NT; ++ct) {
       std::byte const* grp = panels[ct / 2] + g * GB;
       int const v = ct % 2;
-      __m512 const d =
-          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<__m256i const*>(grp + v * 32)));
+      __m512 const d = quant_scales_zmm<F>(grp, 16 * v);
       if constexpr (quant_has_sub_scales(F)) {
         auto const* sc = reinterpret_cast<std::uint8_t const*>(grp + quant_scales_at(F));
         for (Index j = 0; j < NS; ++j) {
@@ -1332,7 +1397,7 @@ void amx_int8_panel(AmxInt8Scratch const& s, Index n, Index K, std::byte const* 
       });
     } else if constexpr (quant_is_4bit(F)) {
       __m512i const nib = _mm512_set1_epi8(0x0F);
-      [[maybe_unused]] __m512i const tab = quant_table_zmm();
+      [[maybe_unused]] __m512i const tab = quant_table_zmm<F>();
       for (Index o = j * SB / 8; o < (j + 1) * SB / 8; ++o, q += 128) {
         __m512i const packed = _mm512_load_si512(w + o * 128);
         __m512i lo = _mm512_and_si512(packed, nib);

@@ -87,7 +87,7 @@ constexpr char const* name(MatrixClass c) {
 /// Matrices stored as GGUF blocks (a GGUF file's quantized tensors, a moe_quantize checkpoint:
 /// moe/io/block_tensor.hpp) run as stored wherever their format is the one chosen: the blocks
 /// are re-packed for the kernels, never re-quantized. "As stored" for a block type moe has no
-/// kernel for (MXFP4, the IQ1-IQ3 types) is q8_0
+/// kernel for (the IQ1-IQ3 types) is q8_0
 /// (experts::load_format): decoded bit-exactly, then quantized to Q8_0.
 struct DecoderOptions {
   enum class Mix { kUniform, kQ4_K_M };

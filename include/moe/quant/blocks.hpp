@@ -2,7 +2,7 @@
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 /// \file
 /// GGUF weight blocks: the byte layouts of ggml's Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, IQ4_XS,
-/// Q4_1, IQ4_NL, Q4_0, Q3_K and Q2_K (ggml-common.h), and their reference quantizers and
+/// Q4_1, IQ4_NL, Q4_0, MXFP4, Q3_K and Q2_K (ggml-common.h), and their reference quantizers and
 /// dequantizers (ggml-quants.c: quantize_row_*_ref, dequantize_row_*), written here from those
 /// definitions. A row of k weights is k / block_elems consecutive blocks, little-endian, as in a
 /// GGUF tensor:
@@ -19,11 +19,14 @@
 /// | Q4_1   | 32              | 20    | 5             | d * q4 + m                             |
 /// | IQ4_NL | 32              | 18    | 4.5           | d * kv[q4]                             |
 /// | Q4_0   | 32              | 18    | 4.5           | d * (q4 - 8)                           |
+/// | MXFP4  | 32              | 17    | 4.25          | 2^(e - 128) * kmx[q4]                  |
 /// | Q3_K   | 256 (16 x 16)   | 110   | 3.4375        | d * (sc[i / 16] - 32) * (q3 - 4)       |
 /// | Q2_K   | 256 (16 x 16)   | 84    | 2.625         | d * sc[i / 16] * q2 - dmin * m[i / 16] |
 ///
 /// (d, dmin, m: fp16; sc, m: 6-bit (Q5_K, Q4_K, Q3_K) or 4-bit (Q2_K); q6 in [0, 64), q5 in
-/// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4); kv: kIq4nlValues, ls: 6 bits.) The
+/// [0, 32), q4 in [0, 16), q3 in [0, 8), q2 in [0, 4); kv: kIq4nlValues, ls: 6 bits; e: an
+/// E8M0 byte, kmx: kMxfp4Values, the E2M1 values doubled, hence 2^(e - 128) for OCP's
+/// 2^(e - 127).) The
 /// quantizers are ggml's round-to-nearest references, the K-quants with their scale searches,
 /// operation for operation and without floating-point contraction (each product is rounded before
 /// it is added, as ggml compiled without -ffp-contract=fast does), so the bytes do not depend on
@@ -59,12 +62,14 @@ enum class Format : std::uint8_t {
   kQ5_1,    ///< 5-bit, 32-blocks, an fp16 scale and an fp16 min (Q4_1 + a bit)
   kIQ4_NL,  ///< 4-bit indices into 16 non-uniform levels (kIq4nlValues), 32-blocks, fp16 scale
   kIQ4_XS,  ///< IQ4_NL's levels in 256-super-blocks of 8 sub-blocks with 6-bit scales
+  kMXFP4,   ///< OCP MX FP4: E2M1 codes (kMxfp4Values), 32-blocks, an E8M0 power-of-two scale
 };
 
 /// Every format, in order of falling precision.
 inline constexpr Format kFormats[] = {
-    Format::kQ8_0,   Format::kQ6_K, Format::kQ5_K,   Format::kQ5_1, Format::kQ5_0, Format::kQ4_K,
-    Format::kIQ4_XS, Format::kQ4_1, Format::kIQ4_NL, Format::kQ4_0, Format::kQ3_K, Format::kQ2_K};
+    Format::kQ8_0,  Format::kQ6_K,   Format::kQ5_K, Format::kQ5_1,   Format::kQ5_0,
+    Format::kQ4_K,  Format::kIQ4_XS, Format::kQ4_1, Format::kIQ4_NL, Format::kQ4_0,
+    Format::kMXFP4, Format::kQ3_K,   Format::kQ2_K};
 
 /// ggml block types, byte for byte (static_asserts below check the sizes).
 struct BlockQ8_0 {
@@ -186,6 +191,8 @@ constexpr Index block_bytes(Format f) {
       return 18;
     case Format::kIQ4_XS:
       return 136;
+    case Format::kMXFP4:
+      return 17;
   }
   return 0;
 }
@@ -196,8 +203,8 @@ constexpr double bits_per_weight(Format f) {
 /// Bytes of a row of k weights (k a multiple of block_elems(f)).
 constexpr Index row_bytes(Format f, Index k) { return k / block_elems(f) * block_bytes(f); }
 
-/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0",
-/// "q3_k", "q2_k".
+/// The lower-case ggml name: "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "iq4_xs", "q4_1",
+/// "iq4_nl", "q4_0", "mxfp4", "q3_k", "q2_k".
 constexpr char const* name(Format f) {
   switch (f) {
     case Format::kQ8_0:
@@ -224,6 +231,8 @@ constexpr char const* name(Format f) {
       return "iq4_nl";
     case Format::kIQ4_XS:
       return "iq4_xs";
+    case Format::kMXFP4:
+      return "mxfp4";
   }
   return "?";
 }
@@ -237,7 +246,7 @@ inline Format parse_format(std::string_view s) {
   }
   detail::fail("quant::parse_format: unknown weight format '", s,
                "'; use one of q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, iq4_xs, q4_1, iq4_nl, q4_0, "
-               "q3_k, q2_k");
+               "mxfp4, q3_k, q2_k");
 }
 
 namespace detail {
@@ -1269,6 +1278,8 @@ inline void quantize_row(Format f, float const* x, Index k, void* out) {
       return detail::quantize_blocks<BlockIQ4_NL>(x, k, out);
     case Format::kIQ4_XS:
       return detail::quantize_blocks<BlockIQ4_XS>(x, k, out);
+    case Format::kMXFP4:
+      return detail::quantize_blocks<BlockMXFP4>(x, k, out);
   }
 }
 
@@ -1300,6 +1311,8 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
       return detail::dequantize_blocks<BlockIQ4_NL>(in, k, y);
     case Format::kIQ4_XS:
       return detail::dequantize_blocks<BlockIQ4_XS>(in, k, y);
+    case Format::kMXFP4:
+      return detail::dequantize_blocks<BlockMXFP4>(in, k, y);
   }
 }
 
