@@ -79,8 +79,9 @@ std::vector<float> llama_unpermute(std::vector<float> const& w, Index groups, In
 /// (F32, F16 or BF16), or with Q8_0 the matrices whose rows are whole 32-blocks (the rest F32).
 /// `stored` receives the values the file holds, under the Hugging Face names (q/k un-permuted).
 /// `type_of`, when given, chooses each tensor's type instead (by GGUF name and shape; F32, F16,
-/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, ...) or MXFP4, which
-/// has none and is written by ggml's reference quantizer).
+/// BF16, a block type with a kernel in moe (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, MXFP4, ...: written by
+/// ggml's reference quantizers) or IQ2_XXS, which moe has no kernel nor quantizer for: its blocks
+/// are hashed bytes, the values they decode to what the file holds).
 using TypeOf = std::function<GgmlType(std::string const& gguf, Shape const& shape)>;
 fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, GgmlType type,
                     Tensors& stored, TypeOf const& type_of = {}) {
@@ -160,11 +161,19 @@ fs::path write_gguf(Tiny const& t, Tensors const& m, std::string const& name, Gg
                                                                           : GgmlType::kF32;
     std::vector<std::byte> bytes;
     std::vector<float> back(values.size());
-    if (ty == GgmlType::kMXFP4) {  // no kernel in moe: decoded at load
+    if (ty == GgmlType::kIQ2_XXS) {  // no kernel in moe: decoded at load
       auto const n = static_cast<Index>(values.size());
-      bytes.resize(static_cast<std::size_t>(n / 32 * sizeof(moe::quant::BlockMXFP4)));
-      moe::quant::quantize_row_mxfp4_ref(
-          values.data(), reinterpret_cast<moe::quant::BlockMXFP4*>(bytes.data()), n);
+      std::vector<moe::quant::BlockIQ2_XXS> blocks(static_cast<std::size_t>(n / 256));
+      std::uint32_t h = 2166136261u ^ static_cast<std::uint32_t>(n);
+      for (moe::quant::BlockIQ2_XXS& b : blocks) {
+        b.d = 0x0C00;  // 2^-12: weights of at most 15.5 / 4 * 43 * 2^-12 = 0.04
+        for (std::uint16_t& q : b.qs) {
+          h = (h ^ q) * 16777619u;
+          q = static_cast<std::uint16_t>(h >> 16);
+        }
+      }
+      bytes.resize(blocks.size() * sizeof(moe::quant::BlockIQ2_XXS));
+      std::memcpy(bytes.data(), blocks.data(), bytes.size());
       moe::quant::ggml_dequantize(ty, bytes, n, back.data());
     } else if (ty != GgmlType::kF32 && ty != GgmlType::kF16 && ty != GgmlType::kBF16) {
       std::optional<WeightFormat> const f = moe::experts::native_format(ty);
@@ -859,8 +868,8 @@ TEST_CASE("Decoder: GGUF files of the 2026 architectures decode as their checkpo
 TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re-quantized",
           "[models][decoder][gguf]") {
   // Types as llama.cpp's Q4_K_M writes them: Q4_K, with Q6_K for the output matrix, attn_v and
-  // the experts' ffn_down, the dense layer's ffn_down in Q5_K, attn_k in Q5_0; and attn_q in
-  // MXFP4, which moe has no kernel for.
+  // the experts' ffn_down, the dense layer's ffn_down in Q5_K, attn_k in Q5_0; attn_output in
+  // MXFP4 (gpt-oss's format), and attn_q in IQ2_XXS, which moe has no kernel for.
   Tiny t;
   t.H = 256, t.I_dense = 256, t.I_moe = 256, t.dh = 64;  // whole 256-blocks in every row
   Tensors const m = make_tensors(t, 904);
@@ -872,7 +881,8 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
     }
     if (g.find("ffn_down.") != std::string::npos) return GgmlType::kQ5_K;
     if (g.find("attn_k.") != std::string::npos) return GgmlType::kQ5_0;
-    if (g.find("attn_q.") != std::string::npos) return GgmlType::kMXFP4;
+    if (g.find("attn_q.") != std::string::npos) return GgmlType::kIQ2_XXS;
+    if (g.find("attn_output.") != std::string::npos) return GgmlType::kMXFP4;
     return GgmlType::kQ4_K;
   };
   Tensors stored;
@@ -880,7 +890,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::io::GgufModel const file(gguf);
   moe::models::AnyDecoder const any = moe::models::load_gguf_decoder(gguf);
   auto const& d = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(any);
-  // Every matrix in its stored format; the MXFP4 ones as q8_0, with a warning that says so.
+  // Every matrix in its stored format; the IQ2_XXS ones as q8_0, with a warning that says so.
   REQUIRE(d.embed.format == WeightFormat::kQ4_K);
   std::span<std::byte const> const embd = file.tensor("token_embd.weight").data;
   REQUIRE(d.embed.blocks_view != nullptr);  // in the decoder's mapping of the file
@@ -888,11 +898,12 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   REQUIRE(d.lm_head.format() == WeightFormat::kQ6_K);
   bool said = false;
   for (std::string const& w : d.warnings) {
-    said = said || (w.find(concat(t.L, " MXFP4 tensor(s): moe has no MXFP4 kernel yet")) !=
+    said = said || (w.find(concat(t.L, " IQ2_XXS tensor(s): moe has no IQ2_XXS kernel yet")) !=
                         std::string::npos &&
                     w.find("packed as q8_0") != std::string::npos);
-    REQUIRE(w.find("Q5_K") == std::string::npos);  // runs as stored
-    REQUIRE(w.find("Q5_0") == std::string::npos);  // runs as stored
+    REQUIRE(w.find("Q5_K") == std::string::npos);   // runs as stored
+    REQUIRE(w.find("Q5_0") == std::string::npos);   // runs as stored
+    REQUIRE(w.find("MXFP4") == std::string::npos);  // runs as stored
   }
   REQUIRE(said);
   // The packs are the file's blocks, re-packed: byte for byte what pack_quant_panels makes of
@@ -912,7 +923,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
     auto const& b = d.blocks[static_cast<std::size_t>(l)];
     moe::AttentionFormats const f = b.attention()->formats();
     REQUIRE((f.q == WeightFormat::kQ8_0 && f.k == WeightFormat::kQ5_0 &&
-             f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kQ4_K));
+             f.v == WeightFormat::kQ6_K && f.o == WeightFormat::kMXFP4));
     REQUIRE(b.attention()->master_weights_discarded());
     std::string const p = concat("blk.", l, ".");
     if (!b.moe) {
@@ -965,7 +976,7 @@ TEST_CASE("Decoder: a Q4_K_M-style GGUF file runs its blocks as stored, never re
   moe::models::AnyDecoder const asked = moe::models::load_gguf_decoder(gguf, nullptr, o);
   auto const& da = std::get<moe::models::Decoder<moe::presets::Qwen3Moe>>(asked);
   REQUIRE(da.blocks[0].moe->experts().packed_format() == WeightFormat::kQ8_0);
-  REQUIRE(da.blocks[0].attention()->formats().o == WeightFormat::kQ4_K);
+  REQUIRE(da.blocks[0].attention()->formats().o == WeightFormat::kMXFP4);
 }
 
 TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for tensor",
@@ -1009,7 +1020,8 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
   Tensors stored;
   TypeOf const type_of = [](std::string const& g, Shape const& shape) {
     if (shape.size() < 2 || g.find("ffn_gate_inp") != std::string::npos) return GgmlType::kF32;
-    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kMXFP4;  // no kernel
+    if (g.find("ffn_down.") != std::string::npos) return GgmlType::kIQ2_XXS;  // no kernel
+    if (g.find("attn_output.") != std::string::npos) return GgmlType::kMXFP4;
     return g.find("attn_v.") != std::string::npos ? GgmlType::kQ6_K : GgmlType::kQ4_K;
   };
   fs::path const mixed =
@@ -1028,12 +1040,13 @@ TEST_CASE("save_gguf_model: a checkpoint in llama.cpp's GGUF layout, tensor for 
       moe::models::load_hf_decoder(dir, nullptr, moe::models::DecoderOptions::q4_k_m()), t.V);
   fs::path const copy = dir.parent_path() / "save_copy.gguf";
   moe::models::GgufSaveReport const r = moe::models::save_gguf_model(copy, mixed);
-  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);  // the MXFP4 matrix: no kernel, written as q8_0
+  REQUIRE(r.tensors_by_type.at("Q8_0") == 1);     // the IQ2_XXS matrix: no kernel, written as q8_0
+  REQUIRE(r.tensors_by_type.at("MXFP4") == t.L);  // attn_output: as stored
   moe::io::GgufModel const a(copy), b(mixed);
   for (std::string_view const name : b.names()) {
     INFO(name);
     moe::io::GgufTensorInfo const &x = a.tensor(name), &y = b.tensor(name);
-    if (y.type == GgmlType::kMXFP4) {
+    if (y.type == GgmlType::kIQ2_XXS) {
       REQUIRE(x.type == GgmlType::kQ8_0);
       continue;
     }

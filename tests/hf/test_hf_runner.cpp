@@ -343,7 +343,7 @@ TEST_CASE("moe_quantize: AlphaQ and uniform checkpoints that moe_run_hf_layer ru
   REQUIRE_THAT(text, Contains("\nmoe_quantize: moe: plan_quantization: no candidate format (q4_k, "
                               "q6_k) holds the in projections' depth d_model = 64") &&
                          Contains("the shape is the problem, not the budget") &&
-                         Contains("(q4_0, iq4_nl, q4_1, q5_0, q5_1, q8_0, bf16, fp32)") &&
+                         Contains("(mxfp4, q4_0, iq4_nl, q4_1, q5_0, q5_1, q8_0, bf16, fp32)") &&
                          !Contains("raise the budget"));
 }
 #endif
