@@ -12,6 +12,7 @@
 #include "moe/core/thread_pool.hpp"
 #include "moe/io/gguf/hf_view.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/models/gguf_config.hpp"
 
 namespace moe::models {
 
@@ -23,26 +24,6 @@ namespace moe::models {
 /// DecoderOptions). What the reading noticed (types without a kernel, tensors not read)
 /// is added to Decoder::warnings. Throws moe::Error naming the file for an architecture moe
 /// does not read, and as load_hf_decoder.
-/// The decoder configuration of a GGUF model read by io::gguf_as_hf(): its config.json, and what
-/// the file says beyond it (the Gated DeltaNet's projection layout and value-head order, the
-/// RoPE frequency factors of rope_freqs.weight). `source` names the file in errors.
-inline DecoderConfig gguf_decoder_config(io::GgufAsHf const& g, std::string const& source) {
-  DecoderConfig c = parse_decoder_config(g.config_json, source);
-  if (g.deltanet_split_projections) c.deltanet.split_projections = true;
-  if (g.deltanet_tiled_value_heads) c.deltanet.head_order = DeltaNetHeadOrder::kTiled;
-  if (!g.rope_freq_factors.empty()) {
-    Index const rotary = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
-    moe::detail::check(
-        static_cast<Index>(g.rope_freq_factors.size()) * 2 == rotary && !c.mla.enabled,
-        "gguf: ", source, ": rope_freqs.weight has ", g.rope_freq_factors.size(),
-        " factors; the model's RoPE rotates ", rotary,
-        " dimensions a head, which needs half as many");
-    c.rope_freq_factors = g.rope_freq_factors;
-    c.llama3 = {};  // the factors are the scaling
-  }
-  return c;
-}
-
 inline AnyDecoder load_gguf_decoder(std::filesystem::path const& path, ThreadPool* pool = nullptr,
                                     DecoderOptions const& options = {}) {
   io::GgufAsHf const g = io::gguf_as_hf(path);

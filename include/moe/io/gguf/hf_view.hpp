@@ -160,7 +160,7 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
 
 /// What a GgufAsHf checkpoint's views point into: the mapped model and the decoded tensors.
 struct GgufHolder {
-  explicit GgufHolder(std::filesystem::path const& path) : model(path) {}
+  explicit GgufHolder(GgufModel m) : model(std::move(m)) {}
   GgufModel model;
   std::vector<std::unique_ptr<std::vector<float>>> decoded;
   std::vector<std::unique_ptr<std::vector<std::byte>>> rearranged;  // permuted q/k rows
@@ -168,8 +168,8 @@ struct GgufHolder {
 
 }  // namespace detail
 
-/// Reads the GGUF model at `path` (a file, or any shard of a split model) as a Hugging Face
-/// model of the family whose HfFamilySpec::gguf.arch is its general.architecture.
+/// Reads the GGUF model `opened` as a Hugging Face model of the family whose
+/// HfFamilySpec::gguf.arch is its general.architecture.
 ///
 /// config.json keys from the metadata ({arch} = general.architecture): num_hidden_layers =
 /// block_count, hidden_size = embedding_length, the experts' width = expert_feed_forward_length,
@@ -183,8 +183,8 @@ struct GgufHolder {
 /// absent; q/k/v biases when attn_q.bias is there; mlp_only_layers = the layers without
 /// ffn_gate_inp.weight. Throws moe::Error naming the file for an architecture moe does not
 /// read, a missing key, or a tensor type that cannot be decoded.
-inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
-  auto holder = std::make_shared<detail::GgufHolder>(path);
+inline GgufAsHf gguf_as_hf(GgufModel opened) {
+  auto holder = std::make_shared<detail::GgufHolder>(std::move(opened));
   GgufModel const& model = holder->model;
   GgufFile const& meta = model.metadata();
   std::string const src = meta.display_name();
@@ -561,9 +561,9 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
         }
       }
       ++block_types[std::string(quant::ggml_type_name(t.type))];
-      shape.back() =
-          static_cast<std::int64_t>(bytes.size()) /
+      std::int64_t const rows =
           std::accumulate(shape.begin(), shape.end() - 1, std::int64_t{1}, std::multiplies<>());
+      shape.back() = rows > 0 ? static_cast<std::int64_t>(bytes.size()) / rows : 0;  // (empty)
     } else if (t.type != quant::GgmlType::kF32) {
       auto values =
           std::make_unique<std::vector<float>>(static_cast<std::size_t>(t.num_elements()));
@@ -673,6 +673,11 @@ inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
   out.checkpoint =
       std::make_shared<ShardedCheckpoint const>(ShardedCheckpoint::from_file(std::move(file), src));
   return out;
+}
+
+/// gguf_as_hf of the GGUF model at `path` (a file, or any shard of a split model).
+inline GgufAsHf gguf_as_hf(std::filesystem::path const& path) {
+  return gguf_as_hf(GgufModel(path));
 }
 
 }  // namespace moe::io

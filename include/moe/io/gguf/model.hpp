@@ -151,6 +151,17 @@ class GgufModel {
     index_tensors(total);
   }
 
+  /// The model of one file already open (e.g. a GgufFile over bytes in memory); throws
+  /// moe::Error when the file is a shard of a split model (open those by path).
+  explicit GgufModel(GgufFile file) {
+    std::uint64_t const count = split_key(file, "split.count", 0);
+    moe::detail::check(count <= 1, "gguf: ", file.display_name(), ": the file is shard ",
+                       split_key(file, "split.no", 0) + 1, " of ", count,
+                       " of a split model; open it by path, with its sibling shards beside it");
+    shards_.push_back(std::move(file));
+    index_tensors(std::nullopt);
+  }
+
   GgufModel(GgufModel&&) noexcept = default;
   GgufModel& operator=(GgufModel&&) noexcept = default;
   GgufModel(GgufModel const&) = delete;
