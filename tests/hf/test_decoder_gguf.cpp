@@ -1143,6 +1143,40 @@ TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; 
   REQUIRE(std::count(err.begin(), err.end(), '\n') == 1);
   REQUIRE_THAT(err, Catch::StartsWith("moe_generate: ") && Catch::Contains("cut.gguf"));
 }
+
+TEST_CASE("moe_generate: GGUF files of the 2026 architectures generate as their checkpoints",
+          "[models][decoder][generate][gguf]") {
+  // The files of "GGUF files of the 2026 architectures decode as their checkpoints" through the
+  // command: the same ids and logits as the checkpoint of the values they hold, cached and not.
+  for (char const* type : {"deepseek_v3", "qwen3_next"}) {
+    INFO(type);
+    Tiny const t = family_tiny(type);
+    Tensors stored;
+    std::string const tag = concat("generate_gguf26_", type);
+    fs::path const gguf = write_gguf_2026(t, make_tensors(t, 907), tag, false, stored);
+    fs::path const dir = write_model(t, stored, tag + "_hf");
+    std::string const tail = " --prompt-ids 3,17,5 --max-new-tokens 4 --logits '";
+    REQUIRE(run_generate("--model '" + gguf.string() + "'" + tail +
+                             (dir / "g.safetensors").string() + "' --threads 2",
+                         dir) == 0);
+    std::string const ids = text_of(dir / "out.txt");
+    REQUIRE(run_generate("--model '" + dir.string() + "'" + tail +
+                             (dir / "h.safetensors").string() + "' --no-cache",
+                         dir) == 0);
+    REQUIRE(text_of(dir / "out.txt") == ids);
+    moe::io::SafetensorsFile const g(dir / "g.safetensors"), h(dir / "h.safetensors");
+    std::vector<float> const lg = moe::io::to_float(g.tensor("logits")),
+                             lh = moe::io::to_float(h.tensor("logits"));
+    REQUIRE(lg.size() == lh.size());
+    float worst = 0.0f, scale = 0.0f;
+    for (std::size_t i = 0; i < lg.size(); ++i) {
+      worst = std::max(worst, std::abs(lg[i] - lh[i]));
+      scale = std::max(scale, std::abs(lh[i]));
+    }
+    INFO(worst << " of " << scale);
+    REQUIRE(worst <= 1e-4f * scale);  // cached against recomputed
+  }
+}
 #endif  // MOE_GENERATE
 
 #if defined(MOE_GENERATE) && defined(MOE_QUANTIZE)
