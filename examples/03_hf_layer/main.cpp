@@ -12,9 +12,8 @@
 // it (docs/hf.md). Command line (scripts depend on it):
 //   moe_run_hf_layer --model DIR|FILE.gguf --layer L --input X.safetensors --output Y.safetensors
 //                    [--grad DY.safetensors] [--threads N]
-//                    [--weights
-//                    fp32|bf16|q8_0|q6_k|q5_k|q5_1|q5_0|q4_k|q4_1|q4_0|q3_k|q2_k|alphaq:<average
-//                    bits>]
+//                    [--weights fp32|bf16|q8_0|q6_k|q5_k|q5_1|q5_0|q4_k|iq4_xs|q4_1|iq4_nl|
+//                               q4_0|mxfp4|q3_k|q2_k|alphaq:<average bits>]
 //                    [--strict] [--allow-nonfinite]
 // Without --weights the forward runs on packed fp32 weights, so a token's output is bitwise the
 // same whatever batch it comes in (with --grad the training forward reads the unpacked weights).
@@ -80,8 +79,8 @@ constexpr moe_cli::Option kOptions[] = {
     {"--grad DY.safetensors", "also run backward on \"dy\" [T, hidden]: writes dx, grad.<name>"},
     {"--threads N", "worker threads, 1 to 1024 (default: the core count)"},
     {"--weights FORMAT",
-     "pack the experts: fp32 bf16 q8_0 q6_k q5_k q5_1 q5_0 q4_k q4_1 q4_0 q3_k q2_k "
-     "alphaq:<bits>"},
+     "pack the experts: fp32 bf16 q8_0 q6_k q5_k q5_1 q5_0 q4_k iq4_xs q4_1 iq4_nl q4_0 mxfp4 q3_k "
+     "q2_k alphaq:<bits>"},
     {"--strict", "loader warnings (unknown config keys, unread tensors) are errors"},
     {"--allow-nonfinite", "write non-finite outputs instead of failing"},
     {"-h, --help", "print this help and exit"},

@@ -33,7 +33,8 @@
 // --print-prompt-ids prints the prompt's ids on stderr. The --prompt options are mutually
 // exclusive. Without the tokenizer in the build (moe::text needs PCRE2 and ICU), --prompt,
 // --prompt-file and --chat are refused in one line saying so; --prompt-ids works.
-// FORMAT: fp32, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k or q2_k.
+// FORMAT: fp32, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, iq4_xs, q4_1, iq4_nl, q4_0, mxfp4, q3_k
+// or q2_k.
 // --dense: the embedding, LM head, attention and dense-MLP weights (as-stored, the default,
 // keeps a BF16 checkpoint's in bf16: half the bytes a step reads, the same logits as fp32
 // copies, and a GGUF file's quantized matrices in their blocks; a block format quantizes them at
@@ -134,7 +135,8 @@ constexpr moe_cli::Option kOptions[] = {
     {"--dense FORMAT",
      "embedding, LM head, attention, dense MLPs: as-stored (default) or a FORMAT"},
     {"--experts FORMAT",
-     "MoE experts; FORMAT: fp32, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k "
+     "MoE experts; FORMAT: fp32, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, iq4_xs, q4_1, iq4_nl, "
+     "q4_0, mxfp4, q3_k, q2_k "
      "(default: as stored: a GGUF file's blocks as they are, else fp32)"},
     {"--mix q4_k_m", "llama.cpp's Q4_K_M choice per matrix (overrides --dense and --experts)"},
     {"--kv-cache FORMAT", "how the KV cache holds keys and values: fp32 (default) or bf16"},

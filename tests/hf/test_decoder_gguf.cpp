@@ -1144,6 +1144,18 @@ TEST_CASE("moe_generate: a GGUF file generates as the checkpoint of its values; 
   REQUIRE_THAT(err, Catch::StartsWith("moe_generate: ") && Catch::Contains("cut.gguf"));
 }
 
+TEST_CASE("moe_generate --help exits 0 and names every weight format the library has",
+          "[models][decoder][generate]") {
+  fs::path const dir = iotest::scratch_dir("generate_help");
+  REQUIRE(run_generate("--help", dir) == 0);
+  std::string const help = text_of(dir / "out.txt");
+  for (WeightFormat const f : moe::experts::kBlockFormats) {
+    INFO(moe::experts::name(f));
+    REQUIRE_THAT(help, Catch::Contains(concat(moe::experts::name(f), ",")) ||
+                           Catch::Contains(concat(moe::experts::name(f), " ")));
+  }
+}
+
 TEST_CASE("moe_generate: GGUF files of the 2026 architectures generate as their checkpoints",
           "[models][decoder][generate][gguf]") {
   // The files of "GGUF files of the 2026 architectures decode as their checkpoints" through the
