@@ -501,33 +501,35 @@ inline GgufAsHf gguf_as_hf(GgufModel opened) {
                          ": tensor ", detail::printable_name(name), " has shape ",
                          detail::shape_string(shape), "; it needs 2 ", key("ssm.time_step_rank"),
                          " rows; the file is corrupt");
-      std::size_t const row = t.data.size() / static_cast<std::size_t>(shape[0]);
       std::string const base = hf->substr(0, hf->size() - std::string("in_proj_ba.weight").size());
+      // Whole rows move: a quantized matrix's block rows stay blocks (U8 views marked with its
+      // type, as below); any other type is decoded to fp32 first.
+      bool const quantized = quant::ggml_type_info(t.type).quantized;
+      std::vector<float> const values = quantized ? std::vector<float>{} : values_of(t);
+      std::span<std::byte const> const from =
+          quantized ? t.data : std::as_bytes(std::span<float const>(values));
+      std::size_t const row = from.size() / static_cast<std::size_t>(shape[0]);
       for (Index part = 0; part < 2; ++part) {  // b, then a
         auto rows = std::make_unique<std::vector<std::byte>>(static_cast<std::size_t>(Hv) * row);
         for (Index g = 0; g < Hk; ++g) {
           for (Index j = 0; j < R; ++j) {
             std::memcpy(rows->data() + static_cast<std::size_t>(g * R + j) * row,
-                        t.data.data() + static_cast<std::size_t>(g * 2 * R + part * R + j) * row,
+                        from.data() + static_cast<std::size_t>(g * 2 * R + part * R + j) * row,
                         row);
           }
         }
         std::string const part_name = base + (part == 0 ? "in_proj_b.weight" : "in_proj_a.weight");
-        Dtype dtype = Dtype::kF32;
-        if (t.type == quant::GgmlType::kF16) {
-          dtype = Dtype::kF16;
-        } else if (t.type == quant::GgmlType::kBF16) {
-          dtype = Dtype::kBf16;
-        } else if (t.type != quant::GgmlType::kF32) {
-          dtype = Dtype::kU8;
-          metadata[block_type_key(part_name)] = block_type_value(t.type);
-        }
-        std::int64_t const cols = dtype == Dtype::kU8 ? static_cast<std::int64_t>(row) : shape[1];
-        views.push_back(TensorView{part_name, dtype, {Hv, cols}, *rows});
+        if (quantized) metadata[block_type_key(part_name)] = block_type_value(t.type);
+        views.push_back(TensorView{part_name,
+                                   quantized ? Dtype::kU8 : Dtype::kF32,
+                                   {Hv, quantized ? static_cast<std::int64_t>(row) : shape[1]},
+                                   *rows});
         holder->rearranged.push_back(std::move(rows));
       }
-      if (quant::ggml_type_info(t.type).quantized) {
+      if (quantized) {
         ++block_types[std::string(quant::ggml_type_name(t.type))];
+      } else if (t.type != quant::GgmlType::kF32) {
+        ++decoded_types[std::string(quant::ggml_type_name(t.type))];
       }
       continue;
     }
