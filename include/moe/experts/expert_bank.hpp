@@ -81,6 +81,8 @@ class ExpertBank {
  public:
   using Expert = Expert_;
   static constexpr Index kInFactor = Expert::gated ? 2 : 1;
+  /// The alignment of every part of a packed record, and of the record's size.
+  static constexpr Index kRecordAlign = 64;
 
   ExpertBank() = default;
   /// Zero-initialised weights. Preconditions: num_experts >= 0, d_model >= 1, d_ffn >= 1.
@@ -343,74 +345,29 @@ class ExpertBank {
     detail::check(!editing(),
                   "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
                   "layer's parameters() list is alive); let it end first, it repacks on its own");
-    detail::check(static_cast<Index>(formats.size()) == num_experts_,
-                  "ExpertBank::pack: ", formats.size(), " formats for ", num_experts_,
-                  " experts; give one per expert");
     // The process's bf16 kernel (moe::bf16_kernel()) is decided here, where allocating is fine
     // (it reads the CPU once), not in the first forward over bf16 panels; a malformed
     // MOE_BF16_KERNEL is reported here too.
     (void)bf16_kernel();
-    for (Index e = 0; e < num_experts_; ++e) {
-      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
-      if (is_quantized(f.in)) {
-        Index const blk = quant::block_elems(quant_format(f.in));
-        detail::check(d_model_ % blk == 0, "ExpertBank::pack: expert ", e,
-                      "'s in projection has depth d_model = ", d_model_, ", not a multiple of ",
-                      blk, " as ", name(f.in), " blocks need; pack it as one of ",
-                      formats_holding(fallback_format(f.in), d_model_),
-                      " (resolve_format picks the first)");
-      }
-      if (is_quantized(f.down)) {
-        Index const blk = quant::block_elems(quant_format(f.down));
-        detail::check(d_ffn_ % blk == 0, "ExpertBank::pack: expert ", e,
-                      "'s down projection has depth d_ffn = ", d_ffn_, ", not a multiple of ", blk,
-                      " as ", name(f.down), " blocks need; pack it as one of ",
-                      formats_holding(fallback_format(f.down), d_ffn_),
-                      " (resolve_format picks the first)");
-      }
-    }
+    check_formats(formats, "ExpertBank::pack");
     Index const np = kernels::panel_width();
     Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
     Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
-    Index const in_f32 = in_panels * D * np, down_f32 = down_panels * F * np;
-    Index const in_bf16 = in_panels * ((D + 1) / 2) * np,
-                down_bf16 = down_panels * ((F + 1) / 2) * np;
-    // Offsets of every projection in its format's storage (-1: stored in another format).
-    std::vector<Slot> slots(static_cast<std::size_t>(num_experts_));
-    Index n_f32 = 0, n_bf16 = 0, n_q = 0;
-    auto place = [&](WeightFormat f, Index rows, Index depth, Index f32, Index bf16,
-                     typename Slot::Part& part) {
-      part.format = f;
-      if (f == WeightFormat::kF32) {
-        part.offset = n_f32;
-        n_f32 += f32;
-      } else if (f == WeightFormat::kBf16) {
-        part.offset = n_bf16;
-        n_bf16 += bf16;
-      } else {
-        part.offset = n_q;
-        part.panel_bytes = kernels::quant_panel_bytes(quant_format(f), depth);
-        n_q += (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * part.panel_bytes;
-      }
-    };
-    for (Index e = 0; e < num_experts_; ++e) {
-      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
-      Slot& sl = slots[static_cast<std::size_t>(e)];
-      if (is_quantized(f.in)) {
-        // GLU: gate and up are two operands of F rows each; MLP: one of F rows.
-        place(f.in, F, D, 0, 0, sl.in);
-        if constexpr (Expert::gated) place(f.in, F, D, 0, 0, sl.up);
-      } else {
-        place(f.in, P, D, in_f32, in_bf16, sl.in);
-      }
-      place(f.down, D, F, down_f32, down_bf16, sl.down);
+    std::vector<Slot> slots = plan_records(formats);
+    Index total = 0;
+    for (Slot const& sl : slots) total += sl.record_bytes;
+    pack_current_ = false;  // until the new pack is complete
+    arena_.clear();
+    external_ = nullptr;
+    arena_.assign(static_cast<std::size_t>(total), std::byte{0});
+    record_offsets_.resize(static_cast<std::size_t>(num_experts_));
+    for (Index e = 0, at = 0; e < num_experts_; ++e) {
+      record_offsets_[static_cast<std::size_t>(e)] = at;
+      at += slots[static_cast<std::size_t>(e)].record_bytes;
     }
-    packed_.clear();
-    packed_bf16_.clear();
-    packed_q_.clear();
-    packed_.assign(static_cast<std::size_t>(n_f32), 0.0f);
-    packed_bf16_.assign(static_cast<std::size_t>(n_bf16), 0u);
-    packed_q_.assign(static_cast<std::size_t>(n_q), std::byte{0});
+    auto record_of = [&](Index e) {
+      return arena_.data() + record_offsets_[static_cast<std::size_t>(e)];
+    };
     // Non-finite weights in a quantized projection: one error naming the first, before any work.
     for (Index e = 0; e < num_experts_; ++e) {
       Slot const& sl = slots[static_cast<std::size_t>(e)];
@@ -434,7 +391,7 @@ class ExpertBank {
     auto pack_quant = [&](Index e, Projection proj, float const* w, Index rows, Index depth,
                           typename Slot::Part const& part) {
       quant::Format const qf = quant_format(part.format);
-      std::byte* const dst = packed_q_.data() + part.offset;
+      std::byte* const dst = record_of(e) + part.offset;
       if (std::byte const* blocks = stored ? stored(e, proj, part.format) : nullptr) {
         kernels::pack_quant_panels(qf, blocks, rows, depth, dst);
         return;
@@ -457,10 +414,11 @@ class ExpertBank {
           Index const nc = std::min(np, P - p * np);
           if (sl.in.format == WeightFormat::kF32) {
             kernels::pack_panel(in_ptr(e), D, p * np, nc, D,
-                                packed_.data() + sl.in.offset + p * D * np);
+                                as_f32(record_of(e) + sl.in.offset) + p * D * np);
           } else {
-            kernels::pack_panel_bf16(in_ptr(e), D, p * np, nc, D,
-                                     packed_bf16_.data() + sl.in.offset + p * ((D + 1) / 2) * np);
+            kernels::pack_panel_bf16(
+                in_ptr(e), D, p * np, nc, D,
+                as_words(record_of(e) + sl.in.offset) + p * ((D + 1) / 2) * np);
           }
         }
       }
@@ -471,23 +429,17 @@ class ExpertBank {
           Index const nc = std::min(np, D - p * np);
           if (sl.down.format == WeightFormat::kF32) {
             kernels::pack_panel(down_ptr(e), F, p * np, nc, F,
-                                packed_.data() + sl.down.offset + p * F * np);
+                                as_f32(record_of(e) + sl.down.offset) + p * F * np);
           } else {
-            kernels::pack_panel_bf16(down_ptr(e), F, p * np, nc, F,
-                                     packed_bf16_.data() + sl.down.offset + p * ((F + 1) / 2) * np);
+            kernels::pack_panel_bf16(
+                down_ptr(e), F, p * np, nc, F,
+                as_words(record_of(e) + sl.down.offset) + p * ((F + 1) / 2) * np);
           }
         }
       }
     });
     slots_ = std::move(slots);
-    formats_.assign(formats.begin(), formats.end());
-    uniform_.reset();
-    if (!formats_.empty() &&
-        std::all_of(formats_.begin(), formats_.end(), [&](ExpertFormat const& f) {
-          return f.in == formats_[0].in && f.down == formats_[0].in;
-        })) {
-      uniform_ = formats_[0].in;
-    }
+    set_formats(formats);
     pack_current_ = true;
   }
   /// The format of a pack that used one format everywhere (kF32 before any pack; for a mixed
@@ -498,16 +450,20 @@ class ExpertBank {
   /// The formats of the last pack, one per expert (empty before any pack).
   std::span<ExpertFormat const> packed_formats() const { return formats_; }
   /// Does the current pack hold any bf16 / quantized projection?
-  bool packed_bf16_any() const { return packed() && !packed_bf16_.empty(); }
-  bool packed_quant_any() const { return packed() && !packed_q_.empty(); }
+  bool packed_bf16_any() const { return packed() && any_format(WeightFormat::kBf16); }
+  bool packed_quant_any() const {
+    return packed() && std::any_of(slots_.begin(), slots_.end(), [](Slot const& sl) {
+             return is_quantized(sl.in.format) || is_quantized(sl.down.format);
+           });
+  }
   /// Expert e's bf16 panels ([D or F pairs, NP] words, in then down), or null when not current
   /// or not bf16.
   std::uint32_t const* packed_in_bf16(Index e) const {
-    return part_is(e, &Slot::in, WeightFormat::kBf16) ? packed_bf16_.data() + slot(e).in.offset
+    return part_is(e, &Slot::in, WeightFormat::kBf16) ? as_words(record(e) + slot(e).in.offset)
                                                       : nullptr;
   }
   std::uint32_t const* packed_down_bf16(Index e) const {
-    return part_is(e, &Slot::down, WeightFormat::kBf16) ? packed_bf16_.data() + slot(e).down.offset
+    return part_is(e, &Slot::down, WeightFormat::kBf16) ? as_words(record(e) + slot(e).down.offset)
                                                         : nullptr;
   }
   /// Expert e's quantized in projection as the integer kernels read it (GLU: gate, up; MLP: up,
@@ -516,37 +472,81 @@ class ExpertBank {
     std::array<kernels::QuantWeights, 2> q{};
     if (!packed() || e >= static_cast<Index>(slots_.size()) || !is_quantized(slot(e).in.format))
       return q;
-    q[0] = quant_weights(slot(e).in);
-    if constexpr (Expert::gated) q[1] = quant_weights(slot(e).up);
+    q[0] = quant_weights(e, slot(e).in);
+    if constexpr (Expert::gated) q[1] = quant_weights(e, slot(e).up);
     return q;
   }
   std::array<kernels::QuantWeights, 2> packed_down_quant(Index e) const {
     std::array<kernels::QuantWeights, 2> q{};
     if (!packed() || e >= static_cast<Index>(slots_.size()) || !is_quantized(slot(e).down.format))
       return q;
-    q[0] = quant_weights(slot(e).down);
+    q[0] = quant_weights(e, slot(e).down);
     return q;
   }
   /// Bytes the current pack stores for expert e's projections (what a forward streams).
   Index packed_bytes(Index e) const {
     if (!packed()) return 0;
-    auto part = [&](typename Slot::Part const& p, Index rows, Index f32, Index bf16) -> Index {
-      if (p.format == WeightFormat::kF32) return f32 * 4;
-      if (p.format == WeightFormat::kBf16) return bf16 * 4;
-      return (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * p.panel_bytes;
-    };
-    Index const np = kernels::panel_width(), P = hidden_cols(), D = d_model_, F = d_ffn_;
-    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
     Slot const& s = slot(e);
-    Index b = part(s.down, D, down_panels * F * np, down_panels * ((F + 1) / 2) * np);
-    if (is_quantized(s.in.format)) {
-      b += part(s.in, Expert::gated ? F : P, 0, 0);
-      if constexpr (Expert::gated) b += part(s.up, F, 0, 0);
-    } else {
-      b += part(s.in, P, in_panels * D * np, in_panels * ((D + 1) / 2) * np);
-    }
-    return b;
+    return s.in.bytes + s.down.bytes + (is_quantized(s.in.format) ? s.up.bytes : 0);
   }
+  /// Expert e's packed record: every byte a forward reads of its projections (parts 64-byte
+  /// aligned, padded to a multiple of 64 bytes), as a streamed store keeps it. Empty when not
+  /// packed. For a bank whose records are streamed, the record must be resident.
+  std::span<std::byte const> packed_record(Index e) const {
+    if (!packed()) return {};
+    return {record(e), static_cast<std::size_t>(slot(e).record_bytes)};
+  }
+  /// The size of packed_record(e) (also for a streamed bank, resident or not; 0 unpacked).
+  Index packed_record_bytes(Index e) const { return packed() ? slot(e).record_bytes : 0; }
+  /// The size expert e's record would have packed in `f` (the same layout as pack's).
+  Index record_bytes_for(ExpertFormat f) const {
+    std::vector<ExpertFormat> const one(static_cast<std::size_t>(num_experts_), f);
+    return num_experts_ == 0 ? 0 : plan_records(one).front().record_bytes;
+  }
+
+  /// Makes this an inference-only bank whose packed records live elsewhere: expert e's record
+  /// (the layout pack(formats) would give it: packed_record_bytes(e) bytes, 64-byte aligned) is
+  /// read from `records[e]` whenever a forward runs that expert, and must be there by then (a
+  /// null entry throws moe::Error naming the expert). The table is the caller's (an expert
+  /// store that fills it as experts become resident) and must outlive the bank's forwards. The
+  /// bank's own pack and fp32 weights are freed (the biases stay). Throws moe::Error for
+  /// formats that cannot hold the shapes, for GLU experts whose fp32/bf16 in projection would
+  /// split a panel (pack_serves_inference), and while an edit is open. Irreversible, like
+  /// discard_master_weights().
+  void stream_records(std::span<ExpertFormat const> formats, std::byte const* const* records) {
+    detail::check(!editing(),
+                  "ExpertBank::stream_records: the weights are open for writing (an Edit is "
+                  "alive); let it end first");
+    detail::check(records != nullptr || num_experts_ == 0,
+                  "ExpertBank::stream_records: the record table is null");
+    check_formats(formats, "ExpertBank::stream_records");
+    std::vector<Slot> slots = plan_records(formats);
+    if constexpr (Expert::gated) {
+      if (d_ffn_ % kernels::panel_width() != 0) {
+        for (Slot const& sl : slots) {
+          detail::check(is_quantized(sl.in.format), "ExpertBank::stream_records: GLU experts of ",
+                        "d_ffn = ", d_ffn_, " (not a multiple of the panel width ",
+                        kernels::panel_width(), ") read gate and up from the fp32 weights in an ",
+                        "fp32 or bf16 pack; stream them in a quantized format");
+        }
+      }
+    }
+    HugePageVector<float> kept;
+    if (biases_) kept.assign(params_.begin() + bias_base(), params_.end());
+    params_ = std::move(kept);
+    masters_ = false;
+    train_compute_ = TrainCompute::kF32;
+    train_bf16_.clear();
+    train_current_ = false;
+    arena_ = {};
+    record_offsets_.clear();
+    external_ = records;
+    slots_ = std::move(slots);
+    set_formats(formats);
+    pack_current_ = true;
+  }
+  /// Are the records streamed (stream_records)?
+  bool records_streamed() const { return external_ != nullptr; }
 
   /// Sets the arithmetic of training forwards and backwards over this bank. kBf16 (opt-in):
   /// every expert product of a training step, forward (x W_in^T, m W_down^T), backward
@@ -601,11 +601,12 @@ class ExpertBank {
   /// First panel of expert e's in projection ([D, NP] panels, contiguous), or null if not packed
   /// as fp32.
   float const* packed_in(Index e) const {
-    return part_is(e, &Slot::in, WeightFormat::kF32) ? packed_.data() + slot(e).in.offset : nullptr;
+    return part_is(e, &Slot::in, WeightFormat::kF32) ? as_f32(record(e) + slot(e).in.offset)
+                                                     : nullptr;
   }
   /// First panel of expert e's down projection ([F, NP] panels, contiguous), or null.
   float const* packed_down(Index e) const {
-    return part_is(e, &Slot::down, WeightFormat::kF32) ? packed_.data() + slot(e).down.offset
+    return part_is(e, &Slot::down, WeightFormat::kF32) ? as_f32(record(e) + slot(e).down.offset)
                                                        : nullptr;
   }
 
@@ -616,17 +617,111 @@ class ExpertBank {
   struct Slot {
     struct Part {
       WeightFormat format = WeightFormat::kF32;
-      Index offset = 0;
+      Index offset = 0;       // bytes from the record's start (a multiple of kRecordAlign)
+      Index bytes = 0;        // the part's bytes (without the padding after it)
       Index panel_bytes = 0;  // quantized parts
     };
     Part in, up, down;
+    Index record_bytes = 0;  // the whole record (parts and padding; a multiple of kRecordAlign)
   };
+  /// Throws unless every quantized projection's blocks divide its depth (D for in, F for down).
+  void check_formats(std::span<ExpertFormat const> formats, char const* who) const {
+    detail::check(static_cast<Index>(formats.size()) == num_experts_, who, ": ", formats.size(),
+                  " formats for ", num_experts_, " experts; give one per expert");
+    for (Index e = 0; e < num_experts_; ++e) {
+      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
+      if (is_quantized(f.in)) {
+        Index const blk = quant::block_elems(quant_format(f.in));
+        detail::check(d_model_ % blk == 0, who, ": expert ", e,
+                      "'s in projection has depth d_model = ", d_model_, ", not a multiple of ",
+                      blk, " as ", name(f.in), " blocks need; pack it as one of ",
+                      formats_holding(fallback_format(f.in), d_model_),
+                      " (resolve_format picks the first)");
+      }
+      if (is_quantized(f.down)) {
+        Index const blk = quant::block_elems(quant_format(f.down));
+        detail::check(
+            d_ffn_ % blk == 0, who, ": expert ", e, "'s down projection has depth d_ffn = ", d_ffn_,
+            ", not a multiple of ", blk, " as ", name(f.down), " blocks need; pack it as one of ",
+            formats_holding(fallback_format(f.down), d_ffn_), " (resolve_format picks the first)");
+      }
+    }
+  }
+  /// The record layout of a pack in `formats`: per expert its parts (in, up for a quantized GLU,
+  /// down), each at a 64-byte aligned offset, and the record's size (a multiple of 64).
+  std::vector<Slot> plan_records(std::span<ExpertFormat const> formats) const {
+    Index const np = kernels::panel_width();
+    Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
+    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
+    std::vector<Slot> slots(static_cast<std::size_t>(num_experts_));
+    for (Index e = 0; e < num_experts_; ++e) {
+      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
+      Slot& sl = slots[static_cast<std::size_t>(e)];
+      Index at = 0;
+      auto place = [&](WeightFormat wf, Index rows, Index depth, Index panels,
+                       typename Slot::Part& part) {
+        part.format = wf;
+        part.offset = at;
+        Index bytes = 0;
+        if (wf == WeightFormat::kF32) {
+          bytes = panels * depth * np * 4;
+        } else if (wf == WeightFormat::kBf16) {
+          bytes = panels * ((depth + 1) / 2) * np * 4;
+        } else {
+          part.panel_bytes = kernels::quant_panel_bytes(quant_format(wf), depth);
+          bytes =
+              (rows + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols * part.panel_bytes;
+        }
+        part.bytes = bytes;
+        at += (bytes + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+      };
+      if (is_quantized(f.in)) {
+        // GLU: gate and up are two operands of F rows each; MLP: one of F rows.
+        place(f.in, Expert::gated ? F : P, D, 0, sl.in);
+        if constexpr (Expert::gated) place(f.in, F, D, 0, sl.up);
+      } else {
+        place(f.in, P, D, in_panels, sl.in);
+      }
+      place(f.down, D, F, down_panels, sl.down);
+      sl.record_bytes = std::max<Index>(at, kRecordAlign);
+    }
+    return slots;
+  }
+  std::byte const* record(Index e) const {
+    if (external_ == nullptr) return arena_.data() + record_offsets_[static_cast<std::size_t>(e)];
+    std::byte const* r = external_[e];
+    detail::check(r != nullptr, "ExpertBank: expert ", e,
+                  "'s packed record is not resident (a bank whose records are streamed: the "
+                  "expert store must make the routed experts resident before a forward reads "
+                  "them)");
+    return r;
+  }
+  static float const* as_f32(std::byte const* p) { return reinterpret_cast<float const*>(p); }
+  static float* as_f32(std::byte* p) { return reinterpret_cast<float*>(p); }
+  static std::uint32_t const* as_words(std::byte const* p) {
+    return reinterpret_cast<std::uint32_t const*>(p);
+  }
+  static std::uint32_t* as_words(std::byte* p) { return reinterpret_cast<std::uint32_t*>(p); }
+  bool any_format(WeightFormat f) const {
+    return std::any_of(slots_.begin(), slots_.end(),
+                       [&](Slot const& sl) { return sl.in.format == f || sl.down.format == f; });
+  }
+  void set_formats(std::span<ExpertFormat const> formats) {
+    formats_.assign(formats.begin(), formats.end());
+    uniform_.reset();
+    if (!formats_.empty() &&
+        std::all_of(formats_.begin(), formats_.end(), [&](ExpertFormat const& f) {
+          return f.in == formats_[0].in && f.down == formats_[0].in;
+        })) {
+      uniform_ = formats_[0].in;
+    }
+  }
   Slot const& slot(Index e) const { return slots_[static_cast<std::size_t>(e)]; }
   bool part_is(Index e, typename Slot::Part Slot::*part, WeightFormat f) const {
     return packed() && e < static_cast<Index>(slots_.size()) && (slot(e).*part).format == f;
   }
-  kernels::QuantWeights quant_weights(typename Slot::Part const& p) const {
-    return {packed_q_.data() + p.offset, quant_format(p.format), p.panel_bytes};
+  kernels::QuantWeights quant_weights(Index e, typename Slot::Part const& p) const {
+    return {record(e) + p.offset, quant_format(p.format), p.panel_bytes};
   }
 
   float* in_ptr(Index e) { return params_.data() + e * kInFactor * d_ffn_ * d_model_; }
@@ -753,9 +848,11 @@ class ExpertBank {
   std::vector<Slot> slots_;
   std::vector<ExpertFormat> formats_;
   std::optional<WeightFormat> uniform_;
-  HugePageVector<float> packed_;
-  HugePageVector<std::uint32_t> packed_bf16_;
-  HugePageVector<std::byte> packed_q_;
+  /// The pack: expert e's record (its parts, each 64-byte aligned) at arena_ + record_offsets_[e],
+  /// or at external_[e] for a bank whose records live elsewhere (stream_records).
+  HugePageVector<std::byte> arena_;
+  std::vector<Index> record_offsets_;
+  std::byte const* const* external_ = nullptr;
   TrainCompute train_compute_ = TrainCompute::kF32;
   bool train_current_ = false;                // train_bf16_ made from the current weights
   HugePageVector<std::uint32_t> train_bf16_;  // set_train_compute(kBf16): see train_in_bf16
