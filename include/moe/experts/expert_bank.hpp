@@ -35,13 +35,6 @@
 
 namespace moe::experts {
 
-/// The formats of one expert's two projections (in = gate and up, down).
-struct ExpertFormat {
-  WeightFormat in = WeightFormat::kF32;
-  WeightFormat down = WeightFormat::kF32;
-  bool operator==(ExpertFormat const&) const = default;
-};
-
 /// One projection of an expert: a GLU expert's gate, up and down; an MLP expert's up (its in
 /// projection) and down.
 enum class Projection { kGate, kUp, kDown };

@@ -37,6 +37,13 @@ enum class WeightFormat {
   kMXFP4,   ///< GGUF MXFP4 (4.25 bits: E2M1 codes under an E8M0 scale; 4.5 in the kernel layout)
 };
 
+/// The formats of one expert's two projections (in = gate and up, down).
+struct ExpertFormat {
+  WeightFormat in = WeightFormat::kF32;
+  WeightFormat down = WeightFormat::kF32;
+  bool operator==(ExpertFormat const&) const = default;
+};
+
 /// The block formats, in order of falling precision (quant::kFormats' order).
 inline constexpr WeightFormat kBlockFormats[] = {
     WeightFormat::kQ8_0,   WeightFormat::kQ6_K, WeightFormat::kQ5_K,   WeightFormat::kQ5_1,

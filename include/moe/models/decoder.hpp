@@ -41,6 +41,8 @@
 #include "moe/layers/mla_attention.hpp"
 #include "moe/layers/presets.hpp"
 #include "moe/models/decoder_config.hpp"
+#include "moe/offload/store.hpp"
+#include "moe/offload/streamer.hpp"
 
 namespace moe::models {
 
@@ -286,6 +288,8 @@ struct DecoderState {
   std::vector<float> h, normed, tmp, mlp_hidden, last;
   std::vector<Index> last_rows, last_seqs;  ///< the rows that get logits, and their sequences
   LinearQueue queue;                        ///< dense MLP and LM-head projections
+  std::vector<std::int32_t> stream_ids;     ///< a streamed MoE layer's routed experts
+  std::vector<float> stream_gates;          ///< and their largest routing weights
   InUse in_use;  ///< forward() holds it: a second, overlapping call on this state throws
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
@@ -396,6 +400,57 @@ class Decoder {
   /// What the load noticed but did not refuse, one sentence each (e.g. an lm_head.weight that
   /// tie_word_embeddings leaves unread); moe_generate prints them.
   std::vector<std::string> warnings;
+  /// Where the routed experts come from when they are streamed (stream_experts), else null:
+  /// every expert is resident in its bank. Copies of the decoder share it.
+  std::shared_ptr<offload::ExpertStreamer> streamer;
+
+  /// The blocks with an MoE layer, in order: the i-th is MoE layer i of an expert store.
+  std::vector<std::size_t> moe_blocks() const {
+    std::vector<std::size_t> out;
+    for (std::size_t L = 0; L < blocks.size(); ++L) {
+      if (blocks[L].moe) out.push_back(L);
+    }
+    return out;
+  }
+  /// The shape of this decoder's routed experts as an expert store holds them.
+  offload::StoreShape expert_store_shape() const {
+    std::vector<std::size_t> const m = moe_blocks();
+    moe::detail::check(!m.empty(), "Decoder: the model has no MoE layer to store or stream");
+    auto const& bank = blocks[m.front()].moe->experts();
+    return {static_cast<Index>(m.size()), bank.num_experts(), bank.d_model(), bank.d_ffn(),
+            Moe::Expert::gated};
+  }
+  /// Writes every MoE layer's routed experts, packed as they are, as an expert store at `path`
+  /// (offload/store.hpp; the shared experts stay with the dense weights). Throws moe::Error for
+  /// experts whose records are streamed or that inference reads from fp32 weights.
+  void write_expert_store(std::string const& path) const {
+    offload::ExpertStoreWriter w(path, expert_store_shape());
+    for (std::size_t const L : moe_blocks()) w.add_layer(blocks[L].moe->experts());
+    w.finish();
+  }
+  /// Streams the routed experts from `s` (its store holds this model's MoE layers in order, in
+  /// this machine's layout: offload::ExpertStore::check_layer): every MoE layer's bank frees its
+  /// pack and reads the records s makes resident (ExpertBank::stream_records). Each forward then
+  /// routes a layer, has s read the chosen experts that are not cached, runs them and releases
+  /// them. The logits are those of the resident experts, bit for bit. Irreversible (load the
+  /// model again to hold the experts in memory).
+  void stream_experts(std::shared_ptr<offload::ExpertStreamer> s) {
+    moe::detail::check(s != nullptr, "Decoder::stream_experts: no streamer");
+    std::vector<std::size_t> const m = moe_blocks();
+    offload::ExpertStore const& store = s->store();
+    moe::detail::check(static_cast<Index>(m.size()) == store.shape().num_layers,
+                       "Decoder::stream_experts: the model has ", m.size(),
+                       " MoE layers and the store '", store.path(), "' ", store.shape().num_layers,
+                       "; the store belongs to another model");
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      store.check_layer(static_cast<Index>(i), blocks[m[i]].moe->experts());
+    }
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      auto const id = static_cast<Index>(i);
+      blocks[m[i]].moe->experts().stream_records(store.layer_formats(id), s->records(id));
+    }
+    streamer = std::move(s);
+  }
 
   Index hidden() const { return config.moe.hidden_size; }
   Index vocab() const { return config.vocab_size; }
@@ -410,6 +465,32 @@ class Decoder {
                               " the model was trained for (config.json's "
                               "max_position_embeddings); the tokens past it may be poor");
   }
+  /// The MoE layer `layer` (MoE layer `index`) with streamed experts: route, make the chosen
+  /// experts resident, run them on that routing (forward() is route + the same run), release.
+  void forward_streamed(Moe const& layer, Index index, ConstMatrixView<float> x,
+                        MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const {
+    layer.route(x, st.ffn, opt);
+    RoutingPlan const& plan = st.ffn.plan;
+    st.stream_ids.clear();
+    st.stream_gates.clear();
+    for (Index e = 0; e < layer.num_experts(); ++e) {
+      Index const r0 = plan.expert_offsets[static_cast<std::size_t>(e)],
+                  r1 = plan.expert_offsets[static_cast<std::size_t>(e) + 1];
+      if (r1 == r0) continue;
+      float g = 0.0f;
+      for (Index r = r0; r < r1; ++r) g = std::max(g, plan.row_weight[static_cast<std::size_t>(r)]);
+      st.stream_ids.push_back(static_cast<std::int32_t>(e));
+      st.stream_gates.push_back(g);
+    }
+    streamer->acquire(index, st.stream_ids, st.stream_gates);
+    struct Release {
+      offload::ExpertStreamer& s;
+      Index i;
+      ~Release() { s.release(i); }
+    } const release{*streamer, index};
+    layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
+  }
+
   /// Bytes of the dense matrices a decode step of one token streams: every attention
   /// projection, dense MLP and the LM head (the embedding's one row aside).
   std::size_t dense_bytes_per_step() const {
@@ -494,6 +575,8 @@ class Decoder {
     };
     double attention = 0.0, ffn = 0.0;
     auto size = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+    if (streamer) streamer->begin_forward(T);
+    Index moe_layer = 0;
     size(st.h, T * H);
     size(st.normed, T * H);
     size(st.tmp, T * H);
@@ -527,7 +610,12 @@ class Decoder {
       if (b.moe) {
         ForwardOptions opt;
         opt.pool = pool;
-        b.moe->forward(normed, tmp, st.ffn, opt);
+        if (streamer) {
+          forward_streamed(*b.moe, moe_layer, normed, tmp, st, opt);
+        } else {
+          b.moe->forward(normed, tmp, st.ffn, opt);
+        }
+        ++moe_layer;
         add_rows(h, tmp, pool);
       } else {
         b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, pool);

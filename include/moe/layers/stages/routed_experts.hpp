@@ -147,6 +147,7 @@ struct RoutedExperts {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
+      if (n == 0) continue;  // (a streamed bank holds only the routed experts)
       detail::ExpertJob job;
       job.kind = detail::ExpertJob::Kind::kRoutedHidden;
       job.a = a.from(r0);
@@ -189,6 +190,7 @@ struct RoutedExperts {
         rows.total() * D * static_cast<Index>(sizeof(float)) >= detail::kStreamOutputBytes;
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
+      if (n == 0) continue;  // (a streamed bank holds only the routed experts)
       detail::ExpertJob job;
       job.a = {act.data() + r0 * F,
                F,
