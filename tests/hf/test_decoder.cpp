@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -1156,6 +1157,84 @@ TEST_CASE("Decoder: a batch of sequences decodes as each alone", "[models][decod
   fs::path const dir = write_model(t, m, "decoder_batch_" + type);
   auto const any = moe::models::load_hf_decoder(dir);
   std::visit([&](auto const& dec) { check_batch(t, dec); }, any);
+}
+
+namespace {
+/// The logits of a prompt of 5 tokens and 4 greedy steps (batch of one), in order.
+template <class Dec>
+std::vector<float> greedy_logits(Tiny const& t, Dec const& dec, moe::ThreadPool* pool) {
+  auto st = dec.make_state(1);
+  std::vector<float> lg(static_cast<std::size_t>(t.V)), all;
+  std::vector<std::int64_t> tokens = {1, 2, 3, 4, 5};
+  std::vector<Index> n = {5};
+  for (int s = 0; s < 5; ++s) {
+    dec.forward(tokens, n, st, {lg.data(), 1, t.V}, pool);
+    all.insert(all.end(), lg.begin(), lg.end());
+    tokens = {argmax(lg.data(), t.V)};
+    n = {1};
+  }
+  return all;
+}
+}  // namespace
+
+TEST_CASE("Decoder: experts streamed from an expert store decode as resident ones, bit for bit",
+          "[models][decoder][offload]") {
+  // Qwen3-MoE (a dense layer among the MoE ones), Qwen2-MoE (a shared expert stays resident),
+  // gpt-oss (expert biases stay resident); fp32 and q8_0 experts (d_ffn 32: whole panels).
+  std::string const type = GENERATE(as<std::string>{}, "qwen3_moe", "qwen2_moe", "gpt_oss");
+  bool const q8 = GENERATE(false, true);
+  INFO(type << (q8 ? ", q8_0 experts" : ", fp32 experts"));
+  Tiny t = family_tiny(type);
+  t.H = 32;
+  t.I_moe = 32;
+  Tensors const m = make_tensors(t, 910);
+  fs::path const dir = write_model(t, m, "decoder_stream_" + type);
+  moe::models::DecoderOptions o;
+  if (q8) o.experts = moe::experts::WeightFormat::kQ8_0;
+  moe::ThreadPool pool(2);
+  auto const any = moe::models::load_hf_decoder(dir, &pool, o);
+  std::visit(
+      [&](auto const& dec) {
+        std::vector<float> const want = greedy_logits(t, dec, &pool);
+        std::string const path = (dir / "experts.moex").string();
+        dec.write_expert_store(path);
+        auto const store = std::make_shared<moe::offload::ExpertStore const>(path);
+        CHECK(store->shape().num_layers == static_cast<Index>(dec.moe_blocks().size()));
+        std::uint64_t const record = store->record(0, 0).read_bytes();
+        for (std::string const policy : {"lru", "lfu", "layer-lru"}) {
+          // Nothing cached; less than one token's top-2; two layers' worth; everything.
+          for (std::uint64_t const budget :
+               {std::uint64_t{0}, record, 2 * record * static_cast<std::uint64_t>(t.E),
+                record * 1000}) {
+            INFO(policy << ", budget " << budget);
+            moe::offload::StreamerOptions so;
+            so.policy = policy;
+            so.budget_bytes = budget;
+            so.reader_threads = budget == record ? 0 : 2;
+            auto streamed = dec;
+            streamed.stream_experts(std::make_shared<moe::offload::ExpertStreamer>(store, so));
+            std::vector<float> const got = greedy_logits(t, streamed, &pool);
+            REQUIRE(got.size() == want.size());
+            CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+            moe::offload::StreamStats const& st = streamed.streamer->stats();
+            CHECK(st.tokens == 9);
+            CHECK(st.accesses == st.hits + st.misses + st.bypasses);
+            CHECK(streamed.streamer->resident_bytes() <= budget);
+            if (budget == 0) CHECK(st.hits == 0);
+            if (budget == record * 1000) CHECK(st.bypasses == 0);
+          }
+        }
+        // Another model's store is refused before anything is freed.
+        auto other = dec;
+        moe::offload::StreamerOptions so;
+        auto const bad = std::make_shared<moe::offload::ExpertStore const>(path);
+        other.blocks.erase(other.blocks.begin() +
+                           static_cast<std::ptrdiff_t>(other.moe_blocks().front()));
+        CHECK_THROWS_WITH(
+            other.stream_experts(std::make_shared<moe::offload::ExpertStreamer>(bad, so)),
+            Catch::Contains("another model"));
+      },
+      any);
 }
 
 TEST_CASE("Decoder: Llama 4 config.json (Scout's multimodal text_config, Maverick-like keys)",
