@@ -1224,6 +1224,35 @@ TEST_CASE("Decoder: experts streamed from an expert store decode as resident one
             if (budget == record * 1000) CHECK(st.bypasses == 0);
           }
         }
+        // Loaded with the store: the checkpoint's routed expert weights are never read (here
+        // NaN) and the logits are the same bits; a format asked for the experts is ignored,
+        // with a warning.
+        Tensors nan = m;
+        for (auto& [name, v] : nan) {
+          if (name.find("mlp.experts.") != std::string::npos &&
+              name.find("bias") == std::string::npos) {
+            std::fill(v.begin(), v.end(), std::numeric_limits<float>::quiet_NaN());
+          }
+        }
+        fs::path const nan_dir = write_model(t, nan, "decoder_stream_nan_" + type);
+        moe::models::DecoderOptions lo = o;
+        lo.expert_store = path;
+        lo.streaming.budget_bytes = 3 * record;
+        auto const loaded = moe::models::load_hf_decoder(nan_dir, &pool, lo);
+        std::visit(
+            [&](auto const& ld) {
+              REQUIRE(ld.streamer != nullptr);
+              std::vector<float> const got = greedy_logits(t, ld, &pool);
+              CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+              CHECK(ld.warnings.size() == (q8 ? 1u : 0u));
+            },
+            loaded);
+        // A store of another shape is refused when the model loads.
+        Tiny wide = t;
+        wide.I_moe = 64;
+        fs::path const wide_dir = write_model(wide, make_tensors(wide, 911), "decoder_stream_wide");
+        CHECK_THROWS_WITH(moe::models::load_hf_decoder(wide_dir, &pool, lo),
+                          Catch::Contains("the store belongs to another model"));
         // Another model's store is refused before anything is freed.
         auto other = dec;
         moe::offload::StreamerOptions so;

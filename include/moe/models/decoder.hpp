@@ -98,6 +98,14 @@ struct DecoderOptions {
   std::optional<experts::WeightFormat> experts;
   std::optional<experts::WeightFormat> shared_experts;
   Mix mix = Mix::kUniform;
+  /// Routed experts streamed from this expert store (moe/offload/store.hpp: written by
+  /// Decoder::write_expert_store, moe_generate --write-expert-store) instead of loaded: the
+  /// checkpoint's routed expert weights are checked but never read, each MoE layer's experts
+  /// run in the store's formats (`experts` is ignored), read on demand through a cache as
+  /// `streaming` says (Decoder::streamer). Empty: every expert loaded and resident.
+  std::string expert_store;
+  offload::StoreReadOptions store_read;  ///< with expert_store: how the store is read
+  offload::StreamerOptions streaming;    ///< with expert_store: the cache's budget and policy
 
   /// llama.cpp's Q4_K_M mix (see above).
   static DecoderOptions q4_k_m() {
@@ -1019,6 +1027,29 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   check_decoder_tensors(ckpt, c, why);  // before anything is allocated
   Index const H = c.moe.hidden_size, V = c.vocab_size, nh = c.num_attention_heads,
               kv = c.num_key_value_heads, dh = c.head_dim;
+  // Streamed experts: the store is opened (and its shape checked) before anything is allocated.
+  std::shared_ptr<offload::ExpertStreamer> streamer;
+  std::size_t moe_layer = 0;
+  if (!options.expert_store.empty()) {
+    auto store =
+        std::make_shared<offload::ExpertStore const>(options.expert_store, options.store_read);
+    Index moe_layers = 0;
+    for (Index L = 0; L < c.num_hidden_layers; ++L) moe_layers += c.moe.is_moe_layer(L) ? 1 : 0;
+    offload::StoreShape const& s = store->shape();
+    moe::detail::check(s.num_layers == moe_layers && s.num_experts == c.moe.num_experts &&
+                           s.d_model == H && s.d_ffn == c.moe.expert_intermediate_size,
+                       "models: the expert store '", options.expert_store, "' holds ", s.num_layers,
+                       " MoE layers of ", s.num_experts, " experts (d_model ", s.d_model,
+                       ", d_ffn ", s.d_ffn, "), and ", ckpt.source(), " has ", moe_layers, " of ",
+                       c.moe.num_experts, " (d_model ", H, ", d_ffn ",
+                       c.moe.expert_intermediate_size, "); the store belongs to another model");
+    if (options.asks_experts(false)) {
+      d.warnings.push_back(io::detail::concat(
+          "the routed experts run in the formats of the expert store '", options.expert_store,
+          "' (a format asked for them is ignored; write the store again to change them)"));
+    }
+    streamer = std::make_shared<offload::ExpertStreamer>(std::move(store), options.streaming);
+  }
   std::vector<float> embedding_values;  // the embedding's floats, when converted and tied
   d.embed = read_embedding(ld, V, H, c.tie_word_embeddings ? &embedding_values : nullptr);
   CheckpointRoot const& root = ld.root;
@@ -1185,8 +1216,9 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     if (c.moe.is_moe_layer(L)) {
       // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks
       // re-packed); that pack stays unless the options choose other formats.
-      io::HfLayer<Moe> loaded =
-          io::load_hf_layer<Moe>(c.moe, ckpt, L, moe_layer_options(root, c, L));
+      io::HfLoadOptions lo = moe_layer_options(root, c, L);
+      lo.routed_expert_weights = streamer == nullptr;
+      io::HfLayer<Moe> loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L, lo);
       b.moe.emplace(std::move(loaded.layer));
       Moe& m = *b.moe;
       auto choose = [&](auto& bank, std::vector<experts::ExpertFormat> const& stored,
@@ -1204,7 +1236,13 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
         }
         bank.pack(all, pool);
       };
-      choose(m.experts(), loaded.stored_formats, p + "mlp.experts", false);
+      if (streamer) {  // the store's records, in its formats
+        auto const i = static_cast<Index>(moe_layer++);
+        streamer->store().check_layer(i, m.experts());
+        m.experts().stream_records(streamer->store().layer_formats(i), streamer->records(i));
+      } else {
+        choose(m.experts(), loaded.stored_formats, p + "mlp.experts", false);
+      }
       if constexpr (Moe::Shared::has_experts) {
         if (m.shared_experts().count() > 0) {
           choose(m.shared_experts().bank(), loaded.stored_shared_formats, p + "mlp.shared_experts",
@@ -1223,6 +1261,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     }
     d.blocks.push_back(std::move(b));
   }
+  d.streamer = std::move(streamer);
   return d;
 }
 

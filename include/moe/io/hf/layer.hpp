@@ -621,6 +621,10 @@ struct HfLoadOptions {
   /// Throw moe::Error instead of returning HfLayer::warnings (unknown or defaulted config.json
   /// keys, tensors of the layer's module that are not read).
   bool strict = false;
+  /// false: the routed experts' weight tensors are checked but not read (their biases are), and
+  /// the bank is left zero and unpacked: for a caller that streams the experts from an expert
+  /// store (models::DecoderOptions::expert_store).
+  bool routed_expert_weights = true;
 };
 
 namespace detail {
@@ -1066,8 +1070,28 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
                      config.model_type(),
                      " experts fused (experts.gate_up_proj), which has no biases, but "
                      "config.json sets use_bias = true; use a per-expert checkpoint");
+  auto routed_weight = [](HfPart p) {
+    switch (p) {
+      case HfPart::kExpertGate:
+      case HfPart::kExpertUp:
+      case HfPart::kExpertDown:
+      case HfPart::kExpertsGateUp:
+      case HfPart::kExpertsDown:
+      case HfPart::kExpertsGateUpT:
+      case HfPart::kExpertsDownT:
+      case HfPart::kExpertsGateUpI:
+      case HfPart::kExpertsGateUpBlocks:
+      case HfPart::kExpertsGateUpScales:
+      case HfPart::kExpertsDownBlocks:
+      case HfPart::kExpertsDownScales:
+        return true;
+      default:
+        return false;
+    }
+  };
   for (std::size_t ti = 0; ti < out.tensors.size(); ++ti) {
     HfTensor const& t = out.tensors[ti];
+    if (!options.routed_expert_weights && routed_weight(t.part)) continue;
     if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
     if (t.part == HfPart::kExpertsGateUpBlocks || t.part == HfPart::kExpertsDownBlocks) {
       std::vector<float> const values = detail::read_mxfp4(checkpoint, t, out.tensors.at(ti + 1),
@@ -1115,12 +1139,14 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
                                             experts::name(f), " (the other is re-quantized)"));
       return f;
     };
-    for (Index e = 0; e < E; ++e) {
+    for (Index e = 0; e < E && options.routed_expert_weights; ++e) {
       auto const i = static_cast<std::size_t>(e);
       out.stored_formats.push_back(
           {in_format(gate[i], up[i], detail::concat("expert ", e)), down[i]});
     }
-    out.layer.experts().pack(out.stored_formats, nullptr, blocks.routed());
+    if (options.routed_expert_weights) {
+      out.layer.experts().pack(out.stored_formats, nullptr, blocks.routed());
+    }
     if constexpr (Layer::Shared::has_experts) {
       if (out.layer.shared_experts().count() > 0) {
         out.stored_shared_formats.push_back(
