@@ -44,6 +44,13 @@
 // --experts). A format whose blocks do not divide a matrix's depth falls back (q4_k -> q4_0 -> q8_0
 // -> bf16, q5_k -> q5_1 -> q8_0 -> bf16, q6_k -> q8_0 -> bf16): one warning line lists the
 // matrices that did.
+// Models larger than RAM (docs/offload.md): --write-expert-store FILE loads the model (experts in
+// their --experts formats), writes its routed experts as an expert store (one 4 KiB-aligned
+// record per layer and expert, packed for this machine's kernels) and exits; --expert-store FILE
+// then runs the model with those experts read on demand through a cache of --expert-cache bytes
+// (--cache-policy, --reader-threads, --direct-io; --read-bandwidth / --read-latency emulate a
+// drive), the checkpoint's own expert weights never read; the same ids and logits bit for bit,
+// and one line on stderr with the hit rate, bytes read per token and time waiting for reads.
 // --kv-cache: how the KV cache holds keys and values (fp32 default; bf16 halves its bytes,
 // moe::KvFormat). The timings go to stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
@@ -104,6 +111,8 @@ struct Args {
   bool cache = true;
   double temperature = 0.0, top_p = 1.0;
   std::uint64_t seed = 0;
+  std::string write_store;  // --write-expert-store
+  std::string predictor;    // --predictor
   moe::models::DecoderOptions weights;
   moe::KvFormat kv = moe::KvFormat::kF32;
 };
@@ -140,6 +149,22 @@ constexpr moe_cli::Option kOptions[] = {
      "(default: as stored: a GGUF file's blocks as they are, else fp32)"},
     {"--mix q4_k_m", "llama.cpp's Q4_K_M choice per matrix (overrides --dense and --experts)"},
     {"--kv-cache FORMAT", "how the KV cache holds keys and values: fp32 (default) or bf16"},
+    {"--write-expert-store FILE",
+     "write the routed experts (in their --experts formats) as an expert store and exit (no "
+     "prompt needed)"},
+    {"--expert-store FILE",
+     "stream the routed experts from this expert store through a bounded cache (the model's "
+     "own expert weights are not read)"},
+    {"--expert-cache SIZE", "with --expert-store: the cache's budget, e.g. 8GiB (default 2GiB)"},
+    {"--cache-policy NAME",
+     "with --expert-store: lru (default), lfu, layer-lru or learned (needs --predictor)"},
+    {"--predictor FILE", "the learned policy's reuse-distance model (moe_cache_sim writes one)"},
+    {"--reader-threads N", "with --expert-store: threads reading experts, 0 to 256 (default 4)"},
+    {"--direct-io", "with --expert-store: read with O_DIRECT (past the page cache) where allowed"},
+    {"--read-bandwidth SIZE",
+     "with --expert-store: emulate a drive of SIZE per second, e.g. 3GB (default: as fast as "
+     "the file reads)"},
+    {"--read-latency SECONDS", "with --read-bandwidth: per read, in [0, 10] (default 0.0001)"},
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
@@ -174,7 +199,8 @@ double parse_double(std::string const& flag, std::string const& s, double lo, do
 
 Args parse(int argc, char** argv) {
   Args a;
-  bool have_model = false, have_n = false;
+  a.weights.streaming.budget_bytes = std::uint64_t{2} << 30;
+  bool have_model = false, have_n = false, latency_given = false;
   int prompts = 0;  // --prompt-ids, --prompt and --prompt-file given
   for (int i = 1; i < argc; ++i) {
     std::string const f = argv[i];
@@ -245,6 +271,26 @@ Args parse(int argc, char** argv) {
       a.weights.mix = moe::models::DecoderOptions::Mix::kQ4_K_M;
     } else if (f == "--experts") {
       a.weights.experts = moe::experts::parse_weight_format(value());
+    } else if (f == "--write-expert-store") {
+      a.write_store = value();
+    } else if (f == "--expert-store") {
+      a.weights.expert_store = value();
+    } else if (f == "--expert-cache") {
+      a.weights.streaming.budget_bytes = moe_cli::parse_bytes(f, value());
+    } else if (f == "--cache-policy") {
+      a.weights.streaming.policy = value();
+    } else if (f == "--predictor") {
+      a.predictor = value();
+    } else if (f == "--reader-threads") {
+      a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
+    } else if (f == "--direct-io") {
+      a.weights.store_read.direct = true;
+    } else if (f == "--read-bandwidth") {
+      a.weights.store_read.bandwidth_bytes_per_s =
+          static_cast<double>(moe_cli::parse_bytes(f, value()));
+    } else if (f == "--read-latency") {
+      a.weights.store_read.latency_seconds = parse_double(f, value(), 0.0, 10.0);
+      latency_given = true;
     } else if (f == "--kv-cache") {
       std::string const v = value();
       if (v != "fp32" && v != "bf16") usage_error("--kv-cache '" + v + "': use fp32 or bf16");
@@ -252,6 +298,30 @@ Args parse(int argc, char** argv) {
     } else {
       moe_cli::exit_unknown_argument(kUsage, f);
     }
+  }
+  if (!a.write_store.empty()) {
+    if (!have_model || prompts > 0 || have_n || !a.weights.expert_store.empty()) {
+      usage_error(
+          "--write-expert-store takes --model (and the weight options) only: it writes the "
+          "store and exits");
+    }
+    return a;
+  }
+  if (a.weights.expert_store.empty() &&
+      (a.weights.store_read.direct || a.weights.store_read.bandwidth_bytes_per_s > 0.0 ||
+       latency_given || !a.predictor.empty())) {
+    usage_error(
+        "--direct-io, --read-bandwidth, --read-latency and --predictor go with "
+        "--expert-store");
+  }
+  if (latency_given && a.weights.store_read.bandwidth_bytes_per_s == 0.0) {
+    usage_error("--read-latency goes with --read-bandwidth (an emulated drive)");
+  }
+  if (a.weights.store_read.bandwidth_bytes_per_s > 0.0 && !latency_given) {
+    a.weights.store_read.latency_seconds = 1e-4;  // an NVMe drive's ~100 us
+  }
+  if (!a.predictor.empty()) {
+    a.weights.streaming.predictor = moe::offload::ReusePredictor::load(a.predictor);
   }
   if (prompts > 1) {
     usage_error("--prompt-ids, --prompt and --prompt-file are mutually exclusive; give one");
@@ -273,6 +343,31 @@ Args parse(int argc, char** argv) {
   }
 #endif
   return a;
+}
+
+/// With --expert-store: what the expert cache did.
+template <class Dec>
+void print_stream_stats(Dec const& d, Args const& a) {
+  if (!d.streamer) return;
+  moe::offload::StreamStats const& s = d.streamer->stats();
+  moe::offload::StoreReadOptions const& r = a.weights.store_read;
+  std::string how = d.streamer->store().direct() ? "O_DIRECT reads" : "buffered reads";
+  if (r.bandwidth_bytes_per_s > 0.0) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, ", a drive emulated at %.2f GB/s and %.0f us",
+                  r.bandwidth_bytes_per_s / 1e9, r.latency_seconds * 1e6);
+    how += buf;
+  }
+  std::fprintf(stderr,
+               "moe_generate: experts streamed from %s (%s policy, %.2f GiB cache, %s): hit rate "
+               "%.3f of %llu accesses (%llu misses, %llu bypasses); %.1f MiB read per token, "
+               "%.3f s waiting for reads\n",
+               d.streamer->store().path().c_str(), a.weights.streaming.policy.c_str(),
+               static_cast<double>(a.weights.streaming.budget_bytes) / 1073741824.0, how.c_str(),
+               s.hit_rate(), static_cast<unsigned long long>(s.accesses),
+               static_cast<unsigned long long>(s.misses),
+               static_cast<unsigned long long>(s.bypasses), s.bytes_per_token() / 1048576.0,
+               s.wait_seconds);
 }
 
 /// Called with each new id; returns true to stop generating after it.
@@ -320,6 +415,7 @@ int generate(moe::models::AnyDecoder const& dec, Args const& a, moe::ThreadPool*
                    ? ""
                    : (", recurrent state " + std::to_string(r.recurrent_bytes) + " bytes").c_str(),
                static_cast<int>(std::visit([](auto const& d) { return d.blocks.size(); }, dec)));
+  std::visit([&](auto const& d) { print_stream_stats(d, a); }, dec);
   if (!a.logits_out.empty()) {
     moe::io::SafetensorsWriter()
         .add_f32("logits", {static_cast<std::int64_t>(r.ids.size()), V}, all_logits)
@@ -393,6 +489,31 @@ int main(int argc, char** argv) {
       tokenize_prompt(*tok, a);
     }
 #endif
+    if (!a.write_store.empty()) {
+      std::unique_ptr<moe::ThreadPool> pool;
+      if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
+      moe_cli::check_output(a.write_store, moe_cli::model_inputs(a.model), "--write-expert-store");
+      auto const t0 = Clock::now();
+      moe::models::AnyDecoder const dec =
+          moe::io::is_gguf_file(a.model)
+              ? moe::models::load_gguf_decoder(a.model, pool.get(), a.weights)
+              : moe::models::load_hf_decoder(a.model, pool.get(), a.weights);
+      std::visit([&](auto const& d) { d.write_expert_store(a.write_store); }, dec);
+      moe::offload::ExpertStore const store(a.write_store);
+      std::uint64_t bytes = 0;
+      for (moe::Index l = 0; l < store.shape().num_layers; ++l) {
+        for (auto const& r : store.layer_records(l)) bytes += r.read_bytes();
+      }
+      std::fprintf(stderr,
+                   "moe_generate: wrote %s in %.2f s: %lld MoE layers x %lld experts, %.3f GiB "
+                   "of records (experts %s)\n",
+                   a.write_store.c_str(), std::chrono::duration<double>(Clock::now() - t0).count(),
+                   static_cast<long long>(store.shape().num_layers),
+                   static_cast<long long>(store.shape().num_experts),
+                   static_cast<double>(bytes) / 1073741824.0,
+                   moe::experts::name(store.record(0, 0).format.in));
+      return 0;
+    }
     if (a.prompt.empty()) usage_error("--prompt-ids needs at least one id");
     if (a.print_prompt_ids) {
       std::string line;

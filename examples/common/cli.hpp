@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <span>
+#include <string>
 #include <string_view>
 #include <system_error>
 #include <type_traits>
@@ -106,6 +107,31 @@ Int parse_integer(std::string_view option, std::string_view text, Int lo, Int hi
                       why.empty() ? "" : "; ", why);
   }
   return static_cast<Int>(v);
+}
+
+/// A size in bytes with its unit, as `option` takes it: "8GiB", "512MiB", "64KiB", "2GB",
+/// "500MB", "100B" (a non-negative number, fractions allowed: "1.5GiB"). Throws moe::Error
+/// naming the option and the accepted forms otherwise, or past 2^62 bytes.
+inline std::uint64_t parse_bytes(std::string_view option, std::string_view text) {
+  struct Unit {
+    std::string_view suffix;
+    double scale;
+  };
+  constexpr Unit kUnits[] = {{"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
+                             {"GB", 1e9},           {"MB", 1e6},        {"B", 1.0}};
+  for (Unit const& u : kUnits) {
+    if (text.size() <= u.suffix.size() || !text.ends_with(u.suffix)) continue;
+    std::string const number(text.substr(0, text.size() - u.suffix.size()));
+    char* end = nullptr;
+    double const v = std::strtod(number.c_str(), &end);
+    if (end == number.c_str() + number.size() &&
+        number.find_first_of("xXnN") == std::string::npos && v >= 0.0 && v * u.scale <= 4.6e18) {
+      return static_cast<std::uint64_t>(v * u.scale);
+    }
+    break;
+  }
+  moe::detail::fail(option, " '", text,
+                    "' is not a size with a unit (8GiB, 512MiB, 64KiB, 2GB, 500MB, 100B)");
 }
 
 }  // namespace moe_cli

@@ -1740,6 +1740,49 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("moe_generate: experts streamed from an expert store give the same ids and logits",
+          "[models][decoder][generate][offload]") {
+  Tiny t;
+  t.H = 32;
+  t.I_moe = 32;
+  Tensors const m = make_tensors(t, 920);
+  fs::path const dir = write_model(t, m, "generate_stream");
+  std::string const model = "--model '" + dir.string() + "'";
+  std::string const store = (dir / "experts.moex").string();
+  std::string const base = model + " --prompt-ids 3,17,5 --max-new-tokens 6 --experts q8_0";
+  REQUIRE(run_generate(base + " --logits '" + (dir / "a.safetensors").string() + "'", dir) == 0);
+  std::string const ids = text_of(dir / "out.txt");
+  INFO(text_of(dir / "err.txt"));
+  REQUIRE(run_generate(model + " --experts q8_0 --write-expert-store '" + store + "'", dir) == 0);
+  REQUIRE_THAT(text_of(dir / "err.txt"),
+               Catch::Contains("2 MoE layers x 4 experts") && Catch::Contains("(experts q8_0)"));
+  // A cache smaller than one token's experts, with an emulated drive; and one that holds all.
+  for (std::string const opts : {" --expert-cache 10KiB --read-bandwidth 2GB --reader-threads 0",
+                                 " --expert-cache 1GiB --cache-policy lfu --direct-io"}) {
+    INFO(opts);
+    std::string const logits = (dir / "b.safetensors").string();
+    REQUIRE(
+        run_generate(base + " --expert-store '" + store + "'" + opts + " --logits '" + logits + "'",
+                     dir) == 0);
+    CHECK(text_of(dir / "out.txt") == ids);
+    CHECK(text_of(dir / "a.safetensors") == text_of(logits));
+    CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("experts streamed from") &&
+                                             Catch::Contains("hit rate") &&
+                                             Catch::Contains("read per token") &&
+                                             Catch::Contains("a format asked for them is ignored"));
+  }
+  // Misuse: one line, exit status 1, pointing at the fix.
+  CHECK(run_generate(base + " --expert-store '" + store + "' --cache-policy belady", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("belady needs the future"));
+  CHECK(run_generate(base + " --direct-io", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("go with --expert-store"));
+  CHECK(run_generate(base + " --expert-store '" + store + "' --expert-cache 8GB2", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("is not a size with a unit"));
+  CHECK(run_generate(model + " --write-expert-store '" + store + "' --prompt-ids 1", dir) == 1);
+  CHECK(run_generate(base + " --expert-store '" + (dir / "config.json").string() + "'", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("not an expert store"));
+}
+
 TEST_CASE("moe_generate: the cache and --no-cache give the same ids and logits",
           "[models][decoder][generate]") {
   Tiny t;
