@@ -1,12 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
-// Decoding benchmarks (docs/decoding.md, docs/performance.md): a synthetic decoder of
-// Qwen3-30B-A3B's shapes with random weights (moe::models::Decoder<presets::Qwen3Moe>):
-// hidden 2048, 32 query heads over 4 KV heads of head_dim 128, q/k RMSNorm, RoPE; 128 experts of
-// width 768, top-8 (experts packed as bf16: 2 bytes a weight); vocabulary 151936 with an untied
-// LM head; kLayers = 4 layers (the experts' fp32 weights are discarded once packed, as
-// load_hf_decoder does). Two threads.
+// Decoding benchmarks (docs/decoding.md, docs/performance.md): the synthetic decoder of
+// Qwen3-30B-A3B's shapes with random weights (synthetic_decoder.hpp), kLayers = 4 layers. Two
+// threads.
 //
 //   BM_Decoder_Prefill/T:512/dense:D     one prompt of 512 tokens through a fresh cache
 //   BM_Decoder_Decode/ctx:C/dense:D/kv:K one decode step after a cached context of C tokens
@@ -50,22 +47,24 @@
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/models/decoder.hpp"
+#include "synthetic_decoder.hpp"
 
 namespace {
 
 using moe::Index;
-using Decoder = moe::models::Decoder<moe::presets::Qwen3Moe>;
+using Decoder = moe::bench::SyntheticDecoder;
+using moe::bench::kDh;
+using moe::bench::kE;
+using moe::bench::kH;
+using moe::bench::kKv;
+using moe::bench::kTopK;
+using moe::bench::kVocab;
 constexpr int kThreads = 2;
-constexpr Index kLayers = 4, kH = 2048, kHeads = 32, kKv = 4, kDh = 128, kE = 128, kI = 768,
-                kTopK = 8, kVocab = 151936;
+constexpr Index kLayers = 4;
 
 moe::ThreadPool& pool() {
   static moe::ThreadPool p(kThreads);
   return p;
-}
-
-void fill(std::span<float> v, float bound, std::uint64_t seed) {
-  moe::fill_uniform(v, -bound, bound, seed);
 }
 
 /// The formats of configuration w (see the top of this file).
@@ -84,91 +83,12 @@ Decoder const& decoder(int w) {
   std::optional<Decoder>& slot = built[w];
   if (slot) return *slot;
   for (auto& other : built) other.reset();  // one configuration in memory at a time
-  using moe::models::MatrixClass;
-  moe::models::DecoderOptions const opt = options_of(w);
-  Decoder dec;
-  moe::models::DecoderConfig& c = dec.config;
-  c.moe.family = moe::io::HfFamily::kQwen3Moe;
-  c.moe.hidden_size = kH;
-  c.moe.num_experts = kE;
-  c.moe.num_experts_per_tok = kTopK;
-  c.moe.expert_intermediate_size = kI;
-  c.moe.norm_topk_prob = true;
-  c.moe.num_hidden_layers = kLayers;
-  c.vocab_size = kVocab;
-  c.num_hidden_layers = kLayers;
-  c.num_attention_heads = kHeads;
-  c.num_key_value_heads = kKv;
-  c.head_dim = kDh;
-  c.rope_theta = 1e6f;
-  c.rms_norm_eps = 1e-6f;
-  c.qk_norm = true;
-  auto format = [&](MatrixClass m, Index L, Index depth) {
-    return moe::experts::resolve_format(
-        opt.format_of(m, L, kLayers, kE, false, moe::experts::WeightFormat::kBf16), depth);
-  };
-  {
-    std::vector<float> v(static_cast<std::size_t>(kVocab * kH));
-    fill(v, 1.0f, 1);
-    dec.embed = moe::models::Embedding::pack({v.data(), kVocab, kH},
-                                             format(MatrixClass::kEmbedding, 0, kH));
-    fill(v, 0.02f, 2);
-    dec.lm_head = moe::Linear({v.data(), kVocab, kH}, format(MatrixClass::kLmHead, kLayers - 1, kH),
-                              {}, &pool());
-  }
-  dec.norm.assign(static_cast<std::size_t>(kH), 1.0f);
-  moe::GatedAttentionConfig ac;
-  ac.d_model = kH;
-  ac.num_heads = kHeads;
-  ac.num_kv_heads = kKv;
-  ac.head_dim = kDh;
-  ac.qk_norm = moe::QkNorm::kRmsNorm;
-  ac.rope = true;
-  ac.rope_theta = 1e6f;
-  // One routed-expert layer per ffn_down format the mix asks for, quantized once, then copied.
-  std::optional<moe::presets::Qwen3Moe> moe_layers[2];
-  for (Index L = 0; L < kLayers; ++L) {
-    Decoder::Block b;
-    auto& attention = b.mixer.emplace<moe::GatedAttention<moe::gating::NoGate>>(ac);
-    std::uint64_t seed = 100 * static_cast<std::uint64_t>(L + 1);
-    for (auto const& p : attention.parameters()) {
-      if (std::string_view(p.name).find("norm") == std::string_view::npos) {
-        fill(p.values, 0.02f, seed++);
-      }
-    }
-    attention.pack_weights(
-        {format(MatrixClass::kAttnQ, L, kH), format(MatrixClass::kAttnK, L, kH),
-         format(MatrixClass::kAttnV, L, kH), format(MatrixClass::kAttnO, L, kHeads * kDh)},
-        &pool());
-    attention.discard_master_weights();
-    b.input_norm.assign(static_cast<std::size_t>(kH), 1.0f);
-    b.post_norm.assign(static_cast<std::size_t>(kH), 1.0f);
-    moe::experts::ExpertFormat const ef{format(MatrixClass::kExpertsIn, L, kH),
-                                        format(MatrixClass::kExpertsDown, L, kI)};
-    std::optional<moe::presets::Qwen3Moe>& m =
-        moe_layers[ef.down == moe::experts::WeightFormat::kQ6_K ? 1 : 0];
-    if (!m) {
-      m.emplace(moe::presets::make_qwen3_moe({kH, kI, kE, kTopK, true}));
-      fill(m->experts().edit().parameters(), 0.02f, 1000);
-      auto rw = m->router_weight();
-      fill({rw.data, static_cast<std::size_t>(rw.rows * rw.cols)}, 0.05f, 1001);
-      m->pack_weights(ef, ef, &pool());
-      m->discard_master_weights();  // as load_hf_decoder: only the pack stays
-    }
-    b.moe.emplace(*m);
-    dec.blocks.push_back(std::move(b));
-  }
-  slot.emplace(std::move(dec));
+  slot.emplace(moe::bench::make_synthetic_decoder(kLayers, options_of(w), &pool()));
   return *slot;
 }
 
 std::vector<std::int64_t> tokens(Index n, std::uint64_t seed) {
-  std::vector<std::int64_t> t(static_cast<std::size_t>(n));
-  for (Index i = 0; i < n; ++i) {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    t[static_cast<std::size_t>(i)] = static_cast<std::int64_t>((seed >> 33) % kVocab);
-  }
-  return t;
+  return moe::bench::synthetic_tokens(n, seed);
 }
 
 /// The reader's buffer: 4x the read sweep's last-level cache, at least 512 MiB.

@@ -48,9 +48,10 @@
 // their --experts formats), writes its routed experts as an expert store (one 4 KiB-aligned
 // record per layer and expert, packed for this machine's kernels) and exits; --expert-store FILE
 // then runs the model with those experts read on demand through a cache of --expert-cache bytes
-// (--cache-policy, --reader-threads, --direct-io; --read-bandwidth / --read-latency emulate a
-// drive), the checkpoint's own expert weights never read; the same ids and logits bit for bit,
-// and one line on stderr with the hit rate, bytes read per token and time waiting for reads.
+// (--cache-policy, --reader-threads, --prefetch, --direct-io; --read-bandwidth / --read-latency
+// emulate a drive), the checkpoint's own expert weights never read; the same ids and logits bit
+// for bit, and one line on stderr with the hit rate, bytes read per token, time waiting for reads
+// and the prefetch's precision and recall.
 // --kv-cache: how the KV cache holds keys and values (fp32 default; bf16 halves its bytes,
 // moe::KvFormat). The timings go to stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
@@ -160,6 +161,9 @@ constexpr moe_cli::Option kOptions[] = {
      "with --expert-store: lru (default), lfu, layer-lru or learned (needs --predictor)"},
     {"--predictor FILE", "the learned policy's reuse-distance model (moe_cache_sim writes one)"},
     {"--reader-threads N", "with --expert-store: threads reading experts, 0 to 256 (default 4)"},
+    {"--prefetch MODE",
+     "with --expert-store: read ahead for the next MoE layer: router (default: its router on the "
+     "current hidden state), previous (the previous token's experts), both, none"},
     {"--direct-io", "with --expert-store: read with O_DIRECT (past the page cache) where allowed"},
     {"--read-bandwidth SIZE",
      "with --expert-store: emulate a drive of SIZE per second, e.g. 3GB (default: as fast as "
@@ -283,6 +287,8 @@ Args parse(int argc, char** argv) {
       a.predictor = value();
     } else if (f == "--reader-threads") {
       a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
+    } else if (f == "--prefetch") {
+      a.weights.streaming.prefetch = value();
     } else if (f == "--direct-io") {
       a.weights.store_read.direct = true;
     } else if (f == "--read-bandwidth") {
@@ -358,16 +364,18 @@ void print_stream_stats(Dec const& d, Args const& a) {
                   r.bandwidth_bytes_per_s / 1e9, r.latency_seconds * 1e6);
     how += buf;
   }
-  std::fprintf(stderr,
-               "moe_generate: experts streamed from %s (%s policy, %.2f GiB cache, %s): hit rate "
-               "%.3f of %llu accesses (%llu misses, %llu bypasses); %.1f MiB read per token, "
-               "%.3f s waiting for reads\n",
-               d.streamer->store().path().c_str(), a.weights.streaming.policy.c_str(),
-               static_cast<double>(a.weights.streaming.budget_bytes) / 1073741824.0, how.c_str(),
-               s.hit_rate(), static_cast<unsigned long long>(s.accesses),
-               static_cast<unsigned long long>(s.misses),
-               static_cast<unsigned long long>(s.bypasses), s.bytes_per_token() / 1048576.0,
-               s.wait_seconds);
+  std::fprintf(
+      stderr,
+      "moe_generate: experts streamed from %s (%s policy, %.2f GiB cache, %s): hit rate "
+      "%.3f of %llu accesses (%llu misses, %llu bypasses); %.1f MiB read per token, "
+      "%.3f s waiting for reads; prefetch %s: %llu experts, precision %.3f, recall "
+      "%.3f\n",
+      d.streamer->store().path().c_str(), a.weights.streaming.policy.c_str(),
+      static_cast<double>(a.weights.streaming.budget_bytes) / 1073741824.0, how.c_str(),
+      s.hit_rate(), static_cast<unsigned long long>(s.accesses),
+      static_cast<unsigned long long>(s.misses), static_cast<unsigned long long>(s.bypasses),
+      s.bytes_per_token() / 1048576.0, s.wait_seconds, a.weights.streaming.prefetch.c_str(),
+      static_cast<unsigned long long>(s.prefetches), s.prefetch_precision(), s.prefetch_recall());
 }
 
 /// Called with each new id; returns true to stop generating after it.

@@ -1211,6 +1211,7 @@ TEST_CASE("Decoder: experts streamed from an expert store decode as resident one
             so.policy = policy;
             so.budget_bytes = budget;
             so.reader_threads = budget == record ? 0 : 2;
+            so.prefetch = policy == "lru" ? "both" : policy == "lfu" ? "previous" : "none";
             auto streamed = dec;
             streamed.stream_experts(std::make_shared<moe::offload::ExpertStreamer>(store, so));
             std::vector<float> const got = greedy_logits(t, streamed, &pool);
@@ -1757,8 +1758,9 @@ TEST_CASE("moe_generate: experts streamed from an expert store give the same ids
   REQUIRE_THAT(text_of(dir / "err.txt"),
                Catch::Contains("2 MoE layers x 4 experts") && Catch::Contains("(experts q8_0)"));
   // A cache smaller than one token's experts, with an emulated drive; and one that holds all.
-  for (std::string const opts : {" --expert-cache 10KiB --read-bandwidth 2GB --reader-threads 0",
-                                 " --expert-cache 1GiB --cache-policy lfu --direct-io"}) {
+  for (std::string const opts :
+       {" --expert-cache 10KiB --read-bandwidth 2GB --reader-threads 0",
+        " --expert-cache 1GiB --cache-policy lfu --direct-io --prefetch both"}) {
     INFO(opts);
     std::string const logits = (dir / "b.safetensors").string();
     REQUIRE(
@@ -1766,10 +1768,10 @@ TEST_CASE("moe_generate: experts streamed from an expert store give the same ids
                      dir) == 0);
     CHECK(text_of(dir / "out.txt") == ids);
     CHECK(text_of(dir / "a.safetensors") == text_of(logits));
-    CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("experts streamed from") &&
-                                             Catch::Contains("hit rate") &&
-                                             Catch::Contains("read per token") &&
-                                             Catch::Contains("a format asked for them is ignored"));
+    CHECK_THAT(text_of(dir / "err.txt"),
+               Catch::Contains("experts streamed from") && Catch::Contains("hit rate") &&
+                   Catch::Contains("read per token") && Catch::Contains("precision") &&
+                   Catch::Contains("a format asked for them is ignored"));
   }
   // Misuse: one line, exit status 1, pointing at the fix.
   CHECK(run_generate(base + " --expert-store '" + store + "' --cache-policy belady", dir) == 1);

@@ -245,6 +245,65 @@ TEST_CASE("An MoE layer streaming its experts gives the resident outputs bit for
   CHECK(st.bytes_read <= (st.misses + st.bypasses) * hi);
 }
 
+TEST_CASE("Prefetched experts are hits, counted as such; the outputs do not change",
+          "[offload][store]") {
+  Index const E = 6, D = 256, T = 1;
+  auto resident = make_layer(11, E, D);
+  resident.experts().pack(WeightFormat::kQ4_K);
+  std::string const path = tmp("prefetch.moex");
+  {
+    ExpertStoreWriter w(path, {1, E, D, 256, true});
+    w.add_layer(resident.experts());
+    w.finish();
+  }
+  auto const store = std::make_shared<ExpertStore const>(path);
+  std::uint64_t const record = store->record(0, 0).read_bytes();
+  StreamerOptions o;
+  o.budget_bytes = 4 * record;
+  o.reader_threads = 2;
+  ExpertStreamer streamer(store, o);
+  auto streamed = resident;
+  streamed.experts().stream_records(store->layer_formats(0), streamer.records(0));
+  std::vector<float> x(static_cast<std::size_t>(8 * D));
+  moe::fill_uniform(x, -1.0f, 1.0f, 12);
+  moe::MoeFfnWorkspace ws_a, ws_b;
+  std::vector<float> ya(static_cast<std::size_t>(D)), yb(ya.size());
+  std::vector<std::int32_t> ids;
+  std::uint64_t used = 0;
+  for (Index step = 0; step < 8; ++step) {
+    moe::ConstMatrixView<float> xs(x.data() + step * D, T, D);
+    resident.forward(xs, moe::MatrixView<float>(ya.data(), T, D), ws_a);
+    streamer.begin_forward(T);
+    streamed.route(xs, ws_b);
+    ids.clear();
+    for (Index e = 0; e < E; ++e) {
+      if (ws_b.plan.expert_rows(e) > 0) ids.push_back(static_cast<std::int32_t>(e));
+    }
+    // Read this step's experts ahead (as the decoder does one layer early), then acquire: every
+    // one is a hit, a prefetch hit unless it was resident already.
+    std::uint64_t const hits = streamer.stats().hits, before = streamer.stats().prefetch_hits;
+    std::uint64_t fresh = 0;
+    for (std::int32_t const e : ids) fresh += streamer.resident(0, e) ? 0 : 1;
+    streamer.prefetch(0, ids);
+    streamer.acquire(0, ids, {});
+    CHECK(streamer.stats().hits - hits == ids.size());
+    CHECK(streamer.stats().prefetch_hits - before == fresh);
+    used += fresh;
+    streamed.forward_with_plan(xs, ws_b.plan, moe::MatrixView<float>(yb.data(), T, D), ws_b);
+    streamer.release(0);
+    REQUIRE(std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float)) == 0);
+  }
+  StreamStats const& st = streamer.stats();
+  CHECK(st.misses == 0);
+  CHECK(st.prefetches == used);
+  CHECK(st.prefetch_precision() == 1.0);
+  CHECK(st.prefetch_recall() == 1.0);
+  // An unknown prefetch mode is refused.
+  o.prefetch = "later";
+  CHECK_THROWS_WITH(ExpertStreamer(store, o),
+                    Catch::Contains("use none, router, previous or both"));
+}
+
 TEST_CASE("The streamer refuses bad calls and unknown policies", "[offload][store]") {
   auto a = make_layer(9);
   a.experts().pack(WeightFormat::kQ8_0);

@@ -298,6 +298,9 @@ struct DecoderState {
   LinearQueue queue;                        ///< dense MLP and LM-head projections
   std::vector<std::int32_t> stream_ids;     ///< a streamed MoE layer's routed experts
   std::vector<float> stream_gates;          ///< and their largest routing weights
+  std::vector<std::int32_t> prefetch_ids;   ///< what the next streamed MoE layer reads ahead
+  std::vector<float> prefetch_x;            ///< its router's input (the next post-norm of h)
+  MoeFfnWorkspace ffn_ahead;                ///< its routing
   InUse in_use;  ///< forward() holds it: a second, overlapping call on this state throws
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
@@ -473,10 +476,13 @@ class Decoder {
                               " the model was trained for (config.json's "
                               "max_position_embeddings); the tokens past it may be poor");
   }
-  /// The MoE layer `layer` (MoE layer `index`) with streamed experts: route, make the chosen
-  /// experts resident, run them on that routing (forward() is route + the same run), release.
-  void forward_streamed(Moe const& layer, Index index, ConstMatrixView<float> x,
+  /// Block L's MoE layer (MoE layer `index`) with streamed experts: route, make the chosen
+  /// experts resident, start reading ahead for the next MoE layer, run the experts on that
+  /// routing (forward() is route + the same run), release. h: the residual stream the MoE
+  /// layer's input x was normed from.
+  void forward_streamed(std::size_t L, Index index, MatrixView<float> h, ConstMatrixView<float> x,
                         MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const {
+    Moe const& layer = *blocks[L].moe;
     layer.route(x, st.ffn, opt);
     RoutingPlan const& plan = st.ffn.plan;
     st.stream_ids.clear();
@@ -496,7 +502,42 @@ class Decoder {
       Index i;
       ~Release() { s.release(i); }
     } const release{*streamer, index};
+    prefetch_ahead(L, index, h, st, opt);
     layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
+  }
+  /// Reads ahead the experts the next MoE layer (after block L; MoE layer index + 1) will likely
+  /// need, as StreamerOptions::prefetch says: its router applied to the current residual stream
+  /// h normed with its own post-attention norm (the attention between changes h a little), and
+  /// the experts it ran for the previous token.
+  void prefetch_ahead(std::size_t L, Index index, MatrixView<float> h, DecoderState& st,
+                      ForwardOptions const& opt) const {
+    offload::StreamerOptions const& so = streamer->options();
+    std::size_t next = L + 1;
+    while (next < blocks.size() && !blocks[next].moe) ++next;
+    if (next >= blocks.size() || so.prefetch == "none") return;
+    st.prefetch_ids.clear();
+    if (so.prefetch_previous()) {
+      std::span<std::int32_t const> const last = streamer->last_experts(index + 1);
+      st.prefetch_ids.assign(last.begin(), last.end());
+    }
+    if (so.prefetch_router()) {
+      Block const& nb = blocks[next];
+      st.prefetch_x.resize(static_cast<std::size_t>(h.rows * h.cols));
+      MatrixView<float> const xn(st.prefetch_x.data(), h.rows, h.cols);
+      rms_rows(h, nb.post_norm, xn, opt.pool);
+      nb.moe->route(xn, st.ffn_ahead, opt);
+      RoutingPlan const& plan = st.ffn_ahead.plan;
+      for (Index e = 0; e < nb.moe->num_experts(); ++e) {
+        if (plan.expert_offsets[static_cast<std::size_t>(e) + 1] >
+            plan.expert_offsets[static_cast<std::size_t>(e)]) {
+          st.prefetch_ids.push_back(static_cast<std::int32_t>(e));
+        }
+      }
+    }
+    std::sort(st.prefetch_ids.begin(), st.prefetch_ids.end());
+    st.prefetch_ids.erase(std::unique(st.prefetch_ids.begin(), st.prefetch_ids.end()),
+                          st.prefetch_ids.end());
+    streamer->prefetch(index + 1, st.prefetch_ids);
   }
 
   /// Bytes of the dense matrices a decode step of one token streams: every attention
@@ -619,7 +660,7 @@ class Decoder {
         ForwardOptions opt;
         opt.pool = pool;
         if (streamer) {
-          forward_streamed(*b.moe, moe_layer, normed, tmp, st, opt);
+          forward_streamed(L, moe_layer, h, normed, tmp, st, opt);
         } else {
           b.moe->forward(normed, tmp, st.ffn, opt);
         }

@@ -42,6 +42,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>

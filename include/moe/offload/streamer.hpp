@@ -34,14 +34,27 @@ namespace moe::offload {
 
 /// What an ExpertStreamer did: accesses (one per expert of a layer's step), hits, misses (read
 /// into the cache), bypasses (read for one step only: the cache could not take them), bytes
-/// read, and the seconds acquire() waited for reads.
+/// read (prefetches included), the seconds acquire() waited for reads; prefetches (experts read
+/// ahead by prefetch()) and prefetch hits (accesses that found an expert a prefetch brought in).
 struct StreamStats {
   std::uint64_t accesses = 0, hits = 0, misses = 0, bypasses = 0;
   std::uint64_t bytes_read = 0;
+  std::uint64_t prefetches = 0, prefetch_hits = 0;
   double wait_seconds = 0.0;
   Index tokens = 0;  ///< tokens seen (begin_forward's counts)
   double hit_rate() const {
     return accesses == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(accesses);
+  }
+  /// Of the experts read ahead, the share an access then used.
+  double prefetch_precision() const {
+    return prefetches == 0 ? 0.0
+                           : static_cast<double>(prefetch_hits) / static_cast<double>(prefetches);
+  }
+  /// Of the accesses that would have missed without prefetching, the share a prefetch covered.
+  double prefetch_recall() const {
+    std::uint64_t const would_miss = prefetch_hits + misses + bypasses;
+    return would_miss == 0 ? 0.0
+                           : static_cast<double>(prefetch_hits) / static_cast<double>(would_miss);
   }
   double bytes_per_token() const {
     return tokens == 0 ? 0.0 : static_cast<double>(bytes_read) / static_cast<double>(tokens);
@@ -58,8 +71,15 @@ struct StreamerOptions {
   std::string policy = "lru";
   double lfu_half_life_tokens = 16.0;
   std::optional<ReusePredictor> predictor;  ///< "learned": required
-  /// Reader threads (0: reads in the calling thread). More threads keep more reads in flight.
+  /// Reader threads (0: reads in the calling thread, and no prefetching). More threads keep
+  /// more reads in flight.
   int reader_threads = 4;
+  /// What a decoder reads ahead for the next MoE layer while a layer runs: "none"; "router"
+  /// (that layer's router applied to the current hidden state); "previous" (the experts that
+  /// layer ran for the previous token); "both".
+  std::string prefetch = "router";
+  bool prefetch_router() const { return prefetch == "router" || prefetch == "both"; }
+  bool prefetch_previous() const { return prefetch == "previous" || prefetch == "both"; }
 };
 
 /// The names StreamerOptions::policy takes.
@@ -76,6 +96,9 @@ class ExpertStreamer {
     moe::detail::check(store_ != nullptr, w, ": no store");
     moe::detail::check(options_.reader_threads >= 0 && options_.reader_threads <= 256, w,
                        ": reader_threads = ", options_.reader_threads, "; give 0 to 256");
+    moe::detail::check(
+        options_.prefetch == "none" || options_.prefetch_router() || options_.prefetch_previous(),
+        w, ": prefetch '", options_.prefetch, "'; use none, router, previous or both");
     StoreShape const& s = store_->shape();
     L_ = s.num_layers;
     E_ = s.num_experts;
@@ -89,7 +112,10 @@ class ExpertStreamer {
     cache_ = make_cache(std::move(g));
     table_.assign(static_cast<std::size_t>(L_ * E_), nullptr);
     buffers_.resize(table_.size());
+    loading_.assign(table_.size(), 0);
+    prefetched_.assign(table_.size(), 0);
     held_.resize(static_cast<std::size_t>(L_));
+    last_.resize(static_cast<std::size_t>(L_));
     for (int i = 0; i < options_.reader_threads; ++i) {
       readers_.emplace_back([this] { read_loop(); });
     }
@@ -144,6 +170,7 @@ class ExpertStreamer {
     Index const step = token_ * L_ + layer;
     gates_.assign(gates.begin(), gates.end());
     gates_.resize(experts.size(), 0.0f);
+    collect_prefetches();
     cache_->begin_step({step, TraceRecord{token_, layer, experts, gates_, {}, {}}});
     pending_reads_.clear();
     for (std::size_t i = 0; i < experts.size(); ++i) {
@@ -156,18 +183,23 @@ class ExpertStreamer {
       switch (cache_->access(key, ctx)) {
         case AccessOutcome::kHit:
           ++stats_.hits;
+          if (prefetched_[s] != 0) {
+            prefetched_[s] = 0;
+            ++stats_.prefetch_hits;
+          }
           held.cached.push_back(e);
           break;
         case AccessOutcome::kMiss: {
           for (ExpertKey const& v : cache_->evicted()) {
             std::size_t const vs = slot(v.layer, v.expert);
             table_[vs] = nullptr;
+            prefetched_[vs] = 0;
             spare_.push_back(std::move(buffers_[vs]));
           }
           buffers_[s] = take_buffer(rec.read_bytes());
           table_[s] = buffers_[s].data();
           held.cached.push_back(e);
-          pending_reads_.push_back({layer, e, buffers_[s].data()});
+          pending_reads_.push_back({layer, e, buffers_[s].data(), s, false});
           ++stats_.misses;
           stats_.bytes_read += rec.read_bytes();
           break;
@@ -175,7 +207,7 @@ class ExpertStreamer {
         case AccessOutcome::kBypass:
           held.transient.emplace_back(e, RecordBuffer(rec.read_bytes()));
           table_[s] = held.transient.back().second.data();
-          pending_reads_.push_back({layer, e, held.transient.back().second.data()});
+          pending_reads_.push_back({layer, e, held.transient.back().second.data(), s, false});
           ++stats_.bypasses;
           stats_.bytes_read += rec.read_bytes();
           break;
@@ -183,12 +215,76 @@ class ExpertStreamer {
     }
     spare_.clear();  // evicted buffers no miss of this step reused: give their memory back
     try {
-      read_all();
+      read_all(layer);
     } catch (std::exception const& e) {
       broken_ = true;
       broken_why_ = e.what();
       throw;
     }
+    std::vector<std::int32_t>& last = last_[static_cast<std::size_t>(layer)];
+    last.assign(experts.begin(), experts.end());
+  }
+
+  /// Reads `experts` of MoE layer `layer` ahead, in the background, into the cache (those not
+  /// resident and for which the cache makes room without evicting a pinned expert); acquire()
+  /// of that layer then finds them resident, or waits for the reads in flight. Demand reads go
+  /// first. A no-op without reader threads. Ids are checked as acquire checks them.
+  void prefetch(Index layer, std::span<std::int32_t const> experts) {
+    char const* w = "moe::offload::ExpertStreamer::prefetch";
+    moe::detail::check(layer >= 0 && layer < L_, w, ": MoE layer ", layer, " is outside the ", L_,
+                       " of the store");
+    if (readers_.empty() || broken_) return;
+    collect_prefetches();
+    Index const step = token_ * L_ + layer;
+    std::size_t const first = pending_reads_.size();
+    // The listed experts already resident are pinned for the while (and count as used now), so
+    // that reading the others does not evict them.
+    touched_.clear();
+    for (std::int32_t const e : experts) {
+      moe::detail::check(e >= 0 && e < E_, w, ": expert ", e, " is outside [0, ", E_, ")");
+      ExpertKey const key{static_cast<std::int32_t>(layer), e};
+      if (cache_->resident(key)) {
+        (void)cache_->access(key, AccessContext{step, token_, E_, 0.0f});
+        touched_.push_back(key);
+      }
+    }
+    for (std::int32_t const e : experts) {
+      ExpertKey const key{static_cast<std::int32_t>(layer), e};
+      if (cache_->resident(key)) continue;
+      std::size_t const s = slot(layer, e);
+      StoreRecord const& rec = store_->record(layer, e);
+      if (cache_->access(key, AccessContext{step, token_, E_, 0.0f}) != AccessOutcome::kMiss) {
+        continue;  // a bypass: no room, nothing read
+      }
+      for (ExpertKey const& v : cache_->evicted()) {
+        std::size_t const vs = slot(v.layer, v.expert);
+        table_[vs] = nullptr;
+        prefetched_[vs] = 0;
+        spare_.push_back(std::move(buffers_[vs]));
+      }
+      buffers_[s] = take_buffer(rec.read_bytes());
+      table_[s] = buffers_[s].data();
+      prefetched_[s] = 1;
+      pending_reads_.push_back({layer, e, buffers_[s].data(), s, true});
+      ++stats_.prefetches;
+      stats_.bytes_read += rec.read_bytes();
+    }
+    spare_.clear();
+    for (ExpertKey const& k : touched_) cache_->unpin(k);
+    if (pending_reads_.size() == first) return;
+    {
+      std::lock_guard<std::mutex> const lock(mutex_);
+      for (std::size_t i = first; i < pending_reads_.size(); ++i) {
+        loading_[pending_reads_[i].slot] = 1;
+        prefetch_q_.push_back(pending_reads_[i]);
+      }
+    }
+    pending_reads_.resize(first);
+    work_.notify_all();
+  }
+  /// The experts the last acquire() of MoE layer `layer` made resident (empty before one).
+  std::span<std::int32_t const> last_experts(Index layer) const {
+    return last_.at(static_cast<std::size_t>(layer));
   }
 
   /// Unpins MoE layer `layer`'s experts of the last acquire and drops its bypassed records.
@@ -226,6 +322,8 @@ class ExpertStreamer {
     Index layer;
     Index expert;
     std::byte* dst;
+    std::size_t slot;
+    bool prefetch;
   };
   /// The cache, whatever its policy.
   struct Cache {
@@ -279,35 +377,61 @@ class ExpertStreamer {
     }
     return RecordBuffer(bytes);
   }
-  /// Runs pending_reads_ on the reader threads (or here) and waits for them.
-  void read_all() {
-    if (pending_reads_.empty()) return;
+  /// Runs pending_reads_ (demand reads) on the reader threads (or here) and waits for them and
+  /// for any prefetch still reading an expert of MoE layer `layer` this acquire holds.
+  void read_all(Index layer) {
     auto const t0 = std::chrono::steady_clock::now();
     if (readers_.empty()) {
       for (Read const& r : pending_reads_) store_->read(r.layer, r.expert, r.dst);
     } else {
+      Held const& held = held_[static_cast<std::size_t>(layer)];
       std::unique_lock<std::mutex> lock(mutex_);
-      error_ = nullptr;
-      for (Read const& r : pending_reads_) queue_.push_back(r);
-      outstanding_ += pending_reads_.size();
-      work_.notify_all();
-      done_.wait(lock, [&] { return outstanding_ == 0; });
+      for (Read const& r : pending_reads_) {
+        loading_[r.slot] = 1;
+        demand_q_.push_back(r);
+      }
+      if (!pending_reads_.empty()) work_.notify_all();
+      auto ready = [&] {
+        if (error_) return true;
+        for (std::int32_t const e : held.cached) {
+          if (loading_[slot(layer, e)] != 0) return false;
+        }
+        for (auto const& [e, buf] : held.transient) {
+          if (loading_[slot(layer, e)] != 0) return false;
+        }
+        return true;
+      };
+      done_.wait(lock, ready);
       if (error_) {
         std::exception_ptr const e = std::exchange(error_, nullptr);
         lock.unlock();
         std::rethrow_exception(e);
       }
     }
+    pending_reads_.clear();
     stats_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  /// Unpins the prefetches whose reads are done (the readers cannot touch the cache).
+  void collect_prefetches() {
+    std::vector<std::size_t> done;
+    {
+      std::lock_guard<std::mutex> const lock(mutex_);
+      done.swap(prefetch_done_);
+    }
+    for (std::size_t const s : done) {
+      cache_->unpin({static_cast<std::int32_t>(static_cast<Index>(s) / E_),
+                     static_cast<std::int32_t>(static_cast<Index>(s) % E_)});
+    }
   }
   void read_loop() {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      work_.wait(lock, [&] { return stop_ || !demand_q_.empty() || !prefetch_q_.empty(); });
       if (stop_) return;
-      Read const r = queue_.front();
-      queue_.pop_front();
+      std::deque<Read>& q = demand_q_.empty() ? prefetch_q_ : demand_q_;
+      Read const r = q.front();
+      q.pop_front();
       lock.unlock();
       std::exception_ptr err;
       try {
@@ -317,7 +441,9 @@ class ExpertStreamer {
       }
       lock.lock();
       if (err && !error_) error_ = err;
-      if (--outstanding_ == 0) done_.notify_all();
+      loading_[r.slot] = 0;
+      if (r.prefetch) prefetch_done_.push_back(r.slot);
+      done_.notify_all();
     }
   }
 
@@ -325,12 +451,15 @@ class ExpertStreamer {
   StreamerOptions options_;
   Index L_ = 0, E_ = 0;
   std::unique_ptr<Cache> cache_;
-  std::vector<std::byte const*> table_;  // [L * E] the resident (or bypassed) records
-  std::vector<RecordBuffer> buffers_;    // [L * E] the cached records' memory
-  std::vector<RecordBuffer> spare_;      // evicted this step, for this step's misses
-  std::vector<Held> held_;               // [L] what the last acquire of each layer holds
+  std::vector<std::byte const*> table_;          // [L * E] the resident (or bypassed) records
+  std::vector<RecordBuffer> buffers_;            // [L * E] the cached records' memory
+  std::vector<RecordBuffer> spare_;              // evicted this step, for this step's misses
+  std::vector<Held> held_;                       // [L] what the last acquire of each layer holds
+  std::vector<std::vector<std::int32_t>> last_;  // [L] the experts of each layer's last acquire
+  std::vector<unsigned char> prefetched_;        // [L * E] brought in by a prefetch, not used yet
   std::vector<float> gates_;
   std::vector<unsigned char> seen_;
+  std::vector<ExpertKey> touched_;
   bool broken_ = false;
   std::string broken_why_;
   std::vector<Read> pending_reads_;
@@ -339,8 +468,9 @@ class ExpertStreamer {
   // Reader threads.
   std::mutex mutex_;
   std::condition_variable work_, done_;
-  std::deque<Read> queue_;
-  std::size_t outstanding_ = 0;
+  std::deque<Read> demand_q_, prefetch_q_;
+  std::vector<unsigned char> loading_;      // [L * E] a read into the slot is in flight
+  std::vector<std::size_t> prefetch_done_;  // prefetched slots read, still pinned
   std::exception_ptr error_;
   bool stop_ = false;
   std::vector<std::thread> readers_;

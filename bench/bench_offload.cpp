@@ -1,0 +1,161 @@
+// SPDX-License-Identifier: Apache-2.0
+// This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
+//
+// Streamed experts (docs/offload.md): the synthetic decoder of Qwen3-30B-A3B's shapes
+// (synthetic_decoder.hpp) with kLayers = 12 layers, bf16 dense weights and q8_0 experts (5.0 MiB
+// an expert, 7.5 GiB in all), its experts written once to an expert store (in
+// $MOE_BENCH_STORE_DIR, else the system's temporary directory; removed at exit) and streamed
+// through a cache of `budget_mib` MiB, reads throttled to an emulated drive of `mbps` MB/s and
+// 100 us a read (mbps:0: unthrottled, the page cache's speed). Two compute threads, 4 readers.
+//
+//   BM_Decoder_Streamed/budget_mib:B/mbps:W/policy:P   one decode step (context 0, a new random
+//                                                       token each step; the routing of random
+//                                                       weights has no locality, so the hit rate
+//                                                       is about the budget's share)
+//   BM_Decoder_Resident                                 the same step with every expert in RAM
+//                                                       (registered first: the streamed rows
+//                                                       then stream this decoder's experts)
+//
+// Counters: tok_per_s; hit (the cache's hit rate); MiB_per_tok read from the store; ceiling =
+// the I/O ceiling in tokens/s, bandwidth / bytes read per token (reads alone, fully overlapped);
+// of_ceiling = tok_per_s / ceiling (the target is >= 0.8); wait% = the share of the step spent
+// waiting for reads. Policies: 0 lru, 1 lfu, 2 layer-lru. Each row runs 16 untimed steps first
+// (the cache warms up) and its statistics count the timed steps only.
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moe/core/cpu.hpp"
+#include "moe/core/thread_pool.hpp"
+#include "moe/models/decoder.hpp"
+#include "synthetic_decoder.hpp"
+
+namespace {
+
+using moe::Index;
+using Decoder = moe::bench::SyntheticDecoder;
+constexpr int kThreads = 2;
+constexpr Index kLayers = 12;
+
+moe::ThreadPool& pool() {
+  static moe::ThreadPool p(kThreads);
+  return p;
+}
+
+Decoder& resident() {
+  static Decoder dec = [] {
+    moe::models::DecoderOptions o;
+    o.dense = moe::experts::WeightFormat::kBf16;
+    o.experts = moe::experts::WeightFormat::kQ8_0;
+    return moe::bench::make_synthetic_decoder(kLayers, o, &pool());
+  }();
+  return dec;
+}
+
+/// The expert store of resident()'s experts, written once.
+std::string const& store_path() {
+  static std::string const path = [] {
+    char const* dir = std::getenv("MOE_BENCH_STORE_DIR");
+    std::filesystem::path const p =
+        std::filesystem::path(dir ? dir : std::filesystem::temp_directory_path().string()) /
+        "moe_bench_offload.moex";
+    resident().write_expert_store(p.string());
+    std::atexit([] { std::filesystem::remove(store_path()); });
+    return p.string();
+  }();
+  return path;
+}
+
+void decode_steps(Decoder const& dec, benchmark::State& state, moe::offload::ExpertStreamer* s) {
+  std::vector<float> logits(static_cast<std::size_t>(moe::bench::kVocab));
+  auto st = dec.make_state(1, 1);
+  auto const ids = moe::bench::synthetic_tokens(4096, 17);
+  std::vector<Index> const n1 = {1};
+  std::size_t next = 0;
+  auto step = [&] {
+    std::vector<std::int64_t> const one = {ids[next++ % ids.size()]};
+    dec.forward(one, n1, st, {logits.data(), 1, moe::bench::kVocab}, &pool());
+    benchmark::DoNotOptimize(logits.data());
+    for (auto& c : st.caches) c.truncate(0, 0);
+  };
+  for (int i = 0; i < 16; ++i) step();  // warm-up: the cache fills
+  if (s) s->reset_stats();
+  double elapsed = 0.0;
+  for (auto _ : state) {
+    auto const t0 = std::chrono::steady_clock::now();
+    step();
+    elapsed += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  double const tps = static_cast<double>(state.iterations()) / elapsed;
+  state.counters["tok_per_s"] = tps;
+  if (s) {
+    moe::offload::StreamStats const& ss = s->stats();
+    double const per_token = static_cast<double>(ss.bytes_read) /
+                             static_cast<double>(std::max<Index>(1, s->tokens_since_reset()));
+    state.counters["hit"] = ss.hit_rate();
+    state.counters["MiB_per_tok"] = per_token / 1048576.0;
+    double const mbps = static_cast<double>(state.range(1));
+    if (mbps > 0 && per_token > 0) {
+      double const ceiling = mbps * 1e6 / per_token;
+      state.counters["ceiling"] = ceiling;
+      state.counters["of_ceiling"] = tps / ceiling;
+    }
+    state.counters["wait%"] = 100.0 * ss.wait_seconds / elapsed;
+  }
+}
+
+void BM_Decoder_Resident(benchmark::State& state) {
+  if (resident().streamer) {
+    state.SkipWithError("the decoder streams its experts already (run this row first)");
+    return;
+  }
+  decode_steps(resident(), state, nullptr);
+}
+
+void BM_Decoder_Streamed(benchmark::State& state) {
+  static char const* const kPolicies[] = {"lru", "lfu", "layer-lru"};
+  auto const store = std::make_shared<moe::offload::ExpertStore const>(
+      store_path(), moe::offload::StoreReadOptions{false, static_cast<double>(state.range(1)) * 1e6,
+                                                   state.range(1) > 0 ? 1e-4 : 0.0});
+  moe::offload::StreamerOptions o;
+  o.budget_bytes = static_cast<std::uint64_t>(state.range(0)) << 20;
+  o.policy = kPolicies[state.range(2)];
+  o.reader_threads = 4;
+  auto const streamer = std::make_shared<moe::offload::ExpertStreamer>(store, o);
+  // The decoder itself (no copy: 7.5 GiB): its banks free their packs the first time, and
+  // switch to this row's streamer after.
+  (void)store_path();
+  resident().stream_experts(streamer);
+  decode_steps(resident(), state, streamer.get());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::RegisterBenchmark("BM_Decoder_Resident", BM_Decoder_Resident)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_Decoder_Streamed", BM_Decoder_Streamed)
+      ->ArgNames({"budget_mib", "mbps", "policy"})
+      ->ArgsProduct({{2048, 4096}, {3000}, {0}})
+      ->Args({2048, 0, 0})
+      ->Args({2048, 3000, 1})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+  benchmark::AddCustomContext(
+      "decoder", "synthetic Qwen3-30B-A3B shapes, " + std::to_string(kLayers) +
+                     " layers, bf16 dense, q8_0 experts streamed (see bench_offload.cpp)");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
