@@ -19,7 +19,8 @@
 // Counters: tok_per_s; hit (the cache's hit rate); MiB_per_tok read from the store; ceiling =
 // the I/O ceiling in tokens/s, bandwidth / bytes read per token (reads alone, fully overlapped);
 // of_ceiling = tok_per_s / ceiling (the target is >= 0.8); wait% = the share of the step spent
-// waiting for reads. Policies: 0 lru, 1 lfu, 2 layer-lru. Each row runs 16 untimed steps first
+// waiting for reads; pf_prec / pf_recall = the prefetch's precision and recall (StreamStats).
+// Policies: 0 lru, 1 lfu, 2 layer-lru. Each row runs 16 untimed steps first
 // (the cache warms up) and its statistics count the timed steps only.
 
 #include <benchmark/benchmark.h>
@@ -109,6 +110,8 @@ void decode_steps(Decoder const& dec, benchmark::State& state, moe::offload::Exp
       state.counters["of_ceiling"] = tps / ceiling;
     }
     state.counters["wait%"] = 100.0 * ss.wait_seconds / elapsed;
+    state.counters["pf_prec"] = ss.prefetch_precision();
+    state.counters["pf_recall"] = ss.prefetch_recall();
   }
 }
 

@@ -51,7 +51,8 @@
 // (--cache-policy, --reader-threads, --prefetch, --direct-io; --read-bandwidth / --read-latency
 // emulate a drive), the checkpoint's own expert weights never read; the same ids and logits bit
 // for bit, and one line on stderr with the hit rate, bytes read per token, time waiting for reads
-// and the prefetch's precision and recall.
+// and the prefetch's precision and recall. --trace-out FILE records the routing of every token
+// run (the prompt, then each new token but the last) as a routing trace for moe_cache_sim.
 // --kv-cache: how the KV cache holds keys and values (fp32 default; bf16 halves its bytes,
 // moe::KvFormat). The timings go to stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
@@ -114,6 +115,7 @@ struct Args {
   std::uint64_t seed = 0;
   std::string write_store;  // --write-expert-store
   std::string predictor;    // --predictor
+  std::string trace_out;    // --trace-out
   moe::models::DecoderOptions weights;
   moe::KvFormat kv = moe::KvFormat::kF32;
 };
@@ -169,6 +171,9 @@ constexpr moe_cli::Option kOptions[] = {
      "with --expert-store: emulate a drive of SIZE per second, e.g. 3GB (default: as fast as "
      "the file reads)"},
     {"--read-latency SECONDS", "with --read-bandwidth: per read, in [0, 10] (default 0.0001)"},
+    {"--trace-out FILE",
+     "write the routing of every token run (prompt and new) as a routing trace (moe_cache_sim "
+     "--trace FILE replays it), with the router's top 32 candidates a step"},
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
@@ -287,6 +292,8 @@ Args parse(int argc, char** argv) {
       a.predictor = value();
     } else if (f == "--reader-threads") {
       a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
+    } else if (f == "--trace-out") {
+      a.trace_out = value();
     } else if (f == "--prefetch") {
       a.weights.streaming.prefetch = value();
     } else if (f == "--direct-io") {
@@ -328,6 +335,11 @@ Args parse(int argc, char** argv) {
   }
   if (!a.predictor.empty()) {
     a.weights.streaming.predictor = moe::offload::ReusePredictor::load(a.predictor);
+  }
+  if (!a.trace_out.empty() && !a.cache) {
+    usage_error(
+        "--trace-out needs the KV cache (--no-cache recomputes the whole sequence each "
+        "step)");
   }
   if (prompts > 1) {
     usage_error("--prompt-ids, --prompt and --prompt-file are mutually exclusive; give one");
@@ -393,6 +405,11 @@ int generate(moe::models::AnyDecoder const& dec, Args const& a, moe::ThreadPool*
   o.kv = a.kv;
   o.pool = pool;
   std::vector<float> all_logits;
+  std::optional<moe::offload::Trace> trace;
+  if (!a.trace_out.empty()) {
+    trace.emplace(std::visit([](auto const& d) { return d.trace_shape(32); }, dec));
+    o.trace = &*trace;
+  }
   auto last_note = Clock::now();
   long done = 0;
   o.on_token = [&](std::int64_t id, std::span<float const> logits) {
@@ -424,6 +441,18 @@ int generate(moe::models::AnyDecoder const& dec, Args const& a, moe::ThreadPool*
                    : (", recurrent state " + std::to_string(r.recurrent_bytes) + " bytes").c_str(),
                static_cast<int>(std::visit([](auto const& d) { return d.blocks.size(); }, dec)));
   std::visit([&](auto const& d) { print_stream_stats(d, a); }, dec);
+  if (trace) {
+    moe::offload::write_trace(a.trace_out, *trace);
+    std::fprintf(
+        stderr,
+        "moe_generate: wrote the routing trace %s: %lld tokens x %lld MoE layers, top-%lld "
+        "of %lld experts, %lld candidates a step\n",
+        a.trace_out.c_str(), static_cast<long long>(trace->num_tokens()),
+        static_cast<long long>(trace->shape().num_layers),
+        static_cast<long long>(trace->shape().top_k),
+        static_cast<long long>(trace->shape().num_experts),
+        static_cast<long long>(trace->shape().num_candidates));
+  }
   if (!a.logits_out.empty()) {
     moe::io::SafetensorsWriter()
         .add_f32("logits", {static_cast<std::int64_t>(r.ids.size()), V}, all_logits)
@@ -533,6 +562,9 @@ int main(int argc, char** argv) {
     // checked before the model is loaded, so a refused run reads and writes nothing.
     if (!a.logits_out.empty()) {
       moe_cli::check_output(a.logits_out, moe_cli::model_inputs(a.model), "--logits");
+    }
+    if (!a.trace_out.empty()) {
+      moe_cli::check_output(a.trace_out, moe_cli::model_inputs(a.model), "--trace-out");
     }
     std::unique_ptr<moe::ThreadPool> pool;
     if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);

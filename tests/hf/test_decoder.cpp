@@ -1225,6 +1225,42 @@ TEST_CASE("Decoder: experts streamed from an expert store decode as resident one
             if (budget == record * 1000) CHECK(st.bypasses == 0);
           }
         }
+        // A routing trace of a streamed generation: the prompt's 3 tokens and 3 of the 4 new
+        // ones (the last is not run); each step's experts are its top-K candidates, and the
+        // last token's experts are what the streamer read for it.
+        {
+          auto traced = dec;
+          moe::offload::StreamerOptions so;
+          so.budget_bytes = 0;
+          traced.stream_experts(std::make_shared<moe::offload::ExpertStreamer>(store, so));
+          moe::offload::Trace trace(traced.trace_shape(3));
+          moe::models::GenerateOptions go;
+          go.max_new_tokens = 4;
+          go.trace = &trace;
+          std::vector<std::int64_t> const prompt = {1, 2, 3};
+          (void)moe::models::generate(traced, prompt, go);
+          REQUIRE(trace.num_tokens() == 6);
+          Index const Lm = trace.shape().num_layers, K = trace.shape().top_k;
+          for (Index step = 0; step < trace.num_steps(); ++step) {
+            moe::offload::TraceRecord const r = trace.step(step);
+            for (Index k = 0; k < K; ++k) {
+              CHECK(r.experts[static_cast<std::size_t>(k)] ==
+                    r.candidates[static_cast<std::size_t>(k)]);
+            }
+            if (r.token == 5) {
+              std::vector<std::int32_t> a(r.experts.begin(), r.experts.end());
+              auto const last = traced.streamer->last_experts(r.layer);
+              std::vector<std::int32_t> b(last.begin(), last.end());
+              std::sort(a.begin(), a.end());
+              std::sort(b.begin(), b.end());
+              CHECK(a == b);
+            }
+          }
+          CHECK(trace.num_steps() == 6 * Lm);
+          go.cache = false;
+          CHECK_THROWS_WITH(moe::models::generate(traced, prompt, go),
+                            Catch::Contains("needs the KV cache"));
+        }
         // Loaded with the store: the checkpoint's routed expert weights are never read (here
         // NaN) and the logits are the same bits; a format asked for the experts is ignored,
         // with a warning.

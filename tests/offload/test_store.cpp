@@ -304,6 +304,77 @@ TEST_CASE("Prefetched experts are hits, counted as such; the outputs do not chan
                     Catch::Contains("use none, router, previous or both"));
 }
 
+TEST_CASE("A forward in two steps (ready experts first) gives the one-step outputs bit for bit",
+          "[offload][store]") {
+  // Qwen2-MoE-like (a gated shared expert runs in the first step), bf16 and q8_0 experts (the
+  // bf16-pair and int8-row inputs of the down projections are made in both steps).
+  Index const E = 8, D = 256, F = 256, T = 6;
+  WeightFormat const f = GENERATE(WeightFormat::kBf16, WeightFormat::kQ8_0, WeightFormat::kF32);
+  auto layer = moe::presets::make_qwen2_moe({D, F, 512, E, 3, true});
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.1f, 0.1f, 21);
+  moe::fill_uniform(layer.shared_experts().bank().edit().parameters(), -0.1f, 0.1f, 22);
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
+                    0.5f, 23);
+  layer.pack_weights({f, f}, {f, f});
+  std::vector<float> x(static_cast<std::size_t>(T * D)), ya(x.size()), yb(x.size());
+  moe::fill_uniform(x, -1.0f, 1.0f, 24);
+  moe::ConstMatrixView<float> xs(x.data(), T, D);
+  moe::MoeFfnWorkspace ws;
+  layer.forward(xs, moe::MatrixView<float>(ya.data(), T, D), ws);
+  for (std::uint64_t seed = 0; seed < 6; ++seed) {
+    std::vector<unsigned char> ready(static_cast<std::size_t>(E));
+    for (Index e = 0; e < E; ++e) ready[static_cast<std::size_t>(e)] = ((seed * 7 + e * 3) % 5) < 2;
+    if (seed == 4) std::fill(ready.begin(), ready.end(), 0);  // nothing ready
+    if (seed == 5) std::fill(ready.begin(), ready.end(), 1);  // everything
+    int waits = 0;
+    std::fill(yb.begin(), yb.end(), -7.0f);
+    layer.forward_with_plan(xs, ws.plan, moe::MatrixView<float>(yb.data(), T, D), ws, nullptr,
+                            moe::ExpertSchedule{ready, [&] { ++waits; }});
+    CHECK(waits == 1);
+    REQUIRE(std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float)) == 0);
+  }
+  std::vector<unsigned char> const short_ready(3, 1);
+  CHECK_THROWS_WITH(layer.forward_with_plan(xs, ws.plan, moe::MatrixView<float>(yb.data(), T, D),
+                                            ws, nullptr, moe::ExpertSchedule{short_ready, [] {}}),
+                    Catch::Contains("3 entries for 8 experts"));
+}
+
+TEST_CASE("request, ready and wait: reads run while the ready experts could compute",
+          "[offload][store]") {
+  auto a = make_layer(31);
+  a.experts().pack(WeightFormat::kQ8_0);
+  std::string const path = tmp("request.moex");
+  {
+    ExpertStoreWriter w(path, {1, 6, 256, 256, true});
+    w.add_layer(a.experts());
+    w.finish();
+  }
+  // A slow drive (20 MB/s: a record of ~0.4 MB takes ~20 ms), so the reads are still running
+  // when request returns.
+  auto const store = std::make_shared<ExpertStore const>(path, StoreReadOptions{false, 20e6, 0.0});
+  StreamerOptions o;
+  o.reader_threads = 2;
+  ExpertStreamer s(store, o);
+  std::int32_t const first[] = {1, 4};
+  s.acquire(0, first, {});
+  s.release(0);
+  std::int32_t const next[] = {4, 2, 5};
+  s.request(0, next, {});
+  std::span<unsigned char const> const r = s.ready(0);
+  CHECK(r[4] == 1);        // a hit: readable at once
+  CHECK(r[0] == 0);        // not requested
+  CHECK(r[2] + r[5] < 2);  // at least one of the misses is still being read
+  s.wait(0);
+  std::span<unsigned char const> const after = s.ready(0);
+  CHECK((after[2] == 1 && after[4] == 1 && after[5] == 1));
+  for (std::int32_t const e : next) {
+    CHECK(std::memcmp(s.records(0)[e], a.experts().packed_record(e).data(),
+                      a.experts().packed_record(e).size()) == 0);
+  }
+  s.release(0);
+}
+
 TEST_CASE("The streamer refuses bad calls and unknown policies", "[offload][store]") {
   auto a = make_layer(9);
   a.experts().pack(WeightFormat::kQ8_0);

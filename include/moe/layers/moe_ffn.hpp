@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -67,6 +68,16 @@ struct DefaultMoe {
 /// concurrent caller (a second, overlapping call on one workspace throws moe::Error: `in_use`); the
 /// layer itself is read-only during forward. A training forward
 /// (`forward_train`) also keeps here what `backward` needs, stamped with the layer that made it.
+/// A forward whose routed experts become readable in two steps (experts streamed from disk:
+/// models::Decoder with an offload::ExpertStreamer): the experts e with ready[e] != 0 (and the
+/// shared experts) run first, then `wait` is called, then the other routed experts. The outputs
+/// are bit for bit those of one step: each expert's rows are computed alone, by the same
+/// kernels. `ready` has one entry per routed expert.
+struct ExpertSchedule {
+  std::span<unsigned char const> ready;
+  std::function<void()> wait;
+};
+
 struct MoeFfnWorkspace : stages::RoutingResults {
   InUse in_use;  ///< a call holds it: a second, overlapping call on this workspace throws
   // Results of the last call (stages::RoutingResults): logits [T, E], selection, plan, aux_loss.
@@ -239,6 +250,22 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
     run_experts(x, plan, y, ws, pool, false);
     ws.train.stamp = {};
   }
+  /// forward_with_plan with the routed experts run in the two steps `schedule` says (while the
+  /// ones not ready yet are read, the ready ones compute). Throws moe::Error for a `ready` of
+  /// another length or without a `wait`.
+  void forward_with_plan(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
+                         MoeFfnWorkspace& ws, ThreadPool* pool,
+                         ExpertSchedule const& schedule) const {
+    auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
+    check_input(x);
+    check_output(x, y);
+    plan.validate(x.rows, num_experts());
+    detail::check(static_cast<Index>(schedule.ready.size()) == num_experts() && schedule.wait,
+                  "MoeFfn::forward_with_plan: the schedule's ready has ", schedule.ready.size(),
+                  " entries for ", num_experts(), " experts (and needs a wait)");
+    run_experts(x, plan, y, ws, pool, false, &schedule);
+    ws.train.stamp = {};
+  }
 
   /// Convenience: forward with a workspace owned by the layer (not for concurrent callers).
   void operator()(ConstMatrixView<float> x, MatrixView<float> y, ForwardOptions const& opt = {}) {
@@ -355,7 +382,8 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// in bf16-compute mode (ExpertBank::set_train_compute) rounds that bank's inputs and hidden
   /// activations to bf16 (the operands of its products; the pre-activations stay fp32).
   void run_experts(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
-                   MoeFfnWorkspace& ws, ThreadPool* pool, bool train) const {
+                   MoeFfnWorkspace& ws, ThreadPool* pool, bool train,
+                   ExpertSchedule const* schedule = nullptr) const {
     Index const T = x.rows, D = d_model_, R = plan.num_rows(), kpD = (D + 1) / 2;
     stages::ExpertMode const routed{train, detail::uses_bf16_pairs(bank_, !train),
                                     detail::uses_q8_rows(bank_, !train)};
@@ -382,6 +410,9 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
         pool, {detail::PairsTask{x.data, x.row_stride, T, D, x_pairs ? ws.x_pairs.data() : nullptr,
                                  x_q8 ? ws.x_q8.data() : nullptr}});
     // 2. In projections with the activation in the epilogue: m = act(x W_gate^T) * (x W_up^T).
+    // 3. Down projections, times the routing weight in inference (unless it scaled the inputs).
+    // With a schedule, the ready routed experts and the shared ones first, then (after wait) the
+    // other routed experts.
     kernels::RowSource const in = train || scaled
                                       ? kernels::RowSource{ws.routed.x_rows.data(), D, nullptr}
                                       : kernels::RowSource{x.data,
@@ -391,21 +422,32 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
                                                            kpD,
                                                            routed.q8 ? q8 : nullptr,
                                                            rbD};
-    ws.routed.enqueue_in(ws.queue, bank_, rows, in, routed);
-    ws.shared.enqueue_in(ws.queue, shared_,
-                         {xs.data, xs.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
-                          shared.q8 ? q8 : nullptr, rbD},
-                         T, shared, T);
-    run_queue(ws, pool);
-    ws.routed.round_hidden(bank_, R, routed, pool);
-    ws.shared.round_hidden(shared_, shared, pool);
-    detail::run_pairs_tasks(
-        pool, {ws.routed.act_pairs_task(bank_, R), ws.shared.act_pairs_task(shared_, T)});
-    // 3. Down projections, times the routing weight in inference (unless it scaled the inputs).
-    ws.routed.enqueue_down(ws.queue, bank_, rows,
-                           train || scaled ? nullptr : plan.row_weight.data(), routed);
-    ws.shared.enqueue_down(ws.queue, shared_, T, shared, T);
-    run_queue(ws, pool);
+    for (int phase = 0; phase < (schedule ? 2 : 1); ++phase) {
+      stages::ExpertRows part = rows;
+      if (schedule) {
+        part.only = schedule->ready.data();
+        part.want = phase == 0 ? 1 : 0;
+        if (phase == 1) schedule->wait();
+      }
+      bool const shared_too = phase == 0;
+      ws.routed.enqueue_in(ws.queue, bank_, part, in, routed);
+      if (shared_too) {
+        ws.shared.enqueue_in(ws.queue, shared_,
+                             {xs.data, xs.row_stride, nullptr, shared.pairs ? pairs : nullptr, kpD,
+                              shared.q8 ? q8 : nullptr, rbD},
+                             T, shared, T);
+      }
+      run_queue(ws, pool);
+      ws.routed.round_hidden(bank_, R, routed, pool);
+      if (shared_too) ws.shared.round_hidden(shared_, shared, pool);
+      detail::run_pairs_tasks(
+          pool, {ws.routed.act_pairs_task(bank_, R),
+                 shared_too ? ws.shared.act_pairs_task(shared_, T) : detail::PairsTask{}});
+      ws.routed.enqueue_down(ws.queue, bank_, part,
+                             train || scaled ? nullptr : plan.row_weight.data(), routed);
+      if (shared_too) ws.shared.enqueue_down(ws.queue, shared_, T, shared, T);
+      run_queue(ws, pool);
+    }
     // 4. Combine: each token's rows in slot order, then the shared experts.
     stages::combine(combine_source(ws, plan, train && !scaled), y, pool);
   }

@@ -43,6 +43,7 @@
 #include "moe/models/decoder_config.hpp"
 #include "moe/offload/store.hpp"
 #include "moe/offload/streamer.hpp"
+#include "moe/offload/trace.hpp"
 
 namespace moe::models {
 
@@ -301,6 +302,13 @@ struct DecoderState {
   std::vector<std::int32_t> prefetch_ids;   ///< what the next streamed MoE layer reads ahead
   std::vector<float> prefetch_x;            ///< its router's input (the next post-norm of h)
   MoeFfnWorkspace ffn_ahead;                ///< its routing
+  /// When set (a state of one sequence), every forward appends its tokens' routing to this trace
+  /// (token-major: each token's MoE layers in order; Decoder::trace_shape gives its shape): the
+  /// K experts each layer chose in rank order with their router scores, and the router's M
+  /// highest-scoring experts. What moe_cache_sim replays and ReusePredictor trains on.
+  offload::Trace* trace = nullptr;
+  std::vector<std::int32_t> trace_ids;  ///< a forward's steps, [T, MoE layers, K + M]
+  std::vector<float> trace_scores;      ///< and their scores
   InUse in_use;  ///< forward() holds it: a second, overlapping call on this state throws
   /// Seconds spent per part of forward() (wall clock), accumulated while `profile` is set:
   /// attention layers, FFN layers (MoE or dense), and the rest (embedding, norms, residuals,
@@ -415,6 +423,13 @@ class Decoder {
   /// every expert is resident in its bank. Copies of the decoder share it.
   std::shared_ptr<offload::ExpertStreamer> streamer;
 
+  /// The shape of a routing trace of this model (DecoderState::trace): its MoE layers, experts,
+  /// top-k, and `candidates` router candidates a step (clamped to [top-k, experts]).
+  offload::TraceShape trace_shape(Index candidates = 32) const {
+    Index const E = config.moe.num_experts, K = config.moe.num_experts_per_tok;
+    return {static_cast<Index>(moe_blocks().size()), E, K, std::clamp(candidates, K, E)};
+  }
+
   /// The blocks with an MoE layer, in order: the i-th is MoE layer i of an expert store.
   std::vector<std::size_t> moe_blocks() const {
     std::vector<std::size_t> out;
@@ -476,9 +491,42 @@ class Decoder {
                               " the model was trained for (config.json's "
                               "max_position_embeddings); the tokens past it may be poor");
   }
-  /// Block L's MoE layer (MoE layer `index`) with streamed experts: route, make the chosen
-  /// experts resident, start reading ahead for the next MoE layer, run the experts on that
-  /// routing (forward() is route + the same run), release. h: the residual stream the MoE
+  /// The routing MoE layer `index` just ran (st.ffn.selection) into the forward's trace steps.
+  void record_routing(Index index, Index T, DecoderState& st) const {
+    offload::TraceShape const& sh = st.trace->shape();
+    Index const K = sh.top_k, M = sh.num_candidates, E = sh.num_experts, w = K + M;
+    Selection const& sel = st.ffn.selection;
+    moe::detail::check(sel.slots == K && sel.num_experts == E,
+                       "Decoder::forward: a routing trace records top-k routing (", K,
+                       " experts a token); this router fills ", sel.slots, " slots");
+    std::vector<std::int32_t> order(static_cast<std::size_t>(E));
+    for (Index t = 0; t < T; ++t) {
+      auto const at = static_cast<std::size_t>((t * sh.num_layers + index) * w);
+      float const* p = sel.scores.data() + t * E;
+      for (Index r = 0; r < K; ++r) {
+        ExpertId const e = sel.expert[static_cast<std::size_t>(t * K + r)];
+        moe::detail::check(e >= 0, "Decoder::forward: a routing trace needs every token's ", K,
+                           " slots filled (no capacity drops)");
+        st.trace_ids[at + static_cast<std::size_t>(r)] = static_cast<std::int32_t>(e);
+        st.trace_scores[at + static_cast<std::size_t>(r)] = p[e];
+      }
+      // The M highest scores, ties to the lower expert.
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(
+          order.begin(), order.begin() + M, order.end(),
+          [&](std::int32_t a, std::int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+      for (Index m = 0; m < M; ++m) {
+        st.trace_ids[at + static_cast<std::size_t>(K + m)] = order[static_cast<std::size_t>(m)];
+        st.trace_scores[at + static_cast<std::size_t>(K + m)] =
+            p[order[static_cast<std::size_t>(m)]];
+      }
+    }
+  }
+
+  /// Block L's MoE layer (MoE layer `index`) with streamed experts: route, request the chosen
+  /// experts (hits pinned, misses being read), start reading ahead for the next MoE layer, run
+  /// the experts on that routing (forward() is route + the same run; the resident experts
+  /// first, the others once read), release. h: the residual stream the MoE
   /// layer's input x was normed from.
   void forward_streamed(std::size_t L, Index index, MatrixView<float> h, ConstMatrixView<float> x,
                         MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const {
@@ -496,14 +544,24 @@ class Decoder {
       st.stream_ids.push_back(static_cast<std::int32_t>(e));
       st.stream_gates.push_back(g);
     }
-    streamer->acquire(index, st.stream_ids, st.stream_gates);
+    streamer->request(index, st.stream_ids, st.stream_gates);
     struct Release {
       offload::ExpertStreamer& s;
       Index i;
       ~Release() { s.release(i); }
     } const release{*streamer, index};
     prefetch_ahead(L, index, h, st, opt);
-    layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
+    // The experts whose records are in run while the others are read (bit for bit the same).
+    std::span<unsigned char const> const ready = streamer->ready(index);
+    bool const all = std::all_of(st.stream_ids.begin(), st.stream_ids.end(), [&](std::int32_t e) {
+      return ready[static_cast<std::size_t>(e)] != 0;
+    });
+    if (all) {
+      layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
+    } else {
+      layer.forward_with_plan(x, plan, y, st.ffn, opt.pool,
+                              ExpertSchedule{ready, [&] { streamer->wait(index); }});
+    }
   }
   /// Reads ahead the experts the next MoE layer (after block L; MoE layer index + 1) will likely
   /// need, as StreamerOptions::prefetch says: its router applied to the current residual stream
@@ -626,6 +684,18 @@ class Decoder {
     auto size = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
     if (streamer) streamer->begin_forward(T);
     Index moe_layer = 0;
+    if (st.trace) {
+      moe::detail::check(
+          B == 1 && st.trace->shape().num_layers == static_cast<Index>(moe_blocks().size()) &&
+              st.trace->shape().num_experts == config.moe.num_experts &&
+              st.trace->shape().top_k == config.moe.num_experts_per_tok,
+          "Decoder::forward: the state's trace records one sequence of this model's "
+          "routing (Decoder::trace_shape); this state has ",
+          B, " sequences or the trace another shape");
+      Index const w = st.trace->shape().top_k + st.trace->shape().num_candidates;
+      st.trace_ids.resize(static_cast<std::size_t>(T * st.trace->shape().num_layers * w));
+      st.trace_scores.resize(st.trace_ids.size());
+    }
     size(st.h, T * H);
     size(st.normed, T * H);
     size(st.tmp, T * H);
@@ -664,12 +734,23 @@ class Decoder {
         } else {
           b.moe->forward(normed, tmp, st.ffn, opt);
         }
+        if (st.trace) record_routing(moe_layer, T, st);
         ++moe_layer;
         add_rows(h, tmp, pool);
       } else {
         b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, pool);
       }
       lap(&ffn);
+    }
+    if (st.trace) {  // the forward's steps, token-major
+      offload::TraceShape const& sh = st.trace->shape();
+      auto const K = static_cast<std::size_t>(sh.top_k),
+                 M = static_cast<std::size_t>(sh.num_candidates);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(T * sh.num_layers); ++i) {
+        std::span<std::int32_t const> const ids(st.trace_ids.data() + i * (K + M), K + M);
+        std::span<float const> const sc(st.trace_scores.data() + i * (K + M), K + M);
+        st.trace->append(ids.first(K), sc.first(K), ids.subspan(K), sc.subspan(K));
+      }
     }
     // The last new token of each sequence with one: final norm, LM head.
     std::vector<Index>& last_rows = st.last_rows;

@@ -112,6 +112,9 @@ struct GenerateOptions {
   /// Called with each new token and the logits it was picked from (before temperature);
   /// returning true stops generation after that token (an end-of-text id, a budget).
   std::function<bool(std::int64_t id, std::span<float const> logits)> on_token;
+  /// When set, every token's routing is appended to it (DecoderState::trace: the prompt's
+  /// tokens, then each new one but the last, which is not run). Needs the KV cache.
+  offload::Trace* trace = nullptr;
 };
 
 /// What generate() produced.
@@ -143,7 +146,11 @@ GenerateResult generate(Decoder<Moe> const& dec, std::span<std::int64_t const> p
   std::vector<std::int64_t> seq(prompt.begin(), prompt.end());
   std::vector<float> logits(static_cast<std::size_t>(V));
   GenerateResult r;
+  moe::detail::check(opt.trace == nullptr || opt.cache,
+                     "generate: a routing trace needs the KV cache (without it every step "
+                     "recomputes, and would record, the whole sequence again)");
   DecoderState st = dec.make_state(1, P + opt.max_new_tokens, opt.kv);
+  st.trace = opt.trace;
   auto run = [&](std::span<std::int64_t const> tokens) {
     if (!opt.cache) st = dec.make_state(1, static_cast<Index>(tokens.size()), opt.kv);
     Index const n[] = {static_cast<Index>(tokens.size())};

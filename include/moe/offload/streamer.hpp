@@ -149,9 +149,18 @@ class ExpertStreamer {
 
   /// Makes `experts` of MoE layer `layer` resident (distinct ids; gates[i] the i-th expert's
   /// routing weight, or empty), pinned until release(layer); returns once every record is
-  /// there. Throws moe::Error for bad ids, a layer still held, or a failed read.
+  /// there: request() then wait(). Throws moe::Error for bad ids, a layer still held, or a
+  /// failed read.
   void acquire(Index layer, std::span<std::int32_t const> experts, std::span<float const> gates) {
-    char const* w = "moe::offload::ExpertStreamer::acquire";
+    request(layer, experts, gates);
+    wait(layer);
+  }
+
+  /// acquire() without the wait: pins the hits and starts reading the others (with no reader
+  /// threads, reads them). ready(layer) then says which are readable already, wait(layer)
+  /// returns when all are: a caller runs the ready experts in between.
+  void request(Index layer, std::span<std::int32_t const> experts, std::span<float const> gates) {
+    char const* w = "moe::offload::ExpertStreamer::request";
     moe::detail::check(layer >= 0 && layer < L_, w, ": MoE layer ", layer, " is outside the ", L_,
                        " of the store");
     moe::detail::check(gates.empty() || gates.size() == experts.size(), w, ": ", gates.size(),
@@ -214,15 +223,28 @@ class ExpertStreamer {
       }
     }
     spare_.clear();  // evicted buffers no miss of this step reused: give their memory back
-    try {
-      read_all(layer);
-    } catch (std::exception const& e) {
-      broken_ = true;
-      broken_why_ = e.what();
-      throw;
-    }
     std::vector<std::int32_t>& last = last_[static_cast<std::size_t>(layer)];
     last.assign(experts.begin(), experts.end());
+    guarded([&] { issue_reads(); });
+  }
+
+  /// [E] per expert of MoE layer `layer`: 1 if the last request() holds it and its record is
+  /// readable now, else 0. Valid until the next call on the streamer.
+  std::span<unsigned char const> ready(Index layer) {
+    ready_.assign(static_cast<std::size_t>(E_), 0);
+    Held const& held = held_.at(static_cast<std::size_t>(layer));
+    std::lock_guard<std::mutex> const lock(mutex_);
+    for (std::int32_t const e : held.cached)
+      ready_[static_cast<std::size_t>(e)] = loading_[slot(layer, e)] == 0;
+    for (auto const& [e, buf] : held.transient) {
+      ready_[static_cast<std::size_t>(e)] = loading_[slot(layer, e)] == 0;
+    }
+    return ready_;
+  }
+
+  /// Returns when every expert the last request() of MoE layer `layer` holds is readable.
+  void wait(Index layer) {
+    guarded([&] { wait_reads(layer); });
   }
 
   /// Reads `experts` of MoE layer `layer` ahead, in the background, into the cache (those not
@@ -377,38 +399,59 @@ class ExpertStreamer {
     }
     return RecordBuffer(bytes);
   }
-  /// Runs pending_reads_ (demand reads) on the reader threads (or here) and waits for them and
-  /// for any prefetch still reading an expert of MoE layer `layer` this acquire holds.
-  void read_all(Index layer) {
-    auto const t0 = std::chrono::steady_clock::now();
+  /// Runs f; a failed read marks the streamer broken (the cache may hold a partial record).
+  template <class F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (std::exception const& e) {
+      broken_ = true;
+      broken_why_ = e.what();
+      throw;
+    }
+  }
+  /// Starts pending_reads_ (demand reads) on the reader threads, or runs them here without any.
+  void issue_reads() {
     if (readers_.empty()) {
+      auto const t0 = std::chrono::steady_clock::now();
       for (Read const& r : pending_reads_) store_->read(r.layer, r.expert, r.dst);
-    } else {
-      Held const& held = held_[static_cast<std::size_t>(layer)];
-      std::unique_lock<std::mutex> lock(mutex_);
-      for (Read const& r : pending_reads_) {
-        loading_[r.slot] = 1;
-        demand_q_.push_back(r);
-      }
-      if (!pending_reads_.empty()) work_.notify_all();
-      auto ready = [&] {
-        if (error_) return true;
-        for (std::int32_t const e : held.cached) {
-          if (loading_[slot(layer, e)] != 0) return false;
+      stats_.wait_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } else if (!pending_reads_.empty()) {
+      {
+        std::lock_guard<std::mutex> const lock(mutex_);
+        for (Read const& r : pending_reads_) {
+          loading_[r.slot] = 1;
+          demand_q_.push_back(r);
         }
-        for (auto const& [e, buf] : held.transient) {
-          if (loading_[slot(layer, e)] != 0) return false;
-        }
-        return true;
-      };
-      done_.wait(lock, ready);
-      if (error_) {
-        std::exception_ptr const e = std::exchange(error_, nullptr);
-        lock.unlock();
-        std::rethrow_exception(e);
       }
+      work_.notify_all();
     }
     pending_reads_.clear();
+  }
+  /// Waits until no expert of MoE layer `layer` that its request holds is being read (demand
+  /// reads and prefetches), and rethrows a failed read.
+  void wait_reads(Index layer) {
+    if (readers_.empty()) return;
+    auto const t0 = std::chrono::steady_clock::now();
+    Held const& held = held_[static_cast<std::size_t>(layer)];
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto ready = [&] {
+      if (error_) return true;
+      for (std::int32_t const e : held.cached) {
+        if (loading_[slot(layer, e)] != 0) return false;
+      }
+      for (auto const& [e, buf] : held.transient) {
+        if (loading_[slot(layer, e)] != 0) return false;
+      }
+      return true;
+    };
+    done_.wait(lock, ready);
+    if (error_) {
+      std::exception_ptr const e = std::exchange(error_, nullptr);
+      lock.unlock();
+      std::rethrow_exception(e);
+    }
     stats_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -458,7 +501,7 @@ class ExpertStreamer {
   std::vector<std::vector<std::int32_t>> last_;  // [L] the experts of each layer's last acquire
   std::vector<unsigned char> prefetched_;        // [L * E] brought in by a prefetch, not used yet
   std::vector<float> gates_;
-  std::vector<unsigned char> seen_;
+  std::vector<unsigned char> seen_, ready_;
   std::vector<ExpertKey> touched_;
   bool broken_ = false;
   std::string broken_why_;

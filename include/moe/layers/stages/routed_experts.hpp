@@ -25,12 +25,18 @@
 
 namespace moe::stages {
 
-/// Expert e's rows are [offsets[e], offsets[e + 1]) for e in [0, count); offsets[0] = 0.
+/// Expert e's rows are [offsets[e], offsets[e + 1]) for e in [0, count); offsets[0] = 0. With
+/// `only`, the enqueue calls take just the experts e with only[e] == want (a phase of a forward
+/// whose experts become readable in two steps: ExpertSchedule).
 struct ExpertRows {
   Index const* offsets = nullptr;
   Index count = 0;
+  unsigned char const* only = nullptr;
+  unsigned char want = 1;
   Index rows(Index e) const { return offsets[e + 1] - offsets[e]; }
   Index total() const { return count > 0 ? offsets[count] : 0; }
+  /// Does this phase leave expert e out (no rows, or another phase's)?
+  bool skips(Index e) const { return rows(e) == 0 || (only != nullptr && only[e] != want); }
 };
 
 /// How a forward runs: training keeps pre-activations and the fp32 weights (or the bf16 train
@@ -147,7 +153,7 @@ struct RoutedExperts {
     Index const D = bank.d_model(), F = bank.d_ffn(), P = bank.hidden_cols();
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
-      if (n == 0) continue;  // (a streamed bank holds only the routed experts)
+      if (rows.skips(e)) continue;  // (a streamed bank holds only the routed experts)
       detail::ExpertJob job;
       job.kind = detail::ExpertJob::Kind::kRoutedHidden;
       job.a = a.from(r0);
@@ -190,7 +196,7 @@ struct RoutedExperts {
         rows.total() * D * static_cast<Index>(sizeof(float)) >= detail::kStreamOutputBytes;
     for (Index e = 0; e < rows.count; ++e) {
       Index const r0 = rows.offsets[e], n = rows.rows(e);
-      if (n == 0) continue;  // (a streamed bank holds only the routed experts)
+      if (rows.skips(e)) continue;  // (a streamed bank holds only the routed experts)
       detail::ExpertJob job;
       job.a = {act.data() + r0 * F,
                F,
