@@ -44,10 +44,11 @@
 // --experts). A format whose blocks do not divide a matrix's depth falls back (q4_k -> q4_0 -> q8_0
 // -> bf16, q5_k -> q5_1 -> q8_0 -> bf16, q6_k -> q8_0 -> bf16): one warning line lists the
 // matrices that did.
-// Models larger than RAM (docs/offload.md): --write-expert-store FILE loads the model (experts in
-// their --experts formats), writes its routed experts as an expert store (one 4 KiB-aligned
-// record per layer and expert, packed for this machine's kernels) and exits; --expert-store FILE
-// then runs the model with those experts read on demand through a cache of --expert-cache bytes
+// Models larger than RAM (docs/offload.md): --write-expert-store FILE writes the model's routed
+// experts (in their --experts formats) as an expert store (one 4 KiB-aligned record per layer
+// and expert, packed for this machine's kernels), reading one MoE layer at a time, and exits;
+// --expert-store FILE then runs the model with those experts read on demand through a cache of
+// --expert-cache bytes
 // (--cache-policy, --reader-threads, --prefetch, --direct-io; --read-bandwidth / --read-latency
 // emulate a drive), the checkpoint's own expert weights never read; the same ids and logits bit
 // for bit, and one line on stderr with the hit rate, bytes read per token, time waiting for reads
@@ -153,8 +154,8 @@ constexpr moe_cli::Option kOptions[] = {
     {"--mix q4_k_m", "llama.cpp's Q4_K_M choice per matrix (overrides --dense and --experts)"},
     {"--kv-cache FORMAT", "how the KV cache holds keys and values: fp32 (default) or bf16"},
     {"--write-expert-store FILE",
-     "write the routed experts (in their --experts formats) as an expert store and exit (no "
-     "prompt needed)"},
+     "write the routed experts (in their --experts formats) as an expert store, one layer at a "
+     "time (the model is never loaded whole), and exit (no prompt needed)"},
     {"--expert-store FILE",
      "stream the routed experts from this expert store through a bounded cache (the model's "
      "own expert weights are not read)"},
@@ -531,11 +532,19 @@ int main(int argc, char** argv) {
       if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
       moe_cli::check_output(a.write_store, moe_cli::model_inputs(a.model), "--write-expert-store");
       auto const t0 = Clock::now();
-      moe::models::AnyDecoder const dec =
+      // One MoE layer at a time: the model is never loaded whole.
+      std::vector<moe::models::Fallback> const fell =
           moe::io::is_gguf_file(a.model)
-              ? moe::models::load_gguf_decoder(a.model, pool.get(), a.weights)
-              : moe::models::load_hf_decoder(a.model, pool.get(), a.weights);
-      std::visit([&](auto const& d) { d.write_expert_store(a.write_store); }, dec);
+              ? moe::models::write_gguf_expert_store(a.model, a.write_store, pool.get(), a.weights)
+              : moe::models::write_hf_expert_store(a.model, a.write_store, pool.get(), a.weights);
+      if (!fell.empty()) {
+        std::fprintf(stderr,
+                     "moe_generate: warning: %zu expert matrices have depths their format's "
+                     "blocks do not divide and fell back (first: %s %s -> %s)\n",
+                     fell.size(), fell.front().matrix.c_str(),
+                     moe::experts::name(fell.front().asked),
+                     moe::experts::name(fell.front().chosen));
+      }
       moe::offload::ExpertStore const store(a.write_store);
       std::uint64_t bytes = 0;
       for (moe::Index l = 0; l < store.shape().num_layers; ++l) {

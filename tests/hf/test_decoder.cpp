@@ -1200,6 +1200,10 @@ TEST_CASE("Decoder: experts streamed from an expert store decode as resident one
         dec.write_expert_store(path);
         auto const store = std::make_shared<moe::offload::ExpertStore const>(path);
         CHECK(store->shape().num_layers == static_cast<Index>(dec.moe_blocks().size()));
+        // Written one layer at a time from the checkpoint: the same bytes.
+        std::string const layered = (dir / "layered.moex").string();
+        CHECK(moe::models::write_hf_expert_store(dir, layered, &pool, o).empty());
+        CHECK(text_of(layered) == text_of(path));
         std::uint64_t const record = store->record(0, 0).read_bytes();
         for (std::string const policy : {"lru", "lfu", "layer-lru"}) {
           // Nothing cached; less than one token's top-2; two layers' worth; everything.

@@ -1131,6 +1131,55 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
   }
 }
 
+/// Packs an MoE layer's expert bank (routed, or `shared`) of layer L as the options ask (as
+/// stored by default: `stored`, the formats the layer loader packed stored blocks in, stays).
+template <class Bank>
+void pack_experts(Loading const& ld, Bank& bank, std::vector<experts::ExpertFormat> const& stored,
+                  std::string const& who, bool shared, Index L) {
+  if (!ld.options.asks_experts(shared) && !stored.empty()) return;  // as stored
+  experts::ExpertFormat const s =
+      stored.empty() ? experts::ExpertFormat{} : stored.front();  // uniform in a GGUF
+  experts::ExpertFormat const f{
+      ld.format(who + " (gate/up)", MatrixClass::kExpertsIn, L, bank.d_model(), s.in, shared),
+      ld.format(who + " (down)", MatrixClass::kExpertsDown, L, bank.d_ffn(), s.down, shared)};
+  std::vector<experts::ExpertFormat> const all(static_cast<std::size_t>(bank.num_experts()), f);
+  if (bank.packed() && std::equal(all.begin(), all.end(), stored.begin(), stored.end())) {
+    return;  // the loader's pack: the stored blocks, re-packed
+  }
+  bank.pack(all, ld.pool);
+}
+
+/// Writes the routed experts of config `c` over `ckpt` as an expert store at `path`, one MoE
+/// layer at a time, each packed as load_decoder packs it; returns the fallbacks.
+template <class Moe>
+std::vector<Fallback> write_expert_store(DecoderConfig const& c, io::ShardedCheckpoint const& ckpt,
+                                         std::string const& path, DecoderOptions const& options,
+                                         ThreadPool* pool) {
+  std::vector<Fallback> fallbacks;
+  Loading const ld{ckpt,
+                   c,
+                   options,
+                   pool,
+                   fallbacks,
+                   "a decoder checkpoint holds the embedding, every layer, the final norm and "
+                   "(untied) lm_head"};
+  check_decoder_tensors(ckpt, c, ld.why);
+  Index moe_layers = 0;
+  for (Index L = 0; L < c.num_hidden_layers; ++L) moe_layers += c.moe.is_moe_layer(L) ? 1 : 0;
+  offload::ExpertStoreWriter w(path, {moe_layers, c.moe.num_experts, c.moe.hidden_size,
+                                      c.moe.expert_intermediate_size, Moe::Expert::gated});
+  for (Index L = 0; L < c.num_hidden_layers; ++L) {
+    if (!c.moe.is_moe_layer(L)) continue;
+    io::HfLayer<Moe> loaded =
+        io::load_hf_layer<Moe>(c.moe, ckpt, L, moe_layer_options(ld.root, c, L));
+    pack_experts(ld, loaded.layer.experts(), loaded.stored_formats,
+                 io::detail::concat(ld.root.model, "layers.", L, ".mlp.experts"), false, L);
+    w.add_layer(loaded.layer.experts());
+  }
+  w.finish();
+  return fallbacks;
+}
+
 template <class Moe>
 Decoder<Moe> load_decoder(DecoderConfig const& c,
                           std::shared_ptr<io::ShardedCheckpoint const> const& mapped,
@@ -1344,20 +1393,8 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       b.moe.emplace(std::move(loaded.layer));
       Moe& m = *b.moe;
       auto choose = [&](auto& bank, std::vector<experts::ExpertFormat> const& stored,
-                        std::string const& who, bool shared) {
-        if (!ld.options.asks_experts(shared) && !stored.empty()) return;  // as stored
-        experts::ExpertFormat const s =
-            stored.empty() ? experts::ExpertFormat{} : stored.front();  // uniform in a GGUF
-        experts::ExpertFormat const f{
-            ld.format(who + " (gate/up)", MatrixClass::kExpertsIn, L, H, s.in, shared),
-            ld.format(who + " (down)", MatrixClass::kExpertsDown, L, bank.d_ffn(), s.down, shared)};
-        std::vector<experts::ExpertFormat> const all(static_cast<std::size_t>(bank.num_experts()),
-                                                     f);
-        if (bank.packed() && std::equal(all.begin(), all.end(), stored.begin(), stored.end())) {
-          return;  // the loader's pack: the stored blocks, re-packed
-        }
-        bank.pack(all, pool);
-      };
+                        std::string const& who,
+                        bool shared) { pack_experts(ld, bank, stored, who, shared, L); };
       if (streamer) {  // the store's records, in its formats
         auto const i = static_cast<Index>(moe_layer++);
         streamer->store().check_layer(i, m.experts());
@@ -1385,6 +1422,22 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   }
   d.streamer = std::move(streamer);
   return d;
+}
+
+/// write_expert_store in the family's MoE type.
+inline std::vector<Fallback> write_any_expert_store(DecoderConfig const& c,
+                                                    io::ShardedCheckpoint const& ckpt,
+                                                    std::string const& path, ThreadPool* pool,
+                                                    DecoderOptions const& options) {
+  return io::visit_hf_layer_type(
+      c.moe.family, [&]<class Moe>(std::type_identity<Moe>) -> std::vector<Fallback> {
+        if constexpr (decodes_as<Moe>(static_cast<AnyDecoder*>(nullptr))) {
+          return write_expert_store<Moe>(c, ckpt, path, options, pool);
+        } else {
+          moe::detail::fail("models: ", ckpt.source(), ": ", c.moe.model_type(),
+                            " does not decode");
+        }
+      });
 }
 
 /// The decoder of config `c` over checkpoint `ckpt`, in the family's MoE type.
@@ -1415,6 +1468,22 @@ inline AnyDecoder load_hf_decoder(std::filesystem::path const& model_dir,
   DecoderConfig const c = read_decoder_config(model_dir);
   auto const ckpt = std::make_shared<io::ShardedCheckpoint const>(io::open_checkpoint(model_dir));
   return detail::load_any_decoder(c, ckpt, pool, options);
+}
+
+/// Writes the routed experts of the model in `model_dir` as an expert store at `path`
+/// (moe/offload/store.hpp) without loading the model: one MoE layer at a time is read, packed in
+/// the formats `options` ask for (exactly as load_hf_decoder packs them) and written, so a model
+/// larger than RAM can be converted (one layer's fp32 expert weights in memory at a time).
+/// Returns the matrices that fell back to another format. Decoder::write_expert_store does the
+/// same from a loaded decoder.
+inline std::vector<Fallback> write_hf_expert_store(std::filesystem::path const& model_dir,
+                                                   std::string const& path,
+                                                   ThreadPool* pool = nullptr,
+                                                   DecoderOptions const& options = {}) {
+  io::detail::check_model_dir(model_dir);
+  DecoderConfig const c = read_decoder_config(model_dir);
+  io::ShardedCheckpoint const ckpt = io::open_checkpoint(model_dir);
+  return detail::write_any_expert_store(c, ckpt, path, pool, options);
 }
 
 }  // namespace moe::models

@@ -35,4 +35,15 @@ inline AnyDecoder load_gguf_decoder(std::filesystem::path const& path, ThreadPoo
   return any;
 }
 
+/// write_hf_expert_store for a GGUF file: its routed experts as an expert store, one MoE layer at
+/// a time (the stored blocks re-packed, unless `options` ask for other formats).
+inline std::vector<Fallback> write_gguf_expert_store(std::filesystem::path const& gguf,
+                                                     std::string const& path,
+                                                     ThreadPool* pool = nullptr,
+                                                     DecoderOptions const& options = {}) {
+  io::GgufAsHf const g = io::gguf_as_hf(gguf);
+  DecoderConfig const c = gguf_decoder_config(g, gguf.string());
+  return detail::write_any_expert_store(c, *g.checkpoint, path, pool, options);
+}
+
 }  // namespace moe::models
