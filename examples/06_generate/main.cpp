@@ -52,8 +52,10 @@
 // (--cache-policy, --reader-threads, --prefetch, --direct-io; --read-bandwidth / --read-latency
 // emulate a drive), the checkpoint's own expert weights never read; the same ids and logits bit
 // for bit, and one line on stderr with the hit rate, bytes read per token, time waiting for reads
-// and the prefetch's precision and recall. --trace-out FILE records the routing of every token
-// run (the prompt, then each new token but the last) as a routing trace for moe_cache_sim.
+// and the prefetch's precision and recall. --cache-routing (off by default) lets a token swap
+// low-ranked uncached experts for cached ones within a guarded rule (docs/offload.md): the
+// output then differs from the model's exact routing. --trace-out FILE records the routing of every
+// token run (the prompt, then each new token but the last) as a routing trace for moe_cache_sim.
 // --kv-cache: how the KV cache holds keys and values (fp32 default; bf16 halves its bytes,
 // moe::KvFormat). The timings go to stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
@@ -168,6 +170,9 @@ constexpr moe_cli::Option kOptions[] = {
      "with --expert-store: read ahead for the next MoE layer: router (default: its router on the "
      "current hidden state), previous (the previous token's experts), both, none"},
     {"--direct-io", "with --expert-store: read with O_DIRECT (past the page cache) where allowed"},
+    {"--cache-routing SPEC",
+     "with --expert-store: swap a token's low-ranked uncached experts for cached ones the router "
+     "scored almost as high, e.g. tau=0.05,keep=1,candidates=16,swaps=1 (default off: exact)"},
     {"--read-bandwidth SIZE",
      "with --expert-store: emulate a drive of SIZE per second, e.g. 3GB (default: as fast as "
      "the file reads)"},
@@ -210,7 +215,7 @@ double parse_double(std::string const& flag, std::string const& s, double lo, do
 Args parse(int argc, char** argv) {
   Args a;
   a.weights.streaming.budget_bytes = std::uint64_t{2} << 30;
-  bool have_model = false, have_n = false, latency_given = false;
+  bool have_model = false, have_n = false, latency_given = false, cache_routing_given = false;
   int prompts = 0;  // --prompt-ids, --prompt and --prompt-file given
   for (int i = 1; i < argc; ++i) {
     std::string const f = argv[i];
@@ -295,6 +300,9 @@ Args parse(int argc, char** argv) {
       a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
     } else if (f == "--trace-out") {
       a.trace_out = value();
+    } else if (f == "--cache-routing") {
+      a.weights.streaming.cache_routing = moe::offload::parse_cache_routing(value());
+      cache_routing_given = true;
     } else if (f == "--prefetch") {
       a.weights.streaming.prefetch = value();
     } else if (f == "--direct-io") {
@@ -323,9 +331,9 @@ Args parse(int argc, char** argv) {
   }
   if (a.weights.expert_store.empty() &&
       (a.weights.store_read.direct || a.weights.store_read.bandwidth_bytes_per_s > 0.0 ||
-       latency_given || !a.predictor.empty())) {
+       latency_given || !a.predictor.empty() || cache_routing_given)) {
     usage_error(
-        "--direct-io, --read-bandwidth, --read-latency and --predictor go with "
+        "--direct-io, --read-bandwidth, --read-latency, --predictor and --cache-routing go with "
         "--expert-store");
   }
   if (latency_given && a.weights.store_read.bandwidth_bytes_per_s == 0.0) {
@@ -377,18 +385,20 @@ void print_stream_stats(Dec const& d, Args const& a) {
                   r.bandwidth_bytes_per_s / 1e9, r.latency_seconds * 1e6);
     how += buf;
   }
-  std::fprintf(
-      stderr,
-      "moe_generate: experts streamed from %s (%s policy, %.2f GiB cache, %s): hit rate "
-      "%.3f of %llu accesses (%llu misses, %llu bypasses); %.1f MiB read per token, "
-      "%.3f s waiting for reads; prefetch %s: %llu experts, precision %.3f, recall "
-      "%.3f\n",
-      d.streamer->store().path().c_str(), a.weights.streaming.policy.c_str(),
-      static_cast<double>(a.weights.streaming.budget_bytes) / 1073741824.0, how.c_str(),
-      s.hit_rate(), static_cast<unsigned long long>(s.accesses),
-      static_cast<unsigned long long>(s.misses), static_cast<unsigned long long>(s.bypasses),
-      s.bytes_per_token() / 1048576.0, s.wait_seconds, a.weights.streaming.prefetch.c_str(),
-      static_cast<unsigned long long>(s.prefetches), s.prefetch_precision(), s.prefetch_recall());
+  std::fprintf(stderr,
+               "moe_generate: experts streamed from %s (%s policy, %.2f GiB cache, %s): hit rate "
+               "%.3f of %llu accesses (%llu misses, %llu bypasses); %.1f MiB read per token, "
+               "%.3f s waiting for reads; prefetch %s: %llu experts, precision %.3f, recall "
+               "%.3f; cache-aware routing %s (%llu swaps)\n",
+               d.streamer->store().path().c_str(), a.weights.streaming.policy.c_str(),
+               static_cast<double>(a.weights.streaming.budget_bytes) / 1073741824.0, how.c_str(),
+               s.hit_rate(), static_cast<unsigned long long>(s.accesses),
+               static_cast<unsigned long long>(s.misses),
+               static_cast<unsigned long long>(s.bypasses), s.bytes_per_token() / 1048576.0,
+               s.wait_seconds, a.weights.streaming.prefetch.c_str(),
+               static_cast<unsigned long long>(s.prefetches), s.prefetch_precision(),
+               s.prefetch_recall(), a.weights.streaming.cache_routing.enabled ? "on" : "off",
+               static_cast<unsigned long long>(s.swaps));
 }
 
 /// Called with each new id; returns true to stop generating after it.

@@ -1265,6 +1265,24 @@ TEST_CASE("Decoder: experts streamed from an expert store decode as resident one
           CHECK_THROWS_WITH(moe::models::generate(traced, prompt, go),
                             Catch::Contains("needs the KV cache"));
         }
+        // Cache-aware routing: tau 0 swaps nothing (the same bits); a wide rule swaps experts
+        // for cached ones and still decodes (finite logits, the same shapes).
+        for (float const tau : {0.0f, 1.0f}) {
+          auto aware = dec;
+          moe::offload::StreamerOptions so;
+          so.budget_bytes = record * static_cast<std::uint64_t>(t.E);
+          so.cache_routing = moe::offload::parse_cache_routing("keep=0,swaps=2,candidates=4,tau=" +
+                                                               std::to_string(tau));
+          aware.stream_experts(std::make_shared<moe::offload::ExpertStreamer>(store, so));
+          std::vector<float> const got = greedy_logits(t, aware, &pool);
+          if (tau == 0.0f) {
+            CHECK(aware.streamer->stats().swaps == 0);
+            CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+          } else {
+            CHECK(aware.streamer->stats().swaps > 0);
+            CHECK(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }));
+          }
+        }
         // Loaded with the store: the checkpoint's routed expert weights are never read (here
         // NaN) and the logits are the same bits; a format asked for the experts is ignored,
         // with a warning.

@@ -3,9 +3,11 @@
 // simulator (moe/offload/simulator.hpp): hand-computed tiny traces, pins, Belady's optimality.
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moe/offload/cache.hpp"
+#include "moe/offload/cache_routing.hpp"
 #include "moe/offload/predictor.hpp"
 #include "moe/offload/simulator.hpp"
 #include "moe/offload/synthetic.hpp"
@@ -181,4 +183,67 @@ TEST_CASE("A uniform random trace gives hit rates near budget / experts", "[offl
     CHECK(simulate(t, g, DecayedLfu{}).hit_rate == Approx(expected).margin(0.015));
     CHECK(simulate(t, g, LayerAwareLru{}).hit_rate == Approx(expected).margin(0.015));
   }
+}
+
+TEST_CASE("Cache-aware routing swaps by the guarded rule, hand-computed", "[offload][routing]") {
+  // One token, 6 experts, top-3 selected {0, 1, 2} (weights 0.5, 0.3, 0.2); logits
+  // 5, 4, 3.9, 3.8, 1, 0 (range 5); experts 0 and 3 resident.
+  auto fresh = [] {
+    moe::Selection sel;
+    sel.reset(1, 3, 6);
+    sel.expert = {0, 1, 2};
+    sel.weight = {0.5f, 0.3f, 0.2f};
+    return sel;
+  };
+  float const z[] = {5.0f, 4.0f, 3.9f, 3.8f, 1.0f, 0.0f};
+  moe::ConstMatrixView<float> const logits(z, 1, 6);
+  auto resident = [](moe::ExpertId e) { return e == 0 || e == 3; };
+  std::vector<moe::ExpertId> scratch;
+  auto run = [&](CacheRoutingOptions o) {
+    moe::Selection sel = fresh();
+    moe::Index const n = cache_aware_swap(sel, logits, resident, o, scratch);
+    CHECK(sel.weight == std::vector<float>{0.5f, 0.3f, 0.2f});  // weights kept as they are
+    return std::make_pair(n, sel.expert);
+  };
+  CacheRoutingOptions o;
+  CHECK(run(o).first == 0);  // off: the router's routing
+  o.enabled = true;
+  // tau 0.05: a gap up to 0.25. Expert 2 (rank 2, not resident) -> 3 (gap 0.1, resident).
+  CHECK(run(o) == std::make_pair(moe::Index{1}, std::vector<moe::ExpertId>{0, 1, 3}));
+  // Two swaps allowed: expert 1 has no resident substitute within 0.25 (3 is taken, 4 is 3 below).
+  o.max_swaps = 2;
+  CHECK(run(o) == std::make_pair(moe::Index{1}, std::vector<moe::ExpertId>{0, 1, 3}));
+  // tau 1 (gaps up to 5), keep 0: 2 -> 3, then expert 1 finds no resident candidate left (0
+  // and 3 are selected).
+  o.tau = 1.0f;
+  o.keep_top = 0;
+  CHECK(run(o) == std::make_pair(moe::Index{1}, std::vector<moe::ExpertId>{0, 1, 3}));
+  // Guards: the top 3 kept; tau 0; substitutes only among the top 3 logits (3 is 4th).
+  CacheRoutingOptions g = o;
+  g.keep_top = 3;
+  CHECK(run(g).first == 0);
+  g = o;
+  g.tau = 0.0f;
+  CHECK(run(g).first == 0);
+  g = o;
+  g.candidates = 3;
+  CHECK(run(g).first == 0);
+  g = o;
+  g.max_swaps = 0;
+  CHECK(run(g).first == 0);
+}
+
+TEST_CASE("Cache-aware routing options parse and are checked", "[offload][routing]") {
+  CacheRoutingOptions const o = parse_cache_routing("tau=0.1,keep=2,swaps=3,candidates=8");
+  CHECK(o.enabled);
+  CHECK(o.tau == 0.1f);
+  CHECK(o.keep_top == 2);
+  CHECK(o.max_swaps == 3);
+  CHECK(o.candidates == 8);
+  CHECK_FALSE(parse_cache_routing("off").enabled);
+  CHECK(parse_cache_routing("tau=0.02").keep_top == 1);
+  CHECK_THROWS_WITH(parse_cache_routing("tau=2"), Catch::Contains("tau in [0, 1]"));
+  CHECK_THROWS_WITH(parse_cache_routing("keep=1.5"), Catch::Contains("'keep=1.5' is not"));
+  CHECK_THROWS_WITH(parse_cache_routing("depth=3"), Catch::Contains("'depth=3' is not"));
+  CHECK_THROWS_WITH(parse_cache_routing(""), Catch::Contains("'' is not"));
 }

@@ -33,6 +33,7 @@
 #include "moe/io/hf.hpp"
 #include "moe/kernels/activations.hpp"
 #include "moe/kernels/gemm_bf16.hpp"
+#include "moe/kernels/plan.hpp"
 #include "moe/kernels/rms_norm.hpp"
 #include "moe/layers/gated_attention.hpp"
 #include "moe/layers/gated_deltanet.hpp"
@@ -301,6 +302,7 @@ struct DecoderState {
   std::vector<float> stream_gates;          ///< and their largest routing weights
   std::vector<std::int32_t> prefetch_ids;   ///< what the next streamed MoE layer reads ahead
   std::vector<float> prefetch_x;            ///< its router's input (the next post-norm of h)
+  std::vector<ExpertId> swap_scratch;       ///< cache-aware routing
   MoeFfnWorkspace ffn_ahead;                ///< its routing
   /// When set (a state of one sequence), every forward appends its tokens' routing to this trace
   /// (token-major: each token's MoE layers in order; Decoder::trace_shape gives its shape): the
@@ -532,6 +534,14 @@ class Decoder {
                         MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const {
     Moe const& layer = *blocks[L].moe;
     layer.route(x, st.ffn, opt);
+    if (offload::CacheRoutingOptions const& cr = streamer->options().cache_routing; cr.enabled) {
+      Index const swaps = offload::cache_aware_swap(
+          st.ffn.selection,
+          ConstMatrixView<float>(st.ffn.logits.data(), x.rows, layer.num_experts()),
+          [&](ExpertId e) { return streamer->resident(index, e); }, cr, st.swap_scratch);
+      if (swaps > 0) kernels::build_plan(st.ffn.selection, st.ffn.plan);
+      streamer->count_swaps(swaps);
+    }
     RoutingPlan const& plan = st.ffn.plan;
     st.stream_ids.clear();
     st.stream_gates.clear();

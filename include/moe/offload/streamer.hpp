@@ -27,6 +27,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/types.hpp"
 #include "moe/offload/cache.hpp"
+#include "moe/offload/cache_routing.hpp"
 #include "moe/offload/predictor.hpp"
 #include "moe/offload/store.hpp"
 
@@ -40,6 +41,7 @@ struct StreamStats {
   std::uint64_t accesses = 0, hits = 0, misses = 0, bypasses = 0;
   std::uint64_t bytes_read = 0;
   std::uint64_t prefetches = 0, prefetch_hits = 0;
+  std::uint64_t swaps = 0;  ///< experts cache-aware routing replaced by resident ones
   double wait_seconds = 0.0;
   Index tokens = 0;  ///< tokens seen (begin_forward's counts)
   double hit_rate() const {
@@ -80,6 +82,9 @@ struct StreamerOptions {
   std::string prefetch = "router";
   bool prefetch_router() const { return prefetch == "router" || prefetch == "both"; }
   bool prefetch_previous() const { return prefetch == "previous" || prefetch == "both"; }
+  /// Cache-aware routing (off by default: routing exactly the router's). A decoder applies it
+  /// between routing a layer and requesting its experts.
+  CacheRoutingOptions cache_routing;
 };
 
 /// The names StreamerOptions::policy takes.
@@ -96,6 +101,7 @@ class ExpertStreamer {
     moe::detail::check(store_ != nullptr, w, ": no store");
     moe::detail::check(options_.reader_threads >= 0 && options_.reader_threads <= 256, w,
                        ": reader_threads = ", options_.reader_threads, "; give 0 to 256");
+    options_.cache_routing.check();
     moe::detail::check(
         options_.prefetch == "none" || options_.prefetch_router() || options_.prefetch_previous(),
         w, ": prefetch '", options_.prefetch, "'; use none, router, previous or both");
@@ -315,6 +321,20 @@ class ExpertStreamer {
                        "moe::offload::ExpertStreamer::release: MoE layer ", layer,
                        " is outside the ", L_, " of the store");
     Held& held = held_[static_cast<std::size_t>(layer)];
+    // A request released without its wait (an exception between them): its reads finish before
+    // their buffers may be evicted or freed. A read's error stays for the next wait.
+    if (!readers_.empty()) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [&] {
+        for (std::int32_t const e : held.cached) {
+          if (loading_[slot(layer, e)] != 0) return false;
+        }
+        for (auto const& [e, buf] : held.transient) {
+          if (loading_[slot(layer, e)] != 0) return false;
+        }
+        return true;
+      });
+    }
     for (std::int32_t const e : held.cached) cache_->unpin({static_cast<std::int32_t>(layer), e});
     for (auto const& [e, buf] : held.transient) table_[slot(layer, e)] = nullptr;
     held.cached.clear();
@@ -328,6 +348,8 @@ class ExpertStreamer {
     stats_.tokens = tokens;
     tokens_at_reset_ = tokens;
   }
+  /// Counts experts cache-aware routing swapped (StreamStats::swaps).
+  void count_swaps(Index n) { stats_.swaps += static_cast<std::uint64_t>(n); }
   /// Tokens counted since the last reset_stats (stats().tokens counts from the start).
   Index tokens_since_reset() const { return stats_.tokens - tokens_at_reset_; }
   std::uint64_t resident_bytes() const { return cache_->resident_bytes(); }
