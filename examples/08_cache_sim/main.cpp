@@ -54,13 +54,16 @@ constexpr moe_cli::Option kOptions[] = {
     {"--predictor FILE", "the learned policy's predictor (moe-reuse-predictor file)"},
     {"--train-predictor OUT", "train the predictor and save it to OUT"},
     {"--train-trace FILE", "train the predictor on this trace file"},
+    {"--cache-routing SPEC",
+     "replay cache-aware routing, e.g. tau=0.05,keep=1,candidates=16,swaps=1 (needs candidates in "
+     "the trace; the belady row stays exact routing's bound)"},
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {
     "moe_cache_sim",
     "[--trace FILE | --preset NAME] [--budgets LIST] [--expert-bytes N] [--bandwidth GB/s] "
     "[--warmup N] [--tokens N] [--layers N] [--seed S] [--write-trace FILE] "
-    "[--train-predictor OUT | --predictor FILE] [--train-trace FILE]",
+    "[--train-predictor OUT | --predictor FILE] [--train-trace FILE] [--cache-routing SPEC]",
     kOptions};
 
 struct UsageError : std::runtime_error {
@@ -81,6 +84,7 @@ struct Args {
   double bandwidth_gbs = 3.0;
   std::vector<Budget> budgets;
   bool have_preset = false;
+  moe::offload::CacheRoutingOptions cache_routing;
 };
 
 double parse_number(std::string_view option, std::string_view text) {
@@ -156,6 +160,8 @@ Args parse(int argc, char** argv) {
       a.predictor = value();
     } else if (f == "--train-predictor") {
       a.train_predictor = value();
+    } else if (f == "--cache-routing") {
+      a.cache_routing = moe::offload::parse_cache_routing(value());
     } else if (f == "--train-trace") {
       a.train_trace = value();
     } else {
@@ -201,9 +207,15 @@ void row(off::Trace const& t, off::CacheGeometry const& g, Policy policy,
          off::SimulationOptions const& o, std::vector<moe::Index> const& next,
          std::string const& budget) {
   off::SimulationResult const r = off::simulate(t, g, std::move(policy), o, next);
-  std::printf("%-22s %-10s %8.4f %10.2f %12.1f %14.2f\n", budget.c_str(), r.policy.c_str(),
+  std::printf("%-22s %-10s %8.4f %10.2f %12.1f %14.2f", budget.c_str(), r.policy.c_str(),
               r.hit_rate, r.misses_per_token, r.bytes_per_token / 1048576.0,
               r.io_ceiling_tokens_per_s);
+  if (o.cache_routing.enabled) {
+    std::printf(" %9.3f %9.4f",
+                static_cast<double>(r.swaps) / static_cast<double>(r.measured_tokens),
+                r.swapped_weight);
+  }
+  std::printf("\n");
 }
 
 }  // namespace
@@ -275,12 +287,18 @@ int main(int argc, char** argv) {
                 s.num_layers * s.num_experts, static_cast<unsigned long long>(a.expert_bytes),
                 gib(total).c_str(), a.warmup, a.bandwidth_gbs);
     std::printf("learned predictor: %s\n\n", trained_on.c_str());
-    std::printf("%-22s %-10s %8s %10s %12s %14s\n", "budget", "policy", "hit rate", "misses/tok",
-                "MiB/token", "I/O ceil tok/s");
+    std::printf("%-22s %-10s %8s %10s %12s %14s%s\n", "budget", "policy", "hit rate", "misses/tok",
+                "MiB/token", "I/O ceil tok/s",
+                a.cache_routing.enabled ? "  swaps/tok  weight moved" : "");
 
     off::SimulationOptions o;
     o.warmup_tokens = a.warmup;
     o.bandwidth_bytes_per_s = a.bandwidth_gbs * 1e9;
+    o.cache_routing = a.cache_routing;
+    if (a.cache_routing.enabled && s.num_candidates == 0) {
+      throw std::runtime_error(
+          "--cache-routing needs the router's candidates in the trace (this one records none)");
+    }
     std::vector<moe::Index> const next = off::next_use_steps(trace);
     for (Budget const& b : a.budgets) {
       std::uint64_t const bytes =
@@ -293,7 +311,9 @@ int main(int argc, char** argv) {
       row(trace, g, off::LayerAwareLru{}, o, next, label);
       row(trace, g, off::LearnedEviction(predictor), o, next, label);
       if (!latent.empty()) row(trace, g, off::LatentOracle(latent), o, next, label);
-      row(trace, g, off::Belady{}, o, next, label);
+      off::SimulationOptions exact = o;
+      exact.cache_routing = {};  // Belady: the bound of the trace's own routing
+      row(trace, g, off::Belady{}, exact, next, label);
     }
     return 0;
   } catch (std::exception const& e) {

@@ -247,3 +247,25 @@ TEST_CASE("Cache-aware routing options parse and are checked", "[offload][routin
   CHECK_THROWS_WITH(parse_cache_routing("depth=3"), Catch::Contains("'depth=3' is not"));
   CHECK_THROWS_WITH(parse_cache_routing(""), Catch::Contains("'' is not"));
 }
+
+TEST_CASE("Cache-aware routing replayed on a trace: tau 0 is exact, a wider rule hits more",
+          "[offload][routing]") {
+  SyntheticTraceConfig c = qwen3_30b_a3b_trace_config(600, 5);
+  c.num_layers = 4;
+  Trace const t = make_synthetic_trace(c);
+  auto const g = CacheGeometry::uniform(4, c.num_experts, 1, 4 * c.num_experts / 4);
+  SimulationOptions o;
+  o.warmup_tokens = 100;
+  SimulationResult const exact = simulate(t, g, Lru{}, o);
+  o.cache_routing = parse_cache_routing("tau=0,keep=1,candidates=16,swaps=2");
+  SimulationResult const zero = simulate(t, g, Lru{}, o);
+  CHECK(zero.swaps == 0);
+  CHECK(zero.hits == exact.hits);
+  o.cache_routing = parse_cache_routing("tau=0.1,keep=2,candidates=16,swaps=2");
+  SimulationResult const aware = simulate(t, g, Lru{}, o);
+  CHECK(aware.swaps > 0);
+  CHECK(aware.hit_rate > exact.hit_rate + 0.01);
+  CHECK(aware.swapped_weight > 0.0);
+  CHECK(aware.swapped_weight < 0.5);
+  CHECK_THROWS_WITH(simulate(t, g, Belady{}, o), Catch::Contains("online policy"));
+}

@@ -83,6 +83,30 @@ inline CacheRoutingOptions parse_cache_routing(std::string const& text) {
   return o;
 }
 
+/// The rule for one token: `ids` its experts in rank order (-1: an empty slot, left alone),
+/// `logit(e)` the router's logit of expert e, `substitutes` the router's top-M experts best
+/// first, `range` the token's largest logit minus its smallest, `resident(e)` whether e is
+/// cached. Swaps in place; returns how many.
+template <class Logit, class Resident>
+Index swap_token(std::span<ExpertId> ids, Logit const& logit, std::span<ExpertId const> substitutes,
+                 float range, Resident const& resident, CacheRoutingOptions const& o) {
+  if (!o.enabled) return 0;
+  auto const S = static_cast<Index>(ids.size());
+  Index done = 0;
+  for (Index s = S - 1; s >= o.keep_top && done < o.max_swaps; --s) {
+    ExpertId const a = ids[static_cast<std::size_t>(s)];
+    if (a < 0 || resident(a)) continue;
+    for (ExpertId const b : substitutes) {
+      if (logit(a) - logit(b) > o.tau * range) break;  // the candidates only fall from here
+      if (!resident(b) || std::find(ids.begin(), ids.end(), b) != ids.end()) continue;
+      ids[static_cast<std::size_t>(s)] = b;
+      ++done;
+      break;
+    }
+  }
+  return done;
+}
+
 /// Applies the rule to `sel` (token-choice routing: each token's slots in rank order) given the
 /// router's `logits` [T, E] and `resident(e)`; returns the number of swaps. The weights, the
 /// scores and the empty slots stay as they are; rebuild the routing plan after a swap
@@ -99,7 +123,6 @@ Index cache_aware_swap(Selection& sel, ConstMatrixView<float> logits, Resident c
   Index swaps = 0;
   for (Index t = 0; t < T; ++t) {
     float const* z = logits.row(t);
-    ExpertId* ids = sel.expert.data() + t * S;
     float const range = *std::max_element(z, z + E) - *std::min_element(z, z + E);
     // The M highest logits (ties to the lower expert): the substitutes, best first.
     scratch.resize(static_cast<std::size_t>(E));
@@ -107,20 +130,10 @@ Index cache_aware_swap(Selection& sel, ConstMatrixView<float> logits, Resident c
     std::partial_sort(
         scratch.begin(), scratch.begin() + M, scratch.end(),
         [&](ExpertId a, ExpertId b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
-    Index done = 0;
-    for (Index s = S - 1; s >= o.keep_top && done < o.max_swaps; --s) {
-      ExpertId const a = ids[s];
-      if (a < 0 || resident(a)) continue;
-      for (Index m = 0; m < M; ++m) {
-        ExpertId const b = scratch[static_cast<std::size_t>(m)];
-        if (z[a] - z[b] > o.tau * range) break;  // the candidates only fall from here
-        if (!resident(b) || std::find(ids, ids + S, b) != ids + S) continue;
-        ids[s] = b;
-        ++done;
-        break;
-      }
-    }
-    swaps += done;
+    swaps += swap_token(
+        std::span<ExpertId>(sel.expert.data() + t * S, static_cast<std::size_t>(S)),
+        [&](ExpertId e) { return z[e]; },
+        std::span<ExpertId const>(scratch.data(), static_cast<std::size_t>(M)), range, resident, o);
   }
   return swaps;
 }

@@ -6,8 +6,11 @@
 /// token and the I/O ceiling in tokens/s at a read bandwidth.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +18,7 @@
 #include "moe/core/error.hpp"
 #include "moe/core/types.hpp"
 #include "moe/offload/cache.hpp"
+#include "moe/offload/cache_routing.hpp"
 #include "moe/offload/trace.hpp"
 
 namespace moe::offload {
@@ -44,6 +48,12 @@ struct SimulationOptions {
   Index warmup_tokens = 100;
   /// Read bandwidth for the I/O ceiling, bytes/s (3e9: a PCIe 3 NVMe drive).
   double bandwidth_bytes_per_s = 3e9;
+  /// Cache-aware routing replayed on the trace (off: the trace's routing). Each step's experts
+  /// are rewritten by the rule before its accesses, with the trace's candidates as the
+  /// substitutes and log(score) as the logits (the range: over the M candidates only). The
+  /// later steps stay as traced (a trace cannot say how the swap changes the model's next
+  /// routing). Needs candidates in the trace; not with Belady (its future is the trace's).
+  CacheRoutingOptions cache_routing;
 };
 
 /// What simulate measured over the tokens after the warm-up.
@@ -61,6 +71,10 @@ struct SimulationResult {
   double bytes_per_token = 0;      ///< bytes_read / measured_tokens
   /// bandwidth / bytes_per_token: the decode rate the reads alone allow (infinity if no reads).
   double io_ceiling_tokens_per_s = 0;
+  std::int64_t swaps = 0;  ///< cache-aware routing's swaps (counted steps)
+  /// The share of the counted steps' gate weight that went to substitutes (a first-order measure
+  /// of how far cache-aware routing moves the layer outputs).
+  double swapped_weight = 0;
 };
 
 /// Replays `trace` through an ExpertCache<Policy>(geometry, policy): per step, begin_step, then
@@ -88,16 +102,57 @@ SimulationResult simulate(Trace const& trace, CacheGeometry const& geometry, Pol
   moe::detail::check(next.size() == trace.expert_ids().size(), where,
                      ": next_uses does not match the trace");
 
+  CacheRoutingOptions const& cr = options.cache_routing;
+  cr.check();
+  moe::detail::check(!cr.enabled || (s.num_candidates > 0 && Policy::name() != "belady"), where,
+                     ": cache-aware routing needs a trace with candidates and an online policy "
+                     "(Belady's future is the trace's routing)");
   ExpertCache<Policy> cache(geometry, std::move(policy));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(s.top_k));
+  std::vector<std::int32_t> subs;
+  double weight = 0.0, moved = 0.0;
   SimulationResult out;
   out.policy = std::string(Policy::name());
   out.budget_bytes = geometry.budget_bytes;
   auto const k = static_cast<std::size_t>(s.top_k);
   Index const first = options.warmup_tokens * s.num_layers;
   for (Index i = 0; i < trace.num_steps(); ++i) {
-    TraceRecord const r = trace.step(i);
-    cache.begin_step({i, r});
+    TraceRecord r = trace.step(i);
     bool const counted = i >= first;
+    if (cr.enabled) {
+      std::copy(r.experts.begin(), r.experts.end(), ids.begin());
+      auto logit = [&](std::int32_t e) {
+        for (std::size_t m = 0; m < r.candidates.size(); ++m) {
+          if (r.candidates[m] == e) return std::log(std::max(r.candidate_scores[m], 1e-30f));
+        }
+        return -std::numeric_limits<float>::infinity();  // outside the top-M: never close
+      };
+      // The substitutes best first (a trace records its candidates in rank order; sorted here
+      // anyway, ties to the lower expert).
+      subs.assign(r.candidates.begin(), r.candidates.end());
+      std::stable_sort(subs.begin(), subs.end(),
+                       [&](std::int32_t a, std::int32_t b) { return logit(a) > logit(b); });
+      if (static_cast<Index>(subs.size()) > cr.candidates)
+        subs.resize(static_cast<std::size_t>(cr.candidates));
+      float lo = logit(subs.front());
+      for (std::int32_t const c : r.candidates) lo = std::min(lo, logit(c));
+      Index const n = swap_token(
+          std::span<std::int32_t>(ids), logit, std::span<std::int32_t const>(subs),
+          logit(subs.front()) - lo,
+          [&](std::int32_t e) {
+            return cache.resident({static_cast<std::int32_t>(r.layer), e});
+          },
+          cr);
+      if (counted) {
+        out.swaps += n;
+        for (std::size_t j = 0; j < k; ++j) {
+          weight += r.gates[j];
+          if (ids[j] != r.experts[j]) moved += r.gates[j];
+        }
+      }
+      r.experts = ids;
+    }
+    cache.begin_step({i, r});
     for (std::size_t j = 0; j < k; ++j) {
       ExpertKey const key{static_cast<std::int32_t>(r.layer), r.experts[j]};
       AccessContext const ctx{i, r.token, static_cast<Index>(j), r.gates[j],
@@ -117,6 +172,7 @@ SimulationResult simulate(Trace const& trace, CacheGeometry const& geometry, Pol
       if (cache.pinned(key)) cache.unpin(key);
     }
   }
+  out.swapped_weight = weight > 0.0 ? moved / weight : 0.0;
   out.measured_tokens = trace.num_tokens() - options.warmup_tokens;
   double const tokens = static_cast<double>(out.measured_tokens);
   out.hit_rate =
