@@ -8,8 +8,11 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <latch>
 #include <limits>
+#include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -21,6 +24,8 @@
 #include "moe/layers/moe_attention.hpp"
 #include "moe/layers/moe_ffn.hpp"
 #include "moe/layers/presets.hpp"
+#include "moe/offload/store.hpp"
+#include "moe/offload/streamer.hpp"
 #include "moe/routing/softmax_top_k.hpp"
 
 using moe::ConstMatrixView;
@@ -391,4 +396,56 @@ TEST_CASE("Two threads on one workspace: every overlapping call is refused, none
   REQUIRE(ran + refused == 100);
   REQUIRE(ran > 0);  // a call is refused only while the other thread's call runs
   REQUIRE_FALSE(wrong);
+}
+
+TEST_CASE(
+    "Experts streamed by reader threads, with prefetch and a two-step forward, give the "
+    "resident outputs",
+    "[concurrent][offload]") {
+  // The streamer's reader threads write records while the caller computes on the ready ones and
+  // queues prefetches: under ThreadSanitizer (the tsan preset) this is its race check.
+  Index const E = 8, D = 64, F = 64, T = 3;
+  auto layer = moe::presets::make_qwen3_moe({D, F, E, 2, true});
+  moe::fill_uniform(layer.experts().edit().parameters(), -0.1f, 0.1f, 41);
+  auto wr = layer.router_weight();
+  moe::fill_uniform(std::span<float>(wr.data, static_cast<std::size_t>(wr.rows * wr.cols)), -0.5f,
+                    0.5f, 42);
+  layer.pack_weights(experts::WeightFormat::kQ8_0);
+  std::string const path = std::string(MOE_CONCURRENT_TEST_TMP) + "/concurrent.moex";
+  std::filesystem::create_directories(MOE_CONCURRENT_TEST_TMP);
+  {
+    moe::offload::ExpertStoreWriter w(path, {1, E, D, F, true});
+    w.add_layer(layer.experts());
+    w.finish();
+  }
+  auto const store = std::make_shared<moe::offload::ExpertStore const>(path);
+  moe::offload::StreamerOptions o;
+  o.budget_bytes = 3 * store->record(0, 0).read_bytes();
+  o.reader_threads = 3;
+  moe::offload::ExpertStreamer streamer(store, o);
+  auto streamed = layer;
+  streamed.experts().stream_records(store->layer_formats(0), streamer.records(0));
+  moe::ThreadPool pool(2);
+  moe::MoeFfnWorkspace ws_a, ws_b;
+  std::vector<float> ya(static_cast<std::size_t>(T * D)), yb(ya.size());
+  std::vector<std::int32_t> ids, ahead;
+  for (Index step = 0; step < 12; ++step) {
+    std::vector<float> const x = random_vector(T * D, 100 + static_cast<std::uint64_t>(step));
+    ConstMatrixView<float> xs(x.data(), T, D);
+    layer.forward(xs, MatrixView<float>(ya.data(), T, D), ws_a, {nullptr, &pool});
+    streamer.begin_forward(T);
+    streamed.route(xs, ws_b, {nullptr, &pool});
+    ids.clear();
+    for (Index e = 0; e < E; ++e) {
+      if (ws_b.plan.expert_rows(e) > 0) ids.push_back(static_cast<std::int32_t>(e));
+    }
+    streamer.request(0, ids, {});
+    ahead = {static_cast<std::int32_t>(step % E), static_cast<std::int32_t>((step + 3) % E)};
+    streamer.prefetch(0, ahead);
+    std::span<unsigned char const> const ready = streamer.ready(0);
+    streamed.forward_with_plan(xs, ws_b.plan, MatrixView<float>(yb.data(), T, D), ws_b, &pool,
+                               moe::ExpertSchedule{ready, [&] { streamer.wait(0); }});
+    streamer.release(0);
+    REQUIRE(std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float)) == 0);
+  }
 }
