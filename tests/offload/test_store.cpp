@@ -142,12 +142,25 @@ TEST_CASE("A damaged expert store is refused with what is wrong", "[offload][sto
   refused([&](std::vector<char>& b) { b.resize(40); }, "fewer than a header's 64");
   CHECK_THROWS_WITH(ExpertStore(tmp("no_such.moex")), Catch::Contains("cannot open"));
 
-  // Another machine's panel width, and another model's layer.
+  // Another machine's panel width: quantized records are the same everywhere, fp32 / bf16 ones
+  // are not.
   std::vector<char> b = good;
   put32(b, 12, static_cast<std::uint32_t>(moe::kernels::panel_width() / 2));
   write_bytes(tmp("narrow.moex"), b);
   ExpertStore const narrow(tmp("narrow.moex"));
-  CHECK_THROWS_WITH(narrow.check_layer(0, a.experts()),
+  narrow.check_layer(0, a.experts());
+  auto dense = make_layer(4);
+  dense.experts().pack(mixed_formats(6));
+  {
+    ExpertStoreWriter w(tmp("dense.moex"), {1, 6, 256, 256, true});
+    w.add_layer(dense.experts());
+    w.finish();
+  }
+  std::vector<char> d = file_bytes(tmp("dense.moex"));
+  put32(d, 12, static_cast<std::uint32_t>(moe::kernels::panel_width() / 2));
+  write_bytes(tmp("dense_narrow.moex"), d);
+  ExpertStore const dense_narrow(tmp("dense_narrow.moex"));
+  CHECK_THROWS_WITH(dense_narrow.check_layer(0, dense.experts()),
                     Catch::Contains("write the store again on this machine"));
   ExpertStore const s(path);
   auto other = make_layer(5, 6, 256, 512);

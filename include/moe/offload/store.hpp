@@ -376,7 +376,14 @@ class ExpertStore {
   template <class Bank>
   void check_layer(Index layer, Bank const& bank) const {
     char const* w = "moe::offload::ExpertStore";
-    moe::detail::check(panel_width_ == kernels::panel_width(), w, ": '", path_,
+    // fp32 / bf16 parts are packed in panels of the instruction set's width; quantized ones in
+    // panels of 32 columns everywhere (a store of quantized experts moves between machines).
+    bool dense_parts = false;
+    for (StoreRecord const& r : layer_records(layer)) {
+      dense_parts = dense_parts || !experts::is_quantized(r.format.in) ||
+                    !experts::is_quantized(r.format.down);
+    }
+    moe::detail::check(!dense_parts || panel_width_ == kernels::panel_width(), w, ": '", path_,
                        "' was packed for fp32/bf16 panels of ", panel_width_,
                        " columns and this build packs ", kernels::panel_width(),
                        " (another instruction set); write the store again on this machine");
