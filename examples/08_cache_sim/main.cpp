@@ -104,21 +104,9 @@ Budget parse_budget(std::string_view text) {
     if (b.share > 1.0) throw UsageError("--budgets '" + b.text + "' is more than 100%");
     return b;
   }
-  struct Unit {
-    std::string_view suffix;
-    double scale;
-  };
-  constexpr Unit kUnits[] = {{"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
-                             {"GB", 1e9},           {"MB", 1e6},        {"B", 1.0}};
-  for (Unit const& u : kUnits) {
-    if (text.size() > u.suffix.size() && text.ends_with(u.suffix)) {
-      double const v = parse_number("--budgets", text.substr(0, text.size() - u.suffix.size()));
-      b.bytes = static_cast<std::uint64_t>(v * u.scale);
-      return b;
-    }
-  }
-  throw UsageError("--budgets '" + b.text +
-                   "' is neither a share (25%) nor a size with a unit (8GiB, 512MiB, 2GB, 100B)");
+  // A size with its unit (8GiB, 512MiB, 2GB, 100B); moe_cli::parse_bytes names the forms.
+  b.bytes = moe_cli::parse_bytes("--budgets (a share such as 25%, or a size)", text);
+  return b;
 }
 
 Args parse(int argc, char** argv) {

@@ -204,21 +204,11 @@ class ExpertStreamer {
           }
           held.cached.push_back(e);
           break;
-        case AccessOutcome::kMiss: {
-          for (ExpertKey const& v : cache_->evicted()) {
-            std::size_t const vs = slot(v.layer, v.expert);
-            table_[vs] = nullptr;
-            prefetched_[vs] = 0;
-            spare_.push_back(std::move(buffers_[vs]));
-          }
-          buffers_[s] = take_buffer(rec.read_bytes());
-          table_[s] = buffers_[s].data();
+        case AccessOutcome::kMiss:
           held.cached.push_back(e);
-          pending_reads_.push_back({layer, e, buffers_[s].data(), s, false});
+          place_miss(layer, e, false);
           ++stats_.misses;
-          stats_.bytes_read += rec.read_bytes();
           break;
-        }
         case AccessOutcome::kBypass:
           held.transient.emplace_back(e, RecordBuffer(rec.read_bytes()));
           table_[s] = held.transient.back().second.data();
@@ -279,23 +269,12 @@ class ExpertStreamer {
     for (std::int32_t const e : experts) {
       ExpertKey const key{static_cast<std::int32_t>(layer), e};
       if (cache_->resident(key)) continue;
-      std::size_t const s = slot(layer, e);
-      StoreRecord const& rec = store_->record(layer, e);
       if (cache_->access(key, AccessContext{step, token_, E_, 0.0f}) != AccessOutcome::kMiss) {
         continue;  // a bypass: no room, nothing read
       }
-      for (ExpertKey const& v : cache_->evicted()) {
-        std::size_t const vs = slot(v.layer, v.expert);
-        table_[vs] = nullptr;
-        prefetched_[vs] = 0;
-        spare_.push_back(std::move(buffers_[vs]));
-      }
-      buffers_[s] = take_buffer(rec.read_bytes());
-      table_[s] = buffers_[s].data();
-      prefetched_[s] = 1;
-      pending_reads_.push_back({layer, e, buffers_[s].data(), s, true});
+      place_miss(layer, e, true);
+      prefetched_[slot(layer, e)] = 1;
       ++stats_.prefetches;
-      stats_.bytes_read += rec.read_bytes();
     }
     spare_.clear();
     for (ExpertKey const& k : touched_) cache_->unpin(k);
@@ -325,15 +304,7 @@ class ExpertStreamer {
     // their buffers may be evicted or freed. A read's error stays for the next wait.
     if (!readers_.empty()) {
       std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] {
-        for (std::int32_t const e : held.cached) {
-          if (loading_[slot(layer, e)] != 0) return false;
-        }
-        for (auto const& [e, buf] : held.transient) {
-          if (loading_[slot(layer, e)] != 0) return false;
-        }
-        return true;
-      });
+      done_.wait(lock, [&] { return !held_loading(layer); });
     }
     for (std::int32_t const e : held.cached) cache_->unpin({static_cast<std::int32_t>(layer), e});
     for (auto const& [e, buf] : held.transient) table_[slot(layer, e)] = nullptr;
@@ -414,6 +385,33 @@ class ExpertStreamer {
                       "moe_cache_sim replays it on a trace)");
   }
   std::size_t slot(Index layer, Index e) const { return static_cast<std::size_t>(layer * E_ + e); }
+  /// A miss the cache just admitted: the evicted experts' buffers to spare_, a buffer for
+  /// (layer, e), and its read queued in pending_reads_.
+  void place_miss(Index layer, std::int32_t e, bool prefetch) {
+    for (ExpertKey const& v : cache_->evicted()) {
+      std::size_t const vs = slot(v.layer, v.expert);
+      table_[vs] = nullptr;
+      prefetched_[vs] = 0;
+      spare_.push_back(std::move(buffers_[vs]));
+    }
+    std::size_t const s = slot(layer, e);
+    std::uint64_t const bytes = store_->record(layer, e).read_bytes();
+    buffers_[s] = take_buffer(bytes);
+    table_[s] = buffers_[s].data();
+    pending_reads_.push_back({layer, e, buffers_[s].data(), s, prefetch});
+    stats_.bytes_read += bytes;
+  }
+  /// Is any expert MoE layer `layer`'s request holds still being read? (Under mutex_.)
+  bool held_loading(Index layer) const {
+    Held const& held = held_[static_cast<std::size_t>(layer)];
+    for (std::int32_t const e : held.cached) {
+      if (loading_[slot(layer, e)] != 0) return true;
+    }
+    for (auto const& [e, buf] : held.transient) {
+      if (loading_[slot(layer, e)] != 0) return true;
+    }
+    return false;
+  }
   /// A buffer of `bytes` (read size): an evicted one of that size, or a new one.
   RecordBuffer take_buffer(std::uint64_t bytes) {
     for (RecordBuffer& b : spare_) {
@@ -456,19 +454,8 @@ class ExpertStreamer {
   void wait_reads(Index layer) {
     if (readers_.empty()) return;
     auto const t0 = std::chrono::steady_clock::now();
-    Held const& held = held_[static_cast<std::size_t>(layer)];
     std::unique_lock<std::mutex> lock(mutex_);
-    auto ready = [&] {
-      if (error_) return true;
-      for (std::int32_t const e : held.cached) {
-        if (loading_[slot(layer, e)] != 0) return false;
-      }
-      for (auto const& [e, buf] : held.transient) {
-        if (loading_[slot(layer, e)] != 0) return false;
-      }
-      return true;
-    };
-    done_.wait(lock, ready);
+    done_.wait(lock, [&] { return error_ || !held_loading(layer); });
     if (error_) {
       std::exception_ptr const e = std::exchange(error_, nullptr);
       lock.unlock();
