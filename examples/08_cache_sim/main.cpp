@@ -104,8 +104,12 @@ Budget parse_budget(std::string_view text) {
     if (b.share > 1.0) throw UsageError("--budgets '" + b.text + "' is more than 100%");
     return b;
   }
-  // A size with its unit (8GiB, 512MiB, 2GB, 100B); moe_cli::parse_bytes names the forms.
-  b.bytes = moe_cli::parse_bytes("--budgets (a share such as 25%, or a size)", text);
+  try {  // a size with its unit (moe_cli::parse_bytes)
+    b.bytes = moe_cli::parse_bytes("--budgets", text);
+  } catch (moe::Error const&) {
+    throw UsageError("--budgets '" + b.text +
+                     "' is neither a share (25%) nor a size with a unit (8GiB, 512MiB, 2GB, 100B)");
+  }
   return b;
 }
 
