@@ -49,6 +49,14 @@ std::vector<ExpertFormat> mixed_formats(Index E) {
   return out;
 }
 
+/// A store of one MoE layer: `bank`'s records.
+template <class Bank>
+void write_layer(std::string const& path, Bank const& bank) {
+  ExpertStoreWriter w(path, {1, bank.num_experts(), bank.d_model(), bank.d_ffn(), true});
+  w.add_layer(bank);
+  w.finish();
+}
+
 std::vector<char> file_bytes(std::string const& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -109,11 +117,7 @@ TEST_CASE("A damaged expert store is refused with what is wrong", "[offload][sto
   auto a = make_layer(4);
   a.experts().pack(WeightFormat::kQ8_0);
   std::string const path = tmp("good.moex");
-  {
-    ExpertStoreWriter w(path, {1, 6, 256, 256, true});
-    w.add_layer(a.experts());
-    w.finish();
-  }
+  write_layer(path, a.experts());
   std::vector<char> const good = file_bytes(path);
   auto refused = [&](auto edit, char const* what) {
     std::vector<char> b = good;
@@ -151,11 +155,7 @@ TEST_CASE("A damaged expert store is refused with what is wrong", "[offload][sto
   narrow.check_layer(0, a.experts());
   auto dense = make_layer(4);
   dense.experts().pack(mixed_formats(6));
-  {
-    ExpertStoreWriter w(tmp("dense.moex"), {1, 6, 256, 256, true});
-    w.add_layer(dense.experts());
-    w.finish();
-  }
+  write_layer(tmp("dense.moex"), dense.experts());
   std::vector<char> d = file_bytes(tmp("dense.moex"));
   put32(d, 12, static_cast<std::uint32_t>(moe::kernels::panel_width() / 2));
   write_bytes(tmp("dense_narrow.moex"), d);
@@ -172,11 +172,7 @@ TEST_CASE("A throttled store reads no faster than its bandwidth and latency", "[
   auto a = make_layer(6);
   a.experts().pack(WeightFormat::kF32);  // 6 records of ~790 KB
   std::string const path = tmp("throttle.moex");
-  {
-    ExpertStoreWriter w(path, {1, 6, 256, 256, true});
-    w.add_layer(a.experts());
-    w.finish();
-  }
+  write_layer(path, a.experts());
   double const bw = 200e6, latency = 0.002;
   ExpertStore const s(path, {false, bw, latency});
   std::uint64_t bytes = 0;
@@ -199,11 +195,7 @@ TEST_CASE("An MoE layer streaming its experts gives the resident outputs bit for
   auto resident = make_layer(7, E, D);
   resident.experts().pack(mixed_formats(E));
   std::string const path = tmp("layer.moex");
-  {
-    ExpertStoreWriter w(path, {1, E, D, 256, true});
-    w.add_layer(resident.experts());
-    w.finish();
-  }
+  write_layer(path, resident.experts());
   auto const store = std::make_shared<ExpertStore const>(path);
   std::vector<float> x(static_cast<std::size_t>(4 * T * D));
   moe::fill_uniform(x, -1.0f, 1.0f, 8);
@@ -264,11 +256,7 @@ TEST_CASE("Prefetched experts are hits, counted as such; the outputs do not chan
   auto resident = make_layer(11, E, D);
   resident.experts().pack(WeightFormat::kQ4_K);
   std::string const path = tmp("prefetch.moex");
-  {
-    ExpertStoreWriter w(path, {1, E, D, 256, true});
-    w.add_layer(resident.experts());
-    w.finish();
-  }
+  write_layer(path, resident.experts());
   auto const store = std::make_shared<ExpertStore const>(path);
   std::uint64_t const record = store->record(0, 0).read_bytes();
   StreamerOptions o;
@@ -358,11 +346,7 @@ TEST_CASE("request, ready and wait: reads run while the ready experts could comp
   auto a = make_layer(31);
   a.experts().pack(WeightFormat::kQ8_0);
   std::string const path = tmp("request.moex");
-  {
-    ExpertStoreWriter w(path, {1, 6, 256, 256, true});
-    w.add_layer(a.experts());
-    w.finish();
-  }
+  write_layer(path, a.experts());
   // A slow drive (20 MB/s: a record of ~0.4 MB takes ~20 ms), so the reads are still running
   // when request returns.
   auto const store = std::make_shared<ExpertStore const>(path, StoreReadOptions{false, 20e6, 0.0});
@@ -392,11 +376,7 @@ TEST_CASE("The streamer refuses bad calls and unknown policies", "[offload][stor
   auto a = make_layer(9);
   a.experts().pack(WeightFormat::kQ8_0);
   std::string const path = tmp("calls.moex");
-  {
-    ExpertStoreWriter w(path, {1, 6, 256, 256, true});
-    w.add_layer(a.experts());
-    w.finish();
-  }
+  write_layer(path, a.experts());
   auto const store = std::make_shared<ExpertStore const>(path);
   StreamerOptions o;
   o.policy = "belady";

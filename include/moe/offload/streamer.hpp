@@ -466,7 +466,8 @@ class ExpertStreamer {
   }
   /// Unpins the prefetches whose reads are done (the readers cannot touch the cache).
   void collect_prefetches() {
-    std::vector<std::size_t> done;
+    std::vector<std::size_t>& done = prefetch_collected_;  // swapped, so neither reallocates
+    done.clear();
     {
       std::lock_guard<std::mutex> const lock(mutex_);
       done.swap(prefetch_done_);
@@ -521,8 +522,10 @@ class ExpertStreamer {
   std::mutex mutex_;
   std::condition_variable work_, done_;
   std::deque<Read> demand_q_, prefetch_q_;
-  std::vector<unsigned char> loading_;      // [L * E] a read into the slot is in flight
-  std::vector<std::size_t> prefetch_done_;  // prefetched slots read, still pinned
+  std::vector<unsigned char> loading_;  // [L * E] a read into the slot is in flight
+  std::vector<std::size_t> prefetch_done_;
+  std::vector<std::size_t> prefetch_collected_;  // collect_prefetches' side of the swap  //
+                                                 // prefetched slots read, still pinned
   std::exception_ptr error_;
   bool stop_ = false;
   std::vector<std::thread> readers_;
