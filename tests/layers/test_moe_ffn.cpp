@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // MoeFfn against the double reference for every routing policy, expert kind and shared-expert
 // variant; MoE properties; determinism across threads; external plans; bad input.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
@@ -636,7 +637,156 @@ TEST_CASE("discard_master_weights keeps the experts' biases", "[experts][packing
   REQUIRE(std::vector<float>(bank.in_bias(2).begin(), bank.in_bias(2).end()) == in_b);
   REQUIRE(std::vector<float>(bank.down_bias(1).begin(), bank.down_bias(1).end()) == down_b);
   REQUIRE(bank.in_bias_data(0) != nullptr);
-  REQUIRE_THROWS_AS(bank.enable_biases(), moe::Error);
+  bank.enable_biases();  // idempotent: the biases are kept
+  REQUIRE(std::vector<float>(bank.in_bias(2).begin(), bank.in_bias(2).end()) == in_b);
+}
+
+TEST_CASE("EmptyWeights + pack_from: the pack of pack(), without ever holding fp32 weights",
+          "[experts][packing]") {
+  namespace ex = experts;
+  using F_ = ex::WeightFormat;
+  Index const np = moe::kernels::panel_width();
+  Index const D = 64, F = 2 * np, E = 5, T = 29;  // 32 | D and 32 | F (q8_0, q4_0 blocks)
+  using Sh = ex::GatedSharedExperts<ex::SwiGlu>;
+  using Layer = moe::MoeFfn<routing::SoftmaxTopK, ex::SwiGlu, Sh>;
+  Layer a(D, F, {E, 2, true, 1.0f}, Sh(1, D, F));
+  a.experts().enable_biases();
+  randomize(a, 141);
+  {
+    auto ed = a.experts().edit();
+    for (Index e = 0; e < E; ++e) {
+      for (std::size_t i = 0; i < ed.in_bias(e).size(); ++i)
+        ed.in_bias(e)[i] = 0.01f * static_cast<float>((e + 3 * static_cast<Index>(i)) % 7);
+      for (std::size_t i = 0; i < ed.down_bias(e).size(); ++i)
+        ed.down_bias(e)[i] = -0.02f * static_cast<float>((2 * e + static_cast<Index>(i)) % 5);
+    }
+  }
+  // A format per expert, and stored blocks for some quantized projections (expert 3's gate
+  // and down, not its up; all of expert 4): those are re-packed, the rest quantized.
+  std::vector<ex::ExpertFormat> const formats = {{F_::kF32, F_::kF32},
+                                                 {F_::kBf16, F_::kBf16},
+                                                 {F_::kQ8_0, F_::kBf16},
+                                                 {F_::kQ4_0, F_::kQ8_0},
+                                                 {F_::kQ8_0, F_::kQ4_0}};
+  auto rows_of = [](float const* w, Index rows, Index depth, F_ f) {
+    moe::quant::Format const qf = ex::quant_format(f);
+    Index const rb = moe::quant::row_bytes(qf, depth);
+    std::vector<std::byte> out(static_cast<std::size_t>(rows * rb));
+    for (Index r = 0; r < rows; ++r)
+      moe::quant::quantize_row(qf, w + r * depth, depth, out.data() + r * rb);
+    return out;
+  };
+  auto const& ca = std::as_const(a);
+  std::vector<std::byte> const gate3 = rows_of(ca.experts().gate_proj(3).data, F, D, F_::kQ4_0);
+  std::vector<std::byte> const down3 = rows_of(ca.experts().down_proj(3).data, D, F, F_::kQ8_0);
+  std::vector<std::byte> const gate4 = rows_of(ca.experts().gate_proj(4).data, F, D, F_::kQ8_0);
+  std::vector<std::byte> const up4 = rows_of(ca.experts().up_proj(4).data, F, D, F_::kQ8_0);
+  std::vector<std::byte> const down4 = rows_of(ca.experts().down_proj(4).data, D, F, F_::kQ4_0);
+  ex::StoredBlocks const stored = [&](Index e, ex::Projection p, F_ f) -> std::byte const* {
+    if (e == 3 && p == ex::Projection::kGate && f == F_::kQ4_0) return gate3.data();
+    if (e == 3 && p == ex::Projection::kDown && f == F_::kQ8_0) return down3.data();
+    if (e == 4 && f == F_::kQ8_0 && p != ex::Projection::kDown)
+      return p == ex::Projection::kGate ? gate4.data() : up4.data();
+    if (e == 4 && p == ex::Projection::kDown && f == F_::kQ4_0) return down4.data();
+    return nullptr;
+  };
+  a.experts().pack(formats, nullptr, stored);
+  a.shared_experts().bank().pack(F_::kBf16);
+
+  // b: the same layer built without fp32 expert weights.
+  Layer b = [&] {
+    ex::EmptyWeights scope;
+    return Layer(D, F, {E, 2, true, 1.0f}, Sh(1, D, F));
+  }();
+  REQUIRE_FALSE(b.experts().has_master_weights());
+  REQUIRE_FALSE(b.shared_experts().bank().has_master_weights());
+  REQUIRE(Layer(D, F, {E, 2, true, 1.0f}, Sh(1, D, F)).experts().has_master_weights());
+  std::copy(a.router_weight().data, a.router_weight().data + E * D, b.router_weight().data);
+  std::copy(a.shared_experts().gate_weight().data, a.shared_experts().gate_weight().data + D,
+            b.shared_experts().gate_weight().data);
+  b.experts().enable_biases();
+  {
+    auto ed = b.experts().edit();  // biases only, before the pack
+    for (Index e = 0; e < E; ++e) {
+      std::copy(ca.experts().in_bias(e).begin(), ca.experts().in_bias(e).end(),
+                ed.in_bias(e).begin());
+      std::copy(ca.experts().down_bias(e).begin(), ca.experts().down_bias(e).end(),
+                ed.down_bias(e).begin());
+    }
+    REQUIRE_THROWS_WITH(ed.in_proj(0), Catch::Contains("EmptyWeights"));
+    REQUIRE_THROWS_AS(ed.parameters(), moe::Error);
+  }
+  std::atomic<int> in_reads{0}, down_reads{0};
+  ex::ExpertSource const source{stored, [&](Index e, float* in, float* down) {
+                                  if (in) {
+                                    ++in_reads;
+                                    std::copy_n(ca.experts().in_proj(e).data, 2 * F * D, in);
+                                  }
+                                  if (down) {
+                                    ++down_reads;
+                                    std::copy_n(ca.experts().down_proj(e).data, D * F, down);
+                                  }
+                                }};
+  moe::ThreadPool pool(2);
+  b.experts().pack_from(formats, source, &pool);
+  REQUIRE(in_reads == 4);    // expert 4's in projection came from its blocks only
+  REQUIRE(down_reads == 3);  // experts 3 and 4: stored down blocks
+  ex::ExpertSource const shared_source{
+      {}, [&](Index, float* in, float* down) {
+        if (in) std::copy_n(ca.shared_experts().bank().in_proj(0).data, 2 * F * D, in);
+        if (down) std::copy_n(ca.shared_experts().bank().down_proj(0).data, D * F, down);
+      }};
+  std::vector<ex::ExpertFormat> const bf16_one(1, {F_::kBf16, F_::kBf16});
+  b.shared_experts().bank().pack_from(bf16_one, shared_source);
+  for (Index e = 0; e < E; ++e) {
+    auto const ra = a.experts().packed_record(e), rb = b.experts().packed_record(e);
+    INFO("expert " << e);
+    REQUIRE(std::equal(ra.begin(), ra.end(), rb.begin(), rb.end()));  // byte for byte
+  }
+  auto x = test::random_vector(T * D, 142);
+  ConstMatrixView<float> const xv(x.data(), T, D);
+  std::vector<float> ya(x.size()), yb(x.size()), yb1(x.size());
+  moe::MoeFfnWorkspace ws;
+  a.forward(xv, {ya.data(), T, D}, ws, {nullptr, &pool});
+  b.forward(xv, {yb.data(), T, D}, ws, {nullptr, &pool});
+  b.forward(xv, {yb1.data(), T, D}, ws);
+  REQUIRE(yb == ya);
+  REQUIRE(yb1 == ya);
+  // Inference-only from the start: every use of fp32 weights is refused, with the reason.
+  REQUIRE_THROWS_WITH(std::as_const(b).experts().in_proj(0), Catch::Contains("EmptyWeights"));
+  REQUIRE_THROWS_AS(b.experts().edit(), moe::Error);  // packed: nothing to write
+  REQUIRE_THROWS_AS(b.experts().pack(formats), moe::Error);
+  REQUIRE_THROWS_AS(b.parameters(), moe::Error);
+  REQUIRE_THROWS_WITH(a.experts().pack_from(formats, source), Catch::Contains("pack() them"));
+
+  // Non-finite weights to be quantized: an error naming the expert; the bank stays unpacked.
+  ex::ExpertBank<ex::SwiGlu> c = [&] {
+    ex::EmptyWeights scope;
+    return ex::ExpertBank<ex::SwiGlu>(E, D, F);
+  }();
+  ex::ExpertSource const nan_source{{}, [&](Index e, float* in, float* down) {
+                                      if (in) std::fill_n(in, 2 * F * D, e == 2 ? NAN : 0.5f);
+                                      if (down) std::fill_n(down, D * F, 0.25f);
+                                    }};
+  REQUIRE_THROWS_WITH(c.pack_from(formats, nan_source), Catch::Contains("expert 2's in"));
+  REQUIRE_FALSE(c.packed());
+  ex::ExpertSource const no_weights{stored, {}};
+  REQUIRE_THROWS_WITH(c.pack_from(formats, no_weights), Catch::Contains("ExpertSource::weights"));
+  std::vector<ex::ExpertFormat> const q8(static_cast<std::size_t>(E), {F_::kQ8_0, F_::kQ8_0});
+  ex::ExpertSource const finite{{}, [&](Index, float* in, float* down) {
+                                  if (in) std::fill_n(in, 2 * F * D, 0.5f);
+                                  if (down) std::fill_n(down, D * F, 0.25f);
+                                }};
+  c.pack_from(q8, finite);
+  REQUIRE(c.packed());
+  // GLU experts whose F splits a panel read gate and up from fp32 weights in an fp32/bf16 pack:
+  // a bank without them refuses those formats (quantized ones are fine).
+  ex::ExpertBank<ex::SwiGlu> odd = [&] {
+    ex::EmptyWeights scope;
+    return ex::ExpertBank<ex::SwiGlu>(2, D, np + 8);
+  }();
+  std::vector<ex::ExpertFormat> const bf16_two(2, {F_::kBf16, F_::kBf16});
+  REQUIRE_THROWS_WITH(odd.pack_from(bf16_two, nan_source), Catch::Contains("panel width"));
 }
 
 TEST_CASE("bf16-packed weights: inference within bf16 rounding, training stays exact",

@@ -46,6 +46,41 @@ enum class Projection { kGate, kUp, kDown };
 /// these blocks into the weights), else nullptr. Called from pack's worker threads.
 using StoredBlocks = std::function<std::byte const*(Index expert, Projection p, WeightFormat f)>;
 
+/// Where ExpertBank::pack_from reads the experts of a bank that has no fp32 weights:
+/// - `blocks` (optional): stored GGUF blocks, re-packed as they are (StoredBlocks);
+/// - `weights(e, in, down)`: writes expert e's fp32 weights, the in projection [P, D] (GLU: gate
+///   rows [0, F), then up rows [F, 2F)) to `in` when it is not null, the down projection [D, F]
+///   to `down` when it is not null. pack_from asks only for what it needs (fp32 or bf16 parts,
+///   quantized parts without stored blocks), one expert at a time per thread, from several
+///   worker threads at once.
+struct ExpertSource {
+  StoredBlocks blocks;
+  std::function<void(Index expert, float* in, float* down)> weights;
+};
+
+/// A scope in which the ExpertBanks constructed on this thread hold no fp32 weights (as
+/// accelerate's init_empty_weights builds a model without storage): such a bank allocates only
+/// its biases (enable_biases()), can have them written (an Edit before it is packed: the
+/// weight views of that Edit throw), and gets its experts from pack_from() or stream_records().
+/// It is inference-only from the start, like a bank after discard_master_weights(). A loader
+/// builds a layer in this scope to pack each expert straight from a file, so the fp32 weights of
+/// a layer (45 GB for one DeepSeek-V3 MoE layer) are never allocated. Nests; not copyable.
+class EmptyWeights {
+ public:
+  EmptyWeights() noexcept { ++depth(); }
+  ~EmptyWeights() { --depth(); }
+  EmptyWeights(EmptyWeights const&) = delete;
+  EmptyWeights& operator=(EmptyWeights const&) = delete;
+  /// Is such a scope alive on this thread?
+  static bool active() noexcept { return depth() > 0; }
+
+ private:
+  static int& depth() noexcept {
+    thread_local int d = 0;
+    return d;
+  }
+};
+
 /// Owns the weights of `num_experts` experts that all compute `Expert` (a GLU or an MLP), in
 /// the Hugging Face [out, in] row-major convention, one contiguous block per expert:
 ///
@@ -78,12 +113,19 @@ class ExpertBank {
   static constexpr Index kRecordAlign = 64;
 
   ExpertBank() = default;
-  /// Zero-initialised weights. Preconditions: num_experts >= 0, d_model >= 1, d_ffn >= 1.
+  /// Zero-initialised weights; none inside an EmptyWeights scope (the bank then has no fp32
+  /// weights: has_master_weights() is false). Preconditions: num_experts >= 0, d_model >= 1,
+  /// d_ffn >= 1.
   ExpertBank(Index num_experts, Index d_model, Index d_ffn)
       : num_experts_(num_experts), d_model_(d_model), d_ffn_(d_ffn) {
     detail::check(num_experts >= 0 && d_model >= 1 && d_ffn >= 1,
                   "ExpertBank: num_experts = ", num_experts, ", d_model = ", d_model,
                   ", d_ffn = ", d_ffn, "; sizes must be positive (num_experts may be 0)");
+    if (EmptyWeights::active()) {
+      masters_ = false;
+      empty_ = true;
+      return;
+    }
     params_.assign(static_cast<std::size_t>(num_experts * (kInFactor + 1) * d_ffn * d_model), 0.0f);
   }
 
@@ -99,7 +141,6 @@ class ExpertBank {
     detail::check(!editing(),
                   "ExpertBank::enable_biases: the weights are open for writing (an Edit or a "
                   "layer's parameters() list is alive); enable biases before taking them");
-    require_masters("enable_biases");
     if (biases_) return;
     biases_ = true;
     params_.resize(
@@ -198,7 +239,7 @@ class ExpertBank {
     }
     return true;
   }
-  /// False after discard_master_weights().
+  /// False after discard_master_weights(), and for a bank built in an EmptyWeights scope.
   bool has_master_weights() const { return masters_; }
 
   /// A scope for writing the weights. While any Edit of the bank is alive its packed copy is
@@ -207,10 +248,12 @@ class ExpertBank {
   /// again in the same format. The views an Edit hands out are valid while it lives: a write
   /// through one after it ended is a use after scope, like a write through a dangling
   /// iterator. Not copyable; movable. `auto ed = bank.edit(); fill(ed.parameters());`
+  /// A bank without fp32 weights (EmptyWeights) can be edited before it is packed: only its
+  /// biases; the weight views and parameters() throw moe::Error.
   class Edit {
    public:
     explicit Edit(ExpertBank& bank) : bank_(&bank) {
-      bank_->require_masters("edit");
+      if (!(bank_->empty_ && !bank_->packed())) bank_->require_masters("edit");
       bank_->begin_edit();
     }
     Edit(Edit&& other) noexcept : bank_(std::exchange(other.bank_, nullptr)) {}
@@ -227,19 +270,26 @@ class ExpertBank {
     }
 
     MatrixView<float> in_proj(Index e) const {
+      bank_->require_masters("Edit::in_proj");
       return {bank_->in_ptr(e), kInFactor * bank_->d_ffn_, bank_->d_model_};
     }
     MatrixView<float> gate_proj(Index e) const requires(Expert::gated) {
+      bank_->require_masters("Edit::gate_proj");
       return {bank_->in_ptr(e), bank_->d_ffn_, bank_->d_model_};
     }
     MatrixView<float> up_proj(Index e) const {
+      bank_->require_masters("Edit::up_proj");
       return {bank_->in_ptr(e) + (kInFactor - 1) * bank_->d_ffn_ * bank_->d_model_, bank_->d_ffn_,
               bank_->d_model_};
     }
     MatrixView<float> down_proj(Index e) const {
+      bank_->require_masters("Edit::down_proj");
       return {bank_->down_ptr(e), bank_->d_model_, bank_->d_ffn_};
     }
-    std::span<float> parameters() const { return bank_->params_; }
+    std::span<float> parameters() const {
+      bank_->require_masters("Edit::parameters");
+      return bank_->params_;
+    }
     /// Expert e's biases (empty without biases; see ExpertBank::in_bias).
     std::span<float> in_bias(Index e) const {
       return bank_->biases_ ? std::span<float>(bank_->in_bias_ptr(e),
@@ -338,102 +388,71 @@ class ExpertBank {
     detail::check(!editing(),
                   "ExpertBank::pack: the weights are open for writing (an ExpertBank::Edit or a "
                   "layer's parameters() list is alive); let it end first, it repacks on its own");
-    // The process's bf16 kernel (moe::bf16_kernel()) is decided here, where allocating is fine
-    // (it reads the CPU once), not in the first forward over bf16 panels; a malformed
-    // MOE_BF16_KERNEL is reported here too.
-    (void)bf16_kernel();
     check_formats(formats, "ExpertBank::pack");
-    Index const np = kernels::panel_width();
-    Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
-    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
-    std::vector<Slot> slots = plan_records(formats);
-    Index total = 0;
-    for (Slot const& sl : slots) total += sl.record_bytes;
-    pack_current_ = false;  // until the new pack is complete
-    arena_.clear();
-    external_ = nullptr;
-    arena_.assign(static_cast<std::size_t>(total), std::byte{0});
-    record_offsets_.resize(static_cast<std::size_t>(num_experts_));
-    for (Index e = 0, at = 0; e < num_experts_; ++e) {
-      record_offsets_[static_cast<std::size_t>(e)] = at;
-      at += slots[static_cast<std::size_t>(e)].record_bytes;
-    }
-    auto record_of = [&](Index e) {
-      return arena_.data() + record_offsets_[static_cast<std::size_t>(e)];
-    };
     // Non-finite weights in a quantized projection: one error naming the first, before any work.
     for (Index e = 0; e < num_experts_; ++e) {
-      Slot const& sl = slots[static_cast<std::size_t>(e)];
-      auto scan = [&](float const* w, Index n, char const* proj) {
-        for (Index i = 0; i < n; ++i) {
-          detail::check(std::isfinite(w[i]), "ExpertBank::pack: expert ", e, "'s ", proj,
-                        " projection holds ", w[i], " at flat index ", i, "; only finite weights ",
-                        "can be quantized (fix the weights or pack this expert as fp32/bf16)");
-        }
-      };
-      auto from_blocks = [&](Projection p, WeightFormat f) {
-        return stored && is_quantized(f) && stored(e, p, f) != nullptr;
-      };
-      Projection const in0 = Expert::gated ? Projection::kGate : Projection::kUp;
-      bool const in_stored = from_blocks(in0, sl.in.format) &&
-                             (!Expert::gated || from_blocks(Projection::kUp, sl.in.format));
-      if (is_quantized(sl.in.format) && !in_stored) scan(in_ptr(e), P * D, "in");
-      if (is_quantized(sl.down.format) && !from_blocks(Projection::kDown, sl.down.format))
-        scan(down_ptr(e), D * F, "down");
+      ExpertFormat const& f = formats[static_cast<std::size_t>(e)];
+      bool const in_stored = stored_in(e, f.in, stored, true) != nullptr &&
+                             (!Expert::gated || stored_in(e, f.in, stored, false) != nullptr);
+      if (is_quantized(f.in) && !in_stored)
+        scan_finite(e, in_ptr(e), hidden_cols() * d_model_, "in");
+      if (is_quantized(f.down) && !stored_down(e, f.down, stored))
+        scan_finite(e, down_ptr(e), d_model_ * d_ffn_, "down");
     }
-    auto pack_quant = [&](Index e, Projection proj, float const* w, Index rows, Index depth,
-                          typename Slot::Part const& part) {
-      quant::Format const qf = quant_format(part.format);
-      std::byte* const dst = record_of(e) + part.offset;
-      if (std::byte const* blocks = stored ? stored(e, proj, part.format) : nullptr) {
-        kernels::pack_quant_panels(qf, blocks, rows, depth, dst);
-        return;
-      }
-      Index const rb = quant::row_bytes(qf, depth);
-      std::vector<std::byte> rows_q(static_cast<std::size_t>(rows * rb));
-      for (Index r = 0; r < rows; ++r) {
-        quant::quantize_row(qf, w + r * depth, depth, rows_q.data() + r * rb);
-      }
-      kernels::pack_quant_panels(qf, rows_q.data(), rows, depth, dst);
-    };
-    parallel_for(pool, num_experts_, [&](Index e, int) {
-      Slot const& sl = slots[static_cast<std::size_t>(e)];
-      if (is_quantized(sl.in.format)) {
-        pack_quant(e, Expert::gated ? Projection::kGate : Projection::kUp, in_ptr(e),
-                   Expert::gated ? F : P, D, sl.in);
-        if constexpr (Expert::gated) pack_quant(e, Projection::kUp, in_ptr(e) + F * D, F, D, sl.up);
-      } else {
-        for (Index p = 0; p < in_panels; ++p) {
-          Index const nc = std::min(np, P - p * np);
-          if (sl.in.format == WeightFormat::kF32) {
-            kernels::pack_panel(in_ptr(e), D, p * np, nc, D,
-                                as_f32(record_of(e) + sl.in.offset) + p * D * np);
-          } else {
-            kernels::pack_panel_bf16(
-                in_ptr(e), D, p * np, nc, D,
-                as_words(record_of(e) + sl.in.offset) + p * ((D + 1) / 2) * np);
-          }
-        }
-      }
-      if (is_quantized(sl.down.format)) {
-        pack_quant(e, Projection::kDown, down_ptr(e), D, F, sl.down);
-      } else {
-        for (Index p = 0; p < down_panels; ++p) {
-          Index const nc = std::min(np, D - p * np);
-          if (sl.down.format == WeightFormat::kF32) {
-            kernels::pack_panel(down_ptr(e), F, p * np, nc, F,
-                                as_f32(record_of(e) + sl.down.offset) + p * F * np);
-          } else {
-            kernels::pack_panel_bf16(
-                down_ptr(e), F, p * np, nc, F,
-                as_words(record_of(e) + sl.down.offset) + p * ((F + 1) / 2) * np);
-          }
-        }
-      }
+    pack_records(formats, pool, stored, [&](Index e, int, bool, bool) {
+      return std::pair<float const*, float const*>{in_ptr(e), down_ptr(e)};
     });
-    slots_ = std::move(slots);
-    set_formats(formats);
-    pack_current_ = true;
+  }
+
+  /// Packs a bank that has no fp32 weights (built in an EmptyWeights scope) from `source`: the
+  /// same records pack(formats, pool, source.blocks) makes from fp32 weights equal to what
+  /// source.weights writes, bit for bit, without ever holding more than one expert's fp32
+  /// weights per thread (experts are packed in parallel on `pool`). The bank stays
+  /// inference-only. Throws moe::Error for a bank with fp32 weights (pack() them), while an edit
+  /// is open, for formats that cannot hold the shapes (as pack), for GLU experts whose fp32 or
+  /// bf16 in projection would split a panel (inference reads those from fp32 weights: see
+  /// pack_serves_inference; pack them quantized, or build the bank with its weights), for a
+  /// source without `weights` that needs them, and for non-finite weights to be quantized
+  /// (naming an expert that holds one).
+  void pack_from(std::span<ExpertFormat const> formats, ExpertSource const& source,
+                 ThreadPool* pool = nullptr) {
+    detail::check(!masters_ || num_experts_ == 0,
+                  "ExpertBank::pack_from: this bank has fp32 weights; pack() them (pack_from "
+                  "fills a bank built without them, in an EmptyWeights scope)");
+    masters_ = false;
+    empty_ = true;
+    detail::check(!editing(),
+                  "ExpertBank::pack_from: the biases are open for writing (an Edit is alive); "
+                  "let it end first");
+    check_formats(formats, "ExpertBank::pack_from");
+    check_inference_formats(formats, "ExpertBank::pack_from");
+    int const threads = pool ? pool->size() : 1;
+    std::vector<HugePageVector<float>> scratch(static_cast<std::size_t>(threads));
+    pack_records(formats, pool, source.blocks, [&](Index e, int tid, bool in, bool down) {
+      return source_weights(source, formats[static_cast<std::size_t>(e)], e, in, down,
+                            scratch[static_cast<std::size_t>(tid)], "ExpertBank::pack_from");
+    });
+  }
+
+  /// Writes expert e's packed record (packed_record_bytes(e) bytes, in the format and layout of
+  /// the current pack or of the streamed records) into `dst` (64-byte aligned), from `source`
+  /// as pack_from reads it: a streamed bank's record made on demand from a model's own file.
+  /// The bytes pack_from would give. Const and thread-safe (one expert's fp32 weights are
+  /// allocated when a part needs them). Throws moe::Error when not packed, for an expert out
+  /// of range, and as pack_from does.
+  void pack_record(Index e, ExpertSource const& source, std::byte* dst) const {
+    detail::check(packed() && e >= 0 && e < num_experts_, "ExpertBank::pack_record: expert ", e,
+                  packed() ? " is out of range" : " of a bank that is not packed", " (a bank of ",
+                  num_experts_,
+                  " experts; pack it or give it its formats with "
+                  "stream_records first)");
+    (void)bf16_kernel();
+    std::fill_n(dst, slot(e).record_bytes, std::byte{0});  // the padding, as pack() leaves it
+    HugePageVector<float> scratch;
+    pack_expert(e, slot(e), dst, source.blocks, [&](Index, int, bool in, bool down) {
+      return source_weights(source, formats_[static_cast<std::size_t>(e)], e, in, down, scratch,
+                            "ExpertBank::pack_record");
+    });
   }
   /// The format of a pack that used one format everywhere (kF32 before any pack; for a mixed
   /// pack, the format of expert 0's in projection: see packed_formats()).
@@ -513,17 +532,8 @@ class ExpertBank {
     detail::check(records != nullptr || num_experts_ == 0,
                   "ExpertBank::stream_records: the record table is null");
     check_formats(formats, "ExpertBank::stream_records");
+    check_inference_formats(formats, "ExpertBank::stream_records");
     std::vector<Slot> slots = plan_records(formats);
-    if constexpr (Expert::gated) {
-      if (d_ffn_ % kernels::panel_width() != 0) {
-        for (Slot const& sl : slots) {
-          detail::check(is_quantized(sl.in.format), "ExpertBank::stream_records: GLU experts of ",
-                        "d_ffn = ", d_ffn_, " (not a multiple of the panel width ",
-                        kernels::panel_width(), ") read gate and up from the fp32 weights in an ",
-                        "fp32 or bf16 pack; stream them in a quantized format");
-        }
-      }
-    }
     HugePageVector<float> kept;
     if (biases_) kept.assign(params_.begin() + bias_base(), params_.end());
     params_ = std::move(kept);
@@ -617,6 +627,149 @@ class ExpertBank {
     Part in, up, down;
     Index record_bytes = 0;  // the whole record (parts and padding; a multiple of kRecordAlign)
   };
+  /// Stored blocks of expert e's first in operand (GLU gate, MLP up; `first`) or its up
+  /// operand (GLU), or its down projection, in format f; null when f is not quantized or they
+  /// are not stored.
+  std::byte const* stored_in(Index e, WeightFormat f, StoredBlocks const& stored,
+                             bool first) const {
+    if (!stored || !is_quantized(f)) return nullptr;
+    return stored(e, first && Expert::gated ? Projection::kGate : Projection::kUp, f);
+  }
+  std::byte const* stored_down(Index e, WeightFormat f, StoredBlocks const& stored) const {
+    return stored && is_quantized(f) ? stored(e, Projection::kDown, f) : nullptr;
+  }
+  void scan_finite(Index e, float const* w, Index n, char const* proj) const {
+    for (Index i = 0; i < n; ++i) {
+      detail::check(std::isfinite(w[i]), "ExpertBank: expert ", e, "'s ", proj,
+                    " projection holds ", w[i], " at flat index ", i, "; only finite weights ",
+                    "can be quantized (fix the weights or pack this expert as fp32/bf16)");
+    }
+  }
+  /// Throws for GLU experts whose fp32 or bf16 in projection would split a panel: inference
+  /// reads those from the fp32 weights (pack_serves_inference), which `who` does not keep.
+  void check_inference_formats(std::span<ExpertFormat const> formats, char const* who) const {
+    if constexpr (Expert::gated) {
+      if (d_ffn_ % kernels::panel_width() == 0) return;
+      for (ExpertFormat const& f : formats) {
+        detail::check(is_quantized(f.in), who, ": GLU experts of d_ffn = ", d_ffn_,
+                      " (not a multiple of the panel width ", kernels::panel_width(),
+                      ") read gate and up from the fp32 weights in an fp32 or bf16 pack; pack "
+                      "them in a quantized format, or keep their fp32 weights");
+      }
+    } else {
+      (void)formats;
+      (void)who;
+    }
+  }
+  /// Expert e's fp32 weights from `source` into `buf` (in, down: the parts asked for), the
+  /// parts to be quantized (format f) checked finite.
+  std::pair<float const*, float const*> source_weights(ExpertSource const& source,
+                                                       ExpertFormat const& f, Index e, bool in,
+                                                       bool down, HugePageVector<float>& buf,
+                                                       char const* who) const {
+    detail::check(static_cast<bool>(source.weights), who, ": expert ", e,
+                  " needs fp32 weights (a format without stored blocks) and the source has "
+                  "none (ExpertSource::weights)");
+    Index const in_floats = hidden_cols() * d_model_, down_floats = d_model_ * d_ffn_;
+    if (buf.empty()) buf.resize(static_cast<std::size_t>(in_floats + down_floats));
+    float* const w_in = buf.data();
+    float* const w_down = buf.data() + in_floats;
+    source.weights(e, in ? w_in : nullptr, down ? w_down : nullptr);
+    if (in && is_quantized(f.in)) scan_finite(e, w_in, in_floats, "in");
+    if (down && is_quantized(f.down)) scan_finite(e, w_down, down_floats, "down");
+    return {w_in, w_down};
+  }
+  /// Fills expert e's record `dst` (layout `sl`): each quantized projection from its stored
+  /// blocks when `stored` has them, every other part from weights(e, thread, need_in,
+  /// need_down) -> {in [P, D], down [D, F]} (only the parts asked for are read).
+  template <class Weights>
+  void pack_expert(Index e, Slot const& sl, std::byte* dst, StoredBlocks const& stored,
+                   Weights&& weights, int tid = 0) const {
+    Index const np = kernels::panel_width();
+    Index const P = hidden_cols(), D = d_model_, F = d_ffn_;
+    Index const in_panels = (P + np - 1) / np, down_panels = (D + np - 1) / np;
+    auto pack_quant = [&](std::byte const* blocks, float const* w, Index rows, Index depth,
+                          typename Slot::Part const& part) {
+      quant::Format const qf = quant_format(part.format);
+      std::byte* const out = dst + part.offset;
+      if (blocks != nullptr) {
+        kernels::pack_quant_panels(qf, blocks, rows, depth, out);
+        return;
+      }
+      Index const rb = quant::row_bytes(qf, depth);
+      std::vector<std::byte> rows_q(static_cast<std::size_t>(rows * rb));
+      for (Index r = 0; r < rows; ++r) {
+        quant::quantize_row(qf, w + r * depth, depth, rows_q.data() + r * rb);
+      }
+      kernels::pack_quant_panels(qf, rows_q.data(), rows, depth, out);
+    };
+    auto pack_panels = [&](float const* w, Index depth, Index cols, Index panels, WeightFormat f,
+                           std::byte* out) {
+      for (Index p = 0; p < panels; ++p) {
+        Index const nc = std::min(np, cols - p * np);
+        if (f == WeightFormat::kF32) {
+          kernels::pack_panel(w, depth, p * np, nc, depth, as_f32(out) + p * depth * np);
+        } else {
+          kernels::pack_panel_bf16(w, depth, p * np, nc, depth,
+                                   as_words(out) + p * ((depth + 1) / 2) * np);
+        }
+      }
+    };
+    bool const q_in = is_quantized(sl.in.format);
+    std::byte const* const b_in = stored_in(e, sl.in.format, stored, true);
+    std::byte const* const b_up =
+        Expert::gated ? stored_in(e, sl.in.format, stored, false) : nullptr;
+    std::byte const* const b_down = stored_down(e, sl.down.format, stored);
+    bool const need_in = !q_in || b_in == nullptr || (Expert::gated && b_up == nullptr);
+    bool const need_down = b_down == nullptr;
+    std::pair<float const*, float const*> w{nullptr, nullptr};
+    if (need_in || need_down) w = weights(e, tid, need_in, need_down);
+    if (q_in) {
+      pack_quant(b_in, w.first, Expert::gated ? F : P, D, sl.in);
+      if constexpr (Expert::gated) {
+        pack_quant(b_up, w.first == nullptr ? nullptr : w.first + F * D, F, D, sl.up);
+      }
+    } else {
+      pack_panels(w.first, D, P, in_panels, sl.in.format, dst + sl.in.offset);
+    }
+    if (is_quantized(sl.down.format)) {
+      pack_quant(b_down, w.second, D, F, sl.down);
+    } else {
+      pack_panels(w.second, F, D, down_panels, sl.down.format, dst + sl.down.offset);
+    }
+  }
+  /// pack and pack_from: lays out the records of `formats` and fills them on `pool`, each
+  /// quantized projection from its stored blocks when `stored` has them, every other part from
+  /// weights(e, thread, need_in, need_down) -> {in [P, D], down [D, F]} (only the parts asked
+  /// for are read).
+  template <class Weights>
+  void pack_records(std::span<ExpertFormat const> formats, ThreadPool* pool,
+                    StoredBlocks const& stored, Weights&& weights) {
+    // The process's bf16 kernel (moe::bf16_kernel()) is decided here, where allocating is fine
+    // (it reads the CPU once), not in the first forward over bf16 panels; a malformed
+    // MOE_BF16_KERNEL is reported here too.
+    (void)bf16_kernel();
+    std::vector<Slot> slots = plan_records(formats);
+    Index total = 0;
+    for (Slot const& sl : slots) total += sl.record_bytes;
+    pack_current_ = false;  // until the new pack is complete
+    arena_.clear();
+    external_ = nullptr;
+    arena_.assign(static_cast<std::size_t>(total), std::byte{0});
+    record_offsets_.resize(static_cast<std::size_t>(num_experts_));
+    for (Index e = 0, at = 0; e < num_experts_; ++e) {
+      record_offsets_[static_cast<std::size_t>(e)] = at;
+      at += slots[static_cast<std::size_t>(e)].record_bytes;
+    }
+    parallel_for(pool, num_experts_, [&](Index e, int tid) {
+      pack_expert(e, slots[static_cast<std::size_t>(e)],
+                  arena_.data() + record_offsets_[static_cast<std::size_t>(e)], stored, weights,
+                  tid);
+    });
+    slots_ = std::move(slots);
+    set_formats(formats);
+    pack_current_ = true;
+  }
   /// Throws unless every quantized projection's blocks divide its depth (D for in, F for down).
   void check_formats(std::span<ExpertFormat const> formats, char const* who) const {
     detail::check(static_cast<Index>(formats.size()) == num_experts_, who, ": ", formats.size(),
@@ -730,10 +883,18 @@ class ExpertBank {
     return masters_ ? num_experts_ * (kInFactor + 1) * d_ffn_ * d_model_ : 0;
   }
   void require_masters(char const* what) const {
-    detail::check(masters_, "ExpertBank::", what,
-                  ": the fp32 expert weights were discarded (discard_master_weights(), as an "
-                  "inference-only decoder does); only inference forwards over the pack run. Load "
-                  "the weights again to read, write, repack or train them");
+    if (masters_) return;
+    if (empty_) {
+      detail::fail("ExpertBank::", what,
+                   ": the bank was built without fp32 weights (in an EmptyWeights scope, as a "
+                   "loader of inference-only models does); only inference forwards over its pack "
+                   "(pack_from, stream_records) run. Build it outside such a scope to read, "
+                   "write, repack or train the weights");
+    }
+    detail::fail("ExpertBank::", what,
+                 ": the fp32 expert weights were discarded (discard_master_weights(), as an "
+                 "inference-only decoder does); only inference forwards over the pack run. Load "
+                 "the weights again to read, write, repack or train them");
   }
   // Words of one expert's train panels (see train_in_bf16).
   Index train_in_words() const {
@@ -798,7 +959,8 @@ class ExpertBank {
   Index d_model_ = 0;
   Index d_ffn_ = 0;
   bool biases_ = false;
-  bool masters_ = true;  // false after discard_master_weights()
+  bool masters_ = true;  // false after discard_master_weights() and for an empty bank
+  bool empty_ = false;   // built in an EmptyWeights scope (never had fp32 weights)
   kernels::GluClamp clamp_{};
   HugePageVector<float> params_;
   /// Open edit scopes; a copy of the bank starts with none.
