@@ -22,6 +22,13 @@
 // waiting for reads; pf_prec / pf_recall = the prefetch's precision and recall (StreamStats).
 // Policies: 0 lru, 1 lfu, 2 layer-lru. Each row runs 16 untimed steps first
 // (the cache warms up) and its statistics count the timed steps only.
+//
+//   BM_Miss/source:S/format:F   what one miss costs, for an expert of Qwen3-30B-A3B's shape
+//                               (D 2048, F 768, GLU) in format F (0 q8_0, 1 q4_k, 2 bf16):
+//                               S 0 = a pread of its record from a page-cached expert store;
+//                               S 1 = ExpertBank::pack_record from its stored GGUF blocks (bf16:
+//                               from fp32 weights), as streaming from the model's file does.
+//                               Counters: us_per_miss, GB_per_s of record bytes made.
 
 #include <benchmark/benchmark.h>
 
@@ -35,8 +42,10 @@
 #include <vector>
 
 #include "moe/core/cpu.hpp"
+#include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/models/decoder.hpp"
+#include "moe/quant/blocks.hpp"
 #include "synthetic_decoder.hpp"
 
 namespace {
@@ -140,6 +149,83 @@ void BM_Decoder_Streamed(benchmark::State& state) {
   decode_steps(resident(), state, streamer.get());
 }
 
+void BM_Miss(benchmark::State& state) {
+  namespace ex = moe::experts;
+  using Bank = ex::ExpertBank<ex::SwiGlu>;
+  constexpr Index E = 8, D = 2048, F = 768;
+  static ex::WeightFormat const kFormats[] = {ex::WeightFormat::kQ8_0, ex::WeightFormat::kQ4_K,
+                                              ex::WeightFormat::kBf16};
+  ex::WeightFormat const wf = kFormats[state.range(1)];
+  Bank bank(E, D, F);
+  moe::fill_uniform(bank.edit().parameters(), -0.05f, 0.05f, 5);
+  std::vector<ex::ExpertFormat> const formats(E, {wf, wf});
+  bank.pack(formats, &pool());
+  auto const record_bytes = static_cast<std::uint64_t>(bank.packed_record_bytes(0));
+  moe::offload::RecordBuffer buf(
+      moe::offload::detail::round_up(record_bytes, moe::offload::kStoreAlign));
+  Index e = 0;
+  if (state.range(0) == 0) {
+    std::filesystem::path const p = std::filesystem::temp_directory_path() / "moe_bench_miss.moex";
+    {
+      moe::offload::ExpertStoreWriter w(p.string(), {1, E, D, F, true});
+      w.add_layer(bank);
+      w.finish();
+    }
+    moe::offload::ExpertStore const store(p.string());
+    for (Index i = 0; i < E; ++i) store.read(0, i, buf.data());  // page-cached
+    for (auto _ : state) {
+      store.read(0, e, buf.data());
+      benchmark::DoNotOptimize(buf.data());
+      e = (e + 1) % E;
+    }
+    std::filesystem::remove(p);
+  } else {
+    // The stored blocks of every projection (what a GGUF file holds), and the fp32 weights.
+    std::vector<std::vector<std::byte>> blocks;
+    auto rows_of = [&](float const* w, Index rows, Index depth) {
+      moe::quant::Format const qf = ex::quant_format(wf);
+      Index const rb = moe::quant::row_bytes(qf, depth);
+      std::vector<std::byte> out(static_cast<std::size_t>(rows * rb));
+      for (Index r = 0; r < rows; ++r)
+        moe::quant::quantize_row(qf, w + r * depth, depth, out.data() + r * rb);
+      return out;
+    };
+    Bank const& cb = bank;
+    if (ex::is_quantized(wf)) {
+      for (Index i = 0; i < E; ++i) {
+        blocks.push_back(rows_of(cb.gate_proj(i).data, F, D));
+        blocks.push_back(rows_of(cb.up_proj(i).data, F, D));
+        blocks.push_back(rows_of(cb.down_proj(i).data, D, F));
+      }
+    }
+    ex::ExpertSource const source{
+        ex::is_quantized(wf) ? ex::StoredBlocks([&](Index i, ex::Projection pr, ex::WeightFormat) {
+          return blocks[static_cast<std::size_t>(3 * i + static_cast<Index>(pr))].data();
+        })
+                             : ex::StoredBlocks{},
+        [&](Index i, float* in, float* down) {
+          if (in) std::copy_n(cb.in_proj(i).data, 2 * F * D, in);
+          if (down) std::copy_n(cb.down_proj(i).data, D * F, down);
+        }};
+    Bank layout = [] {
+      ex::EmptyWeights const scope;
+      return Bank(E, D, F);
+    }();
+    std::vector<std::byte const*> table(E, nullptr);
+    layout.stream_records(formats, table.data());
+    for (auto _ : state) {
+      layout.pack_record(e, source, buf.data());
+      benchmark::DoNotOptimize(buf.data());
+      e = (e + 1) % E;
+    }
+  }
+  double const n = static_cast<double>(state.iterations());
+  state.counters["us_per_miss"] =
+      benchmark::Counter(n * 1e-6, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["GB_per_s"] =
+      benchmark::Counter(n * static_cast<double>(record_bytes) / 1e9, benchmark::Counter::kIsRate);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,6 +239,11 @@ int main(int argc, char** argv) {
       ->Args({2048, 3000, 1})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_Miss", BM_Miss)
+      ->ArgNames({"source", "format"})
+      ->ArgsProduct({{0, 1}, {0, 1, 2}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
   benchmark::AddCustomContext(

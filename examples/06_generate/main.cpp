@@ -52,10 +52,13 @@
 // (--cache-policy, --reader-threads, --prefetch, --direct-io; --read-bandwidth / --read-latency
 // emulate a drive), the checkpoint's own expert weights never read; the same ids and logits bit
 // for bit, and one line on stderr with the hit rate, bytes read per token, time waiting for reads
-// and the prefetch's precision and recall. --cache-routing (off by default) lets a token swap
-// low-ranked uncached experts for cached ones within a guarded rule (docs/offload.md): the
-// output then differs from the model's exact routing. --trace-out FILE records the routing of every
-// token run (the prompt, then each new token but the last) as a routing trace for moe_cache_sim.
+// and the prefetch's precision and recall. --stream-experts streams them through the same cache
+// straight from the model's own file instead (no store: each miss re-packs the expert's stored
+// blocks, or converts its bf16/fp32 weights; formats as stored). --cache-routing (off by default)
+// lets a token swap low-ranked uncached experts for cached ones within a guarded rule
+// (docs/offload.md): the output then differs from the model's exact routing. --trace-out FILE
+// records the routing of every token run (the prompt, then each new token but the last) as a
+// routing trace for moe_cache_sim.
 // --kv-cache: how the KV cache holds keys and values (fp32 default; bf16 halves its bytes,
 // moe::KvFormat). The timings go to stderr.
 // --no-cache recomputes the whole sequence at every step (same ids; logits equal within 1e-4 of
@@ -161,17 +164,21 @@ constexpr moe_cli::Option kOptions[] = {
     {"--expert-store FILE",
      "stream the routed experts from this expert store through a bounded cache (the model's "
      "own expert weights are not read)"},
-    {"--expert-cache SIZE", "with --expert-store: the cache's budget, e.g. 8GiB (default 2GiB)"},
+    {"--stream-experts",
+     "stream the routed experts straight from the model's file through the bounded cache, no "
+     "expert store (quantized formats as stored)"},
+    {"--expert-cache SIZE",
+     "with --expert-store or --stream-experts: the cache's budget, e.g. 8GiB (default 2GiB)"},
     {"--cache-policy NAME",
-     "with --expert-store: lru (default), lfu, layer-lru or learned (needs --predictor)"},
+     "with a cache: lru (default), lfu, layer-lru or learned (needs --predictor)"},
     {"--predictor FILE", "the learned policy's reuse-distance model (moe_cache_sim writes one)"},
-    {"--reader-threads N", "with --expert-store: threads reading experts, 0 to 256 (default 4)"},
+    {"--reader-threads N", "with a cache: threads reading experts, 0 to 256 (default 4)"},
     {"--prefetch MODE",
-     "with --expert-store: read ahead for the next MoE layer: router (default: its router on the "
+     "with a cache: read ahead for the next MoE layer: router (default: its router on the "
      "current hidden state), previous (the previous token's experts), both, none"},
     {"--direct-io", "with --expert-store: read with O_DIRECT (past the page cache) where allowed"},
     {"--cache-routing SPEC",
-     "with --expert-store: swap a token's low-ranked uncached experts for cached ones the router "
+     "with a cache: swap a token's low-ranked uncached experts for cached ones the router "
      "scored almost as high, e.g. tau=0.05,keep=1,candidates=16,swaps=1 (default off: exact)"},
     {"--read-bandwidth SIZE",
      "with --expert-store: emulate a drive of SIZE per second, e.g. 3GB (default: as fast as "
@@ -290,6 +297,8 @@ Args parse(int argc, char** argv) {
       a.write_store = value();
     } else if (f == "--expert-store") {
       a.weights.expert_store = value();
+    } else if (f == "--stream-experts") {
+      a.weights.stream_experts = true;
     } else if (f == "--expert-cache") {
       a.weights.streaming.budget_bytes = moe_cli::parse_bytes(f, value());
     } else if (f == "--cache-policy") {
@@ -322,19 +331,25 @@ Args parse(int argc, char** argv) {
     }
   }
   if (!a.write_store.empty()) {
-    if (!have_model || prompts > 0 || have_n || !a.weights.expert_store.empty()) {
+    if (!have_model || prompts > 0 || have_n || !a.weights.expert_store.empty() ||
+        a.weights.stream_experts) {
       usage_error(
           "--write-expert-store takes --model (and the weight options) only: it writes the "
           "store and exits");
     }
     return a;
   }
+  if (a.weights.stream_experts && !a.weights.expert_store.empty()) {
+    usage_error("--stream-experts and --expert-store: give one (where the experts are read from)");
+  }
   if (a.weights.expert_store.empty() &&
       (a.weights.store_read.direct || a.weights.store_read.bandwidth_bytes_per_s > 0.0 ||
-       latency_given || !a.predictor.empty() || cache_routing_given)) {
-    usage_error(
-        "--direct-io, --read-bandwidth, --read-latency, --predictor and --cache-routing go with "
-        "--expert-store");
+       latency_given)) {
+    usage_error("--direct-io, --read-bandwidth and --read-latency go with --expert-store");
+  }
+  if (a.weights.expert_store.empty() && !a.weights.stream_experts &&
+      (!a.predictor.empty() || cache_routing_given)) {
+    usage_error("--predictor and --cache-routing go with --expert-store or --stream-experts");
   }
   if (latency_given && a.weights.store_read.bandwidth_bytes_per_s == 0.0) {
     usage_error("--read-latency goes with --read-bandwidth (an emulated drive)");
@@ -378,7 +393,10 @@ void print_stream_stats(Dec const& d, Args const& a) {
   if (!d.streamer) return;
   moe::offload::StreamStats const& s = d.streamer->stats();
   moe::offload::StoreReadOptions const& r = a.weights.store_read;
-  std::string how = d.streamer->store().direct() ? "O_DIRECT reads" : "buffered reads";
+  auto const* file = dynamic_cast<moe::offload::ExpertStore const*>(&d.streamer->store());
+  std::string how = file == nullptr  ? "re-packed from the model's file on each miss"
+                    : file->direct() ? "O_DIRECT reads"
+                                     : "buffered reads";
   if (r.bandwidth_bytes_per_s > 0.0) {
     char buf[96];
     std::snprintf(buf, sizeof buf, ", a drive emulated at %.2f GB/s and %.0f us",

@@ -1759,6 +1759,61 @@ TEST_CASE("Decoder: bad models and calls are errors", "[models][decoder]") {
   REQUIRE_THROWS_WITH(dec.forward(ok, two, st, {lg.data(), 1, t.V}), Contains("sequences"));
 }
 
+TEST_CASE("Decoder: experts streamed straight from the model's file decode as resident ones",
+          "[models][decoder][offload]") {
+  // No expert store: each miss packs the expert from the checkpoint (fp32 panels from an F32
+  // file, bf16 panels from a BF16 one), for a family with a dense layer, one with a shared
+  // expert, one with expert biases and fused, interleaved tensors.
+  std::string const type = GENERATE(as<std::string>{}, "qwen3_moe", "qwen2_moe", "gpt_oss");
+  bool const bf16 = GENERATE(false, true);
+  INFO(type << (bf16 ? ", BF16 file" : ", F32 file"));
+  Tiny t = family_tiny(type);
+  t.H = 32;
+  t.I_moe = 32;
+  fs::path const dir = write_model(t, make_tensors(t, 911), "decoder_stream_file_" + type, bf16);
+  moe::ThreadPool pool(2);
+  std::vector<float> const want =
+      std::visit([&](auto const& dec) { return greedy_logits(t, dec, &pool); },
+                 moe::models::load_hf_decoder(dir, &pool));
+  for (std::uint64_t const budget :
+       {std::uint64_t{0}, std::uint64_t{40000}, std::uint64_t{1} << 30}) {
+    INFO("budget " << budget);
+    moe::models::DecoderOptions o;
+    o.stream_experts = true;
+    o.streaming.budget_bytes = budget;
+    o.streaming.reader_threads = budget == 40000 ? 0 : 2;
+    std::visit(
+        [&](auto const& dec) {
+          REQUIRE(dec.streamer != nullptr);
+          REQUIRE(dynamic_cast<moe::offload::ExpertStore const*>(&dec.streamer->store()) ==
+                  nullptr);
+          std::vector<float> const got = greedy_logits(t, dec, &pool);
+          REQUIRE(got.size() == want.size());
+          CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+          moe::offload::StreamStats const& st = dec.streamer->stats();
+          CHECK(st.accesses == st.hits + st.misses + st.bypasses);
+          CHECK(st.misses + st.bypasses > 0);
+          CHECK(dec.streamer->resident_bytes() <= budget);
+          if (budget == 0) CHECK(st.hits == 0);
+          for (std::size_t const i : dec.moe_blocks()) {
+            CHECK(dec.blocks[i].moe->experts().records_streamed());
+            CHECK_FALSE(dec.blocks[i].moe->experts().has_master_weights());
+          }
+        },
+        moe::models::load_hf_decoder(dir, &pool, o));
+  }
+  // Quantizing on every miss is refused, saying what to do instead; and one source at a time.
+  moe::models::DecoderOptions q8;
+  q8.stream_experts = true;
+  q8.experts = moe::experts::WeightFormat::kQ8_0;
+  REQUIRE_THROWS_WITH(moe::models::load_hf_decoder(dir, &pool, q8),
+                      Catch::Contains(dir.string()) && Catch::Contains("stores it as floats") &&
+                          Catch::Contains("--write-expert-store"));
+  q8.experts.reset();
+  q8.expert_store = (dir / "none.moex").string();
+  REQUIRE_THROWS_WITH(moe::models::load_hf_decoder(dir, &pool, q8), Catch::Contains("not both"));
+}
+
 #ifdef MOE_GENERATE
 
 TEST_CASE(
@@ -1842,6 +1897,23 @@ TEST_CASE("moe_generate: experts streamed from an expert store give the same ids
   CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("belady needs the future"));
   CHECK(run_generate(base + " --direct-io", dir) == 1);
   CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("go with --expert-store"));
+  CHECK(run_generate(base + " --stream-experts --expert-store '" + store + "'", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("give one"));
+  // --stream-experts: the same cache, straight from the model's file (q8_0 from its floats
+  // would quantize on every miss: refused); fp32 experts give the fp32 run's ids and logits.
+  CHECK(run_generate(base + " --stream-experts", dir) == 1);
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("--write-expert-store"));
+  std::string const fp32 = model + " --prompt-ids 3,17,5 --max-new-tokens 6";
+  REQUIRE(run_generate(fp32 + " --logits '" + (dir / "c.safetensors").string() + "'", dir) == 0);
+  std::string const fp32_ids = text_of(dir / "out.txt");
+  REQUIRE(run_generate(fp32 +
+                           " --stream-experts --expert-cache 20KiB --cache-policy lfu --prefetch both "
+                           "--logits '" +
+                           (dir / "d.safetensors").string() + "'",
+                       dir) == 0);
+  CHECK(text_of(dir / "out.txt") == fp32_ids);
+  CHECK(text_of(dir / "c.safetensors") == text_of(dir / "d.safetensors"));
+  CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("re-packed from the model's file"));
   CHECK(run_generate(base + " --expert-store '" + store + "' --expert-cache 8GB2", dir) == 1);
   CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("is not a size with a unit"));
   CHECK(run_generate(model + " --write-expert-store '" + store + "' --prompt-ids 1", dir) == 1);

@@ -1087,6 +1087,183 @@ TEST_CASE("load_gguf_moe_layer: a GGUF MoE layer loads as the directory's of its
                       Catch::Contains("cannot load layer 1") && Catch::Contains("mlp_only_layers"));
 }
 
+TEST_CASE("load_hf_layer with pack_formats: every expert packed straight from the file, as pack()",
+          "[models][decoder][gguf][packing]") {
+  using moe::experts::ExpertFormat;
+  using moe::io::HfAnyLayer;
+  using moe::io::HfLoadOptions;
+  // Per expert: in q8_0 or bf16, down bf16 or fp32 (the shared expert, 12 wide: q8_0 / bf16).
+  auto pick = [](bool shared, Index e) {
+    if (shared) return ExpertFormat{WeightFormat::kQ8_0, WeightFormat::kBf16};
+    return e % 2 == 0 ? ExpertFormat{WeightFormat::kQ8_0, WeightFormat::kBf16}
+                      : ExpertFormat{WeightFormat::kBf16, WeightFormat::kF32};
+  };
+  auto asking = [](auto choose) {
+    HfLoadOptions o;
+    o.pack_formats = [choose](bool shared, Index n, Index,
+                              std::vector<ExpertFormat> const& stored) {
+      std::vector<ExpertFormat> f;
+      for (Index e = 0; e < n; ++e) f.push_back(choose(shared, e, stored));
+      return f;
+    };
+    return o;
+  };
+  HfLoadOptions const asked = asking(
+      [&](bool shared, Index e, std::vector<ExpertFormat> const&) { return pick(shared, e); });
+  HfLoadOptions const as_stored = asking([](bool, Index e, std::vector<ExpertFormat> const& st) {
+    return st.at(static_cast<std::size_t>(e));
+  });
+  auto same_pack = [](auto const& a, auto const& b) {  // banks: formats and records, byte for byte
+    REQUIRE(a.packed());
+    REQUIRE(b.packed());
+    REQUIRE(a.num_experts() == b.num_experts());
+    for (Index e = 0; e < a.num_experts(); ++e) {
+      INFO("expert " << e);
+      REQUIRE(a.packed_formats()[static_cast<std::size_t>(e)] ==
+              b.packed_formats()[static_cast<std::size_t>(e)]);
+      auto const ra = a.packed_record(e), rb = b.packed_record(e);
+      REQUIRE(std::equal(ra.begin(), ra.end(), rb.begin(), rb.end()));
+    }
+  };
+  // `reference`: the layer loaded with its fp32 weights, packed by pack() (or, repack = false,
+  // as the loader packed its stored blocks); `fresh`: loaded with pack_formats.
+  auto check = [&](HfAnyLayer& reference, HfAnyLayer const& fresh, bool repack) {
+    std::visit(
+        [&](auto& ref) {
+          auto const& got = std::get<std::remove_cvref_t<decltype(ref)>>(fresh);
+          auto& rb = ref.layer.experts();
+          Index const E = rb.num_experts();
+          std::vector<ExpertFormat> formats;
+          for (Index e = 0; e < E; ++e) formats.push_back(pick(false, e));
+          if (repack) rb.pack(formats);
+          REQUIRE_FALSE(got.layer.experts().has_master_weights());
+          same_pack(rb, got.layer.experts());
+          if constexpr (std::remove_cvref_t<decltype(ref.layer)>::Shared::has_experts) {
+            if (ref.layer.shared_experts().count() > 0) {
+              auto& sb = ref.layer.shared_experts().bank();
+              if (repack) sb.pack(std::vector<ExpertFormat>{pick(true, 0)});
+              REQUIRE_FALSE(got.layer.shared_experts().bank().has_master_weights());
+              same_pack(sb, got.layer.shared_experts().bank());
+            }
+          }
+          // The rest of the layer (router, biases, selection bias) is the reference's too.
+          for (moe::io::HfTensor const& ht : ref.tensors) {
+            bool const expert_weight =
+                ht.part == moe::io::HfPart::kExpertGate || ht.part == moe::io::HfPart::kExpertUp ||
+                ht.part == moe::io::HfPart::kExpertDown ||
+                ht.part == moe::io::HfPart::kExpertsGateUp ||
+                ht.part == moe::io::HfPart::kExpertsDown ||
+                ht.part == moe::io::HfPart::kExpertsGateUpT ||
+                ht.part == moe::io::HfPart::kExpertsDownT ||
+                ht.part == moe::io::HfPart::kExpertsGateUpI ||
+                ht.part == moe::io::HfPart::kSharedGate || ht.part == moe::io::HfPart::kSharedUp ||
+                ht.part == moe::io::HfPart::kSharedDown;
+            if (expert_weight) continue;
+            INFO(ht.name);
+            REQUIRE(moe::io::hf_tensor_values(got.layer, ht) ==
+                    moe::io::hf_tensor_values(ref.layer, ht));
+          }
+          // And it runs as the reference does, bit for bit, on 1 and 2 threads.
+          Index const T = 7, H = rb.d_model();
+          std::vector<float> x(static_cast<std::size_t>(T * H));
+          moe::fill_uniform(x, -1.0f, 1.0f, 905);
+          std::vector<float> ya(x.size()), yb(x.size()), yc(x.size());
+          moe::MoeFfnWorkspace ws;
+          moe::ThreadPool pool(2);
+          ref.layer.forward({x.data(), T, H}, {ya.data(), T, H}, ws);
+          got.layer.forward({x.data(), T, H}, {yb.data(), T, H}, ws);
+          got.layer.forward({x.data(), T, H}, {yc.data(), T, H}, ws, {nullptr, &pool});
+          REQUIRE(yb == ya);
+          REQUIRE(yc == ya);
+        },
+        reference);
+  };
+  // Hugging Face directories: per-expert (Qwen2-MoE with a shared expert, Mixtral's w1/w2/w3,
+  // ERNIE 4.5 with biases), fused (Llama 4's x @ W, gpt-oss's interleaved one with biases),
+  // DeepSeek-V3's ungated shared experts.
+  for (std::string const type :
+       {"qwen2_moe", "mixtral", "ernie4_5_moe", "llama4_text", "gpt_oss", "deepseek_v3"}) {
+    INFO(type);
+    Tiny t = family_tiny(type);
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    fs::path const dir = write_model(t, make_tensors(t, 904), "pack_from_" + type);
+    Index L = 0;
+    while (is_dense(t, L)) ++L;
+    HfAnyLayer reference = moe::io::load_hf_moe_layer(dir, L);
+    check(reference, moe::io::load_hf_moe_layer(dir, L, asked), true);
+  }
+  // GGUF files: the experts' blocks re-packed as stored, or converted to other formats.
+  for (std::string const type : {"qwen2_moe", "gpt_oss", "ernie4_5_moe"}) {
+    INFO(type << " GGUF");
+    Tiny t = family_tiny(type);
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    Tensors stored;
+    fs::path const gguf =
+        write_gguf(t, make_tensors(t, 906), "pack_from_gguf_" + type, GgmlType::kQ8_0, stored);
+    Index L = 0;
+    while (is_dense(t, L)) ++L;
+    HfAnyLayer reference = moe::io::load_gguf_moe_layer(gguf, L);  // packed as stored
+    check(reference, moe::io::load_gguf_moe_layer(gguf, L, as_stored), false);
+    HfAnyLayer reference2 = moe::io::load_gguf_moe_layer(gguf, L);
+    check(reference2, moe::io::load_gguf_moe_layer(gguf, L, asked), true);
+  }
+  // GLU experts whose bf16 in projection would split a panel need their fp32 weights: the
+  // shared expert of width 12 is then loaded with them, and packed as asked.
+  Tiny t = family_tiny("qwen2_moe");
+  t.H = 32, t.I_dense = 32, t.I_moe = 32;
+  fs::path const dir = write_model(t, make_tensors(t, 907), "pack_from_odd");
+  HfLoadOptions const bf16 = asking([](bool, Index, std::vector<ExpertFormat> const&) {
+    return ExpertFormat{WeightFormat::kBf16, WeightFormat::kBf16};
+  });
+  auto const odd =
+      std::get<moe::io::HfLayer<moe::presets::Qwen2Moe>>(moe::io::load_hf_moe_layer(dir, 0, bf16));
+  REQUIRE(odd.layer.shared_experts().bank().has_master_weights());
+  REQUIRE(odd.layer.shared_experts().bank().packed_format() == WeightFormat::kBf16);
+  REQUIRE(odd.layer.experts().packed_format() == WeightFormat::kBf16);
+}
+
+TEST_CASE("Decoder: experts streamed straight from a GGUF file decode as resident ones",
+          "[models][decoder][gguf][offload]") {
+  // The file's Q8_0 expert blocks re-packed on each miss (no store); asked as bf16, the blocks
+  // decoded and packed as bf16 panels. A cache that holds nothing, and one that holds all.
+  for (std::string const type : {"qwen2_moe", "gpt_oss"}) {
+    Tiny t = family_tiny(type);
+    t.H = 32, t.I_dense = 32, t.I_moe = 32;
+    Tensors stored;
+    fs::path const gguf =
+        write_gguf(t, make_tensors(t, 912), "gguf_stream_" + type, GgmlType::kQ8_0, stored);
+    for (bool const bf16 : {false, true}) {
+      for (std::uint64_t const budget : {std::uint64_t{0}, std::uint64_t{1} << 30}) {
+        INFO(type << (bf16 ? ", bf16 experts" : ", as stored") << ", budget " << budget);
+        moe::models::DecoderOptions resident;
+        if (bf16) resident.experts = WeightFormat::kBf16;
+        moe::models::DecoderOptions streamed = resident;
+        streamed.stream_experts = true;
+        streamed.streaming.budget_bytes = budget;
+        moe::models::AnyDecoder const s = moe::models::load_gguf_decoder(gguf, nullptr, streamed);
+        check_same_decoding(s, moe::models::load_gguf_decoder(gguf, nullptr, resident), t.V);
+        std::visit(
+            [&](auto const& d) {
+              REQUIRE(d.streamer != nullptr);
+              moe::offload::StreamStats const& st = d.streamer->stats();
+              CHECK(st.misses + st.bypasses > 0);
+              if (budget == 0) CHECK(st.hits == 0);
+              std::vector<std::size_t> const blocks = d.moe_blocks();
+              auto const& bank = d.blocks[blocks.front()].moe->experts();
+              CHECK(bank.packed_format() == (bf16 ? WeightFormat::kBf16 : WeightFormat::kQ8_0));
+            },
+            s);
+      }
+    }
+    // q4_0 is not what the file stores: quantizing each miss is refused.
+    moe::models::DecoderOptions q4;
+    q4.stream_experts = true;
+    q4.experts = WeightFormat::kQ4_0;
+    REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(gguf, nullptr, q4),
+                        Catch::Contains("stores it as q8_0") && Catch::Contains("expert store"));
+  }
+}
+
 TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
           "[models][decoder][gguf]") {
   using V = moe::io::GgufMetadataValue;

@@ -41,6 +41,7 @@
 #include "moe/layers/linear.hpp"
 #include "moe/layers/mla_attention.hpp"
 #include "moe/layers/presets.hpp"
+#include "moe/models/checkpoint_experts.hpp"
 #include "moe/models/decoder_config.hpp"
 #include "moe/offload/store.hpp"
 #include "moe/offload/streamer.hpp"
@@ -107,7 +108,13 @@ struct DecoderOptions {
   /// `streaming` says (Decoder::streamer). Empty: every expert loaded and resident.
   std::string expert_store;
   offload::StoreReadOptions store_read;  ///< with expert_store: how the store is read
-  offload::StreamerOptions streaming;    ///< with expert_store: the cache's budget and policy
+  /// With expert_store or stream_experts: the cache's budget and policy.
+  offload::StreamerOptions streaming;
+  /// Routed experts streamed straight from the model's own file (a GGUF file or safetensors
+  /// checkpoint) through the cache `streaming` describes, no expert store written: each miss
+  /// packs the expert's record from the file (models::CheckpointExperts). Quantized formats must
+  /// be the ones the file stores (the default: as stored); not with expert_store.
+  bool stream_experts = false;
 
   /// llama.cpp's Q4_K_M mix (see above).
   static DecoderOptions q4_k_m() {
@@ -465,13 +472,25 @@ class Decoder {
   void stream_experts(std::shared_ptr<offload::ExpertStreamer> s) {
     moe::detail::check(s != nullptr, "Decoder::stream_experts: no streamer");
     std::vector<std::size_t> const m = moe_blocks();
-    offload::ExpertStore const& store = s->store();
-    moe::detail::check(static_cast<Index>(m.size()) == store.shape().num_layers,
+    offload::RecordSource const& store = s->store();
+    offload::StoreShape const& shape = store.shape();
+    moe::detail::check(static_cast<Index>(m.size()) == shape.num_layers,
                        "Decoder::stream_experts: the model has ", m.size(),
-                       " MoE layers and the store '", store.path(), "' ", store.shape().num_layers,
+                       " MoE layers and the store '", store.path(), "' ", shape.num_layers,
                        "; the store belongs to another model");
+    auto const* file = dynamic_cast<offload::ExpertStore const*>(&store);
     for (std::size_t i = 0; i < m.size(); ++i) {
-      store.check_layer(static_cast<Index>(i), blocks[m[i]].moe->experts());
+      auto const& bank = blocks[m[i]].moe->experts();
+      if (file) {
+        file->check_layer(static_cast<Index>(i), bank);
+      } else {
+        moe::detail::check(shape.num_experts == bank.num_experts() &&
+                               shape.d_model == bank.d_model() && shape.d_ffn == bank.d_ffn(),
+                           "Decoder::stream_experts: '", store.path(),
+                           "' holds experts of d_model ", shape.d_model, ", d_ffn ", shape.d_ffn,
+                           ", ", shape.num_experts,
+                           " a layer, not this model's; it belongs to another model");
+      }
     }
     for (std::size_t i = 0; i < m.size(); ++i) {
       auto const id = static_cast<Index>(i);
@@ -1141,22 +1160,34 @@ inline void check_decoder_tensors(io::ShardedCheckpoint const& ckpt, DecoderConf
   }
 }
 
-/// Packs an MoE layer's expert bank (routed, or `shared`) of layer L as the options ask (as
-/// stored by default: `stored`, the formats the layer loader packed stored blocks in, stays).
-template <class Bank>
-void pack_experts(Loading const& ld, Bank& bank, std::vector<experts::ExpertFormat> const& stored,
-                  std::string const& who, bool shared, Index L) {
-  if (!ld.options.asks_experts(shared) && !stored.empty()) return;  // as stored
+/// The formats of an MoE layer's expert bank (routed, or `shared`: `experts` of width `d_ffn`)
+/// of layer L as the options ask (as stored by default: `stored`, the formats of the stored
+/// blocks, stays).
+inline std::vector<experts::ExpertFormat> expert_formats(
+    Loading const& ld, std::vector<experts::ExpertFormat> const& stored, std::string const& who,
+    bool shared, Index L, Index experts, Index d_ffn) {
+  if (!ld.options.asks_experts(shared) && !stored.empty()) return stored;  // as stored
   experts::ExpertFormat const s =
       stored.empty() ? experts::ExpertFormat{} : stored.front();  // uniform in a GGUF
   experts::ExpertFormat const f{
-      ld.format(who + " (gate/up)", MatrixClass::kExpertsIn, L, bank.d_model(), s.in, shared),
-      ld.format(who + " (down)", MatrixClass::kExpertsDown, L, bank.d_ffn(), s.down, shared)};
-  std::vector<experts::ExpertFormat> const all(static_cast<std::size_t>(bank.num_experts()), f);
-  if (bank.packed() && std::equal(all.begin(), all.end(), stored.begin(), stored.end())) {
-    return;  // the loader's pack: the stored blocks, re-packed
-  }
-  bank.pack(all, ld.pool);
+      ld.format(who + " (gate/up)", MatrixClass::kExpertsIn, L, ld.c.moe.hidden_size, s.in, shared),
+      ld.format(who + " (down)", MatrixClass::kExpertsDown, L, d_ffn, s.down, shared)};
+  return std::vector<experts::ExpertFormat>(static_cast<std::size_t>(experts), f);
+}
+
+/// The layer loader's options for MoE layer L of a decoder: its prefix, the experts packed
+/// straight from the checkpoint in the formats the options ask (expert_formats), on ld.pool,
+/// without fp32 weights.
+inline io::HfLoadOptions decoder_moe_options(Loading const& ld, Index L) {
+  io::HfLoadOptions lo = moe_layer_options(ld.root, ld.c, L);
+  lo.pool = ld.pool;
+  std::string const p = io::detail::concat(ld.root.model, "layers.", L, ".mlp.");
+  lo.pack_formats = [&ld, L, p](bool shared, Index experts, Index d_ffn,
+                                std::vector<experts::ExpertFormat> const& stored) {
+    return expert_formats(ld, stored, p + (shared ? "shared_experts" : "experts"), shared, L,
+                          experts, d_ffn);
+  };
+  return lo;
 }
 
 /// Writes the routed experts of config `c` over `ckpt` as an expert store at `path`, one MoE
@@ -1180,10 +1211,17 @@ std::vector<Fallback> write_expert_store(DecoderConfig const& c, io::ShardedChec
                                       c.moe.expert_intermediate_size, Moe::Expert::gated});
   for (Index L = 0; L < c.num_hidden_layers; ++L) {
     if (!c.moe.is_moe_layer(L)) continue;
-    io::HfLayer<Moe> loaded =
-        io::load_hf_layer<Moe>(c.moe, ckpt, L, moe_layer_options(ld.root, c, L));
-    pack_experts(ld, loaded.layer.experts(), loaded.stored_formats,
-                 io::detail::concat(ld.root.model, "layers.", L, ".mlp.experts"), false, L);
+    // The shared experts are loaded (the layer holds them) but not written: their formats'
+    // fallbacks are not the store's.
+    std::vector<Fallback> unused;
+    Loading const shared_ld{ckpt, c, options, pool, unused, ld.why};
+    io::HfLoadOptions lo = decoder_moe_options(ld, L);
+    lo.pack_formats =
+        [routed = lo.pack_formats, shared_formats = decoder_moe_options(shared_ld, L).pack_formats](
+            bool shared, Index n, Index f, std::vector<experts::ExpertFormat> const& stored) {
+          return (shared ? shared_formats : routed)(shared, n, f, stored);
+        };
+    io::HfLayer<Moe> const loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L, lo);
     w.add_layer(loaded.layer.experts());
   }
   w.finish();
@@ -1211,6 +1249,24 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
   // Streamed experts: the store is opened (and its shape checked) before anything is allocated.
   std::shared_ptr<offload::ExpertStreamer> streamer;
   std::size_t moe_layer = 0;
+  moe::detail::check(!(options.stream_experts && !options.expert_store.empty()),
+                     "models: stream the experts from the expert store '", options.expert_store,
+                     "' or from the model's file (stream_experts), not both");
+  if (options.stream_experts) {  // headers only: every MoE layer's records and their formats
+    auto source = std::make_shared<CheckpointExperts<typename Moe::Bank>>(mapped, c.moe);
+    for (Index L = 0; L < c.num_hidden_layers; ++L) {
+      if (!c.moe.is_moe_layer(L)) continue;
+      io::HfLoadOptions const lo = moe_layer_options(ld.root, c, L);
+      auto [layout, tensors] = io::detail::checked_hf_layer_tensors(c.moe, ckpt, L, lo);
+      std::vector<experts::ExpertFormat> const stored =
+          io::detail::scan_stored_experts(c.moe, ckpt, tensors, true).routed;
+      source->add_layer(
+          L, lo,
+          expert_formats(ld, stored, io::detail::concat(layout.prefix, "experts"), false, L,
+                         c.moe.num_experts, c.moe.expert_intermediate_size));
+    }
+    streamer = std::make_shared<offload::ExpertStreamer>(std::move(source), options.streaming);
+  }
   if (!options.expert_store.empty()) {
     auto store =
         std::make_shared<offload::ExpertStore const>(options.expert_store, options.store_read);
@@ -1395,31 +1451,23 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
       }
     }
     if (c.moe.is_moe_layer(L)) {
-      // The layer loader packs experts stored as GGUF blocks in their stored formats (the blocks
-      // re-packed); that pack stays unless the options choose other formats.
-      io::HfLoadOptions lo = moe_layer_options(root, c, L);
+      // The layer loader packs every expert straight from the checkpoint in the formats the
+      // options ask (stored blocks re-packed as they are), without fp32 weights; with an expert
+      // store the routed experts are left to it.
+      io::HfLoadOptions lo = decoder_moe_options(ld, L);
       lo.routed_expert_weights = streamer == nullptr;
       io::HfLayer<Moe> loaded = io::load_hf_layer<Moe>(c.moe, ckpt, L, lo);
       b.moe.emplace(std::move(loaded.layer));
       Moe& m = *b.moe;
-      auto choose = [&](auto& bank, std::vector<experts::ExpertFormat> const& stored,
-                        std::string const& who,
-                        bool shared) { pack_experts(ld, bank, stored, who, shared, L); };
       if (streamer) {  // the store's records, in its formats
         auto const i = static_cast<Index>(moe_layer++);
-        streamer->store().check_layer(i, m.experts());
-        m.experts().stream_records(streamer->store().layer_formats(i), streamer->records(i));
-      } else {
-        choose(m.experts(), loaded.stored_formats, p + "mlp.experts", false);
-      }
-      if constexpr (Moe::Shared::has_experts) {
-        if (m.shared_experts().count() > 0) {
-          choose(m.shared_experts().bank(), loaded.stored_shared_formats, p + "mlp.shared_experts",
-                 true);
+        if (auto const* file = dynamic_cast<offload::ExpertStore const*>(&streamer->store())) {
+          file->check_layer(i, m.experts());
         }
+        m.experts().stream_records(streamer->store().layer_formats(i), streamer->records(i));
       }
-      // A decoder never trains: keep only the pack (unless inference would read the fp32
-      // weights: GLU experts of an odd width in an fp32 or bf16 pack).
+      // A decoder never trains: keep only the pack (a layer loaded with its fp32 weights, GLU
+      // experts of an odd width in an fp32 or bf16 pack, keeps them: inference reads them).
       if (m.can_discard_master_weights()) m.discard_master_weights();
     } else {
       Index const I = c.intermediate_size;

@@ -299,9 +299,29 @@ struct StoreReadOptions {
   double latency_seconds = 0.0;        ///< per read, with a throttle
 };
 
+/// Where an ExpertStreamer reads routed experts' packed records from: an expert store file
+/// (ExpertStore), or a model's own file, each record packed from it on a miss
+/// (models::CheckpointExperts). Implementations are thread-safe.
+class RecordSource {
+ public:
+  virtual ~RecordSource() = default;
+  /// The layers and shapes of the experts.
+  virtual StoreShape const& shape() const = 0;
+  /// The formats of MoE layer `layer`'s experts, one per expert.
+  virtual std::vector<experts::ExpertFormat> layer_formats(Index layer) const = 0;
+  /// The bytes of expert (layer, expert)'s buffer (a multiple of kStoreAlign, at least its
+  /// record's): what it takes in a cache, and what read() writes.
+  virtual std::uint64_t buffer_bytes(Index layer, Index expert) const = 0;
+  /// Writes expert (layer, expert)'s record into `dst` (kStoreAlign-aligned, buffer_bytes()
+  /// bytes). Throws moe::Error when it cannot (an I/O error, a bad file).
+  virtual void read(Index layer, Index expert, std::byte* dst) const = 0;
+  /// The file it reads, for messages.
+  virtual std::string const& path() const = 0;
+};
+
 /// An expert store opened for reading: the header and index validated (moe::Error naming the
 /// file and what is wrong), records read with read(). Thread-safe reads.
-class ExpertStore {
+class ExpertStore final : public RecordSource {
  public:
   explicit ExpertStore(std::string path, StoreReadOptions const& options = {})
       : path_(std::move(path)), options_(options) {
@@ -326,8 +346,8 @@ class ExpertStore {
     fd_ = std::move(fd);
   }
 
-  std::string const& path() const { return path_; }
-  StoreShape const& shape() const { return shape_; }
+  std::string const& path() const override { return path_; }
+  StoreShape const& shape() const override { return shape_; }
   /// The fp32/bf16 panel width the records were packed for.
   Index panel_width() const { return panel_width_; }
   /// Are reads O_DIRECT (asked for, and the file system allows it)?
@@ -345,15 +365,18 @@ class ExpertStore {
     return {index_.data() + layer * shape_.num_experts,
             static_cast<std::size_t>(shape_.num_experts)};
   }
-  std::vector<experts::ExpertFormat> layer_formats(Index layer) const {
+  std::vector<experts::ExpertFormat> layer_formats(Index layer) const override {
     std::vector<experts::ExpertFormat> f;
     for (StoreRecord const& r : layer_records(layer)) f.push_back(r.format);
     return f;
   }
 
+  std::uint64_t buffer_bytes(Index layer, Index expert) const override {
+    return record(layer, expert).read_bytes();
+  }
   /// Reads expert (layer, expert)'s record into `dst` (kStoreAlign-aligned, at least
   /// record().read_bytes() bytes). Throws moe::Error on an I/O error or a short read.
-  void read(Index layer, Index expert, std::byte* dst) const {
+  void read(Index layer, Index expert, std::byte* dst) const override {
     StoreRecord const& r = record(layer, expert);
     std::uint64_t const n = r.read_bytes();
     int const fd = direct() ? direct_fd_.get() : fd_.get();

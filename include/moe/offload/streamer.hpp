@@ -90,12 +90,13 @@ struct StreamerOptions {
 /// The names StreamerOptions::policy takes.
 inline constexpr std::string_view kStreamPolicies[] = {"lru", "lfu", "layer-lru", "learned"};
 
-/// Streams routed experts from an ExpertStore through a bounded cache. Results do not depend on
-/// the policy, the budget or the threads: a forward reads the same bytes, only from elsewhere.
-/// One forward at a time (acquire, release) per streamer; not thread-safe otherwise.
+/// Streams routed experts from a RecordSource (an ExpertStore file, or a model's own file)
+/// through a bounded cache. Results do not depend on the policy, the budget or the threads: a
+/// forward reads the same bytes, only from elsewhere. One forward at a time (acquire, release)
+/// per streamer; not thread-safe otherwise.
 class ExpertStreamer {
  public:
-  ExpertStreamer(std::shared_ptr<ExpertStore const> store, StreamerOptions options)
+  ExpertStreamer(std::shared_ptr<RecordSource const> store, StreamerOptions options)
       : store_(std::move(store)), options_(std::move(options)) {
     char const* w = "moe::offload::ExpertStreamer";
     moe::detail::check(store_ != nullptr, w, ": no store");
@@ -113,7 +114,7 @@ class ExpertStreamer {
     g.num_experts = E_;
     g.budget_bytes = options_.budget_bytes;
     for (Index l = 0; l < L_; ++l) {
-      for (StoreRecord const& r : store_->layer_records(l)) g.slot_bytes.push_back(r.read_bytes());
+      for (Index e = 0; e < E_; ++e) g.slot_bytes.push_back(store_->buffer_bytes(l, e));
     }
     cache_ = make_cache(std::move(g));
     table_.assign(static_cast<std::size_t>(L_ * E_), nullptr);
@@ -137,7 +138,8 @@ class ExpertStreamer {
     for (std::thread& t : readers_) t.join();
   }
 
-  ExpertStore const& store() const { return *store_; }
+  /// Where the records come from.
+  RecordSource const& store() const { return *store_; }
   StreamerOptions const& options() const { return options_; }
   /// The record table of MoE layer `layer` (E entries; null where not resident): what
   /// ExpertBank::stream_records reads. Stable for the streamer's life.
@@ -194,7 +196,7 @@ class ExpertStreamer {
       AccessContext const ctx{step, token_, static_cast<Index>(i), gates_[i]};
       ++stats_.accesses;
       std::size_t const s = slot(layer, e);
-      StoreRecord const& rec = store_->record(layer, e);
+      std::uint64_t const bytes = store_->buffer_bytes(layer, e);
       switch (cache_->access(key, ctx)) {
         case AccessOutcome::kHit:
           ++stats_.hits;
@@ -210,11 +212,11 @@ class ExpertStreamer {
           ++stats_.misses;
           break;
         case AccessOutcome::kBypass:
-          held.transient.emplace_back(e, RecordBuffer(rec.read_bytes()));
+          held.transient.emplace_back(e, RecordBuffer(bytes));
           table_[s] = held.transient.back().second.data();
           pending_reads_.push_back({layer, e, held.transient.back().second.data(), s, false});
           ++stats_.bypasses;
-          stats_.bytes_read += rec.read_bytes();
+          stats_.bytes_read += bytes;
           break;
       }
     }
@@ -395,7 +397,7 @@ class ExpertStreamer {
       spare_.push_back(std::move(buffers_[vs]));
     }
     std::size_t const s = slot(layer, e);
-    std::uint64_t const bytes = store_->record(layer, e).read_bytes();
+    std::uint64_t const bytes = store_->buffer_bytes(layer, e);
     buffers_[s] = take_buffer(bytes);
     table_[s] = buffers_[s].data();
     pending_reads_.push_back({layer, e, buffers_[s].data(), s, prefetch});
@@ -500,7 +502,7 @@ class ExpertStreamer {
     }
   }
 
-  std::shared_ptr<ExpertStore const> store_;
+  std::shared_ptr<RecordSource const> store_;
   StreamerOptions options_;
   Index L_ = 0, E_ = 0;
   std::unique_ptr<Cache> cache_;

@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <new>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "moe/core/error.hpp"
+#include "moe/core/thread_pool.hpp"
 #include "moe/core/views.hpp"
 #include "moe/experts/expert_bank.hpp"
 #include "moe/io/block_tensor.hpp"
@@ -264,8 +267,9 @@ struct HfLayer {
   HfLayout layout;                ///< prefix and per-expert / fused experts
   std::vector<HfTensor> tensors;  ///< every tensor read, in hf_layer_tensors() order
   Layer layer;                    ///< the weights
-  /// For a checkpoint written by save_hf_layer_quantized (moe_quantize): the stored format of
-  /// every routed expert, and of the shared expert (the layer is packed in them); else empty.
+  /// For a checkpoint of experts stored as blocks (save_hf_layer_quantized, a GGUF file): the
+  /// stored format of every routed expert, and of the shared expert (the layer is packed in
+  /// them, unless HfLoadOptions::pack_formats asks for others); else empty.
   std::vector<experts::ExpertFormat> stored_formats;
   std::vector<experts::ExpertFormat> stored_shared_formats;
   /// What the loader accepted but a user should hear about (hf_load_warnings()): config.json
@@ -438,25 +442,14 @@ std::vector<float> gather_tensor(HfTensor const& t, float const* router,
 /// Writes the values of tensor `t` into `layer` (the inverse of gather_tensor()). The MXFP4
 /// block tensors take their dequantised values in the on-disk [E, out, in] order (gate_up rows
 /// interleaved), the scale tensors nothing (read with the blocks).
-template <class Layer>
-void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
-  auto const bank = layer.experts().edit();
-  Index const E = layer.experts().num_experts(), H = layer.experts().d_model(),
-              I = layer.experts().d_ffn();
-  float const* src = v.data();
-  auto to_span = [&](std::span<float> dst, std::size_t n) {
-    moe::detail::check(dst.size() >= n, "hf: tensor ", printable_name(t.name),
-                       " is a bias the layer does not have; build the layer from its config");
-    std::copy(src, src + n, dst.begin());
-    src += n;
-  };
-  switch (t.part) {
-    case HfPart::kRouterBias:
-      if constexpr (requires { layer.router_bias(); }) {
-        to_span(layer.router_bias(), static_cast<std::size_t>(E));
-      }
-      break;
-    case HfPart::kExpertsGateUpI:
+/// Writes the routed experts' weights of a tensor of part `part` from `src` (its values,
+/// row-major) into `bank` (an ExpertBank::Edit, or OneExpert): a fused tensor's E experts, or
+/// expert `expert`'s projection of a per-expert tensor. Returns src's end. Other parts: nothing.
+template <class Target>
+float const* scatter_expert_weights(HfPart part, float const* src, Target const& bank, Index E,
+                                    Index H, Index I, Index expert) {
+  switch (part) {
+    case HfPart::kExpertsGateUpI:  // [E, H, 2I], column 2j gate j, 2j + 1 up j
       for (Index e = 0; e < E; ++e) {
         auto const w = bank.in_proj(e);
         for (Index h = 0; h < H; ++h) {
@@ -478,7 +471,75 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
       }
       break;
     case HfPart::kExpertsDownBlocks:  // [E, H, I]
+    case HfPart::kExpertsDown:
       for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.down_proj(e));
+      break;
+    case HfPart::kExpertGate:
+      src = copy_into_view(src, bank.gate_proj(expert));
+      break;
+    case HfPart::kExpertUp:
+      src = copy_into_view(src, bank.up_proj(expert));
+      break;
+    case HfPart::kExpertDown:
+      src = copy_into_view(src, bank.down_proj(expert));
+      break;
+    case HfPart::kExpertsGateUp:
+      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsGateUpT:
+      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.in_proj(e));
+      break;
+    case HfPart::kExpertsDownT:
+      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.down_proj(e));
+      break;
+    default:
+      break;
+  }
+  return src;
+}
+
+/// One expert's weights in two caller buffers, in [P, H] (GLU: gate rows, then up rows) and
+/// down [H, I], with the views of an ExpertBank::Edit (for expert 0 only): what
+/// scatter_expert_weights writes when a loader reads one expert at a time.
+struct OneExpert {
+  float* in = nullptr;
+  float* down = nullptr;
+  Index H = 0, I = 0, in_factor = 2;
+  MatrixView<float> in_proj(Index) const { return {in, in_factor * I, H}; }
+  MatrixView<float> gate_proj(Index) const { return {in, I, H}; }
+  MatrixView<float> up_proj(Index) const { return {in + (in_factor - 1) * I * H, I, H}; }
+  MatrixView<float> down_proj(Index) const { return {down, H, I}; }
+};
+
+template <class Layer>
+void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
+  auto const bank = layer.experts().edit();
+  Index const E = layer.experts().num_experts(), H = layer.experts().d_model(),
+              I = layer.experts().d_ffn();
+  float const* src = v.data();
+  auto to_span = [&](std::span<float> dst, std::size_t n) {
+    moe::detail::check(dst.size() >= n, "hf: tensor ", printable_name(t.name),
+                       " is a bias the layer does not have; build the layer from its config");
+    std::copy(src, src + n, dst.begin());
+    src += n;
+  };
+  switch (t.part) {
+    case HfPart::kRouterBias:
+      if constexpr (requires { layer.router_bias(); }) {
+        to_span(layer.router_bias(), static_cast<std::size_t>(E));
+      }
+      break;
+    case HfPart::kExpertsGateUpI:
+    case HfPart::kExpertsGateUpBlocks:
+    case HfPart::kExpertsDownBlocks:
+    case HfPart::kExpertGate:
+    case HfPart::kExpertUp:
+    case HfPart::kExpertDown:
+    case HfPart::kExpertsGateUp:
+    case HfPart::kExpertsDown:
+    case HfPart::kExpertsGateUpT:
+    case HfPart::kExpertsDownT:
+      scatter_expert_weights(t.part, src, bank, E, H, I, t.expert);
       break;
     case HfPart::kExpertsGateUpScales:
     case HfPart::kExpertsDownScales:
@@ -527,27 +588,6 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
     case HfPart::kSelectionBias:
       if constexpr (requires { layer.router().bias; })
         layer.router().bias.assign(v.begin(), v.end());
-      break;
-    case HfPart::kExpertGate:
-      copy_into_view(src, bank.gate_proj(t.expert));
-      break;
-    case HfPart::kExpertUp:
-      copy_into_view(src, bank.up_proj(t.expert));
-      break;
-    case HfPart::kExpertDown:
-      copy_into_view(src, bank.down_proj(t.expert));
-      break;
-    case HfPart::kExpertsGateUp:
-      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.in_proj(e));
-      break;
-    case HfPart::kExpertsDown:
-      for (Index e = 0; e < E; ++e) src = copy_into_view(src, bank.down_proj(e));
-      break;
-    case HfPart::kExpertsGateUpT:
-      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.in_proj(e));
-      break;
-    case HfPart::kExpertsDownT:
-      for (Index e = 0; e < E; ++e) src = copy_transposed_into_view(src, bank.down_proj(e));
       break;
     case HfPart::kSharedGate:
     case HfPart::kSharedUp:
@@ -622,9 +662,24 @@ struct HfLoadOptions {
   /// keys, tensors of the layer's module that are not read).
   bool strict = false;
   /// false: the routed experts' weight tensors are checked but not read (their biases are), and
-  /// the bank is left zero and unpacked: for a caller that streams the experts from an expert
-  /// store (models::DecoderOptions::expert_store).
+  /// the bank is left unpacked (without fp32 weights when pack_formats is set, else zero): for a
+  /// caller that streams the experts from an expert store (models::DecoderOptions::expert_store).
   bool routed_expert_weights = true;
+  /// Set: an inference-only layer whose experts are packed straight from the checkpoint, in
+  /// the formats pack_formats(shared, experts, d_ffn, stored) returns, one per expert of the
+  /// routed bank (E experts of width expert_intermediate_size) or of the shared one (1 expert);
+  /// `stored` is HfLayer::stored_formats or stored_shared_formats, empty for experts stored as
+  /// floats. The layer is built in an experts::EmptyWeights scope and each
+  /// expert is read, converted and packed on its own (ExpertBank::pack_from): stored blocks of
+  /// a format asked for are re-packed as they are, everything else is read one expert at a time,
+  /// so at most one expert's fp32 weights per thread are ever held, never a layer's. GLU experts
+  /// whose fp32 or bf16 in projection would split a panel (pack_serves_inference) need their
+  /// fp32 weights: such a layer is loaded with them, then packed in the same formats.
+  std::function<std::vector<experts::ExpertFormat>(
+      bool shared, Index experts, Index d_ffn, std::vector<experts::ExpertFormat> const& stored)>
+      pack_formats{};
+  /// Reads and packs the experts in parallel (pack_formats; the result does not depend on it).
+  ThreadPool* pool = nullptr;
 };
 
 namespace detail {
@@ -835,21 +890,27 @@ inline std::vector<float> read_hf_tensor(ShardedCheckpoint const& ckpt, HfTensor
 /// Reads the MXFP4 pair of `blocks` (U8 [E, R, G, 16]) and its scales tensor (the next one in
 /// hf_layer_tensors() order, U8 [E, R, G]) as floats [E, R, 32 G]: element 2i of block g is the
 /// low nibble of byte i, 2i + 1 the high one, times 2^(scale - 127) (hf_mxfp4_value()).
+/// With `expert` >= 0, only that expert's [R, 32 G] slice.
 inline std::vector<float> read_mxfp4(ShardedCheckpoint const& ckpt, HfTensor const& blocks,
                                      HfTensor const& scales, HfMoeConfig const& c, Index layer,
-                                     std::string const& prefix) {
+                                     std::string const& prefix, Index expert = -1) {
   std::string const& src = ckpt.source();
   TensorView const* bv = &checked_hf_tensor(ckpt, blocks, c, layer, prefix);
   TensorView const* sv = &checked_hf_tensor(ckpt, scales, c, layer, prefix);
-  std::size_t const groups = static_cast<std::size_t>(scales.num_elements());
-  auto const* b = reinterpret_cast<std::uint8_t const*>(bv->bytes.data());
-  auto const* e8 = reinterpret_cast<std::uint8_t const*>(sv->bytes.data());
+  std::size_t groups = static_cast<std::size_t>(scales.num_elements());
+  std::size_t first = 0;
+  if (expert >= 0) {
+    groups /= static_cast<std::size_t>(scales.shape.at(0));
+    first = static_cast<std::size_t>(expert) * groups;
+  }
+  auto const* b = reinterpret_cast<std::uint8_t const*>(bv->bytes.data()) + first * 16;
+  auto const* e8 = reinterpret_cast<std::uint8_t const*>(sv->bytes.data()) + first;
   std::vector<float> out(groups * 32);
   for (std::size_t g = 0; g < groups; ++g) {
     if (e8[g] == 255) {
       moe::detail::fail("hf: ", src, ": tensor ", printable_name(scales.name),
-                        " holds the E8M0 scale 255 (NaN in the OCP MX format) at flat index ", g,
-                        "; the checkpoint is corrupt");
+                        " holds the E8M0 scale 255 (NaN in the OCP MX format) at flat index ",
+                        first + g, "; the checkpoint is corrupt");
     }
     for (std::size_t i = 0; i < 16; ++i) {
       std::uint8_t const byte = b[g * 16 + i];
@@ -914,6 +975,157 @@ class StoredExpertBlocks {
   std::vector<std::array<Stored, 3>> routed_;
   std::array<Stored, 3> shared_{};
 };
+
+/// The block format a checkpoint stores tensor `t` in, from its header alone (the format
+/// read_hf_tensor reports), or nothing for a tensor stored as floats.
+inline std::optional<experts::WeightFormat> stored_format(ShardedCheckpoint const& ckpt,
+                                                          HfTensor const& t) {
+  std::string const* mark = ckpt.shard_metadata(t.name, block_type_key(t.name));
+  if (mark == nullptr) return std::nullopt;
+  if (t.shape.size() == 2) {
+    if (std::optional<BlockTensor> const b =
+            find_block_tensor(ckpt, t.name, t.shape[0], t.shape[1])) {
+      return experts::load_format(b->type);
+    }
+  }
+  return experts::parse_weight_format(*mark);
+}
+
+/// Is `part` a weight of the routed experts (read one expert at a time when the layer is built
+/// without fp32 weights), and which projection does it fill: the in projection (gate, up or
+/// both) or the down one?
+inline bool routed_weight_part(HfPart p) {
+  switch (p) {
+    case HfPart::kExpertGate:
+    case HfPart::kExpertUp:
+    case HfPart::kExpertDown:
+    case HfPart::kExpertsGateUp:
+    case HfPart::kExpertsDown:
+    case HfPart::kExpertsGateUpT:
+    case HfPart::kExpertsDownT:
+    case HfPart::kExpertsGateUpI:
+    case HfPart::kExpertsGateUpBlocks:
+    case HfPart::kExpertsGateUpScales:
+    case HfPart::kExpertsDownBlocks:
+    case HfPart::kExpertsDownScales:
+      return true;
+    default:
+      return false;
+  }
+}
+inline bool down_part(HfPart p) {
+  return p == HfPart::kExpertDown || p == HfPart::kExpertsDown || p == HfPart::kExpertsDownT ||
+         p == HfPart::kExpertsDownBlocks || p == HfPart::kSharedDown;
+}
+
+/// Expert `expert`'s fp32 weights (the shared expert's with `shared`) read from the
+/// checkpoint into `in` [P, H] and `down` [H, I] (either may be null: not read), converted as
+/// load_hf_layer converts them; fused tensors are read as that expert's slice only.
+inline void read_one_expert(ShardedCheckpoint const& ckpt, HfMoeConfig const& c, Index layer,
+                            std::string const& prefix, std::vector<HfTensor> const& tensors,
+                            Index expert, bool shared, OneExpert const& dst) {
+  Index const E = c.num_experts;
+  for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
+    HfTensor const& t = tensors[ti];
+    bool const shared_weight = t.part == HfPart::kSharedGate || t.part == HfPart::kSharedUp ||
+                               t.part == HfPart::kSharedDown;
+    if (shared ? !shared_weight : !routed_weight_part(t.part)) continue;
+    if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
+    if (!shared && t.expert >= 0 && t.expert != expert) continue;
+    if ((down_part(t.part) ? dst.down : dst.in) == nullptr) continue;
+    std::vector<float> values;
+    if (t.part == HfPart::kExpertsGateUpBlocks || t.part == HfPart::kExpertsDownBlocks) {
+      values = read_mxfp4(ckpt, t, tensors.at(ti + 1), c, layer, prefix, expert);
+    } else if (shared || t.expert >= 0) {
+      values = read_hf_tensor(ckpt, t, c, layer, prefix);
+    } else {  // a fused [E, ...] float tensor: the expert's slice
+      TensorView slice = checked_hf_tensor(ckpt, t, c, layer, prefix);
+      std::size_t const bytes = slice.bytes.size() / static_cast<std::size_t>(E);
+      slice.bytes = slice.bytes.subspan(static_cast<std::size_t>(expert) * bytes, bytes);
+      slice.shape.at(0) = 1;
+      values = to_float(slice);
+    }
+    float const* src = values.data();
+    switch (t.part) {
+      case HfPart::kSharedGate:
+        copy_into_view(src, dst.gate_proj(0));
+        break;
+      case HfPart::kSharedUp:
+        copy_into_view(src, dst.up_proj(0));
+        break;
+      case HfPart::kSharedDown:
+        copy_into_view(src, dst.down_proj(0));
+        break;
+      default:
+        scatter_expert_weights(t.part, src, dst, 1, dst.H, dst.I, 0);
+        break;
+    }
+  }
+}
+
+/// What a layer's expert tensors are stored as, from the checkpoint's headers alone.
+struct StoredExperts {
+  /// The stored format of every routed expert (when `routed` was asked) and of the shared
+  /// expert, where any tensor of the layer is stored as blocks; empty for float checkpoints.
+  std::vector<experts::ExpertFormat> routed, shared;
+  StoredExpertBlocks blocks{0};  ///< the projections stored as native blocks
+  Index shared_width = 0;        ///< the shared expert's d_ffn (0: none in the checkpoint)
+  std::vector<std::string> warnings;
+};
+
+/// Scans the layer's `tensors` (checked_hf_layer_tensors) for the formats and blocks its experts
+/// are stored in. Gate and up are one in projection of one format: where a file stores them in
+/// two (GGUF files may), the one with more bits a weight, with a warning (the other is
+/// re-quantized).
+inline StoredExperts scan_stored_experts(HfMoeConfig const& config,
+                                         ShardedCheckpoint const& checkpoint,
+                                         std::vector<HfTensor> const& tensors, bool routed) {
+  using experts::WeightFormat;
+  Index const E = config.num_experts;
+  StoredExperts out;
+  out.blocks = StoredExpertBlocks(E);
+  std::vector<WeightFormat> gate(static_cast<std::size_t>(E), WeightFormat::kF32), up(gate),
+      down(gate);
+  WeightFormat shared[3] = {WeightFormat::kF32, WeightFormat::kF32, WeightFormat::kF32};
+  bool quantized = false;
+  for (HfTensor const& t : tensors) {
+    if (t.part == HfPart::kSharedDown) out.shared_width = static_cast<Index>(t.shape.at(1));
+    std::optional<WeightFormat> const f = stored_format(checkpoint, t);
+    if (!f) continue;
+    quantized = true;
+    if (t.shape.size() == 2) {
+      if (std::optional<BlockTensor> const b =
+              find_block_tensor(checkpoint, t.name, t.shape[0], t.shape[1])) {
+        if (b->native()) out.blocks.add(t.part, t.expert, b->row(0), *b->native());
+      }
+    }
+    auto const e = static_cast<std::size_t>(std::max<Index>(t.expert, 0));
+    if (t.part == HfPart::kExpertGate) gate[e] = *f;
+    if (t.part == HfPart::kExpertUp) up[e] = *f;
+    if (t.part == HfPart::kExpertDown) down[e] = *f;
+    if (t.part == HfPart::kSharedGate) shared[0] = *f;
+    if (t.part == HfPart::kSharedUp) shared[1] = *f;
+    if (t.part == HfPart::kSharedDown) shared[2] = *f;
+  }
+  if (!quantized) return out;
+  auto in_format = [&](WeightFormat g, WeightFormat u, std::string const& who) {
+    if (g == u) return g;
+    WeightFormat const f = experts::bits_per_weight(g) >= experts::bits_per_weight(u) ? g : u;
+    out.warnings.push_back(concat(who, "'s gate and up projections are stored as ",
+                                  experts::name(g), " and ", experts::name(u),
+                                  "; moe packs them as one in projection, in ", experts::name(f),
+                                  " (the other is re-quantized)"));
+    return f;
+  };
+  for (Index e = 0; e < E && routed; ++e) {
+    auto const i = static_cast<std::size_t>(e);
+    out.routed.push_back({in_format(gate[i], up[i], concat("expert ", e)), down[i]});
+  }
+  if (out.shared_width > 0) {
+    out.shared.push_back({in_format(shared[0], shared[1], "the shared expert"), shared[2]});
+  }
+  return out;
+}
 
 /// The bytes of fp32 weights the tensors `ts` hold (for messages; saturates instead of
 /// overflowing).
@@ -1044,54 +1256,63 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
     moe::detail::fail("hf: ", checkpoint.source(), ": ", all,
                       " (strict loading; fix the checkpoint or load without strict)");
   }
-  std::uint64_t const bytes = detail::hf_layer_bytes(tensors);
-  HfLayer<Layer> out{config,
-                     layer,
-                     layout,
-                     std::move(tensors),
-                     detail::allocating([&] { return make_hf_layer<Layer>(config); },
-                                        [&] {
-                                          return detail::concat("hf: ", checkpoint.source(),
-                                                                ": layer ", layer, " (", bytes,
-                                                                " bytes of fp32 weights)");
-                                        }),
-                     {},
-                     {},
-                     std::move(warnings)};
-  Index const E = config.num_experts;
-  std::vector<experts::WeightFormat> gate(static_cast<std::size_t>(E)), up(gate.size()),
-      down(gate.size());
-  experts::WeightFormat shared[3] = {};
-  bool quantized = false;
-  detail::StoredExpertBlocks blocks(E);  // the experts' projections stored as native blocks
-  moe::detail::check(!(config.has_expert_biases() && out.layout.fused_experts &&
+  Index const E = config.num_experts, H = config.hidden_size, I = config.expert_intermediate_size;
+  moe::detail::check(!(config.has_expert_biases() && layout.fused_experts &&
                        config.spec().storage == HfExpertStorage::kPerExpertOrFused),
                      "hf: ", checkpoint.source(), ": layer ", layer, " stores its ",
                      config.model_type(),
                      " experts fused (experts.gate_up_proj), which has no biases, but "
                      "config.json sets use_bias = true; use a per-expert checkpoint");
-  auto routed_weight = [](HfPart p) {
-    switch (p) {
-      case HfPart::kExpertGate:
-      case HfPart::kExpertUp:
-      case HfPart::kExpertDown:
-      case HfPart::kExpertsGateUp:
-      case HfPart::kExpertsDown:
-      case HfPart::kExpertsGateUpT:
-      case HfPart::kExpertsDownT:
-      case HfPart::kExpertsGateUpI:
-      case HfPart::kExpertsGateUpBlocks:
-      case HfPart::kExpertsGateUpScales:
-      case HfPart::kExpertsDownBlocks:
-      case HfPart::kExpertsDownScales:
-        return true;
-      default:
-        return false;
+  // The formats the checkpoint stores the experts in, and their blocks, from the headers.
+  detail::StoredExperts st =
+      detail::scan_stored_experts(config, checkpoint, tensors, options.routed_expert_weights);
+  warnings.insert(warnings.end(), st.warnings.begin(), st.warnings.end());
+  std::vector<experts::ExpertFormat> stored_formats = std::move(st.routed),
+                                     stored_shared_formats = std::move(st.shared);
+  Index const shared_width = st.shared_width;
+  detail::StoredExpertBlocks const& blocks = st.blocks;
+  // With pack_formats: the formats asked for, and whether the layer can go without fp32 weights.
+  std::vector<experts::ExpertFormat> routed_formats, shared_formats;
+  bool empty = false;
+  if (options.pack_formats) {
+    if (options.routed_expert_weights) {
+      routed_formats = options.pack_formats(false, E, I, stored_formats);
     }
+    if (shared_width > 0) {
+      shared_formats = options.pack_formats(true, 1, shared_width, stored_shared_formats);
+    }
+    auto serves = [](std::vector<experts::ExpertFormat> const& fs, Index width) {
+      if (!Layer::Expert::gated || width % kernels::panel_width() == 0) return true;
+      return std::all_of(fs.begin(), fs.end(),
+                         [](experts::ExpertFormat const& f) { return is_quantized(f.in); });
+    };
+    empty = serves(routed_formats, I) && serves(shared_formats, shared_width);
+  }
+  std::uint64_t const bytes = detail::hf_layer_bytes(tensors);
+  HfLayer<Layer> out{config,
+                     layer,
+                     layout,
+                     std::move(tensors),
+                     detail::allocating(
+                         [&] {
+                           std::optional<experts::EmptyWeights> scope;
+                           if (empty) scope.emplace();
+                           return make_hf_layer<Layer>(config);
+                         },
+                         [&] {
+                           return detail::concat("hf: ", checkpoint.source(), ": layer ", layer,
+                                                 " (", bytes, " bytes of fp32 weights)");
+                         }),
+                     std::move(stored_formats),
+                     std::move(stored_shared_formats),
+                     std::move(warnings)};
+  auto shared_weight = [](HfPart p) {
+    return p == HfPart::kSharedGate || p == HfPart::kSharedUp || p == HfPart::kSharedDown;
   };
   for (std::size_t ti = 0; ti < out.tensors.size(); ++ti) {
     HfTensor const& t = out.tensors[ti];
-    if (!options.routed_expert_weights && routed_weight(t.part)) continue;
+    if ((!options.routed_expert_weights || empty) && detail::routed_weight_part(t.part)) continue;
+    if (empty && shared_weight(t.part)) continue;  // read one expert at a time below
     if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
     if (t.part == HfPart::kExpertsGateUpBlocks || t.part == HfPart::kExpertsDownBlocks) {
       std::vector<float> const values = detail::read_mxfp4(checkpoint, t, out.tensors.at(ti + 1),
@@ -1099,24 +1320,8 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
       detail::scatter_tensor(t, values, out.layer);
       continue;
     }
-    experts::WeightFormat stored = experts::WeightFormat::kF32;
-    bool const marked = checkpoint.shard_metadata(t.name, block_type_key(t.name)) != nullptr;
-    quantized = quantized || marked;
     std::vector<float> const values =
-        detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix, &stored);
-    auto const e = static_cast<std::size_t>(t.expert);
-    if (marked && t.shape.size() == 2) {
-      if (std::optional<BlockTensor> const b =
-              find_block_tensor(checkpoint, t.name, t.shape[0], t.shape[1])) {
-        if (b->native()) blocks.add(t.part, t.expert, b->row(0), *b->native());
-      }
-    }
-    if (t.part == HfPart::kExpertGate) gate[e] = stored;
-    if (t.part == HfPart::kExpertUp) up[e] = stored;
-    if (t.part == HfPart::kExpertDown) down[e] = stored;
-    if (t.part == HfPart::kSharedGate) shared[0] = stored;
-    if (t.part == HfPart::kSharedUp) shared[1] = stored;
-    if (t.part == HfPart::kSharedDown) shared[2] = stored;
+        detail::read_hf_tensor(checkpoint, t, config, layer, out.layout.prefix);
     if (t.part == HfPart::kSelectionBias) {
       for (float const b : values) {
         moe::detail::check(std::isfinite(b), "hf: ", checkpoint.source(), ": tensor ",
@@ -1126,33 +1331,36 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
     }
     detail::scatter_tensor(t, values, out.layer);
   }
-  if (quantized) {
-    // Gate and up are one in projection of one format: where a file stores them in two (GGUF
-    // files may), the one with more bits a weight (the other is quantized from its weights).
-    auto in_format = [&](experts::WeightFormat g, experts::WeightFormat u, std::string const& who) {
-      if (g == u) return g;
-      experts::WeightFormat const f =
-          experts::bits_per_weight(g) >= experts::bits_per_weight(u) ? g : u;
-      out.warnings.push_back(detail::concat(who, "'s gate and up projections are stored as ",
-                                            experts::name(g), " and ", experts::name(u),
-                                            "; moe packs them as one in projection, in ",
-                                            experts::name(f), " (the other is re-quantized)"));
-      return f;
+  auto& routed_bank = out.layer.experts();
+  if (empty) {  // every expert read, converted and packed on its own
+    auto source = [&](bool sh, Index width) {
+      return experts::ExpertSource{
+          sh ? blocks.shared() : blocks.routed(), [&, sh, width](Index e, float* in, float* dn) {
+            detail::read_one_expert(checkpoint, config, layer, out.layout.prefix, out.tensors, e,
+                                    sh, {in, dn, H, width, Layer::Bank::kInFactor});
+          }};
     };
-    for (Index e = 0; e < E && options.routed_expert_weights; ++e) {
-      auto const i = static_cast<std::size_t>(e);
-      out.stored_formats.push_back(
-          {in_format(gate[i], up[i], detail::concat("expert ", e)), down[i]});
-    }
     if (options.routed_expert_weights) {
-      out.layer.experts().pack(out.stored_formats, nullptr, blocks.routed());
+      routed_bank.pack_from(routed_formats, source(false, I), options.pool);
     }
     if constexpr (Layer::Shared::has_experts) {
-      if (out.layer.shared_experts().count() > 0) {
-        out.stored_shared_formats.push_back(
-            {in_format(shared[0], shared[1], "the shared expert"), shared[2]});
-        out.layer.shared_experts().bank().pack(out.stored_shared_formats, nullptr, blocks.shared());
+      if (shared_width > 0) {
+        out.layer.shared_experts().bank().pack_from(shared_formats, source(true, shared_width),
+                                                    options.pool);
       }
+    }
+    return out;
+  }
+  if (options.routed_expert_weights && (!routed_formats.empty() || !out.stored_formats.empty())) {
+    routed_bank.pack(routed_formats.empty() ? out.stored_formats : routed_formats, options.pool,
+                     blocks.routed());
+  }
+  if constexpr (Layer::Shared::has_experts) {
+    if (out.layer.shared_experts().count() > 0 &&
+        (!shared_formats.empty() || !out.stored_shared_formats.empty())) {
+      out.layer.shared_experts().bank().pack(
+          shared_formats.empty() ? out.stored_shared_formats : shared_formats, options.pool,
+          blocks.shared());
     }
   }
   return out;
