@@ -754,3 +754,27 @@ TEST_CASE("quant kernels: the AMX int8 tiles give the portable kernel's bits",
     }
   }
 }
+
+TEST_CASE("pack_quant_panels: the word-at-a-time re-pack is the level-by-level one, byte for byte",
+          "[quant][kernels]") {
+  // Random block bytes (any bytes are blocks: the re-pack moves levels and headers, it does not
+  // interpret them), a partial last panel, every format.
+  Index const N = 45, K = 512;
+  for (quant::Format const f : quant::kFormats) {
+    INFO(quant::name(f));
+    Index const rb = quant::row_bytes(f, K);
+    std::vector<std::byte> rows(static_cast<std::size_t>(N * rb));
+    std::uint64_t x = 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(f);
+    for (std::byte& b : rows) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      b = static_cast<std::byte>(x & 0xFF);
+    }
+    auto const bytes =
+        static_cast<std::size_t>((N + kernels::kQuantPanelCols - 1) / kernels::kQuantPanelCols *
+                                 kernels::quant_panel_bytes(f, K));
+    std::vector<std::byte> fast(bytes, std::byte{0x5A}), slow(bytes, std::byte{0xA5});
+    kernels::pack_quant_panels(f, rows.data(), N, K, fast.data());
+    kernels::detail::pack_quant_panels(f, rows.data(), N, K, slow.data(), false);
+    REQUIRE(fast == slow);
+  }
+}

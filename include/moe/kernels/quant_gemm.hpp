@@ -31,6 +31,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "moe/core/config.hpp"
@@ -359,9 +360,17 @@ inline float quant_scale(quant::Format f, std::byte const* grp, Index c) {
 ///     Q2_K: bytes [0, 128) the 2 bits, as Q3_K's low ones.
 /// So every format is stored at its own width (Q6_K 6.56, Q5_K 5.63, Q3_K 3.56, Q2_K 2.63 bits a
 /// weight with the header), and a vector of 8 or 16 columns x 4 depths unpacks from aligned
-/// loads.
+/// loads. Q8_0, the 4-bit formats and Q6_K move their levels four at a time (a re-pack runs at
+/// memory speed: it is what loading a GGUF file or streaming an expert from one costs); the
+/// others level by level.
 inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
-                              std::byte* dst) {
+                              std::byte* dst);
+
+namespace detail {
+/// pack_quant_panels; `fast` = false places every level one at a time (the definition the word
+/// paths are tested against).
+inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
+                              std::byte* dst, bool fast) {
   using quant::Format;
   Index const G = quant::block_elems(f), rb = quant::row_bytes(f, K);
   Index const panels = (N + kQuantPanelCols - 1) / kQuantPanelCols;
@@ -378,6 +387,32 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
         std::byte const* blk = rows + n * rb + g * quant::block_bytes(f);
         auto set = [&](Index byte, int bits) {
           w[byte] = static_cast<std::uint8_t>(w[byte] | bits);
+        };
+        auto load4 = [](std::uint8_t const* src) {
+          std::uint32_t v;
+          std::memcpy(&v, src, sizeof v);
+          return v;
+        };
+        auto store4 = [&](Index byte, std::uint32_t v) { std::memcpy(w + byte, &v, sizeof v); };
+        // 4-bit levels of a G-deep group, four at a time: octet o's word ((o * 32 + c) * 4)
+        // holds k = 8 o + j in its low nibbles and k = 8 o + 4 + j in its high ones, where level
+        // k is bits at(k).second.. of byte qs[at(k).first] (contiguous over 4 aligned k).
+        auto nibbles = [&](std::uint8_t const* qs, Index depth, auto at) {
+          for (Index o = 0; o < depth / 8; ++o) {
+            auto const [b0, s0] = at(8 * o);
+            auto const [b1, s1] = at(8 * o + 4);
+            std::uint32_t const lo = (load4(qs + b0) >> s0) & 0x0F0F0F0Fu;
+            std::uint32_t const hi = (load4(qs + b1) >> s1) & 0x0F0F0F0Fu;
+            store4((o * 32 + c) * 4, lo | hi << 4);
+          }
+        };
+        // Q4_0, Q4_1, IQ4_NL, MXFP4 (one 32-deep run) and IQ4_XS (per 32): k % 16 in the byte,
+        // low nibbles first; Q4_K: per 64, k % 32 in the byte, low nibbles first.
+        auto by_32 = [](Index k) {
+          return std::pair<Index, int>{k / 32 * 16 + k % 16, k % 32 >= 16 ? 4 : 0};
+        };
+        auto by_64 = [](Index k) {
+          return std::pair<Index, int>{32 * (k / 64) + k % 32, k % 64 >= 32 ? 4 : 0};
         };
         auto put = [&](Index k, int u) {
           if (quant_is_4bit(f)) {
@@ -412,6 +447,9 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             sc[j * 32 + c] = s;
             sc[256 + j * 32 + c] = m;
           }
+          if constexpr (std::is_same_v<decltype(b), quant::BlockQ4_K>) {
+            if (fast) return nibbles(b.qs, 256, by_64);
+          }
           for (Index k = 0; k < 256; ++k) put(k, level(b, static_cast<int>(k)));
         };
         // Q4_1 and Q5_1: d and the negated min (an exact sign flip), then the 32 levels.
@@ -419,6 +457,9 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
           std::memcpy(&b, blk, sizeof b);
           d16[c] = b.d;
           d16[32 + c] = static_cast<std::uint16_t>(b.m ^ 0x8000u);
+          if constexpr (std::is_same_v<decltype(b), quant::BlockQ4_1>) {  // Q4_0's nibbles
+            if (fast) return nibbles(b.qs, 32, by_32);
+          }
           for (Index k = 0; k < 32; ++k) put(k, level(b, static_cast<int>(k)));
         };
         switch (f) {
@@ -426,6 +467,12 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             quant::BlockQ8_0 b;
             std::memcpy(&b, blk, sizeof b);
             d16[c] = b.d;
+            if (fast) {  // u = q + 128: the sign bit flipped
+              auto const* q = reinterpret_cast<std::uint8_t const*>(b.qs);
+              for (Index o = 0; o < 8; ++o)
+                store4((o * 32 + c) * 4, load4(q + 4 * o) ^ 0x80808080u);
+              break;
+            }
             for (Index k = 0; k < 32; ++k) put(k, b.qs[k] + 128);
             break;
           }
@@ -434,6 +481,10 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             quant::BlockQ4_0 b;
             std::memcpy(&b, blk, sizeof b);
             d16[c] = b.d;
+            if (fast) {
+              nibbles(b.qs, 32, by_32);
+              break;
+            }
             for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
             break;
           }
@@ -441,6 +492,10 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             quant::BlockMXFP4 b;
             std::memcpy(&b, blk, sizeof b);
             reinterpret_cast<std::uint8_t*>(grp)[c] = b.e;
+            if (fast) {
+              nibbles(b.qs, 32, by_32);
+              break;
+            }
             for (Index k = 0; k < 32; ++k) put(k, k < 16 ? b.qs[k] & 0xF : b.qs[k - 16] >> 4);
             break;
           }
@@ -475,6 +530,10 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             auto* sc = reinterpret_cast<std::int8_t*>(grp + 64);
             for (int j = 0; j < 8; ++j)
               sc[j * 32 + c] = static_cast<std::int8_t>(quant::iq4xs_scale(b, j) - 32);
+            if (fast) {
+              nibbles(b.qs, 256, by_32);
+              break;
+            }
             for (Index k = 0; k < 256; ++k) {
               std::uint8_t const v = b.qs[k / 32 * 16 + k % 16];
               put(k, k % 32 < 16 ? v & 0xF : v >> 4);
@@ -507,6 +566,27 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
             d16[c] = b.d;
             auto* sc = reinterpret_cast<std::int8_t*>(grp + 64);
             for (int j = 0; j < 16; ++j) sc[j * 32 + c] = b.scales[j];
+            if (fast) {
+              // 16-deep sub-block s: k = 128 n + 32 m + l; the low 4 bits in ql[64 n + 32 (m % 2)
+              // + l] (nibble m / 2), the high 2 in qh[32 n + l] (bits 2 m).
+              for (Index sb = 0; sb < 16; ++sb) {
+                Index const k0 = 16 * sb, half = k0 / 128, m = k0 % 128 / 32, l0 = k0 % 32;
+                std::uint8_t const* ql = b.ql + 64 * half + 32 * (m % 2) + l0;
+                std::uint8_t const* qh = b.qh + 32 * half + l0;
+                auto const lo_shift = static_cast<int>(4 * (m / 2)),
+                           hi_shift = static_cast<int>(2 * m);
+                std::uint32_t nib[4], hi[4];
+                for (int t = 0; t < 4; ++t) {
+                  nib[t] = (load4(ql + 4 * t) >> lo_shift) & 0x0F0F0F0Fu;
+                  hi[t] = (load4(qh + 4 * t) >> hi_shift) & 0x03030303u;
+                }
+                Index const sub = sb * 64 * 6;
+                store4(sub + c * 4, nib[0] | nib[1] << 4);
+                store4(sub + (32 + c) * 4, nib[2] | nib[3] << 4);
+                store4(sub + 256 + c * 4, hi[0] | hi[1] << 2 | hi[2] << 4 | hi[3] << 6);
+              }
+              break;
+            }
             for (Index k = 0; k < 256; ++k) put(k, quant::q6_level(b, static_cast<int>(k)));
             break;
           }
@@ -514,6 +594,13 @@ inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, I
       }
     }
   }
+}
+
+}  // namespace detail
+
+inline void pack_quant_panels(quant::Format f, std::byte const* rows, Index N, Index K,
+                              std::byte* dst) {
+  detail::pack_quant_panels(f, rows, N, K, dst, true);
 }
 
 /// A quantized weight operand as the kernels read it: panel p at data + p * panel_bytes.
