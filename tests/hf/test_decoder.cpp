@@ -1906,11 +1906,12 @@ TEST_CASE("moe_generate: experts streamed from an expert store give the same ids
   std::string const fp32 = model + " --prompt-ids 3,17,5 --max-new-tokens 6";
   REQUIRE(run_generate(fp32 + " --logits '" + (dir / "c.safetensors").string() + "'", dir) == 0);
   std::string const fp32_ids = text_of(dir / "out.txt");
-  REQUIRE(run_generate(fp32 +
-                           " --stream-experts --expert-cache 20KiB --cache-policy lfu --prefetch both "
-                           "--logits '" +
-                           (dir / "d.safetensors").string() + "'",
-                       dir) == 0);
+  REQUIRE(
+      run_generate(fp32 +
+                       " --stream-experts --expert-cache 20KiB --cache-policy lfu --prefetch both "
+                       "--logits '" +
+                       (dir / "d.safetensors").string() + "'",
+                   dir) == 0);
   CHECK(text_of(dir / "out.txt") == fp32_ids);
   CHECK(text_of(dir / "c.safetensors") == text_of(dir / "d.safetensors"));
   CHECK_THAT(text_of(dir / "err.txt"), Catch::Contains("re-packed from the model's file"));
