@@ -18,7 +18,10 @@
 // (models::save_gguf_model), each matrix in the format asked for (--mix q4_k_m: llama.cpp's
 // Q4_K_M choice per matrix; --dense / --experts: one format for those classes; unset: as
 // stored), which moe_generate --model FILE.gguf then runs as stored; it prints one line per
-// type written and the matrices that fell back. No tokenizer metadata is written.
+// type written and the matrices that fell back. The tokenizer goes with it: a GGUF input's
+// tokenizer.* metadata as it is; a directory's tokenizer.json (and tokenizer_config.json) as
+// llama.cpp's converter writes it (text::set_gguf_tokenizer; a build with moe::text), or a
+// warning line saying why it could not be.
 // B: the average bits a weight over the routed experts (e.g. 4.5 = q4_k's). The shared expert
 // (if any) takes the uniform choice at B. Writes OUT/config.json, OUT/model.safetensors (the
 // layer, its expert projections in the chosen formats: docs/quantization.md "Checkpoints") and
@@ -31,6 +34,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,6 +48,9 @@
 #include "moe/experts/quantize.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/models/gguf_writer.hpp"
+#ifdef MOE_QUANTIZE_WITH_TEXT
+#include "moe/text/gguf_tokenizer.hpp"
+#endif
 
 namespace {
 
@@ -164,7 +171,38 @@ int write_gguf_model(std::map<std::string, std::string> const& args) {
   if (args.count("--experts") != 0) o.experts = experts::parse_weight_format(args.at("--experts"));
   std::filesystem::path const out = args.at("--out"), model = args.at("--model");
   if (moe::io::same_file(out, model)) fail("--out '", out.string(), "' is the --model file");
-  moe::models::GgufSaveReport const r = moe::models::save_gguf_model(out, model, o);
+  // A directory's tokenizer, as llama.cpp's converter writes it (a GGUF input carries its own).
+  std::function<void(moe::io::GgufWriter&)> tokenizer;
+  std::string tokenizer_note;
+  if (!moe::io::is_gguf_file(model)) {
+    std::filesystem::path const json = model / "tokenizer.json";
+    if (!std::filesystem::exists(json)) {
+      tokenizer_note = "no tokenizer.json in the model directory: the file has no tokenizer";
+    } else {
+#ifdef MOE_QUANTIZE_WITH_TEXT
+      moe::Index const vocab = moe::models::read_decoder_config(model).vocab_size;
+      tokenizer = [&, json, vocab](moe::io::GgufWriter& w) {
+        try {
+          std::string const pre =
+              moe::text::set_gguf_tokenizer(w, json, static_cast<std::size_t>(vocab));
+          tokenizer_note = pre.empty() ? "tokenizer written (SentencePiece, model llama)"
+                                       : "tokenizer written (model gpt2, pre " + pre + ")";
+        } catch (moe::Error const& e) {
+          tokenizer_note = std::string("the file has no tokenizer: ") + e.what();
+        }
+      };
+#else
+      tokenizer_note =
+          "this moe_quantize was built without moe::text (PCRE2, ICU): the file has no tokenizer";
+#endif
+    }
+  }
+  moe::models::GgufSaveReport const r = moe::models::save_gguf_model(out, model, o, tokenizer);
+  if (!tokenizer_note.empty()) {
+    bool const written = tokenizer_note.rfind("tokenizer written", 0) == 0;
+    std::fprintf(stderr, "moe_quantize: %s%s\n",
+                 written ? "" : "warning: ", tokenizer_note.c_str());
+  }
   std::string fell;
   for (moe::models::Fallback const& f : r.fallbacks) {
     fell += (fell.empty() ? "" : ", ") + f.matrix + " " + experts::name(f.asked) + " -> " +

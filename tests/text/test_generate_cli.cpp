@@ -339,6 +339,50 @@ TEST_CASE("moe_generate --model FILE.gguf --prompt: the tokenizer from the file'
   CHECK(chat.out == "hello\n");
 }
 
+#ifdef MOE_QUANTIZE
+TEST_CASE("moe_quantize --out FILE.gguf carries the directory's tokenizer, as llama.cpp's does",
+          "[text][generate][gguf]") {
+  fs::path const dir = scratch("quantize_tokenizer");
+  write_model(dir);
+  write_files(dir);
+  // Qwen2's tokenizer.json normalizes to NFC, which tokenizer.ggml.pre "qwen2" says.
+  std::string json = slurp(dir / "tokenizer.json");
+  std::string const plain = R"("normalizer": null)";
+  json.replace(json.find(plain), plain.size(), R"("normalizer": {"type": "NFC"})");
+  tinytok::write(dir / "tokenizer.json", json);
+  std::string const gguf = (dir / "q.gguf").string();
+  Run const q = run(MOE_QUANTIZE, "--model '" + dir.string() + "' --out '" + gguf + "'", dir);
+  INFO(q.err);
+  REQUIRE(q.status == 0);
+  CHECK_THAT(q.err, Catch::Contains("tokenizer written (model gpt2, pre qwen2)"));
+  // The file's tokenizer gives the directory's prompt ids, chat prompt and text.
+  std::string const args =
+      "--prompt 'hello world' --chat --max-new-tokens 10 --print-ids "
+      "--print-prompt-ids";
+  Run const from_dir = run(MOE_GENERATE, "--model '" + dir.string() + "' " + args, dir);
+  Run const from_gguf = run(MOE_GENERATE, "--model '" + gguf + "' " + args, dir);
+  INFO(from_gguf.err);
+  REQUIRE(from_dir.status == 0);
+  REQUIRE(from_gguf.status == 0);
+  CHECK(from_gguf.out == from_dir.out);
+  CHECK(from_gguf.out == "hello\n23,2\n");
+  CHECK_THAT(from_gguf.err, Catch::Contains("moe_generate: prompt ids (18): "
+                                            "1,31,17,23,28,2,17,1,3,12,12,7,12,13,3,9,13,17\n"));
+  // And from that file to another: the tokenizer goes along as it is.
+  std::string const again = (dir / "again.gguf").string();
+  REQUIRE(run(MOE_QUANTIZE, "--model '" + gguf + "' --out '" + again + "'", dir).status == 0);
+  CHECK(run(MOE_GENERATE, "--model '" + again + "' " + args, dir).out == from_dir.out);
+  // A directory without tokenizer.json: the file is written, a warning says it has no tokenizer.
+  fs::path const bare = scratch("quantize_tokenizer_bare");
+  write_model(bare);
+  Run const none =
+      run(MOE_QUANTIZE,
+          "--model '" + bare.string() + "' --out '" + (bare / "q.gguf").string() + "'", bare);
+  CHECK(none.status == 0);
+  CHECK_THAT(none.err, Catch::Contains("warning: no tokenizer.json"));
+}
+#endif
+
 TEST_CASE("moe_tokenize: a GGUF file's tokenizer, encode and decode", "[text][generate]") {
   fs::path const dir = scratch("tokenize_gguf");
   moe::io::GgufWriter w;

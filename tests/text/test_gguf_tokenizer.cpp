@@ -18,6 +18,7 @@
 
 #include "moe/io/detail/json.hpp"
 #include "moe/io/gguf/writer.hpp"
+#include "moe/text/gguf_tokenizer.hpp"
 #include "moe/text/tokenizer.hpp"
 
 namespace {
@@ -201,185 +202,6 @@ std::string slurp(std::filesystem::path const& p) {
   return s.str();
 }
 
-template <class F>
-void members(moe::io::detail::JsonCursor& c, F&& f) {
-  c.begin_object();
-  std::string key;
-  bool first = true;
-  while (c.next_member(key, first)) f(key, c);
-}
-
-/// A token of tokenizer_config.json: a string, null or an AddedToken object's content.
-std::string config_token(moe::io::detail::JsonCursor& c) {
-  using moe::io::detail::JsonKind;
-  if (c.peek() == JsonKind::kNull) {
-    c.read_null();
-    return {};
-  }
-  if (c.peek() == JsonKind::kString) return c.read_string();
-  std::string content;
-  members(c, [&](std::string const& k, auto& q) {
-    if (k == "content") {
-      content = q.read_string();
-    } else {
-      q.skip_value();
-    }
-  });
-  return content;
-}
-
-/// The tokenizer.ggml.* metadata convert_hf_to_gguf.py writes for a byte-level BPE model
-/// (Model.get_vocab_base and gguf-py's SpecialVocab): tokens in id order up to the model's
-/// vocab_size ("[PAD<i>]", type 5, where no token has the id), type 3 for an added token that
-/// is special or looks special ("<|...|>", "<｜...｜>"), 4 for another added token, 1 otherwise;
-/// merges as "a b"; bos / eos / padding ids from tokenizer_config.json's tokens; add_bos_token
-/// / add_eos_token when tokenizer_config.json has them; the chat template.
-GgufWriter convert(std::filesystem::path const& tokenizer_json, std::string const& pre,
-                   std::size_t vocab_size) {
-  std::string const json = slurp(tokenizer_json);
-  std::map<std::int32_t, std::string> tokens;
-  std::map<std::int32_t, int> types;
-  std::vector<std::string> merges;
-  std::map<std::int32_t, std::pair<std::string, int>> added;  // after the vocab: they win
-  moe::io::detail::JsonCursor c(json, tokenizer_json.string(), "tokenizer.json", "");
-  members(c, [&](std::string const& key, auto& cur) {
-    if (key == "model") {
-      members(cur, [&](std::string const& k, auto& m) {
-        if (k == "vocab") {
-          members(m, [&](std::string const& token, auto& v) {
-            auto const id = static_cast<std::int32_t>(v.read_number().value);
-            tokens[id] = token;
-            types[id] = 1;
-          });
-        } else if (k == "merges") {
-          m.begin_array();
-          bool first = true;
-          while (m.next_element(first)) {
-            if (m.peek() == moe::io::detail::JsonKind::kString) {
-              merges.push_back(m.read_string());
-            } else {
-              m.begin_array();
-              bool f = true;
-              std::string pair;
-              while (m.next_element(f)) {
-                std::string const part = m.read_string();
-                if (!pair.empty()) pair.push_back(' ');
-                pair.append(part);
-              }
-              merges.push_back(pair);
-            }
-          }
-        } else {
-          m.skip_value();
-        }
-      });
-    } else if (key == "added_tokens") {
-      cur.begin_array();
-      bool first = true;
-      while (cur.next_element(first)) {
-        std::int32_t id = -1;
-        std::string content;
-        bool special = false;
-        members(cur, [&](std::string const& k, auto& a) {
-          if (k == "id") {
-            id = static_cast<std::int32_t>(a.read_number().value);
-          } else if (k == "content") {
-            content = a.read_string();
-          } else if (k == "special") {
-            special = a.read_bool();
-          } else {
-            a.skip_value();
-          }
-        });
-        auto const ends = [&](std::string const& b, std::string const& e) {
-          return content.size() >= b.size() + e.size() && content.rfind(b, 0) == 0 &&
-                 content.compare(content.size() - e.size(), e.size(), e) == 0;
-        };
-        bool const looks_special = ends("<|", "|>") || ends("<｜", "｜>");
-        added[id] = {content, special || looks_special ? 3 : 4};
-      }
-    } else {
-      cur.skip_value();
-    }
-  });
-  for (auto const& [id, a] : added) {
-    tokens[id] = a.first;
-    types[id] = a.second;
-  }
-  std::vector<std::string> list;
-  std::vector<std::int32_t> type_list;
-  for (std::size_t i = 0; i < vocab_size; ++i) {
-    auto const id = static_cast<std::int32_t>(i);
-    if (tokens.count(id) == 0) {
-      list.push_back("[PAD" + std::to_string(i) + "]");
-      type_list.push_back(5);
-    } else {
-      list.push_back(tokens[id]);
-      type_list.push_back(types[id]);
-    }
-  }
-  GgufWriter w;
-  w.set("general.architecture", "test")
-      .set("tokenizer.ggml.tokens", GgufMetadataValue::array(list));
-  if (pre.empty()) {
-    // SentencePiece (_set_vocab_sentencepiece from tokenizer.model): no merges but scores, byte
-    // tokens of type 6, <unk> of type 2, add_space_prefix. tokenizer.model is not in the npm
-    // package, so the scores are read back from tokenizer.json's merges, which transformers'
-    // converter ordered by them: a piece scores minus the rank of the first merge making it
-    // (pieces no merge makes score -1e9, as SentencePiece's whitespace pieces do).
-    std::map<std::string, std::size_t> first_merge;
-    for (std::size_t r = 0; r < merges.size(); ++r) {
-      std::string joined = merges[r];
-      joined.erase(joined.find(' '), 1);
-      first_merge.emplace(joined, r);
-    }
-    std::vector<float> scores(list.size(), 0.0f);
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      std::string const& tok = list[i];
-      bool const byte = tok.size() == 6 && tok.rfind("<0x", 0) == 0 && tok[5] == '>';
-      if (byte) type_list[i] = 6;
-      if (tok == "<unk>") type_list[i] = 2;
-      if (type_list[i] != 1) continue;
-      auto const it = first_merge.find(tok);
-      scores[i] = it == first_merge.end() ? -1e9f : -static_cast<float>(it->second + 1);
-    }
-    w.set("tokenizer.ggml.model", "llama")
-        .set("tokenizer.ggml.token_type", GgufMetadataValue::array(type_list))
-        .set("tokenizer.ggml.scores", GgufMetadataValue::array(scores))
-        .set("tokenizer.ggml.add_space_prefix", true);
-  } else {
-    w.set("tokenizer.ggml.model", "gpt2")
-        .set("tokenizer.ggml.pre", pre)
-        .set("tokenizer.ggml.token_type", GgufMetadataValue::array(type_list))
-        .set("tokenizer.ggml.merges", GgufMetadataValue::array(merges));
-  }
-  std::filesystem::path const config = tokenizer_json.parent_path() / "tokenizer_config.json";
-  std::string const config_text = slurp(config);
-  moe::io::detail::JsonCursor k(config_text, config.string(), "tokenizer_config.json", "");
-  auto const id_of = [&](std::string const& content) -> std::optional<std::uint32_t> {
-    for (auto const& [id, t] : tokens) {
-      if (t == content && types[id] != 1) return static_cast<std::uint32_t>(id);
-    }
-    return std::nullopt;
-  };
-  members(k, [&](std::string const& key, auto& cur) {
-    std::map<std::string, std::string> const ids = {
-        {"bos_token", "tokenizer.ggml.bos_token_id"},
-        {"eos_token", "tokenizer.ggml.eos_token_id"},
-        {"pad_token", "tokenizer.ggml.padding_token_id"}};
-    if (ids.count(key) != 0) {
-      if (auto const id = id_of(config_token(cur))) w.set(ids.at(key), *id);
-    } else if (key == "add_bos_token" || key == "add_eos_token") {
-      w.set("tokenizer.ggml." + key, cur.read_bool());
-    } else if (key == "chat_template") {
-      w.set("tokenizer.chat_template", cur.read_string());
-    } else {
-      cur.skip_value();
-    }
-  });
-  return w;
-}
-
 std::vector<std::string> corpus() {
   std::string const text = slurp(MOE_TEXT_CORPUS);
   moe::io::detail::JsonCursor c(text, MOE_TEXT_CORPUS, "the corpus", "");
@@ -414,7 +236,10 @@ TEST_CASE(
     REQUIRE(std::filesystem::exists(json));
     ++models;
     Tokenizer const hf = Tokenizer::from_hf_file(json);
-    Tokenizer const gg = Tokenizer::from_gguf(image(convert(json, m.pre, m.vocab_size), m.name));
+    GgufWriter w;
+    w.set("general.architecture", "test");
+    CHECK(moe::text::set_gguf_tokenizer(w, json, m.vocab_size) == m.pre);  // the name detected
+    Tokenizer const gg = Tokenizer::from_gguf(image(w, m.name));
     CHECK(gg.bos_id() == hf.bos_id());
     CHECK(gg.eos_id() == hf.eos_id());
     CHECK(gg.adds_bos() == hf.adds_bos());
@@ -433,4 +258,61 @@ TEST_CASE(
                 texts.size(), mismatches);
   }
   CHECK(models > 0);
+}
+
+TEST_CASE("set_gguf_tokenizer: a tokenizer.json written as GGUF metadata encodes as it does",
+          "[text][gguf]") {
+  // Byte-level BPE with GPT-2's splits (pre "gpt-2"), an added special token and a non-special
+  // one, a tokenizer_config.json naming BOS and EOS; 20 embedding rows (ids 16..19 padding).
+  std::filesystem::path const dir = std::filesystem::path(MOE_TEXT_TEST_TMP) / "gguf_tokenizer";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream(dir / "tokenizer.json") << R"({"version": "1.0", "added_tokens": [
+      {"id": 7, "content": "<|x|>", "special": true, "lstrip": false, "rstrip": false},
+      {"id": 8, "content": "zz", "special": false, "lstrip": false, "rstrip": false}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+    "decoder": {"type": "ByteLevel"},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "vocab": {"a": 0, "b": 1,
+      "c": 2, "\u0120": 3, "ab": 4, "abc": 5, "\u0120a": 6, "1": 11, "2": 12, "\u00c3": 13,
+      "\u00a9": 14, "\u00c3\u00a9": 15, "z": 9},
+      "merges": ["a b", "ab c", "\u0120 a", "\u00c3 \u00a9"]}})";
+    std::ofstream(dir / "tokenizer_config.json")
+        << R"({"bos_token": "<|x|>", "eos_token": {"content": "<|x|>", "special": true},
+              "add_bos_token": false, "chat_template": "{{ messages }}"})";
+  }
+  GgufWriter w;
+  w.set("general.architecture", "test");
+  REQUIRE(moe::text::set_gguf_tokenizer(w, dir / "tokenizer.json", 20) == "gpt-2");
+  GgufFile const f = image(w, "written.gguf");
+  CHECK(f.string("tokenizer.ggml.model") == "gpt2");
+  CHECK(f.strings("tokenizer.ggml.tokens").size() == 20);
+  CHECK(f.strings("tokenizer.ggml.tokens")[16] == "[PAD16]");
+  std::vector<std::int64_t> const types = f.integers("tokenizer.ggml.token_type");
+  CHECK(types[0] == 1);
+  CHECK(types[7] == 3);  // special added token: control
+  CHECK(types[8] == 4);  // another added token: user-defined
+  CHECK(types[10] == 5);
+  CHECK(f.string("tokenizer.chat_template") == "{{ messages }}");
+  Tokenizer const hf = Tokenizer::from_hf_file(dir / "tokenizer.json");
+  Tokenizer const gg = Tokenizer::from_gguf(f);
+  CHECK(gg.bos_id() == std::optional<std::int32_t>(7));
+  CHECK(gg.eos_id() == hf.eos_id());
+  for (std::string const s : {"abc ab", " a1 2", "é<|x|>abzz", "zz  c", ""}) {
+    INFO(s);
+    CHECK(gg.encode(s, false) == hf.encode(s, false));
+    CHECK(gg.encode(s) == hf.encode(s));
+  }
+  // Splits llama.cpp has no name for cannot be carried: refused, naming the file.
+  {
+    std::string doc = R"({"version": "1.0", "added_tokens": [], "normalizer": null,
+      "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[a-c]+"}, "behavior": "Isolated",
+        "invert": false},
+      "decoder": null, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})";
+    std::ofstream(dir / "tokenizer.json") << doc;
+  }
+  std::filesystem::remove(dir / "tokenizer_config.json");
+  GgufWriter none;
+  CHECK_THROWS_WITH(moe::text::set_gguf_tokenizer(none, dir / "tokenizer.json", 4),
+                    Contains("no tokenizer.ggml.pre name") && Contains("tokenizer.json"));
 }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -30,6 +31,7 @@
 #include "moe/experts/weight_format.hpp"
 #include "moe/io/block_tensor.hpp"
 #include "moe/io/gguf/hf_view.hpp"
+#include "moe/io/gguf/model.hpp"
 #include "moe/io/gguf/writer.hpp"
 #include "moe/io/hf.hpp"
 #include "moe/models/decoder.hpp"
@@ -297,7 +299,8 @@ void write_deltanet(DecoderConfig const& c, std::string const& s, std::string co
 /// than llama.cpp's fixed 8192), and as the loaders do for missing or mis-shaped tensors.
 inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, DecoderConfig const& c,
                                       io::ShardedCheckpoint const& ckpt,
-                                      DecoderOptions const& formats = {}) {
+                                      DecoderOptions const& formats = {},
+                                      std::function<void(io::GgufWriter&)> const& metadata = {}) {
   using quant::GgmlType;
   io::HfFamilySpec const& spec = c.moe.spec();
   std::string const arch(spec.gguf.arch);
@@ -617,22 +620,36 @@ inline GgufSaveReport save_gguf_model(std::filesystem::path const& path, Decoder
       }
     });
   }
+  if (metadata) metadata(w);
   w.save(path);
   report.fallbacks = std::move(fallbacks);
   return report;
 }
 
 /// save_gguf_model of the model in `model_dir` (config.json and its safetensors) or of a GGUF
-/// file (converted to other formats).
+/// file (converted to other formats; its tokenizer.* metadata is carried over as it is).
+/// `metadata` sets more keys, e.g. the tokenizer of a directory (text::set_gguf_tokenizer, which
+/// needs moe::text).
 inline GgufSaveReport save_gguf_model(std::filesystem::path const& path,
                                       std::filesystem::path const& model,
-                                      DecoderOptions const& formats = {}) {
+                                      DecoderOptions const& formats = {},
+                                      std::function<void(io::GgufWriter&)> const& metadata = {}) {
   if (io::is_gguf_file(model)) {
     io::GgufAsHf const g = io::gguf_as_hf(model);
-    return save_gguf_model(path, gguf_decoder_config(g, model.string()), *g.checkpoint, formats);
+    io::GgufModel const source(model);
+    return save_gguf_model(path, gguf_decoder_config(g, model.string()), *g.checkpoint, formats,
+                           [&](io::GgufWriter& w) {
+                             for (io::GgufKeyValue const& kv : source.metadata().metadata()) {
+                               if (kv.key.substr(0, 10) == "tokenizer.") {
+                                 w.set(std::string(kv.key), io::GgufMetadataValue::from(kv.value));
+                               }
+                             }
+                             if (metadata) metadata(w);
+                           });
   }
   io::detail::check_model_dir(model);
-  return save_gguf_model(path, read_decoder_config(model), io::open_checkpoint(model), formats);
+  return save_gguf_model(path, read_decoder_config(model), io::open_checkpoint(model), formats,
+                         metadata);
 }
 
 }  // namespace moe::models

@@ -522,7 +522,7 @@ class Tokenizer {
                         "; see docs/tokenizer.md)");
     }
     for (char const* pattern : p->splits) {
-      t.splits_.push_back(Split{detail::Regex(pattern, false, t.source_)});
+      t.splits_.push_back(Split{detail::Regex(pattern, false, t.source_), pattern});
     }
     if (p->nfc) t.normalizers_.push_back(Normalizer{Normalizer::kNfc, {}, {}});
     t.ignore_merges_ = p->ignore_merges;
@@ -770,6 +770,30 @@ class Tokenizer {
     return id >= 0 && static_cast<std::size_t>(id) < has_id_.size() && has_id_[id];
   }
   std::vector<AddedToken> const& added_tokens() const noexcept { return added_; }
+  /// How a GGUF file names this tokenizer (tokenizer.ggml.pre): the first of llama.cpp's names
+  /// whose splits, NFC normalization and ignore_merges (detail::gguf_pre_tokenizer) are this
+  /// byte-level BPE tokenizer's ("qwen2", "deepseek-v3", "gpt-4o", "llama-bpe", "glm4",
+  /// "gpt-2"); "" for a SentencePiece one (tokenizer.ggml.model "llama", no pre); nothing when
+  /// llama.cpp has no name for its splits.
+  std::optional<std::string> gguf_pre() const {
+    if (spm_) return std::string();
+    if (!byte_level_ || add_prefix_space_) return std::nullopt;
+    bool const nfc = std::any_of(normalizers_.begin(), normalizers_.end(),
+                                 [](Normalizer const& n) { return n.kind == Normalizer::kNfc; });
+    for (char const* name : {"qwen2", "deepseek-v3", "gpt-4o", "llama-bpe", "glm4", "gpt-2"}) {
+      std::optional<detail::GgufPreTokenizer> const p = detail::gguf_pre_tokenizer(name);
+      if (p->nfc != nfc || p->ignore_merges != ignore_merges_ ||
+          p->splits.size() != splits_.size() || normalizers_.size() != (nfc ? 1u : 0u)) {
+        continue;
+      }
+      bool same = true;
+      for (std::size_t i = 0; i < splits_.size(); ++i) {
+        same = same && splits_[i].pattern == p->splits[i];
+      }
+      if (same) return std::string(name);
+    }
+    return std::nullopt;
+  }
   bool is_special(std::int32_t id) const noexcept {
     return id >= 0 && static_cast<std::size_t>(id) < is_special_.size() && is_special_[id];
   }
@@ -777,6 +801,7 @@ class Tokenizer {
  private:
   struct Split {
     detail::Regex regex;
+    std::string pattern;  ///< as written (tokenizer.json, or the GGUF pre name's)
   };
   static bool is_space(char c) noexcept {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
@@ -1098,11 +1123,14 @@ class Tokenizer {
         unsupported(source_,
                     detail::concat("a Split with behavior ", behavior, invert ? " inverted" : ""));
       }
-      splits_.push_back(Split{detail::Regex(pattern, literal, source_)});
+      splits_.push_back(Split{detail::Regex(pattern, literal, source_), literal ? "" : pattern});
     } else if (type == "ByteLevel") {
       byte_level_ = true;
       add_prefix_space_ = add_prefix_space;
-      if (use_regex) splits_.push_back(Split{detail::Regex(detail::kGpt2Pattern, false, source_)});
+      if (use_regex) {
+        splits_.push_back(
+            Split{detail::Regex(detail::kGpt2Pattern, false, source_), detail::kGpt2Pattern});
+      }
     } else {
       unsupported(source_, detail::concat("pre-tokenizer ", io::detail::printable_name(type)));
     }

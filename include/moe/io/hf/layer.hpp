@@ -523,26 +523,15 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
     std::copy(src, src + n, dst.begin());
     src += n;
   };
+  if (hf_is_routed_weight(t.part)) {  // (MXFP4 scales: read with their blocks)
+    scatter_expert_weights(t.part, src, bank, E, H, I, t.expert);
+    return;
+  }
   switch (t.part) {
     case HfPart::kRouterBias:
       if constexpr (requires { layer.router_bias(); }) {
         to_span(layer.router_bias(), static_cast<std::size_t>(E));
       }
-      break;
-    case HfPart::kExpertsGateUpI:
-    case HfPart::kExpertsGateUpBlocks:
-    case HfPart::kExpertsDownBlocks:
-    case HfPart::kExpertGate:
-    case HfPart::kExpertUp:
-    case HfPart::kExpertDown:
-    case HfPart::kExpertsGateUp:
-    case HfPart::kExpertsDown:
-    case HfPart::kExpertsGateUpT:
-    case HfPart::kExpertsDownT:
-      scatter_expert_weights(t.part, src, bank, E, H, I, t.expert);
-      break;
-    case HfPart::kExpertsGateUpScales:
-    case HfPart::kExpertsDownScales:
       break;
     case HfPart::kExpertsGateUpBias:
       for (Index e = 0; e < E; ++e) {
@@ -602,6 +591,8 @@ void scatter_tensor(HfTensor const& t, std::span<float const> v, Layer& layer) {
           copy_into_view(src, layer.shared_experts().gate_weight());
         }
       }
+      break;
+    default:  // the routed experts' weights, above
       break;
   }
 }
@@ -991,28 +982,7 @@ inline std::optional<experts::WeightFormat> stored_format(ShardedCheckpoint cons
   return experts::parse_weight_format(*mark);
 }
 
-/// Is `part` a weight of the routed experts (read one expert at a time when the layer is built
-/// without fp32 weights), and which projection does it fill: the in projection (gate, up or
-/// both) or the down one?
-inline bool routed_weight_part(HfPart p) {
-  switch (p) {
-    case HfPart::kExpertGate:
-    case HfPart::kExpertUp:
-    case HfPart::kExpertDown:
-    case HfPart::kExpertsGateUp:
-    case HfPart::kExpertsDown:
-    case HfPart::kExpertsGateUpT:
-    case HfPart::kExpertsDownT:
-    case HfPart::kExpertsGateUpI:
-    case HfPart::kExpertsGateUpBlocks:
-    case HfPart::kExpertsGateUpScales:
-    case HfPart::kExpertsDownBlocks:
-    case HfPart::kExpertsDownScales:
-      return true;
-    default:
-      return false;
-  }
-}
+/// Does `part` fill a down projection (routed or shared)?
 inline bool down_part(HfPart p) {
   return p == HfPart::kExpertDown || p == HfPart::kExpertsDown || p == HfPart::kExpertsDownT ||
          p == HfPart::kExpertsDownBlocks || p == HfPart::kSharedDown;
@@ -1029,7 +999,7 @@ inline void read_one_expert(ShardedCheckpoint const& ckpt, HfMoeConfig const& c,
     HfTensor const& t = tensors[ti];
     bool const shared_weight = t.part == HfPart::kSharedGate || t.part == HfPart::kSharedUp ||
                                t.part == HfPart::kSharedDown;
-    if (shared ? !shared_weight : !routed_weight_part(t.part)) continue;
+    if (shared ? !shared_weight : !hf_is_routed_weight(t.part)) continue;
     if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
     if (!shared && t.expert >= 0 && t.expert != expert) continue;
     if ((down_part(t.part) ? dst.down : dst.in) == nullptr) continue;
@@ -1311,7 +1281,7 @@ HfLayer<Layer> load_hf_layer(HfMoeConfig const& config, ShardedCheckpoint const&
   };
   for (std::size_t ti = 0; ti < out.tensors.size(); ++ti) {
     HfTensor const& t = out.tensors[ti];
-    if ((!options.routed_expert_weights || empty) && detail::routed_weight_part(t.part)) continue;
+    if ((!options.routed_expert_weights || empty) && hf_is_routed_weight(t.part)) continue;
     if (empty && shared_weight(t.part)) continue;  // read one expert at a time below
     if (t.part == HfPart::kExpertsGateUpScales || t.part == HfPart::kExpertsDownScales) continue;
     if (t.part == HfPart::kExpertsGateUpBlocks || t.part == HfPart::kExpertsDownBlocks) {

@@ -53,6 +53,28 @@ enum class HfPart : std::uint8_t {
   kSharedDownBias,     ///< shared_experts.down_proj.bias [H]
 };
 
+/// Is `part` a weight of the routed experts (per expert or fused, MXFP4 blocks and scales
+/// included; not their biases)?
+constexpr bool hf_is_routed_weight(HfPart part) noexcept {
+  switch (part) {
+    case HfPart::kExpertGate:
+    case HfPart::kExpertUp:
+    case HfPart::kExpertDown:
+    case HfPart::kExpertsGateUp:
+    case HfPart::kExpertsDown:
+    case HfPart::kExpertsGateUpT:
+    case HfPart::kExpertsDownT:
+    case HfPart::kExpertsGateUpI:
+    case HfPart::kExpertsGateUpBlocks:
+    case HfPart::kExpertsGateUpScales:
+    case HfPart::kExpertsDownBlocks:
+    case HfPart::kExpertsDownScales:
+      return true;
+    default:
+      return false;
+  }
+}
+
 /// Is `part` one of the MXFP4 block or scale tensors (U8; read, never written or trained)?
 constexpr bool hf_is_mxfp4(HfPart part) noexcept {
   return part == HfPart::kExpertsGateUpBlocks || part == HfPart::kExpertsGateUpScales ||
