@@ -306,9 +306,11 @@ TEST_CASE("set_gguf_tokenizer: a tokenizer.json written as GGUF metadata encodes
   // Splits llama.cpp has no name for cannot be carried: refused, naming the file.
   {
     std::string doc = R"({"version": "1.0", "added_tokens": [], "normalizer": null,
-      "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[a-c]+"}, "behavior": "Isolated",
-        "invert": false},
-      "decoder": null, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})";
+      "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "[a-c]+"}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]},
+      "decoder": {"type": "ByteLevel"},
+      "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})";
     std::ofstream(dir / "tokenizer.json") << doc;
   }
   std::filesystem::remove(dir / "tokenizer_config.json");

@@ -786,9 +786,28 @@ class Tokenizer {
           p->splits.size() != splits_.size() || normalizers_.size() != (nfc ? 1u : 0u)) {
         continue;
       }
+      // A pattern may write CR, LF and tab as characters or as the escapes \r, \n, \t
+      // (DeepSeek-V3's tokenizer.json has the characters): compared with the escapes resolved.
+      auto canonical = [](std::string_view re) {
+        std::string out;
+        for (std::size_t i = 0; i < re.size(); ++i) {
+          if (re[i] != '\\' || i + 1 == re.size()) {
+            out += re[i];
+            continue;
+          }
+          char const n = re[++i];
+          if (n == 'r' || n == 'n' || n == 't') {
+            out += n == 'r' ? '\r' : n == 'n' ? '\n' : '\t';
+          } else {
+            out += '\\';
+            out += n;
+          }
+        }
+        return out;
+      };
       bool same = true;
       for (std::size_t i = 0; i < splits_.size(); ++i) {
-        same = same && splits_[i].pattern == p->splits[i];
+        same = same && canonical(splits_[i].pattern) == canonical(p->splits[i]);
       }
       if (same) return std::string(name);
     }
