@@ -419,13 +419,13 @@ class ExpertBank {
     detail::check(!masters_ || num_experts_ == 0,
                   "ExpertBank::pack_from: this bank has fp32 weights; pack() them (pack_from "
                   "fills a bank built without them, in an EmptyWeights scope)");
-    masters_ = false;
-    empty_ = true;
     detail::check(!editing(),
                   "ExpertBank::pack_from: the biases are open for writing (an Edit is alive); "
                   "let it end first");
     check_formats(formats, "ExpertBank::pack_from");
     check_inference_formats(formats, "ExpertBank::pack_from");
+    masters_ = false;  // (a bank of no experts may have had them)
+    empty_ = true;
     int const threads = pool ? pool->size() : 1;
     std::vector<HugePageVector<float>> scratch(static_cast<std::size_t>(threads));
     pack_records(formats, pool, source.blocks, [&](Index e, int tid, bool in, bool down) {

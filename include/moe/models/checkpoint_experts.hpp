@@ -42,18 +42,21 @@ class CheckpointExperts final : public offload::RecordSource {
   }
 
   /// Adds MoE layer `layer` of the checkpoint (read with `options`' prefix) as the next MoE
-  /// layer, its experts streamed in `formats` (one per expert). Reads headers only. Throws
+  /// layer, its experts streamed in the formats `choose(stored)` returns (one per expert), given
+  /// the formats the file stores them in (io::detail::StoredExperts::routed: empty for float
+  /// tensors). Reads headers only. Throws
   /// moe::Error (naming the file, layer and expert) for a quantized format the file does not
   /// store that projection in, and as ExpertBank::stream_records for formats that cannot hold
   /// the shapes.
-  void add_layer(Index layer, io::HfLoadOptions const& options,
-                 std::vector<experts::ExpertFormat> const& formats) {
+  template <class Choose>
+  void add_layer(Index layer, io::HfLoadOptions const& options, Choose&& choose) {
     auto l = std::make_unique<Layer>();
     auto [layout, tensors] = io::detail::checked_hf_layer_tensors(config_, *ckpt_, layer, options);
     l->index = layer;
     l->prefix = layout.prefix;
     l->tensors = std::move(tensors);
     l->stored = io::detail::scan_stored_experts(config_, *ckpt_, l->tensors, true);
+    std::vector<experts::ExpertFormat> const formats = choose(l->stored.routed);
     experts::StoredBlocks const blocks = l->stored.blocks.routed();
     Index const E = config_.num_experts;
     moe::detail::check(static_cast<Index>(formats.size()) == E,

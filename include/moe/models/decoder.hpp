@@ -1256,14 +1256,12 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     auto source = std::make_shared<CheckpointExperts<typename Moe::Bank>>(mapped, c.moe);
     for (Index L = 0; L < c.num_hidden_layers; ++L) {
       if (!c.moe.is_moe_layer(L)) continue;
-      io::HfLoadOptions const lo = moe_layer_options(ld.root, c, L);
-      auto [layout, tensors] = io::detail::checked_hf_layer_tensors(c.moe, ckpt, L, lo);
-      std::vector<experts::ExpertFormat> const stored =
-          io::detail::scan_stored_experts(c.moe, ckpt, tensors, true).routed;
-      source->add_layer(
-          L, lo,
-          expert_formats(ld, stored, io::detail::concat(layout.prefix, "experts"), false, L,
-                         c.moe.num_experts, c.moe.expert_intermediate_size));
+      std::string const who = io::detail::concat(ld.root.model, "layers.", L, ".mlp.experts");
+      source->add_layer(L, moe_layer_options(ld.root, c, L),
+                        [&](std::vector<experts::ExpertFormat> const& stored) {
+                          return expert_formats(ld, stored, who, false, L, c.moe.num_experts,
+                                                c.moe.expert_intermediate_size);
+                        });
     }
     streamer = std::make_shared<offload::ExpertStreamer>(std::move(source), options.streaming);
   }

@@ -10,10 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,45 +22,6 @@
 #include "moe/text/tokenizer.hpp"
 
 namespace moe::text {
-
-namespace detail {
-
-inline std::string slurp_file(std::filesystem::path const& p) {
-  std::ifstream in(p, std::ios::binary);
-  moe::detail::check(static_cast<bool>(in), "text: cannot open ", p.string());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-template <class F>
-void json_members(io::detail::JsonCursor& c, F&& f) {
-  c.begin_object();
-  std::string key;
-  bool first = true;
-  while (c.next_member(key, first)) f(key, c);
-}
-
-/// A token of tokenizer_config.json: a string, null or an AddedToken object's content.
-inline std::string config_token(io::detail::JsonCursor& c) {
-  using io::detail::JsonKind;
-  if (c.peek() == JsonKind::kNull) {
-    c.read_null();
-    return {};
-  }
-  if (c.peek() == JsonKind::kString) return c.read_string();
-  std::string content;
-  json_members(c, [&](std::string const& k, auto& q) {
-    if (k == "content") {
-      content = q.read_string();
-    } else {
-      q.skip_value();
-    }
-  });
-  return content;
-}
-
-}  // namespace detail
 
 /// Sets on `w` the tokenizer.ggml.* metadata (and tokenizer.chat_template) llama.cpp's
 /// convert_hf_to_gguf.py writes for the tokenizer in `tokenizer_json`, with its
@@ -92,17 +51,17 @@ inline std::string set_gguf_tokenizer(io::GgufWriter& w,
                      ": llama.cpp has no tokenizer.ggml.pre name for this tokenizer's "
                      "pre-tokenizer (its splits are none of ",
                      detail::kGgufPreNames, "'s); the GGUF file cannot carry it");
-  std::string const json = detail::slurp_file(tokenizer_json);
+  std::string const json = detail::read_file(tokenizer_json);
   std::map<std::int32_t, std::string> tokens;
   std::map<std::int32_t, int> types;
   std::vector<std::string> merges;
   std::map<std::int32_t, std::pair<std::string, int>> added;  // after the vocab: they win
   io::detail::JsonCursor c(json, tokenizer_json.string(), "tokenizer.json", "");
-  detail::json_members(c, [&](std::string const& key, auto& cur) {
+  detail::for_members(c, [&](std::string const& key, auto& cur) {
     if (key == "model") {
-      detail::json_members(cur, [&](std::string const& k, auto& m) {
+      detail::for_members(cur, [&](std::string const& k, auto& m) {
         if (k == "vocab") {
-          detail::json_members(m, [&](std::string const& token, auto& v) {
+          detail::for_members(m, [&](std::string const& token, auto& v) {
             auto const id = static_cast<std::int32_t>(v.read_number().value);
             tokens[id] = token;
             types[id] = 1;
@@ -136,7 +95,7 @@ inline std::string set_gguf_tokenizer(io::GgufWriter& w,
         std::int32_t id = -1;
         std::string content;
         bool special = false;
-        detail::json_members(cur, [&](std::string const& k, auto& a) {
+        detail::for_members(cur, [&](std::string const& k, auto& a) {
           if (k == "id") {
             id = static_cast<std::int32_t>(a.read_number().value);
           } else if (k == "content") {
@@ -211,7 +170,7 @@ inline std::string set_gguf_tokenizer(io::GgufWriter& w,
   }
   std::filesystem::path const config = tokenizer_json.parent_path() / "tokenizer_config.json";
   if (!std::filesystem::exists(config)) return *pre;
-  std::string const config_text = detail::slurp_file(config);
+  std::string const config_text = detail::read_file(config);
   io::detail::JsonCursor k(config_text, config.string(), "tokenizer_config.json", "");
   auto const id_of = [&](std::string const& content) -> std::optional<std::uint32_t> {
     for (auto const& [id, t] : tokens) {
@@ -219,7 +178,7 @@ inline std::string set_gguf_tokenizer(io::GgufWriter& w,
     }
     return std::nullopt;
   };
-  detail::json_members(k, [&](std::string const& key, auto& cur) {
+  detail::for_members(k, [&](std::string const& key, auto& cur) {
     std::map<std::string, std::string> const ids = {
         {"bos_token", "tokenizer.ggml.bos_token_id"},
         {"eos_token", "tokenizer.ggml.eos_token_id"},

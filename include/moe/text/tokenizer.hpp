@@ -436,6 +436,49 @@ class MergeTable {
   std::size_t size_ = 0;
 };
 
+/// Reads an object member by member: `member(key, cursor)` must consume each value.
+template <class Member>
+void for_members(io::detail::JsonCursor& cur, Member&& member) {
+  if (cur.peek() != io::detail::JsonKind::kObject) return cur.syntax_error("expected an object");
+  cur.begin_object();
+  std::string key;
+  bool first = true;
+  while (cur.next_member(key, first)) member(key, cur);
+}
+
+/// A token of tokenizer_config.json: a string, null ("") or an AddedToken object's content.
+inline std::string config_token(io::detail::JsonCursor& c) {
+  if (c.peek() == io::detail::JsonKind::kNull) {
+    c.read_null();
+    return {};
+  }
+  if (c.peek() == io::detail::JsonKind::kString) return c.read_string();
+  std::string content;
+  for_members(c, [&](std::string const& k, io::detail::JsonCursor& q) {
+    if (k == "content") {
+      content = q.read_string();
+    } else {
+      q.skip_value();
+    }
+  });
+  return content;
+}
+
+/// The whole file `path` (a tokenizer's JSON documents); moe::Error naming it when it cannot be
+/// read.
+inline std::string read_file(std::filesystem::path const& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) {
+    moe::detail::fail("text: tokenizer: cannot open ", path.string(),
+                      "; pass a tokenizer.json file or the model directory holding it");
+  }
+  std::string text(static_cast<std::size_t>(in.tellg()), '\0');
+  in.seekg(0);
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (!in) moe::detail::fail("text: tokenizer: cannot read ", path.string());
+  return text;
+}
+
 }  // namespace detail
 
 /// An added token of tokenizer.json ("added_tokens"): matched in the raw text before anything
@@ -827,16 +870,7 @@ class Tokenizer {
   }
 
   static std::string read_file(std::filesystem::path const& path) {
-    std::ifstream in(path, std::ios::binary | std::ios::ate);
-    if (!in) {
-      moe::detail::fail("text: tokenizer: cannot open ", path.string(),
-                        "; pass a tokenizer.json file or the model directory holding it");
-    }
-    std::string text(static_cast<std::size_t>(in.tellg()), '\0');
-    in.seekg(0);
-    in.read(text.data(), static_cast<std::streamsize>(text.size()));
-    if (!in) moe::detail::fail("text: tokenizer: cannot read ", path.string());
-    return text;
+    return detail::read_file(path);
   }
 
   [[noreturn]] static void unsupported(std::string_view source, std::string_view what) {
@@ -865,14 +899,9 @@ class Tokenizer {
                                   "pass a Hugging Face tokenizer.json");
   }
 
-  /// Reads an object member by member: `member(key, cursor)` must consume each value.
   template <class Member>
   static void for_members(io::detail::JsonCursor& cur, Member&& member) {
-    if (cur.peek() != io::detail::JsonKind::kObject) return cur.syntax_error("expected an object");
-    cur.begin_object();
-    std::string key;
-    bool first = true;
-    while (cur.next_member(key, first)) member(key, cur);
+    detail::for_members(cur, std::forward<Member>(member));
   }
 
   static std::string read_string_or_null(io::detail::JsonCursor& cur) {
@@ -1291,21 +1320,7 @@ class Tokenizer {
     auto cur =
         io::detail::JsonCursor(json, detail::concat("text: ", source), "tokenizer_config.json",
                                "pass a Hugging Face tokenizer_config.json");
-    auto const token = [&](io::detail::JsonCursor& c) {
-      std::string content;
-      if (c.peek() == io::detail::JsonKind::kObject) {
-        for_members(c, [&](std::string const& k, io::detail::JsonCursor& q) {
-          if (k == "content") {
-            content = q.read_string();
-          } else {
-            q.skip_value();
-          }
-        });
-      } else {
-        content = read_string_or_null(c);
-      }
-      return content;
-    };
+    auto const token = [](io::detail::JsonCursor& c) { return detail::config_token(c); };
     for_members(cur, [&](std::string const& key, io::detail::JsonCursor& c) {
       if (key == "bos_token") {
         bos_token_ = token(c);
