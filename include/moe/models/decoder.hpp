@@ -550,82 +550,13 @@ class Decoder {
   /// first, the others once read), release. h: the residual stream the MoE
   /// layer's input x was normed from.
   void forward_streamed(std::size_t L, Index index, MatrixView<float> h, ConstMatrixView<float> x,
-                        MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const {
-    Moe const& layer = *blocks[L].moe;
-    layer.route(x, st.ffn, opt);
-    if (offload::CacheRoutingOptions const& cr = streamer->options().cache_routing; cr.enabled) {
-      Index const swaps = offload::cache_aware_swap(
-          st.ffn.selection,
-          ConstMatrixView<float>(st.ffn.logits.data(), x.rows, layer.num_experts()),
-          [&](ExpertId e) { return streamer->resident(index, e); }, cr, st.swap_scratch);
-      if (swaps > 0) kernels::build_plan(st.ffn.selection, st.ffn.plan);
-      streamer->count_swaps(swaps);
-    }
-    RoutingPlan const& plan = st.ffn.plan;
-    st.stream_ids.clear();
-    st.stream_gates.clear();
-    for (Index e = 0; e < layer.num_experts(); ++e) {
-      Index const r0 = plan.expert_offsets[static_cast<std::size_t>(e)],
-                  r1 = plan.expert_offsets[static_cast<std::size_t>(e) + 1];
-      if (r1 == r0) continue;
-      float g = 0.0f;
-      for (Index r = r0; r < r1; ++r) g = std::max(g, plan.row_weight[static_cast<std::size_t>(r)]);
-      st.stream_ids.push_back(static_cast<std::int32_t>(e));
-      st.stream_gates.push_back(g);
-    }
-    streamer->request(index, st.stream_ids, st.stream_gates);
-    struct Release {
-      offload::ExpertStreamer& s;
-      Index i;
-      ~Release() { s.release(i); }
-    } const release{*streamer, index};
-    prefetch_ahead(L, index, h, st, opt);
-    // The experts whose records are in run while the others are read (bit for bit the same).
-    std::span<unsigned char const> const ready = streamer->ready(index);
-    bool const all = std::all_of(st.stream_ids.begin(), st.stream_ids.end(), [&](std::int32_t e) {
-      return ready[static_cast<std::size_t>(e)] != 0;
-    });
-    if (all) {
-      layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
-    } else {
-      layer.forward_with_plan(x, plan, y, st.ffn, opt.pool,
-                              ExpertSchedule{ready, [&] { streamer->wait(index); }});
-    }
-  }
+                        MatrixView<float> y, DecoderState& st, ForwardOptions const& opt) const;
   /// Reads ahead the experts the next MoE layer (after block L; MoE layer index + 1) will likely
   /// need, as StreamerOptions::prefetch says: its router applied to the current residual stream
   /// h normed with its own post-attention norm (the attention between changes h a little), and
   /// the experts it ran for the previous token.
   void prefetch_ahead(std::size_t L, Index index, MatrixView<float> h, DecoderState& st,
-                      ForwardOptions const& opt) const {
-    offload::StreamerOptions const& so = streamer->options();
-    std::size_t next = L + 1;
-    while (next < blocks.size() && !blocks[next].moe) ++next;
-    if (next >= blocks.size() || so.prefetch == "none") return;
-    st.prefetch_ids.clear();
-    if (so.prefetch_previous()) {
-      std::span<std::int32_t const> const last = streamer->last_experts(index + 1);
-      st.prefetch_ids.assign(last.begin(), last.end());
-    }
-    if (so.prefetch_router()) {
-      Block const& nb = blocks[next];
-      st.prefetch_x.resize(static_cast<std::size_t>(h.rows * h.cols));
-      MatrixView<float> const xn(st.prefetch_x.data(), h.rows, h.cols);
-      rms_rows(h, nb.post_norm, xn, opt.pool);
-      nb.moe->route(xn, st.ffn_ahead, opt);
-      RoutingPlan const& plan = st.ffn_ahead.plan;
-      for (Index e = 0; e < nb.moe->num_experts(); ++e) {
-        if (plan.expert_offsets[static_cast<std::size_t>(e) + 1] >
-            plan.expert_offsets[static_cast<std::size_t>(e)]) {
-          st.prefetch_ids.push_back(static_cast<std::int32_t>(e));
-        }
-      }
-    }
-    std::sort(st.prefetch_ids.begin(), st.prefetch_ids.end());
-    st.prefetch_ids.erase(std::unique(st.prefetch_ids.begin(), st.prefetch_ids.end()),
-                          st.prefetch_ids.end());
-    streamer->prefetch(index + 1, st.prefetch_ids);
-  }
+                      ForwardOptions const& opt) const;
 
   /// Bytes of the dense matrices a decode step of one token streams: every attention
   /// projection, dense MLP and the LM head (the embedding's one row aside).
@@ -680,140 +611,7 @@ class Decoder {
   /// moe::Error for a token id outside [0, V), counts that do not match, or a logits view of
   /// another shape.
   void forward(std::span<std::int64_t const> tokens, std::span<Index const> new_tokens,
-               DecoderState& st, MatrixView<float> logits, ThreadPool* pool = nullptr) const {
-    auto const busy = st.in_use.enter("Decoder::forward");
-    Index const H = hidden(), V = vocab(), T = static_cast<Index>(tokens.size());
-    Index const B = st.sequences();
-    moe::detail::check(st.caches.size() == blocks.size() && st.recurrent.size() == blocks.size(),
-                       "Decoder::forward: the state has ", st.caches.size(), " caches for ",
-                       blocks.size(), " layers; make it with this decoder's make_state()");
-    moe::detail::check(static_cast<Index>(new_tokens.size()) == B,
-                       "Decoder::forward: new_tokens has ", new_tokens.size(), " counts for ", B,
-                       " sequences");
-    moe::detail::check(logits.rows == B && logits.cols == V && logits.row_stride >= V,
-                       "Decoder::forward: logits is [", logits.rows, ", ", logits.cols,
-                       "] but must be [", B, ", ", V, "] (one row per sequence)");
-    for (std::int64_t const id : tokens) {
-      moe::detail::check(id >= 0 && id < V, "Decoder::forward: token id ", id,
-                         " is outside the vocabulary [0, ", V, ")");
-    }
-    if (T == 0) return;
-    using Clock = std::chrono::steady_clock;
-    auto const t_start = Clock::now();
-    auto mark = Clock::now();
-    // Adds the time since the last mark to `into` (null: to neither part; the rest is the total
-    // minus the parts).
-    auto lap = [&](double* into) {
-      if (!st.profile) return;
-      auto const now = Clock::now();
-      if (into) *into += std::chrono::duration<double>(now - mark).count();
-      mark = now;
-    };
-    double attention = 0.0, ffn = 0.0;
-    auto size = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
-    if (streamer) streamer->begin_forward(T);
-    Index moe_layer = 0;
-    if (st.trace) {
-      moe::detail::check(
-          B == 1 && st.trace->shape().num_layers == static_cast<Index>(moe_blocks().size()) &&
-              st.trace->shape().num_experts == config.moe.num_experts &&
-              st.trace->shape().top_k == config.moe.num_experts_per_tok,
-          "Decoder::forward: the state's trace records one sequence of this model's "
-          "routing (Decoder::trace_shape); this state has ",
-          B, " sequences or the trace another shape");
-      Index const w = st.trace->shape().top_k + st.trace->shape().num_candidates;
-      st.trace_ids.resize(static_cast<std::size_t>(T * st.trace->shape().num_layers * w));
-      st.trace_scores.resize(st.trace_ids.size());
-    }
-    size(st.h, T * H);
-    size(st.normed, T * H);
-    size(st.tmp, T * H);
-    for (Index t = 0; t < T; ++t) {
-      embed.read_row(tokens[static_cast<std::size_t>(t)], st.h.data() + t * H);
-    }
-    MatrixView<float> h(st.h.data(), T, H), normed(st.normed.data(), T, H),
-        tmp(st.tmp.data(), T, H);
-    for (std::size_t L = 0; L < blocks.size(); ++L) {
-      Block const& b = blocks[L];
-      rms_rows(h, b.input_norm, normed, pool);
-      lap(nullptr);
-      // h += Attn(normed): the residual added in o_proj's epilogue.
-      if (MlaAttention const* m = b.mla()) {
-        m->forward_cached(normed, h, st.caches[L], new_tokens, st.mla, pool, MlaOrder::kAuto, true);
-      } else if (GatedDeltaNet const* dn = b.deltanet()) {
-        std::vector<DeltaNetState>& states = st.recurrent[L];
-        st.recurrent_of.resize(states.size());
-        for (std::size_t s = 0; s < states.size(); ++s) st.recurrent_of[s] = &states[s];
-        dn->forward_cached(normed, h, st.recurrent_of, new_tokens, st.deltanet, pool,
-                           DeltaRule::kAuto, true);
-      } else if (auto const* g = b.gated_attention()) {
-        g->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
-      } else {
-        b.attention()->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool,
-                                      true);
-      }
-      lap(&attention);
-      rms_rows(h, b.post_norm, normed, pool);
-      lap(nullptr);
-      if (b.moe) {
-        ForwardOptions opt;
-        opt.pool = pool;
-        if (streamer) {
-          forward_streamed(L, moe_layer, h, normed, tmp, st, opt);
-        } else {
-          b.moe->forward(normed, tmp, st.ffn, opt);
-        }
-        if (st.trace) record_routing(moe_layer, T, st);
-        ++moe_layer;
-        add_rows(h, tmp, pool);
-      } else {
-        b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, pool);
-      }
-      lap(&ffn);
-    }
-    if (st.trace) {  // the forward's steps, token-major
-      offload::TraceShape const& sh = st.trace->shape();
-      auto const K = static_cast<std::size_t>(sh.top_k),
-                 M = static_cast<std::size_t>(sh.num_candidates);
-      for (std::size_t i = 0; i < static_cast<std::size_t>(T * sh.num_layers); ++i) {
-        std::span<std::int32_t const> const ids(st.trace_ids.data() + i * (K + M), K + M);
-        std::span<float const> const sc(st.trace_scores.data() + i * (K + M), K + M);
-        st.trace->append(ids.first(K), sc.first(K), ids.subspan(K), sc.subspan(K));
-      }
-    }
-    // The last new token of each sequence with one: final norm, LM head.
-    std::vector<Index>& last_rows = st.last_rows;
-    std::vector<Index>& seqs = st.last_seqs;
-    last_rows.clear();
-    seqs.clear();
-    for (Index s = 0, row = 0; s < B; ++s) {
-      row += new_tokens[static_cast<std::size_t>(s)];
-      if (new_tokens[static_cast<std::size_t>(s)] > 0) {
-        last_rows.push_back(row - 1);
-        seqs.push_back(s);
-      }
-    }
-    Index const n = static_cast<Index>(last_rows.size());
-    size(st.last, n * H);
-    for (Index i = 0; i < n; ++i) {
-      kernels::rms_norm(h.row(last_rows[static_cast<std::size_t>(i)]), norm.data(), false,
-                        config.rms_norm_eps, H, st.last.data() + i * H);
-    }
-    size(st.tmp, std::max(T * H, n * V));
-    st.queue.add(lm_head, ConstMatrixView<float>(st.last.data(), n, H),
-                 MatrixView<float>(st.tmp.data(), n, V));
-    st.queue.run(pool);
-    for (Index i = 0; i < n; ++i) {
-      std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
-                logits.row(seqs[static_cast<std::size_t>(i)]));
-    }
-    if (st.profile) {
-      st.attention_seconds += attention;
-      st.ffn_seconds += ffn;
-      st.other_seconds +=
-          std::chrono::duration<double>(Clock::now() - t_start).count() - attention - ffn;
-    }
-  }
+               DecoderState& st, MatrixView<float> logits, ThreadPool* pool = nullptr) const;
 
  private:
   void rms_rows(MatrixView<float> x, std::vector<float> const& w, MatrixView<float> y,
@@ -836,6 +634,222 @@ class Decoder {
     });
   }
 };
+
+// Decoder's heavy members, defined out of the class (not inline): with MOE_EXTERN_DECODERS
+// (the end of this file) a translation unit leaves their instantiation to the one that
+// instantiates Decoder explicitly.
+
+template <class Moe>
+void Decoder<Moe>::forward_streamed(std::size_t L, Index index, MatrixView<float> h,
+                                    ConstMatrixView<float> x, MatrixView<float> y, DecoderState& st,
+                                    ForwardOptions const& opt) const {
+  Moe const& layer = *blocks[L].moe;
+  layer.route(x, st.ffn, opt);
+  if (offload::CacheRoutingOptions const& cr = streamer->options().cache_routing; cr.enabled) {
+    Index const swaps = offload::cache_aware_swap(
+        st.ffn.selection, ConstMatrixView<float>(st.ffn.logits.data(), x.rows, layer.num_experts()),
+        [&](ExpertId e) { return streamer->resident(index, e); }, cr, st.swap_scratch);
+    if (swaps > 0) kernels::build_plan(st.ffn.selection, st.ffn.plan);
+    streamer->count_swaps(swaps);
+  }
+  RoutingPlan const& plan = st.ffn.plan;
+  st.stream_ids.clear();
+  st.stream_gates.clear();
+  for (Index e = 0; e < layer.num_experts(); ++e) {
+    Index const r0 = plan.expert_offsets[static_cast<std::size_t>(e)],
+                r1 = plan.expert_offsets[static_cast<std::size_t>(e) + 1];
+    if (r1 == r0) continue;
+    float g = 0.0f;
+    for (Index r = r0; r < r1; ++r) g = std::max(g, plan.row_weight[static_cast<std::size_t>(r)]);
+    st.stream_ids.push_back(static_cast<std::int32_t>(e));
+    st.stream_gates.push_back(g);
+  }
+  streamer->request(index, st.stream_ids, st.stream_gates);
+  struct Release {
+    offload::ExpertStreamer& s;
+    Index i;
+    ~Release() { s.release(i); }
+  } const release{*streamer, index};
+  prefetch_ahead(L, index, h, st, opt);
+  // The experts whose records are in run while the others are read (bit for bit the same).
+  std::span<unsigned char const> const ready = streamer->ready(index);
+  bool const all = std::all_of(st.stream_ids.begin(), st.stream_ids.end(), [&](std::int32_t e) {
+    return ready[static_cast<std::size_t>(e)] != 0;
+  });
+  if (all) {
+    layer.forward_with_plan(x, plan, y, st.ffn, opt.pool);
+  } else {
+    layer.forward_with_plan(x, plan, y, st.ffn, opt.pool,
+                            ExpertSchedule{ready, [&] { streamer->wait(index); }});
+  }
+}
+
+template <class Moe>
+void Decoder<Moe>::prefetch_ahead(std::size_t L, Index index, MatrixView<float> h, DecoderState& st,
+                                  ForwardOptions const& opt) const {
+  offload::StreamerOptions const& so = streamer->options();
+  std::size_t next = L + 1;
+  while (next < blocks.size() && !blocks[next].moe) ++next;
+  if (next >= blocks.size() || so.prefetch == "none") return;
+  st.prefetch_ids.clear();
+  if (so.prefetch_previous()) {
+    std::span<std::int32_t const> const last = streamer->last_experts(index + 1);
+    st.prefetch_ids.assign(last.begin(), last.end());
+  }
+  if (so.prefetch_router()) {
+    Block const& nb = blocks[next];
+    st.prefetch_x.resize(static_cast<std::size_t>(h.rows * h.cols));
+    MatrixView<float> const xn(st.prefetch_x.data(), h.rows, h.cols);
+    rms_rows(h, nb.post_norm, xn, opt.pool);
+    nb.moe->route(xn, st.ffn_ahead, opt);
+    RoutingPlan const& plan = st.ffn_ahead.plan;
+    for (Index e = 0; e < nb.moe->num_experts(); ++e) {
+      if (plan.expert_offsets[static_cast<std::size_t>(e) + 1] >
+          plan.expert_offsets[static_cast<std::size_t>(e)]) {
+        st.prefetch_ids.push_back(static_cast<std::int32_t>(e));
+      }
+    }
+  }
+  std::sort(st.prefetch_ids.begin(), st.prefetch_ids.end());
+  st.prefetch_ids.erase(std::unique(st.prefetch_ids.begin(), st.prefetch_ids.end()),
+                        st.prefetch_ids.end());
+  streamer->prefetch(index + 1, st.prefetch_ids);
+}
+
+template <class Moe>
+void Decoder<Moe>::forward(std::span<std::int64_t const> tokens, std::span<Index const> new_tokens,
+                           DecoderState& st, MatrixView<float> logits, ThreadPool* pool) const {
+  auto const busy = st.in_use.enter("Decoder::forward");
+  Index const H = hidden(), V = vocab(), T = static_cast<Index>(tokens.size());
+  Index const B = st.sequences();
+  moe::detail::check(st.caches.size() == blocks.size() && st.recurrent.size() == blocks.size(),
+                     "Decoder::forward: the state has ", st.caches.size(), " caches for ",
+                     blocks.size(), " layers; make it with this decoder's make_state()");
+  moe::detail::check(static_cast<Index>(new_tokens.size()) == B,
+                     "Decoder::forward: new_tokens has ", new_tokens.size(), " counts for ", B,
+                     " sequences");
+  moe::detail::check(logits.rows == B && logits.cols == V && logits.row_stride >= V,
+                     "Decoder::forward: logits is [", logits.rows, ", ", logits.cols,
+                     "] but must be [", B, ", ", V, "] (one row per sequence)");
+  for (std::int64_t const id : tokens) {
+    moe::detail::check(id >= 0 && id < V, "Decoder::forward: token id ", id,
+                       " is outside the vocabulary [0, ", V, ")");
+  }
+  if (T == 0) return;
+  using Clock = std::chrono::steady_clock;
+  auto const t_start = Clock::now();
+  auto mark = Clock::now();
+  // Adds the time since the last mark to `into` (null: to neither part; the rest is the total
+  // minus the parts).
+  auto lap = [&](double* into) {
+    if (!st.profile) return;
+    auto const now = Clock::now();
+    if (into) *into += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
+  double attention = 0.0, ffn = 0.0;
+  auto size = [](std::vector<float>& v, Index n) { v.resize(static_cast<std::size_t>(n)); };
+  if (streamer) streamer->begin_forward(T);
+  Index moe_layer = 0;
+  if (st.trace) {
+    moe::detail::check(
+        B == 1 && st.trace->shape().num_layers == static_cast<Index>(moe_blocks().size()) &&
+            st.trace->shape().num_experts == config.moe.num_experts &&
+            st.trace->shape().top_k == config.moe.num_experts_per_tok,
+        "Decoder::forward: the state's trace records one sequence of this model's "
+        "routing (Decoder::trace_shape); this state has ",
+        B, " sequences or the trace another shape");
+    Index const w = st.trace->shape().top_k + st.trace->shape().num_candidates;
+    st.trace_ids.resize(static_cast<std::size_t>(T * st.trace->shape().num_layers * w));
+    st.trace_scores.resize(st.trace_ids.size());
+  }
+  size(st.h, T * H);
+  size(st.normed, T * H);
+  size(st.tmp, T * H);
+  for (Index t = 0; t < T; ++t) {
+    embed.read_row(tokens[static_cast<std::size_t>(t)], st.h.data() + t * H);
+  }
+  MatrixView<float> h(st.h.data(), T, H), normed(st.normed.data(), T, H), tmp(st.tmp.data(), T, H);
+  for (std::size_t L = 0; L < blocks.size(); ++L) {
+    Block const& b = blocks[L];
+    rms_rows(h, b.input_norm, normed, pool);
+    lap(nullptr);
+    // h += Attn(normed): the residual added in o_proj's epilogue.
+    if (MlaAttention const* m = b.mla()) {
+      m->forward_cached(normed, h, st.caches[L], new_tokens, st.mla, pool, MlaOrder::kAuto, true);
+    } else if (GatedDeltaNet const* dn = b.deltanet()) {
+      std::vector<DeltaNetState>& states = st.recurrent[L];
+      st.recurrent_of.resize(states.size());
+      for (std::size_t s = 0; s < states.size(); ++s) st.recurrent_of[s] = &states[s];
+      dn->forward_cached(normed, h, st.recurrent_of, new_tokens, st.deltanet, pool,
+                         DeltaRule::kAuto, true);
+    } else if (auto const* g = b.gated_attention()) {
+      g->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
+    } else {
+      b.attention()->forward_cached(normed, h, st.caches[L], new_tokens, st.attention, pool, true);
+    }
+    lap(&attention);
+    rms_rows(h, b.post_norm, normed, pool);
+    lap(nullptr);
+    if (b.moe) {
+      ForwardOptions opt;
+      opt.pool = pool;
+      if (streamer) {
+        forward_streamed(L, moe_layer, h, normed, tmp, st, opt);
+      } else {
+        b.moe->forward(normed, tmp, st.ffn, opt);
+      }
+      if (st.trace) record_routing(moe_layer, T, st);
+      ++moe_layer;
+      add_rows(h, tmp, pool);
+    } else {
+      b.mlp.forward_add(normed, h, st.mlp_hidden, st.queue, pool);
+    }
+    lap(&ffn);
+  }
+  if (st.trace) {  // the forward's steps, token-major
+    offload::TraceShape const& sh = st.trace->shape();
+    auto const K = static_cast<std::size_t>(sh.top_k),
+               M = static_cast<std::size_t>(sh.num_candidates);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(T * sh.num_layers); ++i) {
+      std::span<std::int32_t const> const ids(st.trace_ids.data() + i * (K + M), K + M);
+      std::span<float const> const sc(st.trace_scores.data() + i * (K + M), K + M);
+      st.trace->append(ids.first(K), sc.first(K), ids.subspan(K), sc.subspan(K));
+    }
+  }
+  // The last new token of each sequence with one: final norm, LM head.
+  std::vector<Index>& last_rows = st.last_rows;
+  std::vector<Index>& seqs = st.last_seqs;
+  last_rows.clear();
+  seqs.clear();
+  for (Index s = 0, row = 0; s < B; ++s) {
+    row += new_tokens[static_cast<std::size_t>(s)];
+    if (new_tokens[static_cast<std::size_t>(s)] > 0) {
+      last_rows.push_back(row - 1);
+      seqs.push_back(s);
+    }
+  }
+  Index const n = static_cast<Index>(last_rows.size());
+  size(st.last, n * H);
+  for (Index i = 0; i < n; ++i) {
+    kernels::rms_norm(h.row(last_rows[static_cast<std::size_t>(i)]), norm.data(), false,
+                      config.rms_norm_eps, H, st.last.data() + i * H);
+  }
+  size(st.tmp, std::max(T * H, n * V));
+  st.queue.add(lm_head, ConstMatrixView<float>(st.last.data(), n, H),
+               MatrixView<float>(st.tmp.data(), n, V));
+  st.queue.run(pool);
+  for (Index i = 0; i < n; ++i) {
+    std::copy(st.tmp.data() + i * V, st.tmp.data() + (i + 1) * V,
+              logits.row(seqs[static_cast<std::size_t>(i)]));
+  }
+  if (st.profile) {
+    st.attention_seconds += attention;
+    st.ffn_seconds += ffn;
+    st.other_seconds +=
+        std::chrono::duration<double>(Clock::now() - t_start).count() - attention - ffn;
+  }
+}
 
 /// A loaded decoder of any family (use std::visit): Qwen3Moe holds qwen3_moe and olmoe,
 /// DeepseekV3Moe holds glm4_moe, minimax_m2 and ernie4_5_moe.
@@ -1543,3 +1557,34 @@ inline std::vector<Fallback> write_hf_expert_store(std::filesystem::path const& 
 }
 
 }  // namespace moe::models
+
+// A build may compile the decoders of AnyDecoder's families once, in translation units that
+// instantiate them explicitly (tests/support/decoders_*.cpp do for our tests and tools),
+// instead of in every unit that loads or runs a model: define MOE_EXTERN_DECODERS in every unit
+// built with the same flags and link those. What is left to them: Decoder<Moe>'s members
+// (forward() and its streamed parts are defined out of the class for this: inline members
+// would still be instantiated), load_decoder and write_expert_store. Nothing changes without
+// the macro. MOE_DECODER_INSTANTIATION(extern, Moe) declares them for one MoE type,
+// MOE_DECODER_INSTANTIATION(, Moe) defines them.
+#define MOE_DECODER_INSTANTIATION(EXTERN, MOE)                                                \
+  namespace moe::models {                                                                     \
+  EXTERN template class Decoder<MOE>;                                                         \
+  namespace detail {                                                                          \
+  EXTERN template Decoder<MOE> load_decoder<MOE>(                                             \
+      DecoderConfig const&, std::shared_ptr<io::ShardedCheckpoint const> const&,              \
+      DecoderOptions const&, ThreadPool*);                                                    \
+  EXTERN template std::vector<Fallback> write_expert_store<MOE>(DecoderConfig const&,         \
+                                                                io::ShardedCheckpoint const&, \
+                                                                std::string const&,           \
+                                                                DecoderOptions const&,        \
+                                                                ThreadPool*);                 \
+  }                                                                                           \
+  }
+#if defined(MOE_EXTERN_DECODERS)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Qwen3Moe)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::MixtralMoe)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Qwen2Moe)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::DeepseekV3Moe)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::GptOssMoe)
+MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Llama4Moe)
+#endif
