@@ -3,7 +3,7 @@
 # Installs the Debian 12 packages moe needs to build its tests, benches and examples.
 # Idempotent: does nothing when everything is already installed. Run as root (or via sudo).
 set -euo pipefail
-packages=(g++ cmake make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format clang-14
+packages=(g++ cmake make ninja-build libeigen3-dev libxsimd-dev catch2 libbenchmark-dev clang-format clang-14
           libclang-rt-14-dev libopenmpi-dev openmpi-bin python3
           libpcre2-dev libicu-dev)
 # node and npm run the tokenizer's oracle test (tests/text/oracle); Debian's, unless a node is
