@@ -95,11 +95,11 @@ TEST_CASE("Quantized experts: every format's layer is within its error of the fp
   // q4_1 0.108, iq4_nl 0.120, iq4_xs 0.111, mxfp4 0.178; uniform weights, whose 4-bit rounding
   // is ~6% a weight, and on which IQ4_NL's non-uniform levels and MXFP4's power-of-two scales
   // lose to Q4_0's uniform ones; int8 activations in 32-blocks add ~0.01): bounds ~1.35x.
-  WeightFormat const formats[] = {
-      WeightFormat::kQ8_0,  WeightFormat::kQ6_K,   WeightFormat::kQ5_K,   WeightFormat::kQ4_K,
-      WeightFormat::kQ4_0,  WeightFormat::kQ3_K,   WeightFormat::kQ2_K,   WeightFormat::kQ5_1,
-      WeightFormat::kQ5_0,  WeightFormat::kQ4_1,   WeightFormat::kIQ4_NL, WeightFormat::kIQ4_XS,
-      WeightFormat::kMXFP4};
+  WeightFormat const formats[] = {WeightFormat::kQ8_0, WeightFormat::kQ6_K,   WeightFormat::kQ5_K,
+                                  WeightFormat::kQ4_K, WeightFormat::kQ4_0,   WeightFormat::kQ3_K,
+                                  WeightFormat::kQ2_K, WeightFormat::kQ5_1,   WeightFormat::kQ5_0,
+                                  WeightFormat::kQ4_1, WeightFormat::kIQ4_NL, WeightFormat::kIQ4_XS,
+                                  WeightFormat::kMXFP4};
   double const bound[] = {0.017, 0.035, 0.067, 0.13, 0.15, 0.3, 0.55,
                           0.07,  0.075, 0.145, 0.16, 0.15, 0.24};
   double err[13];
@@ -117,7 +117,7 @@ TEST_CASE("Quantized experts: every format's layer is within its error of the fp
   CHECK(err[1] < err[2]);  // q6_k below q5_k below q4_k
   CHECK(err[2] < err[3]);
   CHECK(err[0] < err[3]);
-  CHECK(err[7] < err[8]);   // q5_1 (a min) below q5_0 (an offset) below q4_1 below q4_0
+  CHECK(err[7] < err[8]);  // q5_1 (a min) below q5_0 (an offset) below q4_1 below q4_0
   CHECK(err[8] < err[9]);
   CHECK(err[9] < err[4]);
   CHECK(err[11] < err[10]);  // iq4_xs (a scale per 32, 6 bits) below iq4_nl (an fp16 one)
