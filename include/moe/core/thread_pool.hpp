@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -33,12 +34,22 @@ inline void (*thread_start_hook)(int index) = nullptr;
 ///
 /// One parallel_for at a time per pool (calls from several threads are serialised); nested calls
 /// from inside an item run serially on the calling thread.
+///
+/// Waiting: a worker that finished its items spins (with the CPU's pause hint) for up to
+/// kSpinMicroseconds for the next parallel_for before it sleeps on a condition variable, and
+/// the caller spins as long for the workers to finish before it sleeps. A decode step calls
+/// parallel_for tens of times a layer, each a fraction of a millisecond: waking a sleeping
+/// thread costs tens of microseconds (a futex call and, in a VM, an inter-processor interrupt)
+/// each time, spinning a few. An idle pool sleeps after that, using no CPU.
 class ThreadPool {
  public:
   /// Most threads a pool may have (kMaxThreads, 1024): far above any core count this library
   /// targets, low enough that a mistyped count fails at once instead of exhausting the system's
   /// process limit.
   static constexpr int kMaxThreads = 1024;
+  /// How long a worker (or the caller) spins for the next job (or the workers' end) before it
+  /// sleeps.
+  static constexpr int kSpinMicroseconds = 100;
 
   /// 1 <= num_threads <= kMaxThreads (1 runs everything on the caller). Throws moe::Error if a
   /// worker thread cannot be started (std::thread failed: process or memory limit); the workers
@@ -80,15 +91,19 @@ class ThreadPool {
     job_ = Job{&invoke<Fn>, static_cast<void*>(&f), n};
     next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
+    busy_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
     {
+      // Under the mutex, so a worker that checked generation_ and is about to sleep cannot
+      // miss the notification; spinning workers see the release store at once.
       std::lock_guard lock(mutex_);
-      busy_ = static_cast<int>(workers_.size());
-      ++generation_;
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
-    wake_.notify_all();
+    wake_.notify_all();  // no system call when every worker is spinning
     run_items(0);
-    std::unique_lock lock(mutex_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    if (!spin_until([this] { return busy_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock lock(mutex_);
+      done_.wait(lock, [this] { return busy_.load(std::memory_order_acquire) == 0; });
+    }
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -106,7 +121,7 @@ class ThreadPool {
   void stop_and_join() noexcept {
     {
       std::lock_guard lock(mutex_);
-      stop_ = true;
+      stop_.store(true, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -127,19 +142,41 @@ class ThreadPool {
     in_item_ = false;
   }
 
+  /// Spins until ready() (true) or kSpinMicroseconds have passed (false).
+  template <class Ready>
+  static bool spin_until(Ready const& ready) {
+    auto const until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {
+        if (ready()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (std::chrono::steady_clock::now() >= until) return ready();
+    }
+  }
+
   void worker_loop(int thread) {
     std::uint64_t seen = 0;
     for (;;) {
-      {
+      auto const fresh = [&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin_until(fresh)) {
         std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        wake_.wait(lock, fresh);
       }
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       run_items(thread);
-      {
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        // The caller may be asleep on done_: notify under the mutex, so it cannot check
+        // busy_ and then sleep past this notification.
         std::lock_guard lock(mutex_);
-        if (--busy_ == 0) done_.notify_one();
+        done_.notify_one();
       }
     }
   }
@@ -153,9 +190,9 @@ class ThreadPool {
   Job job_;
   std::atomic<Index> next_{0};
   std::exception_ptr error_;
-  std::uint64_t generation_ = 0;
-  int busy_ = 0;
-  bool stop_ = false;
+  std::atomic<std::uint64_t> generation_{0};  ///< written under mutex_; read spinning or under it
+  std::atomic<int> busy_{0};                  ///< workers still running the current job
+  std::atomic<bool> stop_{false};             ///< written under mutex_
 };
 
 /// Runs f(item, thread) over [0, n) on `pool`, or serially on the caller when pool is null.
