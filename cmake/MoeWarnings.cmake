@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Warning flags for moe's own targets (tests, benches, examples). Never put on the exported target.
 add_library(moe_warnings INTERFACE)
-target_compile_options(moe_warnings INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Werror)
+# The flags every compiler gets (the header check passes them to clang++ too: tests/CMakeLists.txt).
+set(MOE_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow -Werror)
+target_compile_options(moe_warnings INTERFACE ${MOE_WARNING_FLAGS})
 # Our SSE2 builds (the portable preset, the *_sse2 tests) are SSE2 on purpose: no compile-time
 # note about it (moe/core/config.hpp says it to consumers that forgot -march).
 target_compile_definitions(moe_warnings INTERFACE MOE_NO_ARCH_WARNING)

@@ -96,7 +96,7 @@ class ThreadPool {
       // Under the mutex, so a worker that checked generation_ and is about to sleep cannot
       // miss the notification; spinning workers see the release store at once.
       std::lock_guard lock(mutex_);
-      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();  // no system call when every worker is spinning
     run_items(0);
