@@ -19,10 +19,14 @@ namespace moe::io::detail {
 /// `"literal" + std::string` chains, on which GCC 12 at -O2/-O3 reports a false -Wrestrict
 /// (GCC PR 105651) that -Werror builds of our users would turn into an error.
 template <class... Parts>
-std::string concat(Parts const&... parts) {
+std::string concat_parts(Parts... parts) {
   std::ostringstream out;
   (out << ... << parts);
   return out.str();
+}
+template <class... Parts>
+std::string concat(Parts const&... parts) {
+  return concat_parts<moe::detail::MessagePart<Parts const&>...>(parts...);
 }
 
 /// Returns the offset of the first byte that is not part of well-formed UTF-8 (Unicode 15,
