@@ -124,3 +124,11 @@ void pack_panels_bf16_t(float const* A, Index lda, Index N, Index K, std::uint32
 }
 
 }  // namespace moe::kernels
+
+// Compiled once for our own binaries (see MOE_SDPA_INSTANTIATION in kernels/sdpa.hpp).
+#define MOE_GEMM_BF16_INSTANTIATION(EXTERN, Arch)              \
+  EXTERN template void moe::kernels::pack_panels_bf16_t<Arch>( \
+      float const*, moe::Index, moe::Index, moe::Index, std::uint32_t*, bool)
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+MOE_GEMM_BF16_INSTANTIATION(extern, moe::kernels::simd::DefaultArch);
+#endif

@@ -333,3 +333,12 @@ void gemm_strided(Index M, Index N, Index K, float const* a, Index a_rs, Index a
 }
 
 }  // namespace moe::kernels
+
+// Compiled once for our own binaries (see MOE_SDPA_INSTANTIATION in kernels/sdpa.hpp).
+#define MOE_GEMM_STRIDED_INSTANTIATION(EXTERN, Arch)                                          \
+  EXTERN template void moe::kernels::detail::gemm_strided_impl<Arch>(                         \
+      moe::Index, moe::Index, moe::Index, float const*, moe::Index, moe::Index, float const*, \
+      moe::Index, float*, moe::Index, bool, float*, float*, bool)
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+MOE_GEMM_STRIDED_INSTANTIATION(extern, moe::kernels::simd::DefaultArch);
+#endif

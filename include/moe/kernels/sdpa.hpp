@@ -633,3 +633,40 @@ void sdpa_backward_dkv(SdpaParams const& p, SdpaGrads const& g, Index kb_begin, 
 }  // namespace moe::kernels
 
 #include "moe/kernels/detail/diagnostics_pop.hpp"
+
+// The SDPA kernels compiled once for our own binaries, the way kernels/expert_gemm.hpp's expert
+// kernels are: MOE_SDPA_INSTANTIATION(extern, Arch) declares them extern where
+// MOE_EXTERN_EXPERT_KERNELS is defined, MOE_SDPA_INSTANTIATION(, Arch) instantiates them
+// (tests/support/kernels_common.cpp). Nothing changes without the macro.
+#define MOE_SDPA_INSTANTIATION(EXTERN, Arch)                                                      \
+  EXTERN template void moe::kernels::detail::rank_update<Arch, float>(                            \
+      float const*, moe::Index, moe::Index, float const*, moe::Index, float*, moe::Index,         \
+      moe::Index, moe::Index, moe::Index, float const*,                                           \
+      moe::kernels::detail::KvPrefetchT<float> const*);                                           \
+  EXTERN template void moe::kernels::detail::rank_update<Arch, std::uint16_t>(                    \
+      float const*, moe::Index, moe::Index, std::uint16_t const*, moe::Index, float*, moe::Index, \
+      moe::Index, moe::Index, moe::Index, float const*,                                           \
+      moe::kernels::detail::KvPrefetchT<std::uint16_t> const*);                                   \
+  EXTERN template void moe::kernels::detail::backward_pair<Arch>(                                 \
+      moe::kernels::SdpaParams const&, moe::kernels::SdpaGrads const&,                            \
+      moe::kernels::detail::SdpaScratch const&, moe::Index, moe::Index, moe::Index, bool, bool);  \
+  EXTERN template void moe::kernels::detail::sdpa_forward_rows<Arch, float>(                      \
+      moe::kernels::SdpaParams const&, float const*, float const*, float*, moe::Index, float*,    \
+      moe::Index, moe::Index, float*);                                                            \
+  EXTERN template void moe::kernels::detail::sdpa_forward_rows<Arch, std::uint16_t>(              \
+      moe::kernels::SdpaParams const&, std::uint16_t const*, std::uint16_t const*, float*,        \
+      moe::Index, float*, moe::Index, moe::Index, float*);                                        \
+  EXTERN template void moe::kernels::sdpa_forward<Arch>(moe::kernels::SdpaParams const&, float*,  \
+                                                        moe::Index, float*, moe::Index,           \
+                                                        moe::Index, float*);                      \
+  EXTERN template void moe::kernels::sdpa_backward<Arch>(moe::kernels::SdpaParams const&,         \
+                                                         moe::kernels::SdpaGrads const&, float*); \
+  EXTERN template void moe::kernels::sdpa_backward_dq<Arch>(moe::kernels::SdpaParams const&,      \
+                                                            moe::kernels::SdpaGrads const&,       \
+                                                            moe::Index, moe::Index, float*);      \
+  EXTERN template void moe::kernels::sdpa_backward_dkv<Arch>(moe::kernels::SdpaParams const&,     \
+                                                             moe::kernels::SdpaGrads const&,      \
+                                                             moe::Index, moe::Index, float*)
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+MOE_SDPA_INSTANTIATION(extern, moe::kernels::simd::DefaultArch);
+#endif

@@ -1317,3 +1317,29 @@ inline void dequantize_row(Format f, void const* in, Index k, float* y) {
 }
 
 }  // namespace moe::quant
+
+// Every format's block codec compiled once for our own binaries (see MOE_SDPA_INSTANTIATION in
+// kernels/sdpa.hpp): the reference quantizers are the largest code a unit that packs quantized
+// weights compiles.
+#define MOE_QUANT_CODEC_INSTANTIATION(EXTERN, Block)                                              \
+  EXTERN template void moe::quant::detail::quantize_blocks<moe::quant::Block>(float const*,       \
+                                                                              moe::Index, void*); \
+  EXTERN template void moe::quant::detail::dequantize_blocks<moe::quant::Block>(                  \
+      void const*, moe::Index, float*)
+#define MOE_QUANT_CODECS_INSTANTIATION(EXTERN)        \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ8_0);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ6_K);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ4_K);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ4_0);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ3_K);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ2_K);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ5_K);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ5_0);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ4_1);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockQ5_1);   \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockIQ4_NL); \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockIQ4_XS); \
+  MOE_QUANT_CODEC_INSTANTIATION(EXTERN, BlockMXFP4)
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+MOE_QUANT_CODECS_INSTANTIATION(extern);
+#endif
