@@ -1284,6 +1284,19 @@ TEST_CASE("Decoder: GGUF files moe cannot read are refused with the reason",
   q.save(partial);
   REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(partial),
                       Catch::Contains("qwen3moe.expert_feed_forward_length"));
+  // A block_count past the file's tensors (found by the gguf_model fuzzer: 2^28 layers in a
+  // 2 KB file made every per-layer list of the config that long) is refused before any is made.
+  q.set("qwen3moe.block_count", V(std::uint32_t{1} << 28));
+  q.set("qwen3moe.expert_feed_forward_length", V(std::uint32_t{16}));
+  q.set("qwen3moe.expert_count", V(std::uint32_t{4}));
+  q.set("qwen3moe.expert_used_count", V(std::uint32_t{2}));
+  q.add_tensor("blk.1.attn_norm.weight", GgmlType::kF32, {32},
+               std::vector<std::byte>(32 * sizeof(float)));
+  fs::path const tall = iotest::scratch_dir("gguf_tall") / "model.gguf";
+  q.save(tall);
+  REQUIRE_THROWS_WITH(moe::models::load_gguf_decoder(tall),
+                      Catch::Contains("qwen3moe.block_count = 268435456 but the file's tensors "
+                                      "hold 2 blocks (blk.0 to blk.1); the file is corrupt"));
 }
 
 #ifdef MOE_GENERATE

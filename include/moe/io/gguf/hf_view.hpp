@@ -260,6 +260,26 @@ inline GgufAsHf gguf_as_hf(GgufModel opened) {
     w.number("routed_scaling_factor",
              static_cast<float>(meta.number_or(key("expert_weights_scale"), 1.0)));
   }
+  // Every decoded layer has tensors in the file: a block_count past them (a corrupt header) would
+  // otherwise size the config's per-layer lists (layer_types, mlp_only_layers) by it.
+  Index blocks_in_file = 0;
+  for (std::size_t s = 0; s < model.num_shards(); ++s) {
+    for (GgufTensorInfo const& t : model.shard(s).tensors()) {
+      std::string_view n = t.name;
+      if (!n.starts_with("blk.")) continue;
+      n.remove_prefix(4);
+      Index b = 0;
+      std::size_t digits = 0;
+      while (digits < n.size() && digits < 10 && n[digits] >= '0' && n[digits] <= '9') {
+        b = b * 10 + (n[digits++] - '0');
+      }
+      if (digits > 0) blocks_in_file = std::max(blocks_in_file, b + 1);
+    }
+  }
+  moe::detail::check(layers <= blocks_in_file, "gguf: ", src, ": ", key("block_count"), " = ",
+                     layers, " but the file's tensors hold ", blocks_in_file,
+                     " blocks (blk.0 to blk.", blocks_in_file - 1,
+                     "); the file is corrupt or truncated");
   switch (spec.layer_rule) {
     case HfLayerRule::kSparseStep: {  // the layers without a router are dense
       std::vector<Index> dense;
