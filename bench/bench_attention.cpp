@@ -54,7 +54,7 @@
 //   delta rule       recurrent 4 d_k d_v per token and head (chunked: the same count, although it
 //                    does about twice that); GatedDeltaNet forward 2 T D (2 K + 2 V + 2 H_v) +
 //                    2 T V D projections + the delta rule's count (convolution, norms not counted)
-// The counter FLOP/s is that count over the wall time (kIsIterationInvariantRate).
+// The counter FLOP is that count over the wall time (a rate: printed as FLOP=...G/s).
 
 #include <benchmark/benchmark.h>
 
@@ -64,6 +64,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "bench_main.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -94,8 +95,8 @@ std::vector<float> random_vector(Index n, std::uint64_t seed, float bound) {
 }
 
 void set_counters(benchmark::State& state, Index T, double flops) {
-  state.counters["tokens/s"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
-  state.counters["FLOP/s"] = Counter(flops, Counter::kIsIterationInvariantRate);
+  state.counters["tokens"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] = Counter(flops, Counter::kIsIterationInvariantRate);
 }
 
 // --- SDPA kernel, one head ---------------------------------------------------------------
@@ -383,12 +384,12 @@ void BM_Layer_MlaAttention_Decode(benchmark::State& state) {
   double const other = d * (H * dq + static_cast<double>(W)) + H * dv * d;
   double const cache_bytes = static_cast<double>((ctx + 1) * W) * (bf16 ? 2.0 : 4.0);
   double const bytes = cache_bytes + 4.0 * (other + kv_b);
-  state.counters["tokens/s"] = Counter(1.0, Counter::kIsIterationInvariantRate);
-  state.counters["FLOP/s"] =
+  state.counters["tokens"] = Counter(1.0, Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] =
       Counter(layer.cached_flops(order, 1, ctx) + 2.0 * other, Counter::kIsIterationInvariantRate);
   state.counters["cache MB/step"] = cache_bytes * 1e-6;
   state.counters["MB/step"] = bytes * 1e-6;
-  state.counters["GB/s"] = Counter(bytes * 1e-9, Counter::kIsIterationInvariantRate);
+  state.counters["bytes"] = Counter(bytes, Counter::kIsIterationInvariantRate);
 }
 
 // --- Gated DeltaNet ----------------------------------------------------------------------
@@ -622,4 +623,6 @@ bool add_context() {
 
 }  // namespace
 
-BENCHMARK_MAIN();
+MOE_BENCH_MAIN(
+    "moe_bench_attention: the attention layers (gated attention, MoE attention, MLA, Gated "
+    "DeltaNet) and the SDPA kernel, prefill and decode steps on a KV cache (docs/attention.md).")

@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_main.hpp"
 #include "machine.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
@@ -124,7 +125,7 @@ void BM_Decoder_Prefill(benchmark::State& state) {
     benchmark::DoNotOptimize(logits.data());
   }
   double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
-  state.counters["tokens/s"] =
+  state.counters["tokens"] =
       benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["attn%"] = 100.0 * st.attention_seconds / total;
   state.counters["ffn%"] = 100.0 * st.ffn_seconds / total;
@@ -182,10 +183,9 @@ void BM_Decoder_Decode(benchmark::State& state) {
   double const bytes = static_cast<double>(dec.dense_bytes_per_step()) + kLayers * kv_bytes +
                        experts + static_cast<double>(dec.embed.bytes()) / kVocab;
   double const total = st.attention_seconds + st.ffn_seconds + st.other_seconds;
-  state.counters["tokens/s"] =
-      benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GB/s"] =
-      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["bytes"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["MB/step"] = bytes * 1e-6;
   state.counters["bw GB/s"] = bw * 1e-9;
   state.counters["roofline"] = bytes * static_cast<double>(state.iterations()) / elapsed / bw;
@@ -215,7 +215,12 @@ void register_rows() {
 
 int main(int argc, char** argv) {
   register_rows();
-  benchmark::Initialize(&argc, argv);
+  if (!moe::bench::initialize(
+          argc, argv,
+          "moe_bench_decode: prefill and decode steps of a synthetic decoder of Qwen3-30B-A3B's "
+          "shapes with random weights in each weight format, the bytes a step reads and the "
+          "fraction of read bandwidth it reaches (docs/decoding.md, docs/performance.md)."))
+    return 1;
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
   benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
   benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, " +

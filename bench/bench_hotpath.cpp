@@ -69,6 +69,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_main.hpp"
 #include "machine.hpp"
 
 #if MOE_BENCH_ONEDNN
@@ -589,10 +590,9 @@ void set_counters(benchmark::State& state, Index T, Cost c, double flop_factor, 
   double const flop = c.flop * flop_factor;
   double const achieved = flop / r.best;
   double const ai = flop / c.weight_bytes;
-  state.counters["tokens/s"] =
+  state.counters["tokens"] =
       benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(flop / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["best_ms"] = r.best * 1e3;
   state.counters["best_GFLOP/s"] = achieved / 1e9;
   state.counters["peak_GFLOP/s"] = lim.fma / 1e9;
@@ -854,8 +854,7 @@ void BM_Layer_ForwardQuant(benchmark::State& state) {
   RowTimes const r = timed_rows(state, in, ours, run16, run32);
   set_counters(state, T, c, 1.0, r, in);
   set_speedup(state, r, "vs_bf16", "bf16");
-  state.counters["GOP/s"] =
-      benchmark::Counter(c.flop / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["OP"] = benchmark::Counter(c.flop, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["bits/weight"] = bits;
   if (int8_peak() > 0.0) {
     state.counters["int8_peak_GOP/s"] = int8_peak() / 1e9;
@@ -916,7 +915,7 @@ void BM_Kernel_Route(benchmark::State& state) {
   auto x = input(T, S.D);
   moe::MoeFfnWorkspace ws;
   for (auto _ : state) layer.route({x.data(), T, S.D}, ws, {nullptr, &pool()});
-  state.counters["tokens/s"] =
+  state.counters["tokens"] =
       benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -1137,8 +1136,13 @@ bool add_context() {
 // The limits are measured before any benchmark allocates its layers (gigabytes of weights whose
 // first touch can slow the machine's memory for a while), and printed with the context.
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  if (!moe::bench::initialize(
+          argc, argv,
+          "moe_bench_hotpath: the MoE hot path (routing, gather, expert GEMMs, combine) of real "
+          "model shapes in fp32, bf16 and the quantized formats against the machine's measured "
+          "limits (S-MFU, S-MBU, roofline) and against a naive baseline run beside it "
+          "(bench/README.md, \"Hot path\"; docs/performance.md)."))
+    return 1;
   Limits const& lim = startup_limits();
   // Only the units this build and CPU have, each at the precision a reader needs.
   auto num = [](double v, int digits) {

@@ -36,6 +36,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "bench_main.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/routing_plan.hpp"
@@ -134,9 +135,9 @@ void run_layer(benchmark::State& state, Layer const& layer) {
   double const weight_bytes = static_cast<double>(active) * 3.0 * static_cast<double>(D * F) * 4.0 +
                               static_cast<double>(E * D) * 4.0;
   using benchmark::Counter;
-  state.counters["tokens/s"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
-  state.counters["FLOP/s"] = Counter(flops, Counter::kIsIterationInvariantRate);
-  state.counters["weight_B/s"] = Counter(weight_bytes, Counter::kIsIterationInvariantRate);
+  state.counters["tokens"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] = Counter(flops, Counter::kIsIterationInvariantRate);
+  state.counters["weight_bytes"] = Counter(weight_bytes, Counter::kIsIterationInvariantRate);
   state.counters["rows"] = static_cast<double>(R);
   state.counters["active_experts"] = static_cast<double>(active);
 }
@@ -174,7 +175,7 @@ RoutedBatch routed_qwen3_batch(Index T) {
 
 void set_kernel_counters(benchmark::State& state, Index T, double bytes_per_iteration) {
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes_per_iteration) * state.iterations());
-  state.counters["tokens/s"] =
+  state.counters["tokens"] =
       benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -191,8 +192,8 @@ void BM_Kernel_Route(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_kernel_counters(state, T, 4.0 * static_cast<double>(T * D + E * D + T * E));
-  state.counters["FLOP/s"] = benchmark::Counter(2.0 * static_cast<double>(T * E * D),
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] = benchmark::Counter(2.0 * static_cast<double>(T * E * D),
+                                              benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// kernels::build_plan. Bytes: Selection ids (int32) and weights read; plan written
@@ -296,4 +297,6 @@ bool add_context() {
 
 }  // namespace
 
-BENCHMARK_MAIN();
+MOE_BENCH_MAIN(
+    "moe_bench: MoeFfn::forward at the Qwen3-30B-A3B and Mixtral expert shapes, and the kernels it "
+    "is built from (route, build_plan, gather, combine; bench/README.md).")

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_main.hpp"
 #include "moe/core/cpu.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
@@ -220,8 +221,8 @@ void BM_Miss(benchmark::State& state) {
     }
   }
   double const n = static_cast<double>(state.iterations());
-  state.counters["GB_per_s"] =
-      benchmark::Counter(n * static_cast<double>(record_bytes) / 1e9, benchmark::Counter::kIsRate);
+  state.counters["bytes"] =
+      benchmark::Counter(n * static_cast<double>(record_bytes), benchmark::Counter::kIsRate);
 }
 
 }  // namespace
@@ -242,7 +243,12 @@ int main(int argc, char** argv) {
       ->ArgsProduct({{0, 1}, {0, 1, 2}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
-  benchmark::Initialize(&argc, argv);
+  if (!moe::bench::initialize(
+          argc, argv,
+          "moe_bench_offload: decoding with the routed experts streamed from an expert store or "
+          "the model's file through a bounded cache, against the same decoder resident, and the "
+          "cost of one expert miss (docs/offload.md)."))
+    return 1;
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
   benchmark::AddCustomContext(
       "decoder", "synthetic Qwen3-30B-A3B shapes, " + std::to_string(kLayers) +

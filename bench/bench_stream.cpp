@@ -30,6 +30,7 @@
 #include <cstring>
 #include <memory>
 
+#include "bench_main.hpp"
 #include "moe/core/memory.hpp"
 #include "moe/kernels/simd.hpp"
 
@@ -113,8 +114,8 @@ void BM_Stream(benchmark::State& state) {
     }
   }
   // Lines consumed (each counted once) per second, all threads together.
-  state.counters["GB/s"] = benchmark::Counter(
-      static_cast<double>(kBufferBytes) * 1e-9,
+  state.counters["bytes"] = benchmark::Counter(
+      static_cast<double>(kBufferBytes),
       benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kAvgThreads);
 }
 
@@ -136,4 +137,6 @@ BENCHMARK(BM_Stream)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+MOE_BENCH_MAIN(
+    "moe_bench_stream: how fast a core streams weights from DRAM while doing the FMAs they feed, "
+    "and what re-reading them costs (the expert GEMM at few rows per expert).")

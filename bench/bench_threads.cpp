@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 
+#include "bench_main.hpp"
 #include "moe/core/thread_pool.hpp"
 
 namespace {
@@ -52,4 +53,6 @@ BENCHMARK(BM_ParallelFor_AfterIdle)->ArgName("gap_us")->Arg(20)->Arg(1000)->UseM
 
 }  // namespace
 
-BENCHMARK_MAIN();
+MOE_BENCH_MAIN(
+    "moe_bench_threads: a ThreadPool::parallel_for's fork and join by itself, back to back and "
+    "after an idle gap (docs/performance.md).")

@@ -40,6 +40,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "bench_main.hpp"
 #include "moe/core/random.hpp"
 #include "moe/core/thread_pool.hpp"
 #include "moe/core/types.hpp"
@@ -146,8 +147,8 @@ void run_train_step(benchmark::State& state, Model<Layer>& model) {
   double const forward_flops = 2.0 * static_cast<double>(T * E * D) +
                                static_cast<double>(R) * 2.0 * static_cast<double>(D * F) * 3.0;
   using benchmark::Counter;
-  state.counters["tokens/s"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
-  state.counters["FLOP/s"] = Counter(3.0 * forward_flops, Counter::kIsIterationInvariantRate);
+  state.counters["tokens"] = Counter(static_cast<double>(T), Counter::kIsIterationInvariantRate);
+  state.counters["FLOP"] = Counter(3.0 * forward_flops, Counter::kIsIterationInvariantRate);
   state.counters["fwd_ms"] = Counter(fwd_seconds * 1e3, Counter::kAvgIterations);
   state.counters["bwd_ms"] = Counter(bwd_seconds * 1e3, Counter::kAvgIterations);
   state.counters["rows"] = static_cast<double>(R);
@@ -189,4 +190,6 @@ bool add_context() {
 
 }  // namespace
 
-BENCHMARK_MAIN();
+MOE_BENCH_MAIN(
+    "moe_bench_train: one MoeFfn training step (forward_train + backward) in fp32 and bf16 compute "
+    "(bench/README.md, \"Training step\").")
