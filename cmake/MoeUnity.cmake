@@ -41,7 +41,9 @@ function(_moe_unity_head file out)
 endfunction()
 
 # moe_unity_tests(<target> <files per unit>): replaces the target's test_*.cpp sources by units of
-# at most <files per unit> files each (in the order listed), generated in the build tree.
+# at most <files per unit> files each (in the order listed), generated in the build tree. A file
+# that must stay at global scope (it specializes one of the library's templates) is marked with
+# the source property MOE_UNITY_ALONE and keeps a unit of its own.
 function(moe_unity_tests target per_unit)
   if(NOT MOE_UNITY_TESTS)
     return()
@@ -50,7 +52,8 @@ function(moe_unity_tests target per_unit)
   get_target_property(source_dir ${target} SOURCE_DIR)
   set(batched "")
   foreach(source IN LISTS sources)
-    if(source MATCHES "(^|/)test_[^/]*\\.cpp$")
+    get_source_file_property(alone ${source} MOE_UNITY_ALONE)
+    if(source MATCHES "(^|/)test_[^/]*\\.cpp$" AND NOT alone)
       list(APPEND batched ${source})
     endif()
   endforeach()
