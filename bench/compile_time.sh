@@ -86,7 +86,7 @@ time_it() {
     "$@"
     times+=("$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN {print b - a}')")
   done
-  printf '%s\n' "${times[@]}" | sort -g | awk '{a[NR] = $1} END {printf "%.1f %.1f", a[1], a[int((NR + 1) / 2)]}'
+  printf '%s\n' "${times[@]}" | sort -g | awk '{a[NR] = $1} END {printf "%.1f %.1f\n", a[1], a[int((NR + 1) / 2)]}'
 }
 
 common=(-std=c++20 $flags -I"$root/include" -isystem /usr/include/eigen3)
