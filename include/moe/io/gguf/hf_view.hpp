@@ -70,6 +70,20 @@ struct GgufAsHf {
 
 namespace detail {
 
+/// The block (layer) index L of a GGUF tensor named "blk.L.<rest>", or nullopt for any other name
+/// (no digits, more than 9 of them, or no dot after them).
+inline std::optional<Index> gguf_block_of(std::string_view name) {
+  if (!name.starts_with("blk.")) return std::nullopt;
+  std::size_t const dot = name.find('.', 4);
+  if (dot == std::string_view::npos || dot == 4 || dot > 4 + 9) return std::nullopt;
+  Index L = 0;
+  for (char const ch : name.substr(4, dot - 4)) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+    L = L * 10 + (ch - '0');
+  }
+  return L;
+}
+
 /// The Hugging Face name of GGUF tensor `name` of a `family` model, or nullopt. A merged
 /// expert tensor (blk.L.ffn_*_exps.weight) maps to the per-expert name with "{e}" for the
 /// expert.
@@ -77,18 +91,12 @@ inline std::optional<std::string> gguf_to_hf_name(HfFamily family, std::string_v
   if (name == "token_embd.weight") return "model.embed_tokens.weight";
   if (name == "output_norm.weight") return "model.norm.weight";
   if (name == "output.weight") return "lm_head.weight";
-  if (!name.starts_with("blk.")) return std::nullopt;
-  std::size_t const dot = name.find('.', 4);
-  if (dot == std::string_view::npos) return std::nullopt;
-  std::string_view const layer = name.substr(4, dot - 4);
-  if (layer.empty() ||
-      !std::all_of(layer.begin(), layer.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-    return std::nullopt;
-  }
-  std::string_view const rest = name.substr(dot + 1);
-  std::string const p = concat("model.layers.", layer, ".");
+  std::optional<Index> const block = gguf_block_of(name);
+  if (!block) return std::nullopt;
+  Index const L = *block;
+  std::string_view const rest = name.substr(name.find('.', 4) + 1);
+  std::string const p = concat("model.layers.", L, ".");
   HfTensorNames const& n = hf_family(family).names;
-  Index const L = std::stoi(std::string(layer));
   std::string const moe = hf_default_layout(family, L, false).prefix;
   // Attention, norms and dense MLPs: the names every decoding family shares.
   if (rest.starts_with(hf_family(family).gguf.mlp_norm) &&
@@ -265,15 +273,8 @@ inline GgufAsHf gguf_as_hf(GgufModel opened) {
   Index blocks_in_file = 0;
   for (std::size_t s = 0; s < model.num_shards(); ++s) {
     for (GgufTensorInfo const& t : model.shard(s).tensors()) {
-      std::string_view n = t.name;
-      if (!n.starts_with("blk.")) continue;
-      n.remove_prefix(4);
-      Index b = 0;
-      std::size_t digits = 0;
-      while (digits < n.size() && digits < 10 && n[digits] >= '0' && n[digits] <= '9') {
-        b = b * 10 + (n[digits++] - '0');
-      }
-      if (digits > 0) blocks_in_file = std::max(blocks_in_file, b + 1);
+      if (auto const L = detail::gguf_block_of(t.name))
+        blocks_in_file = std::max(blocks_in_file, *L + 1);
     }
   }
   moe::detail::check(layers <= blocks_in_file, "gguf: ", src, ": ", key("block_count"), " = ",
