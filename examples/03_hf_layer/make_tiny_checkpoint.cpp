@@ -1,29 +1,44 @@
 // SPDX-License-Identifier: Apache-2.0
 // This file is part of moe, a header-only library of sparse Mixture-of-Experts layers.
 //
-// make_tiny_checkpoint: write a tiny Hugging Face checkpoint to try moe_run_hf_layer on.
+// make_tiny_checkpoint: write a tiny Hugging Face checkpoint to try the tools on: one MoE layer
+// for moe_run_hf_layer, or a whole model (--whole-model) for moe_generate, moe_quantize,
+// moe_tokenize and moe_run_hf_attention.
 //
 // What it shows: moe::io::save_hf_layer() writing config.json + model.safetensors (or shards and
 // model.safetensors.index.json) for one MoE layer with random weights, in the checkpoint's own
 // tensor names. Layer 1 of a 2-layer model is the MoE layer (layer 0 is dense for every family
 // with dense layers: qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, glm4_moe, deepseek_v2 and
-// ernie4_5_moe). It also writes x.safetensors ("x" [5, H] F32, H = 16; gpt_oss 32) and
-// dy.safetensors ("dy" [5, H] F32) next to them.
-// Why: the ctest of 03_hf_layer runs the runner end to end on it; no real model is needed.
+// ernie4_5_moe). With --whole-model, every tensor of the family's model (../common/tiny_model.hpp,
+// the same models the decoder tests check against their references): embeddings, each layer's
+// attention (MLA for deepseek_v3/v2, Gated DeltaNet and gated full attention for qwen3_next and
+// qwen3_5_moe_text), dense MLP or MoE, norms and LM head, the family's config.json, and a
+// byte-level BPE tokenizer (tokenizer.json over the 256 bytes, ChatML special tokens and chat
+// template in tokenizer_config.json), so that moe_generate --prompt "..." --chat runs on it.
+// Either way it also writes x.safetensors ("x" [5, H] F32) and dy.safetensors ("dy" [5, H] F32).
+// Why: the ctests run the tools end to end on these files, and so can you; no real model is needed.
 //
 // Command line:
-//   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--shards N] [--bf16] [--fused] [--use-bias]
-//                               [--mxfp4]
+//   moe_hf_make_tiny_checkpoint DIR MODEL_TYPE [--whole-model] [--hidden H] [--experts E]
+//       [--top-k K] [--expert-ffn F] [--bf16]
+//       layer:       [--shards N] [--fused] [--use-bias] [--mxfp4]
+//       whole model: [--layers L] [--vocab V] [--dense-ffn F] [--heads N] [--kv-heads N]
+//                    [--head-dim D]
 // MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, qwen3_next, glm4_moe,
 // deepseek_v2 (group_limited_greedy), minimax_m2, ernie4_5_moe, llama4_text (layer 1 of
-// interleave_moe_layer_step 2) or gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite).
+// interleave_moe_layer_step 2) or gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite); with
+// --whole-model also qwen3_5_moe_text. Sizes: a layer is H 16 (gpt_oss 32), 8 experts of width 8
+// (gpt_oss 32), top-2; a whole model H 16, vocabulary 320, 3 layers (4 for llama4_text,
+// qwen3_next, qwen3_5_moe_text), 4 heads and 2 KV heads of 8, dense width 20, 4 experts of width
+// 8, top-2; each size option overrides one (e.g. --hidden 256 --expert-ffn 256 for 256-wide
+// quantization blocks). Sizes are range-checked, and more than 4 GiB of weights is refused.
 // --use-bias: ERNIE 4.5 with use_bias (biased experts and shared expert). --mxfp4: gpt-oss with
 // its experts in MXFP4 blocks (the weights rounded to MXFP4 first; quantization_config in
 // config.json), as the published gpt-oss checkpoints store them. --shards N: 1 to 1024 (and at
 // most the layer's tensor count), read with moe_cli::parse_integer. --help / -h lists the
 // options, one line each, on stdout.
-// A successful run prints one line on stderr: the directory, the family, the layer's sizes and
-// the tensors written.
+// A successful run prints one line on stderr: the directory, the family, the sizes and what it
+// wrote.
 // Exit status: 0 on success (and for --help), 2 on an unknown argument (one line on stderr
 // pointing at --help), 1 with a message on stderr otherwise.
 
@@ -38,6 +53,7 @@
 #include <vector>
 
 #include "../common/cli.hpp"
+#include "../common/tiny_model.hpp"
 #include "moe/core/random.hpp"
 #include "moe/io/hf.hpp"
 
@@ -156,47 +172,187 @@ constexpr moe_cli::Option kOptions[] = {
     {"DIR", "the directory to write (created if missing)"},
     {"MODEL_TYPE",
      "one of: mixtral qwen2_moe qwen3_moe deepseek_v3 olmoe qwen3_next glm4_moe "
-     "deepseek_v2 minimax_m2 ernie4_5_moe llama4_text gpt_oss"},
-    {"--shards N", "write N shards and model.safetensors.index.json, 1 to 1024 (default 1)"},
+     "deepseek_v2 minimax_m2 ernie4_5_moe llama4_text gpt_oss (--whole-model also "
+     "qwen3_5_moe_text)"},
+    {"--whole-model",
+     "a whole model (embeddings, every layer's attention and MLP or MoE, norms, LM head), with a "
+     "byte-level BPE tokenizer and ChatML chat template: moe_generate runs it; default: one MoE "
+     "layer (layer 1 of 2)"},
+    {"--hidden H", "hidden size (layer: 16, gpt_oss 32; whole model: 16)"},
+    {"--experts E", "routed experts (layer: 8; whole model: 4)"},
+    {"--top-k K", "experts per token, at most E (default 2)"},
+    {"--expert-ffn F", "each expert's width (layer: 8, gpt_oss 32; whole model: 8)"},
+    {"--layers L",
+     "whole model: layers, 2 to 64 (default 3; llama4_text, qwen3_next, qwen3_5_moe_text 4)"},
+    {"--vocab V", "whole model: vocabulary, at least the tokenizer's 259 (default 320)"},
+    {"--dense-ffn F", "whole model: the dense MLPs' width (default 20)"},
+    {"--heads N", "whole model: attention heads (default 4)"},
+    {"--kv-heads N", "whole model: key/value heads, dividing --heads (default 2)"},
+    {"--head-dim D", "whole model: per-head size, a multiple of 4 (default 8)"},
+    {"--shards N", "layer: write N shards and model.safetensors.index.json, 1 to 1024 (default 1)"},
     {"--bf16", "store the weights in BF16 (default F32)"},
-    {"--fused", "fused experts.gate_up_proj and experts.down_proj, not a tensor per expert"},
-    {"--use-bias", "ernie4_5_moe with use_bias: biased experts and shared expert"},
-    {"--mxfp4", "gpt_oss with its experts in MXFP4 blocks, as released"},
+    {"--fused", "layer: fused experts.gate_up_proj and experts.down_proj, not a tensor per expert"},
+    {"--use-bias", "layer: ernie4_5_moe with use_bias: biased experts and shared expert"},
+    {"--mxfp4", "layer: gpt_oss with its experts in MXFP4 blocks, as released"},
     {"-h, --help", "print this help and exit"},
 };
 constexpr moe_cli::Usage kUsage = {"moe_hf_make_tiny_checkpoint", "DIR MODEL_TYPE [options]",
                                    kOptions};
 
-int run(int argc, char** argv) {
+/// The command line: the sizes given (0: the mode's default) and the switches.
+struct Args {
   std::vector<std::string> positional;  // DIR, MODEL_TYPE
   moe::io::HfSaveOptions options;
-  bool use_bias = false, mxfp4 = false;
+  bool use_bias = false, mxfp4 = false, whole = false;
+  moe::Index hidden = 0, experts = 0, top_k = 0, expert_ffn = 0;               // both modes
+  moe::Index layers = 0, vocab = 0, dense_ffn = 0, heads = 0, kv = 0, dh = 0;  // whole model
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  struct Size {
+    char const* flag;
+    moe::Index Args::*field;
+    moe::Index lo, hi;
+  };
+  static constexpr Size kSizes[] = {
+      {"--hidden", &Args::hidden, 1, 16384},       {"--experts", &Args::experts, 1, 1024},
+      {"--top-k", &Args::top_k, 1, 1024},          {"--expert-ffn", &Args::expert_ffn, 1, 65536},
+      {"--layers", &Args::layers, 2, 64},          {"--vocab", &Args::vocab, 1, 1 << 20},
+      {"--dense-ffn", &Args::dense_ffn, 1, 65536}, {"--heads", &Args::heads, 1, 256},
+      {"--kv-heads", &Args::kv, 1, 256},           {"--head-dim", &Args::dh, 4, 1024}};
   for (int i = 1; i < argc; ++i) {
     std::string const arg = argv[i];
-    if (moe_cli::is_help(arg)) return moe_cli::print_help(kUsage);
-    if (arg == "--use-bias") {
-      use_bias = true;
+    if (moe_cli::is_help(arg)) moe_cli::exit_help(kUsage);
+    Size const* size = nullptr;
+    for (Size const& z : kSizes) size = arg == z.flag ? &z : size;
+    if (size) {
+      if (i + 1 >= argc) moe::detail::fail(arg, " needs a value");
+      a.*(size->field) = moe_cli::parse_integer<moe::Index>(arg, argv[++i], size->lo, size->hi);
+    } else if (arg == "--whole-model") {
+      a.whole = true;
+    } else if (arg == "--use-bias") {
+      a.use_bias = true;
     } else if (arg == "--mxfp4") {
-      mxfp4 = true;
+      a.mxfp4 = true;
     } else if (arg == "--bf16") {
-      options.dtype = moe::io::Dtype::kBf16;
+      a.options.dtype = moe::io::Dtype::kBf16;
     } else if (arg == "--fused") {
-      options.fused_experts = true;
+      a.options.fused_experts = true;
     } else if (arg == "--shards") {
       if (i + 1 >= argc) moe::detail::fail("--shards needs a value");
-      options.shards = moe_cli::parse_integer<int>(arg, argv[++i], 1, 1024);
-    } else if (arg.starts_with("-") || positional.size() == 2) {
-      return moe_cli::print_unknown_argument(kUsage, arg);
+      a.options.shards = moe_cli::parse_integer<int>(arg, argv[++i], 1, 1024);
+    } else if (arg.starts_with("-") || a.positional.size() == 2) {
+      moe_cli::exit_unknown_argument(kUsage, arg);
     } else {
-      positional.push_back(arg);
+      a.positional.push_back(arg);
     }
   }
-  if (positional.size() != 2) {
+  if (a.positional.size() != 2) {
     moe::detail::fail(
         "DIR and MODEL_TYPE are required; moe_hf_make_tiny_checkpoint --help lists "
         "the options");
   }
-  std::string const &dir = positional[0], &type = positional[1];
+  return a;
+}
+
+/// x.safetensors and dy.safetensors ([5, H] F32) in `dir`, the runners' input and gradient.
+void write_inputs(std::filesystem::path const& dir, std::int64_t H) {
+  std::vector<float> x(static_cast<std::size_t>(5 * H)), dy(x.size());
+  moe::fill_uniform(x, -1.0f, 1.0f, 21);
+  moe::fill_uniform(dy, -1.0f, 1.0f, 22);
+  moe::io::SafetensorsWriter().add_f32("x", {5, H}, x).save(dir / "x.safetensors");
+  moe::io::SafetensorsWriter().add_f32("dy", {5, H}, dy).save(dir / "dy.safetensors");
+}
+
+/// --whole-model: every tensor of the family's model (tiny_model.hpp), its tokenizer and inputs.
+int write_whole_model(Args const& a) {
+  std::filesystem::path const dir = a.positional[0];
+  std::string const& type = a.positional[1];
+  char const* layer_only = a.options.shards != 1     ? "--shards"
+                           : a.options.fused_experts ? "--fused"
+                           : a.use_bias              ? "--use-bias"
+                           : a.mxfp4                 ? "--mxfp4"
+                                                     : nullptr;
+  if (layer_only) {
+    moe::detail::fail(layer_only, " is for a layer checkpoint, not --whole-model");
+  }
+  bool known = false;
+  for (char const* f : tiny_model::kDecoderFamilies) known = known || type == f;
+  if (!known) {
+    std::string list;
+    for (char const* f : tiny_model::kDecoderFamilies) list.append(" ").append(f);
+    moe::detail::fail("--whole-model: MODEL_TYPE '", type, "' is not one of", list);
+  }
+  tiny_model::Tiny t = tiny_model::family_tiny(type);
+  t.V = 320;
+  auto set = [](moe::Index& field, moe::Index value) { field = value > 0 ? value : field; };
+  set(t.V, a.vocab);
+  set(t.H, a.hidden);
+  set(t.L, a.layers);
+  set(t.E, a.experts);
+  set(t.k, a.top_k);
+  set(t.I_moe, a.expert_ffn);
+  set(t.I_dense, a.dense_ffn);
+  set(t.heads, a.heads);
+  set(t.kv, a.kv);
+  set(t.dh, a.dh);
+  if (t.V < tiny_model::kTokenizerVocab) {
+    moe::detail::fail("--vocab ", t.V, " is below the tokenizer's ", tiny_model::kTokenizerVocab,
+                      " ids; pass at least ", tiny_model::kTokenizerVocab);
+  }
+  if (t.k > t.E) moe::detail::fail("--top-k ", t.k, " exceeds the ", t.E, " experts");
+  if (t.heads % t.kv != 0) {
+    moe::detail::fail("--kv-heads ", t.kv, " does not divide the ", t.heads, " heads");
+  }
+  if (t.dh % 4 != 0) {
+    moe::detail::fail("--head-dim ", t.dh,
+                      " is not a multiple of 4 (RoPE pairs, and half the head rotated in some "
+                      "families)");
+  }
+  std::uint64_t values = 0;
+  for (tiny_model::TensorSpec const& s : tiny_model::tensor_specs(t)) {
+    std::uint64_t n = 1;
+    for (std::int64_t d : s.shape) n *= static_cast<std::uint64_t>(d);
+    values += n;
+  }
+  bool const bf16 = a.options.dtype == moe::io::Dtype::kBf16;
+  double const gib = static_cast<double>(values) * (bf16 ? 2.0 : 4.0) / 1073741824.0;
+  if (gib > 4.0) {
+    moe::detail::fail("these sizes make ", gib, " GiB of weights; a tiny model stays under 4 GiB");
+  }
+  tiny_model::write_checkpoint(dir, t, tiny_model::make_tensors(t, 11), bf16);
+  tiny_model::write_tokenizer(dir);
+  write_inputs(dir, t.H);
+  moe::io::HfMoeConfig const c = tiny_model::moe_config(t);
+  std::string moe_layers, dense_layers;
+  for (moe::Index l = 0; l < t.L; ++l) {
+    (c.is_moe_layer(l) ? moe_layers : dense_layers) += moe::io::detail::concat(" ", l);
+  }
+  std::fprintf(stderr,
+               "moe_hf_make_tiny_checkpoint: wrote %s: %s, whole model of %lld layers (MoE:%s; "
+               "dense:%s), hidden %lld, vocabulary %lld, %lld experts, top-%lld, %zu tensors "
+               "(%s, %.1f MiB) in model.safetensors, a byte-level BPE tokenizer (259 ids, ChatML), "
+               "x.safetensors and dy.safetensors [5, %lld]\n",
+               dir.c_str(), type.c_str(), static_cast<long long>(t.L), moe_layers.c_str(),
+               dense_layers.empty() ? " none" : dense_layers.c_str(), static_cast<long long>(t.H),
+               static_cast<long long>(t.V), static_cast<long long>(t.E),
+               static_cast<long long>(t.k), tiny_model::tensor_specs(t).size(),
+               bf16 ? "BF16" : "F32", gib * 1024.0, static_cast<long long>(t.H));
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  Args const a = parse(argc, argv);
+  if (a.whole) return write_whole_model(a);
+  if (a.layers || a.vocab || a.dense_ffn || a.heads || a.kv || a.dh) {
+    moe::detail::fail(
+        "--layers, --vocab, --dense-ffn, --heads, --kv-heads and --head-dim size a whole model; "
+        "add --whole-model");
+  }
+  moe::io::HfSaveOptions const& options = a.options;
+  bool const use_bias = a.use_bias, mxfp4 = a.mxfp4;
+  std::string const &dir = a.positional[0], &type = a.positional[1];
   // A config.json with only model_type (and top-k: deepseek_v2 has no default) takes the
   // family's (large) defaults: set tiny sizes.
   std::string json = "{\"num_experts_per_tok\": 2, \"model_type\": \"";
@@ -221,6 +377,22 @@ int run(int argc, char** argv) {
     c.hidden_size = 32;  // MXFP4 blocks are 32 wide: H and I multiples of 32
     c.expert_intermediate_size = 32;
     c.swiglu_limit = 0.4f;  // small weights: a small limit, so that both clamps take effect
+  }
+  c.hidden_size = a.hidden > 0 ? a.hidden : c.hidden_size;
+  c.num_experts = a.experts > 0 ? a.experts : c.num_experts;
+  c.num_experts_per_tok = a.top_k > 0 ? a.top_k : c.num_experts_per_tok;
+  c.expert_intermediate_size = a.expert_ffn > 0 ? a.expert_ffn : c.expert_intermediate_size;
+  if (c.num_experts_per_tok > c.num_experts) {
+    moe::detail::fail("--top-k ", c.num_experts_per_tok, " exceeds the ", c.num_experts,
+                      " experts");
+  }
+  if (mxfp4 && (c.hidden_size % 32 != 0 || c.expert_intermediate_size % 32 != 0)) {
+    moe::detail::fail("--mxfp4 needs --hidden and --expert-ffn multiples of 32 (MXFP4 blocks)");
+  }
+  if (static_cast<double>(c.num_experts) * 3.0 * static_cast<double>(c.hidden_size) *
+          static_cast<double>(c.expert_intermediate_size) * 4.0 >
+      4.0 * 1073741824.0) {
+    moe::detail::fail("these sizes make over 4 GiB of expert weights; a tiny layer stays under");
   }
   if (use_bias && c.family != moe::io::HfFamily::kErnie45Moe) {
     std::fprintf(stderr, "--use-bias is for ernie4_5_moe (gpt_oss always has biases)\n");
@@ -265,15 +437,7 @@ int run(int argc, char** argv) {
       break;
   }
   std::int64_t const H = c.hidden_size;
-  std::vector<float> x(static_cast<std::size_t>(5 * H)), dy(x.size());
-  moe::fill_uniform(x, -1.0f, 1.0f, 21);
-  moe::fill_uniform(dy, -1.0f, 1.0f, 22);
-  moe::io::SafetensorsWriter()
-      .add_f32("x", {5, H}, x)
-      .save(std::filesystem::path(dir) / "x.safetensors");
-  moe::io::SafetensorsWriter()
-      .add_f32("dy", {5, H}, dy)
-      .save(std::filesystem::path(dir) / "dy.safetensors");
+  write_inputs(dir, H);
   // What was written, read back from the checkpoint.
   std::filesystem::path const index = std::filesystem::path(dir) / "model.safetensors.index.json";
   bool const sharded = std::filesystem::exists(index);

@@ -5,7 +5,10 @@
 #        forward and --grad runs must exit 0, write the output file, print nothing on stdout and
 #        end stderr with the line saying what they wrote (the maker prints one such line too);
 #   bad  bad inputs: each run must exit 1 (2 for an unknown argument, a usage error) with exactly
-#        one line on stderr naming the problem.
+#        one line on stderr naming the problem;
+#   whole whole models (--whole-model) of every decoder family, run by moe_generate (GENERATE;
+#        with a chat prompt when TEXT), moe_run_hf_layer and moe_run_hf_attention (ATTENTION),
+#        and the maker's refusals of bad sizes and option mixes.
 cmake_minimum_required(VERSION 3.25)
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -90,6 +93,91 @@ elseif(MODE STREQUAL "bad")
     string(STRIP "${err}" err)
     message(STATUS "${what}: exit ${rc}, ${err}")
   endforeach()
+elseif(MODE STREQUAL "whole")
+  # Every family's --whole-model (sizes, BF16 among the cases): moe_generate runs it (a chat
+  # prompt through its tokenizer when TEXT, else ids), moe_run_hf_layer runs its first MoE layer,
+  # moe_run_hf_attention (ATTENTION) a Qwen3-Next full-attention layer.
+  set(cases "qwen3_moe --hidden 64 --expert-ffn 32 --dense-ffn 48 --layers 5 --vocab 300"
+            "qwen2_moe --bf16" "mixtral --experts 8 --top-k 3" "olmoe" "glm4_moe"
+            "minimax_m2 --heads 8 --kv-heads 4 --head-dim 4" "gpt_oss" "ernie4_5_moe"
+            "deepseek_v3" "deepseek_v2" "qwen3_next" "qwen3_5_moe_text" "llama4_text --layers 6")
+  foreach(case IN LISTS cases)
+    separate_arguments(args UNIX_COMMAND "${case}")
+    list(GET args 0 type)
+    string(REPLACE " " "" dir_name "${case}")
+    set(dir "${WORK_DIR}/${dir_name}")
+    execute_process(COMMAND "${MAKER}" "${dir}" ${args} --whole-model RESULT_VARIABLE rc
+                    ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0 OR NOT err MATCHES "^moe_hf_make_tiny_checkpoint: wrote [^\n]*: ${type}, whole model of [0-9]+ layers \\(MoE: ([0-9]+)[^\n]*\n$")
+      message(FATAL_ERROR "${MAKER} ${dir} ${case} --whole-model (${rc}): expected one line "
+                          "saying what it wrote, got:\n${err}")
+    endif()
+    set(moe_layer ${CMAKE_MATCH_1})
+    foreach(f config.json model.safetensors tokenizer.json tokenizer_config.json x.safetensors
+              dy.safetensors)
+      if(NOT EXISTS "${dir}/${f}")
+        message(FATAL_ERROR "${case} --whole-model wrote no ${f}")
+      endif()
+    endforeach()
+    if(TEXT)
+      set(prompt --prompt "Why is the sky blue?" --chat)
+    else()
+      set(prompt --prompt-ids 1,2,3)
+    endif()
+    execute_process(COMMAND "${GENERATE}" --model "${dir}" ${prompt} --max-new-tokens 4 --ignore-eos
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0 OR NOT err MATCHES "decode 3 steps")
+      message(FATAL_ERROR "moe_generate on ${case} (${rc}):\n${out}\n${err}")
+    endif()
+    execute_process(COMMAND "${RUNNER}" --model "${dir}" --layer ${moe_layer} --input
+                            "${dir}/x.safetensors" --output "${dir}/y.safetensors" --grad
+                            "${dir}/dy.safetensors" RESULT_VARIABLE rc ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0 OR NOT EXISTS "${dir}/y.safetensors")
+      message(FATAL_ERROR "moe_run_hf_layer on ${case}, layer ${moe_layer} (${rc}): ${err}")
+    endif()
+    if(type STREQUAL "qwen3_next")
+      execute_process(COMMAND "${ATTENTION}" --model "${dir}" --layer 1 --input
+                              "${dir}/x.safetensors" --output "${dir}/attention.safetensors"
+                              --grad "${dir}/dy.safetensors" RESULT_VARIABLE rc ERROR_VARIABLE err)
+      if(NOT rc EQUAL 0 OR NOT EXISTS "${dir}/attention.safetensors")
+        message(FATAL_ERROR "moe_run_hf_attention on ${case}, layer 1 (${rc}): ${err}")
+      endif()
+    endif()
+    message(STATUS "${case} --whole-model: generates, layer ${moe_layer} runs")
+  endforeach()
+  # The maker's own refusals: exit 1 (2 for an unknown argument), one line on stderr.
+  set(d "${WORK_DIR}/refused")
+  set(cases
+      "vocabulary below the tokenizer's|${d}^qwen3_moe^--whole-model^--vocab^100|below the tokenizer's 259"
+      "top-k above the experts|${d}^qwen3_moe^--whole-model^--experts^4^--top-k^5|exceeds the 4 experts"
+      "kv heads not dividing|${d}^qwen3_moe^--whole-model^--kv-heads^3|does not divide"
+      "odd head size|${d}^qwen3_moe^--whole-model^--head-dim^6|multiple of 4"
+      "one layer|${d}^qwen3_moe^--whole-model^--layers^1|--layers .1. is not an integer in"
+      "too large|${d}^qwen3_moe^--whole-model^--hidden^16384^--vocab^1048576|GiB of weights"
+      "not a family|${d}^llama^--whole-model|MODEL_TYPE 'llama' is not one of"
+      "layer option|${d}^qwen3_moe^--whole-model^--shards^2|--shards is for a layer checkpoint"
+      "whole-model size|${d}^qwen3_moe^--vocab^400|add --whole-model"
+      "mxfp4 width|${d}^gpt_oss^--mxfp4^--hidden^48|multiples of 32"
+      "unknown flag|${d}^qwen3_moe^--whole|unknown argument '--whole'")
+  foreach(case IN LISTS cases)
+    string(REPLACE "|" ";" parts "${case}")
+    list(POP_FRONT parts what)
+    list(POP_BACK parts expect)
+    string(REPLACE "^" ";" parts "${parts}")
+    set(want 1)
+    if(what STREQUAL "unknown flag")
+      set(want 2)
+    endif()
+    execute_process(COMMAND "${MAKER}" ${parts} RESULT_VARIABLE rc ERROR_VARIABLE err)
+    string(REGEX MATCHALL "\n" newlines "${err}")
+    list(LENGTH newlines lines)
+    if(NOT rc EQUAL want OR NOT lines EQUAL 1 OR NOT err MATCHES "${expect}" OR EXISTS "${d}")
+      message(FATAL_ERROR "${what}: expected exit ${want}, one line on stderr with '${expect}' "
+                          "and nothing written; got exit ${rc} and:\n${err}")
+    endif()
+    string(STRIP "${err}" err)
+    message(STATUS "${what}: exit ${rc}, ${err}")
+  endforeach()
 else()
-  message(FATAL_ERROR "MODE must be ok or bad")
+  message(FATAL_ERROR "MODE must be ok, bad or whole")
 endif()
