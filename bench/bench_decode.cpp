@@ -5,8 +5,8 @@
 // Qwen3-30B-A3B's shapes with random weights (synthetic_decoder.hpp), kLayers = 4 layers. Two
 // threads.
 //
-//   BM_Decoder_Prefill/T:512/dense:D     one prompt of 512 tokens through a fresh cache
-//   BM_Decoder_Decode/ctx:C/dense:D/kv:K one decode step after a cached context of C tokens
+//   BM_Decoder_Prefill/T:512/w:W         one prompt of 512 tokens through a fresh cache
+//   BM_Decoder_Decode/ctx:C/w:W/kv:K     one decode step after a cached context of C tokens
 //                                        (the step's token is rolled back after every
 //                                        iteration, so the context stays C). kv:-1: C = 0,
 //                                        1024, 4096 cached by a prefill (fp32 cache); kv:0 / 1:
@@ -215,14 +215,17 @@ void register_rows() {
 
 int main(int argc, char** argv) {
   register_rows();
+  bool const listing = moe::bench::listing_only(argc, argv);  // before Initialize consumes it
   if (!moe::bench::initialize(
           argc, argv,
           "moe_bench_decode: prefill and decode steps of a synthetic decoder of Qwen3-30B-A3B's "
           "shapes with random weights in each weight format, the bytes a step reads and the "
           "fraction of read bandwidth it reaches (docs/decoding.md, docs/performance.md)."))
     return 1;
-  benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
-  benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
+  if (!listing) {  // the last-level cache is measured (a sweep): not for the names only
+    benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
+    benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
+  }
   benchmark::AddCustomContext("decoder", "synthetic Qwen3-30B-A3B shapes, " +
                                              std::to_string(kLayers) +
                                              " layers, weights by w (see bench_decode.cpp)");

@@ -1113,7 +1113,7 @@ MOE_LAYER_BENCH(kOlmoe, OLMoE);
 MOE_LAYER_BENCH(kMixtral, Mixtral);
 MOE_LAYER_BENCH(kDeepSeek, DeepSeekV3);
 
-bool add_context() {
+void add_context() {
   benchmark::AddCustomContext("xsimd_arch", xsimd::default_arch::name());
   benchmark::AddCustomContext("cpu", moe::cpu_features().describe());
   benchmark::AddCustomContext("kernels", moe::compiled_kernels());
@@ -1127,15 +1127,14 @@ bool add_context() {
   benchmark::AddCustomContext("llc", moe::bench::last_level_cache().describe());
   benchmark::AddCustomContext(
       "baseline", "HF loop port: per expert gather copy + Eigen GEMMs + index_add, serial");
-  return true;
 }
-[[maybe_unused]] bool const kContextAdded = add_context();
 
 }  // namespace
 
 // The limits are measured before any benchmark allocates its layers (gigabytes of weights whose
 // first touch can slow the machine's memory for a while), and printed with the context.
 int main(int argc, char** argv) {
+  bool const listing = moe::bench::listing_only(argc, argv);  // before Initialize consumes it
   if (!moe::bench::initialize(
           argc, argv,
           "moe_bench_hotpath: the MoE hot path (routing, gather, expert GEMMs, combine) of real "
@@ -1143,6 +1142,12 @@ int main(int argc, char** argv) {
           "limits (S-MFU, S-MBU, roofline) and against a naive baseline run beside it "
           "(bench/README.md, \"Hot path\"; docs/performance.md)."))
     return 1;
+  if (listing) {  // the names only: no start-up measurement
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+  }
+  add_context();
   Limits const& lim = startup_limits();
   // Only the units this build and CPU have, each at the precision a reader needs.
   auto num = [](double v, int digits) {

@@ -30,6 +30,18 @@ inline void print_about_on_help(int argc, char** argv, char const* about) {
   }
 }
 
+/// Whether argv asks only for the list of benchmarks (--benchmark_list_tests, =true or bare):
+/// a binary then skips its start-up measurements.
+inline bool listing_only(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--benchmark_list_tests") == 0 ||
+        std::strcmp(argv[i], "--benchmark_list_tests=true") == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 /// Initialize with the help above; false when the arguments are bad (the caller returns 1).
 inline bool initialize(int& argc, char** argv, char const* about) {
   print_about_on_help(argc, argv, about);
