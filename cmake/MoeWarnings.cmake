@@ -14,17 +14,11 @@ if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   target_compile_options(moe_warnings INTERFACE -Wno-maybe-uninitialized)
 endif()
 
-# Our own binaries are built for the machine they run on unless MOE_NATIVE is OFF; the library
-# itself adds no -m flags (xsimd::default_arch follows the consumer's flags).
-option(MOE_NATIVE "Build moe's tests, benches and examples with -march=native" ON)
+# moe_arch: MOE_ARCH_FLAGS (top CMakeLists.txt: -march=native -mtune=generic unless MOE_NATIVE is
+# OFF) for our tests, benches and examples.
 add_library(moe_arch INTERFACE)
 if(MOE_NATIVE)
-  # -mtune=generic: GCC contracts a * b + c into an FMA or not by -mtune's heuristics (its Zen
-  # and some Intel tunings avoid FMA chains), so -march=native alone gave different bits on a
-  # Sapphire Rapids and a Zen 5 from the same source, and the golden digests recorded on one
-  # failed on the other. Contraction cannot simply be turned off: xsimd 8.1 has no AVX-512 fma,
-  # its generic one is x * y + z and relies on it.
-  target_compile_options(moe_arch INTERFACE -march=native -mtune=generic)
+  target_compile_options(moe_arch INTERFACE ${MOE_ARCH_FLAGS})
   if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
     # The same PR 105593 false positive as -Wuninitialized once xsimd's AVX-512 exp (used by the
     # activation epilogues of kernels/expert_gemm.hpp) is instantiated out of line. Only in

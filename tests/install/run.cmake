@@ -3,6 +3,10 @@
 #   MODE=find_package:     install moe to a prefix, build tests/install/consumer against it.
 #   MODE=add_subdirectory: build the consumer with moe pulled in through add_subdirectory.
 # Then run the consumer, which checks a small layer's output.
+#   MODE=precompiled:      install this build tree (BUILD_DIR: its moe_expert_kernels and
+#     moe_decoders are built, so nothing compiles but the consumer) to a prefix, then build
+#     tests/install/precompiled against find_package(moe COMPONENTS precompiled) and run its two
+#     programs (the decoder one on MODEL, a tiny whole model made by MAKER, when given).
 #   MODE=components:       the component dist (tests/install/components, configure only but for
 #     one small MPI program): find_package(moe) works with MPI unfindable; with WITH_MPI ON,
 #     COMPONENTS dist gives moe::dist (and fails, saying why, with MPI unfindable); a moe
@@ -31,10 +35,29 @@ function(install_moe prefix with_mpi)
   endif()
   run(${CMAKE_COMMAND} -S "${MOE_SOURCE_DIR}" -B "${prefix}-build" -DMOE_BUILD_TESTS=OFF
       -DMOE_BUILD_BENCHMARKS=OFF -DMOE_BUILD_EXAMPLES=OFF -DMOE_INSTALL=ON -DMOE_VERIFY_HEADERS=OFF
+      -DMOE_PRECOMPILED=OFF
       -DMOE_WITH_MPI=${with_mpi} ${skip_mpi} "-DCMAKE_INSTALL_PREFIX=${prefix}")
   run(${CMAKE_COMMAND} --install "${prefix}-build")
 endfunction()
 set(consumer "${MOE_SOURCE_DIR}/tests/install/consumer")
+if(MODE STREQUAL "precompiled")
+  run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+  foreach(lib libmoe_expert_kernels.a libmoe_decoders.a)
+    if(NOT EXISTS "${WORK_DIR}/prefix/lib/${lib}" AND NOT EXISTS "${WORK_DIR}/prefix/lib64/${lib}")
+      message(FATAL_ERROR "cmake --install put no ${lib} under ${WORK_DIR}/prefix")
+    endif()
+  endforeach()
+  set(project "${MOE_SOURCE_DIR}/tests/install/precompiled")
+  run(${CMAKE_COMMAND} -S "${project}" -B "${WORK_DIR}/build" "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix"
+      -DCMAKE_BUILD_TYPE=Release)
+  run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" -j 2)
+  run("${WORK_DIR}/build/ffn")
+  if(MAKER)
+    run("${MAKER}" "${WORK_DIR}/model" qwen3_moe --whole-model)
+    run("${WORK_DIR}/build/generate" "${WORK_DIR}/model")
+  endif()
+  return()
+endif()
 if(MODE STREQUAL "components")
   set(components "${MOE_SOURCE_DIR}/tests/install/components")
   set(no_mpi -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON)
@@ -51,6 +74,9 @@ if(MODE STREQUAL "components")
               "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
   endif()
   install_moe("${WORK_DIR}/prefix-without-mpi" OFF)
+  run_fails("installed[ \n]+without[ \n]+it[ \n]+\\(MOE_PRECOMPILED=OFF\\)" ${CMAKE_COMMAND} -S "${components}"
+            -B "${WORK_DIR}/precompiled-without" -DCASE=precompiled
+            "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix-without-mpi")
   run_fails("built[ \n]+without[ \n]+MPI" ${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/dist-without"
             -DCASE=dist "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix-without-mpi")
   execute_process(COMMAND ${CMAKE_COMMAND} -S "${components}" -B "${WORK_DIR}/optional-without"
@@ -65,6 +91,7 @@ endif()
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} -S "${MOE_SOURCE_DIR}" -B "${WORK_DIR}/moe-build" -DMOE_BUILD_TESTS=OFF
       -DMOE_BUILD_BENCHMARKS=OFF -DMOE_BUILD_EXAMPLES=OFF -DMOE_INSTALL=ON -DMOE_VERIFY_HEADERS=OFF
+      -DMOE_PRECOMPILED=OFF
       "-DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix")
   run(${CMAKE_COMMAND} --install "${WORK_DIR}/moe-build")
   run(${CMAKE_COMMAND} -S "${consumer}" -B "${WORK_DIR}/consumer-build"

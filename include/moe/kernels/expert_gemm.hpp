@@ -801,7 +801,7 @@ MOE_NOINLINE void expert_cols(RowSource a, Index M, Index K, WeightPanels const&
 #include "moe/kernels/detail/diagnostics_pop.hpp"
 
 // A build may compile the expert kernels of the common epilogues once, in one translation unit
-// that instantiates them explicitly (tests/support/expert_kernels.cpp does for the test binaries),
+// that instantiates them explicitly (src/precompiled/expert_kernels_*.cpp do for moe::precompiled),
 // instead of in every translation unit that runs a layer: define MOE_EXTERN_EXPERT_KERNELS in
 // every TU built with the same flags and link that one. Nothing changes without the macro.
 #if defined(MOE_EXTERN_EXPERT_KERNELS)

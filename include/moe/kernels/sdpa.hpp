@@ -637,7 +637,7 @@ void sdpa_backward_dkv(SdpaParams const& p, SdpaGrads const& g, Index kb_begin, 
 // The SDPA kernels compiled once for our own binaries, the way kernels/expert_gemm.hpp's expert
 // kernels are: MOE_SDPA_INSTANTIATION(extern, Arch) declares them extern where
 // MOE_EXTERN_EXPERT_KERNELS is defined, MOE_SDPA_INSTANTIATION(, Arch) instantiates them
-// (tests/support/kernels_common.cpp). Nothing changes without the macro.
+// (src/precompiled/kernels_common.cpp). Nothing changes without the macro.
 #define MOE_SDPA_INSTANTIATION(EXTERN, Arch)                                                      \
   EXTERN template void moe::kernels::detail::rank_update<Arch, float>(                            \
       float const*, moe::Index, moe::Index, float const*, moe::Index, float*, moe::Index,         \

@@ -1559,7 +1559,7 @@ inline std::vector<Fallback> write_hf_expert_store(std::filesystem::path const& 
 }  // namespace moe::models
 
 // A build may compile the decoders of AnyDecoder's families once, in translation units that
-// instantiate them explicitly (tests/support/decoders_*.cpp do for our tests and tools),
+// instantiate them explicitly (src/precompiled/decoders_*.cpp do for moe::precompiled),
 // instead of in every unit that loads or runs a model: define MOE_EXTERN_DECODERS in every unit
 // built with the same flags and link those. What is left to them: Decoder<Moe>'s members
 // (forward() and its streamed parts are defined out of the class for this: inline members

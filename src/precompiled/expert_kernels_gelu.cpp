@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The expert kernels of the GeGLU epilogues, compiled once for the test binaries
-// (MOE_EXTERN_EXPERT_KERNELS, kernels/expert_gemm.hpp).
+// The expert kernels of the GeGLU epilogues, compiled once for moe::precompiled and our own
+// binaries (MOE_EXTERN_EXPERT_KERNELS, kernels/expert_gemm.hpp).
 #include "moe/kernels/expert_gemm.hpp"
 
 namespace moe::kernels {

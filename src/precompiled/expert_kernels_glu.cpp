@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The expert kernels of the SwiGLU and clamped-GLU epilogues and the store epilogue, compiled
-// once for the test binaries (MOE_EXTERN_EXPERT_KERNELS, kernels/expert_gemm.hpp).
+// once for moe::precompiled and our own binaries (MOE_EXTERN_EXPERT_KERNELS,
+// kernels/expert_gemm.hpp).
 #include "moe/kernels/expert_gemm.hpp"
 
 namespace moe::kernels {

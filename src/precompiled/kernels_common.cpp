@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The attention, strided-GEMM and bf16-packing kernels of this build's instruction set and every
-// quantized format's block codec, compiled once for the test, bench and example binaries
-// (MOE_EXTERN_EXPERT_KERNELS declares them extern in the headers).
+// quantized format's block codec, compiled once for moe::precompiled and our test, bench and
+// example binaries (MOE_EXTERN_EXPERT_KERNELS declares them extern in the headers).
 #include "moe/kernels/gemm_bf16.hpp"
 #include "moe/kernels/gemm_strided.hpp"
 #include "moe/kernels/sdpa.hpp"
