@@ -26,12 +26,13 @@
 //                    [--head-dim D]
 // MODEL_TYPE: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, qwen3_next, glm4_moe,
 // deepseek_v2 (group_limited_greedy), minimax_m2, ernie4_5_moe, llama4_text (layer 1 of
-// interleave_moe_layer_step 2) or gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite); with
-// --whole-model also qwen3_5_moe_text. Sizes: a layer is H 16 (gpt_oss 32), 8 experts of width 8
-// (gpt_oss 32), top-2; a whole model H 16, vocabulary 320, 3 layers (4 for llama4_text,
+// interleave_moe_layer_step 2), gpt_oss (H 32, swiglu_limit 0.4 so the clamps bite) or
+// qwen3_5_moe_text. DIR must be new or empty. Sizes: a layer is H 16 (gpt_oss 32), 8 experts of
+// width 8 (gpt_oss 32), top-2; a whole model H 16, vocabulary 320, 3 layers (4 for llama4_text,
 // qwen3_next, qwen3_5_moe_text), 4 heads and 2 KV heads of 8, dense width 20, 4 experts of width
-// 8, top-2; each size option overrides one (e.g. --hidden 256 --expert-ffn 256 for 256-wide
-// quantization blocks). Sizes are range-checked, and more than 4 GiB of weights is refused.
+// 32, top-2 (the group-routed families' groups follow E and K); each size option overrides one
+// (e.g. --hidden 256 --expert-ffn 256 for 256-wide quantization blocks). Sizes are range-checked,
+// and more than 4 GiB of weights is refused.
 // --use-bias: ERNIE 4.5 with use_bias (biased experts and shared expert). --mxfp4: gpt-oss with
 // its experts in MXFP4 blocks (the weights rounded to MXFP4 first; quantization_config in
 // config.json), as the published gpt-oss checkpoints store them. --shards N: 1 to 1024 (and at
@@ -181,14 +182,14 @@ constexpr moe_cli::Option kOptions[] = {
     {"--hidden H", "hidden size (layer: 16, gpt_oss 32; whole model: 16)"},
     {"--experts E", "routed experts (layer: 8; whole model: 4)"},
     {"--top-k K", "experts per token, at most E (default 2)"},
-    {"--expert-ffn F", "each expert's width (layer: 8, gpt_oss 32; whole model: 8)"},
+    {"--expert-ffn F", "each expert's width (layer: 8, gpt_oss 32; whole model: 32)"},
     {"--layers L",
      "whole model: layers, 2 to 64 (default 3; llama4_text, qwen3_next, qwen3_5_moe_text 4)"},
     {"--vocab V", "whole model: vocabulary, at least the tokenizer's 259 (default 320)"},
     {"--dense-ffn F", "whole model: the dense MLPs' width (default 20)"},
     {"--heads N", "whole model: attention heads (default 4)"},
-    {"--kv-heads N", "whole model: key/value heads, dividing --heads (default 2)"},
-    {"--head-dim D", "whole model: per-head size, a multiple of 4 (default 8)"},
+    {"--kv-heads N", "whole model: key/value heads, dividing --heads (default 2; not for MLA)"},
+    {"--head-dim D", "whole model: per-head size, a multiple of 4 (default 8; not for MLA)"},
     {"--shards N", "layer: write N shards and model.safetensors.index.json, 1 to 1024 (default 1)"},
     {"--bf16", "store the weights in BF16 (default F32)"},
     {"--fused", "layer: fused experts.gate_up_proj and experts.down_proj, not a tensor per expert"},
@@ -284,8 +285,14 @@ int write_whole_model(Args const& a) {
     for (char const* f : tiny_model::kDecoderFamilies) list.append(" ").append(f);
     moe::detail::fail("--whole-model: MODEL_TYPE '", type, "' is not one of", list);
   }
+  if (tiny_model::mla_of(tiny_model::family_tiny(type)) && (a.dh > 0 || a.kv > 0)) {
+    moe::detail::fail(type,
+                      "'s attention is MLA, whose sizes are fixed here (kv_lora_rank 8, "
+                      "nope 4, rope 4, v 6 per head): drop --head-dim and --kv-heads");
+  }
   tiny_model::Tiny t = tiny_model::family_tiny(type);
   t.V = 320;
+  t.I_moe = 32;  // the tests' 8 is too narrow to stream experts (panels of 32)
   auto set = [](moe::Index& field, moe::Index value) { field = value > 0 ? value : field; };
   set(t.V, a.vocab);
   set(t.H, a.hidden);
@@ -342,8 +349,26 @@ int write_whole_model(Args const& a) {
   return 0;
 }
 
+/// DIR must be missing or an empty directory: the maker never mixes its files with others, nor
+/// replaces a model.
+void check_directory(std::filesystem::path const& dir) {
+  std::error_code ec;
+  auto const st = std::filesystem::symlink_status(dir, ec);
+  if (ec || st.type() == std::filesystem::file_type::not_found) return;
+  if (st.type() != std::filesystem::file_type::directory) {
+    moe::detail::fail("DIR '", dir.string(),
+                      "' exists and is not a directory; pass a new or empty directory");
+  }
+  if (!std::filesystem::is_empty(dir, ec) || ec) {
+    moe::detail::fail("DIR '", dir.string(),
+                      "' is not empty; pass a new or empty directory (the maker never writes "
+                      "over other files)");
+  }
+}
+
 int run(int argc, char** argv) {
   Args const a = parse(argc, argv);
+  check_directory(a.positional[0]);
   if (a.whole) return write_whole_model(a);
   if (a.layers || a.vocab || a.dense_ffn || a.heads || a.kv || a.dh) {
     moe::detail::fail(
@@ -364,9 +389,7 @@ int run(int argc, char** argv) {
   c.num_experts_per_tok = 2;
   c.num_hidden_layers = 2;
   c.shared_expert_intermediate_size = 12;
-  c.decoder_sparse_step = 2;  // Qwen: layer 1 is MoE, layer 0 dense
-  c.n_group = 4;
-  c.topk_group = 2;
+  c.decoder_sparse_step = 2;    // Qwen: layer 1 is MoE, layer 0 dense
   c.first_k_dense_replace = 1;  // DeepSeek, GLM: layer 0 dense (ERNIE: moe_layer_start_index 1)
   if (c.family == moe::io::HfFamily::kDeepseekV2) c.topk_method = "group_limited_greedy";
   c.interleave_moe_layer_step = 2;  // Llama 4: layer 1 is MoE, layer 0 dense
@@ -386,6 +409,16 @@ int run(int argc, char** argv) {
     moe::detail::fail("--top-k ", c.num_experts_per_tok, " exceeds the ", c.num_experts,
                       " experts");
   }
+  if (c.family == moe::io::HfFamily::kDeepseekV3 || c.family == moe::io::HfFamily::kGlm4Moe ||
+      c.family == moe::io::HfFamily::kDeepseekV2) {
+    // Group-limited routing: 4 groups, 2 kept, as the defaults (8 experts, top-2) give; fewer
+    // groups when 4 do not divide the experts, all kept when top-k needs them.
+    c.n_group = c.num_experts % 4 == 0 ? 4 : c.num_experts % 2 == 0 ? 2 : 1;
+    moe::Index const per = c.num_experts / c.n_group;
+    c.topk_group = std::min<moe::Index>(
+        c.n_group,
+        std::max<moe::Index>(c.n_group == 4 ? 2 : 1, (c.num_experts_per_tok + per - 1) / per));
+  }
   if (mxfp4 && (c.hidden_size % 32 != 0 || c.expert_intermediate_size % 32 != 0)) {
     moe::detail::fail("--mxfp4 needs --hidden and --expert-ffn multiples of 32 (MXFP4 blocks)");
   }
@@ -395,13 +428,13 @@ int run(int argc, char** argv) {
     moe::detail::fail("these sizes make over 4 GiB of expert weights; a tiny layer stays under");
   }
   if (use_bias && c.family != moe::io::HfFamily::kErnie45Moe) {
-    std::fprintf(stderr, "--use-bias is for ernie4_5_moe (gpt_oss always has biases)\n");
-    return 1;
+    moe::detail::fail("--use-bias is for ernie4_5_moe (gpt_oss always has biases)");
   }
-  if (mxfp4 && c.family != moe::io::HfFamily::kGptOss) {
-    std::fprintf(stderr, "--mxfp4 is for gpt_oss\n");
-    return 1;
+  if (use_bias && options.fused_experts) {
+    moe::detail::fail(
+        "--use-bias with --fused: ERNIE 4.5's fused expert tensors have no biases; drop one");
   }
+  if (mxfp4 && c.family != moe::io::HfFamily::kGptOss) moe::detail::fail("--mxfp4 is for gpt_oss");
   c.use_bias = use_bias;
   c.defaulted_keys.clear();
   using namespace moe::presets;

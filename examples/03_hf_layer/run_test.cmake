@@ -96,11 +96,13 @@ elseif(MODE STREQUAL "bad")
 elseif(MODE STREQUAL "whole")
   # Every family's --whole-model (sizes, BF16 among the cases): moe_generate runs it (a chat
   # prompt through its tokenizer when TEXT, else ids), moe_run_hf_layer runs its first MoE layer,
-  # moe_run_hf_attention (ATTENTION) a Qwen3-Next full-attention layer.
-  set(cases "qwen3_moe --hidden 64 --expert-ffn 32 --dense-ffn 48 --layers 5 --vocab 300"
+  # moe_run_hf_attention (ATTENTION) a Qwen3-Next full-attention layer; the defaults stream their
+# experts, and moe_quantize (QUANTIZE) refuses gpt_oss's GGUF (llama.cpp has no swiglu_limit key).
+  set(cases "qwen3_moe" "glm4_moe --experts 3" "deepseek_v3 --experts 4 --top-k 4"
+            "qwen3_moe --hidden 64 --expert-ffn 32 --dense-ffn 48 --layers 5 --vocab 300"
             "qwen2_moe --bf16" "mixtral --experts 8 --top-k 3" "olmoe" "glm4_moe"
             "minimax_m2 --heads 8 --kv-heads 4 --head-dim 4" "gpt_oss" "ernie4_5_moe"
-            "deepseek_v3" "deepseek_v2" "qwen3_next" "qwen3_5_moe_text" "llama4_text --layers 6")
+            "deepseek_v2" "qwen3_next" "qwen3_5_moe_text" "llama4_text --layers 6")
   foreach(case IN LISTS cases)
     separate_arguments(args UNIX_COMMAND "${case}")
     list(GET args 0 type)
@@ -135,6 +137,21 @@ elseif(MODE STREQUAL "whole")
     if(NOT rc EQUAL 0 OR NOT EXISTS "${dir}/y.safetensors")
       message(FATAL_ERROR "moe_run_hf_layer on ${case}, layer ${moe_layer} (${rc}): ${err}")
     endif()
+    if(case STREQUAL "qwen3_moe")  # the defaults stream: experts 32 wide
+      execute_process(COMMAND "${GENERATE}" --model "${dir}" --prompt-ids 1,2,3 --max-new-tokens 2
+                              --stream-experts --expert-cache 1MiB RESULT_VARIABLE rc
+                              ERROR_VARIABLE err)
+      if(NOT rc EQUAL 0)
+        message(FATAL_ERROR "moe_generate --stream-experts on ${case} (${rc}):\n${err}")
+      endif()
+    endif()
+    if(type STREQUAL "gpt_oss")  # llama.cpp's GGUF cannot hold its swiglu_limit 0.5: refused
+      execute_process(COMMAND "${QUANTIZE}" --model "${dir}" --out "${dir}/model.gguf"
+                      RESULT_VARIABLE rc ERROR_VARIABLE err)
+      if(NOT rc EQUAL 1 OR NOT err MATCHES "swiglu_limit 0.5" OR EXISTS "${dir}/model.gguf")
+        message(FATAL_ERROR "moe_quantize --out FILE.gguf on gpt_oss (${rc}):\n${err}")
+      endif()
+    endif()
     if(type STREQUAL "qwen3_next")
       execute_process(COMMAND "${ATTENTION}" --model "${dir}" --layer 1 --input
                               "${dir}/x.safetensors" --output "${dir}/attention.safetensors"
@@ -158,7 +175,10 @@ elseif(MODE STREQUAL "whole")
       "layer option|${d}^qwen3_moe^--whole-model^--shards^2|--shards is for a layer checkpoint"
       "whole-model size|${d}^qwen3_moe^--vocab^400|add --whole-model"
       "mxfp4 width|${d}^gpt_oss^--mxfp4^--hidden^48|multiples of 32"
-      "unknown flag|${d}^qwen3_moe^--whole|unknown argument '--whole'")
+      "unknown flag|${d}^qwen3_moe^--whole|unknown argument '--whole'"
+      "MLA head size|${d}^deepseek_v3^--whole-model^--head-dim^16|drop --head-dim and --kv-heads"
+      "biases and fused|${d}^ernie4_5_moe^--use-bias^--fused|fused expert tensors have no biases"
+      "not empty|${WORK_DIR}/qwen3_moe^qwen3_moe|is not empty; pass a new or empty directory")
   foreach(case IN LISTS cases)
     string(REPLACE "|" ";" parts "${case}")
     list(POP_FRONT parts what)

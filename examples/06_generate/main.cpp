@@ -122,6 +122,7 @@ struct Args {
   std::string write_store;  // --write-expert-store
   std::string predictor;    // --predictor
   std::string trace_out;    // --trace-out
+  std::string prompt_file;  // --prompt-file
   moe::models::DecoderOptions weights;
   moe::KvFormat kv = moe::KvFormat::kF32;
 };
@@ -230,6 +231,11 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(f + " needs a value");
       return argv[++i];
     };
+    auto file_value = [&]() -> std::string {  // a file name: not empty
+      std::string v = value();
+      if (v.empty()) usage_error(f + " needs a file name, not an empty string");
+      return v;
+    };
     if (moe_cli::is_help(f)) {
       moe_cli::exit_help(kUsage);
     } else if (f == "--model") {
@@ -251,8 +257,13 @@ Args parse(int argc, char** argv) {
       ++prompts;
     } else if (f == "--prompt-file") {
       std::string const path = value();
+      std::error_code ec;
+      if (std::filesystem::is_directory(path, ec)) {
+        usage_error("--prompt-file: '" + path + "' is a directory; pass a text file");
+      }
       std::ifstream in(path, std::ios::binary);
       if (!in) usage_error("--prompt-file: cannot open '" + path + "'");
+      a.prompt_file = path;
       std::ostringstream text;
       text << in.rdbuf();
       a.text = text.str();
@@ -282,7 +293,7 @@ Args parse(int argc, char** argv) {
     } else if (f == "--seed") {
       a.seed = moe_cli::parse_integer<std::uint64_t>(f, value(), 0, UINT64_MAX);
     } else if (f == "--logits") {
-      a.logits_out = value();
+      a.logits_out = file_value();
     } else if (f == "--dense") {
       std::string const v = value();
       a.weights.dense =
@@ -294,9 +305,9 @@ Args parse(int argc, char** argv) {
     } else if (f == "--experts") {
       a.weights.experts = moe::experts::parse_weight_format(value());
     } else if (f == "--write-expert-store") {
-      a.write_store = value();
+      a.write_store = file_value();
     } else if (f == "--expert-store") {
-      a.weights.expert_store = value();
+      a.weights.expert_store = file_value();
     } else if (f == "--stream-experts") {
       a.weights.stream_experts = true;
     } else if (f == "--expert-cache") {
@@ -304,11 +315,11 @@ Args parse(int argc, char** argv) {
     } else if (f == "--cache-policy") {
       a.weights.streaming.policy = value();
     } else if (f == "--predictor") {
-      a.predictor = value();
+      a.predictor = file_value();
     } else if (f == "--reader-threads") {
       a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
     } else if (f == "--trace-out") {
-      a.trace_out = value();
+      a.trace_out = file_value();
     } else if (f == "--cache-routing") {
       a.weights.streaming.cache_routing = moe::offload::parse_cache_routing(value());
       cache_routing_given = true;
@@ -544,9 +555,52 @@ struct TextPrinter {
 
 }  // namespace
 
+/// Every file this run reads: the model's (model_inputs), its tokenizer files, the prompt file,
+/// the expert store and the predictor. No output may be one of them.
+std::vector<std::filesystem::path> run_inputs(Args const& a) {
+  std::vector<std::filesystem::path> in = moe_cli::model_inputs(a.model);
+  std::error_code ec;
+  if (std::filesystem::is_directory(a.model, ec)) {
+    for (char const* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                          "chat_template.jinja"}) {
+      in.push_back(std::filesystem::path(a.model) / f);
+    }
+  }
+  for (std::string const* f : {&a.prompt_file, &a.weights.expert_store, &a.predictor}) {
+    if (!f->empty()) in.emplace_back(*f);
+  }
+  return in;
+}
+
+/// The outputs given (--logits, --trace-out, --write-expert-store) are checked before anything
+/// is read or written: none may be a file the run reads (by device and inode), another output,
+/// a directory or other non-regular file, or in a missing directory.
+void check_outputs(Args const& a) {
+  std::vector<std::filesystem::path> inputs = run_inputs(a);
+  std::pair<std::string const*, char const*> const outputs[] = {
+      {&a.logits_out, "--logits"},
+      {&a.trace_out, "--trace-out"},
+      {&a.write_store, "--write-expert-store"}};
+  std::vector<std::filesystem::path> seen;
+  for (auto const& [path, option] : outputs) {
+    if (path->empty()) continue;
+    std::filesystem::path const full = std::filesystem::absolute(*path).lexically_normal();
+    for (std::filesystem::path const& other : seen) {
+      if (full == other) {
+        moe::detail::fail(option, " '", *path,
+                          "' is also another output of this run; give each "
+                          "output its own file");
+      }
+    }
+    moe_cli::check_output(*path, inputs, option);
+    seen.push_back(full);
+  }
+}
+
 int main(int argc, char** argv) {
   try {
     Args a = parse(argc, argv);
+    check_outputs(a);  // before anything is read: a refused run reads and writes nothing
 #if MOE_GENERATE_WITH_TEXT
     // The tokenizer first: a missing tokenizer.json fails before the model is loaded.
     std::optional<moe::text::ModelTokenizer> tok;
@@ -558,7 +612,6 @@ int main(int argc, char** argv) {
     if (!a.write_store.empty()) {
       std::unique_ptr<moe::ThreadPool> pool;
       if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);
-      moe_cli::check_output(a.write_store, moe_cli::model_inputs(a.model), "--write-expert-store");
       auto const t0 = Clock::now();
       // One MoE layer at a time: the model is never loaded whole.
       std::vector<moe::models::Fallback> const fell =
@@ -593,15 +646,6 @@ int main(int argc, char** argv) {
       std::string line;
       for (std::int64_t const id : a.prompt) line += (line.empty() ? "" : ",") + std::to_string(id);
       std::fprintf(stderr, "moe_generate: prompt ids (%zu): %s\n", a.prompt.size(), line.c_str());
-    }
-    // The logits file must not be a file of the model (config.json, a weights file or shard: by
-    // device and inode), a directory or other non-regular file, or in a missing directory;
-    // checked before the model is loaded, so a refused run reads and writes nothing.
-    if (!a.logits_out.empty()) {
-      moe_cli::check_output(a.logits_out, moe_cli::model_inputs(a.model), "--logits");
-    }
-    if (!a.trace_out.empty()) {
-      moe_cli::check_output(a.trace_out, moe_cli::model_inputs(a.model), "--trace-out");
     }
     std::unique_ptr<moe::ThreadPool> pool;
     if (a.threads > 1) pool = std::make_unique<moe::ThreadPool>(a.threads);

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "../common/cli.hpp"
+#include "moe/io/detail/output_file.hpp"
 #include "moe/offload/predictor.hpp"
 #include "moe/offload/simulator.hpp"
 #include "moe/offload/synthetic.hpp"
@@ -221,6 +223,26 @@ int main(int argc, char** argv) {
     return moe_cli::kExitUsage;
   }
   try {
+    // Before anything is read or written: an input that is a directory, and an output that is an
+    // input (by device and inode) or the other output, are refused.
+    std::vector<std::filesystem::path> inputs;
+    for (std::string const* in : {&a.trace, &a.train_trace, &a.predictor}) {
+      if (in->empty()) continue;
+      std::error_code ec;
+      if (std::filesystem::is_directory(*in, ec)) {
+        moe::detail::fail("'", *in, "' is a directory; pass a file");
+      }
+      inputs.emplace_back(*in);
+    }
+    for (auto const& [out, option] : {std::pair{&a.write_trace, "--write-trace"},
+                                      std::pair{&a.train_predictor, "--train-predictor"}}) {
+      if (out->empty()) continue;
+      moe::io::check_output_file(*out, inputs, option);
+    }
+    if (!a.write_trace.empty() && moe::io::same_file(a.write_trace, a.train_predictor)) {
+      moe::detail::fail("--write-trace and --train-predictor name the same file '", a.write_trace,
+                        "'; give each output its own file");
+    }
     off::Trace trace;
     std::string source;
     std::optional<off::SyntheticTraceConfig> config;

@@ -42,4 +42,27 @@ run(--trace ${WORK_DIR}/bad.trace)
 if(NOT rc STREQUAL "1" OR NOT err MATCHES "shorter than the 40-byte trace header")
   message(FATAL_ERROR "moe_cache_sim bad trace: exit ${rc}\n${err}")
 endif()
+# An output that is an input, or the other output, or an input that is a directory: exit 1, one
+# line, the input unchanged.
+file(SHA256 ${WORK_DIR}/t.trace before)
+foreach(case "--trace^${WORK_DIR}/t.trace^--warmup^50^--train-predictor^${WORK_DIR}/t.trace|is the input"
+             "--train-trace^${WORK_DIR}/t.trace^--warmup^50^--train-predictor^${WORK_DIR}/t.trace|is the input"
+             "--tokens^100^--warmup^10^--write-trace^${WORK_DIR}/o.x^--train-predictor^${WORK_DIR}/o.x|name the same file"
+             "--trace^${WORK_DIR}|is a directory")
+  string(REPLACE "|" ";" parts "${case}")
+  list(GET parts 1 want)
+  list(GET parts 0 args)
+  string(REPLACE "^" ";" args "${args}")
+  run(${args})
+  string(REGEX MATCHALL "\n" newlines "${err}")
+  list(LENGTH newlines lines)
+  if(NOT rc STREQUAL "1" OR NOT lines EQUAL 1 OR NOT err MATCHES "${want}")
+    message(FATAL_ERROR "moe_cache_sim ${args}: want exit 1 and one line with '${want}', got "
+                        "exit ${rc}:\n${err}")
+  endif()
+endforeach()
+file(SHA256 ${WORK_DIR}/t.trace after)
+if(NOT before STREQUAL after OR EXISTS ${WORK_DIR}/o.x)
+  message(FATAL_ERROR "moe_cache_sim: a refused run wrote a file")
+endif()
 message(STATUS "moe_cache_sim: preset run, trace replay and errors as expected")

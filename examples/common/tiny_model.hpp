@@ -119,6 +119,16 @@ inline Attention attention_of(Tiny const& t) {
   return a;
 }
 
+/// The expert groups of the group-routed families (DeepSeek-V3/V2, GLM-4.5): 2 when they divide
+/// the experts (the tests' 4 experts), else 1.
+inline Index group_count(Index E) { return E % 2 == 0 ? 2 : 1; }
+/// The groups kept: 1 (the tests' top-2 of 4), or all of them when top-k needs more experts than
+/// one group holds.
+inline Index kept_groups(Index E, Index k) {
+  Index const g = group_count(E);
+  return k <= E / g ? 1 : g;
+}
+
 /// The MoE keys of the tiny model (dense layers: Qwen's mlp_only_layers {1}, GLM's first layer).
 inline moe::io::HfMoeConfig moe_config(Tiny const& t) {
   moe::io::HfMoeConfig c = moe::io::parse_hf_config(
@@ -134,8 +144,8 @@ inline moe::io::HfMoeConfig moe_config(Tiny const& t) {
   if (t.type == "glm4_moe") {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
-    c.n_group = 2;
-    c.topk_group = 1;
+    c.n_group = group_count(t.E);
+    c.topk_group = kept_groups(t.E, t.k);
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = true;
   }
@@ -143,8 +153,8 @@ inline moe::io::HfMoeConfig moe_config(Tiny const& t) {
   if (t.type == "deepseek_v3" || t.type == "deepseek_v2") {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
-    c.n_group = 2;
-    c.topk_group = 1;
+    c.n_group = group_count(t.E);
+    c.topk_group = kept_groups(t.E, t.k);
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = t.type == "deepseek_v3";
     if (t.type == "deepseek_v2") c.topk_method = "group_limited_greedy";

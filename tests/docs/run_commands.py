@@ -16,8 +16,9 @@ option), on files the repository's own tools make:
                       ./build/release/bench/moe_bench ... runs the binary of this build
   docs/perf/          for the benches' --benchmark_out=docs/perf/... (run from the root)
 
-Each command runs with bash in work/, the tool directories first on PATH, and must exit 0 within
-its time limit. Benchmark binaries get --benchmark_list_tests=true appended: the line is parsed
+The commands of each markdown file run in order, with bash, in a directory of that file's own
+(work/in_<file>/, the files above linked into it: what one file's commands make never meets
+another's), the tool directories first on PATH, and each must exit 0 within its time limit. Benchmark binaries get --benchmark_list_tests=true appended: the line is parsed
 and its filter must match at least one benchmark, but nothing is timed. Lines that are synopses
 (they hold `[`, `|` outside quotes or `...` as an argument) are not commands and are skipped;
 so are the lines of SKIP below, each with the reason it cannot run here. A SKIP entry that no
@@ -117,7 +118,6 @@ def main():
     work = a.work
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(os.path.join(work, "build", "release"))
-    os.makedirs(os.path.join(work, "docs", "perf"))  # benches' --benchmark_out=docs/perf/...
     env = dict(os.environ)
     path = [a.examples] + ([a.bench] if a.bench else [])
     env["PATH"] = os.pathsep.join(path + [env.get("PATH", "")])
@@ -135,18 +135,31 @@ def main():
         if code != 0:
             print(f"setup failed: {cmd}\n{err}")
             return 1
-    for name, target in [("Qwen3-30B-A3B", "DIR"), ("model.gguf", "FILE.gguf"),
-                         ("Qwen3-30B-A3B-Q4_K_M.gguf", "FILE.gguf"),
-                         ("x.safetensors", "DIR/x.safetensors")]:
-        os.symlink(target, os.path.join(work, name))
     with open(os.path.join(work, "prompt.txt"), "w", encoding="utf-8") as f:
         f.write("Why is the sky blue?\n")
+
+    def file_dir(md):
+        """A directory of its own for the commands of `md`, linking the shared files."""
+        d = os.path.join(work, "in_" + re.sub(r"[^A-Za-z0-9]+", "_", md))
+        os.makedirs(os.path.join(d, "docs", "perf"))  # benches' --benchmark_out=docs/perf/...
+        for name, target in [("DIR", "DIR"), ("FILE.gguf", "FILE.gguf"),
+                             ("Qwen3-30B-A3B", "DIR"), ("model.gguf", "FILE.gguf"),
+                             ("Qwen3-30B-A3B-Q4_K_M.gguf", "FILE.gguf"),
+                             ("x.safetensors", "DIR/x.safetensors"), ("prompt.txt", "prompt.txt"),
+                             ("build", "build")]:
+            src, dst = os.path.join(work, target), os.path.join(d, name)
+            if os.path.isdir(src):
+                os.symlink(src, dst)
+            else:  # a hard link: a regular file, which a command may replace as its output
+                os.link(src, dst)
+        return d
 
     used = set()
     ran = skipped = synopses = failed = 0
     for md in a.markdown:
         shown = os.path.relpath(md, os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__)))))
+        cwd = None
         for number, cmd in commands(md):
             where = f"{shown}:{number}"
             reason = None
@@ -175,9 +188,11 @@ def main():
             run_cmd = cmd
             if bench:
                 run_cmd = re.sub(r"\s+#.*$", "", cmd) + " --benchmark_list_tests=true"
+            if cwd is None:
+                cwd = file_dir(shown)
             start = time.monotonic()
             try:
-                code, out, err = run(run_cmd, work, env, 300)
+                code, out, err = run(run_cmd, cwd, env, 300)
             except subprocess.TimeoutExpired:
                 code, out, err = -1, "", "timed out after 300 s"
             ok = code == 0 and (not bench or out.strip() != "")

@@ -8,6 +8,8 @@
 #           directory or a file in a missing directory: refused (exit 1, one line) before the
 #           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
 #           a run that got as far as loading would fail with another message), model unchanged;
+#           and, on a whole model, its tokenizer files, the prompt file or the other output
+#           (--trace-out) as --logits, an empty --logits and a directory as --prompt-file;
 #   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
 #           moe_run_hf_attention, moe_quantize and moe_hf_make_tiny_checkpoint: exit 1, one line
 #           naming option, value, range.
@@ -122,6 +124,31 @@ elseif(MODE STREQUAL "logits")
       endif()
     endforeach()
   endforeach()
+  # A whole model: its tokenizer files, the prompt file and the other output are inputs too.
+  set(dir "${WORK_DIR}/whole")
+  make_checkpoint("${dir}" qwen3_moe --whole-model)
+  file(WRITE "${WORK_DIR}/prompt.txt" "hello\n")
+  file(SHA256 "${dir}/tokenizer.json" tokenizer_hash)
+  set(gen "${GENERATE}" --model "${dir}" --prompt-ids 1 --max-new-tokens 1)
+  foreach(f tokenizer.json tokenizer_config.json generation_config.json)
+    expect("--logits ${f}" 1 1 "--logits: the output '.*' is the input" ${gen} --logits
+           "${dir}/${f}")
+  endforeach()
+  expect("--logits the prompt file" 1 1 "--logits: the output '.*' is the input" "${GENERATE}"
+         --model "${dir}" --prompt-file "${WORK_DIR}/prompt.txt" --max-new-tokens 1 --logits
+         "${WORK_DIR}/prompt.txt")
+  expect("--trace-out the --logits file" 1 1 "--trace-out '.*' is also another output" ${gen}
+         --logits "${WORK_DIR}/o.st" --trace-out "${WORK_DIR}/o.st")
+  # (through bash: CMake drops an empty argument)
+  expect("--logits empty" 1 1 "--logits needs a file name" bash -c
+         "'${GENERATE}' --model '${dir}' --prompt-ids 1 --max-new-tokens 1 --logits ''")
+  expect("--prompt-file a directory" 1 1 "--prompt-file: '.*' is a directory" "${GENERATE}"
+         --model "${dir}" --prompt-file "${WORK_DIR}" --max-new-tokens 1)
+  file(SHA256 "${dir}/tokenizer.json" h)
+  file(READ "${WORK_DIR}/prompt.txt" p)
+  if(NOT h STREQUAL tokenizer_hash OR NOT p STREQUAL "hello\n" OR EXISTS "${WORK_DIR}/o.st")
+    message(FATAL_ERROR "a refused moe_generate run wrote a file")
+  endif()
 elseif(MODE STREQUAL "integers")
   # Integer options are read as typed (no wrap-around to a small value) and range-checked before
   # the model is read; the message names the option, the value and the range.

@@ -139,6 +139,12 @@ inline void check_gguf_expressible(DecoderConfig const& c, std::string const& ar
       refuse("YaRN mscale other than mscale_all_dim");
     }
   }
+  if (c.moe.family == io::HfFamily::kGptOss &&
+      (c.moe.swiglu_limit != 7.0f || c.moe.swiglu_alpha != 1.702f)) {
+    // llama.cpp's gpt-oss experts: swiglu_oai with alpha 1.702 and limit 7, hard-coded.
+    refuse("swiglu_limit ", c.moe.swiglu_limit, " and swiglu_alpha ", c.moe.swiglu_alpha,
+           " (llama.cpp assumes 7 and 1.702)");
+  }
   if (c.moe.spec().decoder.llama4_layers) {
     // llama.cpp's llama4: every 4th layer NoPE with temperature tuning (floor 8192, scale 0.1),
     // chunks of 8192 on the others, the L2 q/k norm unless the model has 128 experts.

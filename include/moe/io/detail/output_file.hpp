@@ -58,12 +58,18 @@ inline void check_output_path(std::filesystem::path const& path, std::string con
   }
 }
 
-/// Whether `a` and `b` name the same existing file (same device and inode, symbolic links
-/// followed); false when either does not exist.
+/// Whether `a` and `b` name the same file: the same device and inode (symbolic links followed)
+/// when both exist; otherwise the same path once made absolute and normalised (two outputs of
+/// one run spelt alike, neither written yet).
 inline bool same_file(std::filesystem::path const& a, std::filesystem::path const& b) {
   struct stat sa {
   }, sb{};
-  if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) return false;
+  if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) {
+    std::error_code ea, eb;  // one is missing: the same path, spelt alike once made absolute
+    std::filesystem::path const pa = std::filesystem::absolute(a, ea).lexically_normal();
+    std::filesystem::path const pb = std::filesystem::absolute(b, eb).lexically_normal();
+    return !ea && !eb && pa == pb;
+  }
   return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
 
