@@ -242,7 +242,12 @@ int main_impl(int argc, char** argv) {
     }
   }
   for (char const* required : {"--model", "--layer", "--bits", "--method", "--out"}) {
-    if (args.count(required) == 0) fail("missing ", required, "; ", kSeeHelp);
+    if (args.count(required) == 0) {
+      // --out not ending in .gguf means a layer checkpoint directory: say so.
+      fail("missing ", required, " (one layer quantized into the directory --out",
+           args.count("--out") != 0 ? " '" + args.at("--out") + "'" : std::string(),
+           "; a whole model is written by --out FILE.gguf, lower-case .gguf); ", kSeeHelp);
+    }
   }
   Index const layer = parse_int("--layer", args.at("--layer"), 0, 1 << 20);
   // --candidates: a comma-separated list of format names; an empty list or item is a usage

@@ -209,6 +209,8 @@ double parse_double(std::string const& flag, std::string const& s, double lo, do
   std::size_t used = 0;
   double v = 0;
   try {
+    // Decimal only: std::stod also reads hexadecimal ("0x10" = 16), "inf" and "nan".
+    if (s.find_first_of("xXnN") != std::string::npos) throw std::invalid_argument(s);
     v = std::stod(s, &used);
   } catch (std::exception const&) {
     used = 0;
@@ -224,7 +226,8 @@ Args parse(int argc, char** argv) {
   Args a;
   a.weights.streaming.budget_bytes = std::uint64_t{2} << 30;
   bool have_model = false, have_n = false, latency_given = false, cache_routing_given = false;
-  int prompts = 0;  // --prompt-ids, --prompt and --prompt-file given
+  int prompts = 0;           // --prompt-ids, --prompt and --prompt-file given
+  std::string cache_option;  // the last expert-cache option given
   for (int i = 1; i < argc; ++i) {
     std::string const f = argv[i];
     auto value = [&]() -> std::string {
@@ -311,12 +314,15 @@ Args parse(int argc, char** argv) {
     } else if (f == "--stream-experts") {
       a.weights.stream_experts = true;
     } else if (f == "--expert-cache") {
+      cache_option = f;
       a.weights.streaming.budget_bytes = moe_cli::parse_bytes(f, value());
     } else if (f == "--cache-policy") {
+      cache_option = f;
       a.weights.streaming.policy = value();
     } else if (f == "--predictor") {
       a.predictor = file_value();
     } else if (f == "--reader-threads") {
+      cache_option = f;
       a.weights.streaming.reader_threads = moe_cli::parse_integer<int>(f, value(), 0, 256);
     } else if (f == "--trace-out") {
       a.trace_out = file_value();
@@ -324,6 +330,7 @@ Args parse(int argc, char** argv) {
       a.weights.streaming.cache_routing = moe::offload::parse_cache_routing(value());
       cache_routing_given = true;
     } else if (f == "--prefetch") {
+      cache_option = f;
       a.weights.streaming.prefetch = value();
     } else if (f == "--direct-io") {
       a.weights.store_read.direct = true;
@@ -357,6 +364,16 @@ Args parse(int argc, char** argv) {
       (a.weights.store_read.direct || a.weights.store_read.bandwidth_bytes_per_s > 0.0 ||
        latency_given)) {
     usage_error("--direct-io, --read-bandwidth and --read-latency go with --expert-store");
+  }
+  if (a.weights.expert_store.empty() && !a.weights.stream_experts && !cache_option.empty()) {
+    usage_error(cache_option +
+                " sizes or drives the expert cache: it goes with --expert-store or "
+                "--stream-experts");
+  }
+  if (a.top_p != 1.0 && a.temperature == 0.0) {
+    usage_error(
+        "--top-p restricts sampling: give --temperature above 0 with it (at 0, the "
+        "default, decoding is greedy)");
   }
   if (a.weights.expert_store.empty() && !a.weights.stream_experts &&
       (!a.predictor.empty() || cache_routing_given)) {

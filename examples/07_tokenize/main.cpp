@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -91,6 +92,10 @@ Args parse(int argc, char** argv) {
 }
 
 std::string read_file(std::string const& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw std::runtime_error("--file '" + path + "' is a directory; pass a text file");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot open --file '" + path + "'");
   std::ostringstream s;

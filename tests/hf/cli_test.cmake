@@ -9,7 +9,8 @@
 #           model is loaded (the tiny checkpoint is a single MoE layer, not a loadable decoder:
 #           a run that got as far as loading would fail with another message), model unchanged;
 #           and, on a whole model, its tokenizer files, the prompt file or the other output
-#           (--trace-out) as --logits, an empty --logits and a directory as --prompt-file;
+#           (--trace-out) as --logits, an empty --logits and a directory as --prompt-file; cache
+#           options without a cache, --top-p while greedy, a hexadecimal --temperature;
 #   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
 #           moe_run_hf_attention, moe_quantize and moe_hf_make_tiny_checkpoint: exit 1, one line
 #           naming option, value, range.
@@ -142,6 +143,12 @@ elseif(MODE STREQUAL "logits")
   # (through bash: CMake drops an empty argument)
   expect("--logits empty" 1 1 "--logits needs a file name" bash -c
          "'${GENERATE}' --model '${dir}' --prompt-ids 1 --max-new-tokens 1 --logits ''")
+  expect("--expert-cache without a store" 1 1 "--expert-cache sizes or drives the expert cache"
+         ${gen} --expert-cache 1GiB)
+  expect("--top-p while greedy" 1 1 "--top-p restricts sampling: give --temperature" ${gen}
+         --top-p 0.5)
+  expect("--temperature in hexadecimal" 1 1 "--temperature needs a number in .*got '0x10'" ${gen}
+         --temperature 0x10)
   expect("--prompt-file a directory" 1 1 "--prompt-file: '.*' is a directory" "${GENERATE}"
          --model "${dir}" --prompt-file "${WORK_DIR}" --max-new-tokens 1)
   file(SHA256 "${dir}/tokenizer.json" h)
