@@ -10,7 +10,8 @@
 #           a run that got as far as loading would fail with another message), model unchanged;
 #           and, on a whole model, its tokenizer files, the prompt file or the other output
 #           (--trace-out) as --logits, an empty --logits and a directory as --prompt-file; cache
-#           options without a cache, --top-p while greedy, a hexadecimal --temperature;
+#           options without a cache, --top-p while greedy, a hexadecimal --temperature; and a
+#           config.json whose num_hidden_layers leaves a layer unread: a warning;
 #   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
 #           moe_run_hf_attention, moe_quantize and moe_hf_make_tiny_checkpoint: exit 1, one line
 #           naming option, value, range.
@@ -151,6 +152,15 @@ elseif(MODE STREQUAL "logits")
          --temperature 0x10)
   expect("--prompt-file a directory" 1 1 "--prompt-file: '.*' is a directory" "${GENERATE}"
          --model "${dir}" --prompt-file "${WORK_DIR}" --max-new-tokens 1)
+  # Fewer num_hidden_layers in config.json than the checkpoint's layers: a warning names them.
+  set(short "${WORK_DIR}/short")
+  make_checkpoint("${short}" qwen3_moe --whole-model)
+  file(READ "${short}/config.json" config)
+  string(REPLACE "\"num_hidden_layers\": 3" "\"num_hidden_layers\": 2" config "${config}")
+  file(WRITE "${short}/config.json" "${config}")
+  expect("num_hidden_layers below the checkpoint's layers" 0 0
+         "warning: the checkpoint holds layers up to 2 \\(model\\.layers\\.2\\.\\*\\) but config\\.json's num_hidden_layers is 2: layer 2 is not run"
+         "${GENERATE}" --model "${short}" --prompt-ids 1 --max-new-tokens 1)
   file(SHA256 "${dir}/tokenizer.json" h)
   file(READ "${WORK_DIR}/prompt.txt" p)
   if(NOT h STREQUAL tokenizer_hash OR NOT p STREQUAL "hello\n" OR EXISTS "${WORK_DIR}/o.st")

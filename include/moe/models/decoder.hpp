@@ -1311,6 +1311,28 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     return w;
   };
   d.norm = norm_weight(root.model + "norm.weight");
+  {  // layers the checkpoint holds past num_hidden_layers are not run: say so
+    std::string const prefix = root.model + "layers.";
+    Index last = -1;
+    for (std::string const& name : ckpt.names()) {
+      if (!name.starts_with(prefix)) continue;
+      Index n = 0;
+      std::size_t i = prefix.size();
+      for (; i < name.size() && i < prefix.size() + 9 && name[i] >= '0' && name[i] <= '9'; ++i) {
+        n = n * 10 + (name[i] - '0');
+      }
+      if (i > prefix.size() && i < name.size() && name[i] == '.') last = std::max(last, n);
+    }
+    if (last >= c.num_hidden_layers) {
+      d.warnings.push_back(io::detail::concat(
+          "the checkpoint holds layers up to ", last, " (", prefix, last,
+          ".*) but config.json's num_hidden_layers is ", c.num_hidden_layers, ": ",
+          last == c.num_hidden_layers
+              ? io::detail::concat("layer ", last, " is")
+              : io::detail::concat("layers ", c.num_hidden_layers, " to ", last, " are"),
+          " not run; set num_hidden_layers to ", last + 1, " if the model has them"));
+    }
+  }
   if (c.tie_word_embeddings) {
     if (ckpt.find(root.head + "lm_head.weight") != nullptr) {
       d.warnings.push_back(
