@@ -11,7 +11,8 @@
 #           and, on a whole model, its tokenizer files, the prompt file or the other output
 #           (--trace-out) as --logits, an empty --logits and a directory as --prompt-file; cache
 #           options without a cache, --top-p while greedy, a hexadecimal --temperature; and a
-#           config.json whose num_hidden_layers leaves a layer unread: a warning;
+#           config.json whose num_hidden_layers leaves a layer unread: a warning; an empty .gguf
+#           file and a symbolic link loop as --model, each said as such;
 #   integers  out-of-range or malformed integer options of moe_generate, moe_run_hf_layer,
 #           moe_run_hf_attention, moe_quantize and moe_hf_make_tiny_checkpoint: exit 1, one line
 #           naming option, value, range.
@@ -152,6 +153,14 @@ elseif(MODE STREQUAL "logits")
          --temperature 0x10)
   expect("--prompt-file a directory" 1 1 "--prompt-file: '.*' is a directory" "${GENERATE}"
          --model "${dir}" --prompt-file "${WORK_DIR}" --max-new-tokens 1)
+  # A model path that is an empty .gguf file, or a symbolic link loop: said as such.
+  file(WRITE "${WORK_DIR}/empty.gguf" "")
+  expect("--model an empty .gguf" 1 1 "'.*empty.gguf' is named .gguf but is not a GGUF file \\(0 bytes"
+         "${GENERATE}" --model "${WORK_DIR}/empty.gguf" --prompt-ids 1 --max-new-tokens 1)
+  file(CREATE_LINK "${WORK_DIR}/loop_b" "${WORK_DIR}/loop_a" SYMBOLIC)
+  file(CREATE_LINK "${WORK_DIR}/loop_a" "${WORK_DIR}/loop_b" SYMBOLIC)
+  expect("--model a symbolic link loop" 1 1 "is a symbolic link that leads nowhere" "${GENERATE}"
+         --model "${WORK_DIR}/loop_a" --prompt-ids 1 --max-new-tokens 1)
   # Fewer num_hidden_layers in config.json than the checkpoint's layers: a warning names them.
   set(short "${WORK_DIR}/short")
   make_checkpoint("${short}" qwen3_moe --whole-model)

@@ -1342,6 +1342,18 @@ namespace detail {
 inline void check_model_dir(std::filesystem::path const& model_dir) {
   std::error_code ec;
   if (std::filesystem::is_directory(model_dir, ec)) return;
+  if (std::filesystem::is_symlink(model_dir, ec) && !std::filesystem::exists(model_dir, ec)) {
+    moe::detail::fail("hf: '", model_dir.string(),
+                      "' is a symbolic link that leads nowhere (a loop or a missing target); "
+                      "pass the model's directory or GGUF file itself");
+  }
+  std::string ext = model_dir.extension().string();
+  for (char& ch : ext) ch = static_cast<char>(ch >= 'A' && ch <= 'Z' ? ch - 'A' + 'a' : ch);
+  if (ext == ".gguf" && std::filesystem::is_regular_file(model_dir, ec)) {
+    moe::detail::fail("hf: '", model_dir.string(), "' is named .gguf but is not a GGUF file (",
+                      std::filesystem::file_size(model_dir, ec),
+                      " bytes, no GGUF magic); pass a complete GGUF file or a model directory");
+  }
   if (std::filesystem::exists(model_dir, ec)) {
     moe::detail::fail("hf: '", model_dir.string(),
                       "' is a file; pass the model's directory (the one holding config.json and "
