@@ -318,7 +318,8 @@ int write_whole_model(Args const& a) {
                       "families)");
   }
   std::uint64_t values = 0;
-  for (tiny_model::TensorSpec const& s : tiny_model::tensor_specs(t)) {
+  std::vector<tiny_model::TensorSpec> const specs = tiny_model::tensor_specs(t);
+  for (tiny_model::TensorSpec const& s : specs) {
     std::uint64_t n = 1;
     for (std::int64_t d : s.shape) n *= static_cast<std::uint64_t>(d);
     values += n;
@@ -344,8 +345,8 @@ int write_whole_model(Args const& a) {
                dir.c_str(), type.c_str(), static_cast<long long>(t.L), moe_layers.c_str(),
                dense_layers.empty() ? " none" : dense_layers.c_str(), static_cast<long long>(t.H),
                static_cast<long long>(t.V), static_cast<long long>(t.E),
-               static_cast<long long>(t.k), tiny_model::tensor_specs(t).size(),
-               bf16 ? "BF16" : "F32", gib * 1024.0, static_cast<long long>(t.H));
+               static_cast<long long>(t.k), specs.size(), bf16 ? "BF16" : "F32", gib * 1024.0,
+               static_cast<long long>(t.H));
   return 0;
 }
 
@@ -412,12 +413,10 @@ int run(int argc, char** argv) {
   if (c.family == moe::io::HfFamily::kDeepseekV3 || c.family == moe::io::HfFamily::kGlm4Moe ||
       c.family == moe::io::HfFamily::kDeepseekV2) {
     // Group-limited routing: 4 groups, 2 kept, as the defaults (8 experts, top-2) give; fewer
-    // groups when 4 do not divide the experts, all kept when top-k needs them.
-    c.n_group = c.num_experts % 4 == 0 ? 4 : c.num_experts % 2 == 0 ? 2 : 1;
-    moe::Index const per = c.num_experts / c.n_group;
-    c.topk_group = std::min<moe::Index>(
-        c.n_group,
-        std::max<moe::Index>(c.n_group == 4 ? 2 : 1, (c.num_experts_per_tok + per - 1) / per));
+    // groups when 4 do not divide the experts, more kept when top-k needs them.
+    c.n_group = tiny_model::group_count(c.num_experts, 4);
+    c.topk_group = tiny_model::kept_groups(c.num_experts, c.num_experts_per_tok, c.n_group,
+                                           c.n_group == 4 ? 2 : 1);
   }
   if (mxfp4 && (c.hidden_size % 32 != 0 || c.expert_intermediate_size % 32 != 0)) {
     moe::detail::fail("--mxfp4 needs --hidden and --expert-ffn multiples of 32 (MXFP4 blocks)");

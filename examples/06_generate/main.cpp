@@ -601,16 +601,15 @@ void check_outputs(Args const& a) {
   std::vector<std::filesystem::path> seen;
   for (auto const& [path, option] : outputs) {
     if (path->empty()) continue;
-    std::filesystem::path const full = std::filesystem::absolute(*path).lexically_normal();
     for (std::filesystem::path const& other : seen) {
-      if (full == other) {
+      if (moe::io::same_file(*path, other)) {
         moe::detail::fail(option, " '", *path,
                           "' is also another output of this run; give each "
                           "output its own file");
       }
     }
     moe_cli::check_output(*path, inputs, option);
-    seen.push_back(full);
+    seen.emplace_back(*path);
   }
 }
 

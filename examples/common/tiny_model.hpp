@@ -9,6 +9,7 @@
 // tokens) with a ChatML chat template, so that moe_generate --prompt and --chat run on it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -119,14 +120,18 @@ inline Attention attention_of(Tiny const& t) {
   return a;
 }
 
-/// The expert groups of the group-routed families (DeepSeek-V3/V2, GLM-4.5): 2 when they divide
-/// the experts (the tests' 4 experts), else 1.
-inline Index group_count(Index E) { return E % 2 == 0 ? 2 : 1; }
-/// The groups kept: 1 (the tests' top-2 of 4), or all of them when top-k needs more experts than
-/// one group holds.
-inline Index kept_groups(Index E, Index k) {
-  Index const g = group_count(E);
-  return k <= E / g ? 1 : g;
+/// The expert groups of the group-routed families (DeepSeek-V3/V2, GLM-4.5): the largest power
+/// of two up to `most` that divides the experts (the tests' 4 experts: 2).
+inline Index group_count(Index E, Index most = 2) {
+  Index g = most;
+  while (g > 1 && E % g != 0) g /= 2;
+  return g;
+}
+/// The groups kept: at least `least` (the tests' top-2 of 4: 1), more when top-k needs more
+/// experts than those hold, at most all of them.
+inline Index kept_groups(Index E, Index k, Index groups, Index least = 1) {
+  Index const per = E / groups;
+  return std::min(groups, std::max(least, (k + per - 1) / per));
 }
 
 /// The MoE keys of the tiny model (dense layers: Qwen's mlp_only_layers {1}, GLM's first layer).
@@ -145,7 +150,7 @@ inline moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
     c.n_group = group_count(t.E);
-    c.topk_group = kept_groups(t.E, t.k);
+    c.topk_group = kept_groups(t.E, t.k, c.n_group);
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = true;
   }
@@ -154,7 +159,7 @@ inline moe::io::HfMoeConfig moe_config(Tiny const& t) {
     c.n_shared_experts = 1;
     c.first_k_dense_replace = 1;
     c.n_group = group_count(t.E);
-    c.topk_group = kept_groups(t.E, t.k);
+    c.topk_group = kept_groups(t.E, t.k, c.n_group);
     c.routed_scaling_factor = 1.5f;
     c.norm_topk_prob = t.type == "deepseek_v3";
     if (t.type == "deepseek_v2") c.topk_method = "group_limited_greedy";

@@ -1315,13 +1315,7 @@ Decoder<Moe> load_decoder(DecoderConfig const& c,
     std::string const prefix = root.model + "layers.";
     Index last = -1;
     for (std::string const& name : ckpt.names()) {
-      if (!name.starts_with(prefix)) continue;
-      Index n = 0;
-      std::size_t i = prefix.size();
-      for (; i < name.size() && i < prefix.size() + 9 && name[i] >= '0' && name[i] <= '9'; ++i) {
-        n = n * 10 + (name[i] - '0');
-      }
-      if (i > prefix.size() && i < name.size() && name[i] == '.') last = std::max(last, n);
+      last = std::max(last, io::detail::indexed_name(name, prefix).value_or(-1));
     }
     if (last >= c.num_hidden_layers) {
       d.warnings.push_back(io::detail::concat(

@@ -70,18 +70,9 @@ struct GgufAsHf {
 
 namespace detail {
 
-/// The block (layer) index L of a GGUF tensor named "blk.L.<rest>", or nullopt for any other name
-/// (no digits, more than 9 of them, or no dot after them).
+/// The block (layer) index L of a GGUF tensor named "blk.L.<rest>", or nullopt.
 inline std::optional<Index> gguf_block_of(std::string_view name) {
-  if (!name.starts_with("blk.")) return std::nullopt;
-  std::size_t const dot = name.find('.', 4);
-  if (dot == std::string_view::npos || dot == 4 || dot > 4 + 9) return std::nullopt;
-  Index L = 0;
-  for (char const ch : name.substr(4, dot - 4)) {
-    if (ch < '0' || ch > '9') return std::nullopt;
-    L = L * 10 + (ch - '0');
-  }
-  return L;
+  return indexed_name(name, "blk.");
 }
 
 /// The Hugging Face name of GGUF tensor `name` of a `family` model, or nullopt. A merged

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,6 +16,23 @@
 #include "moe/io/hf/config.hpp"
 
 namespace moe::io {
+
+namespace detail {
+/// The index L of a tensor named "<prefix>L.<rest>" ("blk." in GGUF, "model.layers." in a
+/// Hugging Face checkpoint), or nullopt for any other name (no digits, more than 9 of them, or no
+/// dot after them).
+inline std::optional<Index> indexed_name(std::string_view name, std::string_view prefix) {
+  if (!name.starts_with(prefix)) return std::nullopt;
+  std::size_t const at = prefix.size(), dot = name.find('.', at);
+  if (dot == std::string_view::npos || dot == at || dot > at + 9) return std::nullopt;
+  Index L = 0;
+  for (char const ch : name.substr(at, dot - at)) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+    L = L * 10 + (ch - '0');
+  }
+  return L;
+}
+}  // namespace detail
 
 /// What a checkpoint tensor of an MoE layer holds (I: expert width, Is: shared expert width).
 enum class HfPart : std::uint8_t {
