@@ -44,7 +44,7 @@ if(NOT FUZZER)
   if(stale)
     message("Building ${FUZZER} with ${CLANGXX}")
     execute_process(
-      COMMAND "${CLANGXX}" -std=c++20 -O1 -g -fno-omit-frame-pointer
+      COMMAND "${CLANGXX}" -std=c++20 -O1 -gline-tables-only -fno-omit-frame-pointer
               -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
               -Wall -Wextra -Werror ${flags} -I "${INCLUDE_DIR}" "${SOURCE}" -o "${FUZZER}.new"
       RESULT_VARIABLE rc)
