@@ -203,21 +203,11 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   }
 
   /// Routes x: computes ws.logits, ws.selection, ws.plan and ws.aux_loss, without running experts.
-  void route(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt = {}) const {
-    auto const busy = ws.in_use.enter("MoeFfn::route");
-    route_impl(x, ws, opt);
-  }
+  void route(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt = {}) const;
 
   /// y = MoE(x): route, run the routed and shared experts, combine. See the class comment.
   void forward(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
-               ForwardOptions const& opt = {}) const {
-    auto const busy = ws.in_use.enter("MoeFfn::forward");
-    check_input(x);
-    check_output(x, y);
-    route_impl(x, ws, opt);
-    run_experts(x, ws.plan, y, ws, opt.pool, false);
-    ws.train.stamp = {};
-  }
+               ForwardOptions const& opt = {}) const;
 
  private:
   void route_impl(ConstMatrixView<float> x, MoeFfnWorkspace& ws, ForwardOptions const& opt) const {
@@ -242,30 +232,13 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// several expert banks, or one built by hand). The plan is validated first; ws.selection and
   /// ws.logits are left untouched.
   void forward_with_plan(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
-                         MoeFfnWorkspace& ws, ThreadPool* pool = nullptr) const {
-    auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
-    check_input(x);
-    check_output(x, y);
-    plan.validate(x.rows, num_experts());
-    run_experts(x, plan, y, ws, pool, false);
-    ws.train.stamp = {};
-  }
+                         MoeFfnWorkspace& ws, ThreadPool* pool = nullptr) const;
   /// forward_with_plan with the routed experts run in the two steps `schedule` says (while the
   /// ones not ready yet are read, the ready ones compute). Throws moe::Error for a `ready` of
   /// another length or without a `wait`.
   void forward_with_plan(ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y,
                          MoeFfnWorkspace& ws, ThreadPool* pool,
-                         ExpertSchedule const& schedule) const {
-    auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
-    check_input(x);
-    check_output(x, y);
-    plan.validate(x.rows, num_experts());
-    detail::check(static_cast<Index>(schedule.ready.size()) == num_experts() && schedule.wait,
-                  "MoeFfn::forward_with_plan: the schedule's ready has ", schedule.ready.size(),
-                  " entries for ", num_experts(), " experts (and needs a wait)");
-    run_experts(x, plan, y, ws, pool, false, &schedule);
-    ws.train.stamp = {};
-  }
+                         ExpertSchedule const& schedule) const;
 
   /// Convenience: forward with a workspace owned by the layer (not for concurrent callers).
   void operator()(ConstMatrixView<float> x, MatrixView<float> y, ForwardOptions const& opt = {}) {
@@ -277,35 +250,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// (if enabled) and lets stateful balance policies observe the routing. Weight multipliers in
   /// the routing controls are not supported here (they are an inference-time control).
   void forward_train(ConstMatrixView<float> x, MatrixView<float> y, MoeFfnWorkspace& ws,
-                     ForwardOptions const& opt = {}) {
-    auto const busy = ws.in_use.enter("MoeFfn::forward_train");
-    check_input(x);
-    check_output(x, y);
-    detail::check(!opt.controls || opt.controls->weight_multiplier.empty(),
-                  "MoeFfn::forward_train: routing weight multipliers are an inference-time "
-                  "control; train without them");
-    Index const T = x.rows, D = d_model_;
-    detail::check(
-        !default_moe_.enabled || (default_moe_.decay >= 0.0f && default_moe_.decay <= 1.0f),
-        "MoeFfn: default_moe().decay = ", default_moe_.decay, "; the EMA decay must be in [0, 1]");
-    ws.train.stamp = {};
-    ws.train.x.resize(static_cast<std::size_t>(T * D));
-    for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.train.x.data() + t * D);
-    ConstMatrixView<float> xc(ws.train.x.data(), T, D);
-    route_impl(xc, ws, opt);
-    ws.train.token_mask.assign(opt.token_mask.begin(), opt.token_mask.end());
-    run_experts(xc, ws.plan, y, ws, opt.pool, true);
-    ws.train.defaults.clear();
-    if (default_moe_.enabled) {
-      ws.train.defaults = defaults_;
-      if (default_moe_.mode == DefaultMoe::Mode::kForward) add_default_term(ws, y, opt.pool);
-      update_defaults(ws, opt.pool);
-    }
-    if constexpr (requires(Balance & b, BalanceInputs const& in) { b.observe(in); }) {
-      balance_.observe(balance_inputs(ws));
-    }
-    ws.train.stamp = stamp(T);
-  }
+                     ForwardOptions const& opt = {});
 
   /// Calls the balance policy's end_step(router) if it has one (auxiliary-loss-free bias
   /// updates, global-batch windows). Call once per optimizer step.
@@ -320,22 +265,7 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   /// backward, or another layer's) or `grads` is not shaped like this layer's parameters.
   void backward(MoeFfnWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx,
                 Gradients& grads,
-                ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router> {
-    auto const busy = ws.in_use.enter("MoeFfn::backward");
-    detail::check(ws.train.stamp.filled(),
-                  "MoeFfn::backward: the workspace holds no training forward; call "
-                  "forward_train first (and backward only once per forward)");
-    Index const T = ws.train.stamp.tokens, D = d_model_;
-    detail::check(ws.train.stamp == stamp(T),
-                  "MoeFfn::backward: the workspace was filled by another layer's forward_train; "
-                  "pass the workspace of this layer's forward_train");
-    detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
-                  "MoeFfn::backward: dy and dx must be [", T, ", ", D, "] like the forward's x");
-    detail::check_ffn_gradients(grads, router_weight_.size(), router_bias_.size(), bank_, shared_,
-                                "MoeFfn");
-    ws.train.stamp = {};
-    backward_impl(ws, dy, dx, grads, pool);
-  }
+                ThreadPool* pool = nullptr) const requires TrainableRouterPolicy<Router_>;
 
  private:
   using Base::balance_, Base::bank_, Base::d_model_, Base::router_, Base::router_bias_,
@@ -586,5 +516,117 @@ class MoeFfn : public detail::FfnLayerBase<Router_, Expert_, Shared_, Balance_> 
   std::vector<float> defaults_;
   MoeFfnWorkspace own_ws_;
 };
+
+// The entry points are defined out of the class (not inline), so that a unit which declares an
+// instantiation extern (MOE_EXTERN_EXPERT_KERNELS: the presets' layers, layers/presets.hpp)
+// does not compile them again: an inline member would still be instantiated.
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::route(ConstMatrixView<float> x,
+                                                        MoeFfnWorkspace& ws,
+                                                        ForwardOptions const& opt) const {
+  auto const busy = ws.in_use.enter("MoeFfn::route");
+  route_impl(x, ws, opt);
+}
+
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::forward(ConstMatrixView<float> x,
+                                                          MatrixView<float> y, MoeFfnWorkspace& ws,
+                                                          ForwardOptions const& opt) const {
+  auto const busy = ws.in_use.enter("MoeFfn::forward");
+  check_input(x);
+  check_output(x, y);
+  route_impl(x, ws, opt);
+  run_experts(x, ws.plan, y, ws, opt.pool, false);
+  ws.train.stamp = {};
+}
+
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::forward_with_plan(ConstMatrixView<float> x,
+                                                                    RoutingPlan const& plan,
+                                                                    MatrixView<float> y,
+                                                                    MoeFfnWorkspace& ws,
+                                                                    ThreadPool* pool) const {
+  auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
+  check_input(x);
+  check_output(x, y);
+  plan.validate(x.rows, num_experts());
+  run_experts(x, plan, y, ws, pool, false);
+  ws.train.stamp = {};
+}
+
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::forward_with_plan(
+    ConstMatrixView<float> x, RoutingPlan const& plan, MatrixView<float> y, MoeFfnWorkspace& ws,
+    ThreadPool* pool, ExpertSchedule const& schedule) const {
+  auto const busy = ws.in_use.enter("MoeFfn::forward_with_plan");
+  check_input(x);
+  check_output(x, y);
+  plan.validate(x.rows, num_experts());
+  detail::check(static_cast<Index>(schedule.ready.size()) == num_experts() && schedule.wait,
+                "MoeFfn::forward_with_plan: the schedule's ready has ", schedule.ready.size(),
+                " entries for ", num_experts(), " experts (and needs a wait)");
+  run_experts(x, plan, y, ws, pool, false, &schedule);
+  ws.train.stamp = {};
+}
+
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::forward_train(ConstMatrixView<float> x,
+                                                                MatrixView<float> y,
+                                                                MoeFfnWorkspace& ws,
+                                                                ForwardOptions const& opt) {
+  auto const busy = ws.in_use.enter("MoeFfn::forward_train");
+  check_input(x);
+  check_output(x, y);
+  detail::check(!opt.controls || opt.controls->weight_multiplier.empty(),
+                "MoeFfn::forward_train: routing weight multipliers are an inference-time "
+                "control; train without them");
+  Index const T = x.rows, D = d_model_;
+  detail::check(!default_moe_.enabled || (default_moe_.decay >= 0.0f && default_moe_.decay <= 1.0f),
+                "MoeFfn: default_moe().decay = ", default_moe_.decay,
+                "; the EMA decay must be in [0, 1]");
+  ws.train.stamp = {};
+  ws.train.x.resize(static_cast<std::size_t>(T * D));
+  for (Index t = 0; t < T; ++t) std::copy(x.row(t), x.row(t) + D, ws.train.x.data() + t * D);
+  ConstMatrixView<float> xc(ws.train.x.data(), T, D);
+  route_impl(xc, ws, opt);
+  ws.train.token_mask.assign(opt.token_mask.begin(), opt.token_mask.end());
+  run_experts(xc, ws.plan, y, ws, opt.pool, true);
+  ws.train.defaults.clear();
+  if (default_moe_.enabled) {
+    ws.train.defaults = defaults_;
+    if (default_moe_.mode == DefaultMoe::Mode::kForward) add_default_term(ws, y, opt.pool);
+    update_defaults(ws, opt.pool);
+  }
+  if constexpr (requires(Balance & b, BalanceInputs const& in) { b.observe(in); }) {
+    balance_.observe(balance_inputs(ws));
+  }
+  ws.train.stamp = stamp(T);
+}
+
+template <RouterPolicy Router_, ExpertPolicy Expert_, SharedExpertPolicy Shared_,
+          BalancePolicy Balance_>
+void MoeFfn<Router_, Expert_, Shared_, Balance_>::backward(
+    MoeFfnWorkspace& ws, ConstMatrixView<float> dy, MatrixView<float> dx, Gradients& grads,
+    ThreadPool* pool) const requires TrainableRouterPolicy<Router_> {
+  auto const busy = ws.in_use.enter("MoeFfn::backward");
+  detail::check(ws.train.stamp.filled(),
+                "MoeFfn::backward: the workspace holds no training forward; call "
+                "forward_train first (and backward only once per forward)");
+  Index const T = ws.train.stamp.tokens, D = d_model_;
+  detail::check(ws.train.stamp == stamp(T),
+                "MoeFfn::backward: the workspace was filled by another layer's forward_train; "
+                "pass the workspace of this layer's forward_train");
+  detail::check(dy.rows == T && dy.cols == D && dx.rows == T && dx.cols == D,
+                "MoeFfn::backward: dy and dx must be [", T, ", ", D, "] like the forward's x");
+  detail::check_ffn_gradients(grads, router_weight_.size(), router_bias_.size(), bank_, shared_,
+                              "MoeFfn");
+  ws.train.stamp = {};
+  backward_impl(ws, dy, dx, grads, pool);
+}
 
 }  // namespace moe

@@ -275,3 +275,21 @@ inline GptOssMoe make_gpt_oss(GptOssConfig const& c = {}) {
 }
 
 }  // namespace moe::presets
+
+// A build may compile the presets' layers once, in translation units that instantiate them
+// explicitly (src/precompiled/layers_*.cpp do, in moe_expert_kernels, for moe::precompiled and
+// our own binaries), instead of in every unit that runs one: where MOE_EXTERN_EXPERT_KERNELS is
+// defined, MoeFfn's entry points (route, forward, forward_with_plan, forward_train, backward:
+// defined out of the class for this) of the six preset layer types are declared extern.
+// MOE_FFN_INSTANTIATION(extern, L) declares them for one layer type L, MOE_FFN_INSTANTIATION(, L)
+// defines them.
+#define MOE_FFN_INSTANTIATION(EXTERN, L) \
+  EXTERN template class ::moe::MoeFfn<L::Router, L::Expert, L::Shared, L::Balance>;
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::Qwen3Moe)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::Qwen2Moe)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::MixtralMoe)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::GptOssMoe)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::DeepseekV3Moe)
+MOE_FFN_INSTANTIATION(extern, ::moe::presets::Llama4Moe)
+#endif
