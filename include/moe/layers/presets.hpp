@@ -285,11 +285,14 @@ inline GptOssMoe make_gpt_oss(GptOssConfig const& c = {}) {
 // defines them.
 #define MOE_FFN_INSTANTIATION(EXTERN, L) \
   EXTERN template class ::moe::MoeFfn<L::Router, L::Expert, L::Shared, L::Balance>;
+// The six layer types (also AnyDecoder's six MoE types, models/decoder.hpp): X(L) for each.
+#define MOE_PRESET_LAYERS(X)    \
+  X(::moe::presets::Qwen3Moe)   \
+  X(::moe::presets::Qwen2Moe)   \
+  X(::moe::presets::MixtralMoe) \
+  X(::moe::presets::GptOssMoe) X(::moe::presets::DeepseekV3Moe) X(::moe::presets::Llama4Moe)
 #if defined(MOE_EXTERN_EXPERT_KERNELS)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::Qwen3Moe)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::Qwen2Moe)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::MixtralMoe)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::GptOssMoe)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::DeepseekV3Moe)
-MOE_FFN_INSTANTIATION(extern, ::moe::presets::Llama4Moe)
+#define MOE_FFN_EXTERN_INSTANTIATION(L) MOE_FFN_INSTANTIATION(extern, L)
+MOE_PRESET_LAYERS(MOE_FFN_EXTERN_INSTANTIATION)
+#undef MOE_FFN_EXTERN_INSTANTIATION
 #endif

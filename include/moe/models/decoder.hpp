@@ -1597,10 +1597,7 @@ inline std::vector<Fallback> write_hf_expert_store(std::filesystem::path const& 
   }                                                                                           \
   }
 #if defined(MOE_EXTERN_DECODERS)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Qwen3Moe)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::MixtralMoe)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Qwen2Moe)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::DeepseekV3Moe)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::GptOssMoe)
-MOE_DECODER_INSTANTIATION(extern, ::moe::presets::Llama4Moe)
+#define MOE_DECODER_EXTERN_INSTANTIATION(MOE) MOE_DECODER_INSTANTIATION(extern, MOE)
+MOE_PRESET_LAYERS(MOE_DECODER_EXTERN_INSTANTIATION)
+#undef MOE_DECODER_EXTERN_INSTANTIATION
 #endif
