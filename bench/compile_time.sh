@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# How long a consumer's program takes to compile against moe (issue 40's targets): two programs,
+# How long a consumer's program takes to compile against moe (issue 40's targets): three programs,
 # each compiled on its own with one job, as a user would build them.
-#   ffn       one preset MoeFfn forward (README "A taste")
+#   ffn       one preset MoeFfn forward (README "A taste"), with <moe/ffn.hpp>
+#   ffn_all   the same with the umbrella header <moe/moe.hpp> (attention layers too)
 #   generate  load a whole Hugging Face model and generate (docs/decoding.md)
 # Each is compiled --reps times (default 3) with `g++ -std=c++20 -O2 -march=native -c`; the
 # script prints the fastest and the median wall time. Run it on a quiet machine (nothing else
@@ -45,7 +46,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 cat > "$work/ffn.cpp" <<'EOF'
-#include <moe/moe.hpp>
+#include <moe/ffn.hpp>
 
 int main() {
   auto layer = moe::presets::make_qwen3_moe({.hidden_size = 256, .moe_intermediate_size = 128});
@@ -58,6 +59,8 @@ int main() {
   return y.allFinite() ? 0 : 1;
 }
 EOF
+
+sed 's|<moe/ffn.hpp>|<moe/moe.hpp>|' "$work/ffn.cpp" > "$work/ffn_all.cpp"
 
 cat > "$work/generate.cpp" <<'EOF'
 #include <moe/models/decoder.hpp>
@@ -92,7 +95,7 @@ time_it() {
 common=(-std=c++20 $flags -I"$root/include" -isystem /usr/include/eigen3)
 echo "compiler: $($cxx --version | head -1); flags: $flags; $reps runs each; CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 printf '%-10s %-44s %8s %8s\n' program mode "fastest" "median"
-for prog in ffn generate; do
+for prog in ffn ffn_all generate; do
   read -r best median < <(time_it "$cxx" "${common[@]}" -c "$work/$prog.cpp" -o "$work/$prog.o")
   printf '%-10s %-44s %7ss %7ss\n' "$prog" "header-only (-c)" "$best" "$median"
   if [[ -n "$precompiled" ]]; then

@@ -1014,3 +1014,16 @@ class ExpertBank {
 };
 
 }  // namespace moe::experts
+
+// The expert banks of the preset layers (layers/presets.hpp: SwiGlu for five of them, ClampedSwiGlu
+// for gpt-oss), compiled once in moe_expert_kernels (src/precompiled/layers_softmax.cpp): where
+// MOE_EXTERN_EXPERT_KERNELS is defined, their members (packing, the parameter edits, the training
+// panels) are declared extern, and a unit that runs a preset layer does not compile them again.
+#define MOE_PRESET_EXPERT_BANKS(X) X(::moe::experts::SwiGlu) X(::moe::experts::ClampedSwiGlu)
+#define MOE_EXPERT_BANK_INSTANTIATION(EXTERN, E) \
+  EXTERN template class ::moe::experts::ExpertBank<E>;
+#if defined(MOE_EXTERN_EXPERT_KERNELS)
+#define MOE_EXPERT_BANK_EXTERN_INSTANTIATION(E) MOE_EXPERT_BANK_INSTANTIATION(extern, E)
+MOE_PRESET_EXPERT_BANKS(MOE_EXPERT_BANK_EXTERN_INSTANTIATION)
+#undef MOE_EXPERT_BANK_EXTERN_INSTANTIATION
+#endif
