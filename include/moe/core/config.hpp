@@ -22,7 +22,7 @@
 // build with -march=native (or the -march of the machines you target).
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(__AVX2__) && !defined(MOE_NO_ARCH_WARNING)
 #pragma message( \
-    "moe: compiled without AVX2 (no -march flag?): the kernels run on SSE2, several times slower than on AVX2 / AVX-512; build with -march=native (CMake: target_compile_options(app PRIVATE -march=native)) or define MOE_NO_ARCH_WARNING to silence this")
+    "moe: compiled without AVX2 (no -march flag?): the kernels run on SSE2, several times slower than on AVX2 / AVX-512; build with -march=native (CMake: link moe::native) or define MOE_NO_ARCH_WARNING to silence this")
 #endif
 
 // The units this build's kernels are compiled for (the compiler's target flags); whether the CPU
